@@ -1,0 +1,78 @@
+"""Data configuration: tokenizer, sources, samples, masking and augmentation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    name: str
+    """Label used in metrics (e.g. wiki, books)."""
+    path: str
+    """Dataset directory written by pretrain-preprocess (holds manifest.json)."""
+    weight: float = 1.0
+    """Relative sampling weight when several sources are blended."""
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ValueError(f"data.sources[{self.name}].weight must be > 0, got {self.weight}")
+
+
+@dataclass(kw_only=True)
+class MaskingConfig:
+    prob: float = 0.15
+    """Fraction of (non-special) tokens selected for MLM prediction."""
+    mask_frac: float = 0.8
+    """Of the selected tokens: replaced by [MASK]."""
+    random_frac: float = 0.1
+    """Of the selected tokens: replaced by a random token (the rest stay unchanged)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.prob < 1.0:
+            raise ValueError(f"data.masking.prob must be in (0, 1), got {self.prob}")
+        if self.mask_frac < 0 or self.random_frac < 0 or self.mask_frac + self.random_frac > 1.0:
+            raise ValueError(
+                f"data.masking.mask_frac + random_frac must be <= 1, got {self.mask_frac} + {self.random_frac}"
+            )
+
+
+@dataclass(kw_only=True)
+class AugmentConfig:
+    methods: str = "del-span+reorder"
+    """CLEAR augmentation(s), '+'-joined, applied in order: del-word, del-span, reorder, subs."""
+    del_word_rate: float = 0.7
+    del_span_num: int = 5
+    del_span_frac: float = 0.05
+    reorder_pairs: int = 5
+    reorder_frac: float = 0.05
+    subs_rate: float = 0.3
+    wordnet_dir: str = "/usr/share/wordnet"
+    """WordNet database directory (Debian's wordnet-base) for synonym substitution."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    tokenizer: str = ""
+    """Path to the tokenizer file written by pretrain-tokenizer."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    valid: list[SourceConfig] = field(default_factory=list)
+    """Held-out datasets for periodic validation (same format as sources)."""
+    max_len: int = 128
+    """Tokens per MLM sequence including [CLS] and [SEP]."""
+    view_max_len: int = 128
+    """Tokens per contrastive view including [CLS] and [SEP]."""
+    num_workers: int = 1
+    """DataLoader worker processes building samples (masking + augmentation)."""
+    prefetch_factor: int = 4
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_len < 8 or self.view_max_len < 8:
+            raise ValueError(f"data.max_len/view_max_len must be >= 8, got {self.max_len}/{self.view_max_len}")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.sources names must be unique, got {names}")

@@ -1,0 +1,205 @@
+"""Strict YAML <-> dataclass conversion with dotted CLI overrides.
+
+Every config is a ``@dataclass(kw_only=True)`` tree. Loading checks each key against
+the dataclass fields and each value against the field's annotated type; any mistake is
+a ``ValueError`` naming the full dotted path (``optim.lr``) and what was found.
+
+YAML files may start with ``include: [other.yaml, ...]`` (paths relative to the file);
+included files are merged first, in order, and the including file wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+INCLUDE_KEY = "include"
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    """Read a YAML mapping, resolving ``include:`` lists recursively."""
+    return _read_yaml(Path(path), seen=())
+
+
+def _read_yaml(path: Path, seen: tuple) -> dict:
+    path = path.resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist; pass the path to a YAML file under configs/")
+    if path in seen:
+        raise ValueError(f"config include cycle: {' -> '.join(str(p) for p in seen + (path,))}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping at top level, got {type(data).__name__}")
+    includes = data.pop(INCLUDE_KEY, None) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        merged = deep_merge(merged, _read_yaml(path.parent / inc, seen + (path,)))
+    return deep_merge(merged, data)
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """Return base updated by top; nested mappings merge, everything else is replaced."""
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict."""
+    out = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.sub=value (e.g. optim.lr=3e-4)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ValueError(f"override {item!r} has an empty key part")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        parts = key.split(".")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Build dataclass ``cls`` from a plain mapping, strictly."""
+    where = path or "<root>"
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config {where}: expected a mapping for {cls.__name__}, got {type(data).__name__} {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        full = [f"{path}.{k}" if path else k for k in unknown]
+        raise ValueError(
+            f"unknown config key(s) {', '.join(full)}; valid keys under {where}: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        sub = f"{path}.{name}" if path else name
+        kwargs[name] = _convert(hints[name], value, sub)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # missing required field
+        raise ValueError(f"config {where}: {e}") from None
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, path)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"config {path}: {value!r} does not match {_type_name(tp)}")
+    if origin is typing.Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ValueError(f"config {path}: {value!r} is not one of {', '.join(repr(c) for c in choices)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config {path}: expected a list ({_type_name(tp)}), got {type(value).__name__} {value!r}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ValueError(f"config {path}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item_t = args[0] if args else Any
+        items = [_convert(item_t, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"config {path}: expected a mapping, got {type(value).__name__} {value!r}")
+        kt, vt = get_args(tp) or (Any, Any)
+        return {_convert(kt, k, f"{path}.{k}"): _convert(vt, v, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"config {path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"config {path}: expected an integer, got {type(value).__name__} {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"config {path}: expected a number, got {type(value).__name__} {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"config {path}: expected a string, got {type(value).__name__} {value!r}")
+    raise ValueError(f"config {path}: unsupported field type {tp!r}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def to_dict(cfg: Any) -> Any:
+    """Dataclass tree -> plain dict/list/scalars (YAML-serialisable)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def load(cls: type[T], path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> T:
+    """YAML file (optional) + dotted overrides -> validated ``cls`` instance."""
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, overrides or [])
+    return from_dict(cls, data)

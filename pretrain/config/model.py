@@ -1,0 +1,49 @@
+"""Model configuration: encoder sizes and heads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    vocab_size: int = 0
+    """Vocabulary size; 0 means take it from the tokenizer."""
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    ffn_size: int = 3072
+    max_position: int = 512
+    """Number of learned absolute positions."""
+    type_vocab_size: int = 2
+    """Token-type embeddings, kept for BERT checkpoint compatibility (always type 0 here)."""
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layer_norm_eps: float = 1e-12
+    norm: Literal["post", "pre"] = "post"
+    """post-LN as in BERT/RoBERTa (default) or pre-LN (adds a final LayerNorm)."""
+    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
+    init_std: float = 0.02
+    pooling: Literal["cls", "mean", "cls_before_pooler", "first_last_avg"] = "cls"
+    """Sentence embedding used by contrastive objectives and evaluation."""
+    projection_dim: int = 0
+    """Output size of the contrastive projection head (CLEAR's g(.)); 0 = hidden_size."""
+    projection_layers: int = 2
+    """Linear layers in the projection MLP (CLEAR uses a 2-layer MLP with a nonlinearity)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "ffn_size", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.vocab_size < 0:
+            raise ValueError(f"model.vocab_size must be >= 0 (0 = from tokenizer), got {self.vocab_size}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})"
+            )
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.projection_dim < 0 or self.projection_layers < 1:
+            raise ValueError("model.projection_dim must be >= 0 and model.projection_layers >= 1")

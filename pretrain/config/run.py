@@ -1,0 +1,31 @@
+"""The root of the config tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pretrain.config.data import DataConfig
+from pretrain.config.model import ModelConfig
+from pretrain.config.objective import ObjectiveConfig
+from pretrain.config.train import (
+    CheckpointConfig,
+    DistributedConfig,
+    OpsConfig,
+    OptimConfig,
+    TrainConfig,
+)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    run_dir: str = "runs/default"
+    """Output directory: config.yaml, metrics.jsonl, tb/, checkpoints/."""
+    seed: int = 1234
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)

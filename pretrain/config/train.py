@@ -1,0 +1,96 @@
+"""Optimisation, trainer, checkpoint, distributed and kernel-dispatch configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    """Applied to weights only; biases, LayerNorm and embeddings' norms get none."""
+    warmup_steps: int = 10000
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    """Decay after warmup, to min_lr_ratio * lr at train.max_steps."""
+    min_lr_ratio: float = 0.0
+    clip_grad_norm: float = 1.0
+    """0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas must be in [0, 1), got {self.betas}")
+        if self.eps <= 0 or self.weight_decay < 0 or self.warmup_steps < 0 or self.clip_grad_norm < 0:
+            raise ValueError("optim.eps must be > 0 and optim.weight_decay, warmup_steps, clip_grad_norm >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    max_steps: int = 1000
+    """Optimizer steps."""
+    micro_batch_size: int = 32
+    """Sequences per rank per forward pass."""
+    grad_accum: int = 1
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    log_every: int = 10
+    eval_every: int = 0
+    """Validation every N steps on data.valid (0 = only at the end)."""
+    eval_batches: int = 20
+    max_bad_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.eval_every < 0 or self.eval_batches < 0:
+            raise ValueError("train.eval_every and train.eval_batches must be >= 0")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 1000
+    """Save every N steps (and at the end); 0 = only at the end."""
+    keep_last: int = 3
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the run directory's latest complete checkpoint if there is one."""
+    init_from: str = ""
+    """Start weights from this checkpoint (ours, or converted from HF) without its optimizer/data state."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep_last < 1:
+            raise ValueError(f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1")
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    zero_stage: int = 2
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl on GPU, gloo on CPU."""
+    timeout_s: int = 600
+    """Collective timeout; a dead rank makes the others fail within this time instead of hanging."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"distributed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"distributed.timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass(kw_only=True)
+class OpsConfig:
+    similarity: Literal["auto", "cuda", "torch", "eager"] = "auto"
+    """In-batch similarity/softmax implementation: fused CUDA kernel, chunked torch, or eager."""
+    chunk_size: int = 1024
+    """Column tile of the chunked torch path."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ValueError(f"ops.chunk_size must be positive, got {self.chunk_size}")
