@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -33,7 +34,8 @@ class ObjectiveConfig:
     """CLEAR contrastive loss on augmented views; null disables it."""
 
     def enabled(self) -> list[str]:
-        return [name for name in ("mlm", "nt_xent") if getattr(self, name) is not None]
+        """Names of the configured (non-null) loss terms, in declaration order."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
 
     def __post_init__(self) -> None:
         if not self.enabled():
