@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -173,9 +174,6 @@ class ReconstructionConfig:
             )
 
 
-TERMS = ("mlm", "nt_xent", "info_nce", "arccon", "triplet", "consistency", "rank_distill", "reconstruction")
-
-
 @dataclass(kw_only=True)
 class ObjectiveConfig:
     mlm: MLMConfig | None = field(default_factory=MLMConfig)
@@ -196,12 +194,14 @@ class ObjectiveConfig:
     """SARCSE autoencoder reconstruction (its Z is the sentence embedding fed to info_nce)."""
 
     def enabled(self) -> list[str]:
-        return [name for name in TERMS if getattr(self, name) is not None]
+        """Names of the configured (non-null) loss terms, in declaration order."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
 
     def __post_init__(self) -> None:
         if not self.enabled():
             raise ValueError(
-                "objective: no loss term is enabled; set at least one of " + ", ".join(f"objective.{t}" for t in TERMS)
+                "objective: no loss term is enabled; set at least one of "
+                + ", ".join(f"objective.{f.name}" for f in dataclasses.fields(self))
             )
         if self.rank_distill is not None and not self.rank_distill.teachers:
             raise ValueError("objective.rank_distill.teachers is empty; list one or more teacher checkpoints")
