@@ -31,6 +31,10 @@ class ModelConfig:
     """Output size of the contrastive projection head (CLEAR's g(.)); 0 = hidden_size."""
     projection_layers: int = 2
     """Linear layers in the projection MLP (CLEAR uses a 2-layer MLP with a nonlinearity)."""
+    projection_activation: Literal["relu", "tanh"] = "relu"
+    """Nonlinearity between projection layers (SimCLR/CLEAR: ReLU; SimCSE's MLP: tanh)."""
+    pooler: bool = True
+    """Keep BERT's pooler (dense+tanh over [CLS]); "cls" pooling goes through it when present."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "ffn_size", "max_position"):

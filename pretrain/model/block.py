@@ -1,0 +1,59 @@
+"""One Transformer encoder layer: self-attention + feed-forward, post-LN (BERT) or pre-LN.
+
+Shapes: B batch, T sequence length, D hidden size, F feed-forward size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.config.model import ModelConfig
+from pretrain.model.attention import SelfAttention
+
+
+def activation_fn(name: str):
+    """Name from ModelConfig.activation -> elementwise function (``gelu`` is the exact erf form)."""
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"model.activation must be one of gelu, gelu_tanh, relu; got {name!r}")
+
+
+class FeedForward(nn.Module):
+    """x_BTD -> down(act(up(x))), without the output dropout."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.hidden_size, cfg.ffn_size)
+        self.down = nn.Linear(cfg.ffn_size, cfg.hidden_size)
+        self.act = activation_fn(cfg.activation)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x_BTD)))
+
+
+class Block(nn.Module):
+    """post-LN: x = LN(x + drop(attn(x))); x = LN(x + drop(ffn(x))).
+    pre-LN:  x = x + drop(attn(LN(x)));  x = x + drop(ffn(LN(x)))  (the encoder adds a final LN).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm == "pre"
+        self.attn = SelfAttention(cfg)
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.ffn = FeedForward(cfg)
+        self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None) -> torch.Tensor:
+        if self.pre_norm:
+            x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T))
+            return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))
+        x_BTD = self.attn_norm(x_BTD + self.dropout(self.attn(x_BTD, keep_B11T)))
+        return self.ffn_norm(x_BTD + self.dropout(self.ffn(x_BTD)))

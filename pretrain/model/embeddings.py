@@ -1,0 +1,36 @@
+"""Token + learned absolute position (+ BERT token-type 0) embeddings, LayerNorm, dropout.
+
+Shapes: B batch, T sequence length, D hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pretrain.config.model import ModelConfig
+
+
+class Embeddings(nn.Module):
+    """ids_BT -> x_BTD = LayerNorm(word[ids] + position[0..T) + token_type[0]), then dropout."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position = nn.Embedding(cfg.max_position, cfg.hidden_size)
+        # Kept only so BERT checkpoints convert one-to-one; every token is type 0 here.
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        num_tokens = input_ids_BT.shape[1]
+        if num_tokens > self.position.num_embeddings:
+            raise ValueError(
+                f"sequence length {num_tokens} exceeds model.max_position={self.position.num_embeddings}; "
+                "truncate inputs (data.max_len) or build the model with a larger max_position"
+            )
+        # Same summation order as BERT (word + type, then + position) so fp32 results match bit for bit.
+        x_BTD = self.word(input_ids_BT) + self.token_type.weight[0]
+        x_BTD = x_BTD + self.position.weight[:num_tokens]
+        return self.dropout(self.norm(x_BTD))

@@ -1,0 +1,42 @@
+"""The Transformer encoder: embeddings, a stack of blocks, and (pre-LN only) a final LayerNorm.
+
+Shapes: B batch, T sequence length, D hidden size, L layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pretrain.config.model import ModelConfig
+from pretrain.model.block import Block
+from pretrain.model.embeddings import Embeddings
+
+
+class Encoder(nn.Module):
+    """input_ids_BT, attention_mask_BT (1 = token, 0 = padding) -> h_BTD."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = Embeddings(cfg)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.norm == "pre" else None
+
+    def forward(
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, all_layers: bool = False
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Last hidden states h_BTD, or with ``all_layers`` the list [embeddings, layer 1, ..., layer L]
+        (L+1 tensors, as HF's ``hidden_states``; for pre-LN the last one is after the final LayerNorm)."""
+        # The padding mask is built once and shared by every layer (True = real key token).
+        keep_B11T = None if attention_mask_BT is None else attention_mask_BT.bool()[:, None, None, :]
+        x_BTD = self.embeddings(input_ids_BT)
+        states = [x_BTD] if all_layers else None
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, keep_B11T)
+            if all_layers:
+                states.append(x_BTD)
+        if self.final_norm is not None:
+            x_BTD = self.final_norm(x_BTD)
+            if all_layers:
+                states[-1] = x_BTD
+        return states if all_layers else x_BTD

@@ -1,0 +1,99 @@
+"""Heads on top of the encoder: tied MLM head, BERT pooler, CLEAR projection, sentence pooling.
+
+Shapes: B batch, T sequence length, D hidden size, M masked (predicted) positions,
+V vocabulary, P projection size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.config.model import ModelConfig
+from pretrain.model.block import activation_fn
+
+POOLINGS = ("cls", "cls_before_pooler", "mean", "first_last_avg")
+
+
+class MLMHead(nn.Module):
+    """h_MD -> logits_MV: dense -> act -> LayerNorm -> decoder (tied to the word embeddings) + bias."""
+
+    def __init__(self, cfg: ModelConfig, word_weight_VD: nn.Parameter) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.act = activation_fn(cfg.activation)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        # The decoder owns no storage: its weight IS the embedding Parameter (as in HF, so
+        # DeepSpeed ZeRO-3 gathers it for this module like any other registered parameter).
+        self.decoder = nn.Module()
+        self.decoder.weight = word_weight_VD
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, h_MD: torch.Tensor) -> torch.Tensor:
+        x_MD = self.norm(self.act(self.dense(h_MD)))
+        return F.linear(x_MD, self.decoder.weight, self.bias)
+
+
+class Pooler(nn.Module):
+    """BERT's pooler: e_BD = tanh(dense(h[:, 0]))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, cls_BD: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(cls_BD))
+
+
+class ProjectionHead(nn.Module):
+    """CLEAR's g(.): e_BD -> z_BP, ``projection_layers`` Linear layers with the activation between."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        out_dim = cfg.projection_dim or cfg.hidden_size
+        act = nn.ReLU if cfg.projection_activation == "relu" else nn.Tanh
+        mods: list[nn.Module] = []
+        for i in range(cfg.projection_layers):
+            last = i == cfg.projection_layers - 1
+            mods.append(nn.Linear(cfg.hidden_size, out_dim if last else cfg.hidden_size))
+            if not last:
+                mods.append(act())
+        self.layers = nn.Sequential(*mods)
+
+    def forward(self, e_BD: torch.Tensor) -> torch.Tensor:
+        return self.layers(e_BD)
+
+
+def masked_mean(h_BTD: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Mean of h over the positions where attention_mask is 1 -> e_BD."""
+    m_BT = attention_mask_BT.to(h_BTD.dtype)
+    sum_BD = torch.bmm(m_BT.unsqueeze(1), h_BTD).squeeze(1)
+    return sum_BD / m_BT.sum(dim=1, keepdim=True).clamp(min=1.0)
+
+
+def pool(
+    h_BTD: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    pooling: str,
+    *,
+    pooler: Pooler | None = None,
+    all_layers: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Sentence embeddings e_BD.
+
+    "cls": [CLS] through the pooler when there is one, else [CLS]; "cls_before_pooler": [CLS];
+    "mean": masked mean of h; "first_last_avg": masked mean of (layer 1 + layer L)/2 (SimCSE's
+    definition, layer 1 = first Transformer layer's output), needs ``all_layers`` from encode.
+    """
+    if pooling == "cls":
+        return pooler(h_BTD[:, 0]) if pooler is not None else h_BTD[:, 0]
+    if pooling == "cls_before_pooler":
+        return h_BTD[:, 0]
+    if pooling == "mean":
+        return masked_mean(h_BTD, attention_mask_BT)
+    if pooling == "first_last_avg":
+        if not all_layers or len(all_layers) < 2:
+            raise ValueError("pooling 'first_last_avg' needs all_layers: call encode(..., all_layers=True) first")
+        return masked_mean((all_layers[1] + all_layers[-1]) * 0.5, attention_mask_BT)
+    raise ValueError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")

@@ -1,0 +1,76 @@
+"""PretrainModel: the encoder plus the MLM head, BERT pooler and contrastive projection.
+
+Shapes: B batch, T sequence length, D hidden size, M masked positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pretrain.config.model import ModelConfig
+from pretrain.model.encoder import Encoder
+from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, pool
+from pretrain.model.init import init_bert_weights
+
+IGNORE_INDEX = -100
+# Parameters that are another parameter under a second name (state_dict lists both).
+TIED_KEYS = {"mlm_head.decoder.weight": "encoder.embeddings.word.weight"}
+
+
+class PretrainModel(nn.Module):
+    """BERT-style encoder with the heads the objectives need; see build_model."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError(
+                "model.vocab_size must be set before building the model; the trainer fills it from the "
+                "tokenizer (dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size))"
+            )
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.pooler = Pooler(cfg) if cfg.pooler else None
+        self.mlm_head = MLMHead(cfg, self.encoder.embeddings.word.weight)
+        self.projection = ProjectionHead(cfg)
+
+    def encode(
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, all_layers: bool = False
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """h_BTD of the last layer, or with ``all_layers`` [embeddings, layer 1, ..., layer L]."""
+        return self.encoder(input_ids_BT, attention_mask_BT, all_layers=all_layers)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.encoder(input_ids, attention_mask)
+
+    def mlm_logits(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits_MV, labels_M) for the M positions whose label is not -100 (the head runs on those only)."""
+        keep_BT = labels_BT != IGNORE_INDEX
+        return self.mlm_head(h_BTD[keep_BT]), labels_BT[keep_BT]
+
+    def pool(
+        self,
+        h_BTD: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        pooling: str | None = None,
+        all_layers: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Sentence embeddings e_BD; ``pooling`` defaults to cfg.pooling (see heads.pool)."""
+        return pool(
+            h_BTD, attention_mask_BT, pooling or self.cfg.pooling, pooler=self.pooler, all_layers=all_layers
+        )
+
+    def project(self, e_BD: torch.Tensor) -> torch.Tensor:
+        """CLEAR's projection g(e) -> z_BP."""
+        return self.projection(e_BD)
+
+
+def build_model(cfg: ModelConfig, *, seed: int | None = None) -> PretrainModel:
+    """A freshly initialised PretrainModel (BERT init; ``seed`` gives a private generator,
+    otherwise torch's default generator is used)."""
+    model = PretrainModel(cfg)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    init_bert_weights(model, cfg.init_std, generator=generator)
+    with torch.no_grad():
+        model.mlm_head.bias.zero_()
+    return model
