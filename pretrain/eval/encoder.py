@@ -1,0 +1,195 @@
+"""Sentence encoder: turns a model + tokenizer into `encode_fn(sentences) -> np.ndarray [N, D]`.
+
+The eval library only ever sees `encode_fn`. Sentences are tokenized once, sorted by length and
+encoded in padded batches (little padding), under no_grad and eval mode; train mode is restored.
+
+Legend: B batch, T tokens, D hidden size, N sentences.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+EncodeFn = Callable[[list[str]], np.ndarray]
+BACKENDS = ("auto", "pretrain", "transformers")
+
+
+def tokenize_all(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids (no specials) per text; uses the tokenizer's batch call when it has one."""
+    if hasattr(tokenizer, "encode_batch"):
+        out = tokenizer.encode_batch(list(texts))
+        return [o.ids if hasattr(o, "ids") else list(o) for o in out]
+    return [list(tokenizer.encode(t)) for t in texts]
+
+
+def add_specials(ids_a: list[int], ids_b: list[int] | None, tokenizer, max_len: int):
+    """[CLS] a [SEP] (b [SEP]) truncated longest-first to max_len; returns (ids, token_types)."""
+    a, b = list(ids_a), list(ids_b) if ids_b is not None else None
+    budget = max_len - (3 if b is not None else 2)
+    if b is None:
+        a = a[:budget]
+        return [tokenizer.cls_id, *a, tokenizer.sep_id], [0] * (len(a) + 2)
+    while len(a) + len(b) > budget:
+        if len(a) >= len(b):
+            a.pop()
+        else:
+            b.pop()
+    ids = [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id]
+    return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest: (ids_BT, mask_BT)."""
+    T = max(len(s) for s in seqs)
+    ids_BT = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask_BT = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids_BT[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask_BT[i, : len(s)] = 1
+    return ids_BT, mask_BT
+
+
+def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[np.ndarray]:
+    """Index batches over items sorted by decreasing length (stable)."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def accepts_kwarg(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def run_encode(model, ids_BT, mask_BT, all_layers: bool = False, types_BT=None):
+    """model.encode -> (h_BTD, layers or None); passes token types only if the model takes them."""
+    kwargs = {"all_layers": all_layers} if all_layers else {}
+    if types_BT is not None and accepts_kwarg(model.encode, "token_type_ids_BT"):
+        kwargs["token_type_ids_BT"] = types_BT
+    out = model.encode(ids_BT, mask_BT, **kwargs)
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    if isinstance(out, list):
+        return out[-1], out
+    return out, None
+
+
+class SentenceEncoder:
+    """encode_fn over our PretrainModel (or HFBackbone): length-sorted batches, pooled embeddings."""
+
+    def __init__(self, model, tokenizer, *, pooling: str, max_len: int = 128, batch_size: int = 64,
+                 device: str = "cpu", progress: bool = False):
+        if max_len < 3:
+            raise ValueError(f"max_len must be >= 3, got {max_len}")
+        self.model, self.tokenizer, self.pooling = model, tokenizer, pooling
+        self.max_len, self.batch_size, self.device, self.progress = max_len, batch_size, device, progress
+
+    def __call__(self, sentences: list[str]) -> np.ndarray:
+        """[N] sentences -> float32 [N, D] embeddings in input order."""
+        if len(sentences) == 0:
+            raise ValueError("encode_fn got no sentences")
+        seqs = [add_specials(t, None, self.tokenizer, self.max_len)[0]
+                for t in tokenize_all(self.tokenizer, sentences)]
+        batches = length_sorted_batches([len(s) for s in seqs], self.batch_size)
+        was_training = self.model.training
+        self.model.eval()
+        out: np.ndarray | None = None
+        it = batches
+        if self.progress:
+            from tqdm import tqdm
+
+            it = tqdm(batches, desc="encode", unit="batch", leave=False)
+        try:
+            with torch.no_grad():
+                for idx in it:
+                    ids_BT, mask_BT = pad_batch([seqs[i] for i in idx], self.tokenizer.pad_id)
+                    ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
+                    all_layers = self.pooling == "first_last_avg"
+                    h_BTD, layers = run_encode(self.model, ids_BT, mask_BT, all_layers)
+                    e_BD = self.model.pool(h_BTD, mask_BT, self.pooling, all_layers=layers)
+                    e_BD = e_BD.float().cpu().numpy()
+                    if out is None:
+                        out = np.zeros((len(seqs), e_BD.shape[1]), dtype=np.float32)
+                    out[idx] = e_BD
+        finally:
+            self.model.train(was_training)
+        return out
+
+
+def _looks_like_hf_dir(p: Path) -> bool:
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu"):
+    """(model, tokenizer) from our checkpoint, a convert_to_hf dir or any HF BERT dir.
+
+    backend: "pretrain" = our PretrainModel (HF dirs via pretrain.checkpoint.hf.load_hf);
+    "transformers" = transformers.AutoModel (reference); "auto" = pretrain, falling back to
+    transformers only when our HF import is not available.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path {p} does not exist; pass a checkpoint or a HF model dir")
+    if _looks_like_hf_dir(p):
+        if backend == "transformers":
+            from pretrain.eval.hf_backend import load_hf_backbone
+
+            model, tok = load_hf_backbone(p)
+        else:
+            try:
+                from pretrain.checkpoint.hf import load_hf
+            except ImportError:
+                if backend == "pretrain":
+                    raise
+                from pretrain.eval.hf_backend import load_hf_backbone
+
+                model, tok = load_hf_backbone(p)
+            else:
+                model, tok = load_hf(str(p))
+    else:
+        if backend == "transformers":
+            raise ValueError(f"{p} is not a HF model dir (no config.json); use backend 'pretrain'")
+        model, tok = _load_our_checkpoint(p)
+    return model.to(device), tok
+
+
+def _load_our_checkpoint(p: Path):
+    """Our training checkpoint -> (PretrainModel, tokenizer) via the run config stored in it."""
+    from pretrain.checkpoint.store import load_model_state
+    from pretrain.config.loader import from_dict
+    from pretrain.config.run import RunConfig
+    from pretrain.data.tokenizer import load_tokenizer
+    from pretrain.model import build_model
+
+    state, cfg_dict = load_model_state(str(p))
+    cfg = from_dict(RunConfig, cfg_dict)
+    if not cfg.data.tokenizer or not Path(cfg.data.tokenizer).exists():
+        raise FileNotFoundError(
+            f"checkpoint {p} names tokenizer {cfg.data.tokenizer!r}, which is missing; "
+            "convert it with pretrain-convert or run from the original run directory"
+        )
+    tok = load_tokenizer(cfg.data.tokenizer)
+    model_cfg = cfg.model
+    if model_cfg.vocab_size == 0:
+        from dataclasses import replace
+
+        model_cfg = replace(model_cfg, vocab_size=tok.vocab_size)
+    model = build_model(model_cfg)
+    model.load_state_dict(state, strict=False)
+    return model, tok
+
+
+def load_sentence_encoder(path: str | Path, pooling: str, *, backend: str = "auto", max_len: int = 128,
+                          batch_size: int = 64, device: str = "cpu", progress: bool = False) -> SentenceEncoder:
+    """SentenceEncoder for a checkpoint / from-hf dir / HF BERT dir."""
+    model, tok = load_backbone(path, backend=backend, device=device)
+    return SentenceEncoder(model, tok, pooling=pooling, max_len=max_len, batch_size=batch_size,
+                           device=device, progress=progress)

@@ -1,0 +1,204 @@
+"""GLUE fine-tuning: a RoBERTa-style head on [CLS] over `backbone.encode`, AdamW, 6% linear warmup.
+
+One call of `finetune` = one (task, lr, seed) run; it evaluates on the dev split(s) after every
+epoch (or every `eval_every` steps) and keeps the best dev score. Sweeps live in glue_cli.
+
+Legend: B batch, T tokens, D hidden size, C classes (1 for regression).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pretrain.eval.encoder import add_specials, pad_batch, run_encode, tokenize_all
+from pretrain.eval.glue_data import GlueSplit, TaskSpec, compute_metrics, get_task, read_split
+
+
+@dataclass(kw_only=True)
+class FinetuneConfig:
+    task: str
+    lr: float = 2e-5
+    batch_size: int = 32
+    epochs: int = 10
+    warmup_ratio: float = 0.06
+    """Fraction of all updates spent in linear warmup (RoBERTa: 6%)."""
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-6
+    dropout: float = 0.1
+    max_len: int = 128
+    seed: int = 1
+    eval_every: int = 0
+    """Evaluate every N updates; 0 = at the end of every epoch."""
+    max_train_examples: int = 0
+    """Use only the first N (shuffled with the seed) training examples; 0 = all."""
+    eval_batch_size: int = 128
+    device: str = "cpu"
+    bf16: bool = False
+    """Autocast to bfloat16 (CUDA)."""
+
+    def __post_init__(self) -> None:
+        get_task(self.task)
+        for name in ("lr", "batch_size", "epochs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"finetune.{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"finetune.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+
+
+class GlueHead(nn.Module):
+    """dropout -> dense -> tanh -> dropout -> out on the [CLS] state: h_BD -> logits_BC."""
+
+    def __init__(self, hidden: int, num_labels: int, dropout: float, generator: torch.Generator):
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, num_labels)
+        self.drop = nn.Dropout(dropout)
+        for lin in (self.dense, self.out):
+            with torch.no_grad():
+                lin.weight.normal_(0.0, 0.02, generator=generator)
+                lin.bias.zero_()
+
+    def forward(self, h_BD: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.tanh(self.dense(self.drop(h_BD)))))
+
+
+class GlueModel(nn.Module):
+    def __init__(self, backbone: nn.Module, hidden: int, num_labels: int, dropout: float,
+                 generator: torch.Generator):
+        super().__init__()
+        self.backbone = backbone
+        self.head = GlueHead(hidden, num_labels, dropout, generator)
+
+    def forward(self, ids_BT, mask_BT, types_BT=None) -> torch.Tensor:
+        h_BTD, _ = run_encode(self.backbone, ids_BT, mask_BT, types_BT=types_BT)
+        return self.head(h_BTD[:, 0])
+
+
+def hidden_size_of(backbone: nn.Module) -> int:
+    for attr in ("hidden_size",):
+        if hasattr(backbone, attr):
+            return int(getattr(backbone, attr))
+    cfg = getattr(backbone, "cfg", None) or getattr(backbone, "config", None)
+    if cfg is not None and hasattr(cfg, "hidden_size"):
+        return int(cfg.hidden_size)
+    raise ValueError("cannot find the backbone's hidden size (expected .hidden_size or .cfg.hidden_size)")
+
+
+def encode_split(split: GlueSplit, tokenizer, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Per example (ids, token_types) with [CLS] a [SEP] (b [SEP])."""
+    ta = tokenize_all(tokenizer, split.text_a)
+    tb = tokenize_all(tokenizer, split.text_b) if split.text_b is not None else [None] * len(ta)
+    return [add_specials(a, b, tokenizer, max_len) for a, b in zip(ta, tb)]
+
+
+def collate(examples, pad_id: int, device: str):
+    ids_BT, mask_BT = pad_batch([e[0] for e in examples], pad_id)
+    types_BT, _ = pad_batch([e[1] for e in examples], 0)
+    return ids_BT.to(device), mask_BT.to(device), types_BT.to(device)
+
+
+def predict(model: GlueModel, encoded, task: TaskSpec, pad_id: int, cfg: FinetuneConfig) -> np.ndarray:
+    """Class ids (or regression scores) for encoded examples, length-sorted batches, eval mode."""
+    model.eval()
+    order = np.argsort([-len(e[0]) for e in encoded], kind="stable")
+    out = np.zeros(len(encoded), dtype=np.float64 if task.labels is None else np.int64)
+    with torch.no_grad(), torch.autocast(cfg.device.split(":")[0], torch.bfloat16, enabled=cfg.bf16):
+        for i in range(0, len(order), cfg.eval_batch_size):
+            idx = order[i : i + cfg.eval_batch_size]
+            logits_BC = model(*collate([encoded[j] for j in idx], pad_id, cfg.device)).float()
+            out[idx] = (logits_BC[:, 0] if task.labels is None else logits_BC.argmax(-1)).cpu().numpy()
+    model.train()
+    return out
+
+
+def evaluate_dev(model, dev_sets, task, pad_id, cfg) -> dict[str, float]:
+    """Metrics per dev split; `score` = mean of the splits' scores (MNLI m/mm)."""
+    res, scores = {}, []
+    for name, (enc, lab) in dev_sets.items():
+        m = compute_metrics(task, predict(model, enc, task, pad_id, cfg), lab)
+        scores.append(m["score"])
+        res.update({(k if len(dev_sets) == 1 else f"{name}/{k}"): v for k, v in m.items()})
+    res["score"] = float(np.mean(scores))
+    return res
+
+
+def linear_warmup_decay(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str | Path,
+             save_dir: str | Path | None = None, log=print) -> dict:
+    """Fine-tune `backbone` on one task; returns {config, best dev metrics, history, wall_s}."""
+    task = get_task(cfg.task)
+    t0 = time.time()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    train = read_split(task, glue_dir, "train")
+    perm = torch.randperm(len(train), generator=gen).numpy()
+    if cfg.max_train_examples:
+        perm = perm[: cfg.max_train_examples]
+    train_enc = encode_split(train, tokenizer, cfg.max_len)
+    train_enc = [(train_enc[i], train.label[i]) for i in perm]
+    dev_sets = {}
+    for s in task.dev_splits:
+        d = read_split(task, glue_dir, s)
+        dev_sets[s] = (encode_split(d, tokenizer, cfg.max_len), d.label)
+
+    model = GlueModel(backbone, hidden_size_of(backbone), task.num_labels, cfg.dropout, gen).to(cfg.device)
+    no_decay = lambda n: n.endswith("bias") or "norm" in n.lower()  # noqa: E731
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not no_decay(n)], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    steps_per_epoch = (len(train_enc) + cfg.batch_size - 1) // cfg.batch_size
+    total = steps_per_epoch * cfg.epochs
+    warmup = int(cfg.warmup_ratio * total)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup_decay(s, total, warmup))
+    loss_fn = nn.MSELoss() if task.labels is None else nn.CrossEntropyLoss()
+    label_dtype = torch.float32 if task.labels is None else torch.long
+
+    best, best_state, history, step = None, None, [], 0
+    # dropout draws from torch's global generator: fork it so the caller's RNG state is untouched
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model.train()
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(len(train_enc), generator=gen).tolist()
+            for b in range(steps_per_epoch):
+                batch = [train_enc[i] for i in order[b * cfg.batch_size : (b + 1) * cfg.batch_size]]
+                ids_BT, mask_BT, types_BT = collate([e for e, _ in batch], tokenizer.pad_id, cfg.device)
+                y_B = torch.tensor(np.array([y for _, y in batch]), dtype=label_dtype, device=cfg.device)
+                with torch.autocast(cfg.device.split(":")[0], torch.bfloat16, enabled=cfg.bf16):
+                    logits_BC = model(ids_BT, mask_BT, types_BT).float()
+                loss = loss_fn(logits_BC[:, 0], y_B) if task.labels is None else loss_fn(logits_BC, y_B)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                step += 1
+                last = b == steps_per_epoch - 1
+                if (cfg.eval_every and step % cfg.eval_every == 0) or (not cfg.eval_every and last):
+                    m = evaluate_dev(model, dev_sets, task, tokenizer.pad_id, cfg)
+                    m.update(epoch=epoch + 1, step=step, loss=loss.item(), elapsed_s=time.time() - t0)
+                    history.append(m)
+                    log(f"[{task.name} lr={cfg.lr} seed={cfg.seed}] epoch {epoch + 1} step {step}: "
+                        f"dev score {m['score']:.2f} (loss {loss.item():.4f}, {m['elapsed_s']:.0f}s)")
+                    if best is None or m["score"] > best["score"]:
+                        best = m
+                        if save_dir is not None:
+                            best_state = copy.deepcopy({k: v.cpu() for k, v in model.state_dict().items()})
+    if save_dir is not None and best_state is not None:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        torch.save(best_state, Path(save_dir) / "best_model.pt")
+    return {"task": task.name, "config": asdict(cfg), "num_train": len(train_enc), "steps": step,
+            "best": best, "history": history, "wall_s": time.time() - t0}
