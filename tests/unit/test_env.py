@@ -1,0 +1,150 @@
+"""detect_env on synthetic environments, the Slurm hostlist parser, and a world-1 process group."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from pretrain.distributed.env import (
+    DistEnv,
+    default_master_port,
+    destroy_process_group,
+    detect_env,
+    init_process_group,
+    parse_hostlist,
+    parse_tasks_per_node,
+    single_process_env,
+)
+
+TORCHRUN = {  # what torchrun exports to worker 5 of 2 nodes x 4
+    "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+    "MASTER_ADDR": "gpu01", "MASTER_PORT": "29512",
+}
+SLURM_STEP = {  # what srun exports to task 3 of `srun -N2 -n5` (3 + 2 tasks)
+    "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "1", "SLURM_NTASKS": "5", "SLURM_STEP_NUM_TASKS": "5",
+    "SLURM_STEP_TASKS_PER_NODE": "3,2", "SLURM_TASKS_PER_NODE": "3,2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_NODELIST": "gpu[07-08]",
+}
+
+
+def test_torchrun_env_is_read_field_by_field():
+    env = detect_env(TORCHRUN)
+    assert env == DistEnv(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1,
+                          master_addr="gpu01", master_port=29512, launcher="torchrun")
+    assert env.is_distributed and not env.is_main
+
+
+def test_torchrun_wins_over_slurm_and_node_rank_falls_back():
+    environ = {**SLURM_STEP, **TORCHRUN}
+    del environ["GROUP_RANK"]
+    env = detect_env(environ)
+    assert env.launcher == "torchrun" and env.node_rank == 5 // 4 and env.master_addr == "gpu01"
+
+
+def test_slurm_step_without_torchrun():
+    env = detect_env(SLURM_STEP)
+    assert env == DistEnv(rank=3, world_size=5, local_rank=0, local_world_size=2, node_rank=1,
+                          master_addr="gpu07", master_port=default_master_port(123456),
+                          launcher="slurm")
+    assert 20000 <= env.master_port < 40000
+
+
+def test_slurm_master_addr_and_port_can_be_given():
+    env = detect_env({**SLURM_STEP, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 1234)
+
+
+def test_slurm_batch_shell_is_single_process():
+    # The batch script itself has SLURM_PROCID=0 and SLURM_NTASKS>1 but is not a step task:
+    # treating it as rank 0 of N would hang waiting for peers that never come.
+    batch = {k: v for k, v in SLURM_STEP.items() if not k.startswith("SLURM_STEP")}
+    batch["SLURM_PROCID"] = "0"
+    assert detect_env(batch) == single_process_env()
+
+
+def test_nothing_set_is_single_process():
+    env = detect_env({})
+    assert env == single_process_env() and env.is_main and not env.is_distributed
+
+
+@pytest.mark.parametrize("environ, needle", [
+    ({**TORCHRUN, "RANK": "x"}, "RANK='x'"),
+    ({**TORCHRUN, "RANK": "8"}, "rank 8"),
+    ({k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"}, "MASTER_ADDR"),
+    ({**SLURM_STEP, "SLURM_NODEID": "2"}, "SLURM_NODEID=2"),
+    ({**SLURM_STEP, "SLURM_STEP_TASKS_PER_NODE": "3(y2)"}, "tasks-per-node"),
+])
+def test_bad_environments_raise_value_error(environ, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        detect_env(environ)
+
+
+HOSTLISTS = [
+    "node1",
+    "node[1-3,5]",
+    "gpu[01-03,7],login-a",
+    "r[1-2]-n[08-10]",
+    "a[9-11],b[098-101]",
+    "x-[0-1],z",
+]
+EXPECTED = {
+    "node[1-3,5]": ["node1", "node2", "node3", "node5"],
+    "a[9-11],b[098-101]": ["a9", "a10", "a11", "b098", "b099", "b100", "b101"],
+    "r[1-2]-n[08-10]": ["r1-n08", "r1-n09", "r1-n10", "r2-n08", "r2-n09", "r2-n10"],
+}
+
+
+@pytest.mark.parametrize("hostlist", HOSTLISTS)
+def test_hostlist_parser(hostlist, tmp_path):
+    got = parse_hostlist(hostlist)
+    if hostlist in EXPECTED:
+        assert got == EXPECTED[hostlist]
+    if shutil.which("scontrol"):  # compare with Slurm's own expansion (needs only a config file)
+        conf = tmp_path / "slurm.conf"
+        conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\n"
+                        "PartitionName=p Nodes=localhost\n")
+        out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True,
+                             text=True, env={"SLURM_CONF": str(conf), "PATH": "/usr/bin:/bin"})
+        if out.returncode == 0:
+            assert got == out.stdout.split()
+
+
+@pytest.mark.parametrize("bad", ["", "n[1-2", "n1-2]", "n[3-1]", "n[a-b]"])
+def test_hostlist_parser_rejects_malformed(bad):
+    with pytest.raises(ValueError):
+        parse_hostlist(bad)
+
+
+def test_tasks_per_node():
+    assert parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert parse_tasks_per_node("4") == [4]
+
+
+def test_default_master_port_is_stable_and_in_range():
+    ports = {default_master_port(j) for j in range(0, 100000, 997)}
+    assert all(20000 <= p < 40000 for p in ports) and default_master_port(7) == default_master_port(7)
+
+
+def test_init_world_one_gloo_group_works_and_destroys():
+    import torch
+    import torch.distributed as dist
+
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=30)
+    try:
+        init_process_group(env, backend="gloo", timeout_s=30)  # idempotent
+        t = torch.tensor([2.0, 3.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        assert dist.get_world_size() == 1 and t.tolist() == [2.0, 3.0]
+    finally:
+        destroy_process_group()
+    assert not dist.is_initialized()
+    destroy_process_group()  # safe twice
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="gloo"):
+        init_process_group(single_process_env(), backend="mpi", timeout_s=5)
