@@ -1,0 +1,204 @@
+"""One shard of token ids: ``<prefix>.bin`` (raw ids) + ``<prefix>.idx`` (header, offsets, docs, sizes).
+
+The byte layout is specified in FORMAT.md next to this file. Readers memory-map both files read-only and
+pickle by prefix, so DataLoader workers re-open the maps instead of copying arrays.
+Legend: N = number of sequences (sentences), D = number of documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from array import array
+
+import numpy as np
+
+MAGIC = b"PTIDX\x00\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<8sIIQQQ")  # magic, version, dtype code, N, D, num_tokens  (40 bytes)
+HEADER_BYTES = _HEADER.size
+DTYPE_CODES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<i4")}
+_CODE_OF = {v: k for k, v in DTYPE_CODES.items()}
+
+
+def best_dtype(vocab_size: int) -> np.dtype:
+    """Smallest dtype holding ids 0..vocab_size-1: uint8, uint16 or int32."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if vocab_size <= 1 << 8:
+        return np.dtype("<u1")
+    if vocab_size <= 1 << 16:
+        return np.dtype("<u2")
+    if vocab_size <= 2**31 - 1:
+        return np.dtype("<i4")
+    raise ValueError(f"vocab_size {vocab_size} does not fit in int32")
+
+
+def idx_nbytes(num_sequences: int, num_documents: int) -> int:
+    """Exact .idx size for N sequences and D documents."""
+    return HEADER_BYTES + 8 * num_sequences + 8 * (num_documents + 1) + 4 * num_sequences
+
+
+class IndexedDataset:
+    """Read-only view of one shard; ``ds[i]`` is the int array of sequence ``i`` (a memmap view)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = str(prefix)
+        idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
+        for p in (idx_path, bin_path):
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"shard file {p} is missing; re-run pretrain-preprocess")
+        idx_size = os.path.getsize(idx_path)
+        if idx_size < HEADER_BYTES:
+            raise ValueError(f"{idx_path} is truncated ({idx_size} bytes < {HEADER_BYTES}-byte header)")
+        with open(idx_path, "rb") as f:
+            magic, version, code, n, d, num_tokens = _HEADER.unpack(f.read(HEADER_BYTES))
+        if magic != MAGIC:
+            raise ValueError(f"{idx_path} is not a pretrain index file (bad magic {magic!r})")
+        if version != VERSION:
+            raise ValueError(f"{idx_path} has format version {version}; this code reads version {VERSION}")
+        if code not in DTYPE_CODES:
+            raise ValueError(f"{idx_path} has unknown dtype code {code}")
+        if idx_size != idx_nbytes(n, d):
+            raise ValueError(f"{idx_path} is truncated or corrupt: {idx_size} bytes, header says "
+                             f"{n} sequences / {d} documents = {idx_nbytes(n, d)} bytes")
+        self.dtype = DTYPE_CODES[code]
+        bin_size = os.path.getsize(bin_path)
+        if bin_size != num_tokens * self.dtype.itemsize:
+            raise ValueError(f"{bin_path} is truncated or corrupt: {bin_size} bytes, index says "
+                             f"{num_tokens} tokens of {self.dtype.name}")
+        idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        off = HEADER_BYTES
+        self.offsets = idx[off:off + 8 * n].view("<i8")
+        off += 8 * n
+        self.doc_idx = idx[off:off + 8 * (d + 1)].view("<i8")
+        off += 8 * (d + 1)
+        self.sizes = idx[off:off + 4 * n].view("<i4")
+        self.num_tokens = int(num_tokens)
+        self._check(idx_path)
+        self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if num_tokens else np.zeros(0, self.dtype)
+
+    def _check(self, idx_path: str) -> None:
+        """Structural invariants (vectorised, O(N)): contiguous offsets, monotone document bounds."""
+        n = len(self.sizes)
+        if n and (self.sizes.min() < 0 or self.offsets[0] != 0
+                  or not np.array_equal(self.offsets[1:], self.offsets[:-1] + self.sizes[:-1])
+                  or int(self.offsets[-1]) + int(self.sizes[-1]) != self.num_tokens):
+            raise ValueError(f"{idx_path} is corrupt: sizes/offsets do not tile the .bin file")
+        if n == 0 and self.num_tokens != 0:
+            raise ValueError(f"{idx_path} is corrupt: no sequences but {self.num_tokens} tokens")
+        di = self.doc_idx
+        if di[0] != 0 or di[-1] != n or (len(di) > 1 and np.any(np.diff(di) <= 0)):
+            raise ValueError(f"{idx_path} is corrupt: document boundaries are not increasing from 0 to {n}")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_idx) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        n = len(self.sizes)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sequence index {i} out of range for {n} sequences in {self.prefix}")
+        start = int(self.offsets[i])
+        return self._bin[start:start + int(self.sizes[i])]
+
+    def __getstate__(self) -> dict:
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
+
+class IndexedDatasetBuilder:
+    """Streams sequences into ``<prefix>.bin``; ``finalize`` publishes .bin then .idx atomically."""
+
+    def __init__(self, prefix: str, vocab_size: int) -> None:
+        self.prefix = str(prefix)
+        self.vocab_size = int(vocab_size)
+        self.dtype = best_dtype(vocab_size)
+        self._bin_tmp = self.prefix + ".bin.tmp"
+        self._bin = open(self._bin_tmp, "wb")
+        self._bin_hash = hashlib.sha256()
+        self._sizes = array("i")
+        self._doc_idx = array("q", [0])
+        self.num_tokens = 0
+        self._finalized = False
+
+    def add_item(self, ids) -> None:
+        """Append one sequence (any int sequence / array with ids < vocab_size)."""
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"add_item expects a 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.vocab_size}) in sequence {len(self._sizes)}")
+        data = arr.astype(self.dtype, copy=False).tobytes()
+        self._bin.write(data)
+        self._bin_hash.update(data)
+        self._sizes.append(arr.size)
+        self.num_tokens += int(arr.size)
+
+    def add_items(self, flat_ids: np.ndarray, sizes: np.ndarray) -> None:
+        """Append many sequences given as one flat id array and their lengths (fast path)."""
+        flat = np.asarray(flat_ids)
+        sizes = np.asarray(sizes, dtype=np.int64)
+        if int(sizes.sum()) != flat.size:
+            raise ValueError(f"sizes sum to {int(sizes.sum())} but {flat.size} ids were given")
+        if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        data = flat.astype(self.dtype, copy=False).tobytes()
+        self._bin.write(data)
+        self._bin_hash.update(data)
+        self._sizes.extend(int(s) for s in sizes)
+        self.num_tokens += int(flat.size)
+
+    def end_document(self) -> None:
+        """Close the current document; a document with no sequences is ignored."""
+        if len(self._sizes) > self._doc_idx[-1]:
+            self._doc_idx.append(len(self._sizes))
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sizes)
+
+    def finalize(self) -> dict:
+        """Write the index and publish both files; returns counts, byte sizes and sha256 of each file."""
+        if self._finalized:
+            raise RuntimeError("IndexedDatasetBuilder.finalize called twice")
+        self.end_document()
+        self._finalized = True
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        sizes = np.frombuffer(self._sizes, dtype=np.int32) if len(self._sizes) else np.zeros(0, np.int32)
+        offsets = np.zeros(len(sizes), dtype="<i8")
+        if len(sizes):
+            np.cumsum(sizes[:-1], out=offsets[1:])
+        doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
+        header = _HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(sizes), len(doc_idx) - 1, self.num_tokens)
+        body = header + offsets.tobytes() + doc_idx.astype("<i8").tobytes() + sizes.astype("<i4").tobytes()
+        idx_tmp = self.prefix + ".idx.tmp"
+        with open(idx_tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self._bin_tmp, self.prefix + ".bin")
+        os.replace(idx_tmp, self.prefix + ".idx")
+        return {"num_sequences": len(sizes), "num_documents": len(doc_idx) - 1, "num_tokens": self.num_tokens,
+                "dtype": self.dtype.name, "bin_bytes": self.num_tokens * self.dtype.itemsize,
+                "idx_bytes": len(body), "bin_sha256": self._bin_hash.hexdigest(),
+                "idx_sha256": hashlib.sha256(body).hexdigest()}
+
+    def abort(self) -> None:
+        """Drop the partial shard (temporary files only; nothing was published)."""
+        if not self._finalized:
+            self._finalized = True
+            self._bin.close()
+            for p in (self._bin_tmp, self.prefix + ".idx.tmp"):
+                if os.path.exists(p):
+                    os.unlink(p)

@@ -1,0 +1,375 @@
+"""Raw text → sharded binary dataset (``pretrain-preprocess``).
+
+The main process streams documents from the readers, cuts them into fixed-size chunks and hands them to a
+``multiprocessing`` pool (bounded window, results consumed in submission order) that splits sentences and
+tokenizes. The main process writes shards in order, so the output is byte-identical for any worker count.
+Everything is written into a hidden ``.<name>.partial-<pid>`` directory which becomes ``out_dir`` only after
+``manifest.json`` is written; a failed run leaves no dataset behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
+from pretrain.data.readers import ReadStats, expand_inputs, read_file
+from pretrain.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, TOKEN_FREQ, file_sha256, verify_dataset
+from pretrain.data.tokenizer import Tokenizer, load_tokenizer
+
+# ----------------------------------------------------------------------------------------------------------
+# Sentence splitting (rule-based, English-oriented)
+
+_BOUNDARY = re.compile(r"([.!?]+|\u2026)([\"'\u201d\u2019)\]]*)\s+(?=[\"'\u201c\u2018(\[]*[A-Z0-9\u00c0-\u00dd])")
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr prof sr jr st mt ft vs gen col lt sgt capt cmdr adm gov sen rep rev hon pres messrs mme mlle "
+    "inc ltd co corp bros dept univ assn est approx ca cf viz al fig figs eq eqs vol vols ed eds trans jan feb "
+    "apr jun jul aug sep sept oct nov dec".split())
+_ABBREV_BEFORE_NUMBER = frozenset("no nos art p pp ch sec op vol".split())
+_ACRONYM = re.compile(r"(?:[A-Za-z]\.)+[A-Za-z]")
+
+
+def _is_abbreviation(text: str, start: int, dot: int) -> bool:
+    """Whether the '.' at ``dot`` ends an abbreviation (Mr., e.g., U.S., J. Smith, No. 5)."""
+    word = text[max(text.rfind(" ", start, dot) + 1, start):dot].lstrip("\"'(\u201c\u2018[")
+    low = word.lower()
+    if low in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or _ACRONYM.fullmatch(word):
+        return True
+    nxt = text[dot + 1:].lstrip()[:1]
+    return low in _ABBREV_BEFORE_NUMBER and nxt.isdigit()
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split a paragraph at . ! ? … followed by space and a capital/digit, except after abbreviations."""
+    out: list[str] = []
+    start = 0
+    for m in _BOUNDARY.finditer(text):
+        if m.group(1) == "." and _is_abbreviation(text, start, m.start(1)):
+            continue
+        sentence = text[start:m.end(2)].strip()
+        if sentence:
+            out.append(sentence)
+        start = m.end()
+    tail = text[start:].strip()
+    if tail:
+        out.append(tail)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Worker side: chunk of documents → flat token ids + per-sentence sizes + per-document sentence counts
+
+
+@dataclass
+class ChunkResult:
+    flat_ids: np.ndarray      # int32 [T] all tokens of the chunk
+    sizes: np.ndarray         # int32 [S] tokens per sentence
+    doc_sentences: np.ndarray  # int64 [docs] sentences per document (0 = document dropped)
+    num_chars: int
+    short_sentences: int
+    empty_sentences: int
+
+
+class ChunkProcessor:
+    """Sentence-splits and tokenizes chunks; one instance per worker process (or in-process)."""
+
+    def __init__(self, tokenizer: Tokenizer, min_sentence_chars: int) -> None:
+        self.tokenizer = tokenizer
+        self.min_sentence_chars = min_sentence_chars
+
+    def __call__(self, docs: list[list[str]]) -> ChunkResult:
+        sentences: list[str] = []
+        owner: list[int] = []
+        short = 0
+        chars = 0
+        for d, paragraphs in enumerate(docs):
+            for p in paragraphs:
+                chars += len(p)
+                for s in split_sentences(p):
+                    if len(s) < self.min_sentence_chars:
+                        short += 1
+                    else:
+                        sentences.append(s)
+                        owner.append(d)
+        ids = self.tokenizer.encode_batch(sentences)
+        sizes = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
+        keep = sizes > 0
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(sizes.sum()))
+        doc_sentences = np.bincount(np.asarray(owner, dtype=np.int64)[keep], minlength=len(docs))
+        return ChunkResult(flat, sizes[keep], doc_sentences.astype(np.int64), chars, short, int((~keep).sum()))
+
+
+_WORKER: dict = {}
+"""Per-worker-process handle set by the pool initializer (the only process-level state here)."""
+
+
+def _init_worker(tokenizer_path: str, sha256: str, min_sentence_chars: int) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; avoid oversubscription
+    _WORKER["processor"] = ChunkProcessor(Tokenizer(tokenizer_path, expected_sha256=sha256), min_sentence_chars)
+
+
+def _run_chunk(docs: list[list[str]]) -> ChunkResult:
+    return _WORKER["processor"](docs)
+
+
+def _map_ordered(chunks: Iterator[list[list[str]]], processor: ChunkProcessor,
+                 num_workers: int) -> Iterator[ChunkResult]:
+    """Results in input order; at most 4 chunks per worker in flight (memory stays bounded)."""
+    if num_workers <= 1:
+        for chunk in chunks:
+            yield processor(chunk)
+        return
+    tok = processor.tokenizer
+    with mp.get_context().Pool(num_workers, initializer=_init_worker,
+                               initargs=(tok.path, tok.sha256, processor.min_sentence_chars)) as pool:
+        window: deque = deque()
+        for chunk in chunks:
+            window.append(pool.apply_async(_run_chunk, (chunk,)))
+            if len(window) >= 4 * num_workers:
+                yield window.popleft().get()
+        while window:
+            yield window.popleft().get()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Main side: chunking, shard writing, publishing
+
+
+class _ShardWriter:
+    """Writes documents into shard-NNNNN builders, starting a new shard past ``shard_size_tokens``."""
+
+    def __init__(self, directory: Path, vocab_size: int, shard_size_tokens: int) -> None:
+        self.directory, self.vocab_size, self.shard_size_tokens = directory, vocab_size, shard_size_tokens
+        self.shards: list[dict] = []
+        self.builder: IndexedDatasetBuilder | None = None
+
+    def add(self, r: ChunkResult) -> None:
+        sent_end = np.cumsum(r.doc_sentences)
+        tok_end = np.concatenate([[0], np.cumsum(r.sizes, dtype=np.int64)])
+        s0 = 0
+        for n, s1 in zip(r.doc_sentences, sent_end):
+            if n == 0:
+                continue
+            if self.builder is None:
+                name = f"shard-{len(self.shards):05d}"
+                self.builder = IndexedDatasetBuilder(str(self.directory / name), self.vocab_size)
+            self.builder.add_items(r.flat_ids[tok_end[s0]:tok_end[s1]], r.sizes[s0:s1])
+            self.builder.end_document()
+            s0 = s1
+            if self.builder.num_tokens >= self.shard_size_tokens:
+                self._finish()
+
+    def _finish(self) -> None:
+        name = Path(self.builder.prefix).name
+        self.shards.append({"name": name, **self.builder.finalize()})
+        self.builder = None
+
+    def close(self) -> list[dict]:
+        if self.builder is not None and self.builder.num_sequences:
+            self._finish()
+        elif self.builder is not None:
+            self.builder.abort()
+        return self.shards
+
+    def abort(self) -> None:
+        if self.builder is not None:
+            self.builder.abort()
+
+
+def _chunks(files: list[str], stats: ReadStats, chunk_chars: int, progress, **read_kwargs) -> Iterator[list]:
+    """Documents (as paragraph lists) grouped into ~chunk_chars chunks; advances the byte progress bar."""
+    chunk: list[list[str]] = []
+    size = 0
+    done_bytes = 0
+    shown = 0
+    for path in files:
+        for doc in read_file(path, stats, **read_kwargs):
+            chunk.append(doc.paragraphs)
+            size += sum(len(p) for p in doc.paragraphs)
+            pos = done_bytes + doc.num_bytes
+            if pos > shown:
+                progress.update(pos - shown)
+                shown = pos
+            if size >= chunk_chars:
+                yield chunk
+                chunk, size = [], 0
+        done_bytes += os.path.getsize(path)
+        if done_bytes > shown:
+            progress.update(done_bytes - shown)
+            shown = done_bytes
+    if chunk:
+        yield chunk
+
+
+def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output {out_dir} exists and is not a directory; choose another --out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        what = "a complete dataset" if (out_dir / MANIFEST).exists() else "files (an incomplete run?)"
+        raise ValueError(f"output directory {out_dir} already holds {what}; pass --overwrite or choose another --out")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Swap the finished temporary directory in place of out_dir (old content removed only after)."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_workers: int = 1,
+               shard_size_tokens: int = 50_000_000, min_sentence_chars: int = 8, max_line_bytes: int = 1_000_000,
+               errors: str = "strict", fmt: str = "auto", text_field: str = "text", chunk_chars: int = 1 << 20,
+               overwrite: bool = False, progress: bool = True) -> dict:
+    """Tokenize ``inputs`` (files/dirs) into ``out_dir``; returns the manifest (its ``report`` has the counts)."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if shard_size_tokens < 1:
+        raise ValueError(f"shard_size_tokens must be >= 1, got {shard_size_tokens}")
+    files = expand_inputs(inputs)
+    tok = load_tokenizer(tokenizer_path)
+    out = Path(out_dir)
+    tmp = _prepare_out_dir(out, overwrite)
+    from tqdm import tqdm
+
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    stats = ReadStats()
+    writer = _ShardWriter(tmp, tok.vocab_size, shard_size_tokens)
+    counts = np.zeros(tok.vocab_size, dtype=np.int64)
+    report = {"documents": 0, "sentences": 0, "tokens": 0, "characters": 0, "short_sentences": 0,
+              "empty_sentences": 0}
+    t0 = time.perf_counter()
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
+               disable=not progress, mininterval=1.0, smoothing=0.1)
+    try:
+        chunks = _chunks(files, stats, chunk_chars, bar, fmt=fmt, max_line_bytes=max_line_bytes,
+                         errors=errors, text_field=text_field)
+        for r in _map_ordered(chunks, ChunkProcessor(tok, min_sentence_chars), num_workers):
+            writer.add(r)
+            counts += np.bincount(r.flat_ids, minlength=tok.vocab_size)
+            report["documents"] += int((r.doc_sentences > 0).sum())
+            report["sentences"] += len(r.sizes)
+            report["tokens"] += len(r.flat_ids)
+            report["characters"] += r.num_chars
+            report["short_sentences"] += r.short_sentences
+            report["empty_sentences"] += r.empty_sentences
+        bar.close()
+        shards = writer.close()
+        if report["tokens"] == 0:
+            raise ValueError(f"no sentences were produced from {inputs} (report: {stats.as_dict()}); "
+                             f"check the input format and --min-sentence-chars")
+        elapsed = time.perf_counter() - t0
+        report.update(stats.as_dict())
+        report["elapsed_s"] = round(elapsed, 3)
+        report["mb_per_s"] = round(stats.bytes / 1e6 / max(elapsed, 1e-9), 3)
+        freq = counts.astype(np.float64) / counts.sum()
+        np.save(tmp / TOKEN_FREQ, freq, allow_pickle=False)
+        manifest = {
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+            "tokenizer": {"path": os.path.abspath(tok.path), "sha256": tok.sha256, "kind": tok.kind,
+                          "vocab_size": tok.vocab_size, "lowercase": tok.lowercase},
+            "dtype": best_dtype(tok.vocab_size).name,
+            "num_sequences": sum(s["num_sequences"] for s in shards),
+            "num_documents": sum(s["num_documents"] for s in shards),
+            "num_tokens": sum(s["num_tokens"] for s in shards),
+            "shards": shards,
+            "token_freq": {"file": TOKEN_FREQ, "sha256": file_sha256(str(tmp / TOKEN_FREQ))},
+            "settings": {"fmt": fmt, "min_sentence_chars": min_sentence_chars, "max_line_bytes": max_line_bytes,
+                         "errors": errors, "text_field": text_field, "shard_size_tokens": shard_size_tokens,
+                         "chunk_chars": chunk_chars, "num_workers": num_workers},
+            "inputs": [{"path": os.path.abspath(f), "bytes": os.path.getsize(f)} for f in files],
+            "report": report,
+        }
+        with open(tmp / (MANIFEST + ".tmp"), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp / (MANIFEST + ".tmp"), tmp / MANIFEST)
+        _publish(tmp, out)
+    except BaseException:
+        bar.close()
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def format_report(manifest: dict) -> str:
+    """Human-readable summary of a manifest's report."""
+    r = manifest["report"]
+    lines = [f"documents={r['documents']:,} sentences={r['sentences']:,} tokens={r['tokens']:,} "
+             f"shards={len(manifest['shards'])} files={r['files']} input={r['bytes'] / 1e6:.1f} MB "
+             f"in {r['elapsed_s']:.1f}s ({r['mb_per_s']:.2f} MB/s)",
+             f"dropped sentences: short={r['short_sentences']:,} empty_after_tokenization={r['empty_sentences']:,}"]
+    if r["skipped"]:
+        lines.append("skipped lines: " + ", ".join(f"{k}={v:,}" for k, v in r["skipped"].items()))
+    for path in r["empty_files"]:
+        lines.append(f"warning: empty input file skipped: {path}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script ``pretrain-preprocess``; ``--verify DIR`` re-checks a dataset and exits 1 on problems."""
+    ap = argparse.ArgumentParser(prog="pretrain-preprocess", description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", nargs="*", help="files or directories (.txt, .jsonl, WikiExtractor output, books)")
+    ap.add_argument("--tokenizer", help="tokenizer.json written by pretrain-tokenizer")
+    ap.add_argument("--out", help="output dataset directory")
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--shard-size-tokens", type=float, default=50_000_000)
+    ap.add_argument("--min-sentence-chars", type=int, default=8)
+    ap.add_argument("--max-line-bytes", type=int, default=1_000_000)
+    ap.add_argument("--errors", choices=("strict", "replace", "skip"), default="strict",
+                    help="invalid UTF-8: stop with the file and byte offset (strict), replace bad bytes, or skip the line")
+    ap.add_argument("--format", dest="fmt", choices=("auto", "text", "gutenberg", "wikiextractor", "jsonl"),
+                    default="auto")
+    ap.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--verify", metavar="DIR", help="re-check checksums and structure of a dataset and exit")
+    args = ap.parse_args(argv)
+    if args.verify:
+        problems = verify_dataset(args.verify)
+        for p in problems:
+            print(f"BAD: {p}", file=sys.stderr)
+        print(f"{args.verify}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        return 1 if problems else 0
+    if not args.inputs or not args.tokenizer or not args.out:
+        ap.error("INPUT..., --tokenizer and --out are required (or use --verify DIR)")
+    try:
+        manifest = preprocess(args.inputs, args.out, args.tokenizer, num_workers=args.workers,
+                              shard_size_tokens=int(args.shard_size_tokens),
+                              min_sentence_chars=args.min_sentence_chars, max_line_bytes=args.max_line_bytes,
+                              errors=args.errors, fmt=args.fmt, text_field=args.text_field,
+                              overwrite=args.overwrite, progress=not args.no_progress)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"pretrain-preprocess: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(manifest))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

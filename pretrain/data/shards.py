@@ -1,0 +1,164 @@
+"""A preprocessed dataset directory: ``manifest.json`` + ``shard-NNNNN.{bin,idx}`` (+ ``token_freq.npy``).
+
+``ShardedDataset`` gives one global sentence index over all shards; ``verify_dataset`` re-checks checksums
+and structure. A directory without ``manifest.json`` is an incomplete (or failed) preprocessing run.
+Legend: N = total sequences (sentences), D = total documents, V = vocabulary size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pretrain.data.indexed import IndexedDataset
+
+MANIFEST = "manifest.json"
+FORMAT_NAME = "pretrain-sharded-dataset"
+FORMAT_VERSION = 1
+TOKEN_FREQ = "token_freq.npy"
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(directory: str) -> dict:
+    """Parsed manifest.json, or FileNotFoundError/ValueError saying the dataset is incomplete/unusable."""
+    path = Path(directory) / MANIFEST
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"dataset directory {directory} does not exist; run pretrain-preprocess first")
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no {MANIFEST}: the dataset is incomplete (preprocessing did not "
+                                f"finish); re-run pretrain-preprocess")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); re-run pretrain-preprocess") from None
+    if manifest.get("format") != FORMAT_NAME or manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported format {manifest.get('format')!r} version "
+                         f"{manifest.get('format_version')!r}; expected {FORMAT_NAME} v{FORMAT_VERSION}")
+    return manifest
+
+
+class ShardedDataset:
+    """All shards of one dataset behind one global sentence index; pickles by directory."""
+
+    def __init__(self, directory: str, *, tokenizer_sha256: str | None = None) -> None:
+        self.directory = str(directory)
+        self._tokenizer_sha256 = tokenizer_sha256
+        self.manifest = read_manifest(self.directory)
+        have = self.manifest["tokenizer"]["sha256"]
+        if tokenizer_sha256 is not None and have != tokenizer_sha256:
+            raise ValueError(
+                f"dataset {directory} was tokenized with tokenizer sha256 {have[:16]}… "
+                f"({self.manifest['tokenizer'].get('path')}), but the configured tokenizer has sha256 "
+                f"{tokenizer_sha256[:16]}…; re-run pretrain-preprocess with that tokenizer")
+        self.shards = [IndexedDataset(os.path.join(self.directory, s["name"])) for s in self.manifest["shards"]]
+        for shard, entry in zip(self.shards, self.manifest["shards"]):
+            if len(shard) != entry["num_sequences"] or shard.num_tokens != entry["num_tokens"]:
+                raise ValueError(f"{shard.prefix} does not match {MANIFEST} (sequence/token counts differ); "
+                                 f"run pretrain-preprocess --verify {directory}")
+        counts = np.array([len(s) for s in self.shards], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.sizes = (np.concatenate([np.asarray(s.sizes) for s in self.shards]).astype(np.int32)
+                      if self.shards else np.zeros(0, np.int32))
+        bounds = [np.asarray(s.doc_idx[:-1]) + start for s, start in zip(self.shards, self._starts)]
+        self.doc_idx = np.concatenate(bounds + [np.array([self._starts[-1]])]).astype(np.int64)
+        self.num_documents = len(self.doc_idx) - 1
+        self.num_tokens = int(sum(s.num_tokens for s in self.shards))
+        self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
+        self.tokenizer_sha256 = have
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Token ids of global sentence ``i`` (memmap view; copy before modifying)."""
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sentence index {i} out of range for {n} sentences in {self.directory}")
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self.shards[k][i - int(self._starts[k])]
+
+    def token_frequencies(self) -> np.ndarray | None:
+        """float64 [V] unigram frequencies over the dataset (sums to 1), or None when not stored."""
+        path = os.path.join(self.directory, TOKEN_FREQ)
+        if not os.path.isfile(path):
+            return None
+        return np.load(path, allow_pickle=False)
+
+    def __getstate__(self) -> dict:
+        return {"directory": self.directory, "tokenizer_sha256": self._tokenizer_sha256}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["directory"], tokenizer_sha256=state["tokenizer_sha256"])
+
+
+def verify_dataset(directory: str) -> list[str]:
+    """Problems found (empty list = OK): manifest, per-shard files, sizes, sha256, index structure, totals."""
+    try:
+        manifest = read_manifest(directory)
+    except (FileNotFoundError, ValueError) as e:
+        return [str(e)]
+    problems: list[str] = []
+    totals = {"num_sequences": 0, "num_documents": 0, "num_tokens": 0}
+    for entry in manifest.get("shards", []):
+        name = entry.get("name", "?")
+        prefix = os.path.join(directory, name)
+        bad = False
+        for ext in ("bin", "idx"):
+            path = f"{prefix}.{ext}"
+            if not os.path.isfile(path):
+                problems.append(f"shard {name}: {path} is missing")
+                bad = True
+                continue
+            if os.path.getsize(path) != entry.get(f"{ext}_bytes"):
+                problems.append(f"shard {name}: {path} has {os.path.getsize(path)} bytes, manifest says "
+                                f"{entry.get(f'{ext}_bytes')}")
+                bad = True
+            elif file_sha256(path) != entry.get(f"{ext}_sha256"):
+                problems.append(f"shard {name}: {path} sha256 mismatch (file changed or corrupt)")
+                bad = True
+        if bad:
+            continue
+        try:
+            shard = IndexedDataset(prefix)
+        except (FileNotFoundError, ValueError) as e:
+            problems.append(f"shard {name}: {e}")
+            continue
+        for key, got in (("num_sequences", len(shard)), ("num_documents", shard.num_documents),
+                         ("num_tokens", shard.num_tokens)):
+            if got != entry.get(key):
+                problems.append(f"shard {name}: {key} is {got}, manifest says {entry.get(key)}")
+            totals[key] += got
+        vocab = manifest.get("tokenizer", {}).get("vocab_size", 0)
+        if shard.num_tokens and int(np.max(shard._bin)) >= vocab:
+            problems.append(f"shard {name}: token id {int(np.max(shard._bin))} >= vocab_size {vocab}")
+    if not problems:
+        for key, got in totals.items():
+            if manifest.get(key) != got:
+                problems.append(f"manifest total {key} is {manifest.get(key)}, shards sum to {got}")
+    freq_entry = manifest.get("token_freq")
+    if freq_entry:
+        path = os.path.join(directory, freq_entry["file"])
+        if not os.path.isfile(path):
+            problems.append(f"{path} is missing")
+        elif file_sha256(path) != freq_entry.get("sha256"):
+            problems.append(f"{path} sha256 mismatch (file changed or corrupt)")
+        else:
+            freq = np.load(path, allow_pickle=False)
+            vocab = manifest.get("tokenizer", {}).get("vocab_size")
+            if freq.dtype != np.float64 or freq.shape != (vocab,) or abs(float(freq.sum()) - 1.0) > 1e-9:
+                problems.append(f"{path}: expected float64 [{vocab}] summing to 1, got {freq.dtype} {freq.shape} "
+                                f"sum {float(freq.sum()):.6f}")
+    return problems

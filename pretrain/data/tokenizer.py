@@ -1,0 +1,272 @@
+"""Tokenizer training and loading: WordPiece / byte-level BPE (``tokenizers``) and unigram (``sentencepiece``).
+
+Every kind ends up as one HF ``tokenizer.json`` (unigram also keeps its ``.spm.model`` next to it), loadable
+later by ``transformers.PreTrainedTokenizerFast(tokenizer_file=...)``. Special tokens have ids 0..5 in the
+order of ``SPECIAL_TOKENS``. ``Tokenizer.encode`` never adds [CLS]/[SEP]; the saved post-processor does,
+for the HF export only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from pretrain.data.readers import ReadStats, iter_documents
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEL]")
+KINDS = ("wordpiece", "bpe", "unigram")
+_MODEL_KIND = {"WordPiece": "wordpiece", "BPE": "bpe", "Unigram": "unigram"}
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _has_lowercase(node) -> bool:
+    """True when a serialized normalizer (possibly a Sequence) lowercases."""
+    if isinstance(node, dict):
+        if node.get("type") == "Lowercase" or (node.get("type") == "BertNormalizer" and node.get("lowercase")):
+            return True
+        return any(_has_lowercase(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_lowercase(v) for v in node)
+    return False
+
+
+class Tokenizer:
+    """A loaded tokenizer.json with the project's special tokens; pickles by path."""
+
+    def __init__(self, path: str, *, expected_sha256: str | None = None) -> None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file {path} not found; train one with pretrain-tokenizer")
+        self.path = str(path)
+        self.sha256 = _file_sha256(self.path)
+        if expected_sha256 is not None and expected_sha256 != self.sha256:
+            raise ValueError(f"tokenizer file {path} changed since it was opened (sha256 {self.sha256[:12]} "
+                             f"!= {expected_sha256[:12]}); do not overwrite a tokenizer in use")
+        try:
+            self._tok = HFTokenizer.from_file(self.path)
+            spec = json.loads(self._tok.to_str())
+        except Exception as e:  # tokenizers raises a plain Exception on bad JSON
+            raise ValueError(f"{path} is not a valid tokenizers tokenizer.json ({e}); "
+                             f"re-create it with pretrain-tokenizer") from None
+        model_type = spec.get("model", {}).get("type")
+        if model_type not in _MODEL_KIND:
+            raise ValueError(f"{path}: unsupported tokenizer model {model_type!r}; expected one of {list(_MODEL_KIND)}")
+        self.kind = _MODEL_KIND[model_type]
+        self.lowercase = _has_lowercase(spec.get("normalizer"))
+        for expected_id, tok in enumerate(SPECIAL_TOKENS):
+            got = self._tok.token_to_id(tok)
+            if got != expected_id:
+                raise ValueError(f"{path}: special token {tok} has id {got}, expected {expected_id}; "
+                                 f"tokenizers for this project must be made by pretrain-tokenizer")
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id, self.del_id = range(len(SPECIAL_TOKENS))
+        self.special_ids = frozenset(range(len(SPECIAL_TOKENS)))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._word_start: np.ndarray | None = None
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], expected_sha256=state["sha256"])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.path!r}, kind={self.kind}, vocab_size={self.vocab_size}, lowercase={self.lowercase})"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; no [CLS]/[SEP]."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids per text (no specials); same result as ``encode`` on each."""
+        if not texts:
+            return []
+        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, tok: str) -> int | None:
+        return self._tok.token_to_id(tok)
+
+    def id_to_token(self, i: int) -> str:
+        tok = self._tok.id_to_token(int(i))
+        if tok is None:
+            raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size}) of {self.path}")
+        return tok
+
+    def word_start_mask(self) -> np.ndarray:
+        """bool [vocab]: token begins a new word (specials count as word starts)."""
+        if self._word_start is None:
+            mask = np.zeros(self.vocab_size, dtype=bool)
+            for i in range(self.vocab_size):
+                tok = self._tok.id_to_token(i) or ""
+                if i in self.special_ids:
+                    mask[i] = True
+                elif self.kind == "wordpiece":
+                    mask[i] = not tok.startswith("##")
+                elif self.kind == "bpe":
+                    mask[i] = tok.startswith("\u0120")
+                else:
+                    mask[i] = tok.startswith("\u2581")
+            self._word_start = mask
+        return self._word_start
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Open a tokenizer.json written by ``train_tokenizer`` (FileNotFoundError/ValueError when unusable)."""
+    return Tokenizer(path)
+
+
+def _text_batches(files: list[str], max_bytes: int | None, *, sentences: bool) -> Iterator[list[str]]:
+    """Paragraphs (or sentences) from the project readers, in batches, stopping after ~max_bytes."""
+    from pretrain.data.preprocess import split_sentences  # local import: preprocess imports this module
+
+    stats = ReadStats()
+    seen = 0
+    batch: list[str] = []
+    for doc in iter_documents(files, stats, errors="replace"):
+        for p in doc.paragraphs:
+            batch.extend(split_sentences(p) if sentences else [p])
+            seen += len(p)
+        if len(batch) >= 1000:
+            yield batch
+            batch = []
+        if max_bytes is not None and seen >= max_bytes:
+            break
+    if batch:
+        yield batch
+
+
+def _post_processor() -> processors.TemplateProcessing:
+    return processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                         special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+
+
+def _unigram_normalizer(lowercase: bool) -> normalizers.Normalizer:
+    steps = [normalizers.NFKC()] + ([normalizers.Lowercase()] if lowercase else [])
+    return normalizers.Sequence(steps + [normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()])
+
+
+def _train_unigram(batches: Iterable[list[str]], out_path: str, vocab_size: int, lowercase: bool) -> HFTokenizer:
+    """Train sentencepiece on text normalized exactly like the tokenizer.json will, then convert."""
+    import sentencepiece as spm
+
+    norm = _unigram_normalizer(lowercase)
+
+    def sentences() -> Iterator[str]:
+        for batch in batches:
+            for s in batch:
+                s = norm.normalize_str(s)
+                if s:
+                    yield s
+
+    prefix = str(Path(out_path).with_suffix("")) + ".spm"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences(), model_prefix=prefix, model_type="unigram", vocab_size=vocab_size,
+        hard_vocab_limit=False, normalization_rule_name="identity", character_coverage=0.9995,
+        pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="[PAD]", unk_piece="[UNK]", bos_piece="[CLS]",
+        eos_piece="[SEP]", control_symbols=["[MASK]", "[DEL]"], input_sentence_size=2_000_000,
+        shuffle_input_sentence=True, max_sentence_length=16384, num_threads=os.cpu_count() or 1,
+        minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    vocab = [(sp.id_to_piece(i), float(sp.get_score(i))) for i in range(sp.get_piece_size())]
+    tok = HFTokenizer(models.Unigram(vocab, unk_id=1, byte_fallback=False))
+    tok.normalizer = norm
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    return tok
+
+
+def train_tokenizer(files: list[str], out_path: str, *, kind: str = "wordpiece", vocab_size: int = 30522,
+                    lowercase: bool = True, min_frequency: int = 2, max_bytes: int | None = None) -> Tokenizer:
+    """Train on files/directories (read with the preprocessing readers), save ``out_path``, return it loaded.
+
+    ``max_bytes`` limits training to roughly the first that many characters of text.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"tokenizer kind must be one of {KINDS}, got {kind!r}")
+    if vocab_size <= len(SPECIAL_TOKENS) + 1:
+        raise ValueError(f"vocab_size must be > {len(SPECIAL_TOKENS) + 1}, got {vocab_size}")
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    batches = _text_batches(files, max_bytes, sentences=(kind == "unigram"))
+    if kind == "unigram":
+        tok = _train_unigram(batches, out_path, vocab_size, lowercase)
+    else:
+        if kind == "wordpiece":
+            tok = HFTokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##"))
+            tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                        strip_accents=None, lowercase=lowercase)
+            tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+            tok.decoder = decoders.WordPiece(prefix="##")
+            trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                                special_tokens=list(SPECIAL_TOKENS),
+                                                continuing_subword_prefix="##", show_progress=False)
+        else:
+            tok = HFTokenizer(models.BPE(unk_token="[UNK]"))
+            steps = [normalizers.NFC()] + ([normalizers.Lowercase()] if lowercase else [])
+            tok.normalizer = normalizers.Sequence(steps)
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+            tok.decoder = decoders.ByteLevel()
+            trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                          special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(batches, trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.post_processor = _post_processor()
+    if tok.get_vocab_size() <= len(SPECIAL_TOKENS):
+        raise ValueError(f"no text found in {files} to train a tokenizer on")
+    # Atomic publish: a half-written tokenizer.json is never visible under out_path.
+    fd, tmp = tempfile.mkstemp(dir=str(Path(out_path).parent), suffix=".tmp")
+    os.close(fd)
+    try:
+        tok.save(tmp, pretty=True)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return Tokenizer(out_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script ``pretrain-tokenizer``."""
+    ap = argparse.ArgumentParser(prog="pretrain-tokenizer", description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", nargs="+", help="text files or directories (.txt, .jsonl, WikiExtractor output)")
+    ap.add_argument("--out", required=True, help="output tokenizer.json path")
+    ap.add_argument("--kind", choices=KINDS, default="wordpiece")
+    ap.add_argument("--vocab-size", type=int, default=30522)
+    ap.add_argument("--min-frequency", type=int, default=2)
+    ap.add_argument("--cased", action="store_true", help="keep case (default: lowercase)")
+    ap.add_argument("--max-bytes", type=float, default=None, help="train on about the first N characters only")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        tok = train_tokenizer(args.inputs, args.out, kind=args.kind, vocab_size=args.vocab_size,
+                              lowercase=not args.cased, min_frequency=args.min_frequency,
+                              max_bytes=int(args.max_bytes) if args.max_bytes else None)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"pretrain-tokenizer: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {tok.path}: kind={tok.kind} vocab_size={tok.vocab_size} lowercase={tok.lowercase} "
+          f"sha256={tok.sha256[:16]}… in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
