@@ -1,0 +1,221 @@
+"""Checkpoints: complete or absent.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    step_00001000/            one DeepSpeed tag (all ranks' partitions) plus
+        trainer_state.json    format_version, step, tokens_seen, data position, world size, ...
+        config.yaml           the resolved run config
+        tokenizer.json        a copy, so the checkpoint converts and evaluates on its own
+        rng_rank<r>.pt        per-rank RNG states
+    latest                    the tag of the newest complete checkpoint
+
+A save writes into ``.tmp-step_…`` and is published by one ``os.replace`` of the directory,
+then ``latest`` is replaced atomically. ``trainer_state.json`` is written last inside the tag,
+so a directory without it is never taken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+FORMAT_VERSION = 1
+STATE_FILE = "trainer_state.json"
+LATEST_FILE = "latest"
+_TAG_RE = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says what to do."""
+
+
+def tag_for_step(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def is_complete(tag_dir: Path) -> bool:
+    return (tag_dir / STATE_FILE).is_file()
+
+
+def list_complete(ckpt_dir: Path) -> list[str]:
+    """Tags of complete checkpoints, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    tags = [p.name for p in ckpt_dir.iterdir() if _TAG_RE.match(p.name) and is_complete(p)]
+    return sorted(tags, key=lambda t: int(_TAG_RE.match(t).group(1)))
+
+
+def find_latest(ckpt_dir: Path) -> str | None:
+    """The newest complete checkpoint tag (``latest`` if it is valid, else a scan)."""
+    latest = ckpt_dir / LATEST_FILE
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if tag and is_complete(ckpt_dir / tag):
+            complete = list_complete(ckpt_dir)
+            # A crash between publishing a tag and updating `latest` leaves a newer complete tag.
+            return complete[-1] if complete and _step_of(complete[-1]) > _step_of(tag) else tag
+    complete = list_complete(ckpt_dir)
+    return complete[-1] if complete else None
+
+
+def _step_of(tag: str) -> int:
+    m = _TAG_RE.match(tag)
+    return int(m.group(1)) if m else -1
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, trainer_state: dict,
+                    config_yaml: str, tokenizer_path: str | None, keep_last: int) -> Path:
+    """Collective save; returns the published tag directory or raises CheckpointError."""
+    ckpt_dir = checkpoints_dir(run_dir)
+    tag = tag_for_step(step)
+    tmp_tag = ".tmp-" + tag
+    tmp_dir = ckpt_dir / tmp_tag
+    if env.is_main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    _barrier(env)
+    error = None
+    try:
+        engine.save(str(ckpt_dir), tmp_tag, client_state={"step": step})
+        torch.save({"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   tmp_dir / f"rng_rank{env.rank}.pt")
+        if env.is_main:
+            (tmp_dir / "config.yaml").write_text(config_yaml, encoding="utf-8")
+            if tokenizer_path:
+                shutil.copyfile(tokenizer_path, tmp_dir / "tokenizer.json")
+    except OSError as e:  # disk full, permissions, ...
+        error = f"{type(e).__name__}: {e}"
+    failed = _any_rank(env, error is not None)
+    if not failed and env.is_main:
+        try:
+            state = dict(trainer_state, format_version=FORMAT_VERSION, step=step, tag=tag)
+            _atomic_write_text(tmp_dir / STATE_FILE, json.dumps(state, indent=2))
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    failed = _any_rank(env, error is not None)
+    if failed:
+        if env.is_main:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        previous = find_latest(ckpt_dir)
+        raise CheckpointError(
+            f"saving checkpoint {tag} failed ({error or 'on another rank'}); the partial files were removed and "
+            f"the previous checkpoint ({previous or 'none'}) is intact. Free disk space in {ckpt_dir} and resume."
+        )
+    if env.is_main:
+        final_dir = ckpt_dir / tag
+        if final_dir.exists():  # an older copy of this step (e.g. a redone step after resume): replace it
+            shutil.rmtree(final_dir)
+        os.replace(tmp_dir, final_dir)
+        _atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
+        for old in list_complete(ckpt_dir)[:-keep_last]:
+            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    _barrier(env)
+    return ckpt_dir / tag
+
+
+def read_trainer_state(tag_dir: Path) -> dict:
+    try:
+        state = json.loads((tag_dir / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{tag_dir}/{STATE_FILE} is unreadable ({e}); delete {tag_dir} to fall back "
+                              f"to the previous checkpoint") from None
+    version = state.get("format_version")
+    if version != FORMAT_VERSION:
+        state = upgrade_state(state)
+    return state
+
+
+def upgrade_state(state: dict) -> dict:
+    """Versioned upgrades of trainer_state.json (only version 1 exists so far)."""
+    version = state.get("format_version")
+    if version is None or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint format_version {version!r} is not supported by this pretrain version "
+            f"(supports <= {FORMAT_VERSION}); upgrade pretrain to read it"
+        )
+    return state
+
+
+def load_checkpoint(engine, env, tag_dir: Path) -> dict:
+    """Collective load of engine state + this rank's RNG; returns trainer_state."""
+    state = read_trainer_state(tag_dir)
+    engine.load(str(tag_dir.parent), tag_dir.name)
+    rng_file = tag_dir / f"rng_rank{env.rank}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    return state
+
+
+def resolve_tag_dir(path: str | os.PathLike) -> Path:
+    """A run dir, its checkpoints/ dir, or a tag dir -> the tag dir of a complete checkpoint."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint path {p} does not exist")
+    if is_complete(p):
+        return p
+    for ckpt_dir in (p, p / "checkpoints"):
+        tag = find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+        if tag:
+            return ckpt_dir / tag
+    raise FileNotFoundError(
+        f"{p} holds no complete checkpoint (looked for {STATE_FILE} in it, its checkpoints/ and their 'latest')"
+    )
+
+
+def load_model_state(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(fp32 state dict of the PretrainModel, resolved run config dict) from any of our checkpoints.
+
+    Works for every ZeRO stage without DeepSpeed's scripts; ``config["data"]["tokenizer"]``
+    points at the checkpoint's own tokenizer copy.
+    """
+    import yaml
+
+    from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
+
+    tag_dir = resolve_tag_dir(path)
+    read_trainer_state(tag_dir)
+    full = fp32_state_dict_from_checkpoint(str(tag_dir))
+    prefix = "model."
+    state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+    if not state:
+        raise CheckpointError(f"{tag_dir} holds no 'model.*' weights; it was not written by pretrain-train")
+    config = yaml.safe_load((tag_dir / "config.yaml").read_text(encoding="utf-8"))
+    tok = tag_dir / "tokenizer.json"
+    if tok.is_file():
+        config.setdefault("data", {})["tokenizer"] = str(tok)
+    return state, config
+
+
+def _barrier(env) -> None:
+    if env.is_distributed:
+        torch.distributed.barrier()
+
+
+def _any_rank(env, flag: bool) -> bool:
+    if not env.is_distributed:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    torch.distributed.all_reduce(t)
+    return bool(t.item())

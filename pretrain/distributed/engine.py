@@ -1,0 +1,151 @@
+"""The only module that imports DeepSpeed.
+
+``Engine`` wraps ``deepspeed.initialize`` and exposes what the trainer needs: ``forward``,
+``backward``, ``step``, ``save``, ``load``. The DeepSpeed JSON config is derived from the
+typed configs (``build_ds_config``) — users never write one by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pretrain.config.train import DistributedConfig, OptimConfig, TrainConfig
+
+
+def _import_deepspeed():
+    # DeepSpeed picks its accelerator at import time; on a machine without CUDA say "cpu" explicitly.
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return deepspeed
+
+
+def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedConfig, world_size: int) -> dict:
+    """Typed configs -> DeepSpeed config dict."""
+    zero: dict = {"stage": dist.zero_stage}
+    if dist.zero_stage >= 2:
+        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_scatter=True)
+    if dist.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=False)
+    cfg = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum,
+        "train_batch_size": train.micro_batch_size * train.grad_accum * world_size,
+        "gradient_clipping": optim.clip_grad_norm,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+        "checkpoint": {"load_universal": False},
+    }
+    if train.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif train.precision == "fp16":
+        # Dynamic loss scaling: loss_scale 0 means "dynamic" in DeepSpeed.
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                       "hysteresis": 2, "min_loss_scale": 1}
+    return cfg
+
+
+@dataclass
+class StepInfo:
+    grad_norm: float
+    loss_scale: float
+    lr: float
+    skipped: bool
+
+
+class Engine:
+    """A DeepSpeed engine around ``module`` with a client AdamW and LambdaLR schedule."""
+
+    def __init__(self, module: torch.nn.Module, param_groups: list[dict], *, optim: OptimConfig,
+                 train: TrainConfig, dist: DistributedConfig, world_size: int, lr_lambda):
+        deepspeed = _import_deepspeed()
+        self.precision = train.precision
+        self.grad_accum = train.grad_accum
+        use_fused = torch.cuda.is_available()
+        optimizer = torch.optim.AdamW(param_groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                      weight_decay=optim.weight_decay, **({"fused": True} if use_fused else {}))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        self.ds_config = build_ds_config(optim, train, dist, world_size)
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+            dist_init_required=False,
+        )
+        self.device = self.ds.device
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    def forward(self, *args, **kwargs):
+        return self.ds(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def is_accumulation_boundary(self) -> bool:
+        return self.ds.is_gradient_accumulation_boundary()
+
+    def step(self) -> StepInfo:
+        """Optimizer step at an accumulation boundary (DeepSpeed no-ops otherwise)."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        scale = float(getattr(self.ds.optimizer, "cur_scale", 1.0) or 1.0) if self.precision == "fp16" else 1.0
+        skipped = bool(getattr(self.ds, "skipped_steps", 0) and self.precision == "fp16" and not math.isfinite(norm))
+        return StepInfo(grad_norm=norm, loss_scale=scale, lr=lr, skipped=skipped)
+
+    def zero_grad(self) -> None:
+        self.ds.zero_grad()
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    def save(self, directory: str, tag: str, client_state: dict) -> None:
+        """Collective: every rank writes its partition under ``directory/tag``."""
+        self.ds.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
+
+    def load(self, directory: str, tag: str, *, load_optimizer: bool = True) -> dict:
+        path, client_state = self.ds.load_checkpoint(
+            directory, tag=tag, load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer,
+            load_module_strict=True,
+        )
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed could not load checkpoint {directory}/{tag}")
+        return client_state or {}
+
+
+def fp32_state_dict_from_checkpoint(tag_dir: str) -> dict:
+    """Full fp32 module state dict from a DeepSpeed checkpoint tag directory, any ZeRO stage, on CPU.
+
+    ZeRO 1–3 keep the fp32 master weights in optimizer partitions; they are merged with
+    DeepSpeed's own reader. Stage 0 keeps them in the module states file.
+    """
+    deepspeed = _import_deepspeed()
+    from deepspeed.utils import zero_to_fp32
+
+    tag_dir = os.path.abspath(tag_dir)
+    parent, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
+    has_zero = any(f.endswith("optim_states.pt") and "zero_pp_rank" in f for f in os.listdir(tag_dir))
+    if has_zero:
+        sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+        return {k: v.float() for k, v in sd.items()}
+    model_files = sorted(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt"))
+    if not model_files:
+        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states; is it a checkpoint directory?")
+    state = torch.load(os.path.join(tag_dir, model_files[0]), map_location="cpu", weights_only=False)
+    del deepspeed
+    return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}

@@ -1,0 +1,61 @@
+"""Entry point: load config -> build Trainer -> train -> close.
+
+    pretrain-train configs/quickstart.yaml optim.lr=3e-4 train.max_steps=100
+    torchrun --nproc-per-node 2 -m pretrain.train configs/clear_base.yaml run_dir=runs/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pretrain-train", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", help="YAML config (see configs/); omitted = defaults")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.norm=pre")
+    args = p.parse_args(argv)
+    if args.config and "=" in args.config and not os.path.exists(args.config):
+        args.overrides.insert(0, args.config)
+        args.config = None
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pretrain.config import load_run_config
+    from pretrain.distributed.env import destroy_process_group, detect_env, init_process_group
+    from pretrain.training.signals import StopSignal
+    from pretrain.training.trainer import Trainer, TrainingDiverged
+
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pretrain-train: error: {e}", file=sys.stderr)
+        return 2
+    env = detect_env()
+    init_process_group(env, backend=cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s)
+    stop = StopSignal()
+    trainer = None
+    try:
+        trainer = Trainer(cfg, env, stop_signal=stop)
+        code = trainer.train()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"pretrain-train: {e}", file=sys.stderr)
+        return 3
+    finally:
+        if trainer is not None:
+            trainer.close()
+        stop.uninstall()
+        destroy_process_group()
+    if env.is_main and code == 0:
+        print(f"done: run directory {cfg.run_dir} (config.yaml, metrics.jsonl, tb/, checkpoints/)")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

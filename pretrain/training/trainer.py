@@ -1,0 +1,276 @@
+"""The training loop: load -> step -> log -> validate -> checkpoint.
+
+``Trainer`` composes the parts (tokenizer, model, objective, data, DeepSpeed engine,
+checkpoints, metrics); ``train_step`` is forward -> loss -> backward -> step -> metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from pretrain.checkpoint import store
+from pretrain.config import RunConfig, to_yaml
+from pretrain.data.collate import collate  # noqa: F401  (re-exported for tools)
+from pretrain.data.datasets import build_dataset
+from pretrain.data.loader import build_loader
+from pretrain.data.tokenizer import load_tokenizer
+from pretrain.distributed.engine import Engine
+from pretrain.metrics.accumulate import MetricSums
+from pretrain.metrics.writer import MetricsWriter, format_progress, print_progress
+from pretrain.model import build_model
+from pretrain.objective import Context, Objective, TrainModule
+from pretrain.training.optim import build_param_groups, lr_lambda
+from pretrain.training.signals import StopSignal
+
+REQUEUE_EXIT_CODE = 75
+"""Exit status after a signal-triggered checkpoint (EX_TEMPFAIL): the launcher requeues the job."""
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with a non-finite loss."""
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, env, *, stop_signal: StopSignal | None = None):
+        self.cfg, self.env = cfg, env
+        self.stop_signal = stop_signal or StopSignal(install=False)
+        self.run_dir = Path(cfg.run_dir)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        model_cfg = cfg.model
+        if model_cfg.vocab_size == 0:
+            model_cfg = dataclasses.replace(model_cfg, vocab_size=self.tokenizer.vocab_size)
+        elif model_cfg.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's vocabulary "
+                             f"({self.tokenizer.vocab_size}, {cfg.data.tokenizer}); set model.vocab_size=0")
+        self.cfg = cfg = dataclasses.replace(cfg, model=model_cfg)
+
+        torch.manual_seed(cfg.seed)  # model init is identical on every rank
+        model = build_model(model_cfg)
+        if cfg.checkpoint.init_from:
+            _load_init_weights(model, cfg.checkpoint.init_from)
+        ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling)
+        self.module = TrainModule(model, Objective(cfg.objective, ctx))
+        self.engine = Engine(
+            self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
+            train=cfg.train, dist=cfg.distributed, world_size=env.world_size,
+            lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps),
+        )
+        self.global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * env.world_size
+        self.train_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="train")
+        self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \
+            if cfg.data.valid else None
+
+        self.step = 0
+        self.tokens_seen = 0
+        self.bad_steps_total = 0
+        self._resume_or_start()
+        self.writer = MetricsWriter(self.run_dir, enabled=env.is_main, resume_step=self.step)
+
+    # -- setup -------------------------------------------------------------------------------
+    def _resume_or_start(self) -> None:
+        ckpt_dir = store.checkpoints_dir(self.run_dir)
+        tag = store.find_latest(ckpt_dir) if self.cfg.checkpoint.resume == "auto" else None
+        if tag is not None:
+            state = store.read_trainer_state(ckpt_dir / tag)
+            self._check_compatible(state, ckpt_dir / tag)
+            state = store.load_checkpoint(self.engine, self.env, ckpt_dir / tag)
+            self.step = state["step"]
+            self.tokens_seen = state.get("tokens_seen", 0)
+            self.bad_steps_total = state.get("bad_steps_total", 0)
+            if self.env.is_main:
+                print_progress(f"resumed from {ckpt_dir / tag} at step {self.step}")
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
+
+    def _check_compatible(self, state: dict, tag_dir: Path) -> None:
+        old_world = state.get("world_size", self.env.world_size)
+        if old_world != self.env.world_size and self.cfg.distributed.zero_stage > 0:
+            raise ValueError(
+                f"checkpoint {tag_dir} was written by {old_world} data-parallel ranks but this run has "
+                f"{self.env.world_size}; ZeRO-{self.cfg.distributed.zero_stage} optimizer partitions cannot be "
+                f"re-split exactly. Relaunch with {old_world} ranks, or start a new run_dir with "
+                f"checkpoint.init_from={tag_dir} (weights only)."
+            )
+        if state.get("global_batch", self.global_batch) != self.global_batch:
+            raise ValueError(
+                f"checkpoint {tag_dir} used a global batch of {state['global_batch']} sequences, this run "
+                f"{self.global_batch} (micro_batch_size x grad_accum x ranks); keep it equal to resume exactly"
+            )
+
+    def _loader(self, dataset, start_sample: int):
+        c = self.cfg
+        return build_loader(dataset, seed=c.seed, rank=self.env.rank, world_size=self.env.world_size,
+                            micro_batch_size=c.train.micro_batch_size, start_sample=start_sample,
+                            num_workers=c.data.num_workers, pad_id=self.tokenizer.pad_id,
+                            prefetch_factor=c.data.prefetch_factor)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self) -> int:
+        """Runs to train.max_steps (or a stop signal). Returns the process exit code."""
+        c = self.cfg
+        loader = iter(self._loader(self.train_set, self.step * self.global_batch))
+        sums = MetricSums()
+        consecutive_bad = 0
+        t_last, samples_last, tokens_last = time.perf_counter(), 0, 0
+        if self.step == 0:
+            self.validate()  # the untrained baseline, so the held-out curve starts at step 0
+        self.engine.train()
+        while self.step < c.train.max_steps:
+            info, bad, n_samples, n_tokens = self.train_step(loader, sums)
+            self.step += 1
+            self.tokens_seen += n_tokens
+            samples_last += n_samples
+            tokens_last += n_tokens
+            consecutive_bad = consecutive_bad + 1 if bad else 0
+            self.bad_steps_total += int(bad)
+            if consecutive_bad >= c.train.max_bad_steps:
+                raise TrainingDiverged(
+                    f"{consecutive_bad} consecutive steps with a non-finite loss (last at step {self.step}); "
+                    f"stopping. The last good checkpoint is {store.find_latest(store.checkpoints_dir(self.run_dir))}; "
+                    f"lower optim.lr or check the data before resuming."
+                )
+            if self.step % c.train.log_every == 0 or self.step == c.train.max_steps:
+                elapsed = time.perf_counter() - t_last
+                scalars = sums.reduce(self.env)
+                scalars.update(lr=info.lr, grad_norm=info.grad_norm, loss_scale=info.loss_scale,
+                               bad_steps=self.bad_steps_total,
+                               samples_per_s=samples_last * self.env.world_size / elapsed,
+                               tokens_per_s=tokens_last * self.env.world_size / elapsed,
+                               tokens_seen=self.tokens_seen * self.env.world_size)
+                self.writer.log(self.step, scalars)
+                if self.env.is_main:
+                    print_progress(format_progress(self.step, c.train.max_steps, scalars))
+                sums.reset()
+                t_last, samples_last, tokens_last = time.perf_counter(), 0, 0
+            if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.max_steps:
+                self.validate()
+            if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.train.max_steps:
+                self.save()
+            if self._should_stop():
+                self.save()
+                if self.env.is_main:
+                    print_progress(f"stop signal: checkpointed step {self.step}; exiting with "
+                                   f"{REQUEUE_EXIT_CODE} so the job is requeued")
+                return REQUEUE_EXIT_CODE
+        self.validate()
+        self.save()
+        return 0
+
+    def train_step(self, loader, sums: MetricSums):
+        """One optimizer step over grad_accum micro-batches: forward -> loss -> backward -> step."""
+        c, env = self.cfg, self.env
+        # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
+        torch.manual_seed((c.seed * 1_000_003 + self.step * 1009 + env.rank) % (2**63))
+        bad = False
+        n_samples = n_tokens = 0
+        for _ in range(c.train.grad_accum):
+            batch = _to_device(next(loader), self.engine.device)
+            n_samples += batch["input_ids"].shape[0]
+            n_tokens += int(sum(batch[k].sum() for k in ("attention_mask", "view_a_mask", "view_b_mask")
+                                if k in batch))
+            loss, metrics = self.engine.forward(batch)
+            if not _all_finite(loss, env):
+                # Skip this micro-batch's gradient: a zero loss tied to the parameters keeps
+                # DeepSpeed's gradient hooks consistent on every rank.
+                bad = True
+                loss = sum((p.sum() * 0.0) for p in self.module.parameters() if p.requires_grad)
+            else:
+                sums.update(metrics)
+                sums.add("loss", loss.detach().item() / env.world_size, 1)
+            self.engine.backward(loss)
+        if bad:
+            saved = [g["lr"] for g in self.engine.optimizer.param_groups]
+            for g in self.engine.optimizer.param_groups:
+                g["lr"] = 0.0  # the update is skipped: parameters stay as they were
+        info = self.engine.step()
+        if bad:
+            for g, lr in zip(self.engine.optimizer.param_groups, saved):
+                g["lr"] = lr
+        return info, bad, n_samples, n_tokens
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        if self.valid_set is None or self.cfg.train.eval_batches == 0:
+            return {}
+        self.engine.eval()
+        sums = MetricSums()
+        loader = iter(self._loader(self.valid_set, 0))
+        for _ in range(self.cfg.train.eval_batches):
+            batch = _to_device(next(loader), self.engine.device)
+            _, metrics = self.engine.forward(batch)
+            sums.update(metrics)
+        scalars = sums.reduce(self.env)
+        self.writer.log(self.step, scalars, split="valid")
+        if self.env.is_main:
+            print_progress(f"valid @ {self.step}: " + " | ".join(f"{k} {v:.4g}" for k, v in scalars.items()))
+        self.engine.train()
+        return scalars
+
+    def save(self) -> Path:
+        start = self.step * self.global_batch
+        state = {
+            "tokens_seen": self.tokens_seen,
+            "consumed_samples": start,
+            "global_batch": self.global_batch,
+            "world_size": self.env.world_size,
+            "bad_steps_total": self.bad_steps_total,
+            "seed": self.cfg.seed,
+            # Each rank reads its contiguous slice of every global batch from this position on.
+            "data_position": [{"rank": r, "next_sample": start + r * self.cfg.train.micro_batch_size}
+                              for r in range(self.env.world_size)],
+        }
+        path = store.save_checkpoint(self.engine, self.env, self.run_dir, step=self.step, trainer_state=state,
+                                     config_yaml=to_yaml(self.cfg), tokenizer_path=self.cfg.data.tokenizer,
+                                     keep_last=self.cfg.checkpoint.keep_last)
+        if self.env.is_main:
+            print_progress(f"checkpoint {path}")
+        return path
+
+    def _should_stop(self) -> bool:
+        flag = self.stop_signal.requested
+        if self.env.is_distributed:
+            t = torch.tensor([int(flag)])
+            torch.distributed.all_reduce(t)
+            flag = bool(t.item())
+        return flag
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _all_finite(loss: torch.Tensor, env) -> bool:
+    ok = torch.tensor([1 if bool(torch.isfinite(loss.detach()).all()) else 0])
+    if env.is_distributed:
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def _load_init_weights(model: torch.nn.Module, path: str) -> None:
+    """Initial weights from one of our checkpoints or a `pretrain-convert from-hf` directory."""
+    p = Path(path)
+    if (p / "model.safetensors").is_file():
+        from pretrain.checkpoint.hf import load_init_weights
+
+        state = load_init_weights(str(p))
+    else:
+        state, _ = store.load_model_state(p)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatch
+        raise ValueError(f"checkpoint.init_from={path} does not fit this model ({str(e).splitlines()[-1].strip()}); "
+                         f"is it a checkpoint of another model size? Set model.* to match it.") from None
+    if unexpected:
+        raise ValueError(f"checkpoint.init_from={path} has weights this model does not: {unexpected[:5]}; "
+                         f"is it a checkpoint of another model size?")
+    if missing:
+        print_progress(f"init_from {path}: {len(missing)} tensors not in the checkpoint keep their fresh init "
+                       f"(e.g. {missing[:3]})")
