@@ -50,6 +50,16 @@ class AugmentConfig:
     wordnet_dir: str = "/usr/share/wordnet"
     """WordNet database directory (Debian's wordnet-base) for synonym substitution."""
 
+    def __post_init__(self) -> None:
+        for name in ("del_word_rate", "del_span_frac", "reorder_frac", "subs_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"data.augment.{name} must be in [0, 1], got {value}")
+        if self.del_span_num < 0 or self.reorder_pairs < 0:
+            raise ValueError(
+                f"data.augment.del_span_num/reorder_pairs must be >= 0, got {self.del_span_num}/{self.reorder_pairs}"
+            )
+
 
 @dataclass(kw_only=True)
 class DataConfig:
