@@ -1,0 +1,150 @@
+"""In-batch softmax losses over similarity matrices: InfoNCE / ArcCon rows and NT-Xent.
+
+Every row loss is  loss_i = lse_i - s_i,pos  with  s_ij = q_i.k_j / T  (the positive's logit is
+cos(acos(c) + margin) / T, ArcCon) and lse_i over all columns but the excluded self column. It is
+split as  lse_i = logaddexp(lse'_i, s_i,pos)  where lse'_i (positive and self excluded) comes from a
+backend that never materialises N x M: the fused CUDA kernel, or the chunked torch path. The
+positive's logit is an O(N*d) gather, so the margin never enters the kernels.
+Legend: N rows, M columns, D embedding size, E = 2 exclusions per row (positive, self).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from pretrain.ops import chunked, extension, library
+from pretrain.ops.chunked import acc_dtype
+from pretrain.ops.margin import arc_margin
+
+Impl = Literal["auto", "cuda", "torch", "eager"]
+IMPLS = ("auto", "cuda", "torch", "eager")
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The concrete backend ('cuda', 'torch' or 'eager') for `impl` on tensors of `device`."""
+    if impl not in IMPLS:
+        raise ValueError(f"similarity impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "cuda" if device.type == "cuda" and extension.cuda_available() else "torch"
+    if impl == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"impl='cuda' needs CUDA tensors, got {device}; use impl='auto' or 'torch'")
+        if not extension.cuda_available():
+            raise ValueError(
+                "impl='cuda' but the CUDA extension is not built: reinstall with "
+                "`pip install --no-build-isolation -e .` on a CUDA machine, or call "
+                "pretrain.ops.extension.build_jit(), or use impl='torch'"
+            )
+    return impl
+
+
+def _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size) -> None:
+    if q_ND.dim() != 2 or k_MD.dim() != 2 or q_ND.shape[1] != k_MD.shape[1]:
+        raise ValueError(f"q and k must be (N, D) and (M, D), got {tuple(q_ND.shape)} and {tuple(k_MD.shape)}")
+    if q_ND.dtype != k_MD.dtype or q_ND.device != k_MD.device:
+        raise ValueError(f"q and k must share dtype and device, got {q_ND.dtype}/{k_MD.dtype}")
+    if q_ND.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"q and k must be floating point, got {q_ND.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    num_rows, num_cols = q_ND.shape[0], k_MD.shape[0]
+    for name, idx in (("pos_idx", pos_idx_N), ("self_idx", self_idx_N)):
+        if idx is None:
+            continue
+        if idx.shape != (num_rows,) or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be an integer tensor of shape ({num_rows},), got {idx.dtype} {tuple(idx.shape)}")
+        if torch.compiler.is_compiling() or num_rows == 0:
+            continue  # data-dependent checks would break the graph
+        if int(idx.min()) < 0 or int(idx.max()) >= num_cols:
+            raise ValueError(f"{name} values must lie in [0, {num_cols}) (the columns of k)")
+    if self_idx_N is not None and not torch.compiler.is_compiling() and bool((self_idx_N == pos_idx_N).any()):
+        raise ValueError("self_idx equals pos_idx for some row: the positive cannot be the excluded column")
+
+
+def _masked_lse(q_ND, k_MD, excl_NE, inv_temp: float, impl: str, chunk_size: int) -> torch.Tensor:
+    if impl == "cuda":
+        return library.masked_lse(q_ND.contiguous(), k_MD.contiguous(), excl_NE, inv_temp, chunk_size)
+    return chunked.ChunkedMaskedLSE.apply(q_ND, k_MD, excl_NE, inv_temp, chunk_size)
+
+
+def _eager_lse(q_ND, k_MD, pos_idx_N, self_idx_N, s_pos_N, inv_temp: float) -> torch.Tensor:
+    """Materialises the N x M logits (fp32): the baseline the fused paths are measured against."""
+    acc = acc_dtype(q_ND.dtype)
+    s_NM = (q_ND.to(acc) @ k_MD.to(acc).t()) * inv_temp
+    rows_N = torch.arange(q_ND.shape[0], device=q_ND.device)
+    s_NM = s_NM.index_put((rows_N, pos_idx_N.long()), s_pos_N)
+    if self_idx_N is not None:
+        s_NM = s_NM.index_put((rows_N, self_idx_N.long()), s_NM.new_tensor(float("-inf")))
+    return torch.logsumexp(s_NM, dim=1)
+
+
+def info_nce_rows(
+    q_ND: torch.Tensor,
+    k_MD: torch.Tensor,
+    pos_idx_N: torch.Tensor,
+    *,
+    temperature: float,
+    margin: float = 0.0,
+    self_idx_N: torch.Tensor | None = None,
+    impl: str = "auto",
+    chunk_size: int = 1024,
+    return_lse: bool = False,
+):
+    """Per-row InfoNCE/ArcCon loss_N (fp32, not reduced) of L2-normalised q against k; (loss_N, lse_N) if return_lse.
+
+    Row i's positive is column pos_idx[i] (logit cos(acos(c) + margin)/T, margin in radians);
+    column self_idx[i] is left out of the softmax. Differentiable w.r.t. q and k.
+    """
+    _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size)
+    backend = resolve_impl(impl, q_ND.device)
+    inv_temp = 1.0 / float(temperature)
+    pos_idx_N = pos_idx_N.long()
+    acc = acc_dtype(q_ND.dtype)
+    c_pos_N = (q_ND.to(acc) * k_MD[pos_idx_N].to(acc)).sum(dim=1)
+    s_pos_N = (arc_margin(c_pos_N, margin) if margin != 0.0 else c_pos_N) * inv_temp
+    if backend == "eager":
+        lse_N = _eager_lse(q_ND, k_MD, pos_idx_N, self_idx_N, s_pos_N, inv_temp)
+    else:
+        none_N = torch.full_like(pos_idx_N, -1)
+        excl_NE = torch.stack([pos_idx_N, none_N if self_idx_N is None else self_idx_N.long()], dim=1)
+        lse_rest_N = _masked_lse(q_ND, k_MD, excl_NE, inv_temp, backend, chunk_size)
+        lse_N = torch.logaddexp(lse_rest_N, s_pos_N)
+    loss_N = lse_N - s_pos_N
+    return (loss_N, lse_N) if return_lse else loss_N
+
+
+def nt_xent_rows(
+    z_a_ND: torch.Tensor,
+    z_b_ND: torch.Tensor,
+    *,
+    temperature: float,
+    impl: str = "auto",
+    chunk_size: int = 1024,
+    gather_env=None,
+) -> torch.Tensor:
+    """CLEAR/SimCLR NT-Xent loss_2N (fp32) over rows cat(z_a, z_b): positive = partner view, self excluded.
+
+    With a distributed `gather_env` (DistEnv, world_size > 1) the columns are all ranks' views,
+    gathered with gradient; only this rank's 2N rows are computed. Inputs need not be normalised.
+    """
+    if z_a_ND.shape != z_b_ND.shape or z_a_ND.dim() != 2:
+        raise ValueError(f"z_a and z_b must both be (N, D), got {tuple(z_a_ND.shape)} and {tuple(z_b_ND.shape)}")
+    num_pairs = z_a_ND.shape[0]
+    z_RD = F.normalize(torch.cat([z_a_ND, z_b_ND]).to(acc_dtype(z_a_ND.dtype)), dim=1).to(z_a_ND.dtype)
+    cols_CD, offset = z_RD, 0
+    if gather_env is not None and gather_env.world_size > 1:
+        from pretrain.distributed.comm import all_gather_with_grad
+
+        cols_CD = all_gather_with_grad(z_RD, gather_env)
+        offset = gather_env.rank * 2 * num_pairs
+    rows_R = torch.arange(2 * num_pairs, device=z_RD.device)
+    pos_idx_R = (rows_R + num_pairs) % (2 * num_pairs) + offset
+    return info_nce_rows(
+        z_RD, cols_CD, pos_idx_R, temperature=temperature, self_idx_N=rows_R + offset,
+        impl=impl, chunk_size=chunk_size,
+    )
