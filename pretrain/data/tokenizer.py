@@ -97,7 +97,7 @@ class Tokenizer:
         """Token ids per text (no specials); same result as ``encode`` on each."""
         if not texts:
             return []
-        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
