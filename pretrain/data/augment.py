@@ -194,7 +194,8 @@ class Augmenter:
                 out_T = substitute_synonyms(out_T, rng, word_start_V=ws, rate=c.subs_rate, lookup=self.synonyms_of)
             else:
                 out_T = np.array(out_T, dtype=np.int64, copy=True)
-        return out_T
+        # Reordering can bring two [DEL]s together; the paper's rule holds for the final view.
+        return merge_deletions(out_T, self.del_id)
 
     def synonyms_of(self, word_T: np.ndarray) -> tuple[np.ndarray, ...]:
         """Token arrays of the WordNet synonyms of one word (cached; WordNet loaded once per process)."""
