@@ -1,0 +1,126 @@
+"""`pretrain-convert`: our checkpoints <-> Hugging Face BERT directories.
+
+    pretrain-convert to-hf CHECKPOINT OUT_DIR [--pooling mean] [--overwrite]
+    pretrain-convert from-hf HF_DIR OUT [--overwrite]
+
+CHECKPOINT is a run directory, its checkpoints/ directory, a checkpoint tag (any ZeRO stage;
+no DeepSpeed scripts needed) or a from-hf init directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pretrain.checkpoint.hf import (
+    INIT_CONFIG,
+    INIT_WEIGHTS,
+    export_hf,
+    load_hf_model,
+    load_init_weights,
+    write_clean_tokenizer,
+    write_init_dir,
+)
+from pretrain.config.loader import from_dict
+from pretrain.config.model import ModelConfig
+from pretrain.model import POOLINGS, TIED_KEYS, PretrainModel, build_model
+
+__all__ = ["from_hf", "load_checkpoint_model", "load_init_weights", "main", "model_from_state", "to_hf"]
+
+
+def model_from_state(state: dict, model_cfg: dict) -> PretrainModel:
+    """Build a PretrainModel from a ``model:`` config dict and load ``state`` (our key names) into it."""
+    import dataclasses
+
+    cfg = from_dict(ModelConfig, dict(model_cfg), "model")
+    word = state.get("encoder.embeddings.word.weight")
+    if word is None:
+        raise ValueError("state dict has no encoder.embeddings.word.weight; is it a PretrainModel checkpoint?")
+    cfg = dataclasses.replace(cfg, vocab_size=word.shape[0], pooler="pooler.dense.weight" in state)
+    model = build_model(cfg)
+    try:
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint weights do not fit its model config: {str(e).splitlines()[-1].strip()}") from None
+    missing = [k for k in missing if k not in TIED_KEYS]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match its model config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return model
+
+
+def load_checkpoint_model(checkpoint: str) -> tuple[PretrainModel, dict]:
+    """(model, resolved run-config dict) from any of our checkpoints or a from-hf init directory."""
+    import yaml
+
+    p = Path(checkpoint)
+    if (p / INIT_WEIGHTS).is_file() and (p / INIT_CONFIG).is_file():
+        config = yaml.safe_load((p / INIT_CONFIG).read_text(encoding="utf-8"))
+        state = load_init_weights(str(p))
+    else:
+        from pretrain.checkpoint.store import load_model_state
+
+        state, config = load_model_state(p)
+    return model_from_state(state, config.get("model") or {}), config
+
+
+def to_hf(
+    checkpoint: str,
+    out_dir: str,
+    *,
+    pooling: str | None = None,
+    max_seq_length: int | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Export one of our checkpoints as a HF BERT + sentence-transformers directory."""
+    model, config = load_checkpoint_model(checkpoint)
+    tokenizer = (config.get("data") or {}).get("tokenizer")
+    if not tokenizer:
+        raise ValueError(f"{checkpoint}: its config names no data.tokenizer; cannot write tokenizer files")
+    max_len = max_seq_length or (config.get("data") or {}).get("max_len")
+    export_hf(model, tokenizer, out_dir, pooling=pooling or model.cfg.pooling, max_seq_length=max_len,
+              overwrite=overwrite)  # fmt: skip
+
+
+def from_hf(hf_dir: str, out: str, *, overwrite: bool = False) -> None:
+    """Turn a HF BERT directory into an init directory (``checkpoint.init_from=OUT``)."""
+    import tempfile
+
+    model = load_hf_model(hf_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = write_clean_tokenizer(hf_dir, Path(tmp) / "tokenizer.json")
+        write_init_dir(model, tok, out, overwrite=overwrite)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pretrain-convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("to-hf", help="our checkpoint -> HF BERT (+ sentence-transformers) directory")
+    p.add_argument("checkpoint")
+    p.add_argument("out_dir")
+    p.add_argument("--pooling", choices=[x for x in POOLINGS if x != "first_last_avg"], default=None,
+                   help="sentence-transformers pooling (default: the run's model.pooling)")  # fmt: skip
+    p.add_argument("--max-seq-length", type=int, default=None, help="default: the run's data.max_len")
+    p.add_argument("--overwrite", action="store_true")
+    p = sub.add_parser("from-hf", help="HF BERT directory -> init directory for checkpoint.init_from")
+    p.add_argument("hf_dir")
+    p.add_argument("out")
+    p.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "to-hf":
+            to_hf(args.checkpoint, args.out_dir, pooling=args.pooling, max_seq_length=args.max_seq_length,
+                  overwrite=args.overwrite)  # fmt: skip
+            print(f"wrote {args.out_dir} (HF BERT + sentence-transformers)")
+        else:
+            from_hf(args.hf_dir, args.out, overwrite=args.overwrite)
+            print(f"wrote {args.out}; train from it with checkpoint.init_from={args.out} "
+                  f"data.tokenizer={Path(args.out) / 'tokenizer.json'}")  # fmt: skip
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pretrain-convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
