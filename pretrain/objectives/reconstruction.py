@@ -1,0 +1,78 @@
+"""SARCSE self-adaptive reconstruction loss and its token-frequency weights.
+
+Shape legend: B = sentences, T = content tokens ([CLS]/[SEP] removed), D = hidden size,
+V = vocabulary size.
+
+L_R = (1/N) sum_i f(w_i) * MSE(x_i, x'_i) per sentence of N tokens, with
+f(w) = max(theta, 1 - lam * freq(w)) and freq the normalised token frequency of the
+training set (SARCSE eqs. 8-10); MSE averages over the D features. The same function gives
+L_R+ when fed the second dropout view.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrain.objectives.info_nce import Metrics
+
+TOKEN_FREQ_FILE = "token_freq.npy"
+
+
+def load_token_freq(path: str | Path, *, vocab_size: int | None = None) -> torch.Tensor:
+    """token_freq.npy (float64 [V], >= 0, sums to 1) -> float64 tensor; a directory means <dir>/token_freq.npy."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKEN_FREQ_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"token frequency file {path} not found; run pretrain-preprocess on the training data "
+            f"(it writes {TOKEN_FREQ_FILE}) or set objective.reconstruction.token_freq"
+        )
+    freq_V = np.load(path, allow_pickle=False)
+    if freq_V.ndim != 1 or not np.issubdtype(freq_V.dtype, np.floating):
+        raise ValueError(f"{path}: expected a 1-D float array, got {freq_V.dtype} {freq_V.shape}")
+    if (freq_V < 0).any() or not np.isfinite(freq_V).all() or abs(float(freq_V.sum()) - 1.0) > 1e-6:
+        raise ValueError(f"{path}: frequencies must be finite, >= 0 and sum to 1 (sum={float(freq_V.sum())})")
+    if vocab_size is not None and freq_V.shape[0] != vocab_size:
+        raise ValueError(f"{path}: {freq_V.shape[0]} entries but the vocabulary has {vocab_size}; "
+                         "recompute it with the tokenizer used for training")
+    return torch.from_numpy(freq_V.astype(np.float64))
+
+
+def frequency_weights(
+    token_ids_BT: torch.Tensor, freq_V: torch.Tensor, theta: float = 0.1, lam: float = 50.0
+) -> torch.Tensor:
+    """f(w) = max(theta, 1 - lam * freq(w)) per token -> w_BT in freq_V's dtype (no gradient)."""
+    freq_V = freq_V.to(token_ids_BT.device)
+    return torch.clamp(1.0 - lam * freq_V[token_ids_BT], min=theta)
+
+
+def reconstruction_loss(
+    x_BTD: torch.Tensor,
+    recon_BTD: torch.Tensor,
+    weight_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    detach_target: bool = False,
+) -> tuple[torch.Tensor, int, Metrics]:
+    """sum_b (1/N_b) sum_i w_bi * mean_d (x - x')^2 over sentences with N_b > 0 -> (loss_sum, count, metrics)."""
+    if x_BTD.shape != recon_BTD.shape or x_BTD.shape[:2] != weight_BT.shape or weight_BT.shape != mask_BT.shape:
+        raise ValueError(
+            f"reconstruction shapes disagree: x {tuple(x_BTD.shape)}, recon {tuple(recon_BTD.shape)}, "
+            f"weight {tuple(weight_BT.shape)}, mask {tuple(mask_BT.shape)}"
+        )
+    x_BTD = x_BTD.detach() if detach_target else x_BTD
+    dtype = torch.float64 if x_BTD.dtype == torch.float64 else torch.float32
+    mask_BT = mask_BT.to(dtype)
+    mse_BT = (recon_BTD.to(dtype) - x_BTD.to(dtype)).pow(2).mean(-1)
+    num_tokens_B = mask_BT.sum(-1)
+    has_tokens_B = num_tokens_B > 0
+    per_sentence_B = (weight_BT.to(dtype) * mse_BT * mask_BT).sum(-1) / num_tokens_B.clamp_min(1.0)
+    count = int(has_tokens_B.sum())
+    with torch.no_grad():
+        num_tok = int(num_tokens_B.sum())
+        metrics: Metrics = {"mse": ((mse_BT * mask_BT).sum(), num_tok)}
+    return (per_sentence_B * has_tokens_B).sum(), count, metrics
