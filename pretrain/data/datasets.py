@@ -17,6 +17,7 @@ import torch
 from pretrain.config.data import DataConfig
 from pretrain.data.augment import build_augmenter
 from pretrain.data.masking import mask_tokens
+from pretrain.data.shards import ShardedDataset
 
 
 def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
@@ -166,15 +167,15 @@ class BlendedDataset(torch.utils.data.Dataset):
 
 def build_dataset(cfg: DataConfig, tokenizer, *, seed: int, split: str = "train"):
     """Open cfg.sources (split='train') or cfg.valid (split='valid') as one dataset."""
-    from pretrain.data.shards import ShardedDataset  # written by the data-format area
-
     if split not in ("train", "valid"):
         raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
     sources = cfg.sources if split == "train" else cfg.valid
     if not sources:
         key = "data.sources" if split == "train" else "data.valid"
         raise ValueError(f"{key} is empty; list at least one dataset directory written by pretrain-preprocess")
-    datasets = [PretrainDataset(ShardedDataset(s.path), tokenizer, cfg, seed=seed) for s in sources]
+    sha = getattr(tokenizer, "sha256", None)  # ShardedDataset refuses data made with another tokenizer
+    datasets = [PretrainDataset(ShardedDataset(s.path, tokenizer_sha256=sha), tokenizer, cfg, seed=seed)
+                for s in sources]
     if len(datasets) == 1:
         return datasets[0]
     return BlendedDataset(datasets, [s.weight for s in sources], seed=seed)

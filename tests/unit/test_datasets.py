@@ -1,0 +1,174 @@
+"""Samples: packing of sentences, MLM sequence + views, determinism by key, blending by weight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pretrain.config.data import AugmentConfig, DataConfig, SourceConfig
+from pretrain.data.datasets import BlendedDataset, PretrainDataset, apportion, build_dataset, build_sample_index
+
+
+class FakeShards:
+    """Stand-in for ShardedDataset: sizes, doc_idx and sentence token arrays."""
+
+    def __init__(self, sentences: list[list[list[int]]]):
+        flat = [np.array(s, dtype=np.uint16) for doc in sentences for s in doc]
+        self._sents = flat
+        self.sizes = np.array([len(s) for s in flat], dtype=np.int32)
+        self.doc_idx = np.concatenate([[0], np.cumsum([len(d) for d in sentences])]).astype(np.int64)
+
+    def __len__(self):
+        return len(self._sents)
+
+    def __getitem__(self, i):
+        return self._sents[i]
+
+
+def random_docs(rng, num_docs, vocab_lo, vocab_hi, max_sent=12):
+    return [
+        [rng.integers(vocab_lo, vocab_hi, size=int(rng.integers(0, max_sent))).tolist()
+         for _ in range(int(rng.integers(1, 8)))]
+        for _ in range(num_docs)
+    ]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from pretrain.data.tokenizer import train_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    text = ("The quick brown fox jumps over the lazy dog. A big car drove fast down the happy road. "
+            "She was glad to see the large house and the small garden near the river.\n") * 30
+    (d / "corpus.txt").write_text(text)
+    return train_tokenizer([str(d / "corpus.txt")], str(d / "tok.json"), vocab_size=200, min_frequency=1)
+
+
+def reference_packing(sizes, doc_idx, budget):
+    """Independent formulation: walk all sentences once, closing a group at doc ends/overflow."""
+    groups, cur, used = [], [], 0
+    doc_of = np.searchsorted(doc_idx, np.arange(len(sizes)), side="right") - 1
+    for i, n in enumerate(sizes.tolist()):
+        if cur and (doc_of[i] != doc_of[cur[0]] or (n > 0 and used + n > budget)):
+            groups.append(cur)
+            cur, used = [], 0
+        if n == 0 and not cur:
+            continue
+        cur.append(i)
+        used += n
+    if cur:
+        groups.append(cur)
+    out = []
+    for g in groups:
+        if sum(sizes[j] for j in g) > 0:
+            out.append((g[0], g[-1] + 1))
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 5, 20])
+def test_sample_index_matches_reference_packing(budget):
+    docs = random_docs(np.random.default_rng(budget), 40, 6, 50)
+    src = FakeShards(docs)
+    first, end = build_sample_index(src.sizes, src.doc_idx, budget)
+    got = list(zip(first.tolist(), end.tolist()))
+    ref = reference_packing(src.sizes, src.doc_idx, budget)
+    # The reference keeps trailing empty sentences in the group, so compare on non-empty content.
+    strip = lambda ranges: [tuple(i for i in range(a, b) if src.sizes[i]) for a, b in ranges]
+    assert strip(got) == strip(ref)
+    nonempty = [i for i in range(len(src)) if src.sizes[i]]
+    assert sorted(i for g in strip(got) for i in g) == nonempty  # every sentence exactly once
+    for a, b in got:
+        doc = np.searchsorted(src.doc_idx, a, side="right") - 1
+        assert b <= src.doc_idx[doc + 1]  # never crosses a document
+        total = src.sizes[a:b].sum()
+        assert total <= budget or np.count_nonzero(src.sizes[a:b]) == 1
+
+
+def test_sample_contents(tokenizer):
+    docs = random_docs(np.random.default_rng(0), 30, 6, tokenizer.vocab_size, max_sent=40)
+    src = FakeShards(docs)
+    cfg = DataConfig(max_len=24, view_max_len=16, augment=AugmentConfig(methods="del-span+reorder"))
+    ds = PretrainDataset(src, tokenizer, cfg, seed=5)
+    for index in range(len(ds)):
+        s = ds[(2, index)]
+        text = np.concatenate([src[i] for i in range(ds.first_N[index], ds.end_N[index])]).astype(np.int64)[:22]
+        inp, lab = s["input_ids"], s["mlm_labels"]
+        assert inp[0] == tokenizer.cls_id and inp[-1] == tokenizer.sep_id and len(inp) == len(text) + 2 <= 24
+        body, lab_body = inp[1:-1], lab[1:-1]
+        sel = lab_body != -100
+        assert (lab[[0, -1]] == -100).all()
+        assert (lab_body[sel] == text[sel]).all() and (body[~sel] == text[~sel]).all()
+        for v in ("view_a", "view_b"):
+            view = s[v]
+            assert view[0] == tokenizer.cls_id and view[-1] == tokenizer.sep_id and len(view) <= 16
+            assert s[v].dtype == np.int64
+            # Views hold only the text's own tokens plus [DEL] (same multiset minus deleted words).
+            body_v = view[1:-1]
+            assert set(body_v.tolist()) - {tokenizer.del_id} <= set(text.tolist())
+
+
+def test_same_key_same_sample_and_noise_varies_with_epoch(tokenizer):
+    docs = random_docs(np.random.default_rng(1), 20, 6, tokenizer.vocab_size, max_sent=40)
+    cfg = DataConfig(max_len=64, view_max_len=64)
+    a = PretrainDataset(FakeShards(docs), tokenizer, cfg, seed=3)
+    b = PretrainDataset(FakeShards(docs), tokenizer, cfg, seed=3)
+    same = lambda x, y: all(np.array_equal(x[k], y[k]) for k in x)
+    assert all(same(a[(1, i)], b[(1, i)]) for i in range(len(a)))
+    assert not all(same(a[(0, i)], a[(1, i)]) for i in range(len(a)))
+    c = PretrainDataset(FakeShards(docs), tokenizer, cfg, seed=4)
+    assert not all(same(a[(0, i)], c[(0, i)]) for i in range(len(a)))
+    # Masking does not depend on whether views are built (independent streams).
+    nv = PretrainDataset(FakeShards(docs), tokenizer, cfg, seed=3, with_views=False)
+    assert "view_a" not in nv[(0, 0)]
+    assert all(np.array_equal(nv[(0, i)]["input_ids"], a[(0, i)]["input_ids"]) for i in range(len(a)))
+
+
+def test_apportion_and_blended_interleave(tokenizer):
+    assert apportion(10, [1, 1, 1]).tolist() == [4, 3, 3]
+    assert apportion(7, [0.5, 0.25, 0.25]).sum() == 7
+    cfg = DataConfig(max_len=16, view_max_len=16)
+    rng = np.random.default_rng(2)
+    parts = [PretrainDataset(FakeShards(random_docs(rng, n, 6, tokenizer.vocab_size)), tokenizer, cfg, seed=1)
+             for n in (30, 10)]
+    weights = [0.25, 0.75]
+    blend = BlendedDataset(parts, weights, seed=9)
+    total = len(parts[0]) + len(parts[1])
+    assert len(blend) == total
+    counts = apportion(total, weights)
+    # Every prefix holds each source in proportion to its weight, within one sample or two.
+    seen = np.zeros(2)
+    for i in range(total):
+        seen[blend.source_N[i]] += 1
+        assert np.abs(seen - (i + 1) * counts / total).max() <= 1.0 + 1e-9
+    # Over consecutive epochs a source's positions form consecutive windows covering all its samples.
+    for s in (0, 1):
+        positions = [blend.locate(e, i)[1] for e in range(4) for i in range(total) if blend.source_N[i] == s]
+        start = blend.offset_S[s]
+        assert positions == list(range(start, start + 4 * counts[s]))
+    sample = blend[(0, 3)]
+    s, pos = blend.locate(0, 3)
+    assert sample["source"] == s
+    assert np.array_equal(sample["input_ids"], parts[s][(0, pos)]["input_ids"])
+    # A position past the source's end reuses that text with fresh noise.
+    n = len(parts[s])
+    again = parts[s][(0, pos + n)]
+    assert np.array_equal(np.where(again["mlm_labels"] != -100, again["mlm_labels"], again["input_ids"]),
+                          np.where(sample["mlm_labels"] != -100, sample["mlm_labels"], sample["input_ids"]))
+
+
+def test_build_dataset_from_preprocessed_shards(tmp_path, tokenizer):
+    from pretrain.data.preprocess import preprocess
+
+    lines = ["The quick brown fox jumps over the lazy dog. A big car drove fast down the road.",
+             "", "She was glad to see the large house. The small garden was near the river."]
+    (tmp_path / "a.txt").write_text("\n".join(lines * 5) + "\n")
+    preprocess([str(tmp_path / "a.txt")], str(tmp_path / "ds"), tokenizer.path, progress=False)
+    cfg = DataConfig(tokenizer=tokenizer.path, max_len=32, view_max_len=32,
+                     sources=[SourceConfig(name="a", path=str(tmp_path / "ds")),
+                              SourceConfig(name="b", path=str(tmp_path / "ds"), weight=3.0)])
+    blend = build_dataset(cfg, tokenizer, seed=0)
+    assert isinstance(blend, BlendedDataset) and len(blend) == 2 * len(blend.datasets[0]) > 0
+    s = blend[(0, 0)]
+    assert s["input_ids"][0] == tokenizer.cls_id and "view_b" in s
+    with pytest.raises(ValueError, match="data.valid"):
+        build_dataset(cfg, tokenizer, seed=0, split="valid")
