@@ -13,7 +13,7 @@ from pathlib import Path
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("similarity_ops.cpp", "similarity_kernels.cu")
-NVCC_FLAGS = ("-O3", "--use_fast_math", "-std=c++17", "-lineinfo")
+NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo")  # torch picks the C++ standard
 
 
 def _registered() -> bool:
@@ -56,7 +56,7 @@ def build_jit(verbose: bool = False, build_dir: str | None = None) -> None:
     cpp_extension.load(
         name="pretrain_cuda_jit",
         sources=[str(p) for p in sources],
-        extra_cflags=["-O3", "-std=c++17"],
+        extra_cflags=["-O3"],
         extra_cuda_cflags=list(NVCC_FLAGS),
         build_directory=build_dir,
         is_python_module=False,
