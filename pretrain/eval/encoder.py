@@ -9,6 +9,7 @@ Legend: B batch, T tokens, D hidden size, N sentences.
 from __future__ import annotations
 
 import inspect
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -129,9 +130,8 @@ def _looks_like_hf_dir(p: Path) -> bool:
 def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu"):
     """(model, tokenizer) from our checkpoint, a convert_to_hf dir or any HF BERT dir.
 
-    backend: "pretrain" = our PretrainModel (HF dirs via pretrain.checkpoint.hf.load_hf);
-    "transformers" = transformers.AutoModel (reference); "auto" = pretrain, falling back to
-    transformers only when our HF import is not available.
+    backend "pretrain"/"auto": our PretrainModel (HF dirs through pretrain.checkpoint.hf);
+    "transformers": transformers.AutoModel, the reference path (HF dirs only).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -144,16 +144,9 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu"):
 
             model, tok = load_hf_backbone(p)
         else:
-            try:
-                from pretrain.checkpoint.hf import load_hf
-            except ImportError:
-                if backend == "pretrain":
-                    raise
-                from pretrain.eval.hf_backend import load_hf_backbone
-
-                model, tok = load_hf_backbone(p)
-            else:
-                model, tok = load_hf(str(p))
+            model, tok = _load_hf_ours(p)
+    elif p.is_dir() and (p / "config.yaml").is_file() and (p / "model.safetensors").is_file():
+        model, tok = _load_init_dir(p)
     else:
         if backend == "transformers":
             raise ValueError(f"{p} is not a HF model dir (no config.json); use backend 'pretrain'")
@@ -161,30 +154,62 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu"):
     return model.to(device), tok
 
 
-def _load_our_checkpoint(p: Path):
-    """Our training checkpoint -> (PretrainModel, tokenizer) via the run config stored in it."""
-    from pretrain.checkpoint.store import load_model_state
+def _load_hf_ours(p: Path):
+    """HF BERT dir -> our PretrainModel; the tokenizer is ours when its specials fit, else HF's."""
+    import tempfile
+
+    from pretrain.checkpoint.hf import load_hf_model, write_clean_tokenizer
+    from pretrain.data.tokenizer import load_tokenizer
+    from pretrain.eval.hf_backend import HFTokenizer
+
+    model = load_hf_model(str(p))
+    try:
+        tok_dir = tempfile.mkdtemp(prefix="pretrain-eval-tokenizer-")
+        return model, load_tokenizer(write_clean_tokenizer(p, f"{tok_dir}/tokenizer.json"))
+    except ValueError as e:  # e.g. BERT's vocab puts [UNK] at 100; our Tokenizer wants specials at 0..5
+        warnings.warn(f"using the transformers tokenizer of {p} ({e})", stacklevel=3)
+        return model, HFTokenizer(p)
+
+
+def _build_from(model_cfg_dict: dict, state: dict, tokenizer_path: str, where: Path):
+    from dataclasses import replace
+
     from pretrain.config.loader import from_dict
-    from pretrain.config.run import RunConfig
+    from pretrain.config.model import ModelConfig
     from pretrain.data.tokenizer import load_tokenizer
     from pretrain.model import build_model
 
-    state, cfg_dict = load_model_state(str(p))
-    cfg = from_dict(RunConfig, cfg_dict)
-    if not cfg.data.tokenizer or not Path(cfg.data.tokenizer).exists():
-        raise FileNotFoundError(
-            f"checkpoint {p} names tokenizer {cfg.data.tokenizer!r}, which is missing; "
-            "convert it with pretrain-convert or run from the original run directory"
-        )
-    tok = load_tokenizer(cfg.data.tokenizer)
-    model_cfg = cfg.model
-    if model_cfg.vocab_size == 0:
-        from dataclasses import replace
-
-        model_cfg = replace(model_cfg, vocab_size=tok.vocab_size)
-    model = build_model(model_cfg)
-    model.load_state_dict(state, strict=False)
+    if not tokenizer_path or not Path(tokenizer_path).exists():
+        raise FileNotFoundError(f"{where} names tokenizer {tokenizer_path!r}, which is missing; "
+                                "convert it with pretrain-convert or keep the run directory intact")
+    tok = load_tokenizer(tokenizer_path)
+    cfg = from_dict(ModelConfig, model_cfg_dict, "model")
+    if cfg.vocab_size == 0:
+        cfg = replace(cfg, vocab_size=tok.vocab_size)
+    model = build_model(cfg)
+    missing = [k for k in model.load_state_dict(state, strict=False).missing_keys if k.startswith("encoder.")]
+    if missing:
+        raise ValueError(f"{where} lacks encoder weights {missing[:3]}...; is it a complete checkpoint?")
     return model, tok
+
+
+def _load_our_checkpoint(p: Path):
+    """Our training checkpoint (run dir, checkpoints/ or a tag dir) -> (PretrainModel, tokenizer)."""
+    from pretrain.checkpoint.store import load_model_state
+
+    state, cfg = load_model_state(str(p))
+    return _build_from(cfg.get("model", {}), state, cfg.get("data", {}).get("tokenizer", ""), p)
+
+
+def _load_init_dir(p: Path):
+    """A `pretrain-convert from-hf` init dir: model.safetensors + config.yaml + tokenizer.json."""
+    import yaml
+
+    from pretrain.checkpoint.hf import load_init_weights
+
+    cfg = yaml.safe_load((p / "config.yaml").read_text(encoding="utf-8"))
+    tok = cfg.get("data", {}).get("tokenizer", "") or str(p / "tokenizer.json")
+    return _build_from(cfg.get("model", {}), load_init_weights(str(p)), tok, p)
 
 
 def load_sentence_encoder(path: str | Path, pooling: str, *, backend: str = "auto", max_len: int = 128,
