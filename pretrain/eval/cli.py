@@ -1,0 +1,128 @@
+"""`pretrain-eval`: STS (7 tasks, both conventions), SentEval transfer, alignment/uniformity, ranking.
+
+    pretrain-eval --model runs/x --pooling cls_before_pooler --data-dir ../shared/data --out runs/x/eval
+Writes <out>/eval.json (everything) and <out>/eval.md (tables in the papers' layouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from pretrain.eval import sts
+
+SUITES = ("sts", "transfer", "align", "ranking")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pretrain-eval", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="our checkpoint, a pretrain-convert dir, or a HF BERT dir")
+    p.add_argument("--pooling", default="cls_before_pooler",
+                   choices=["cls", "cls_before_pooler", "mean", "first_last_avg"])
+    p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
+    p.add_argument("--data-dir", default="../shared/data")
+    p.add_argument("--suites", default="sts,align,ranking", help=f"comma list of {SUITES} or 'all'")
+    p.add_argument("--sts-tasks", default=",".join(sts.TASKS))
+    p.add_argument("--transfer-tasks", default="MR,CR,SUBJ,MPQA,SST2,TREC,MRPC")
+    p.add_argument("--variant", default="senteval", choices=list(sts.VARIANTS),
+                   help="STS copy: SentEval's tokenized one (papers) or the untokenized originals")
+    p.add_argument("--inner-kfold", type=int, default=10, help="transfer: inner model-selection folds")
+    p.add_argument("--mrpc-features", default="uv_absdiff_prod", choices=["uv_absdiff_prod", "senteval"])
+    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave)")
+    p.add_argument("--name", default=None, help="row label in the tables (default: model path)")
+    p.add_argument("--out", default=None, help="output directory (default: print only)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks=None, variant="senteval",
+             classifier_cfg=None, log=print) -> dict:
+    """All requested suites for one encode_fn -> results dict (JSON-serialisable)."""
+    from pretrain.eval.ranking import ranking_metrics
+
+    res: dict = {"variant": variant}
+    timings = {}
+    if "sts" in suites or "ranking" in suites:
+        t0 = time.time()
+        sts_res, sims = sts.evaluate_sts(encode_fn, data_dir, sts_tasks, variant, return_sims=True)
+        timings["sts"] = time.time() - t0
+        if "sts" in suites:
+            res["sts"] = sts_res
+            for t in sts_tasks:
+                log(f"[sts] {t}: all {sts_res[t]['spearman']['all']:.2f} mean {sts_res[t]['spearman']['mean']:.2f} "
+                    f"wmean {sts_res[t]['spearman']['wmean']:.2f}")
+        if "ranking" in suites:
+            res["ranking"] = {t: ranking_metrics(task, s) for t, (task, s) in sims.items()}
+    if "align" in suites:
+        from pretrain.eval.alignment_uniformity import stsb_alignment_uniformity
+
+        res["align_uniform"] = stsb_alignment_uniformity(encode_fn, data_dir, variant)
+        log(f"[align] {res['align_uniform']}")
+    if "transfer" in suites:
+        from pretrain.eval.senteval import evaluate_transfer
+
+        t0 = time.time()
+        res["transfer"] = evaluate_transfer(encode_fn, data_dir, transfer_tasks, classifier_cfg, log=log)
+        timings["transfer"] = time.time() - t0
+    res["timings_s"] = timings
+    return res
+
+
+def markdown_report(name: str, res: dict) -> str:
+    from pretrain.eval.ranking import ranking_markdown_table
+    from pretrain.eval.senteval import transfer_markdown_table
+
+    parts = []
+    if "sts" in res:
+        parts += [f"### STS (Spearman ×100, cosine; {res['variant']} copy)", "",
+                  sts.sts_markdown_table({name: res["sts"]}),
+                  "all = subsets concatenated (SimCSE); mean / wmean = SentEval's per-subset mean / "
+                  "size-weighted mean. STS-B and SICK-R: test sets.", ""]
+    if "transfer" in res:
+        parts += ["### SentEval transfer (accuracy)", "", transfer_markdown_table({name: res["transfer"]})]
+    if "align_uniform" in res:
+        au = res["align_uniform"]
+        parts += ["### Alignment / uniformity (STS-B dev)", "", "| Model | align | uniform |", "|---|---|---|",
+                  f"| {name} | {au['align']:.4f} | {au['uniform']:.4f} |", ""]
+    if "ranking" in res:
+        parts += ["### Ranking (RankCSE appendix G)", "", ranking_markdown_table({name: res["ranking"]})]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from pretrain.eval.encoder import load_sentence_encoder
+    from pretrain.eval.senteval import ClassifierConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    suites = SUITES if args.suites == "all" else tuple(s.strip() for s in args.suites.split(","))
+    for s in suites:
+        if s not in SUITES:
+            raise SystemExit(f"unknown suite {s!r}; choose from {SUITES} or 'all'")
+    enc = load_sentence_encoder(args.model, args.pooling, backend=args.backend, max_len=args.max_len,
+                                batch_size=args.batch_size, device=args.device, progress=not args.no_progress)
+    cfg = ClassifierConfig(inner_kfold=args.inner_kfold, mrpc_features=args.mrpc_features)
+    res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
+                   transfer_tasks=[t for t in args.transfer_tasks.split(",") if t], variant=args.variant,
+                   classifier_cfg=cfg)
+    res["args"] = vars(args)
+    name = args.name or str(args.model)
+    report = markdown_report(name, res)
+    print(report)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.json").write_text(json.dumps(res, indent=1))
+        (out / "eval.md").write_text(report)
+
+
+if __name__ == "__main__":
+    main()

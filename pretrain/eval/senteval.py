@@ -1,0 +1,208 @@
+"""SentEval transfer tasks: MR, CR, SUBJ, MPQA, SST-2, TREC, MRPC; logistic regression on frozen embeddings.
+
+Protocol (SentEval's): MR/CR/SUBJ/MPQA — nested stratified 10-fold CV (the L2 strength C is chosen by an
+inner k-fold on each outer training part); TREC, MRPC — C chosen by k-fold CV on train, refit, test
+accuracy; SST-2 — C chosen on dev, test accuracy. Files are read as SentEval does (latin-1 for the
+single-sentence tasks and TREC, utf-8 for SST and MRPC; `str.splitlines`, empty lines kept).
+
+Legend: N examples, D embedding size, F feature size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pretrain.eval.encoder import EncodeFn
+
+TASKS = ("MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC")
+TREC_CLASSES = ("ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM")
+BINARY_FILES = {
+    "MR": ("MR/rt-polarity.pos", "MR/rt-polarity.neg"),
+    "CR": ("CR/custrev.pos", "CR/custrev.neg"),
+    "SUBJ": ("SUBJ/subj.subjective", "SUBJ/subj.objective"),
+    "MPQA": ("MPQA/mpqa.pos", "MPQA/mpqa.neg"),
+}
+"""(label-1 file, label-0 file) under <data>/senteval/."""
+
+
+@dataclass(kw_only=True)
+class ClassifierConfig:
+    c_grid: tuple[float, ...] = tuple(2.0**t for t in range(-2, 4))
+    """Inverse L2 strengths tried (SentEval's sklearn grid 2^-2 … 2^3)."""
+    kfold: int = 10
+    inner_kfold: int = 10
+    """Folds of the inner model selection (SentEval uses kfold again; fewer is faster)."""
+    seed: int = 1111
+    max_iter: int = 200
+    mrpc_features: str = "uv_absdiff_prod"
+    """'uv_absdiff_prod' = [u, v, |u-v|, u*v]; 'senteval' = [|u-v|, u*v] as in SentEval's mrpc.py."""
+
+    def __post_init__(self) -> None:
+        if self.kfold < 2 or self.inner_kfold < 2:
+            raise ValueError(f"kfold and inner_kfold must be >= 2, got {self.kfold}, {self.inner_kfold}")
+        if self.mrpc_features not in ("uv_absdiff_prod", "senteval"):
+            raise ValueError(f"mrpc_features must be 'uv_absdiff_prod' or 'senteval', got {self.mrpc_features!r}")
+
+
+@dataclass(kw_only=True)
+class TransferData:
+    """Sentences and labels per split; `pairs` tasks hold (a, b) per example."""
+
+    splits: dict[str, tuple[list, np.ndarray]] = field(default_factory=dict)
+    pairs: bool = False
+
+
+def _read(path: Path, encoding: str) -> list[str]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; point --data-dir at the shared data (senteval/ inside)")
+    with open(path, encoding=encoding) as f:
+        return f.read().splitlines()
+
+
+def _join(line: str) -> str:
+    return " ".join(line.split())
+
+
+def load_transfer_task(data_dir: str | Path, name: str) -> TransferData:
+    """Read one task from <data_dir>/senteval/ into splits ('all' for CV tasks; train/dev/test else)."""
+    root = Path(data_dir) / "senteval"
+    if name in BINARY_FILES:
+        pos, neg = (_read(root / f, "latin-1") for f in BINARY_FILES[name])
+        x = [_join(s) for s in pos + neg]
+        y = np.asarray([1] * len(pos) + [0] * len(neg), dtype=np.int64)
+        return TransferData(splits={"all": (x, y)})
+    if name == "SST2":
+        out = {}
+        for split in ("train", "dev", "test"):
+            rows = [ln.strip().split("\t") for ln in _read(root / "SST/binary" / f"sentiment-{split}", "utf-8")]
+            rows = [r for r in rows if len(r) == 2]
+            out[split] = ([_join(r[0]) for r in rows], np.asarray([int(r[1]) for r in rows], dtype=np.int64))
+        return TransferData(splits=out)
+    if name == "TREC":
+        out = {}
+        for split, fname in (("train", "train_5500.label"), ("test", "TREC_10.label")):
+            x, y = [], []
+            for ln in _read(root / "TREC" / fname, "latin-1"):
+                if not ln.strip():
+                    continue
+                target, rest = ln.strip().split(":", 1)
+                x.append(_join(rest.split(" ", 1)[1]))
+                y.append(TREC_CLASSES.index(target))
+            out[split] = (x, np.asarray(y, dtype=np.int64))
+        return TransferData(splits=out)
+    if name == "MRPC":
+        out = {}
+        for split in ("train", "test"):
+            lines = _read(root / "MRPC" / f"msr_paraphrase_{split}.txt", "utf-8")[1:]
+            rows = [ln.strip().split("\t") for ln in lines if ln.strip()]
+            pairs = [(_join(r[3]), _join(r[4])) for r in rows]
+            out[split] = (pairs, np.asarray([int(r[0]) for r in rows], dtype=np.int64))
+        return TransferData(splits=out, pairs=True)
+    raise ValueError(f"unknown transfer task {name!r}; choose one of {TASKS}")
+
+
+def pair_features(u_ND: np.ndarray, v_ND: np.ndarray, kind: str) -> np.ndarray:
+    """MRPC features: [u, v, |u-v|, u*v] or SentEval's [|u-v|, u*v]."""
+    if kind == "senteval":
+        return np.concatenate([np.abs(u_ND - v_ND), u_ND * v_ND], axis=1)
+    return np.concatenate([u_ND, v_ND, np.abs(u_ND - v_ND), u_ND * v_ND], axis=1)
+
+
+def _fit_score(x_tr, y_tr, x_te, y_te, c: float, cfg: ClassifierConfig) -> float:
+    from sklearn.linear_model import LogisticRegression
+
+    clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=cfg.seed)
+    clf.fit(x_tr, y_tr)
+    return float(clf.score(x_te, y_te))
+
+
+def select_c(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig, folds: int) -> tuple[float, float]:
+    """Best C by stratified k-fold accuracy: (C, its mean validation accuracy)."""
+    from sklearn.model_selection import StratifiedKFold
+
+    skf = StratifiedKFold(n_splits=folds, shuffle=True, random_state=cfg.seed)
+    splits = list(skf.split(x_NF, y_N))
+    scores = [np.mean([_fit_score(x_NF[tr], y_N[tr], x_NF[va], y_N[va], c, cfg) for tr, va in splits])
+              for c in cfg.c_grid]
+    best = int(np.argmax(scores))
+    return cfg.c_grid[best], float(scores[best])
+
+
+def nested_cv_accuracy(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig) -> dict:
+    """SentEval's InnerKFoldClassifier: mean outer-fold test accuracy ×100, C chosen per outer fold."""
+    from sklearn.model_selection import StratifiedKFold
+
+    skf = StratifiedKFold(n_splits=cfg.kfold, shuffle=True, random_state=cfg.seed)
+    accs, dev_accs = [], []
+    for tr, te in skf.split(x_NF, y_N):
+        c, dev = select_c(x_NF[tr], y_N[tr], cfg, cfg.inner_kfold)
+        dev_accs.append(dev)
+        accs.append(_fit_score(x_NF[tr], y_N[tr], x_NF[te], y_N[te], c, cfg))
+    return {"acc": 100 * float(np.mean(accs)), "devacc": 100 * float(np.mean(dev_accs)), "n": int(len(y_N))}
+
+
+def train_test_accuracy(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig, x_dev=None, y_dev=None) -> dict:
+    """C by dev accuracy (when given) else k-fold CV on train; refit on train; test accuracy ×100."""
+    if x_dev is not None:
+        scores = [_fit_score(x_tr, y_tr, x_dev, y_dev, c, cfg) for c in cfg.c_grid]
+        c, dev = cfg.c_grid[int(np.argmax(scores))], max(scores)
+    else:
+        c, dev = select_c(x_tr, y_tr, cfg, cfg.kfold)
+    from sklearn.linear_model import LogisticRegression
+
+    clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=cfg.seed).fit(x_tr, y_tr)
+    pred = clf.predict(x_te)
+    out = {"acc": 100 * float(np.mean(pred == y_te)), "devacc": 100 * dev, "C": c, "n": int(len(y_te))}
+    if len(np.unique(y_tr)) == 2:
+        tp = np.sum((pred == 1) & (y_te == 1))
+        out["f1"] = 100 * float(2 * tp / max(1, 2 * tp + np.sum(pred != y_te)))
+    return out
+
+
+def _embed(encode_fn: EncodeFn, sentences: list[str]) -> np.ndarray:
+    uniq = sorted(set(sentences))
+    emb = np.asarray(encode_fn(uniq), dtype=np.float64)
+    index = {s: i for i, s in enumerate(uniq)}
+    return emb[[index[s] for s in sentences]]
+
+
+def evaluate_transfer_task(encode_fn: EncodeFn, data: TransferData, cfg: ClassifierConfig) -> dict:
+    """Accuracy ×100 (and dev accuracy / chosen C) of one loaded task."""
+    feats = {}
+    for split, (x, y) in data.splits.items():
+        if data.pairs:
+            u, v = _embed(encode_fn, [a for a, _ in x]), _embed(encode_fn, [b for _, b in x])
+            feats[split] = (pair_features(u, v, cfg.mrpc_features), y)
+        else:
+            feats[split] = (_embed(encode_fn, x), y)
+    if "all" in feats:
+        return nested_cv_accuracy(*feats["all"], cfg)
+    dev = feats.get("dev", (None, None))
+    return train_test_accuracy(*feats["train"], *feats["test"], cfg, x_dev=dev[0], y_dev=dev[1])
+
+
+def evaluate_transfer(encode_fn: EncodeFn, data_dir: str | Path, tasks=TASKS,
+                      cfg: ClassifierConfig | None = None, log=None) -> dict:
+    """{task: {acc, devacc, ...}, 'avg': mean test accuracy over the tasks}."""
+    cfg = cfg or ClassifierConfig()
+    out = {}
+    for name in tasks:
+        out[name] = evaluate_transfer_task(encode_fn, load_transfer_task(data_dir, name), cfg)
+        if log:
+            log(f"[senteval] {name}: acc {out[name]['acc']:.2f}")
+    out["avg"] = float(np.mean([out[t]["acc"] for t in tasks]))
+    return out
+
+
+def transfer_markdown_table(rows: dict[str, dict]) -> str:
+    """MR CR SUBJ MPQA SST-2 TREC MRPC Avg. (accuracy ×100), one line per model."""
+    names = {"SST2": "SST-2"}
+    lines = ["| Model | " + " | ".join(names.get(t, t) for t in TASKS) + " | Avg. |", "|" + "---|" * (len(TASKS) + 2)]
+    for model, res in rows.items():
+        cells = [f"{res[t]['acc']:.2f}" if t in res else "–" for t in TASKS]
+        avg = f"{res['avg']:.2f}" if all(t in res for t in TASKS) else "–"
+        lines.append(f"| {model} | " + " | ".join(cells) + f" | {avg} |")
+    return "\n".join(lines) + "\n"
