@@ -19,12 +19,13 @@ from pretrain.checkpoint.hf import (
     export_hf,
     load_hf_model,
     load_init_weights,
+    model_with_state,
     write_clean_tokenizer,
     write_init_dir,
 )
 from pretrain.config.loader import from_dict
 from pretrain.config.model import ModelConfig
-from pretrain.model import POOLINGS, TIED_KEYS, PretrainModel, build_model
+from pretrain.model import POOLINGS, PretrainModel
 
 __all__ = ["from_hf", "load_checkpoint_model", "load_init_weights", "main", "model_from_state", "to_hf"]
 
@@ -38,15 +39,7 @@ def model_from_state(state: dict, model_cfg: dict) -> PretrainModel:
     if word is None:
         raise ValueError("state dict has no encoder.embeddings.word.weight; is it a PretrainModel checkpoint?")
     cfg = dataclasses.replace(cfg, vocab_size=word.shape[0], pooler="pooler.dense.weight" in state)
-    model = build_model(cfg)
-    try:
-        missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    except RuntimeError as e:
-        raise ValueError(f"checkpoint weights do not fit its model config: {str(e).splitlines()[-1].strip()}") from None
-    missing = [k for k in missing if k not in TIED_KEYS]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match its model config: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    return model
+    return model_with_state(cfg, state, source="checkpoint", required_prefixes=("",))
 
 
 def load_checkpoint_model(checkpoint: str) -> tuple[PretrainModel, dict]:
@@ -73,6 +66,8 @@ def to_hf(
     overwrite: bool = False,
 ) -> None:
     """Export one of our checkpoints as a HF BERT + sentence-transformers directory."""
+    if Path(out_dir).exists() and not overwrite:
+        raise ValueError(f"{out_dir} already exists; remove it or pass --overwrite")
     model, config = load_checkpoint_model(checkpoint)
     tokenizer = (config.get("data") or {}).get("tokenizer")
     if not tokenizer:
@@ -86,6 +81,8 @@ def from_hf(hf_dir: str, out: str, *, overwrite: bool = False) -> None:
     """Turn a HF BERT directory into an init directory (``checkpoint.init_from=OUT``)."""
     import tempfile
 
+    if Path(out).exists() and not overwrite:
+        raise ValueError(f"{out} already exists; remove it or pass --overwrite")
     model = load_hf_model(hf_dir)
     with tempfile.TemporaryDirectory() as tmp:
         tok = write_clean_tokenizer(hf_dir, Path(tmp) / "tokenizer.json")

@@ -18,6 +18,7 @@ import torch
 
 from pretrain.config.model import ModelConfig
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
+from pretrain.model.init import init_bert_weights
 
 # (ours, hf) per parameter; "{}" is the layer index. HF names are BertForMaskedLM's.
 _LAYER_MODULES = [
@@ -363,19 +364,33 @@ def load_hf_model(hf_dir: str | os.PathLike) -> PretrainModel:
     if (d / PROJECTION_FILE).is_file():
         ours.update(load_file(str(d / PROJECTION_FILE)))
     cfg = replace(cfg, pooler="pooler.dense.weight" in ours)
-    model = build_model(cfg)
-    expected = set(model.state_dict())
-    required = {k for k in expected if k.startswith("encoder.")}
-    missing_required = sorted(required - set(ours))
-    if missing_required:
+    return model_with_state(cfg, ours, source=str(d), required_prefixes=("encoder.",))
+
+
+def model_with_state(
+    cfg: ModelConfig, state: dict, *, source: str, required_prefixes: tuple[str, ...] = ("encoder.",)
+) -> PretrainModel:
+    """PretrainModel(cfg) holding ``state`` (our names; tensors are taken over, not copied).
+
+    Keys under ``required_prefixes`` must all be present (ValueError otherwise); missing MLM-head
+    weights are freshly initialised with a warning, missing projection weights silently.
+    """
+    model = build_model(cfg, init=False)
+    expected = model.state_dict()
+    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state) - set(TIED_KEYS))
+    bad_shape = [k for k in state if k in expected and state[k].shape != expected[k].shape]
+    if unexpected or bad_shape or any(k.startswith(required_prefixes) for k in missing):
         raise ValueError(
-            f"{d} is missing encoder weights {', '.join(missing_required[:4])}...; is it a complete BERT checkpoint?"
+            f"{source} does not fit the model its config describes: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}, wrong shape {bad_shape[:4]}; is it a complete BERT/PretrainModel checkpoint?"
         )
-    missing_head = sorted(k for k in expected - set(ours) - set(TIED_KEYS) if k.startswith(MLM_HEAD_PREFIX))
-    if missing_head:
-        warnings.warn(f"{d} has no MLM head weights; the MLM head is freshly initialised", stacklevel=2)
-    result = model.load_state_dict({k: v.float() for k, v in ours.items()}, strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
+    model.tie_weights()
+    for name in sorted({k.split(".")[0] for k in missing}):
+        if name == "mlm_head":
+            warnings.warn(f"{source} has no MLM head weights; the MLM head is freshly initialised", stacklevel=3)
+        init_bert_weights(getattr(model, name), cfg.init_std)
     return model
 
 

@@ -9,9 +9,8 @@ from torch import nn
 def init_bert_weights(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
     """Initialise ``module`` and all submodules in place, as BERT does.
 
-    Linear/Embedding weights ~ N(0, std), biases 0, LayerNorm weight 1 and bias 0.
-    A tied parameter is drawn once (through its first owner). Parameters a module owns
-    directly (e.g. the MLM output bias) are that module's business.
+    Linear/Embedding weights ~ N(0, std), every bias 0, LayerNorm weight 1 and bias 0.
+    A tied parameter is drawn once (through its first owner).
     """
     seen: set[int] = set()
 
@@ -33,3 +32,7 @@ def init_bert_weights(module: nn.Module, std: float, generator: torch.Generator 
                     nn.init.ones_(m.weight)
                 if fresh(m.bias):
                     nn.init.zeros_(m.bias)
+            else:  # a bias a module owns directly (the MLM output bias) starts at zero too
+                bias = m._parameters.get("bias")
+                if bias is not None and fresh(bias):
+                    nn.init.zeros_(bias)

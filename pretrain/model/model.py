@@ -34,6 +34,10 @@ class PretrainModel(nn.Module):
         self.mlm_head = MLMHead(cfg, self.encoder.embeddings.word.weight)
         self.projection = ProjectionHead(cfg)
 
+    def tie_weights(self) -> None:
+        """(Re-)tie the MLM decoder to the word embeddings (after to_empty or load_state_dict(assign=True))."""
+        self.mlm_head.decoder.weight = self.encoder.embeddings.word.weight
+
     def encode(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, all_layers: bool = False
     ) -> torch.Tensor | list[torch.Tensor]:
@@ -65,12 +69,15 @@ class PretrainModel(nn.Module):
         return self.projection(e_BD)
 
 
-def build_model(cfg: ModelConfig, *, seed: int | None = None) -> PretrainModel:
-    """A freshly initialised PretrainModel (BERT init; ``seed`` gives a private generator,
-    otherwise torch's default generator is used)."""
-    model = PretrainModel(cfg)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    init_bert_weights(model, cfg.init_std, generator=generator)
-    with torch.no_grad():
-        model.mlm_head.bias.zero_()
+def build_model(cfg: ModelConfig, *, seed: int | None = None, init: bool = True) -> PretrainModel:
+    """A PretrainModel with BERT's init (``seed`` gives a private generator, otherwise torch's
+    default generator is used). ``init=False`` only allocates (for loading weights right after)."""
+    # Built on the meta device and then allocated, so nn's own default init is not run for nothing.
+    with torch.device("meta"):
+        model = PretrainModel(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    if init:
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        init_bert_weights(model, cfg.init_std, generator=generator)
     return model
