@@ -17,6 +17,7 @@ deleted word becomes one [DEL]. Rounding is half-up; spans are at least one word
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -27,11 +28,12 @@ from pretrain.data.wordnet import check_wordnet_dir, load_synonyms
 METHODS = ("del-word", "del-span", "reorder", "subs", "none")
 MAX_SYNONYM_CACHE = 500_000
 
-SynonymLookup = Callable[[np.ndarray], Sequence[np.ndarray]]
+SynonymLookup = Callable[[tuple[int, ...]], Sequence[np.ndarray]]
+"""Word (token ids) -> its synonyms as token arrays (empty when it has none)."""
 
 
 def round_half_up(x: float) -> int:
-    return int(np.floor(x + 0.5))
+    return math.floor(x + 0.5)
 
 
 def word_starts(ids_T: np.ndarray, word_start_V: np.ndarray) -> np.ndarray:
@@ -148,15 +150,19 @@ def substitute_synonyms(
     num_words = len(starts_W)
     if num_words == 0:
         return np.array(ids_T, dtype=np.int64)
-    bounds = np.append(starts_W, len(ids_T)).tolist()
-    pieces = [np.asarray(ids_T[bounds[w] : bounds[w + 1]], dtype=np.int64) for w in range(num_words)]
-    options = [lookup(p) for p in pieces]
+    ids_T = np.asarray(ids_T, dtype=np.int64)
+    ids_l = ids_T.tolist()
+    bounds = starts_W.tolist() + [len(ids_l)]
+    options = [lookup(tuple(ids_l[bounds[w] : bounds[w + 1]])) for w in range(num_words)]
     candidates_C = np.array([w for w in range(num_words) if len(options[w])], dtype=np.int64)
     k = min(len(candidates_C), round_half_up(rate * num_words))
     if k == 0:
-        return np.array(ids_T, dtype=np.int64)
+        return ids_T.copy()
+    pieces, done = [], 0
     for w in np.sort(rng.choice(candidates_C, size=k, replace=False)).tolist():
-        pieces[w] = options[w][int(rng.integers(len(options[w])))]
+        pieces += [ids_T[done : bounds[w]], options[w][int(rng.integers(len(options[w])))]]
+        done = bounds[w + 1]
+    pieces.append(ids_T[done:])
     return np.concatenate(pieces)
 
 
@@ -170,11 +176,12 @@ class Augmenter:
         self.word_start_V[del_id] = True  # a merged [DEL] is a word of its own
         self.del_id = del_id
         self.tokenizer = tokenizer if "subs" in methods else None
-        self._cache: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+        self._cache: dict[tuple[int, ...], Sequence[np.ndarray]] = {}
+        self._encoded: dict[str, np.ndarray | None] = {}
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_cache"] = {}  # rebuilt lazily in each worker
+        state["_cache"], state["_encoded"] = {}, {}  # rebuilt lazily in each worker
         return state
 
     def __call__(self, ids_T: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -197,26 +204,45 @@ class Augmenter:
         # Reordering can bring two [DEL]s together; the paper's rule holds for the final view.
         return merge_deletions(out_T, self.del_id)
 
-    def synonyms_of(self, word_T: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Token arrays of the WordNet synonyms of one word (cached; WordNet loaded once per process)."""
-        key = tuple(word_T.tolist())
+    def synonyms_of(self, key: tuple[int, ...]) -> Sequence[np.ndarray]:
+        """The WordNet synonyms of one word as token arrays, tokenized on first use (cached per process)."""
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         if len(self._cache) >= MAX_SYNONYM_CACHE:
             self._cache.clear()
-        tok = self.tokenizer
-        word = tok.decode(list(key)).strip()
-        found: tuple[np.ndarray, ...] = ()
+            self._encoded.clear()
+        word = self.tokenizer.decode(list(key)).strip()
+        found: Sequence[np.ndarray] = ()
         if word.isalpha():
-            table = load_synonyms(self.cfg.wordnet_dir)
-            syns = table.get(word.lower(), ())
+            syns = load_synonyms(self.cfg.wordnet_dir).get(word.lower(), ())
             if word[0].isupper():
                 syns = tuple(s.capitalize() for s in syns)
-            encoded = (np.asarray(tok.encode(s), dtype=np.int64) for s in syns)
-            found = tuple(e for e in encoded if len(e) and tok.unk_id not in e)
+            if syns:
+                found = Synonyms(syns, np.asarray(key, dtype=np.int64), self.encode_synonym)
         self._cache[key] = found
         return found
+
+    def encode_synonym(self, text: str) -> np.ndarray | None:
+        """Token ids of a synonym, or None when it does not tokenize cleanly (empty or [UNK])."""
+        if text not in self._encoded:
+            ids = np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+            self._encoded[text] = ids if len(ids) and not (ids == self.tokenizer.unk_id).any() else None
+        return self._encoded[text]
+
+
+class Synonyms(Sequence):
+    """A word's synonyms; item i is synonym i's token ids (the original word if it gives [UNK])."""
+
+    def __init__(self, words: tuple[str, ...], word_T: np.ndarray, encode: Callable[[str], np.ndarray | None]):
+        self.words, self.word_T, self.encode = words, word_T, encode
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def __getitem__(self, i):
+        ids = self.encode(self.words[i])
+        return self.word_T if ids is None else ids
 
 
 def parse_methods(methods: str) -> tuple[str, ...]:
