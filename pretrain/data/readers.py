@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import BinaryIO, Iterator
 
 FORMATS = ("auto", "text", "gutenberg", "wikiextractor", "jsonl")
 _BOM = b"\xef\xbb\xbf"
+_GUTENBERG_END_NOTE = re.compile(r"end of (the )?project gutenberg", re.IGNORECASE)
 _GUTENBERG_SCAN_LINES = 400
 """Lines scanned at the start of a text file for a ``*** START OF`` marker."""
 
@@ -183,6 +185,8 @@ def _read_gutenberg(lines: Iterator[tuple[str, int]], path: str) -> Iterator[Doc
             continue
         if s.startswith("*** END OF") or s.startswith("***END OF"):
             break
+        if _GUTENBERG_END_NOTE.match(s):  # "End of (the) Project Gutenberg's …" just before the END marker
+            continue
         if s:
             current.append(s)
         elif current:
@@ -268,9 +272,7 @@ def read_file(path: str, stats: ReadStats, *, fmt: str = "auto", max_line_bytes:
                     break
                 if len(head) >= _GUTENBERG_SCAN_LINES:
                     break
-        if not head:
-            warnings.warn(f"skipping input file {path}: no readable lines", stacklevel=2)
-            stats.empty_files.append(path)
+        if not head:  # every line was skipped (and counted) as bad input
             return
         all_lines = _chain(head, lines)
         if kind == "wikiextractor":

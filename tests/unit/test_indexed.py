@@ -1,0 +1,158 @@
+"""IndexedDataset / IndexedDatasetBuilder: round trip, dtypes, atomic publish, corruption detection."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+
+from pretrain.data.indexed import HEADER_BYTES, IndexedDataset, IndexedDatasetBuilder, best_dtype
+
+
+def _random_docs(rng, vocab, n_docs=20):
+    return [[rng.integers(0, vocab, size=rng.integers(0, 30)).tolist() for _ in range(rng.integers(1, 6))]
+            for _ in range(n_docs)]
+
+
+def _build(prefix, docs, vocab):
+    b = IndexedDatasetBuilder(str(prefix), vocab)
+    for doc in docs:
+        for seq in doc:
+            b.add_item(seq)
+        b.end_document()
+    return b.finalize()
+
+
+@pytest.mark.parametrize("vocab,expected", [(1, "uint8"), (256, "uint8"), (257, "uint16"), (65536, "uint16"),
+                                            (65537, "int32"), (250_002, "int32")])
+def test_best_dtype(vocab, expected):
+    assert best_dtype(vocab) == np.dtype(expected)
+
+
+@pytest.mark.parametrize("vocab", [200, 30522, 100_000])
+def test_round_trip(tmp_path, vocab):
+    rng = np.random.default_rng(vocab)
+    docs = _random_docs(rng, vocab)
+    info = _build(tmp_path / "s", docs, vocab)
+    ds = IndexedDataset(str(tmp_path / "s"))
+    flat = [seq for doc in docs for seq in doc]
+    assert len(ds) == len(flat) == info["num_sequences"]
+    assert ds.dtype == best_dtype(vocab)
+    for i, seq in enumerate(flat):
+        np.testing.assert_array_equal(ds[i].astype(np.int64), np.asarray(seq, dtype=np.int64))
+    np.testing.assert_array_equal(ds.sizes, [len(s) for s in flat])
+    expected_doc_idx = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
+    np.testing.assert_array_equal(ds.doc_idx, expected_doc_idx)
+    assert info["num_documents"] == len(docs) and info["num_tokens"] == sum(map(len, flat)) == ds.num_tokens
+    for ext in ("bin", "idx"):
+        with open(tmp_path / f"s.{ext}", "rb") as f:
+            data = f.read()
+        assert hashlib.sha256(data).hexdigest() == info[f"{ext}_sha256"] and len(data) == info[f"{ext}_bytes"]
+    assert os.path.getsize(tmp_path / "s.bin") == ds.num_tokens * ds.dtype.itemsize
+    np.testing.assert_array_equal(ds[-1], ds[len(ds) - 1])
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
+def test_add_items_equals_add_item(tmp_path):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 500, size=rng.integers(1, 9)) for _ in range(30)]
+    a = IndexedDatasetBuilder(str(tmp_path / "a"), 500)
+    for s in seqs:
+        a.add_item(s)
+    b = IndexedDatasetBuilder(str(tmp_path / "b"), 500)
+    b.add_items(np.concatenate(seqs), np.array([len(s) for s in seqs]))
+    ia, ib = a.finalize(), b.finalize()
+    assert ia["bin_sha256"] == ib["bin_sha256"] and ia["idx_sha256"] == ib["idx_sha256"]
+
+
+def test_empty_documents_ignored_and_empty_shard(tmp_path):
+    b = IndexedDatasetBuilder(str(tmp_path / "e"), 10)
+    b.end_document()
+    b.add_item([1, 2])
+    b.end_document()
+    b.end_document()
+    assert b.finalize()["num_documents"] == 1
+    assert IndexedDataset(str(tmp_path / "e")).doc_idx.tolist() == [0, 1]
+    IndexedDatasetBuilder(str(tmp_path / "z"), 10).finalize()
+    z = IndexedDataset(str(tmp_path / "z"))
+    assert len(z) == 0 and z.num_documents == 0
+
+
+def test_publish_is_atomic_and_abort_cleans(tmp_path):
+    b = IndexedDatasetBuilder(str(tmp_path / "p"), 100)
+    b.add_item([1, 2, 3])
+    assert not (tmp_path / "p.bin").exists() and not (tmp_path / "p.idx").exists()
+    with pytest.raises(FileNotFoundError):
+        IndexedDataset(str(tmp_path / "p"))
+    b.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_out_of_range_ids_rejected(tmp_path):
+    b = IndexedDatasetBuilder(str(tmp_path / "r"), 100)
+    with pytest.raises(ValueError, match="out of range"):
+        b.add_item([5, 100])
+    with pytest.raises(ValueError, match="out of range"):
+        b.add_item([-1])
+    b.abort()
+
+
+def test_pickle_reopens_by_prefix(tmp_path):
+    _build(tmp_path / "k", _random_docs(np.random.default_rng(1), 1000, n_docs=200), 1000)
+    ds = IndexedDataset(str(tmp_path / "k"))
+    blob = pickle.dumps(ds)
+    assert len(blob) < 300
+    again = pickle.loads(blob)
+    for i in range(len(ds)):
+        np.testing.assert_array_equal(again[i], ds[i])
+
+
+@pytest.fixture
+def shard(tmp_path):
+    _build(tmp_path / "c", _random_docs(np.random.default_rng(2), 1000), 1000)
+    return tmp_path / "c"
+
+
+def _damage(path, fn):
+    data = bytearray(open(path, "rb").read())
+    data = fn(data)
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("what,match", [
+    ("truncate_bin", r"c\.bin is truncated"),
+    ("truncate_idx", r"c\.idx is truncated"),
+    ("magic", "bad magic"),
+    ("version", "format version"),
+    ("dtype", "dtype code"),
+    ("sizes", "do not tile"),
+    ("doc_idx", "document boundaries"),
+])
+def test_corruption_detected(shard, what, match):
+    idx, binf = f"{shard}.idx", f"{shard}.bin"
+    n = IndexedDataset(str(shard)).sizes.size
+    if what == "truncate_bin":
+        _damage(binf, lambda d: d[:-2])
+    elif what == "truncate_idx":
+        _damage(idx, lambda d: d[:-4])
+    elif what == "magic":
+        _damage(idx, lambda d: b"XXXXXXXX" + d[8:])
+    elif what == "version":
+        _damage(idx, lambda d: d[:8] + struct.pack("<I", 99) + d[12:])
+    elif what == "dtype":
+        _damage(idx, lambda d: d[:12] + struct.pack("<I", 3) + d[16:])
+    elif what == "sizes":  # last sizes entry +1 (sizes are the last 4*N bytes)
+        def bump(d):
+            v = struct.unpack_from("<i", d, len(d) - 4)[0]
+            struct.pack_into("<i", d, len(d) - 4, v + 1)
+            return d
+        _damage(idx, bump)
+    elif what == "doc_idx":  # first doc boundary after 0 set to 0 (empty document)
+        _damage(idx, lambda d: (struct.pack_into("<q", d, HEADER_BYTES + 8 * n + 8, 0), d)[1])
+    with pytest.raises(ValueError, match=match):
+        IndexedDataset(str(shard))

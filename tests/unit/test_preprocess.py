@@ -1,0 +1,251 @@
+"""Readers, sentence splitting, preprocessing into shards, manifest, verification, bad input handling."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from pretrain.data.preprocess import main, preprocess, split_sentences
+from pretrain.data.readers import ReadStats, read_file
+from pretrain.data.shards import ShardedDataset, verify_dataset
+from pretrain.data.tokenizer import train_tokenizer
+
+WORDS = ("alpha beta gamma delta river mountain forest city music science history language people "
+         "government war king church island ocean planet").split()
+
+
+def _sentence(rng):
+    words = [WORDS[i] for i in rng.integers(0, len(WORDS), size=rng.integers(7, 12))]
+    return " ".join(words).capitalize() + "."
+
+
+def _write_wiki(path, rng, n_docs):
+    lines = []
+    for d in range(n_docs):
+        lines += [f'<doc id="{d}" url="u?curid={d}" title="T{d}">', f"Title number {d}", ""]
+        for _ in range(rng.integers(1, 4)):
+            lines.append(" ".join(_sentence(rng) for _ in range(rng.integers(1, 4))))
+        lines += ["History.", " ".join(_sentence(rng) for _ in range(2)), "</doc>"]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    (root / "wiki").mkdir()
+    for k in range(3):
+        _write_wiki(root / "wiki" / f"wiki_{k:02d}", rng, 25)
+    docs = ["\n".join(_sentence(rng) + " " + _sentence(rng) for _ in range(3)) for _ in range(15)]
+    (root / "plain.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    with open(root / "data.jsonl", "w", encoding="utf-8") as f:
+        for _ in range(10):
+            f.write(json.dumps({"text": _sentence(rng) + " " + _sentence(rng), "id": 1}) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    return train_tokenizer([str(corpus)], str(out), vocab_size=200, min_frequency=1)
+
+
+# ---------------------------------------------------------------------------------------------- splitting
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Mr. Smith paid $3.50 today. He left.", ["Mr. Smith paid $3.50 today.", "He left."]),
+    ("It is e.g. red. Then i.e. blue! Why? Because.", ["It is e.g. red.", "Then i.e. blue!", "Why?", "Because."]),
+    ("The U.S. Army was founded. J. R. R. Tolkien wrote No. 5 here.",
+     ["The U.S. Army was founded.", "J. R. R. Tolkien wrote No. 5 here."]),
+    ('"Stop." She ran. Pi is 3.14 roughly.', ['"Stop."', "She ran.", "Pi is 3.14 roughly."]),
+    ("lower case. continues here", ["lower case. continues here"]),
+    ("Dr. Who (b. 1963) is old... Very old.", ["Dr. Who (b. 1963) is old...", "Very old."]),
+    ("  ", []),
+])
+def test_split_sentences(text, expected):
+    assert split_sentences(text) == expected
+
+
+# ---------------------------------------------------------------------------------------------- readers
+
+
+def test_wikiextractor_reader_drops_markup_title_headings(corpus):
+    stats = ReadStats()
+    docs = list(read_file(str(corpus / "wiki" / "wiki_00"), stats))
+    assert len(docs) == 25
+    text = "\n".join(p for d in docs for p in d.paragraphs)
+    assert "<doc" not in text and "</doc>" not in text and "Title number" not in text and "History." not in text
+    assert stats.skipped["wiki_heading"] == 25
+
+
+def test_gutenberg_reader_strips_header_joins_wrapped_lines(tmp_path):
+    body = ("The Project Gutenberg EBook of Test\r\nheader licence text\r\n\r\n"
+            "*** START OF THIS PROJECT GUTENBERG EBOOK TEST ***\r\n\r\nCHAPTER I\r\n\r\n"
+            "It was a dark and stormy\r\nnight; the rain fell in\r\ntorrents.\r\n\r\nSecond paragraph here.\r\n"
+            "*** END OF THIS PROJECT GUTENBERG EBOOK TEST ***\r\nEnd of licence.\r\n")
+    path = tmp_path / "book.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
+    docs = list(read_file(str(path), ReadStats()))
+    assert len(docs) == 1
+    assert docs[0].paragraphs == ["CHAPTER I", "It was a dark and stormy night; the rain fell in torrents.",
+                                  "Second paragraph here."]
+
+
+def test_text_and_jsonl_readers(tmp_path):
+    (tmp_path / "a.txt").write_text("\ufeffOne. Two.\nThree.\n\n\nFour.\r\n", encoding="utf-8")
+    assert [d.paragraphs for d in read_file(str(tmp_path / "a.txt"), ReadStats())] == [["One. Two.", "Three."],
+                                                                                        ["Four."]]
+    (tmp_path / "b.jsonl").write_text('{"text": "A.\\nB."}\n{bad json\n{"other": 1}\n\n{"text": "C."}\n')
+    stats = ReadStats()
+    assert [d.paragraphs for d in read_file(str(tmp_path / "b.jsonl"), stats)] == [["A.", "B."], ["C."]]
+    assert stats.skipped == {"bad_json": 2}
+
+
+def test_bad_bytes_reported(tmp_path):
+    good = b"Fine line one.\n"
+    bad = b"Broken \xff\xfe byte here.\n"
+    path = tmp_path / "bad.txt"
+    path.write_bytes(good + bad + b"Has a NUL \x00 byte.\n" + b"x" * 5000 + b"\n" + b"Last line.\n")
+    with pytest.raises(ValueError, match=rf"bad\.txt: invalid UTF-8 at byte offset {len(good) + 7}\b"):
+        list(read_file(str(path), ReadStats(), max_line_bytes=1000))
+    stats = ReadStats()
+    docs = list(read_file(str(path), stats, errors="replace", max_line_bytes=1000))
+    assert docs[0].paragraphs == ["Fine line one.", "Broken \ufffd\ufffd byte here.", "Last line."]
+    assert stats.skipped == {"giant_line": 1, "nul_bytes": 1, "replaced_utf8": 1}
+    stats = ReadStats()
+    docs = list(read_file(str(path), stats, errors="skip", max_line_bytes=1000))
+    assert docs[0].paragraphs == ["Fine line one.", "Last line."] and stats.skipped["invalid_utf8"] == 1
+
+
+def test_empty_and_missing_files(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    stats = ReadStats()
+    with pytest.warns(UserWarning, match="empty"):
+        assert list(read_file(str(tmp_path / "empty.txt"), stats)) == []
+    assert stats.empty_files == [str(tmp_path / "empty.txt")]
+    with pytest.raises(FileNotFoundError):
+        list(read_file(str(tmp_path / "missing.txt"), stats))
+
+
+# ---------------------------------------------------------------------------------------------- preprocess
+
+
+def _expected(inputs, tokenizer, min_chars):
+    """Independent path: reader → split → filter → encode, one list of id-lists per document."""
+    from pretrain.data.readers import iter_documents
+
+    docs = []
+    for doc in iter_documents(inputs):
+        sents = [s for p in doc.paragraphs for s in split_sentences(p) if len(s) >= min_chars]
+        ids = [tokenizer.encode(s) for s in sents]
+        ids = [x for x in ids if x]
+        if ids:
+            docs.append(ids)
+    return docs
+
+
+def test_preprocess_contents_match_independent_tokenization(corpus, tokenizer, tmp_path):
+    inputs = [str(corpus)]
+    m = preprocess(inputs, str(tmp_path / "ds"), tokenizer.path, shard_size_tokens=400, chunk_chars=2000,
+                   min_sentence_chars=8, progress=False)
+    ds = ShardedDataset(str(tmp_path / "ds"), tokenizer_sha256=tokenizer.sha256)
+    expected = _expected(inputs, tokenizer, 8)
+    flat = [seq for doc in expected for seq in doc]
+    assert len(m["shards"]) > 2 and len(ds) == len(flat) == m["num_sequences"]
+    for i, seq in enumerate(flat):
+        assert ds[i].tolist() == seq
+    np.testing.assert_array_equal(ds.doc_idx, np.concatenate([[0], np.cumsum([len(d) for d in expected])]))
+    np.testing.assert_array_equal(ds.sizes, [len(s) for s in flat])
+    assert ds.num_documents == len(expected) == m["report"]["documents"]
+    assert ds.num_tokens == sum(map(len, flat)) == m["report"]["tokens"]
+    freq = ds.token_frequencies()
+    counts = np.bincount(np.concatenate([np.asarray(s) for s in flat]), minlength=tokenizer.vocab_size)
+    assert freq.dtype == np.float64 and freq.shape == (tokenizer.vocab_size,)
+    np.testing.assert_allclose(freq, counts / counts.sum(), rtol=0, atol=1e-15)
+    assert abs(freq.sum() - 1) < 1e-12
+    assert m["tokenizer"]["sha256"] == tokenizer.sha256 and m["dtype"] == "uint8"
+    assert m["report"]["skipped"]["wiki_heading"] == 75 and verify_dataset(str(tmp_path / "ds")) == []
+    again = __import__("pickle").loads(__import__("pickle").dumps(ds))
+    assert again[len(ds) - 1].tolist() == flat[-1]
+
+
+def test_worker_count_gives_identical_shards(corpus, tokenizer, tmp_path):
+    for w in (1, 2):
+        preprocess([str(corpus)], str(tmp_path / f"w{w}"), tokenizer.path, num_workers=w, shard_size_tokens=500,
+                   chunk_chars=1500, progress=False)
+    names = sorted(os.listdir(tmp_path / "w1"))
+    assert names == sorted(os.listdir(tmp_path / "w2")) and len(names) > 4
+    for name in names:
+        if name != "manifest.json":
+            assert filecmp.cmp(tmp_path / "w1" / name, tmp_path / "w2" / name, shallow=False), name
+
+
+def test_failed_run_leaves_nothing(corpus, tokenizer, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("Good sentence number one.\n\nAnother good one here.\n")
+    (src / "b.txt").write_bytes(b"Bad \xc3\x28 utf8 here.\n")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"b\.txt: invalid UTF-8 at byte offset 4"):
+        preprocess([str(src)], str(out), tokenizer.path, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # no dataset, no partial directory
+    m = preprocess([str(src)], str(out), tokenizer.path, errors="replace", progress=False)
+    assert m["report"]["skipped"] == {"replaced_utf8": 1} and (out / "manifest.json").is_file()
+    with pytest.raises(ValueError, match="--overwrite"):
+        preprocess([str(src)], str(out), tokenizer.path, progress=False, errors="replace")
+    with pytest.raises(FileNotFoundError):
+        preprocess([str(src / "nope.txt")], str(tmp_path / "o2"), tokenizer.path, progress=False)
+    (src / "c.txt").write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = preprocess([str(src)], str(out), tokenizer.path, errors="skip", overwrite=True, progress=False)
+    assert m["report"]["empty_files"] == [str(src / "c.txt")] and m["report"]["skipped"] == {"invalid_utf8": 1}
+
+
+def test_verify_and_dataset_errors(corpus, tokenizer, tmp_path, capsys):
+    out = tmp_path / "ds"
+    preprocess([str(corpus / "wiki")], str(out), tokenizer.path, shard_size_tokens=1000, progress=False)
+    assert main(["--verify", str(out)]) == 0
+    with pytest.raises(ValueError, match="re-run pretrain-preprocess with that tokenizer"):
+        ShardedDataset(str(out), tokenizer_sha256="0" * 64)
+    data = bytearray((out / "shard-00001.bin").read_bytes())
+    data[3] ^= 1
+    (out / "shard-00001.bin").write_bytes(bytes(data))
+    problems = verify_dataset(str(out))
+    assert len(problems) == 1 and "shard-00001" in problems[0] and "sha256" in problems[0]
+    assert main(["--verify", str(out)]) == 1 and "shard-00001" in capsys.readouterr().err
+    with open(out / "shard-00000.idx", "r+b") as f:
+        f.truncate(100)
+    assert any("shard-00000" in p for p in verify_dataset(str(out)))
+    os.remove(out / "manifest.json")
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        ShardedDataset(str(out))
+    assert "incomplete" in verify_dataset(str(out))[0]
+
+
+def test_cli_end_to_end(corpus, tokenizer, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = main([str(corpus / "plain.txt"), str(corpus / "data.jsonl"), "--tokenizer", tokenizer.path,
+               "--out", str(out), "--workers", "1", "--no-progress"])
+    assert rc == 0 and "documents=25" in capsys.readouterr().out
+    assert main([str(corpus / "plain.txt"), "--tokenizer", tokenizer.path, "--out", str(out)]) == 2
+
+
+def test_real_books_and_wiki(data_dir, tmp_path):
+    books = data_dir / "corpus" / "books" / "11-0.txt"
+    wiki = data_dir / "corpus" / "wiki" / "text" / "AA" / "wiki_00"
+    tok = train_tokenizer([str(books)], str(tmp_path / "tok.json"), vocab_size=500)
+    m = preprocess([str(books), str(wiki)], str(tmp_path / "ds"), tok.path, progress=False)
+    ds = ShardedDataset(str(tmp_path / "ds"))
+    book = [tok.decode(ds[i]) for i in range(ds.doc_idx[1])]  # the whole book is document 0
+    assert book[0].startswith("alice") and "chapter i" in " ".join(book[:5])  # header dropped, BOM gone
+    assert not any("gutenberg" in s or "\r" in s for s in book)  # licence footer dropped, CRLF handled
+    assert any("rabbit - hole" in s and "went straight on like a tunnel" in s for s in book)  # wrapped lines joined
+    assert m["num_documents"] == ds.num_documents == 1 + 38 and m["report"]["skipped"]["wiki_heading"] > 100
+    assert not any(tok.decode(ds[i]).startswith("< doc") for i in range(len(ds)))
