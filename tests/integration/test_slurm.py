@@ -1,0 +1,186 @@
+"""slurm/pretrain.sbatch on a real one-node Slurm cluster (tests/slurm/cluster.py), on CPU.
+
+Three jobs run side by side: an uninterrupted 2-worker training run, the same run preempted with
+USR1 (checkpoint -> self-requeue -> resume), whose per-step losses must equal the uninterrupted
+ones, and `srun -n 2` without torchrun (the Slurm branch of detect_env) on a stand-in payload.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "slurm" / "pretrain.sbatch"
+MAX_STEPS = 24
+STOP_AFTER = 5  # signal once this many steps are logged
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
+
+
+def _load_cluster_module():
+    spec = importlib.util.spec_from_file_location("slurm_cluster", REPO / "tests" / "slurm" / "cluster.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    mod = _load_cluster_module()
+    lc = mod.LocalCluster()
+    try:
+        started = lc.start(timeout_s=60)
+    except mod.SlurmUnavailable as e:
+        pytest.skip(str(e))
+    yield lc
+    if started:  # a cluster the CI started before us is left running for it to stop
+        lc.stop()
+
+
+def _prepare_data(root: Path) -> dict:
+    """A small corpus -> tokenizer -> train/valid shards, through the quickstart's own steps."""
+    from pretrain.data.embedded import write_embedded_corpus
+    from pretrain.quickstart import prepare
+
+    train_txt, valid_txt = write_embedded_corpus(root / "corpus", valid_every=10)
+    train_txt.write_text("\n".join(train_txt.read_text().splitlines()[:3000]) + "\n")
+    return prepare(root, vocab_size=1000, num_workers=1)
+
+
+def _overrides(paths: dict) -> list[str]:
+    return [
+        f"data.tokenizer={paths['tokenizer']}",
+        f"data.sources=[{{name: docs, path: {paths['train']}}}]",
+        f"data.valid=[{{name: docs, path: {paths['valid']}}}]",
+        f"train.max_steps={MAX_STEPS}", "train.micro_batch_size=8", "train.log_every=1",
+        "train.eval_every=0", "train.eval_batches=0", "data.max_len=64", "data.view_max_len=32",
+        "data.num_workers=0", "checkpoint.every=0", "checkpoint.keep_last=3",
+    ]
+
+
+def _submit(cluster, args: list[str], out: Path, **env) -> str:
+    cmd = ["sbatch", "--parsable", f"--output={out}", f"--chdir={REPO}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cluster.env({**_base_env(), **env}))
+    assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
+    return proc.stdout.strip().split(";")[0]
+
+
+def _base_env() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"OMP_NUM_THREADS": "1"}
+
+
+def _job(cluster, job_id: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                         env=cluster.env())
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE"}
+
+
+def _wait(cluster, job_id: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = _job(cluster, job_id)
+        if info.get("JobState") in FINAL:
+            return info
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], env=cluster.env())
+    pytest.fail(f"job {job_id} did not finish in {timeout_s}s: {_job(cluster, job_id)}")
+
+
+def _train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss of the train records; a step logged twice keeps its last record."""
+    losses = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("split", "train") == "train" and "loss" in rec:
+            losses[rec["step"]] = rec["loss"]
+    return losses
+
+
+def _num_steps(run_dir: Path) -> int:
+    try:
+        return len(_train_losses(run_dir))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, tmp_path_factory):
+    """Submit all three jobs at once, preempt the second after STOP_AFTER steps, wait for all."""
+    root = tmp_path_factory.mktemp("slurm")
+    paths = _prepare_data(root / "data")
+    cfg = str(REPO / "configs" / "quickstart.yaml")
+    runs = {name: root / name for name in ("reference", "preempted", "srun")}
+    ids = {
+        name: _submit(cluster, [str(SBATCH), str(runs[name]), cfg, *_overrides(paths)],
+                      root / f"{name}.out", GPUS_PER_NODE="2")
+        for name in ("reference", "preempted")
+    }
+    ids["srun"] = _submit(cluster, ["--ntasks=2", "--wrap",
+                                    f"srun python -m tests.slurm.payload none run_dir={runs['srun']} steps=4"],
+                          root / "srun.out")
+    deadline = time.monotonic() + 240
+    while _num_steps(runs["preempted"]) < STOP_AFTER:
+        assert _job(cluster, ids["preempted"]).get("JobState") not in FINAL, \
+            (root / "preempted.out").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the preempted run never reached its signal point"
+        time.sleep(0.2)
+    # What Slurm does N seconds before the time limit with --signal=B:USR1@N.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", ids["preempted"]], check=True, env=cluster.env())
+    infos = {name: _wait(cluster, job_id, 300) for name, job_id in ids.items()}
+    logs = {name: (root / f"{name}.out").read_text() for name in ids}
+    return {"runs": runs, "infos": infos, "logs": logs}
+
+
+def test_sbatch_runs_two_workers_to_completion(jobs):
+    info, log, run = jobs["infos"]["reference"], jobs["logs"]["reference"], jobs["runs"]["reference"]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", log[-3000:]
+    assert "1 node(s) x 2 worker(s)" in log
+    losses = _train_losses(run)
+    assert sorted(losses) == list(range(1, MAX_STEPS + 1)) and all(math.isfinite(v) for v in losses.values())
+    assert (run / "config.yaml").is_file()
+    final = run / "checkpoints" / f"step_{MAX_STEPS:08d}"
+    state = json.loads((final / "trainer_state.json").read_text())
+    assert state["step"] == MAX_STEPS
+    assert sorted(p.name for p in final.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+
+
+def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(jobs):
+    info, log, run = jobs["infos"]["preempted"], jobs["logs"]["preempted"], jobs["runs"]["preempted"]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    assert "USR1: asking the trainer" in log and "requeueing job" in log
+    assert "restart 0:" in log and "restart 1:" in log
+    tags = sorted(p.name for p in (run / "checkpoints").glob("step_*") if (p / "trainer_state.json").exists())
+    stopped_at = [int(t[5:]) for t in tags if int(t[5:]) < MAX_STEPS]
+    assert len(stopped_at) == 1 and STOP_AFTER <= stopped_at[0] < MAX_STEPS, tags  # checkpoint on signal
+    reference = _train_losses(jobs["runs"]["reference"])
+    resumed = _train_losses(run)
+    assert sorted(resumed) == sorted(reference)
+    for step in reference:
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), f"step {step}"
+
+
+def test_srun_without_torchrun_gives_each_task_its_rank(jobs):
+    info, log, run = jobs["infos"]["srun"], jobs["logs"]["srun"], jobs["runs"]["srun"]
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    envs = [json.loads((run / f"rank{r}-try0.json").read_text())["env"] for r in (0, 1)]
+    assert [e["rank"] for e in envs] == [0, 1]
+    assert all(e["launcher"] == "slurm" and e["world_size"] == 2 and e["local_world_size"] == 2
+               for e in envs)
+    assert envs[0]["master_addr"] == envs[1]["master_addr"] and envs[0]["master_port"] == envs[1]["master_port"]
+    assert _num_steps(run) == 4
