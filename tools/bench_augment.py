@@ -36,18 +36,21 @@ def prepare(corpus: str, work_dir: Path, vocab_size: int) -> tuple[str, str]:
     return str(tok_path), str(ds_dir)
 
 
-def bench(cfg: DataConfig, tokenizer, *, workers: int, batches: int, warmup: int, micro_batch: int) -> float:
-    """Samples/s of build_loader over ``batches`` micro-batches after ``warmup`` ones."""
+def bench(cfg: DataConfig, tokenizer, *, workers: int, batches: int, warmup: int,
+          micro_batch: int) -> tuple[float, float]:
+    """(samples per wall second, per main-process CPU second) of build_loader over ``batches``
+    micro-batches after ``warmup`` ones. With 0 workers the CPU rate ignores contention from other jobs."""
     dataset = build_dataset(cfg, tokenizer, seed=0)
     loader = build_loader(dataset, seed=0, rank=0, world_size=1, micro_batch_size=micro_batch, start_sample=0,
                           num_workers=workers, pad_id=tokenizer.pad_id)
     it = iter(loader)
     for _ in itertools.islice(it, warmup):
         pass
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in itertools.islice(it, batches):
         pass
-    return batches * micro_batch / (time.perf_counter() - t0)
+    n = batches * micro_batch
+    return n / (time.perf_counter() - t0), n / max(time.process_time() - c0, 1e-9)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(tok_path)
     print(f"corpus {args.corpus}  tokenizer vocab {tokenizer.vocab_size}  max_len {args.max_len}  "
           f"micro_batch {args.micro_batch}  batches {args.batches}")
-    print(f"{'method':<18}" + "".join(f"{f'{w} workers':>14}" for w in args.workers) + "   (samples/s)")
+    print(f"{'method':<18}" + "".join(f"{f'{w} workers':>12}" for w in args.workers)
+          + f"{'0w per CPU-s':>14}   (samples/s)")
     for method in args.methods:
         cfg = DataConfig(tokenizer=tok_path, max_len=args.max_len, view_max_len=args.max_len,
                          sources=[SourceConfig(name="books", path=ds_dir)], augment=AugmentConfig(methods=method))
-        rates = [bench(cfg, tokenizer, workers=w, batches=args.batches, warmup=args.warmup,
-                       micro_batch=args.micro_batch) for w in args.workers]
-        print(f"{method:<18}" + "".join(f"{r:>14.0f}" for r in rates), flush=True)
+        rates = {w: bench(cfg, tokenizer, workers=w, batches=args.batches, warmup=args.warmup,
+                          micro_batch=args.micro_batch) for w in args.workers}
+        cpu = f"{rates[0][1]:>14.0f}" if 0 in rates else f"{'-':>14}"
+        print(f"{method:<18}" + "".join(f"{rates[w][0]:>12.0f}" for w in args.workers) + cpu, flush=True)
     return 0
 
 

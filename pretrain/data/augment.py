@@ -1,18 +1,21 @@
-"""CLEAR sentence augmentations on token-id arrays (Wu et al. 2020, section 3.3).
+"""CLEAR sentence augmentations on token-id arrays (Wu et al. 2020, section 3.3 and 4.1).
 
 Shape legend: T = tokens in, W = words (a word is a word-start token plus its
 continuation sub-tokens, per ``tokenizer.word_start_mask()``), V = vocabulary, K = picks.
 
 All operations work on whole words and take an explicit ``np.random.Generator``:
   del-word  replace ``round(rate * W)`` random words by [DEL]                (rate 0.7)
+            (each token is deleted with probability 0.7: "we delete 70% tokens")
   del-span  replace ``num`` random non-overlapping spans of ``round(frac * W)``
             words by [DEL] (fewer spans on short inputs, total ≈ num*frac*W) (5 x 5%)
   reorder   pick ``2 * pairs`` non-overlapping spans of ``round(frac * W)`` words,
             pair them at random and swap each pair                           (5 x 5%)
-  subs      replace ``round(rate * W)`` random words that have a WordNet synonym by
-            a uniformly chosen synonym                                       (rate 0.3)
-Consecutive [DEL] tokens are always merged into one (the paper's rule), and every
-deleted word becomes one [DEL]. Rounding is half-up; spans are at least one word.
+  subs      replace ``round(rate * W)`` random words among those with a WordNet
+            synonym by a uniformly chosen synonym (kept if it tokenizes to [UNK]) (rate 0.3)
+  none      identity (SimCSE-style views that differ only by dropout)
+Every deleted word becomes one [DEL] and consecutive [DEL]s are merged into one (the
+paper's rule), also in the final view of a combination. Rounding is half-up; spans are
+at least one word. Combinations ('subs+del-span') apply left to right with one generator.
 """
 
 from __future__ import annotations
