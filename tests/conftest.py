@@ -43,3 +43,66 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> dict:
+    """Embedded corpus -> WordPiece tokenizer (vocab 2000) -> train/valid datasets, built once per session.
+
+    Returns {"tokenizer": path, "train": dataset dir, "valid": dataset dir, "dir": root}.
+    """
+    from pretrain.data.embedded import write_embedded_corpus
+    from pretrain.data.preprocess import preprocess
+    from pretrain.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_corpus")
+    train_txt, valid_txt = write_embedded_corpus(root / "text", valid_every=10)
+    tok = root / "tokenizer.json"
+    train_tokenizer([str(train_txt)], str(tok), kind="wordpiece", vocab_size=2000)
+    out = {"tokenizer": str(tok), "dir": str(root)}
+    for split, txt in (("train", train_txt), ("valid", valid_txt)):
+        preprocess([str(txt)], str(root / split), str(tok), num_workers=1)
+        out[split] = str(root / split)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_overrides(tiny_corpus):
+    """fn(run_dir, **extra) -> dotted overrides for a seconds-long tiny MLM + CLEAR run on tiny_corpus.
+
+    Extra keys use '__' for '.', e.g. train__max_steps=12.
+    """
+
+    def make(run_dir, **extra) -> list[str]:
+        return _tiny_run_overrides(tiny_corpus, run_dir, **{k.replace("__", "."): v for k, v in extra.items()})
+
+    return make
+
+
+def _tiny_run_overrides(corpus: dict, run_dir, **extra) -> list[str]:
+    base = {
+        "run_dir": str(run_dir),
+        "data.tokenizer": corpus["tokenizer"],
+        "data.sources": f"[{{name: docs, path: {corpus['train']}}}]",
+        "data.valid": f"[{{name: docs, path: {corpus['valid']}}}]",
+        "data.max_len": 64,
+        "data.view_max_len": 32,
+        "data.num_workers": 0,
+        "model.hidden_size": 32,
+        "model.num_layers": 2,
+        "model.num_heads": 2,
+        "model.ffn_size": 64,
+        "model.max_position": 64,
+        "train.micro_batch_size": 4,
+        "train.max_steps": 8,
+        "train.log_every": 1,
+        "train.eval_every": 0,
+        "train.eval_batches": 2,
+        "optim.lr": 1e-3,
+        "optim.warmup_steps": 2,
+        "checkpoint.every": 4,
+        "checkpoint.keep_last": 3,
+        "distributed.timeout_s": 120,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

@@ -67,8 +67,12 @@ class Engine:
     """A DeepSpeed engine around ``module`` with a client AdamW and LambdaLR schedule."""
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], *, optim: OptimConfig,
-                 train: TrainConfig, dist: DistributedConfig, world_size: int, lr_lambda):
+                 train: TrainConfig, dist: DistributedConfig, env, lr_lambda):
         deepspeed = _import_deepspeed()
+        world_size = env.world_size
+        # DeepSpeed reads the launcher's variables even when the process group already exists.
+        for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", world_size)):
+            os.environ.setdefault(key, str(value))
         self.precision = train.precision
         self.grad_accum = train.grad_accum
         use_fused = torch.cuda.is_available()

@@ -56,7 +56,7 @@ class Trainer:
         self.module = TrainModule(model, Objective(cfg.objective, ctx))
         self.engine = Engine(
             self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
-            train=cfg.train, dist=cfg.distributed, world_size=env.world_size,
+            train=cfg.train, dist=cfg.distributed, env=env,
             lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps),
         )
         self.global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * env.world_size
