@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("to-hf", help="our checkpoint -> HF BERT (+ sentence-transformers) directory")
     p.add_argument("checkpoint")
     p.add_argument("out_dir")
-    p.add_argument("--pooling", choices=[x for x in POOLINGS if x != "first_last_avg"], default=None,
+    p.add_argument("--pooling", choices=list(POOLINGS), default=None,
                    help="sentence-transformers pooling (default: the run's model.pooling)")  # fmt: skip
     p.add_argument("--max-seq-length", type=int, default=None, help="default: the run's data.max_len")
     p.add_argument("--overwrite", action="store_true")

@@ -58,7 +58,7 @@ SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]"
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
 _ST_POOLING_MODES = {"cls": "pooling_mode_cls_token", "cls_before_pooler": "pooling_mode_cls_token",
-                     "mean": "pooling_mode_mean_tokens"}  # fmt: skip
+                     "mean": "pooling_mode_mean_tokens", "first_last_avg": "pooling_mode_mean_tokens"}  # fmt: skip
 
 
 def _expand(num_layers: int) -> list[tuple[str, str]]:
@@ -223,20 +223,33 @@ def _write_tokenizer_files(tok, out: Path, model_max_length: int) -> None:
 
 
 def _write_sentence_transformers_files(
-    out: Path, pooling: str, hidden: int, max_seq_length: int, pooler: dict | None
+    out: Path, pooling: str, hidden: int, num_layers: int, max_seq_length: int, pooler: dict | None
 ) -> None:
+    """modules.json + module configs: Transformer -> [WeightedLayerPooling] -> Pooling -> [Dense tanh]."""
     from safetensors.torch import save_file
 
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    st_config: dict = {"max_seq_length": max_seq_length, "do_lower_case": False}
+    if pooling == "first_last_avg":  # (layer 1 + layer L)/2 per token: weights 1,0,...,0,1 from layer 1 on
+        st_config["config_args"] = {"output_hidden_states": True}
+        weights = torch.zeros(num_layers)
+        weights[0] += 1.0
+        weights[-1] += 1.0
+        modules.append({"idx": 1, "name": "1", "path": "1_WeightedLayerPooling",
+                        "type": "sentence_transformers.models.WeightedLayerPooling"})  # fmt: skip
+        _write_json(
+            out / "1_WeightedLayerPooling" / "config.json",
+            {"word_embedding_dimension": hidden, "layer_start": 1, "num_hidden_layers": num_layers},
+        )
+        save_file({"layer_weights": weights}, str(out / "1_WeightedLayerPooling" / "model.safetensors"))
+    n = len(modules)
+    modules.append({"idx": n, "name": str(n), "path": f"{n}_Pooling", "type": "sentence_transformers.models.Pooling"})
     modes = dict.fromkeys(
         ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
          "pooling_mode_mean_sqrt_len_tokens"), False
     )  # fmt: skip
     modes[_ST_POOLING_MODES[pooling]] = True
-    _write_json(out / "1_Pooling" / "config.json", {"word_embedding_dimension": hidden, **modes})
+    _write_json(out / f"{n}_Pooling" / "config.json", {"word_embedding_dimension": hidden, **modes})
     if pooler is not None:  # "cls" through BERT's pooler = CLS token, then Dense + tanh
         modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
         _write_json(
@@ -246,7 +259,7 @@ def _write_sentence_transformers_files(
         )  # fmt: skip
         save_file(pooler, str(out / "2_Dense" / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "modules.json", modules)
-    _write_json(out / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})
+    _write_json(out / "sentence_bert_config.json", st_config)
     _write_json(
         out / "config_sentence_transformers.json",
         {"__version__": {"pretrain": "0.1.0"}, "prompts": {}, "default_prompt_name": None,
@@ -270,7 +283,8 @@ def export_hf(
     """Write a HF BERT directory (+ sentence-transformers files) for ``model``.
 
     Written to a temporary sibling directory and renamed into place: ``out_dir`` is complete
-    or absent. ``pooling`` is what SentenceTransformer(out_dir) will apply (cls, cls_before_pooler, mean).
+    or absent. ``pooling`` is what SentenceTransformer(out_dir) will apply (any of POOLINGS;
+    first_last_avg goes through sentence-transformers' WeightedLayerPooling).
     """
     import tokenizers
     from safetensors.torch import save_file
@@ -313,7 +327,7 @@ def export_hf(
             save_file(projection, str(tmp / PROJECTION_FILE), metadata={"format": "pt"})
         _write_json(tmp / "config.json", hf_config)
         _write_tokenizer_files(tok, tmp, max_len)
-        _write_sentence_transformers_files(tmp, pooling, cfg.hidden_size, max_len, pooler)
+        _write_sentence_transformers_files(tmp, pooling, cfg.hidden_size, cfg.num_layers, max_len, pooler)
         os.chmod(tmp, 0o755)
         if out.exists():  # overwrite: move the old one aside first, so out_dir is never half-written
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

@@ -237,7 +237,7 @@ def test_export_loads_in_transformers(exported):
     assert (logits_MV - out_mlm.logits[keep]).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("pooling", ["cls", "mean", "cls_before_pooler"])
+@pytest.mark.parametrize("pooling", ["cls", "mean", "cls_before_pooler", "first_last_avg"])
 def test_sentence_transformers_reproduces_our_pooling(exported, tmp_path, pooling):
     st_mod = pytest.importorskip("sentence_transformers")
     model, tok_path, out = exported
@@ -253,7 +253,8 @@ def test_sentence_transformers_reproduces_our_pooling(exported, tmp_path, poolin
                           "encode": staticmethod(lambda s: raw.encode(s, add_special_tokens=False).ids)})  # fmt: skip
     _, ids_BT, mask_BT = _ids_batch(stub, SENTENCES)
     with torch.no_grad():
-        e_BD = model.pool(model.encode(ids_BT, mask_BT), mask_BT, pooling)
+        layers = model.encode(ids_BT, mask_BT, all_layers=True)
+        e_BD = model.pool(layers[-1], mask_BT, pooling, all_layers=layers)
     assert (st_e - e_BD).abs().max() < 1e-5
 
 
@@ -296,8 +297,8 @@ def test_export_refuses_what_bert_cannot_hold(exported, tmp_path):
     pre = build_model(dataclasses.replace(model.cfg, norm="pre"), seed=0)
     with pytest.raises(ValueError, match="post-LN"):
         hfmod.export_hf(pre, str(tok_path), str(tmp_path / "a"), pooling="mean")
-    with pytest.raises(ValueError, match="first_last_avg"):
-        hfmod.export_hf(model, str(tok_path), str(tmp_path / "b"), pooling="first_last_avg")
+    with pytest.raises(ValueError, match="max"):
+        hfmod.export_hf(model, str(tok_path), str(tmp_path / "b"), pooling="max")
     with pytest.raises(ValueError, match="already exists"):
         hfmod.export_hf(model, str(tok_path), str(tmp_path), pooling="mean")
     small = build_model(dataclasses.replace(model.cfg, vocab_size=10), seed=0)
