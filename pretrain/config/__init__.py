@@ -5,7 +5,7 @@ from pretrain.config.loader import apply_overrides, from_dict, load, read_yaml, 
 from pretrain.config.model import ModelConfig
 from pretrain.config.objective import ObjectiveConfig
 from pretrain.config.run import RunConfig
-from pretrain.config.train import CheckpointConfig, DistributedConfig, OpsConfig, OptimConfig, TrainConfig
+from pretrain.config.train import CheckpointConfig, DistributedConfig, EvalConfig, OpsConfig, OptimConfig, TrainConfig
 
 
 def load_run_config(path=None, overrides=None) -> RunConfig:
@@ -14,7 +14,7 @@ def load_run_config(path=None, overrides=None) -> RunConfig:
 
 
 __all__ = [
-    "AugmentConfig", "CheckpointConfig", "DataConfig", "DistributedConfig", "MaskingConfig", "ModelConfig",
+    "AugmentConfig", "CheckpointConfig", "DataConfig", "DistributedConfig", "EvalConfig", "MaskingConfig", "ModelConfig",
     "ObjectiveConfig", "OpsConfig", "OptimConfig", "RunConfig", "SourceConfig", "TrainConfig",
     "apply_overrides", "from_dict", "load", "load_run_config", "read_yaml", "to_dict", "to_yaml",
 ]

@@ -10,6 +10,7 @@ from pretrain.config.objective import ObjectiveConfig
 from pretrain.config.train import (
     CheckpointConfig,
     DistributedConfig,
+    EvalConfig,
     OpsConfig,
     OptimConfig,
     TrainConfig,
@@ -29,3 +30,4 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

@@ -94,3 +94,23 @@ class OpsConfig:
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
             raise ValueError(f"ops.chunk_size must be positive, got {self.chunk_size}")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    stsb_every: int = 0
+    """STS-B dev Spearman every N steps during training (the seed papers use 125); 0 = off."""
+    data_dir: str = ""
+    """Directory holding sts/STSBenchmark (the shared data dir); empty = $PRETRAIN_DATA_DIR."""
+    pooling: str = ""
+    """Pooling for evaluation (cls, cls_before_pooler, mean, first_last_avg); empty = model.pooling."""
+    max_len: int = 128
+    keep_best: bool = True
+    """Write the best-scoring weights to <run_dir>/best/ (loadable by pretrain-eval/-convert, init_from)."""
+
+    def __post_init__(self) -> None:
+        if self.stsb_every < 0 or self.max_len < 8:
+            raise ValueError(f"eval.stsb_every must be >= 0 and eval.max_len >= 8")
+        if self.pooling not in ("", "cls", "cls_before_pooler", "mean", "first_last_avg"):
+            raise ValueError(f"eval.pooling {self.pooling!r} is not one of cls, cls_before_pooler, mean, "
+                             f"first_last_avg (or empty for model.pooling)")

@@ -64,6 +64,13 @@ class Trainer:
         self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \
             if cfg.data.valid else None
 
+        self.stsb = None
+        if cfg.eval.stsb_every:
+            from pretrain.training.evaluation import StsbKeepBest
+
+            self.stsb = StsbKeepBest(cfg.eval, run_dir=self.run_dir, tokenizer=self.tokenizer,
+                                     tokenizer_path=cfg.data.tokenizer, model_pooling=model_cfg.pooling,
+                                     zero_stage=cfg.distributed.zero_stage)
         self.step = 0
         self.tokens_seen = 0
         self.bad_steps_total = 0
@@ -149,6 +156,8 @@ class Trainer:
                 t_last, samples_last, tokens_last = time.perf_counter(), 0, 0
             if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.max_steps:
                 self.validate()
+            if self.stsb is not None and (self.step % c.eval.stsb_every == 0 or self.step == c.train.max_steps):
+                self.evaluate_stsb()
             if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.train.max_steps:
                 self.save()
             if self._should_stop():
@@ -210,6 +219,14 @@ class Trainer:
             print_progress(f"valid @ {self.step}: " + " | ".join(f"{k} {v:.4g}" for k, v in scalars.items()))
         self.engine.train()
         return scalars
+
+    def evaluate_stsb(self) -> dict:
+        scores = self.stsb(self.module.model, step=self.step, config_yaml=to_yaml(self.cfg), is_main=self.env.is_main)
+        self.writer.log(self.step, scores, split="eval")
+        if self.env.is_main:
+            print_progress(f"eval @ {self.step}: STS-B dev {scores['stsb_dev_spearman']:.2f} "
+                           f"(best {scores['stsb_dev_best']:.2f})")
+        return scores
 
     def save(self) -> Path:
         start = self.step * self.global_batch

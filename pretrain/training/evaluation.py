@@ -1,0 +1,62 @@
+"""Evaluation during training: STS-B dev Spearman every N steps, best weights kept.
+
+The best weights go to ``<run_dir>/best/`` in the weights-directory format of
+``pretrain-convert from-hf`` (model.safetensors, config.yaml, tokenizer.json; written to a
+temporary directory, then renamed) plus best.json, so ``pretrain-eval``, ``pretrain-convert
+to-hf`` and ``checkpoint.init_from`` all take it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from pretrain.config.train import EvalConfig
+
+
+class StsbKeepBest:
+    def __init__(self, cfg: EvalConfig, *, run_dir: Path, tokenizer, tokenizer_path: str, model_pooling: str,
+                 zero_stage: int):
+        from pretrain.eval.sts import StsbDevEvaluator
+
+        data_dir = cfg.data_dir or os.environ.get("PRETRAIN_DATA_DIR", "")
+        if not data_dir:
+            raise ValueError("eval.stsb_every is set but no STS data directory is known: set eval.data_dir "
+                             "(the directory holding sts/STSBenchmark) or PRETRAIN_DATA_DIR")
+        if zero_stage == 3:
+            raise ValueError("eval.stsb_every needs whole parameters on each rank; use distributed.zero_stage <= 2 "
+                             "for sentence-stage training (the models are small) or evaluate checkpoints offline")
+        self.cfg, self.run_dir = cfg, run_dir
+        self.tokenizer, self.tokenizer_path = tokenizer, tokenizer_path
+        self.pooling = cfg.pooling or model_pooling
+        self.evaluator = StsbDevEvaluator(data_dir)
+        self.best = float("-inf")
+        best_json = run_dir / "best" / "best.json"
+        if best_json.is_file():  # resumed run: keep comparing against the stored best
+            self.best = json.loads(best_json.read_text())["stsb_dev_spearman"]
+
+    @torch.no_grad()
+    def __call__(self, model, *, step: int, config_yaml: str, is_main: bool) -> dict:
+        from pretrain.eval.encoder import SentenceEncoder
+
+        encode = SentenceEncoder(model, self.tokenizer, pooling=self.pooling, max_len=self.cfg.max_len,
+                                 device=str(next(model.parameters()).device))
+        score = self.evaluator(encode)
+        improved = score > self.best
+        if improved:
+            self.best = score
+            if self.cfg.keep_best and is_main:
+                self._write_best(model, step, score, config_yaml)
+        return {"stsb_dev_spearman": score, "stsb_dev_best": self.best}
+
+    def _write_best(self, model, step: int, score: float, config_yaml: str) -> None:
+        from pretrain.checkpoint.hf import write_init_dir
+
+        final = self.run_dir / "best"
+        write_init_dir(model, self.tokenizer_path, str(final), overwrite=True)
+        (final / "run_config.yaml").write_text(config_yaml, encoding="utf-8")
+        (final / "best.json").write_text(json.dumps({"step": step, "stsb_dev_spearman": score,
+                                                     "pooling": self.pooling}, indent=2))
