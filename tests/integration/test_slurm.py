@@ -22,12 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "pretrain.sbatch"
 MAX_STEPS = 24
 STOP_AFTER = 5  # signal once this many steps are logged
+PAYLOAD_STEPS = 16
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 
 
-def _load_cluster_module():
-    spec = importlib.util.spec_from_file_location("slurm_cluster", REPO / "tests" / "slurm" / "cluster.py")
+def _load(name: str):
+    """tests/slurm/<name>.py as a module (tests/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"slurm_{name}", REPO / "tests" / "slurm" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
@@ -36,7 +38,7 @@ def _load_cluster_module():
 
 @pytest.fixture(scope="module")
 def cluster():
-    mod = _load_cluster_module()
+    mod = _load("cluster")
     lc = mod.LocalCluster()
     try:
         started = lc.start(timeout_s=60)
@@ -123,9 +125,11 @@ def _num_steps(run_dir: Path) -> int:
 def jobs(cluster, tmp_path_factory):
     """Submit all three jobs at once, preempt the second after STOP_AFTER steps, wait for all."""
     root = tmp_path_factory.mktemp("slurm")
+    t0 = time.monotonic()
     paths = _prepare_data(root / "data")
+    t_data = time.monotonic()
     cfg = str(REPO / "configs" / "quickstart.yaml")
-    runs = {name: root / name for name in ("reference", "preempted", "srun")}
+    runs = {name: root / name for name in ("reference", "preempted", "srun", "requeued")}
     ids = {
         name: _submit(cluster, [str(SBATCH), str(runs[name]), cfg, *_overrides(paths)],
                       root / f"{name}.out", GPUS_PER_NODE="2")
@@ -134,15 +138,27 @@ def jobs(cluster, tmp_path_factory):
     ids["srun"] = _submit(cluster, ["--ntasks=2", "--wrap",
                                     f"srun python -m tests.slurm.payload none run_dir={runs['srun']} steps=4"],
                           root / "srun.out")
+    ids["requeued"] = _submit(
+        cluster, [str(SBATCH), str(runs["requeued"]), "none", f"steps={PAYLOAD_STEPS}", "step_time=0.3"],
+        root / "requeued.out", GPUS_PER_NODE="2", TRAIN_MODULE="tests.slurm.payload")
+    # preempted: what Slurm does N seconds before the time limit with --signal=B:USR1@N.
+    # requeued: what an admin or a preempting job does (SIGTERM to every process, then requeue).
+    triggers = {"preempted": ["scancel", "--batch", "--signal=USR1", ids["preempted"]],
+                "requeued": ["scontrol", "requeue", ids["requeued"]]}
     deadline = time.monotonic() + 240
-    while _num_steps(runs["preempted"]) < STOP_AFTER:
-        assert _job(cluster, ids["preempted"]).get("JobState") not in FINAL, \
-            (root / "preempted.out").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the preempted run never reached its signal point"
+    while triggers:
+        for name in list(triggers):
+            if _num_steps(runs[name]) >= STOP_AFTER:
+                subprocess.run(triggers.pop(name), check=True, env=cluster.env())
+            else:
+                assert _job(cluster, ids[name]).get("JobState") not in FINAL, \
+                    (root / f"{name}.out").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{list(triggers)} never reached the signal point"
         time.sleep(0.2)
-    # What Slurm does N seconds before the time limit with --signal=B:USR1@N.
-    subprocess.run(["scancel", "--batch", "--signal=USR1", ids["preempted"]], check=True, env=cluster.env())
+    t_signal = time.monotonic()
     infos = {name: _wait(cluster, job_id, 300) for name, job_id in ids.items()}
+    print(f"\n[test_slurm] data {t_data - t0:.0f}s, submit->USR1 {t_signal - t_data:.0f}s, "
+          f"USR1->all done {time.monotonic() - t_signal:.0f}s")
     logs = {name: (root / f"{name}.out").read_text() for name in ids}
     return {"runs": runs, "infos": infos, "logs": logs}
 
@@ -184,3 +200,36 @@ def test_srun_without_torchrun_gives_each_task_its_rank(jobs):
                for e in envs)
     assert envs[0]["master_addr"] == envs[1]["master_addr"] and envs[0]["master_port"] == envs[1]["master_port"]
     assert _num_steps(run) == 4
+
+
+def _payload_reference(steps: int, world_size: int) -> dict[int, float]:
+    """The stand-in payload's loss curve computed in one process (float64), rank by rank."""
+    import torch
+
+    _batch = _load("payload")._batch
+
+    w_D, losses = torch.zeros(4, dtype=torch.float64), {}
+    for step in range(steps):
+        grad_D, loss = torch.zeros(4, dtype=torch.float64), 0.0
+        for rank in range(world_size):
+            x_BD, y_B = _batch(step, rank)
+            err_B = x_BD @ w_D - y_B
+            grad_D += (x_BD.T @ err_B) * 2 / len(y_B) / world_size
+            loss += (err_B ** 2).mean().item() / world_size
+        w_D = w_D - 0.05 * grad_D
+        losses[step + 1] = loss
+    return losses
+
+
+def test_scontrol_requeue_terminates_checkpoints_and_resumes(jobs):
+    info, log, run = jobs["infos"]["requeued"], jobs["logs"]["requeued"], jobs["runs"]["requeued"]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    assert "TERM: waiting for the trainer" in log and "restart 1:" in log
+    stop = json.loads((run / "preempted-try0.json").read_text())
+    assert stop["signal"] == 15 and STOP_AFTER <= stop["step"] < PAYLOAD_STEPS
+    workers = [json.loads((run / f"rank{r}-try{t}.json").read_text()) for r in (0, 1) for t in (0, 1)]
+    assert all(w["usr1_ignored_at_start"] and w["env"]["launcher"] == "torchrun" for w in workers)
+    got, want = _train_losses(run), _payload_reference(PAYLOAD_STEPS, 2)
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-9), f"step {step}"
