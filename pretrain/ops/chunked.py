@@ -26,13 +26,17 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _mask_excluded_(s_NC: torch.Tensor, excl_NE: torch.Tensor, col0: int) -> None:
-    """Set s[i, excl[i, e] - col0] = -inf in place where that column lies in this chunk."""
+    """Set s[i, excl[i, e] - col0] = -inf in place where that column lies in this chunk.
+
+    Gather/where/scatter instead of boolean indexing: no host sync, traceable by torch.compile.
+    """
     num_cols = s_NC.shape[1]
-    rows_N = torch.arange(s_NC.shape[0], device=s_NC.device)
     for e in range(excl_NE.shape[1]):
-        local_N = excl_NE[:, e] - col0
-        inside_N = (local_N >= 0) & (local_N < num_cols)
-        s_NC[rows_N[inside_N], local_N[inside_N]] = NEG_INF
+        local_N1 = excl_NE[:, e : e + 1] - col0
+        inside_N1 = (local_N1 >= 0) & (local_N1 < num_cols)
+        local_N1 = local_N1.clamp(0, num_cols - 1)
+        kept_N1 = s_NC.gather(1, local_N1)
+        s_NC.scatter_(1, local_N1, torch.where(inside_N1, torch.full_like(kept_N1, NEG_INF), kept_N1))
 
 
 def _scores(q_ND: torch.Tensor, k_CD: torch.Tensor, excl_NE: torch.Tensor, col0: int, inv_temp: float):

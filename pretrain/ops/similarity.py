@@ -62,7 +62,7 @@ def _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size) ->
             continue  # data-dependent checks would break the graph
         if int(idx.min()) < 0 or int(idx.max()) >= num_cols:
             raise ValueError(f"{name} values must lie in [0, {num_cols}) (the columns of k)")
-    if self_idx_N is not None and not torch.compiler.is_compiling() and bool((self_idx_N == pos_idx_N).any()):
+    if self_idx_N is not None and not torch.compiler.is_compiling() and bool((self_idx_N.to(pos_idx_N.device) == pos_idx_N).any()):
         raise ValueError("self_idx equals pos_idx for some row: the positive cannot be the excluded column")
 
 
@@ -103,7 +103,9 @@ def info_nce_rows(
     _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size)
     backend = resolve_impl(impl, q_ND.device)
     inv_temp = 1.0 / float(temperature)
-    pos_idx_N = pos_idx_N.long()
+    pos_idx_N = pos_idx_N.to(q_ND.device, torch.long)
+    if self_idx_N is not None:
+        self_idx_N = self_idx_N.to(q_ND.device, torch.long)
     acc = acc_dtype(q_ND.dtype)
     c_pos_N = (q_ND.to(acc) * k_MD[pos_idx_N].to(acc)).sum(dim=1)
     s_pos_N = (arc_margin(c_pos_N, margin) if margin != 0.0 else c_pos_N) * inv_temp
