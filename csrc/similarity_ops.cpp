@@ -77,12 +77,16 @@ std::tuple<at::Tensor, at::Tensor> masked_lse_bwd(const at::Tensor& q_in, const 
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), excl = excl_in.to(at::kLong).contiguous();
   const int64_t N = q.size(0), M = k.size(0), D = q.size(1);
   const auto f32 = q.options().dtype(at::kFloat);
+  if (N == 0 || M == 0 || D == 0) return {at::zeros_like(q), at::zeros_like(k)};
   // Rows without a live column (lse = -inf) carry no gradient; zeroing keeps exp() finite.
   const at::Tensor lse32 = lse.to(at::kFloat);
   const at::Tensor dead = at::isinf(lse32);
   const at::Tensor safe_lse = at::where(dead, at::zeros_like(lse32), lse32).contiguous();
-  const at::Tensor coef = at::where(dead, at::zeros_like(lse32), grad.to(at::kFloat) * inv_temp).contiguous();
-  if (N == 0 || M == 0 || D == 0) return {at::zeros_like(q), at::zeros_like(k)};
+  const at::Tensor coef_raw = at::where(dead, at::zeros_like(lse32), grad.to(at::kFloat) * inv_temp);
+  // P = coef * softmax is rounded to fp16/bf16 before the tensor-core product; normalising coef by its
+  // max keeps P in [-1, 1] (no fp16 underflow for mean-reduced losses). Device-side, no host sync.
+  const at::Tensor coef_scale = coef_raw.abs().max().clamp_min(1e-30);
+  const at::Tensor coef = (coef_raw / coef_scale).contiguous();
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int q_splits = choose_splits(N, M);
   at::Tensor dq_part = at::zeros({q_splits, N, D}, f32);
@@ -94,8 +98,8 @@ std::tuple<at::Tensor, at::Tensor> masked_lse_bwd(const at::Tensor& q_in, const 
   C10_CUDA_CHECK(launch_masked_lse_bwd_k(dtype_of(q), q.data_ptr(), k.data_ptr(), N, M, D, excl.data_ptr<int64_t>(),
                                          static_cast<float>(inv_temp), safe_lse.data_ptr<float>(),
                                          coef.data_ptr<float>(), k_splits, dk_part.data_ptr<float>(), stream));
-  at::Tensor dq = (q_splits == 1 ? dq_part.select(0, 0) : dq_part.sum(0)).to(q.scalar_type());
-  at::Tensor dk = (k_splits == 1 ? dk_part.select(0, 0) : dk_part.sum(0)).to(k.scalar_type());
+  at::Tensor dq = ((q_splits == 1 ? dq_part.select(0, 0) : dq_part.sum(0)) * coef_scale).to(q.scalar_type());
+  at::Tensor dk = ((k_splits == 1 ? dk_part.select(0, 0) : dk_part.sum(0)) * coef_scale).to(k.scalar_type());
   return {dq, dk};
 }
 
