@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(kw_only=True)
@@ -77,8 +78,17 @@ class DataConfig:
     prefetch_factor: int = 4
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    stage: Literal["pretrain", "sentences"] = "pretrain"
+    """pretrain: MLM + CLEAR samples from data.sources; sentences: the seed-objective sentence stage
+    (continued training on data.sentences, see pretrain/data/sentences.py)."""
+    sentences: str = ""
+    """Sentence stage input: a text file with one sentence per line, or a pretrain-preprocess dataset
+    directory whose sequences are single sentences. Sentences are cut to view_max_len tokens."""
 
     def __post_init__(self) -> None:
+        if self.stage == "sentences" and not self.sentences:
+            raise ValueError("data.stage=sentences needs data.sentences: a one-sentence-per-line text file "
+                             "(or a pretrain-preprocess directory of single sentences)")
         if self.max_len < 8 or self.view_max_len < 8:
             raise ValueError(f"data.max_len/view_max_len must be >= 8, got {self.max_len}/{self.view_max_len}")
         if self.num_workers < 0:
