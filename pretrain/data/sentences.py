@@ -1,0 +1,267 @@
+"""The sentence stage: continued training of an encoder on single sentences (SimCSE-style data).
+
+Shape legend: B = sentences in a micro-batch, T = longest sentence (<= data.view_max_len),
+Bt = sentences of the batch that carry an ArcCSE triplet, Tt = their longest view
+(<= objective.triplet.max_len), V = vocabulary.
+
+Input (``data.sentences``): a text file with one sentence per line (blank lines skipped), or a
+``pretrain-preprocess`` directory whose sequences are single sentences. A sample is keyed by
+(epoch, index) like the pretraining samples; its noise (MLM masking, triplet masks) comes from
+``np.random.default_rng([seed, epoch, index])``, so it does not depend on workers or resumes.
+
+Batch keys (``collate_sentences``):
+  sentence_ids, sentence_mask   [B, T]  the clean sentence, [CLS] ... [SEP]; the dropout views
+                                        of SimCSE/ArcCon/RankCSE/SARCSE are two passes of it
+  input_ids, attention_mask     [B, T]  = the sentence; with objective.mlm on, a masked copy
+  mlm_labels                    [B, T]  only with objective.mlm (-100 where not predicted)
+  triplet_index                 [Bt]    rows of the batch that have a triplet (>= min_words words)
+  triplet_{anchor,low,high}_ids / _mask  [Bt, Tt]  s, s' (~20% words masked), s'' (~40%, nested)
+                                        (only with objective.triplet; Bt may be 0)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrain.config.data import DataConfig
+from pretrain.config.objective import ObjectiveConfig
+from pretrain.data.collate import pad_stack
+from pretrain.data.loader import RankBatchSampler, SampleOrder, ShardedLoader
+from pretrain.data.masking import IGNORE_INDEX, mask_tokens
+from pretrain.data.triplet_masks import build_triplet_views
+
+TRIPLET_KEYS = ("triplet_anchor", "triplet_low", "triplet_high")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+class SentenceTokenizer:
+    """Any BERT-style tokenizer.json (e.g. a ``pretrain-convert from-hf`` import, [UNK] at 100).
+
+    Same surface as pretrain.data.tokenizer.Tokenizer for what the sentence stage needs; special
+    ids are looked up by name instead of being required at 0..5. Pickles by path.
+    """
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file {path} not found; pass the tokenizer.json of the init weights "
+                                    "(pretrain-convert from-hf writes one)")
+        self.path = str(path)
+        self.sha256 = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        self._tok = HFTokenizer.from_file(self.path)
+        ids = {}
+        for name, token in (("pad", "[PAD]"), ("unk", "[UNK]"), ("cls", "[CLS]"), ("sep", "[SEP]"),
+                            ("mask", "[MASK]")):
+            ids[name] = self._tok.token_to_id(token)
+            if ids[name] is None:
+                raise ValueError(f"{path}: tokenizer has no {token} token; the sentence stage needs a BERT-style "
+                                 "vocabulary with [PAD] [UNK] [CLS] [SEP] [MASK]")
+        self.pad_id, self.unk_id, self.cls_id = ids["pad"], ids["unk"], ids["cls"]
+        self.sep_id, self.mask_id = ids["sep"], ids["mask"]
+        self.special_ids = frozenset(ids.values())
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        model_type = json.loads(self._tok.to_str()).get("model", {}).get("type")
+        self.kind = {"WordPiece": "wordpiece", "BPE": "bpe"}.get(model_type, "unigram")
+        self._word_start: np.ndarray | None = None
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)] if texts else []
+
+    def word_start_mask(self) -> np.ndarray:
+        """bool [V]: token begins a word (WordPiece: no '##'; BPE: 'Ġ'; unigram: '▁')."""
+        if self._word_start is None:
+            mask = np.zeros(self.vocab_size, dtype=bool)
+            for i in range(self.vocab_size):
+                tok = self._tok.id_to_token(i) or ""
+                if self.kind == "wordpiece":
+                    mask[i] = not tok.startswith("##")
+                else:
+                    mask[i] = tok.startswith("\u0120" if self.kind == "bpe" else "\u2581")
+            self._word_start = mask
+        return self._word_start
+
+
+def load_sentence_tokenizer(path: str):
+    """Our Tokenizer when the file is one of ours, else a SentenceTokenizer (HF BERT vocabularies)."""
+    from pretrain.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except ValueError:
+        return SentenceTokenizer(path)
+
+
+# ----------------------------------------------------------------------------- dataset
+
+
+class SentenceDataset(torch.utils.data.Dataset):
+    """One sample per sentence: the clean sentence, plus MLM / triplet views when those terms are on."""
+
+    def __init__(self, path: str, tokenizer, cfg: DataConfig, objective: ObjectiveConfig, *, seed: int):
+        self.path, self.cfg, self.seed = str(path), cfg, int(seed)
+        self.mlm = objective.mlm is not None
+        self.triplet = objective.triplet
+        self.tokenizer = tokenizer
+        self.cls_id, self.sep_id, self.mask_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id
+        self.special_ids = tuple(sorted(tokenizer.special_ids))
+        self.vocab_size = tokenizer.vocab_size
+        p = Path(path)
+        self.lines: list[str] | None = None
+        self.source = None
+        if p.is_dir():
+            from pretrain.data.shards import ShardedDataset
+
+            self.source = ShardedDataset(str(p), tokenizer_sha256=getattr(tokenizer, "sha256", None))
+            self.index_N = np.flatnonzero(np.asarray(self.source.sizes) > 0).astype(np.int64)
+        elif p.is_file():
+            with open(p, encoding="utf-8", errors="replace") as f:
+                self.lines = [s for s in (line.strip() for line in f) if s]
+            self.index_N = np.arange(len(self.lines), dtype=np.int64)
+        else:
+            raise FileNotFoundError(f"data.sentences={path} does not exist; give a one-sentence-per-line text file "
+                                    "or a pretrain-preprocess dataset directory")
+        if len(self.index_N) == 0:
+            raise ValueError(f"data.sentences={path} holds no non-empty sentences")
+        self._word_start = tokenizer.word_start_mask() if self.triplet is not None else None
+
+    def __len__(self) -> int:
+        return len(self.index_N)
+
+    def tokens(self, index: int) -> np.ndarray:
+        """Token ids (int64, no specials, not truncated) of sentence ``index``."""
+        i = int(self.index_N[index])
+        if self.lines is not None:
+            return np.asarray(self.tokenizer.encode(self.lines[i]), dtype=np.int64)
+        return np.asarray(self.source[i], dtype=np.int64)
+
+    def __getitem__(self, key) -> dict:
+        """key = (epoch, index) or index; index >= len reuses sentence index % len with fresh noise."""
+        from pretrain.data.datasets import parse_key
+
+        epoch, index = parse_key(key)
+        n = len(self)
+        if index < 0:
+            raise IndexError(f"sample index {index} out of range for {n} sentences")
+        ids_T = self.tokens(index % n)
+        rng_mask, rng_triplet = np.random.default_rng([self.seed, epoch, index]).spawn(2)
+        sentence_T = self.wrap(ids_T[: self.cfg.view_max_len - 2])
+        sample = {"sentence": sentence_T}
+        if self.mlm:
+            sample["input_ids"], sample["mlm_labels"] = mask_tokens(
+                sentence_T, rng_mask, self.cfg.masking, vocab_size=self.vocab_size,
+                special_ids=self.special_ids, mask_id=self.mask_id)
+        if self.triplet is not None:
+            sample.update(self.triplet_views(ids_T, rng_triplet))
+        return sample
+
+    def triplet_views(self, ids_T: np.ndarray, rng: np.random.Generator) -> dict:
+        """{has_triplet, triplet_anchor, triplet_low, triplet_high} (wrapped, equal lengths); short sentences
+        (< min_words words) get only has_triplet=False."""
+        t = self.triplet
+        ids_T = ids_T[: t.max_len - 2]
+        starts_W = np.flatnonzero(self._word_start[ids_T]) if len(ids_T) else np.zeros(0, np.int64)
+        if len(starts_W) and starts_W[0] != 0:  # a leading continuation piece belongs to the first word
+            starts_W = np.concatenate([[0], starts_W])
+        views = build_triplet_views(ids_T, rng, word_starts=starts_W, low=t.low, high=t.high,
+                                    min_words=t.min_words, mask_id=self.mask_id, max_segments=t.max_segments)
+        if views is None:
+            return {"has_triplet": False}
+        return {"has_triplet": True, "triplet_anchor": self.wrap(ids_T), "triplet_low": self.wrap(views[0]),
+                "triplet_high": self.wrap(views[1])}
+
+    def wrap(self, tokens_T: np.ndarray) -> np.ndarray:
+        return np.concatenate([[self.cls_id], tokens_T, [self.sep_id]]).astype(np.int64)
+
+    def token_frequencies(self) -> np.ndarray:
+        """float64 [V] unigram frequencies over all sentences (sums to 1): SARCSE's freq(w)."""
+        if self.source is not None:
+            stored = self.source.token_frequencies()
+            if stored is not None:
+                return stored
+        counts_V = np.zeros(self.vocab_size, dtype=np.int64)
+        chunk = 4096
+        for start in range(0, len(self), chunk):
+            if self.lines is not None:
+                batch = self.tokenizer.encode_batch([self.lines[i] for i in self.index_N[start:start + chunk]])
+                flat = np.fromiter((t for ids in batch for t in ids), dtype=np.int64)
+            else:
+                flat = np.concatenate([self.tokens(i) for i in range(start, min(start + chunk, len(self)))])
+            counts_V += np.bincount(flat, minlength=self.vocab_size)[: self.vocab_size]
+        return counts_V / max(int(counts_V.sum()), 1)
+
+
+def build_sentence_dataset(cfg: DataConfig, objective: ObjectiveConfig, tokenizer, *, seed: int) -> SentenceDataset:
+    if cfg.stage != "sentences":
+        raise ValueError(f"build_sentence_dataset needs data.stage=sentences, got {cfg.stage!r}")
+    return SentenceDataset(cfg.sentences, tokenizer, cfg, objective, seed=seed)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def collate_sentences(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """SentenceDataset samples -> the batch dict documented at the top of this module."""
+    if not samples:
+        raise ValueError("collate_sentences got an empty list of samples")
+    batch: dict[str, torch.Tensor] = {}
+    batch["sentence_ids"], batch["sentence_mask"] = pad_stack([s["sentence"] for s in samples], pad_id)
+    if "input_ids" in samples[0]:
+        batch["input_ids"], batch["attention_mask"] = pad_stack([s["input_ids"] for s in samples], pad_id)
+        batch["mlm_labels"], _ = pad_stack([s["mlm_labels"] for s in samples], IGNORE_INDEX)
+    else:
+        batch["input_ids"], batch["attention_mask"] = batch["sentence_ids"], batch["sentence_mask"]
+    if "has_triplet" in samples[0]:
+        with_triplet = [b for b, s in enumerate(samples) if s["has_triplet"]]
+        batch["triplet_index"] = torch.tensor(with_triplet, dtype=torch.int64)
+        # All three views share one padded length so the triplet branch runs as one forward pass.
+        seqs = [samples[b][k] for k in TRIPLET_KEYS for b in with_triplet]
+        ids, mask = pad_stack(seqs, pad_id)
+        num = len(with_triplet)
+        for j, key in enumerate(TRIPLET_KEYS):
+            batch[f"{key}_ids"], batch[f"{key}_mask"] = ids[j * num:(j + 1) * num], mask[j * num:(j + 1) * num]
+    return batch
+
+
+def build_sentence_loader(dataset, *, seed: int, rank: int, world_size: int, micro_batch_size: int,
+                          start_sample: int, num_workers: int, pad_id: int, prefetch_factor: int = 4) -> ShardedLoader:
+    """Like pretrain.data.loader.build_loader (same sample order and resume rule), with collate_sentences."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    step = micro_batch_size * world_size
+    if micro_batch_size < 1 or start_sample < 0 or start_sample % step:
+        raise ValueError(f"start_sample {start_sample} must be a non-negative multiple of micro_batch_size * "
+                         f"world_size = {step}; resume with the checkpoint's global batch size")
+    order = SampleOrder(len(dataset), seed=seed)
+    sampler = RankBatchSampler(order, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size,
+                               start=start_sample)
+    extra = {}
+    if num_workers > 0:
+        extra = dict(persistent_workers=True, prefetch_factor=prefetch_factor, worker_init_fn=_one_thread)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers,
+        collate_fn=functools.partial(collate_sentences, pad_id=pad_id),
+        generator=torch.Generator().manual_seed(int(seed)), **extra)
+    return ShardedLoader(loader, sampler, start_sample)
+
+
+def _one_thread(worker_id: int) -> None:
+    torch.set_num_threads(1)
