@@ -206,3 +206,19 @@ def test_attention_dropout_active_only_in_training():
         model.train()
         c = model.encode(ids_BT, mask_BT)
     assert torch.equal(a, b) and not torch.allclose(a, c)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_and_bf16_autocast_runs():
+    model = build_model(TINY, seed=19).eval()
+    ids_BT, mask_BT = _batch(torch.Generator().manual_seed(20))
+    with torch.no_grad():
+        h_cpu = model.encode(ids_BT, mask_BT)
+        cuda = model.to("cuda")
+        assert cuda.mlm_head.decoder.weight is cuda.encoder.embeddings.word.weight  # tie survives .to()
+        h_gpu = cuda.encode(ids_BT.cuda(), mask_BT.cuda()).cpu()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h_bf16 = cuda.encode(ids_BT.cuda(), mask_BT.cuda()).float().cpu()
+    keep = mask_BT.bool()
+    assert (h_cpu - h_gpu)[keep].abs().max() < 1e-4
+    assert torch.isfinite(h_bf16).all() and (h_cpu - h_bf16)[keep].abs().max() < 0.1
