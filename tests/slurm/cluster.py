@@ -214,9 +214,9 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             self._write_files()
             pids: dict[str, int] = {}
             for name, cmd in self._commands().items():
-                log = open(self.root / "log" / f"{name}.stdout", "ab")
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                with open(self.root / "log" / f"{name}.stdout", "ab") as log:
+                    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
                 pids[name] = proc.pid
                 self.state_file.write_text(json.dumps(pids))
                 if name == "munged":
@@ -246,8 +246,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             if state in ("idle", "mix", "alloc"):
                 return True
             if state in ("drain", "drng", "down", "down*") or "drain" in state:
-                subprocess.run(["scontrol", "update", f"nodename={socket.gethostname()}",
-                                "state=resume"], env=self.env(), capture_output=True)
+                subprocess.run(["scontrol", "update", "nodename=ALL", "state=resume"],
+                               env=self.env(), capture_output=True)
             time.sleep(0.3)
         return False
 
@@ -255,8 +255,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         """Cancel this cluster's jobs, then stop exactly the daemons recorded in daemons.json."""
         alive = self.alive()
         if {"slurmctld", "slurmd"} <= alive.keys():
-            subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=self.env(),
-                           capture_output=True, timeout=20)
+            jobs = subprocess.run(["squeue", "-h", "-o", "%A"], env=self.env(), capture_output=True,
+                                  text=True, timeout=20).stdout.split()
+            if jobs:
+                subprocess.run(["scancel", *jobs], env=self.env(), capture_output=True, timeout=20)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and subprocess.run(
                     ["squeue", "-h", "-t", "R,CG"], env=self.env(), capture_output=True,
