@@ -153,24 +153,24 @@ def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str 
         d = read_split(task, glue_dir, s)
         dev_sets[s] = (encode_split(d, tokenizer, cfg.max_len), d.label)
 
-    model = GlueModel(backbone, hidden_size_of(backbone), task.num_labels, cfg.dropout, gen).to(cfg.device)
-    no_decay = lambda n: n.endswith("bias") or "norm" in n.lower()  # noqa: E731
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if not no_decay(n)], "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    steps_per_epoch = (len(train_enc) + cfg.batch_size - 1) // cfg.batch_size
-    total = steps_per_epoch * cfg.epochs
-    warmup = int(cfg.warmup_ratio * total)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup_decay(s, total, warmup))
-    loss_fn = nn.MSELoss() if task.labels is None else nn.CrossEntropyLoss()
-    label_dtype = torch.float32 if task.labels is None else torch.long
-
     best, best_state, history, step = None, None, [], 0
-    # dropout draws from torch's global generator: fork it so the caller's RNG state is untouched
+    # nn.Linear init and dropout draw from torch's global generator: fork it so the caller's RNG
+    # state is untouched, and seed it so runs are reproducible
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
+        model = GlueModel(backbone, hidden_size_of(backbone), task.num_labels, cfg.dropout, gen).to(cfg.device)
+        no_decay = lambda n: n.endswith("bias") or "norm" in n.lower()  # noqa: E731
+        groups = [
+            {"params": [p for n, p in model.named_parameters() if not no_decay(n)], "weight_decay": cfg.weight_decay},
+            {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        steps_per_epoch = (len(train_enc) + cfg.batch_size - 1) // cfg.batch_size
+        total = steps_per_epoch * cfg.epochs
+        warmup = int(cfg.warmup_ratio * total)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup_decay(s, total, warmup))
+        loss_fn = nn.MSELoss() if task.labels is None else nn.CrossEntropyLoss()
+        label_dtype = torch.float32 if task.labels is None else torch.long
         model.train()
         for epoch in range(cfg.epochs):
             order = torch.randperm(len(train_enc), generator=gen).tolist()
