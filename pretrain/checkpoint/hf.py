@@ -53,7 +53,6 @@ KEY_MAP: list[tuple[str, str]] = [
 # Ours-only parameters: kept next to the HF weights in PROJECTION_FILE, not in model.safetensors.
 OURS_ONLY_PREFIXES = ("projection.",)
 PROJECTION_FILE = "pretrain_projection.safetensors"
-MLM_HEAD_PREFIX = "mlm_head."
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
