@@ -125,23 +125,25 @@ def _run_chunk(docs: list[list[str]]) -> ChunkResult:
     return _WORKER["processor"](docs)
 
 
-def _map_ordered(chunks: Iterator[list[list[str]]], processor: ChunkProcessor,
-                 num_workers: int) -> Iterator[ChunkResult]:
-    """Results in input order; at most 4 chunks per worker in flight (memory stays bounded)."""
+def _map_ordered(chunks: Iterator[tuple[list[list[str]], int]], processor: ChunkProcessor,
+                 num_workers: int) -> Iterator[tuple[ChunkResult, int]]:
+    """(result, input byte position) in input order; at most 4 chunks per worker in flight (bounded memory)."""
     if num_workers <= 1:
-        for chunk in chunks:
-            yield processor(chunk)
+        for chunk, pos in chunks:
+            yield processor(chunk), pos
         return
     tok = processor.tokenizer
     with mp.get_context().Pool(num_workers, initializer=_init_worker,
                                initargs=(tok.path, tok.sha256, processor.min_sentence_chars)) as pool:
         window: deque = deque()
-        for chunk in chunks:
-            window.append(pool.apply_async(_run_chunk, (chunk,)))
+        for chunk, pos in chunks:
+            window.append((pool.apply_async(_run_chunk, (chunk,)), pos))
             if len(window) >= 4 * num_workers:
-                yield window.popleft().get()
+                result, pos = window.popleft()
+                yield result.get(), pos
         while window:
-            yield window.popleft().get()
+            result, pos = window.popleft()
+            yield result.get(), pos
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -189,29 +191,24 @@ class _ShardWriter:
             self.builder.abort()
 
 
-def _chunks(files: list[str], stats: ReadStats, chunk_chars: int, progress, **read_kwargs) -> Iterator[list]:
-    """Documents (as paragraph lists) grouped into ~chunk_chars chunks; advances the byte progress bar."""
+def _chunks(files: list[str], stats: ReadStats, chunk_chars: int, **read_kwargs) -> Iterator[tuple[list, int]]:
+    """Documents (as paragraph lists) in ~chunk_chars chunks, each with the input bytes consumed so far."""
     chunk: list[list[str]] = []
     size = 0
     done_bytes = 0
-    shown = 0
+    pos = 0
     for path in files:
         for doc in read_file(path, stats, **read_kwargs):
             chunk.append(doc.paragraphs)
             size += sum(len(p) for p in doc.paragraphs)
-            pos = done_bytes + doc.num_bytes
-            if pos > shown:
-                progress.update(pos - shown)
-                shown = pos
+            pos = max(pos, done_bytes + doc.num_bytes)
             if size >= chunk_chars:
-                yield chunk
+                yield chunk, pos
                 chunk, size = [], 0
         done_bytes += os.path.getsize(path)
-        if done_bytes > shown:
-            progress.update(done_bytes - shown)
-            shown = done_bytes
+        pos = done_bytes
     if chunk:
-        yield chunk
+        yield chunk, pos
 
 
 def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
@@ -264,10 +261,11 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
                disable=not progress, mininterval=1.0, smoothing=0.1)
     try:
-        chunks = _chunks(files, stats, chunk_chars, bar, fmt=fmt, max_line_bytes=max_line_bytes,
+        chunks = _chunks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes,
                          errors=errors, text_field=text_field)
-        for r in _map_ordered(chunks, ChunkProcessor(tok, min_sentence_chars), num_workers):
+        for r, pos in _map_ordered(chunks, ChunkProcessor(tok, min_sentence_chars), num_workers):
             writer.add(r)
+            bar.update(max(0, pos - bar.n))
             counts += np.bincount(r.flat_ids, minlength=tok.vocab_size)
             report["documents"] += int((r.doc_sentences > 0).sum())
             report["sentences"] += len(r.sizes)
@@ -275,6 +273,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
             report["characters"] += r.num_chars
             report["short_sentences"] += r.short_sentences
             report["empty_sentences"] += r.empty_sentences
+        bar.update(max(0, total_bytes - bar.n))
         bar.close()
         shards = writer.close()
         if report["tokens"] == 0:

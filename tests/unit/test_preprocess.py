@@ -208,6 +208,17 @@ def test_failed_run_leaves_nothing(corpus, tokenizer, tmp_path):
     assert m["report"]["empty_files"] == [str(src / "c.txt")] and m["report"]["skipped"] == {"invalid_utf8": 1}
 
 
+def test_failure_with_worker_pool_leaves_nothing(corpus, tokenizer, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("Good sentence number one.\n\n" * 200)
+    (src / "b.txt").write_bytes(b"Fine line here.\n" * 50 + b"\xff\n")
+    with pytest.raises(ValueError, match=rf"b\.txt: invalid UTF-8 at byte offset {16 * 50}"):
+        preprocess([str(src)], str(tmp_path / "out"), tokenizer.path, num_workers=2, chunk_chars=100,
+                   progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
 def test_verify_and_dataset_errors(corpus, tokenizer, tmp_path, capsys):
     out = tmp_path / "ds"
     preprocess([str(corpus / "wiki")], str(out), tokenizer.path, shard_size_tokens=1000, progress=False)
