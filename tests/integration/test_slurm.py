@@ -114,6 +114,13 @@ def _train_losses(run_dir: Path) -> dict[int, float]:
     return losses
 
 
+def _has_step(cluster, job_id: str) -> bool:
+    """srun has launched the job's first step (torchrun and its workers are starting)."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True,
+                         text=True, env=cluster.env())
+    return f"{job_id}.0" in out.stdout.split()
+
+
 def _num_steps(run_dir: Path) -> int:
     try:
         return len(_train_losses(run_dir))
@@ -129,7 +136,7 @@ def jobs(cluster, tmp_path_factory):
     paths = _prepare_data(root / "data")
     t_data = time.monotonic()
     cfg = str(REPO / "configs" / "quickstart.yaml")
-    runs = {name: root / name for name in ("reference", "preempted", "srun", "requeued")}
+    runs = {name: root / name for name in ("reference", "preempted", "srun", "requeued", "early")}
     ids = {
         name: _submit(cluster, [str(SBATCH), str(runs[name]), cfg, *_overrides(paths)],
                       root / f"{name}.out", GPUS_PER_NODE="2")
@@ -138,17 +145,24 @@ def jobs(cluster, tmp_path_factory):
     ids["srun"] = _submit(cluster, ["--ntasks=2", "--wrap",
                                     f"srun python -m tests.slurm.payload none run_dir={runs['srun']} steps=4"],
                           root / "srun.out")
-    ids["requeued"] = _submit(
-        cluster, [str(SBATCH), str(runs["requeued"]), "none", f"steps={PAYLOAD_STEPS}", "step_time=0.3"],
-        root / "requeued.out", GPUS_PER_NODE="2", TRAIN_MODULE="tests.slurm.payload")
+    for name in ("requeued", "early"):
+        ids[name] = _submit(
+            cluster, [str(SBATCH), str(runs[name]), "none", f"steps={PAYLOAD_STEPS}", "step_time=0.3"],
+            root / f"{name}.out", GPUS_PER_NODE="2", TRAIN_MODULE="tests.slurm.payload", USR1_RESEND="2")
     # preempted: what Slurm does N seconds before the time limit with --signal=B:USR1@N.
     # requeued: what an admin or a preempting job does (SIGTERM to every process, then requeue).
+    # early: USR1 while the workers are still starting (and ignore it): the script's resend must
+    # reach them once they listen.
     triggers = {"preempted": ["scancel", "--batch", "--signal=USR1", ids["preempted"]],
-                "requeued": ["scontrol", "requeue", ids["requeued"]]}
+                "requeued": ["scontrol", "requeue", ids["requeued"]],
+                "early": ["scancel", "--batch", "--signal=USR1", ids["early"]]}
+    ready = {"preempted": lambda: _num_steps(runs["preempted"]) >= STOP_AFTER,
+             "requeued": lambda: _num_steps(runs["requeued"]) >= STOP_AFTER,
+             "early": lambda: _has_step(cluster, ids["early"]) and _num_steps(runs["early"]) == 0}
     deadline = time.monotonic() + 240
     while triggers:
         for name in list(triggers):
-            if _num_steps(runs[name]) >= STOP_AFTER:
+            if ready[name]():
                 subprocess.run(triggers.pop(name), check=True, env=cluster.env())
             else:
                 assert _job(cluster, ids[name]).get("JobState") not in FINAL, \
@@ -233,3 +247,13 @@ def test_scontrol_requeue_terminates_checkpoints_and_resumes(jobs):
     assert sorted(got) == sorted(want)
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-9), f"step {step}"
+
+
+def test_usr1_during_worker_startup_is_resent_until_heard(jobs):
+    info, log, run = jobs["infos"]["early"], jobs["logs"]["early"], jobs["runs"]["early"]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    stop = json.loads((run / "preempted-try0.json").read_text())
+    assert stop["signal"] == 10 and 1 <= stop["step"] < PAYLOAD_STEPS
+    got, want = _train_losses(run), _payload_reference(PAYLOAD_STEPS, 2)
+    assert sorted(got) == sorted(want)
+    assert all(got[s] == pytest.approx(want[s], rel=1e-9) for s in want)
