@@ -57,13 +57,16 @@ def _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size) ->
         if idx is None:
             continue
         if idx.shape != (num_rows,) or idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{name} must be an integer tensor of shape ({num_rows},), got {idx.dtype} {tuple(idx.shape)}")
+            raise ValueError(
+                f"{name} must be an integer tensor of shape ({num_rows},), got {idx.dtype} {tuple(idx.shape)}"
+            )
         if torch.compiler.is_compiling() or num_rows == 0:
             continue  # data-dependent checks would break the graph
         if int(idx.min()) < 0 or int(idx.max()) >= num_cols:
             raise ValueError(f"{name} values must lie in [0, {num_cols}) (the columns of k)")
-    if self_idx_N is not None and not torch.compiler.is_compiling() and bool((self_idx_N.to(pos_idx_N.device) == pos_idx_N).any()):
-        raise ValueError("self_idx equals pos_idx for some row: the positive cannot be the excluded column")
+    if self_idx_N is not None and not torch.compiler.is_compiling():
+        if bool((self_idx_N.to(pos_idx_N.device) == pos_idx_N).any()):
+            raise ValueError("self_idx equals pos_idx for some row: the positive cannot be the excluded column")
 
 
 def _masked_lse(q_ND, k_MD, excl_NE, inv_temp: float, impl: str, chunk_size: int) -> torch.Tensor:

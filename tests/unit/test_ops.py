@@ -221,3 +221,13 @@ def test_custom_op_under_torch_compile():
     torch.testing.assert_close(val, eager_val)
     for a, b in zip(grads, eager_grads):
         torch.testing.assert_close(a, b)
+
+
+def test_jit_build_explains_a_cpu_only_torch():
+    from pretrain.ops import extension
+
+    if torch.version.cuda is not None:
+        pytest.skip("CUDA torch: the JIT build is exercised by tests/gpu")
+    assert all((extension.CSRC_DIR / name).is_file() for name in extension.SOURCES)
+    with pytest.raises(ValueError, match="CUDA build of torch"):
+        extension.build_jit()
