@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     print("[quickstart] next:")
     print(f"  tensorboard --logdir {run_dir}/tb")
     print(f"  pretrain-convert to-hf {run_dir} {run_dir}/hf")
-    print(f"  pretrain-eval sts {run_dir} --data-dir ../shared/data")
+    print(f"  pretrain-eval --model {run_dir} --pooling mean --suites sts --data-dir ../shared/data "
+          f"--out {run_dir}/eval")
     return 0
 
 
