@@ -172,10 +172,17 @@ def substitute_synonyms(
 class Augmenter:
     """Applies the configured '+'-joined CLEAR augmentations, in order, to one token array."""
 
-    def __init__(self, cfg: AugmentConfig, methods: tuple[str, ...], word_start_V: np.ndarray, del_id: int, tokenizer):
+    def __init__(self, cfg: AugmentConfig, methods: tuple[str, ...], word_start_V: np.ndarray, del_id: int | None,
+                 tokenizer):
         self.cfg = cfg
         self.methods = methods
         self.word_start_V = np.asarray(word_start_V, dtype=bool).copy()
+        # A vocabulary without [DEL] (an imported HF BERT) marks deletions with an id past the vocabulary
+        # and drops them at the end: the view loses the words without a marker.
+        self.drop_deleted = del_id is None
+        if del_id is None:
+            del_id = len(self.word_start_V)
+            self.word_start_V = np.append(self.word_start_V, True)
         self.word_start_V[del_id] = True  # a merged [DEL] is a word of its own
         self.del_id = del_id
         self.tokenizer = tokenizer if "subs" in methods else None
@@ -205,7 +212,8 @@ class Augmenter:
             else:
                 out_T = np.array(out_T, dtype=np.int64, copy=True)
         # Reordering can bring two [DEL]s together; the paper's rule holds for the final view.
-        return merge_deletions(out_T, self.del_id)
+        out_T = merge_deletions(out_T, self.del_id)
+        return out_T[out_T != self.del_id] if self.drop_deleted else out_T
 
     def synonyms_of(self, key: tuple[int, ...]) -> Sequence[np.ndarray]:
         """The WordNet synonyms of one word as token arrays, tokenized on first use (cached per process)."""

@@ -70,13 +70,17 @@ class Tokenizer:
             raise ValueError(f"{path}: unsupported tokenizer model {model_type!r}; expected one of {list(_MODEL_KIND)}")
         self.kind = _MODEL_KIND[model_type]
         self.lowercase = _has_lowercase(spec.get("normalizer"))
-        for expected_id, tok in enumerate(SPECIAL_TOKENS):
-            got = self._tok.token_to_id(tok)
-            if got != expected_id:
-                raise ValueError(f"{path}: special token {tok} has id {got}, expected {expected_id}; "
-                                 f"tokenizers for this project must be made by pretrain-tokenizer")
-        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id, self.del_id = range(len(SPECIAL_TOKENS))
-        self.special_ids = frozenset(range(len(SPECIAL_TOKENS)))
+        # Special ids are looked up by string: ours are 0..5 (pretrain-tokenizer), an imported HF BERT
+        # vocabulary has its own ([PAD]=0, [UNK]=100, [CLS]=101, ...) and usually no [DEL].
+        ids = {tok: self._tok.token_to_id(tok) for tok in SPECIAL_TOKENS}
+        missing = [tok for tok in SPECIAL_TOKENS[:5] if ids[tok] is None]
+        if missing:
+            raise ValueError(f"{path}: the vocabulary has no {', '.join(missing)} token(s); pretrain needs "
+                             f"{', '.join(SPECIAL_TOKENS[:5])} (make tokenizers with pretrain-tokenizer)")
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (ids[t] for t in SPECIAL_TOKENS[:5])
+        self.del_id: int | None = ids["[DEL]"]
+        """None for vocabularies without [DEL] (e.g. imported HF BERT): deletion views then drop words."""
+        self.special_ids = frozenset(i for i in ids.values() if i is not None)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._word_start: np.ndarray | None = None
 

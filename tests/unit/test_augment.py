@@ -229,3 +229,16 @@ def test_real_wordnet_substitution_uses_synonyms(tokenizer):
     assert changed > 0
     again = pickle.loads(pickle.dumps(aug))
     assert again(ids, np.random.default_rng(3)).tolist() == aug(ids, np.random.default_rng(3)).tolist()
+
+
+def test_vocabulary_without_del_drops_deleted_words():
+    """An imported HF BERT vocabulary has no [DEL]: the same draws delete the words without a marker."""
+    words = make_words(np.random.default_rng(5), 30)
+    cfg = AugmentConfig(methods="del-span")
+    with_del = A.Augmenter(cfg, A.parse_methods(cfg.methods), WS, DEL, tokenizer=None)
+    without = A.Augmenter(cfg, A.parse_methods(cfg.methods), WS, None, tokenizer=None)
+    marked = with_del(flat(words), np.random.default_rng(3))
+    dropped = without(flat(words), np.random.default_rng(3))
+    assert DEL in marked.tolist()
+    assert dropped.tolist() == [t for t in marked.tolist() if t != DEL]
+    assert dropped.max() < VOCAB
