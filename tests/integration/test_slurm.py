@@ -20,6 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "pretrain.sbatch"
+PAYLOAD = REPO / "tests" / "slurm" / "payload.py"
 MAX_STEPS = 24
 STOP_AFTER = 5  # signal once this many steps are logged
 PAYLOAD_STEPS = 16
@@ -143,12 +144,12 @@ def jobs(cluster, tmp_path_factory):
         for name in ("reference", "preempted")
     }
     ids["srun"] = _submit(cluster, ["--ntasks=2", "--wrap",
-                                    f"srun python -m tests.slurm.payload none run_dir={runs['srun']} steps=4"],
+                                    f"srun python {PAYLOAD} none run_dir={runs['srun']} steps=4"],
                           root / "srun.out")
     for name in ("requeued", "early"):
         ids[name] = _submit(
             cluster, [str(SBATCH), str(runs[name]), "none", f"steps={PAYLOAD_STEPS}", "step_time=0.3"],
-            root / f"{name}.out", GPUS_PER_NODE="2", TRAIN_MODULE="tests.slurm.payload", USR1_RESEND="2")
+            root / f"{name}.out", GPUS_PER_NODE="2", TRAIN_MODULE=str(PAYLOAD), USR1_RESEND="2")
     # preempted: what Slurm does N seconds before the time limit with --signal=B:USR1@N.
     # requeued: what an admin or a preempting job does (SIGTERM to every process, then requeue).
     # early: USR1 while the workers are still starting (and ignore it): the script's resend must

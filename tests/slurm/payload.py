@@ -1,6 +1,6 @@
 """Stand-in trainer for the Slurm tests: same CLI and signal contract as `pretrain.train`.
 
-    python -m tests.slurm.payload CONFIG run_dir=DIR [steps=N] [step_time=S]
+    python tests/slurm/payload.py CONFIG run_dir=DIR [steps=N] [step_time=S]
 
 Trains a tiny linear model with all-reduced gradients (gloo), appends {"step", "loss"} per step to
 RUN_DIR/metrics.jsonl, resumes from RUN_DIR/ckpt.pt, and on SIGUSR1/SIGTERM finishes the current
