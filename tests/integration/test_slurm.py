@@ -1,8 +1,10 @@
 """slurm/pretrain.sbatch on a real one-node Slurm cluster (tests/slurm/cluster.py), on CPU.
 
-Three jobs run side by side: an uninterrupted 2-worker training run, the same run preempted with
-USR1 (checkpoint -> self-requeue -> resume), whose per-step losses must equal the uninterrupted
-ones, and `srun -n 2` without torchrun (the Slurm branch of detect_env) on a stand-in payload.
+Five jobs run side by side: an uninterrupted 2-worker `pretrain.train` run; the same run
+preempted with USR1 (checkpoint -> self-requeue -> resume), whose per-step losses must equal the
+uninterrupted ones; `scontrol requeue` (SIGTERM) and a USR1 during worker start-up on the stand-in
+trainer (tests/slurm/payload.py, checked against a float64 reference); and `srun -n 2` without
+torchrun (the Slurm branch of detect_env).
 """
 
 from __future__ import annotations
