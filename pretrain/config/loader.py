@@ -121,15 +121,16 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own error (with its dotted path) is the useful one
+            return _convert(options[0], value, path)
         errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        for arg in options:
             try:
                 return _convert(arg, value, path)
             except ValueError as e:
                 errors.append(str(e))
-        raise ValueError(f"config {path}: {value!r} does not match {_type_name(tp)}")
+        raise ValueError(f"config {path}: {value!r} does not match {_type_name(tp)} ({'; '.join(errors)})")
     if origin is typing.Literal:
         choices = get_args(tp)
         if value not in choices:

@@ -56,6 +56,24 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def _check_run_dir(run_dir: Path, losses: dict) -> None:
+    """config.yaml, metrics.jsonl fields, and real TensorBoard events carrying the same scalars."""
+    import yaml
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"] == 8
+    rec = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[1])
+    for key in ("step", "loss", "mlm", "nt_xent", "lr", "grad_norm", "loss_scale", "tokens_per_s", "samples_per_s"):
+        assert key in rec, key
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    events = acc.Scalars("train/loss")
+    assert [e.step for e in events] == sorted(losses)
+    for e in events:
+        assert abs(e.value - losses[e.step]) < 1e-6
+    assert "valid/mlm" in acc.Tags()["scalars"]
+
+
 @pytest.mark.slow
 def test_two_ranks_killed_and_resumed_reproduce_losses_bitwise(tmp_path, tiny_overrides):
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
@@ -63,6 +81,7 @@ def test_two_ranks_killed_and_resumed_reproduce_losses_bitwise(tmp_path, tiny_ov
     assert code == 0, out[-3000:]
     ref = _losses(ref_dir)
     assert sorted(ref) == list(range(1, 9))
+    _check_run_dir(ref_dir, ref)
 
     # Kill the whole job with SIGKILL as soon as the step-4 checkpoint is published.
     p = _launch(tiny_overrides(cut_dir), nproc=2)
