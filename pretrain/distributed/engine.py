@@ -21,8 +21,12 @@ def _import_deepspeed():
     # DeepSpeed picks its accelerator at import time; on a machine without CUDA say "cpu" explicitly.
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+    import warnings
+
     import deepspeed
 
+    # DeepSpeed's ZeRO calls a torch collective that torch marks deprecated, once per step.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
     return deepspeed
