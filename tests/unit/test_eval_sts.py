@@ -10,13 +10,17 @@ import pytest
 from pretrain.eval import sts
 
 
+_WORD_VECS: dict[str, np.ndarray] = {}
+
+
 def bow_encode(sentences, dim=32):
     """Deterministic bag-of-words embedding (crc32-seeded word vectors): a stand-in encoder."""
-    out = np.zeros((len(sentences), dim))
+    out = np.full((len(sentences), dim), 1e-3)
     for i, s in enumerate(sentences):
         for w in s.split():
-            out[i] += np.random.default_rng(zlib.crc32(w.encode())).standard_normal(dim)
-        out[i] += 1e-3
+            if w not in _WORD_VECS:
+                _WORD_VECS[w] = np.random.default_rng(zlib.crc32(w.encode())).standard_normal(dim)
+            out[i] += _WORD_VECS[w]
     return out.astype(np.float32)
 
 
