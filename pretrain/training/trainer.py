@@ -39,7 +39,12 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.stop_signal = stop_signal or StopSignal(install=False)
         self.run_dir = Path(cfg.run_dir)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        if cfg.data.stage == "sentences":  # sentence stage: any BERT-style tokenizer.json (e.g. a from-hf import)
+            from pretrain.data.sentences import load_sentence_tokenizer
+
+            self.tokenizer = load_sentence_tokenizer(cfg.data.tokenizer)
+        else:
+            self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         model_cfg = cfg.model
         if model_cfg.vocab_size == 0:
             model_cfg = dataclasses.replace(model_cfg, vocab_size=self.tokenizer.vocab_size)
@@ -52,7 +57,7 @@ class Trainer:
         model = build_model(model_cfg)
         if cfg.checkpoint.init_from:
             _load_init_weights(model, cfg.checkpoint.init_from)
-        ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling)
+        ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, data=cfg.data, tokenizer=self.tokenizer)
         self.module = TrainModule(model, Objective(cfg.objective, ctx))
         self.engine = Engine(
             self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
@@ -60,7 +65,12 @@ class Trainer:
             lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps),
         )
         self.global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * env.world_size
-        self.train_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="train")
+        if cfg.data.stage == "sentences":  # seed objectives on single sentences (pretrain/data/sentences.py)
+            from pretrain.data.sentences import build_sentence_dataset
+
+            self.train_set = build_sentence_dataset(cfg.data, cfg.objective, self.tokenizer, seed=cfg.seed)
+        else:
+            self.train_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="train")
         self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \
             if cfg.data.valid else None
 
@@ -111,7 +121,10 @@ class Trainer:
 
     def _loader(self, dataset, start_sample: int):
         c = self.cfg
-        return build_loader(dataset, seed=c.seed, rank=self.env.rank, world_size=self.env.world_size,
+        build = build_loader
+        if c.data.stage == "sentences" and dataset is self.train_set:
+            from pretrain.data.sentences import build_sentence_loader as build
+        return build(dataset, seed=c.seed, rank=self.env.rank, world_size=self.env.world_size,
                             micro_batch_size=c.train.micro_batch_size, start_sample=start_sample,
                             num_workers=c.data.num_workers, pad_id=self.tokenizer.pad_id,
                             prefetch_factor=c.data.prefetch_factor)
@@ -192,6 +205,13 @@ class Trainer:
                 sums.update(metrics)
                 sums.add("loss", loss.detach().item() / env.world_size, 1)
             self.engine.backward(loss)
+        if not bad and not _grads_finite(self.module, env):
+            # A finite loss with a NaN/inf gradient (ZeRO-0 keeps reduced gradients in p.grad): zero them,
+            # or AdamW would write NaN into the parameters even at lr 0.
+            bad = True
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
         if bad:
             saved = [g["lr"] for g in self.engine.optimizer.param_groups]
             for g in self.engine.optimizer.param_groups:
@@ -200,6 +220,9 @@ class Trainer:
         if bad:
             for g, lr in zip(self.engine.optimizer.param_groups, saved):
                 g["lr"] = lr
+        # ZeRO>=1 drops a step with non-finite gradients itself; it is a bad step too (fp16's loss-scale
+        # overflows are routine and are not counted).
+        bad = bad or (info.skipped and c.train.precision != "fp16")
         return info, bad, n_samples, n_tokens
 
     @torch.no_grad()
@@ -266,6 +289,15 @@ def _to_device(batch: dict, device) -> dict:
 
 def _all_finite(loss: torch.Tensor, env) -> bool:
     ok = torch.tensor([1 if bool(torch.isfinite(loss.detach()).all()) else 0])
+    if env.is_distributed:
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def _grads_finite(module: torch.nn.Module, env) -> bool:
+    """Whether every gradient held in ``p.grad`` is finite, on all ranks (one sync)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in module.parameters() if p.grad is not None]
+    ok = torch.tensor([1 if not norms or bool(torch.isfinite(torch.stack(norms)).all()) else 0])
     if env.is_distributed:
         torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
     return bool(ok.item())

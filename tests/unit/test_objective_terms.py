@@ -1,0 +1,284 @@
+"""Seed-objective terms through the composer (pretrain.objective) on a tiny model.
+
+Each term's normalised loss must equal a float64 reference written here from the embeddings
+(not via pretrain.objectives); gradients must reach the model and the SARCSE autoencoder but
+never the RankCSE teachers; the triplet branch must run with dropout off.
+Legend: B sentences, T tokens, P embedding dim, Bt triplets.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.config.model import ModelConfig
+from pretrain.config.objective import (
+    ArcConConfig,
+    ConsistencyConfig,
+    InfoNCEConfig,
+    ObjectiveConfig,
+    RankDistillConfig,
+    ReconstructionConfig,
+    TripletConfig,
+)
+from pretrain.config.train import OpsConfig
+from pretrain.model import build_model
+from pretrain.objective import Context, Objective, Teachers, TrainModule, _truncate
+
+VOCAB, CLS, SEP, MASK = 40, 2, 3, 4
+ENV = SimpleNamespace(rank=0, world_size=1, is_distributed=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    num = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num)
+
+
+def _model(seed: int, dropout: float = 0.0):
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, ffn_size=32, max_position=64,
+                      dropout=dropout, attention_dropout=dropout, pooling="mean", projection_layers=2,
+                      projection_activation="tanh")
+    return build_model(cfg, seed=seed).double()
+
+
+def _batch(num: int = 6, seed: int = 0, with_triplet: bool = False) -> dict:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(4, 12, size=num)
+    t = int(lengths.max()) + 2
+    ids = torch.zeros(num, t, dtype=torch.long)
+    mask = torch.zeros(num, t, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        ids[b, : n + 2] = torch.tensor([CLS, *rng.integers(6, VOCAB, size=n), SEP])
+        mask[b, : n + 2] = True
+    batch = {"sentence_ids": ids, "sentence_mask": mask, "input_ids": ids, "attention_mask": mask}
+    if with_triplet:
+        rows = [0, 2, 3]
+        anchor, amask = ids[rows], mask[rows]
+        low, high = anchor.clone(), anchor.clone()
+        low[:, 1:3] = MASK
+        high[:, 1:5] = MASK
+        batch.update(triplet_index=torch.tensor(rows), triplet_anchor_ids=anchor, triplet_anchor_mask=amask,
+                     triplet_low_ids=low * amask, triplet_low_mask=amask, triplet_high_ids=high * amask,
+                     triplet_high_mask=amask)
+    return batch
+
+
+def _objective(ctx_pooling="mean", **terms) -> tuple[Objective, Context]:
+    cfg = ObjectiveConfig(mlm=None, nt_xent=None, **terms)
+    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling=ctx_pooling)
+    return cfg, ctx
+
+
+def _embed(model, ids, mask):
+    return model.projection(model.pool(model.encode(ids, mask), mask, "mean"))
+
+
+def _pooled(model, ids, mask):
+    return model.pool(model.encode(ids, mask), mask, "mean")
+
+
+def _ref_info_nce(q, k, tau, margin=0.0):
+    """mean_i -log softmax_j(l_ij)[i], l_ii = cos(acos(c_ii) + m) / tau, float64 loops."""
+    q, k = F.normalize(q.double(), dim=-1), F.normalize(k.double(), dim=-1)
+    total = 0.0
+    for i in range(q.shape[0]):
+        logits = [float(q[i] @ k[j]) / tau for j in range(k.shape[0])]
+        c = float(q[i] @ k[i])
+        logits[i] = math.cos(math.acos(max(-1.0, min(1.0, c))) + margin) / tau
+        mx = max(logits)
+        total += -(logits[i] - mx - math.log(sum(math.exp(x - mx) for x in logits)))
+    return total / q.shape[0]
+
+
+@pytest.mark.parametrize("term", ["info_nce", "arccon"])
+def test_pair_terms_match_reference(term):
+    model = _model(1)
+    batch = _batch()
+    cfg = {"info_nce": InfoNCEConfig(temperature=0.05)} if term == "info_nce" else \
+        {"arccon": ArcConConfig(temperature=0.05, margin_deg=10.0)}
+    ocfg, ctx = _objective(**cfg)
+    loss, metrics = Objective(ocfg, ctx)(model, batch)
+    with torch.no_grad():  # dropout 0: both passes give the same z; the positive is still cos = 1
+        z = _embed(model, batch["sentence_ids"], batch["sentence_mask"])
+    margin = math.radians(10.0) if term == "arccon" else 0.0
+    ref = _ref_info_nce(z, z, 0.05, margin)
+    # ArcCon at theta = 0 (identical views): the margin op's safe branch is exact to ~1e-8 there.
+    assert loss.item() == pytest.approx(ref, rel=1e-9 if term == "info_nce" else 1e-7)
+    assert metrics[term][1] == batch["sentence_ids"].shape[0]
+
+
+def test_dropout_views_differ_and_doubled_batch_is_one_pass():
+    model = _model(1, dropout=0.3)
+    calls = []
+    model.encoder.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    ocfg, ctx = _objective(info_nce=InfoNCEConfig())
+    obj = Objective(ocfg, ctx)
+    torch.manual_seed(0)
+    from pretrain.objective import Forward
+
+    fwd = Forward(model.train(), _batch(), ctx)
+    z1, z2 = fwd.pair()
+    assert calls == [2 * z1.shape[0]]
+    assert not torch.allclose(z1, z2)
+    obj(model, _batch())  # runs
+
+
+def _ref_js(a, b, tau):
+    p, q = F.softmax(a / tau, -1), F.softmax(b / tau, -1)
+    m = (p + q) / 2
+    return float((0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)).mean())
+
+
+def _cos_mat(a, b):
+    return F.normalize(a.double(), dim=-1) @ F.normalize(b.double(), dim=-1).T
+
+
+def test_rankcse_terms_match_reference_and_teachers_stay_frozen():
+    student, t1, t2 = _model(1), _model(2), _model(3)
+    batch = _batch(7)
+    rd = RankDistillConfig(method="listnet", teachers=["a", "b"], teacher_weights=[0.25, 0.75],
+                           teacher_pooling="mean", student_temperature=0.05, teacher_temperature=0.025)
+    ocfg, ctx = _objective(info_nce=InfoNCEConfig(weight=1.0), consistency=ConsistencyConfig(weight=0.5),
+                           rank_distill=rd)
+    teachers = Teachers(rd, models=[t1, t2])
+    module = TrainModule(student, Objective(ocfg, ctx, teachers=teachers))
+    loss, metrics = module(batch)
+    ids, mask = batch["sentence_ids"], batch["sentence_mask"]
+    with torch.no_grad():
+        z = _embed(student, ids, mask)
+        s = _cos_mat(z, z)
+        e1, e2 = _pooled(t1, ids, mask), _pooled(t2, ids, mask)  # teachers: pooled, no projection
+        st = 0.25 * _cos_mat(e1, e1) + 0.75 * _cos_mat(e2, e2)
+        st = torch.stack([torch.cat([r[:i], r[i + 1:]]) for i, r in enumerate(st)])
+        ss = torch.stack([torch.cat([r[:i], r[i + 1:]]) for i, r in enumerate(s)])
+    listnet_ref = float(-(F.softmax(st / 0.025, -1) * F.log_softmax(ss / 0.05, -1)).sum(-1).mean())
+    ref = _ref_info_nce(z, z, 0.05) + 0.5 * _ref_js(s, s, 0.05) + 1.0 * listnet_ref
+    assert loss.item() == pytest.approx(ref, rel=1e-9)
+    assert metrics["rank_distill"][0] / metrics["rank_distill"][1] == pytest.approx(listnet_ref, rel=1e-9)
+    loss.backward()
+    assert all(p.grad is None for t in (t1, t2) for p in t.parameters())
+    assert not any(p is q for p in module.parameters() for t in (t1, t2) for q in t.parameters())
+    for name, p in module.named_parameters():
+        if name.startswith(("model.encoder.", "model.projection.")):
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_listmle_term_matches_plackett_luce():
+    student, teacher = _model(1), _model(5)
+    batch = _batch(5)
+    rd = RankDistillConfig(method="listmle", teachers=["t"], teacher_pooling="mean", student_temperature=0.1)
+    ocfg, ctx = _objective(info_nce=InfoNCEConfig(weight=0.0), rank_distill=rd)
+    loss, _ = Objective(ocfg, ctx, teachers=Teachers(rd, models=[teacher]))(student, batch)
+    ids, mask = batch["sentence_ids"], batch["sentence_mask"]
+    with torch.no_grad():
+        s = _cos_mat(*(2 * [_embed(student, ids, mask)]))
+        t = _cos_mat(*(2 * [_pooled(teacher, ids, mask)]))
+    total = 0.0
+    for i in range(s.shape[0]):
+        cols = [j for j in range(s.shape[1]) if j != i]
+        order = sorted(cols, key=lambda j: -float(t[i, j]))
+        sc = [float(s[i, j]) / 0.1 for j in order]
+        total += sum(math.log(sum(math.exp(x) for x in sc[k:])) - sc[k] for k in range(len(sc)))
+    assert loss.item() == pytest.approx(total / s.shape[0], rel=1e-9)
+
+
+def test_triplet_term_matches_reference_with_dropout_off():
+    model = _model(1, dropout=0.5).train()
+    batch = _batch(with_triplet=True)
+    ocfg, ctx = _objective(arccon=ArcConConfig(weight=0.0), triplet=TripletConfig(weight=1.0))
+    obj = Objective(ocfg, ctx)
+    torch.manual_seed(0)
+    loss_a, m_a = obj(model, batch)
+    torch.manual_seed(1)
+    loss_b, m_b = obj(model, batch)
+    assert model.training and all(m.training for m in model.modules())  # flags restored
+    assert m_a["arccon"][0] != m_b["arccon"][0]  # the ArcCon views do see dropout ...
+    assert loss_a.item() == loss_b.item()  # ... the triplet branch does not
+    with torch.no_grad():
+        model.eval()
+        e = [_embed(model, batch[f"triplet_{k}_ids"], batch[f"triplet_{k}_mask"]) for k in ("anchor", "low", "high")]
+        model.train()
+    ref = np.mean([max(0.0, float(F.cosine_similarity(e[0][i], e[2][i], 0) - F.cosine_similarity(e[0][i], e[1][i], 0)))
+                   for i in range(3)])
+    assert loss_a.item() == pytest.approx(ref, rel=1e-9, abs=1e-12)
+    assert m_a["triplet"][1] == 3
+
+
+def test_triplet_needs_sentence_stage_and_handles_empty_batches():
+    model = _model(1)
+    ocfg, ctx = _objective(arccon=ArcConConfig(), triplet=TripletConfig())
+    batch = _batch()
+    with pytest.raises(ValueError, match="data.stage=sentences"):
+        Objective(ocfg, ctx)(model, batch)
+    batch.update(triplet_index=torch.zeros(0, dtype=torch.long),
+                 **{f"triplet_{k}_{s}": torch.zeros(0, 0, dtype=torch.long) for k in ("anchor", "low", "high")
+                    for s in ("ids", "mask")})
+    loss, metrics = Objective(ocfg, ctx)(model, batch)
+    assert metrics["triplet"][1] == 0 and torch.isfinite(loss)
+
+
+def test_reconstruction_term_matches_reference_and_trains_the_autoencoder():
+    model = _model(1)
+    batch = _batch(5)
+    freq = torch.rand(VOCAB, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    freq = freq / freq.sum()
+    rc = ReconstructionConfig(weight=0.3, positive_weight=0.7, theta=0.1, lam=5.0, channels=6, integrate_channels=2)
+    ocfg, ctx = _objective(info_nce=InfoNCEConfig(), reconstruction=rc)
+    obj = Objective(ocfg, ctx, token_freq_V=freq)
+    module = TrainModule(model, obj).double()
+    loss, metrics = module(batch)
+    ids, mask = batch["sentence_ids"], batch["sentence_mask"]
+    ae = module.heads["autoencoder"]
+    with torch.no_grad():
+        h = model.encode(ids, mask)
+        lengths = mask.sum(1)
+        x, cmask = h[:, 1:-1], mask[:, 1:-1].clone()
+        for b, n in enumerate(lengths):
+            cmask[b, n - 2:] = False
+        z, recon = ae(x, cmask)
+        lr = 0.0
+        for b in range(ids.shape[0]):
+            n = int(lengths[b]) - 2
+            w = torch.clamp(1 - 5.0 * freq[ids[b, 1:1 + n]], min=0.1)
+            lr += float((w * ((recon[b, :n] - x[b, :n]) ** 2).mean(-1)).sum() / n)
+        lr /= ids.shape[0]
+    ref = _ref_info_nce(z, z, 0.05) + 0.3 * lr + 0.7 * lr  # dropout 0: L_R+ == L_R
+    assert loss.item() == pytest.approx(ref, rel=1e-9)
+    loss.backward()
+    for name, p in module.named_parameters():
+        if name.startswith(("model.encoder.", "heads.")):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert any(k.startswith("heads.autoencoder.") for k in module.state_dict())
+
+
+def test_mlm_composes_with_info_nce():
+    model = _model(1)
+    batch = _batch()
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[:, 1] = batch["input_ids"][:, 1]
+    masked = batch["input_ids"].clone()
+    masked[:, 1] = MASK
+    batch.update(input_ids=masked, mlm_labels=labels)
+    cfg = ObjectiveConfig(nt_xent=None, info_nce=InfoNCEConfig(weight=2.0))
+    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling="mean")
+    loss, metrics = Objective(cfg, ctx)(model, batch)
+    with torch.no_grad():
+        z = _embed(model, batch["sentence_ids"], batch["sentence_mask"])
+        logits = model.mlm_head(model.encode(masked, batch["attention_mask"])[:, 1])
+        mlm = float(F.cross_entropy(logits, labels[:, 1]))
+    assert loss.item() == pytest.approx(mlm + 2.0 * _ref_info_nce(z, z, 0.05), rel=1e-6)  # mlm_loss runs in fp32
+
+
+def test_truncate_keeps_sep():
+    ids = torch.tensor([[2, 7, 8, 9, 3], [2, 7, 3, 0, 0]])
+    mask = ids != 0
+    out, m = _truncate(ids, mask, 4)
+    assert out.tolist() == [[2, 7, 8, 3], [2, 7, 3, 0]] and m.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
