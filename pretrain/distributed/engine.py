@@ -8,7 +8,6 @@ typed configs (``build_ds_config``) — users never write one by hand.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 
@@ -110,7 +109,7 @@ class Engine:
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         scale = float(getattr(self.ds.optimizer, "cur_scale", 1.0) or 1.0) if self.precision == "fp16" else 1.0
-        skipped = bool(getattr(self.ds, "skipped_steps", 0) and self.precision == "fp16" and not math.isfinite(norm))
+        skipped = not self.ds.was_step_applied()  # fp16 overflow, or ZeRO's non-finite-gradient check
         return StepInfo(grad_norm=norm, loss_scale=scale, lr=lr, skipped=skipped)
 
     def zero_grad(self) -> None:

@@ -150,7 +150,8 @@ class Trainer:
             self.bad_steps_total += int(bad)
             if consecutive_bad >= c.train.max_bad_steps:
                 raise TrainingDiverged(
-                    f"{consecutive_bad} consecutive steps with a non-finite loss (last at step {self.step}); "
+                    f"{consecutive_bad} consecutive steps with a non-finite loss or gradient "
+                    f"(last at step {self.step}); "
                     f"stopping. The last good checkpoint is {store.find_latest(store.checkpoints_dir(self.run_dir))}; "
                     f"lower optim.lr or check the data before resuming."
                 )
