@@ -282,3 +282,70 @@ def test_truncate_keeps_sep():
     mask = ids != 0
     out, m = _truncate(ids, mask, 4)
     assert out.tolist() == [[2, 7, 8, 3], [2, 7, 3, 0]] and m.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+
+
+# ---------------------------------------------------------------- two gloo ranks: gathered pair terms
+
+
+class _Toy(torch.nn.Module):
+    """Stand-in model: embedding -> masked mean -> linear projection (deterministic, no dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 8).double()
+        self.projection = torch.nn.Linear(8, 8).double()
+
+    def encode(self, ids, mask):
+        return self.emb(ids)
+
+    def pool(self, h, mask, pooling):
+        m = mask.double()[..., None]
+        return (h * m).sum(1) / m.sum(1)
+
+
+def _dist_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from pretrain.distributed.env import DistEnv
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        env = DistEnv(rank=rank, world_size=2, local_rank=rank, local_world_size=2, node_rank=0,
+                      master_addr="127.0.0.1", master_port=0, launcher="torchrun")
+        model = _Toy()
+        full = _batch(8, seed=3)
+        half = {k: v[rank * 4:(rank + 1) * 4] for k, v in full.items()}
+        cfg = ObjectiveConfig(mlm=None, nt_xent=None, arccon=ArcConConfig(gather=True),
+                              consistency=ConsistencyConfig(weight=0.5))
+        ctx = Context(env=env, ops=OpsConfig(similarity="torch", chunk_size=3), pooling="mean")
+        loss, _ = Objective(cfg, ctx)(model, half)
+        loss.backward()
+        torch.save({"loss": loss.detach(), "grad": model.emb.weight.grad, "pgrad": model.projection.weight.grad},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gathered_pair_terms_match_single_process(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_dist_worker, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = _Toy()
+    cfg = ObjectiveConfig(mlm=None, nt_xent=None, arccon=ArcConConfig(gather=True),
+                          consistency=ConsistencyConfig(weight=0.5))
+    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling="mean")
+    loss, _ = Objective(cfg, ctx)(model, _batch(8, seed=3))
+    loss.backward()
+    # DeepSpeed averages gradients over ranks; each rank's loss is scaled by world / global count.
+    assert float((res[0]["loss"] + res[1]["loss"]) / 2) == pytest.approx(loss.item(), rel=1e-7)
+    torch.testing.assert_close((res[0]["grad"] + res[1]["grad"]) / 2, model.emb.weight.grad, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close((res[0]["pgrad"] + res[1]["pgrad"]) / 2, model.projection.weight.grad,
+                               rtol=1e-6, atol=1e-9)
