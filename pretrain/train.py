@@ -24,6 +24,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from pretrain.checkpoint.store import CheckpointError
     from pretrain.config import load_run_config
     from pretrain.distributed.env import destroy_process_group, detect_env, init_process_group
     from pretrain.training.signals import StopSignal
@@ -47,6 +48,9 @@ def main(argv=None) -> int:
     except TrainingDiverged as e:
         print(f"pretrain-train: {e}", file=sys.stderr)
         return 3
+    except CheckpointError as e:  # disk full or unreadable checkpoint: the message says what to do
+        print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)
+        return 4
     finally:
         if trainer is not None:
             trainer.close()

@@ -102,8 +102,10 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
             (tmp_dir / "config.yaml").write_text(config_yaml, encoding="utf-8")
             if tokenizer_path:
                 shutil.copyfile(tokenizer_path, tmp_dir / "tokenizer.json")
-    except OSError as e:  # disk full, permissions, ...
-        error = f"{type(e).__name__}: {e}"
+    except (OSError, RuntimeError) as e:  # disk full, permissions, ... (torch.save reports ENOSPC as RuntimeError)
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+        if isinstance(e, RuntimeError) and not shutil.disk_usage(ckpt_dir).free:
+            error += " (no space left on device)"
     failed = _any_rank(env, error is not None)
     if not failed and env.is_main:
         try:
