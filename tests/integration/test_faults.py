@@ -1,0 +1,392 @@
+"""The fault suite of the operations issue: each fault injected on a tiny run, with its expected outcome.
+
+In-process runs (``pretrain.train.main`` / ``Trainer`` in one process) where they can be; the two faults
+that need real processes (a rank SIGKILLed mid-step, a SIGKILL during a checkpoint save) run subprocesses.
+The observed outcomes are tabulated in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pretrain.objective as objective_mod
+from pretrain.checkpoint import store
+from pretrain.data.shards import ShardedDataset, verify_dataset
+
+REPO = Path(__file__).resolve().parents[2]
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+@pytest.fixture
+def clean_env():
+    """DeepSpeed writes RANK/WORLD_SIZE into os.environ; restore it so the next in-process run is single."""
+    saved = dict(os.environ)
+    for k in _LAUNCH_VARS:
+        os.environ.pop(k, None)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    yield
+    _release_deepspeed_groups()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _release_deepspeed_groups() -> None:
+    """DeepSpeed caches sub-groups of the first process group; drop them so a later in-process run works."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and hasattr(groups, "_release_process_group_references"):
+        groups._release_process_group_references(None)
+
+
+def _main(argv: list[str], capsys) -> tuple[int, str]:
+    from pretrain.train import main
+
+    _release_deepspeed_groups()
+    code = main(argv)
+    for k in _LAUNCH_VARS:
+        os.environ.pop(k, None)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def _poison_mlm(monkeypatch, bad_calls: set[int], kind: str) -> list[int]:
+    """Make the MLM term's loss (kind='loss') or its gradient (kind='grad') NaN on the given 1-based calls."""
+    orig = objective_mod.OBJECTIVES["mlm"]
+    calls = [0]
+
+    def term(fwd, cfg, ctx):
+        loss, count, metrics = orig(fwd, cfg, ctx)
+        calls[0] += 1
+        if calls[0] in bad_calls:
+            if kind == "loss":
+                loss = loss * float("nan")
+            else:
+                loss = loss + 0.0
+                loss.register_hook(lambda g: g * float("nan"))
+        return loss, count, metrics
+
+    monkeypatch.setitem(objective_mod.OBJECTIVES, "mlm", term)
+    return calls
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("split") == "train"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    for k in _LAUNCH_VARS:
+        env.pop(k, None)
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _copy_dataset(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ------------------------------------------------------------------------------ NaN / inf loss or gradient
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_nan_loss_or_gradient_step_is_skipped_parameters_unchanged(zero_stage, tmp_path, tiny_overrides,
+                                                                   clean_env, monkeypatch):
+    from pretrain.config import load_run_config
+    from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+    from pretrain.training.trainer import Trainer
+
+    _poison_mlm(monkeypatch, {2}, "loss")  # step 2: NaN loss; step 3: finite loss, NaN gradients
+    cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]",
+                                               distributed__zero_stage=zero_stage))
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=60)
+    try:
+        trainer = Trainer(cfg, env)
+        loader = iter(trainer._loader(trainer.train_set, 0))
+        trainer.engine.train()
+        flags = []
+        for step in range(1, 5):
+            before = [p.detach().clone() for p in trainer.module.parameters()]
+            _, bad, _, _ = _step_with_grad_poison(trainer, loader, step == 3)
+            after = [p.detach().clone() for p in trainer.module.parameters()]
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+            assert all(torch.isfinite(a).all() for a in after), f"step {step} wrote non-finite parameters"
+            flags.append((bad, unchanged))
+        assert flags == [(False, False), (True, True), (True, True), (False, False)]
+    finally:
+        destroy_process_group()
+        _release_deepspeed_groups()
+
+
+def _step_with_grad_poison(trainer, loader, poison: bool):
+    """One train_step; with ``poison`` every gradient reaching the parameters is NaN (the loss stays finite)."""
+    from pretrain.metrics.accumulate import MetricSums
+
+    handles = []
+    if poison:
+        handles = [p.register_hook(lambda g: g * float("nan")) for p in trainer.module.parameters()
+                   if p.requires_grad]
+    try:
+        return trainer.train_step(loader, MetricSums())
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_consecutive_nan_steps_stop_run_with_last_good_checkpoint(tmp_path, tiny_overrides, clean_env,
+                                                                  monkeypatch, capsys):
+    run_dir = tmp_path / "nan"
+    _poison_mlm(monkeypatch, {3, 5, 6, 7}, "loss")  # one isolated bad step, then 3 in a row
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=12, train__max_bad_steps=3,
+                                     checkpoint__every=2), capsys)
+    assert code == 3, out[-2000:]
+    assert "3 consecutive steps with a non-finite loss" in out and "last at step 7" in out
+    assert "last good checkpoint is step_00000006" in out
+    recs = {r["step"]: r for r in _train_records(run_dir)}
+    assert [recs[s]["bad_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 2, 3]
+    ckpt = store.checkpoints_dir(run_dir)
+    assert store.find_latest(ckpt) == "step_00000006"
+    state, _ = store.load_model_state(ckpt / "step_00000006")
+    prev, _ = store.load_model_state(ckpt / "step_00000004")
+    assert all(torch.isfinite(v).all() for v in state.values())
+    # steps 5 and 6 were skipped: the step-6 checkpoint holds the step-4 weights exactly
+    assert all(torch.equal(state[k], prev[k]) for k in state)
+
+
+# -------------------------------------------------------------------------------------------- disk full
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+def test_disk_full_during_checkpoint_is_clear_error_previous_intact(tmp_path, tiny_overrides, clean_env,
+                                                                   monkeypatch, capsys):
+    mnt = tmp_path / "small"
+    mounted = _mount_tmpfs(mnt, "2560k")  # one tiny checkpoint is ~1.5 MB: the second does not fit
+    if not mounted:  # no tmpfs: the same OSError from torch.save
+        real_save = torch.save
+
+        def full(obj, f, *a, **k):
+            if "step_00000004" in str(f):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+            return real_save(obj, f, *a, **k)
+
+        monkeypatch.setattr(torch, "save", full)
+    try:
+        run_dir = mnt / "run"
+        code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=6, checkpoint__every=2),
+                          capsys)
+        assert code == 4, out[-2000:]
+        assert "no space left on device" in out.lower() and "saving checkpoint step_00000004 failed" in out
+        assert "previous checkpoint (step_00000002) is intact" in out
+        ckpt = store.checkpoints_dir(run_dir)
+        assert store.find_latest(ckpt) == "step_00000002"
+        assert not any(p.name.startswith(".tmp-") for p in ckpt.iterdir()), "partial files left behind"
+        state, _ = store.load_model_state(ckpt / "step_00000002")
+        assert state and all(torch.isfinite(v).all() for v in state.values())
+    finally:
+        if mounted:
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# --------------------------------------------------------------------------------------- killed during save
+
+_SLOW_SAVE = """
+import os, sys, time, shutil
+import pretrain.checkpoint.store as store
+real = shutil.copyfile
+def slow(src, dst, *a, **k):
+    if "step_00000004" in str(dst):
+        open(os.environ["SAVE_MARKER"], "w").close()
+        time.sleep(600)
+    return real(src, dst, *a, **k)
+store.shutil.copyfile = slow
+from pretrain.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_save_keeps_previous_and_resumes(tmp_path, tiny_overrides, clean_env, capsys):
+    run_dir = tmp_path / "run"
+    marker = tmp_path / "saving"
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=6, checkpoint__every=2)
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, *args], cwd=REPO, env=dict(_env(), SAVE_MARKER=str(marker)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert p.poll() is None, p.stdout.read()[-3000:]
+        assert time.time() < deadline, "the step-4 save never started"
+        time.sleep(0.2)
+    ckpt = store.checkpoints_dir(run_dir)
+    assert (ckpt / ".tmp-step_00000004").is_dir()  # killed with the partial tag on disk
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    p.stdout.close()
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+    assert store.find_latest(ckpt) == "step_00000002"
+    # A crash can also leave a published-looking tag without trainer_state.json: never taken for a checkpoint.
+    (ckpt / "step_00000006").mkdir()
+    (ckpt / "step_00000006" / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+    assert store.find_latest(ckpt) == "step_00000002"
+
+    code, out = _main(args, capsys)
+    assert code == 0, out[-2000:]
+    assert f"resumed from {ckpt / 'step_00000002'} at step 2" in out
+    assert store.find_latest(ckpt) == "step_00000006"
+    assert sorted(q.name for q in ckpt.iterdir() if q.name.startswith(("step_", ".tmp-"))) == \
+        ["step_00000002", "step_00000004", "step_00000006"]  # the partial dirs were replaced
+    assert store.is_complete(ckpt / "step_00000006")
+    assert [r["step"] for r in _train_records(run_dir)][-4:] == [3, 4, 5, 6]
+
+
+# ------------------------------------------------------------------------------------------ corrupt shards
+
+def test_truncated_shard_detected_on_open_and_training_refuses(tmp_path, tiny_corpus, tiny_overrides, clean_env,
+                                                               capsys):
+    ds = _copy_dataset(tiny_corpus["train"], tmp_path / "train")
+    bin_path = ds / "shard-00000.bin"
+    with open(bin_path, "r+b") as f:
+        f.truncate(bin_path.stat().st_size - 2)
+    with pytest.raises(ValueError, match="shard-00000.bin is truncated or corrupt"):
+        ShardedDataset(str(ds))
+    problems = verify_dataset(str(ds))
+    assert problems and "shard shard-00000" in problems[0] and "bytes, manifest says" in problems[0]
+
+    code, out = _main(tiny_overrides(tmp_path / "run", data__sources=f"[{{name: docs, path: {ds}}}]",
+                                     data__valid="[]"), capsys)
+    assert code == 2, out[-2000:]
+    assert "shard-00000.bin is truncated or corrupt" in out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "a step ran on a truncated shard"
+
+
+def test_flipped_bytes_detected_by_verify_or_on_open(tmp_path, tiny_corpus, capsys):
+    from pretrain.data.preprocess import main as preprocess_main
+
+    ds = _copy_dataset(tiny_corpus["train"], tmp_path / "bin")
+    bin_path = ds / "shard-00000.bin"
+    data = bytearray(bin_path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the checksum can tell
+    bin_path.write_bytes(bytes(data))
+    ShardedDataset(str(ds))  # opens (structure intact) ...
+    assert preprocess_main(["--verify", str(ds)]) == 1  # ... but --verify names the shard
+    err = capsys.readouterr().err
+    assert "shard-00000.bin sha256 mismatch" in err
+
+    ds2 = _copy_dataset(tiny_corpus["train"], tmp_path / "idx")
+    idx_path = ds2 / "shard-00000.idx"
+    raw = bytearray(idx_path.read_bytes())
+    raw[40 + 8 * 3] ^= 0x40  # an offset inside the .idx: sizes/offsets no longer tile the .bin
+    idx_path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"shard-00000.idx is corrupt"):
+        ShardedDataset(str(ds2))
+    assert preprocess_main(["--verify", str(ds2)]) == 1
+    assert "shard-00000.idx sha256 mismatch" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------- world size on resume
+
+def _launch(overrides: list[str], nproc: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "pretrain.train", *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _train_records(run_dir)}
+
+
+@pytest.mark.slow
+def test_resume_with_other_rank_count(tmp_path, tiny_overrides, clean_env, capsys):
+    """ZeRO-1: refused, naming both counts. ZeRO-0: exact (same global batch, data position re-split)."""
+    no_dropout = dict(model__dropout=0.0, model__attention_dropout=0.0, data__valid="[]", train__max_steps=4,
+                      checkpoint__every=2)
+    z1, z0 = tmp_path / "z1", tmp_path / "z0"
+    for run_dir, stage in ((z1, 1), (z0, 0)):
+        p = _launch(tiny_overrides(run_dir, distributed__zero_stage=stage, **no_dropout), nproc=2)
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+        shutil.rmtree(store.checkpoints_dir(run_dir) / "step_00000004")  # resume from step 2
+        (store.checkpoints_dir(run_dir) / "latest").write_text("step_00000002\n")
+
+    code, out = _main(tiny_overrides(z1, distributed__zero_stage=1, train__micro_batch_size=8,
+                                     **{k: v for k, v in no_dropout.items() if k != "train__micro_batch_size"}),
+                      capsys)
+    assert code == 2
+    assert "written by 2 data-parallel ranks but this run has 1" in out and "ZeRO-1" in out
+
+    ref = _losses(z0)
+    code, out = _main(tiny_overrides(z0, distributed__zero_stage=0, train__micro_batch_size=8, **no_dropout),
+                      capsys)
+    assert code == 0, out[-2000:]
+    assert "at step 2" in out
+    got = [r for r in _train_records(z0) if r["step"] in (3, 4)][-2:]
+    assert [r["step"] for r in got] == [3, 4]
+    for r in got:  # same samples, same negatives (gathered), one rank instead of two: equal up to rounding
+        assert r["loss"] == pytest.approx(ref[r["step"]], rel=1e-4, abs=1e-5)
+
+
+# -------------------------------------------------------------------------------- one rank SIGKILLed
+
+@pytest.mark.slow
+def test_one_rank_sigkilled_job_exits_bounded_and_relaunch_resumes(tmp_path, tiny_overrides, clean_env, capsys):
+    run_dir = tmp_path / "kill"
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=400, checkpoint__every=4,
+                          distributed__timeout_s=30)
+    p = _launch(args, nproc=2)
+    ckpt = store.checkpoints_dir(run_dir)
+    deadline = time.time() + 240
+    while not (ckpt / "latest").is_file() or not (run_dir / "metrics.jsonl").is_file() \
+            or len(_train_records(run_dir)) < 6:
+        assert p.poll() is None, p.stdout.read()[-3000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    t0 = time.time()
+    os.kill(int(workers[1]), signal.SIGKILL)  # rank 1 (or 0) dies mid-step
+    try:
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    elapsed = time.time() - t0
+    assert p.returncode != 0, out[-3000:]
+    assert elapsed < 120
+    last = store.find_latest(ckpt)
+    assert last is not None and store.is_complete(ckpt / last)
+    step = int(last.split("_")[1])
+
+    relaunch = [a for a in args if not a.startswith("train.max_steps=")] + [f"train.max_steps={step + 2}"]
+    q = _launch(relaunch, nproc=2)
+    out, _ = q.communicate(timeout=300)
+    assert q.returncode == 0, out[-3000:]
+    assert f"resumed from {ckpt / last} at step {step}" in out
+    assert store.find_latest(ckpt) == store.tag_for_step(step + 2)
+    print(f"job exited {elapsed:.1f}s after the SIGKILL")
