@@ -1,0 +1,191 @@
+"""Bad inputs to every CLI: each case checks the exit code and that the message names the problem.
+
+The table (case -> CLI, argv, expected exit code, words the message must contain) is also in
+docs/operations.md. CLIs run in-process through ``main(argv)``; two run as real subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_corpus, tmp_path_factory) -> dict:
+    """Broken files next to the good tiny corpus, built once."""
+    from pretrain.checkpoint.hf import write_init_dir
+    from pretrain.config.model import ModelConfig
+    from pretrain.data.tokenizer import load_tokenizer, train_tokenizer
+    from pretrain.model import build_model
+
+    d = tmp_path_factory.mktemp("bad_inputs")
+    (d / "typo.yaml").write_text("optim:\n  lr: 1e-3\n  warmup_stepz: 5\n")
+    (d / "broken.yaml").write_text("optim: {lr: 1e-3\n")
+    (d / "empty.txt").write_bytes(b"")
+    (d / "bad_utf8.txt").write_bytes(b"A fine first sentence here.\nThen \xff\xfe broken bytes appear.\n")
+    text = "The first sentence is here. The second one follows it.\n\nA new document starts now.\n"
+    (d / "lf.txt").write_bytes(text.encode())
+    (d / "crlf_bom.txt").write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    (d / "giant.txt").write_bytes(b"A normal sentence before it.\n" + b"x" * (10 << 20) + b"\nAnd a normal one after.\n")
+    (d / "not_a_dataset").mkdir()
+    (d / "no_ckpt").mkdir()
+    other = d / "other_tok.json"  # a tokenizer the tiny datasets were not made with
+    train_tokenizer([str(d / "lf.txt")], str(other), kind="wordpiece", vocab_size=200, min_frequency=1)
+    vocab = load_tokenizer(tiny_corpus["tokenizer"]).vocab_size
+    bigger = build_model(ModelConfig(vocab_size=vocab, hidden_size=48, num_layers=1, num_heads=2, ffn_size=64,
+                                     max_position=64))
+    write_init_dir(bigger, tiny_corpus["tokenizer"], str(d / "init_h48"))
+    return {"dir": d, "tok": tiny_corpus["tokenizer"], "train": tiny_corpus["train"], "other_tok": str(other)}
+
+
+def _tiny(inp, run_dir) -> dict:
+    return {"run_dir": str(run_dir), "data.tokenizer": inp["tok"], "data.sources": f"[{{name: d, path: {inp['train']}}}]",
+            "data.valid": "[]", "data.max_len": 64, "data.view_max_len": 32, "data.num_workers": 0,
+            "model.hidden_size": 32, "model.num_layers": 2, "model.num_heads": 2, "model.ffn_size": 64,
+            "model.max_position": 64, "train.micro_batch_size": 4, "train.max_steps": 2,
+            "distributed.timeout_s": 60}
+
+
+def _argv(inp, run_dir, **changes) -> list[str]:
+    kv = _tiny(inp, run_dir)
+    kv.update({k.replace("__", "."): v.format(**{k2: str(v2) for k2, v2 in inp.items()}) if isinstance(v, str) else v
+               for k, v in changes.items()})
+    return [f"{k}={v}" for k, v in kv.items()]
+
+
+# case id -> (cli, argv(inp, tmp_path), exit code, substrings of the message)
+CASES = {
+    # --- configs (pretrain-train) ---------------------------------------------------------------------
+    "config_key_typo": ("train", lambda i, t: _argv(i, t) + ["optim.lrr=1e-3"], 2,
+                        ["unknown config key(s) optim.lrr", "valid keys under optim"]),
+    "config_file_key_typo": ("train", lambda i, t: [str(i["dir"] / "typo.yaml")] + _argv(i, t), 2,
+                             ["optim.warmup_stepz"]),
+    "config_wrong_type": ("train", lambda i, t: _argv(i, t, train__max_steps="ten"), 2,
+                          ["train.max_steps", "expected an integer", "'ten'"]),
+    "config_negative_lr": ("train", lambda i, t: _argv(i, t, optim__lr="-3e-4"), 2, ["optim.lr must be > 0", "-0.0003"]),
+    "config_bad_choice": ("train", lambda i, t: _argv(i, t, train__precision="fp8"), 2,
+                          ["train.precision", "'fp8' is not one of"]),
+    "config_bad_zero_stage": ("train", lambda i, t: _argv(i, t, distributed__zero_stage=4), 2,
+                              ["distributed.zero_stage must be 0, 1, 2 or 3"]),
+    "config_missing_file": ("train", lambda i, t: [str(i["dir"] / "nope.yaml")], 2, ["nope.yaml does not exist"]),
+    "config_invalid_yaml": ("train", lambda i, t: [str(i["dir"] / "broken.yaml")], 2, ["broken.yaml is not valid YAML"]),
+    "override_without_equals": ("train", lambda i, t: [str(i["dir"] / "typo.yaml"), "optim.lr"], 2,
+                                ["'optim.lr' must look like key.sub=value"]),
+    "masking_prob_out_of_range": ("train", lambda i, t: _argv(i, t, data__masking__prob=1.5), 2,
+                                  ["data.masking.prob must be in (0, 1)", "1.5"]),
+    # --- paths and data (pretrain-train) --------------------------------------------------------------
+    "tokenizer_missing": ("train", lambda i, t: _argv(i, t, data__tokenizer="{dir}/missing_tok.json"), 2,
+                          ["missing_tok.json"]),
+    "tokenizer_vocab_bigger_than_model": ("train", lambda i, t: _argv(i, t, model__vocab_size=100), 2,
+                                          ["model.vocab_size=100 is smaller than the tokenizer's vocabulary"]),
+    "tokenizer_not_the_datasets": ("train", lambda i, t: _argv(i, t, data__tokenizer="{other_tok}"), 2,
+                                   ["was tokenized with tokenizer sha256", "re-run pretrain-preprocess"]),
+    "dataset_dir_missing": ("train", lambda i, t: _argv(i, t, data__sources="[{{name: d, path: {dir}/gone}}]"), 2,
+                            ["gone does not exist", "pretrain-preprocess"]),
+    "dataset_without_manifest": ("train", lambda i, t: _argv(
+        i, t, data__sources="[{{name: d, path: {dir}/not_a_dataset}}]"), 2, ["no manifest.json", "incomplete"]),
+    "no_data_sources": ("train", lambda i, t: _argv(i, t, data__sources="[]"), 2, ["data.sources is empty"]),
+    "init_from_other_model_size": ("train", lambda i, t: _argv(i, t, checkpoint__init_from="{dir}/init_h48"), 2,
+                                   ["init_h48 does not fit this model", "another model size"]),
+    "init_from_missing": ("train", lambda i, t: _argv(i, t, checkpoint__init_from="{dir}/no_ckpt"), 2,
+                          ["no_ckpt holds no complete checkpoint"]),
+    # --- raw text (pretrain-preprocess) ---------------------------------------------------------------
+    "empty_corpus": ("preprocess", lambda i, t: [str(i["dir"] / "empty.txt"), "--tokenizer", i["tok"], "--out",
+                                                 str(t / "out"), "--workers", "1", "--no-progress"], 2,
+                     ["no sentences were produced", "empty.txt"]),
+    "invalid_utf8": ("preprocess", lambda i, t: [str(i["dir"] / "bad_utf8.txt"), "--tokenizer", i["tok"], "--out",
+                                                 str(t / "out"), "--workers", "1", "--no-progress"], 2,
+                     ["bad_utf8.txt: invalid UTF-8 at byte offset 33", "--errors replace"]),
+    "input_missing": ("preprocess", lambda i, t: [str(i["dir"] / "nowhere.txt"), "--tokenizer", i["tok"], "--out",
+                                                  str(t / "out"), "--no-progress"], 2, ["nowhere.txt does not exist"]),
+    "verify_not_a_dataset": ("preprocess", lambda i, t: ["--verify", str(i["dir"] / "not_a_dataset")], 1,
+                             ["no manifest.json", "1 problem(s)"]),
+    # --- tokenizer training / conversion ------------------------------------------------------------------
+    "tokenizer_empty_corpus": ("tokenizer", lambda i, t: [str(i["dir"] / "empty.txt"), "--out", str(t / "t.json")], 2,
+                               ["no text found", "empty.txt"]),
+    "convert_no_checkpoint": ("convert", lambda i, t: ["to-hf", str(i["dir"] / "no_ckpt"), str(t / "hf")], 2,
+                              ["no_ckpt holds no complete checkpoint"]),
+    "convert_missing_path": ("convert", lambda i, t: ["to-hf", str(i["dir"] / "nothing"), str(t / "hf")], 2,
+                             ["nothing does not exist"]),
+}
+
+
+def _cli(name: str):
+    if name == "train":
+        from pretrain.train import main
+    elif name == "preprocess":
+        from pretrain.data.preprocess import main
+    elif name == "tokenizer":
+        from pretrain.data.tokenizer import main
+    else:
+        from pretrain.checkpoint.convert import main
+    return main
+
+
+@pytest.fixture
+def clean_env():
+    saved = dict(os.environ)
+    for k in _LAUNCH_VARS:
+        os.environ.pop(k, None)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    yield
+    groups = sys.modules.get("deepspeed.utils.groups")  # DeepSpeed caches the first process group's sub-groups
+    if groups is not None and hasattr(groups, "_release_process_group_references"):
+        groups._release_process_group_references(None)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_fails_with_named_problem(case, inputs, tmp_path, capsys, clean_env):
+    cli, make_argv, code, words = CASES[case]
+    got = _cli(cli)(make_argv(inputs, tmp_path))
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert got == code, text[-2000:]
+    for w in words:
+        assert w in text, f"{case}: {w!r} not in {text[-1500:]!r}"
+    assert "Traceback" not in text
+    if cli == "train":
+        assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_giant_line_is_skipped_and_reported(inputs, tmp_path, capsys):
+    from pretrain.data.preprocess import main
+    from pretrain.data.shards import ShardedDataset
+
+    assert main([str(inputs["dir"] / "giant.txt"), "--tokenizer", inputs["tok"], "--out", str(tmp_path / "g"),
+                 "--workers", "1", "--no-progress"]) == 0
+    assert "giant_line" in capsys.readouterr().out  # the 10 MB line is counted in the report, not tokenized
+    assert len(ShardedDataset(str(tmp_path / "g"))) == 2
+
+
+def test_crlf_and_bom_give_the_same_dataset_as_lf(inputs, tmp_path, capsys):
+    from pretrain.data.preprocess import main
+    from pretrain.data.shards import ShardedDataset
+
+    for name in ("lf", "crlf_bom"):
+        assert main([str(inputs["dir"] / f"{name}.txt"), "--tokenizer", inputs["tok"], "--out", str(tmp_path / name),
+                     "--workers", "1", "--no-progress"]) == 0
+    a, b = ShardedDataset(str(tmp_path / "lf")), ShardedDataset(str(tmp_path / "crlf_bom"))
+    assert len(a) == len(b) == 3 and a.num_documents == b.num_documents == 2
+    assert all(list(a[i]) == list(b[i]) for i in range(len(a)))
+
+
+@pytest.mark.parametrize("cmd, code, words", [
+    (["-m", "pretrain.train", "optim.lrr=1"], 2, ["unknown config key(s) optim.lrr"]),
+    (["-m", "pretrain.data.preprocess", "--verify", "/nonexistent/ds"], 1, ["/nonexistent/ds does not exist"]),
+])
+def test_real_cli_subprocess(cmd, code, words):
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    r = subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == code, r.stderr[-2000:]
+    for w in words:
+        assert w in r.stdout + r.stderr
