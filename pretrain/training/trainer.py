@@ -204,7 +204,9 @@ class Trainer:
                 loss = sum((p.sum() * 0.0) for p in self.module.parameters() if p.requires_grad)
             else:
                 sums.update(metrics)
-                sums.add("loss", loss.detach().item() / env.world_size, 1)
+                # Each rank's loss is scaled by the world size (DeepSpeed averages gradients over ranks): the
+                # mean over ranks of these is the global loss.
+                sums.add("loss", loss.detach().item(), 1)
             self.engine.backward(loss)
         if not bad and not _grads_finite(self.module, env):
             # A finite loss with a NaN/inf gradient (ZeRO-0 keeps reduced gradients in p.grad): zero them,
