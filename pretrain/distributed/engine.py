@@ -77,6 +77,7 @@ class Engine:
         for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", world_size)):
             os.environ.setdefault(key, str(value))
         self.precision = train.precision
+        self.zero_stage = dist.zero_stage
         self.grad_accum = train.grad_accum
         use_fused = torch.cuda.is_available()
         optimizer = torch.optim.AdamW(param_groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
@@ -105,9 +106,15 @@ class Engine:
     def step(self) -> StepInfo:
         """Optimizer step at an accumulation boundary (DeepSpeed no-ops otherwise)."""
         lr = self.scheduler.get_last_lr()[0]
+        local_norm = None
+        if self.zero_stage == 0 and self.is_accumulation_boundary():
+            # Without ZeRO, DeepSpeed reports no norm for a client optimizer; gradients are whole in p.grad.
+            grads = [p.grad.detach().float() for p in self.ds.module.parameters() if p.grad is not None]
+            local_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))\
+                if grads else 0.0
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
+        norm = float(norm) if norm is not None else (local_norm if local_norm is not None else float("nan"))
         scale = float(getattr(self.ds.optimizer, "cur_scale", 1.0) or 1.0) if self.precision == "fp16" else 1.0
         skipped = not self.ds.was_step_applied()  # fp16 overflow, or ZeRO's non-finite-gradient check
         return StepInfo(grad_norm=norm, loss_scale=scale, lr=lr, skipped=skipped)

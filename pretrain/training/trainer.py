@@ -26,6 +26,9 @@ from pretrain.objective import Context, Objective, TrainModule
 from pretrain.training.optim import build_param_groups, lr_lambda
 from pretrain.training.signals import StopSignal
 
+HEAD_PREFIXES = ("projection.",)
+"""Training-only heads that init_from re-initialises when the checkpoint's shape does not fit."""
+
 REQUEUE_EXIT_CODE = 75
 """Exit status after a signal-triggered checkpoint (EX_TEMPFAIL): the launcher requeues the job."""
 
@@ -39,12 +42,8 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.stop_signal = stop_signal or StopSignal(install=False)
         self.run_dir = Path(cfg.run_dir)
-        if cfg.data.stage == "sentences":  # sentence stage: any BERT-style tokenizer.json (e.g. a from-hf import)
-            from pretrain.data.sentences import load_sentence_tokenizer
-
-            self.tokenizer = load_sentence_tokenizer(cfg.data.tokenizer)
-        else:
-            self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        load_tok, build_train_set, self._build_train_loader = _stage_parts(cfg)
+        self.tokenizer = load_tok(cfg.data.tokenizer)
         model_cfg = cfg.model
         if model_cfg.vocab_size == 0:
             model_cfg = dataclasses.replace(model_cfg, vocab_size=self.tokenizer.vocab_size)
@@ -65,12 +64,7 @@ class Trainer:
             lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps),
         )
         self.global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * env.world_size
-        if cfg.data.stage == "sentences":  # seed objectives on single sentences (pretrain/data/sentences.py)
-            from pretrain.data.sentences import build_sentence_dataset
-
-            self.train_set = build_sentence_dataset(cfg.data, cfg.objective, self.tokenizer, seed=cfg.seed)
-        else:
-            self.train_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="train")
+        self.train_set = build_train_set(cfg, self.tokenizer)
         self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \
             if cfg.data.valid else None
 
@@ -121,9 +115,7 @@ class Trainer:
 
     def _loader(self, dataset, start_sample: int):
         c = self.cfg
-        build = build_loader
-        if c.data.stage == "sentences" and dataset is self.train_set:
-            from pretrain.data.sentences import build_sentence_loader as build
+        build = self._build_train_loader if dataset is self.train_set else build_loader
         return build(dataset, seed=c.seed, rank=self.env.rank, world_size=self.env.world_size,
                             micro_batch_size=c.train.micro_batch_size, start_sample=start_sample,
                             num_workers=c.data.num_workers, pad_id=self.tokenizer.pad_id,
@@ -286,6 +278,17 @@ class Trainer:
         self.writer.close()
 
 
+def _stage_parts(cfg: RunConfig):
+    """(load tokenizer, build train set, build loader) for data.stage: pretraining documents or sentences."""
+    if cfg.data.stage == "sentences":  # seed objectives on single sentences; any BERT tokenizer (from-hf)
+        from pretrain.data import sentences
+
+        return (sentences.load_sentence_tokenizer,
+                lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
+                sentences.build_sentence_loader)
+    return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
+
+
 def _to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
@@ -315,6 +318,12 @@ def _load_init_weights(model: torch.nn.Module, path: str) -> None:
         state = load_init_weights(str(p))
     else:
         state, _ = store.load_model_state(p)
+    # The contrastive projection head is a training-only head whose shape follows the recipe
+    # (e.g. SimCSE's 1-layer MLP vs CLEAR's 2-layer one): when it does not fit, it starts fresh.
+    own = model.state_dict()
+    dropped = [k for k, v in state.items() if k.startswith(HEAD_PREFIXES)
+               and (k not in own or own[k].shape != v.shape)]
+    state = {k: v for k, v in state.items() if k not in dropped}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatch
