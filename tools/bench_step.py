@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         t_ours = time_steps(ours, batch, args.steps)
         t_hf = time_steps(hf, batch, args.steps)
         rows.append((size, 1 / t_ours, 1 / t_hf, t_hf / t_ours))
-    print(f"\n| size | ours steps/s | HF steps/s | ours / HF |")
+    print("\n| size | ours steps/s | HF steps/s | ours / HF |")
     print("|---|---:|---:|---:|")
     for size, so, sh, r in rows:
         print(f"| {size} | {so:.2f} | {sh:.2f} | {r:.2f}x |")

@@ -66,7 +66,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:
-            raise ValueError(f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1")
+            raise ValueError(f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1, got {self.every}, {self.keep_last}")
 
 
 @dataclass(kw_only=True)
@@ -110,7 +110,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if self.stsb_every < 0 or self.max_len < 8:
-            raise ValueError(f"eval.stsb_every must be >= 0 and eval.max_len >= 8")
+            raise ValueError(f"eval.stsb_every must be >= 0 and eval.max_len >= 8, got {self.stsb_every}, {self.max_len}")
         if self.pooling not in ("", "cls", "cls_before_pooler", "mean", "first_last_avg"):
             raise ValueError(f"eval.pooling {self.pooling!r} is not one of cls, cls_before_pooler, mean, "
                              f"first_last_avg (or empty for model.pooling)")

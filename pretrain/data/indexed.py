@@ -22,6 +22,15 @@ DTYPE_CODES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<i4")}
 _CODE_OF = {v: k for k, v in DTYPE_CODES.items()}
 
 
+def file_sha256(path: str) -> str:
+    """sha256 of a file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def best_dtype(vocab_size: int) -> np.dtype:
     """Smallest dtype holding ids 0..vocab_size-1: uint8, uint16 or int32."""
     if vocab_size <= 0:

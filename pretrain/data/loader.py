@@ -108,10 +108,12 @@ def build_loader(
     num_workers: int,
     pad_id: int,
     prefetch_factor: int = 4,
+    collate_fn=collate,
 ) -> ShardedLoader:
     """Infinite loader of this rank's micro-batches from global position ``start_sample``.
 
     ``start_sample`` (consumed global samples) must be a multiple of micro_batch_size * world_size.
+    ``collate_fn(samples, pad_id)`` builds the batch (pretraining samples by default).
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
@@ -133,7 +135,7 @@ def build_loader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
-        collate_fn=functools.partial(collate, pad_id=pad_id),
+        collate_fn=functools.partial(collate_fn, pad_id=pad_id),
         # A private generator: creating iterators must not consume the trainer's global torch RNG.
         generator=torch.Generator().manual_seed(int(seed)),
         **extra,

@@ -21,10 +21,6 @@ Batch keys (``collate_sentences``):
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -33,81 +29,11 @@ import torch
 from pretrain.config.data import DataConfig
 from pretrain.config.objective import ObjectiveConfig
 from pretrain.data.collate import pad_stack
-from pretrain.data.loader import RankBatchSampler, SampleOrder, ShardedLoader
+from pretrain.data.loader import ShardedLoader, build_loader
 from pretrain.data.masking import IGNORE_INDEX, mask_tokens
 from pretrain.data.triplet_masks import build_triplet_views
 
 TRIPLET_KEYS = ("triplet_anchor", "triplet_low", "triplet_high")
-
-
-# ----------------------------------------------------------------------------- tokenizer
-
-
-class SentenceTokenizer:
-    """Any BERT-style tokenizer.json (e.g. a ``pretrain-convert from-hf`` import, [UNK] at 100).
-
-    Same surface as pretrain.data.tokenizer.Tokenizer for what the sentence stage needs; special
-    ids are looked up by name instead of being required at 0..5. Pickles by path.
-    """
-
-    def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file {path} not found; pass the tokenizer.json of the init weights "
-                                    "(pretrain-convert from-hf writes one)")
-        self.path = str(path)
-        self.sha256 = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        self._tok = HFTokenizer.from_file(self.path)
-        ids = {}
-        for name, token in (("pad", "[PAD]"), ("unk", "[UNK]"), ("cls", "[CLS]"), ("sep", "[SEP]"),
-                            ("mask", "[MASK]")):
-            ids[name] = self._tok.token_to_id(token)
-            if ids[name] is None:
-                raise ValueError(f"{path}: tokenizer has no {token} token; the sentence stage needs a BERT-style "
-                                 "vocabulary with [PAD] [UNK] [CLS] [SEP] [MASK]")
-        self.pad_id, self.unk_id, self.cls_id = ids["pad"], ids["unk"], ids["cls"]
-        self.sep_id, self.mask_id = ids["sep"], ids["mask"]
-        self.special_ids = frozenset(ids.values())
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        model_type = json.loads(self._tok.to_str()).get("model", {}).get("type")
-        self.kind = {"WordPiece": "wordpiece", "BPE": "bpe"}.get(model_type, "unigram")
-        self._word_start: np.ndarray | None = None
-
-    def __getstate__(self) -> dict:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)] if texts else []
-
-    def word_start_mask(self) -> np.ndarray:
-        """bool [V]: token begins a word (WordPiece: no '##'; BPE: 'Ġ'; unigram: '▁')."""
-        if self._word_start is None:
-            mask = np.zeros(self.vocab_size, dtype=bool)
-            for i in range(self.vocab_size):
-                tok = self._tok.id_to_token(i) or ""
-                if self.kind == "wordpiece":
-                    mask[i] = not tok.startswith("##")
-                else:
-                    mask[i] = tok.startswith("\u0120" if self.kind == "bpe" else "\u2581")
-            self._word_start = mask
-        return self._word_start
-
-
-def load_sentence_tokenizer(path: str):
-    """Our Tokenizer when the file is one of ours, else a SentenceTokenizer (HF BERT vocabularies)."""
-    from pretrain.data.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(path)
-    except ValueError:
-        return SentenceTokenizer(path)
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -241,27 +167,8 @@ def collate_sentences(samples: list[dict], pad_id: int) -> dict[str, torch.Tenso
     return batch
 
 
-def build_sentence_loader(dataset, *, seed: int, rank: int, world_size: int, micro_batch_size: int,
-                          start_sample: int, num_workers: int, pad_id: int, prefetch_factor: int = 4) -> ShardedLoader:
-    """Like pretrain.data.loader.build_loader (same sample order and resume rule), with collate_sentences."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
-    step = micro_batch_size * world_size
-    if micro_batch_size < 1 or start_sample < 0 or start_sample % step:
-        raise ValueError(f"start_sample {start_sample} must be a non-negative multiple of micro_batch_size * "
-                         f"world_size = {step}; resume with the checkpoint's global batch size")
-    order = SampleOrder(len(dataset), seed=seed)
-    sampler = RankBatchSampler(order, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size,
-                               start=start_sample)
-    extra = {}
-    if num_workers > 0:
-        extra = dict(persistent_workers=True, prefetch_factor=prefetch_factor, worker_init_fn=_one_thread)
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers,
-        collate_fn=functools.partial(collate_sentences, pad_id=pad_id),
-        generator=torch.Generator().manual_seed(int(seed)), **extra)
-    return ShardedLoader(loader, sampler, start_sample)
+def build_sentence_loader(dataset, **kwargs) -> ShardedLoader:
+    """pretrain.data.loader.build_loader (same sample order and resume rule) with collate_sentences."""
+    return build_loader(dataset, collate_fn=collate_sentences, **kwargs)
 
 
-def _one_thread(worker_id: int) -> None:
-    torch.set_num_threads(1)

@@ -7,14 +7,13 @@ Legend: N = total sequences (sentences), D = total documents, V = vocabulary siz
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from pretrain.data.indexed import IndexedDataset
+from pretrain.data.indexed import IndexedDataset, file_sha256
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "pretrain-sharded-dataset"
@@ -22,12 +21,6 @@ FORMAT_VERSION = 1
 TOKEN_FREQ = "token_freq.npy"
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_manifest(directory: str) -> dict:

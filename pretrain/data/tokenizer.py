@@ -9,7 +9,6 @@ for the HF export only.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -22,19 +21,12 @@ import numpy as np
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from pretrain.data.indexed import file_sha256
 from pretrain.data.readers import ReadStats, iter_documents
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEL]")
 KINDS = ("wordpiece", "bpe", "unigram")
 _MODEL_KIND = {"WordPiece": "wordpiece", "BPE": "bpe", "Unigram": "unigram"}
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _has_lowercase(node) -> bool:
@@ -55,7 +47,7 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file {path} not found; train one with pretrain-tokenizer")
         self.path = str(path)
-        self.sha256 = _file_sha256(self.path)
+        self.sha256 = file_sha256(self.path)
         if expected_sha256 is not None and expected_sha256 != self.sha256:
             raise ValueError(f"tokenizer file {path} changed since it was opened (sha256 {self.sha256[:12]} "
                              f"!= {expected_sha256[:12]}); do not overwrite a tokenizer in use")

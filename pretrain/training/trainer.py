@@ -14,7 +14,6 @@ import torch
 
 from pretrain.checkpoint import store
 from pretrain.config import RunConfig, to_yaml
-from pretrain.data.collate import collate  # noqa: F401  (re-exported for tools)
 from pretrain.data.datasets import build_dataset
 from pretrain.data.loader import build_loader
 from pretrain.data.tokenizer import load_tokenizer
@@ -280,10 +279,10 @@ class Trainer:
 
 def _stage_parts(cfg: RunConfig):
     """(load tokenizer, build train set, build loader) for data.stage: pretraining documents or sentences."""
-    if cfg.data.stage == "sentences":  # seed objectives on single sentences; any BERT tokenizer (from-hf)
+    if cfg.data.stage == "sentences":  # seed objectives on single sentences
         from pretrain.data import sentences
 
-        return (sentences.load_sentence_tokenizer,
+        return (load_tokenizer,
                 lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
                 sentences.build_sentence_loader)
     return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
