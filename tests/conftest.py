@@ -106,3 +106,20 @@ def _tiny_run_overrides(corpus: dict, run_dir, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def _restore_launcher_env():
+    """In-process trainer runs let DeepSpeed put RANK/WORLD_SIZE/... into os.environ; a later test's
+    subprocess (Slurm, torchrun) must not inherit them, so restore them after every test."""
+    saved = {k: os.environ.get(k) for k in _LAUNCHER_VARS}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
