@@ -4,7 +4,7 @@ Ours: PretrainModel + Objective through the DeepSpeed Engine, exactly as the tra
 (MLM head on masked rows only, SDPA, chunked NT-Xent). HF: ``transformers.BertForMaskedLM``
 (full-sequence MLM head, as ``labels=`` computes it) plus the same CLEAR loss written the
 usual way (projection MLP, 2N x 2N similarity, cross-entropy), with ``torch.optim.AdamW``.
-Same sizes, same synthetic batch, same process, alternating trials.
+Same sizes, same synthetic batch, one process per size, alternating trials.
 
     python tools/bench_step.py --sizes tiny mini --seq 128 --batch 32 --steps 10
 """
@@ -12,8 +12,11 @@ Same sizes, same synthetic batch, same process, alternating trials.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -106,14 +109,24 @@ def build_hf(size: str, vocab: int, seq: int, temperature: float = 0.1):
     return step
 
 
-def time_steps(step, batch, n: int) -> float:
-    step(batch)  # warm-up
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step(batch)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def time_one(step, batch) -> float:
+    t0 = time.perf_counter()
+    step(batch)
+    return time.perf_counter() - t0
+
+
+def measure(args, size: str) -> dict:
+    """Median seconds per step of ours and HF for one size, alternating trials in this process."""
+    batch = make_batch(args.batch, args.seq, args.view_len, args.vocab, torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    ours = build_ours(size, args.vocab, args.seq, args.zero_stage)
+    hf = build_hf(size, args.vocab, args.seq)
+    ours(batch), hf(batch)  # warm-up
+    t_ours, t_hf = [], []
+    for _ in range(args.steps):  # alternate so drifting machine load hits both alike
+        t_ours.append(time_one(ours, batch))
+        t_hf.append(time_one(hf, batch))
+    return {"ours_s": statistics.median(t_ours), "hf_s": statistics.median(t_hf)}
 
 
 def main(argv=None) -> int:
@@ -125,20 +138,23 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=30522)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--zero-stage", type=int, default=2)
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one size, result as JSON (internal)
     args = p.parse_args(argv)
+    if args.json:
+        print("RESULT " + json.dumps(measure(args, args.sizes[0])))
+        return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {args.batch} x seq {args.seq} "
           f"(+2 views x {args.view_len}), vocab {args.vocab}, median of {args.steps} steps")
     rows = []
-    gen = torch.Generator().manual_seed(0)
     for size in args.sizes:
-        batch = make_batch(args.batch, args.seq, args.view_len, args.vocab, gen)
-        torch.manual_seed(0)
-        ours = build_ours(size, args.vocab, args.seq, args.zero_stage)
-        hf = build_hf(size, args.vocab, args.seq)
-        t_ours = time_steps(ours, batch, args.steps)
-        t_hf = time_steps(hf, batch, args.steps)
-        rows.append((size, 1 / t_ours, 1 / t_hf, t_hf / t_ours))
+        # One process per size: a DeepSpeed engine and its hooks stay alive until the process ends.
+        cmd = [sys.executable, __file__, "--json", "--sizes", size, "--seq", str(args.seq), "--view-len",
+               str(args.view_len), "--batch", str(args.batch), "--vocab", str(args.vocab), "--steps",
+               str(args.steps), "--zero-stage", str(args.zero_stage)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        r = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        rows.append((size, 1 / r["ours_s"], 1 / r["hf_s"], r["hf_s"] / r["ours_s"]))
     print("\n| size | ours steps/s | HF steps/s | ours / HF |")
     print("|---|---:|---:|---:|")
     for size, so, sh, r in rows:
