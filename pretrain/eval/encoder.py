@@ -9,7 +9,6 @@ Legend: B batch, T tokens, D hidden size, N sentences.
 from __future__ import annotations
 
 import inspect
-import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -155,20 +154,10 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu"):
 
 
 def _load_hf_ours(p: Path):
-    """HF BERT dir -> our PretrainModel; the tokenizer is ours when its specials fit, else HF's."""
-    import tempfile
+    """HF BERT dir -> (our PretrainModel, our Tokenizer over its vocabulary)."""
+    from pretrain.checkpoint.hf import load_hf
 
-    from pretrain.checkpoint.hf import load_hf_model, write_clean_tokenizer
-    from pretrain.data.tokenizer import load_tokenizer
-    from pretrain.eval.hf_backend import HFTokenizer
-
-    model = load_hf_model(str(p))
-    try:
-        tok_dir = tempfile.mkdtemp(prefix="pretrain-eval-tokenizer-")
-        return model, load_tokenizer(write_clean_tokenizer(p, f"{tok_dir}/tokenizer.json"))
-    except ValueError as e:  # e.g. BERT's vocab puts [UNK] at 100; our Tokenizer wants specials at 0..5
-        warnings.warn(f"using the transformers tokenizer of {p} ({e})", stacklevel=3)
-        return model, HFTokenizer(p)
+    return load_hf(str(p))
 
 
 def _build_from(model_cfg_dict: dict, state: dict, tokenizer_path: str, where: Path):

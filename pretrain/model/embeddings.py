@@ -12,18 +12,19 @@ from pretrain.config.model import ModelConfig
 
 
 class Embeddings(nn.Module):
-    """ids_BT -> x_BTD = LayerNorm(word[ids] + position[0..T) + token_type[0]), then dropout."""
+    """ids_BT -> x_BTD = LayerNorm(word[ids] + position[0..T) + token_type[types or 0]), then dropout."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.max_position, cfg.hidden_size)
-        # Kept only so BERT checkpoints convert one-to-one; every token is type 0 here.
+        # BERT's segment embeddings: pretraining uses type 0 only; sentence-pair fine-tuning (GLUE) passes
+        # token_type_ids_BT with 1 on the second segment, as BERT does.
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids_BT: torch.Tensor, token_type_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = input_ids_BT.shape[1]
         if num_tokens > self.position.num_embeddings:
             raise ValueError(
@@ -31,6 +32,7 @@ class Embeddings(nn.Module):
                 "truncate inputs (data.max_len) or build the model with a larger max_position"
             )
         # Same summation order as BERT (word + type, then + position) so fp32 results match bit for bit.
-        x_BTD = self.word(input_ids_BT) + self.token_type.weight[0]
+        types = self.token_type.weight[0] if token_type_ids_BT is None else self.token_type(token_type_ids_BT)
+        x_BTD = self.word(input_ids_BT) + types
         x_BTD = x_BTD + self.position.weight[:num_tokens]
         return self.dropout(self.norm(x_BTD))

@@ -23,13 +23,14 @@ class Encoder(nn.Module):
         self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.norm == "pre" else None
 
     def forward(
-        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, all_layers: bool = False
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, all_layers: bool = False,
+        token_type_ids_BT: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Last hidden states h_BTD, or with ``all_layers`` the list [embeddings, layer 1, ..., layer L]
         (L+1 tensors, as HF's ``hidden_states``; for pre-LN the last one is after the final LayerNorm)."""
         # The padding mask is built once and shared by every layer (True = real key token).
         keep_B11T = None if attention_mask_BT is None else attention_mask_BT.bool()[:, None, None, :]
-        x_BTD = self.embeddings(input_ids_BT)
+        x_BTD = self.embeddings(input_ids_BT, token_type_ids_BT)
         states = [x_BTD] if all_layers else None
         for layer in self.layers:
             x_BTD = layer(x_BTD, keep_B11T)

@@ -39,10 +39,14 @@ class PretrainModel(nn.Module):
         self.mlm_head.decoder.weight = self.encoder.embeddings.word.weight
 
     def encode(
-        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, all_layers: bool = False
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, all_layers: bool = False,
+        token_type_ids_BT: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
-        """h_BTD of the last layer, or with ``all_layers`` [embeddings, layer 1, ..., layer L]."""
-        return self.encoder(input_ids_BT, attention_mask_BT, all_layers=all_layers)
+        """h_BTD of the last layer, or with ``all_layers`` [embeddings, layer 1, ..., layer L].
+
+        ``token_type_ids_BT`` (segment ids, sentence pairs) defaults to all zeros."""
+        return self.encoder(input_ids_BT, attention_mask_BT, all_layers=all_layers,
+                            token_type_ids_BT=token_type_ids_BT)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.encoder(input_ids, attention_mask)

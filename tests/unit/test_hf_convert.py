@@ -161,6 +161,14 @@ def test_minilm_import_matches_transformers_and_sentence_transformers(tmp_path, 
     assert (h_BTD - out.last_hidden_state)[keep].abs().max() < 1e-5
     assert (e_cls - out.pooler_output).abs().max() < 1e-5
 
+    # Sentence pairs (GLUE): segment ids reach the token-type embeddings exactly as in BERT.
+    pair = ref_tok(SENTENCES[:2], SENTENCES[2:4], padding=True, return_tensors="pt")
+    assert pair["token_type_ids"].sum() > 0
+    with torch.no_grad():
+        h_pair = model.encode(pair["input_ids"], pair["attention_mask"], token_type_ids_BT=pair["token_type_ids"])
+        ref_pair = ref(**pair).last_hidden_state
+    assert (h_pair - ref_pair)[pair["attention_mask"].bool()].abs().max() < 1e-5
+
     st_mod = pytest.importorskip("sentence_transformers")
     st = st_mod.SentenceTransformer(str(d), device="cpu")
     st_e = st.encode(SENTENCES, convert_to_tensor=True)  # mean pooling + Normalize
