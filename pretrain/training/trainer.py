@@ -182,7 +182,7 @@ class Trainer:
         torch.manual_seed((c.seed * 1_000_003 + self.step * 1009 + env.rank) % (2**63))
         bad = False
         n_samples = n_tokens = 0
-        for _ in range(c.train.grad_accum):
+        for micro in range(c.train.grad_accum):
             batch = _to_device(next(loader), self.engine.device)
             n_samples += batch["input_ids"].shape[0]
             n_tokens += int(sum(batch[k].sum() for k in ("attention_mask", "view_a_mask", "view_b_mask")
@@ -199,6 +199,9 @@ class Trainer:
                 # mean over ranks of these is the global loss.
                 sums.add("loss", loss.detach().item(), 1)
             self.engine.backward(loss)
+            if micro < c.train.grad_accum - 1:
+                self.engine.step()  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
+        assert self.engine.is_accumulation_boundary(), "micro-step count out of sync with DeepSpeed"
         if not bad and not _grads_finite(self.module, env):
             # A finite loss with a NaN/inf gradient (ZeRO-0 keeps reduced gradients in p.grad): zero them,
             # or AdamW would write NaN into the parameters even at lr 0.

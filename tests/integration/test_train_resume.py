@@ -117,3 +117,17 @@ def test_stop_signal_checkpoints_and_exits_for_requeue(tmp_path, tiny_overrides)
     assert 2 <= step < 200
     state = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
     assert state["step"] == step and state["consumed_samples"] == step * 4
+
+
+def test_gradient_accumulation_steps_once_per_global_batch(tmp_path, tiny_overrides):
+    """grad_accum=2: one optimizer update (and one LR-schedule step) per trainer step, finite norms."""
+    run_dir = tmp_path / "ga"
+    code, out = _run(tiny_overrides(run_dir, train__grad_accum=2, train__micro_batch_size=2, train__max_steps=4,
+                                    optim__warmup_steps=4, checkpoint__every=0), nproc=1)
+    assert code == 0, out[-3000:]
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["split"] == "train"]
+    assert [r["lr"] for r in train] == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3, 1e-3])
+    assert all(isinstance(r["grad_norm"], float) and r["grad_norm"] > 0 for r in train)
+    state = json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert state["consumed_samples"] == 4 * 2 * 2
