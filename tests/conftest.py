@@ -108,6 +108,35 @@ def _tiny_run_overrides(corpus: dict, run_dir, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: intra-op threads only add contention on the shared CI cores."""
+    import torch
+
+    num = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num)
+
+
+@pytest.fixture
+def clean_env():
+    """For in-process trainer runs: start as a single process (no launcher variables) and afterwards drop
+    DeepSpeed's cached sub-groups of the old process group and restore the whole environment."""
+    import sys
+
+    saved = dict(os.environ)
+    for k in _LAUNCHER_VARS:
+        os.environ.pop(k, None)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    yield
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and hasattr(groups, "_release_process_group_references"):
+        groups._release_process_group_references(None)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                   "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 

@@ -103,18 +103,24 @@ class Engine:
     def is_accumulation_boundary(self) -> bool:
         return self.ds.is_gradient_accumulation_boundary()
 
-    def step(self) -> StepInfo:
-        """Optimizer step at an accumulation boundary (DeepSpeed no-ops otherwise)."""
+    def whole_grad_norm(self) -> float | None:
+        """L2 norm of the gradients when they are held whole in ``p.grad`` (no ZeRO, after backward at a
+        boundary, already averaged over ranks); None when ZeRO partitions them."""
+        if self.zero_stage != 0:
+            return None
+        norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in self.ds.module.parameters()
+                 if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+    def step(self, grad_norm: float | None = None) -> StepInfo:
+        """Optimizer step at an accumulation boundary (DeepSpeed only counts the micro-step otherwise).
+
+        ``grad_norm``: the caller's ``whole_grad_norm()``, reported where DeepSpeed has none (ZeRO-0
+        with a client optimizer)."""
         lr = self.scheduler.get_last_lr()[0]
-        local_norm = None
-        if self.zero_stage == 0 and self.is_accumulation_boundary():
-            # Without ZeRO, DeepSpeed reports no norm for a client optimizer; gradients are whole in p.grad.
-            grads = [p.grad.detach().float() for p in self.ds.module.parameters() if p.grad is not None]
-            local_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))\
-                if grads else 0.0
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
-        norm = float(norm) if norm is not None else (local_norm if local_norm is not None else float("nan"))
+        norm = float(norm) if norm is not None else (grad_norm if grad_norm is not None else float("nan"))
         scale = float(getattr(self.ds.optimizer, "cur_scale", 1.0) or 1.0) if self.precision == "fp16" else 1.0
         skipped = not self.ds.was_step_applied()  # fp16 overflow, or ZeRO's non-finite-gradient check
         return StepInfo(grad_norm=norm, loss_scale=scale, lr=lr, skipped=skipped)

@@ -7,6 +7,7 @@ checkpoints, metrics); ``train_step`` is forward -> loss -> backward -> step -> 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -202,9 +203,12 @@ class Trainer:
             if micro < c.train.grad_accum - 1:
                 self.engine.step()  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
         assert self.engine.is_accumulation_boundary(), "micro-step count out of sync with DeepSpeed"
-        if not bad and not _grads_finite(self.module, env):
-            # A finite loss with a NaN/inf gradient (ZeRO-0 keeps reduced gradients in p.grad): zero them,
-            # or AdamW would write NaN into the parameters even at lr 0.
+        # Without ZeRO the reduced gradients sit whole in p.grad (identical on every rank): their norm is
+        # computed once, for the non-finite check and for the log.
+        grad_norm = self.engine.whole_grad_norm()
+        if not bad and grad_norm is not None and not math.isfinite(grad_norm):
+            # A finite loss with a NaN/inf gradient: zero it, or AdamW would write NaN into the parameters
+            # even at lr 0. (ZeRO>=1 checks its partitions itself and skips the step: see info.skipped.)
             bad = True
             for p in self.module.parameters():
                 if p.grad is not None:
@@ -213,7 +217,7 @@ class Trainer:
             saved = [g["lr"] for g in self.engine.optimizer.param_groups]
             for g in self.engine.optimizer.param_groups:
                 g["lr"] = 0.0  # the update is skipped: parameters stay as they were
-        info = self.engine.step()
+        info = self.engine.step(grad_norm)
         if bad:
             for g, lr in zip(self.engine.optimizer.param_groups, saved):
                 g["lr"] = lr
@@ -297,15 +301,6 @@ def _to_device(batch: dict, device) -> dict:
 
 def _all_finite(loss: torch.Tensor, env) -> bool:
     ok = torch.tensor([1 if bool(torch.isfinite(loss.detach()).all()) else 0])
-    if env.is_distributed:
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
-    return bool(ok.item())
-
-
-def _grads_finite(module: torch.nn.Module, env) -> bool:
-    """Whether every gradient held in ``p.grad`` is finite, on all ranks (one sync)."""
-    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in module.parameters() if p.grad is not None]
-    ok = torch.tensor([1 if not norms or bool(torch.isfinite(torch.stack(norms)).all()) else 0])
     if env.is_distributed:
         torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
     return bool(ok.item())

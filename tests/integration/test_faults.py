@@ -30,19 +30,6 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 
 # ------------------------------------------------------------------------------------------- helpers
 
-@pytest.fixture
-def clean_env():
-    """DeepSpeed writes RANK/WORLD_SIZE into os.environ; restore it so the next in-process run is single."""
-    saved = dict(os.environ)
-    for k in _LAUNCH_VARS:
-        os.environ.pop(k, None)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    yield
-    _release_deepspeed_groups()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def _release_deepspeed_groups() -> None:
     """DeepSpeed caches sub-groups of the first process group; drop them so a later in-process run works."""
     groups = sys.modules.get("deepspeed.utils.groups")

@@ -11,13 +11,7 @@ from pretrain.model.autoencoder import TextCNNAutoencoder, content_tokens
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on the shared CI cores."""
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ae(hidden=6, kernels=(3, 4, 5), channels=7, integ=3, seed=0) -> TextCNNAutoencoder:

@@ -129,20 +129,6 @@ def _cli(name: str):
     return main
 
 
-@pytest.fixture
-def clean_env():
-    saved = dict(os.environ)
-    for k in _LAUNCH_VARS:
-        os.environ.pop(k, None)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    yield
-    groups = sys.modules.get("deepspeed.utils.groups")  # DeepSpeed caches the first process group's sub-groups
-    if groups is not None and hasattr(groups, "_release_process_group_references"):
-        groups._release_process_group_references(None)
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_fails_with_named_problem(case, inputs, tmp_path, capsys, clean_env):
     cli, make_argv, code, words = CASES[case]

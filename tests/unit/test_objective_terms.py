@@ -34,12 +34,7 @@ VOCAB, CLS, SEP, MASK = 40, 2, 3, 4
 ENV = SimpleNamespace(rank=0, world_size=1, is_distributed=False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed: int, dropout: float = 0.0):
