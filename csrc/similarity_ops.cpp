@@ -1,4 +1,4 @@
-// torch binding of the fused masked log-sum-exp kernels: ops `pretrain_cuda::masked_lse_fwd/_bwd`.
+// torch binding of the fused masked log-sum-exp (cuBLAS score chunks + the fused softmax kernels): ops `pretrain_cuda::masked_lse_fwd/_bwd`.
 //
 // Registered with TORCH_LIBRARY (schema) + TORCH_LIBRARY_IMPL(CUDA). Their fake kernels, autograd and
 // the device-generic op `pretrain_ops::masked_lse` that routes here live in pretrain/ops/library.py.
@@ -10,12 +10,17 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <limits>
 #include <tuple>
 
 #include "similarity_kernels.h"
+
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 8)
+#error "pretrain's CUDA extension needs torch >= 2.8 (at::mm with an fp32 out_dtype for fp16/bf16 inputs)"
+#endif
 
 namespace pretrain_cuda {
 namespace {
@@ -42,15 +47,24 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& ex
               "pretrain_cuda: excl must be (N, 2), got ", excl.sizes());
 }
 
-// Split the streamed operand so that small problems still fill the GPU (about two CTAs per SM).
-int choose_splits(int64_t num_owned, int64_t num_streamed) {
-  const int64_t blocks = (num_owned + kTileRows - 1) / kTileRows;
-  const int64_t tiles = std::max<int64_t>(1, (num_streamed + kTileRows - 1) / kTileRows);
-  int device = 0, sms = 1;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t want = (2 * sms + blocks - 1) / blocks;
-  return static_cast<int>(std::clamp<int64_t>(want, 1, std::min<int64_t>(tiles, 16)));
+// Column chunk of the streamed k: wide enough that each cuBLAS product runs near its peak (C >= 1024 and
+// >= 4*D, so the (N, C) score chunk costs about as much to write as to compute), small enough that the
+// fp32 scores plus the P chunk (N*C*(4 + elem) bytes) stay within a few O(N*D) buffers.
+int64_t chunk_cols(int64_t M, int64_t D) {
+  const int64_t c = (std::max<int64_t>(1024, 4 * D) + 7) / 8 * 8;
+  return std::min(c, M);
+}
+
+// fp32 scores q k_c^T: tensor cores with fp32 accumulation and an fp32 result for fp16/bf16 (cuBLAS'
+// mixed-precision GEMM); plain fp32 GEMM (TF32 only if the user enabled it) for fp32.
+at::Tensor scores(const at::Tensor& q, const at::Tensor& kc) {
+  if (q.scalar_type() == at::kFloat) return at::mm(q, kc.t());
+  return at::mm(q, kc.t(), at::kFloat);
+}
+
+at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kFloat) return at::mm(a, b);
+  return at::mm(a, b, at::kFloat);
 }
 
 at::Tensor masked_lse_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& excl_in, double inv_temp) {
@@ -58,14 +72,17 @@ at::Tensor masked_lse_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const 
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), excl = excl_in.to(at::kLong).contiguous();
   const int64_t N = q.size(0), M = k.size(0), D = q.size(1);
-  const auto f32 = q.options().dtype(at::kFloat);
-  if (N == 0 || M == 0) return at::full({N}, -std::numeric_limits<float>::infinity(), f32);
-  const int splits = choose_splits(N, M);
-  at::Tensor part = at::empty({splits, N}, f32);
-  C10_CUDA_CHECK(launch_masked_lse_fwd(dtype_of(q), q.data_ptr(), k.data_ptr(), N, M, D, excl.data_ptr<int64_t>(),
-                                       static_cast<float>(inv_temp), splits, part.data_ptr<float>(),
-                                       c10::cuda::getCurrentCUDAStream()));
-  return splits == 1 ? part.select(0, 0) : at::logsumexp(part, {0});
+  at::Tensor lse = at::full({N}, -std::numeric_limits<float>::infinity(), q.options().dtype(at::kFloat));
+  if (N == 0 || M == 0) return lse;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t C = chunk_cols(M, D);
+  for (int64_t col0 = 0; col0 < M; col0 += C) {
+    const int64_t c = std::min(C, M - col0);
+    const at::Tensor s = scores(q, k.narrow(0, col0, c));
+    C10_CUDA_CHECK(launch_chunk_lse(s.data_ptr<float>(), N, c, s.stride(0), excl.data_ptr<int64_t>(), col0,
+                                    static_cast<float>(inv_temp), lse.data_ptr<float>(), stream));
+  }
+  return lse;
 }
 
 std::tuple<at::Tensor, at::Tensor> masked_lse_bwd(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -83,24 +100,27 @@ std::tuple<at::Tensor, at::Tensor> masked_lse_bwd(const at::Tensor& q_in, const 
   const at::Tensor dead = at::isinf(lse32);
   const at::Tensor safe_lse = at::where(dead, at::zeros_like(lse32), lse32).contiguous();
   const at::Tensor coef_raw = at::where(dead, at::zeros_like(lse32), grad.to(at::kFloat) * inv_temp);
-  // P = coef * softmax is rounded to fp16/bf16 before the tensor-core product; normalising coef by its
+  // P = coef * softmax is rounded to fp16/bf16 before the tensor-core products; normalising coef by its
   // max keeps P in [-1, 1] (no fp16 underflow for mean-reduced losses). Device-side, no host sync.
   const at::Tensor coef_scale = coef_raw.abs().max().clamp_min(1e-30);
   const at::Tensor coef = (coef_raw / coef_scale).contiguous();
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const int q_splits = choose_splits(N, M);
-  at::Tensor dq_part = at::zeros({q_splits, N, D}, f32);
-  C10_CUDA_CHECK(launch_masked_lse_bwd_q(dtype_of(q), q.data_ptr(), k.data_ptr(), N, M, D, excl.data_ptr<int64_t>(),
-                                         static_cast<float>(inv_temp), safe_lse.data_ptr<float>(),
-                                         coef.data_ptr<float>(), q_splits, dq_part.data_ptr<float>(), stream));
-  const int k_splits = choose_splits(M, N);
-  at::Tensor dk_part = at::zeros({k_splits, M, D}, f32);
-  C10_CUDA_CHECK(launch_masked_lse_bwd_k(dtype_of(q), q.data_ptr(), k.data_ptr(), N, M, D, excl.data_ptr<int64_t>(),
-                                         static_cast<float>(inv_temp), safe_lse.data_ptr<float>(),
-                                         coef.data_ptr<float>(), k_splits, dk_part.data_ptr<float>(), stream));
-  at::Tensor dq = ((q_splits == 1 ? dq_part.select(0, 0) : dq_part.sum(0)) * coef_scale).to(q.scalar_type());
-  at::Tensor dk = ((k_splits == 1 ? dk_part.select(0, 0) : dk_part.sum(0)) * coef_scale).to(k.scalar_type());
-  return {dq, dk};
+  at::Tensor dq = at::zeros({N, D}, f32);
+  at::Tensor dk = at::empty({M, D}, f32);
+  const int64_t C = chunk_cols(M, D);
+  at::Tensor p_buf = at::empty({N * C}, q.options());
+  for (int64_t col0 = 0; col0 < M; col0 += C) {
+    const int64_t c = std::min(C, M - col0);
+    const at::Tensor kc = k.narrow(0, col0, c);
+    const at::Tensor s = scores(q, kc);
+    const at::Tensor p = p_buf.narrow(0, 0, N * c).view({N, c});
+    C10_CUDA_CHECK(launch_chunk_grad(dtype_of(q), s.data_ptr<float>(), N, c, s.stride(0), excl.data_ptr<int64_t>(),
+                                     col0, static_cast<float>(inv_temp), safe_lse.data_ptr<float>(),
+                                     coef.data_ptr<float>(), p.data_ptr(), stream));
+    dq.add_(mm_f32(p, kc));
+    dk.narrow(0, col0, c).copy_(mm_f32(p.t(), q));
+  }
+  return {(dq * coef_scale).to(q.scalar_type()), (dk * coef_scale).to(k.scalar_type())};
 }
 
 }  // namespace

@@ -398,9 +398,9 @@ def resolve_token_freq(cfg: ObjectiveConfig, ctx: Context) -> torch.Tensor:
 def _reduce_counts(counts: list, env) -> list[float]:
     if not env.is_distributed:
         return [float(c) for c in counts]
-    t = torch.tensor(counts, dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    return t.tolist()
+    from pretrain.distributed.comm import all_reduce_host
+
+    return all_reduce_host(torch.tensor(counts, dtype=torch.float64)).tolist()
 
 
 class TrainModule(torch.nn.Module):

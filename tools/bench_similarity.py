@@ -1,5 +1,9 @@
 """Benchmark the in-batch similarity/softmax loss: eager PyTorch vs the chunked torch path vs the CUDA kernel.
 
+Impls: naive = what a user writes (`F.cross_entropy((q @ k.T).float() / T, labels)`, logits in the input
+dtype, GPU only by default); eager = info_nce_rows' materialising path (fp32 logits); torch = the chunked
+path; cuda = the extension. Ratios (t/base, mem/base) are against the first impl listed.
+
 Times forward+backward of `info_nce_rows(q_ND, k_ND, arange(N))` (N x N logits, temperature 0.05) and
 reports peak memory above the inputs:
   * CPU: every (impl, N, d) runs in a fresh subprocess; peak = ru_maxrss (the process's peak RSS,
@@ -47,6 +51,9 @@ def _inputs(n: int, d: int, dtype: torch.dtype, device: str):
 
 def _step(q, k, pos, impl: str, chunk: int) -> None:
     q.grad = k.grad = None
+    if impl == "naive":  # what a user writes: logits in the input dtype, upcast for the cross-entropy
+        F.cross_entropy((q @ k.t()).float() * 20.0, pos, reduction="sum").backward()
+        return
     info_nce_rows(q, k, pos, temperature=0.05, impl=impl, chunk_size=chunk).sum().backward()
 
 
@@ -102,7 +109,7 @@ def matmul_rate(dtype: torch.dtype, size: int = 8192) -> float:
 
 
 def _cpu_skip(impl: str, n: int, d: int) -> str | None:
-    if impl == "eager" and 4 * 4 * n * n > CPU_EAGER_LIMIT_BYTES:
+    if impl in ("eager", "naive") and 4 * 4 * n * n > CPU_EAGER_LIMIT_BYTES:
         return f"eager needs ~{16 * n * n / 2**30:.0f} GiB"
     if 8 * n * n * d / 1e12 > CPU_MAX_TFLOP:
         return f"{8 * n * n * d / 1e12:.1f} TFLOP: minutes on CPU"
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--json-out", default="", help="also write every figure to this JSON file")
     p.add_argument("--one", nargs=3, metavar=("IMPL", "N", "D"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
@@ -138,16 +146,18 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure_cpu(impl, n, d, args.dtype, args.chunk, args.reps)))
         return
 
-    impls = args.impls.split(",") if args.impls else ["eager", "torch"] + (["cuda"] if args.device == "cuda" else [])
+    impls = args.impls.split(",") if args.impls else (
+        ["naive", "eager", "torch", "cuda"] if args.device == "cuda" else ["eager", "torch"])
     if "cuda" in impls and not cuda_available():
         print("note: CUDA extension not built; the cuda column is skipped")
         impls = [i for i in impls if i != "cuda"]
     peak_rate = matmul_rate(DTYPES[args.dtype]) if args.device == "cuda" else None
     print(f"device={args.device} dtype={args.dtype} chunk={args.chunk} threads={args.threads} "
           f"reps={args.reps}" + (f" matmul={peak_rate / 1e12:.0f} TFLOP/s" if peak_rate else ""))
-    header = f"{'N':>6} {'d':>4} {'impl':>6} {'time_s':>9} {'peak_MiB':>9} {'t/eager':>8} {'mem/eager':>9} {'TFLOP/s':>8}  note"
+    header = f"{'N':>6} {'d':>4} {'impl':>6} {'time_s':>9} {'peak_MiB':>9} {'t/base':>8} {'mem/base':>9} {'TFLOP/s':>8}  note"
     print(header)
     print("-" * len(header))
+    records = []
     for n in map(int, args.sizes.split(",")):
         for d in map(int, args.dims.split(",")):
             eager = None
@@ -159,18 +169,27 @@ def main(argv: list[str] | None = None) -> None:
                     res = _run_cpu_subprocess(impl, n, d, args)
                 else:
                     res = measure_cuda(impl, n, d, args.dtype, args.chunk, args.reps)
+                records.append(dict(res, n=n, d=d, impl=impl))
                 if "skipped" in res:
                     print(f"{n:>6} {d:>4} {impl:>6} {'-':>9} {'-':>9} {'-':>8} {'-':>9} {'-':>8}  skipped: {res['skipped']}")
                     continue
-                if impl == "eager":
+                if eager is None:  # the first impl listed is the baseline of the ratios
                     eager = res
                 t, mem = res["seconds"], res["peak_bytes"]
                 t_ratio = f"{t / eager['seconds']:.2f}" if eager else "-"
                 m_ratio = f"{mem / eager['peak_bytes']:.3f}" if eager and eager["peak_bytes"] > 0 else "-"
                 rate = 6 * n * n * d / t
                 note = f"{100 * rate / peak_rate:.0f}% of matmul" if peak_rate else ""
+                records[-1].update(tflops=rate / 1e12, frac_of_matmul=rate / peak_rate if peak_rate else None,
+                                   time_vs_eager=t / eager["seconds"] if eager else None,
+                                   mem_vs_eager=mem / eager["peak_bytes"] if eager and eager["peak_bytes"] > 0 else None)
                 print(f"{n:>6} {d:>4} {impl:>6} {t:>9.3f} {mem / 2**20:>9.1f} {t_ratio:>8} {m_ratio:>9} "
                       f"{rate / 1e12:>8.3f}  {note}", flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                           torch=torch.__version__, dtype=args.dtype, chunk=args.chunk, reps=args.reps,
+                           matmul_tflops=peak_rate / 1e12 if peak_rate else None, rows=records), f, indent=1)
 
 
 if __name__ == "__main__":

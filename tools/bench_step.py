@@ -1,12 +1,18 @@
 """Full training step (MLM + CLEAR NT-Xent: forward, backward, optimizer) — ours vs Hugging Face.
 
 Ours: PretrainModel + Objective through the DeepSpeed Engine, exactly as the trainer runs it
-(MLM head on masked rows only, SDPA, chunked NT-Xent). HF: ``transformers.BertForMaskedLM``
-(full-sequence MLM head, as ``labels=`` computes it) plus the same CLEAR loss written the
-usual way (projection MLP, 2N x 2N similarity, cross-entropy), with ``torch.optim.AdamW``.
-Same sizes, same synthetic batch, one process per size, alternating trials.
+(MLM head on masked rows only, SDPA, fused/chunked NT-Xent). HF: ``transformers.BertForMaskedLM``
+(SDPA attention, full-sequence MLM head, as ``labels=`` computes it) plus the same CLEAR loss written
+the usual way (projection MLP, 2N x 2N similarity, cross-entropy), with ``torch.optim.AdamW`` (fused
+on CUDA); in bf16 HF runs under ``torch.autocast`` (fp32 weights), the usual way to train it in bf16.
+Same sizes, same synthetic batch, one process per (size, batch), alternating trials.
 
-    python tools/bench_step.py --sizes tiny mini --seq 128 --batch 32 --steps 10
+MFU counts the model FLOPs of one sample (``train_flops_per_sample``: 3 x the forward matmuls, i.e.
+forward + backward; attention scores included; the MLM head on the masked 15% only) against the
+device's dense bf16 peak (``--peak-tflops``, default 989 = H100 SXM) and against a measured 8192^3 matmul.
+
+    python tools/bench_step.py --sizes tiny mini --seq 128 --batch 32 --steps 10          # CPU
+    python tools/bench_step.py --device cuda --precision bf16 --sizes base --batch 64 128 256 512
 """
 
 from __future__ import annotations
@@ -26,7 +32,26 @@ SIZES = {  # configs/models/*.yaml
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=2, ffn_size=512),
     "mini": dict(hidden_size=256, num_layers=4, num_heads=4, ffn_size=1024),
     "small": dict(hidden_size=512, num_layers=4, num_heads=8, ffn_size=2048),
+    "base": dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072),
 }
+MASK_FRAC = 0.15
+
+
+def train_flops_per_sample(size: str, seq: int, view_len: int, vocab: int, mask_frac: float = MASK_FRAC) -> float:
+    """Model FLOPs of one training sample (one sequence + its two views): 3 x forward matmul FLOPs.
+
+    Per layer and token of a length-T sequence: 24 d^2 (q, k, v, out: 8 d^2; FFN 2 x 2 d f with f = 4d)
+    + 4 T d (scores and weighted values). MLM head on mask_frac of the tokens: 2 d^2 (transform) +
+    2 d V (decoder). Embeddings, norms, pooling, projection and the similarity matrix are left out
+    (< 1%)."""
+    s = SIZES[size]
+    d, layers, f = s["hidden_size"], s["num_layers"], s["ffn_size"]
+
+    def encoder(t: int) -> float:
+        return layers * t * (8 * d * d + 4 * d * f + 4 * t * d)
+
+    fwd = encoder(seq) + 2 * encoder(view_len) + mask_frac * seq * (2 * d * d + 2 * d * vocab)
+    return 3.0 * fwd
 
 
 def make_batch(batch: int, seq: int, view_len: int, vocab: int, gen: torch.Generator) -> dict:
@@ -46,7 +71,7 @@ def make_batch(batch: int, seq: int, view_len: int, vocab: int, gen: torch.Gener
                 view_b_ids=vb, view_b_mask=vmask)
 
 
-def build_ours(size: str, vocab: int, seq: int, zero_stage: int):
+def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False):
     from pretrain.config import DistributedConfig, ModelConfig, ObjectiveConfig, OpsConfig, OptimConfig, TrainConfig
     from pretrain.distributed.engine import Engine
     from pretrain.distributed.env import detect_env, init_process_group
@@ -57,12 +82,14 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int):
     env = detect_env()
     init_process_group(env, backend="auto", timeout_s=600)
     mcfg = ModelConfig(vocab_size=vocab, max_position=max(512, seq), pooling="mean", **SIZES[size])
-    module = TrainModule(build_model(mcfg), Objective(ObjectiveConfig(), Context(env=env, ops=OpsConfig(),
-                                                                                 pooling="mean")))
+    model = build_model(mcfg)
+    if compile_:
+        model.encoder.compile_layers()
+    module = TrainModule(model, Objective(ObjectiveConfig(), Context(env=env, ops=OpsConfig(), pooling="mean")))
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
     engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
-                    train=TrainConfig(micro_batch_size=1), dist=DistributedConfig(zero_stage=zero_stage),
-                    env=env, lr_lambda=lr_lambda(optim, 1000))
+                    train=TrainConfig(micro_batch_size=1, precision=precision),
+                    dist=DistributedConfig(zero_stage=zero_stage), env=env, lr_lambda=lr_lambda(optim, 1000))
     engine.train()
 
     def step(batch):
@@ -74,32 +101,41 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int):
     return step
 
 
-def build_hf(size: str, vocab: int, seq: int, temperature: float = 0.1):
+def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp32", compile_: bool = False,
+             temperature: float = 0.1):
     from transformers import BertConfig, BertForMaskedLM
 
     s = SIZES[size]
     cfg = BertConfig(vocab_size=vocab, hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
                      num_attention_heads=s["num_heads"], intermediate_size=s["ffn_size"],
                      max_position_embeddings=max(512, seq))
-    model = BertForMaskedLM(cfg)
+    cfg._attn_implementation = "sdpa"
+    model = BertForMaskedLM(cfg).to(device)
+    if compile_:
+        for layer in model.bert.encoder.layer:
+            layer.compile()
     d = s["hidden_size"]
-    proj = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d))
+    proj = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)).to(device)
     params = list(model.parameters()) + list(proj.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01,
+                            **({"fused": True} if device == "cuda" else {}))
     model.train()
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=precision == "bf16")
 
     def step(batch):
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["mlm_labels"])
-        ids = torch.cat([batch["view_a_ids"], batch["view_b_ids"]])
-        mask = torch.cat([batch["view_a_mask"], batch["view_b_mask"]])
-        h = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state
-        m = mask.unsqueeze(-1).float()
-        z = F.normalize(proj((h * m).sum(1) / m.sum(1)), dim=-1)
+        with autocast:
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        labels=batch["mlm_labels"])
+            ids = torch.cat([batch["view_a_ids"], batch["view_b_ids"]])
+            mask = torch.cat([batch["view_a_mask"], batch["view_b_mask"]])
+            h = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+            m = mask.unsqueeze(-1).to(h.dtype)
+            z = F.normalize(proj((h * m).sum(1) / m.sum(1)).float(), dim=-1)
         n2 = z.shape[0]
         sim = z @ z.T / temperature
         sim.fill_diagonal_(float("-inf"))
-        target = (torch.arange(n2) + n2 // 2) % n2
-        loss = out.loss + F.cross_entropy(sim, target)
+        target = (torch.arange(n2, device=sim.device) + n2 // 2) % n2
+        loss = out.loss.float() + F.cross_entropy(sim, target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -115,50 +151,150 @@ def time_one(step, batch) -> float:
     return time.perf_counter() - t0
 
 
+def _timed_arm(name: str, build, batch, steps: int, device: str) -> dict:
+    """Build one arm, warm it up (2 steps) and time `steps` steps; {"oom": True} when it does not fit."""
+    try:
+        step = build()
+        step(batch), step(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = [time_one(step, batch) for _ in range(steps)]
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    out = {"s": statistics.median(times), "all_s": times}
+    if device == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
 def measure(args, size: str) -> dict:
-    """Median seconds per step of ours and HF for one size, alternating trials in this process."""
-    batch = make_batch(args.batch, args.seq, args.view_len, args.vocab, torch.Generator().manual_seed(0))
+    """Median seconds per step of ours and HF for one size and micro-batch."""
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch(args.batch[0], args.seq, args.view_len, args.vocab, gen)
+    batch = {k: v.to(args.device) for k, v in batch.items()}
     torch.manual_seed(0)
-    ours = build_ours(size, args.vocab, args.seq, args.zero_stage)
-    hf = build_hf(size, args.vocab, args.seq)
+    res = {}
+    # One arm after the other (not interleaved): on a GPU both models' activations would otherwise have
+    # to fit at once, which would lower the largest batch. The CPU keeps the alternating trials.
+    if args.device == "cuda":
+        res["ours"] = _timed_arm("ours", lambda: build_ours(size, args.vocab, args.seq, args.zero_stage,
+                                                            args.precision, args.compile),
+                                 batch, args.steps, "cuda")
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        res["hf"] = _timed_arm("hf", lambda: build_hf(size, args.vocab, args.seq, "cuda", args.precision,
+                                                      args.compile), batch, args.steps, "cuda")
+        return res
+    ours = build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile)
+    hf = build_hf(size, args.vocab, args.seq, "cpu", args.precision, args.compile)
     ours(batch), hf(batch)  # warm-up
     t_ours, t_hf = [], []
     for _ in range(args.steps):  # alternate so drifting machine load hits both alike
         t_ours.append(time_one(ours, batch))
         t_hf.append(time_one(hf, batch))
-    return {"ours_s": statistics.median(t_ours), "hf_s": statistics.median(t_hf)}
+    return {"ours": {"s": statistics.median(t_ours)}, "hf": {"s": statistics.median(t_hf)}}
+
+
+def matmul_tflops(size: int = 8192) -> float:
+    """Measured bf16 TFLOP/s of a size^3 matmul on random data (median of 10 after 3 warm-ups)."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1000)
+    return 2 * size**3 / statistics.median(times) / 1e12
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default fp32 on CPU, bf16 on CUDA")
     p.add_argument("--sizes", nargs="+", default=["tiny", "mini"], choices=list(SIZES))
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--view-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, nargs="+", default=[32],
+                   help="micro-batch sizes, ascending; a size stops at the first batch that does not fit")
     p.add_argument("--vocab", type=int, default=30522)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--zero-stage", type=int, default=2)
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one size, result as JSON (internal)
+    p.add_argument("--compile", action="store_true", help="torch.compile every encoder block (both arms)")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="dense bf16 peak for MFU (H100 SXM 989, H200 989, A100 312)")
+    p.add_argument("--json-out", default="", help="also write every figure to this JSON file")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one (size, batch) as JSON (internal)
     args = p.parse_args(argv)
+    args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     if args.json:
         print("RESULT " + json.dumps(measure(args, args.sizes[0])))
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {args.batch} x seq {args.seq} "
-          f"(+2 views x {args.view_len}), vocab {args.vocab}, median of {args.steps} steps")
+    mm = matmul_tflops() if args.device == "cuda" else None
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, precision {args.precision}, zero {args.zero_stage}, "
+          f"compile {args.compile}, seq {args.seq} (+2 views x {args.view_len}), vocab {args.vocab}, "
+          f"median of {args.steps} steps" + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else ""))
     rows = []
     for size in args.sizes:
-        # One process per size: a DeepSpeed engine and its hooks stay alive until the process ends.
-        cmd = [sys.executable, __file__, "--json", "--sizes", size, "--seq", str(args.seq), "--view-len",
-               str(args.view_len), "--batch", str(args.batch), "--vocab", str(args.vocab), "--steps",
-               str(args.steps), "--zero-stage", str(args.zero_stage)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        r = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
-        rows.append((size, 1 / r["ours_s"], 1 / r["hf_s"], r["hf_s"] / r["ours_s"]))
-    print("\n| size | ours steps/s | HF steps/s | ours / HF |")
-    print("|---|---:|---:|---:|")
-    for size, so, sh, r in rows:
-        print(f"| {size} | {so:.2f} | {sh:.2f} | {r:.2f}x |")
+        for b in args.batch:
+            # One process per (size, batch): a DeepSpeed engine and its hooks stay alive until the process
+            # ends, and an out-of-memory leaves nothing behind.
+            cmd = [sys.executable, __file__, "--json", "--sizes", size, "--seq", str(args.seq), "--view-len",
+                   str(args.view_len), "--batch", str(b), "--vocab", str(args.vocab), "--steps", str(args.steps),
+                   "--zero-stage", str(args.zero_stage), "--device", args.device, "--precision", args.precision]
+            cmd += ["--compile"] if args.compile else []
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                print(f"size {size} batch {b}: failed ({tail})", file=sys.stderr)
+                rows.append(dict(size=size, batch=b, error=tail))
+                break
+            r = json.loads(lines[0][7:])
+            flops = train_flops_per_sample(size, args.seq, args.view_len, args.vocab)
+            row = dict(size=size, batch=b, flops_per_sample=flops)
+            for arm in ("ours", "hf"):
+                a = r[arm]
+                if a.get("oom"):
+                    row[arm] = {"oom": True}
+                    continue
+                sps = b / a["s"]
+                row[arm] = dict(step_s=a["s"], samples_per_s=sps, tflops=sps * flops / 1e12,
+                                mfu=sps * flops / 1e12 / args.peak_tflops,
+                                frac_of_matmul=(sps * flops / 1e12 / mm) if mm else None,
+                                peak_gib=a.get("peak_gib"))
+            rows.append(row)
+            if row["ours"].get("oom") and row["hf"].get("oom"):
+                break
+    print(f"\n| size | batch | ours samples/s | HF samples/s | ours / HF | ours MFU | HF MFU | ours GiB | HF GiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['size']} | {row['batch']} | failed: {row['error'][:60]} | | | | | | |")
+            continue
+        o, h = row["ours"], row["hf"]
+
+        def cell(a, key, fmt):
+            return "OOM" if a.get("oom") else (fmt.format(a[key]) if a.get(key) is not None else "-")
+
+        ratio = f"{o['samples_per_s'] / h['samples_per_s']:.2f}x" if not (o.get("oom") or h.get("oom")) else "-"
+        print(f"| {row['size']} | {row['batch']} | {cell(o, 'samples_per_s', '{:.1f}')} | "
+              f"{cell(h, 'samples_per_s', '{:.1f}')} | {ratio} | {cell(o, 'mfu', '{:.1%}')} | "
+              f"{cell(h, 'mfu', '{:.1%}')} | {cell(o, 'peak_gib', '{:.1f}')} | {cell(h, 'peak_gib', '{:.1f}')} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(dict(device=name, torch=torch.__version__, precision=args.precision,
+                           zero_stage=args.zero_stage, compile=args.compile, seq=args.seq,
+                           view_len=args.view_len, vocab=args.vocab, matmul_tflops=mm,
+                           peak_tflops=args.peak_tflops, rows=rows), f, indent=1)
     return 0
 
 

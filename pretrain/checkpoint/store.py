@@ -218,6 +218,6 @@ def _barrier(env) -> None:
 def _any_rank(env, flag: bool) -> bool:
     if not env.is_distributed:
         return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    torch.distributed.all_reduce(t)
-    return bool(t.item())
+    from pretrain.distributed.comm import all_reduce_host
+
+    return bool(all_reduce_host(torch.tensor([1 if flag else 0], dtype=torch.int64)).item())

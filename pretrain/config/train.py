@@ -45,6 +45,9 @@ class TrainConfig:
     eval_batches: int = 20
     max_bad_steps: int = 5
     """Stop after this many consecutive steps with a non-finite loss or gradient."""
+    compile: bool = False
+    """torch.compile each encoder block (fuses LayerNorm, GELU, dropout and bias adds; the first steps
+    compile). ZeRO 0-2 only."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):

@@ -56,6 +56,21 @@ def all_gather_with_grad(x_ND: torch.Tensor, env) -> torch.Tensor:
     return _AllGatherWithGrad.apply(x_ND, env.rank, env.world_size)
 
 
+def all_reduce_host(t: torch.Tensor, op=None) -> torch.Tensor:
+    """All-reduce a small host (CPU) tensor of flags or counts and return it on the CPU.
+
+    NCCL only reduces CUDA tensors, so under NCCL the values travel through the current CUDA device;
+    gloo reduces them in place on the CPU. Call only with an initialised process group.
+    """
+    op = dist.ReduceOp.SUM if op is None else op
+    if dist.get_backend() == "nccl":
+        dev = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(dev, op=op)
+        return dev.cpu()
+    dist.all_reduce(t, op=op)
+    return t
+
+
 def all_reduce_sum(t: torch.Tensor, env) -> torch.Tensor:
     """A new tensor holding the sum of `t` over all ranks (no gradient); `t` itself with one process."""
     if env is None or env.world_size == 1:

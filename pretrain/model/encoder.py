@@ -28,8 +28,12 @@ class Encoder(nn.Module):
     ) -> torch.Tensor | list[torch.Tensor]:
         """Last hidden states h_BTD, or with ``all_layers`` the list [embeddings, layer 1, ..., layer L]
         (L+1 tensors, as HF's ``hidden_states``; for pre-LN the last one is after the final LayerNorm)."""
-        # The padding mask is built once and shared by every layer (True = real key token).
-        keep_B11T = None if attention_mask_BT is None else attention_mask_BT.bool()[:, None, None, :]
+        # The padding mask is built once and shared by every layer (True = real key token). A batch without
+        # padding passes no mask, so SDPA may pick its flash kernel (a mask rules it out on CUDA).
+        keep_B11T = None
+        if attention_mask_BT is not None:
+            if torch.compiler.is_compiling() or not bool(attention_mask_BT.all()):
+                keep_B11T = attention_mask_BT.bool()[:, None, None, :]
         x_BTD = self.embeddings(input_ids_BT, token_type_ids_BT)
         states = [x_BTD] if all_layers else None
         for layer in self.layers:
@@ -41,3 +45,8 @@ class Encoder(nn.Module):
             if all_layers:
                 states[-1] = x_BTD
         return states if all_layers else x_BTD
+
+    def compile_layers(self, **kwargs) -> None:
+        """torch.compile every block in place (per-block, as torchtitan does: one graph reused L times)."""
+        for layer in self.layers:
+            layer.compile(**kwargs)

@@ -29,12 +29,12 @@ def _local_top1(z_a_NP, z_b_NP, chunk_size: int) -> int:
     z = F.normalize(torch.cat([z_a_NP, z_b_NP]).float(), dim=-1)
     n2 = z.shape[0]
     half = n2 // 2
-    partner = (torch.arange(n2) + half) % n2
+    partner = (torch.arange(n2, device=z.device) + half) % n2
     correct = 0
     for start in range(0, n2, chunk_size):
         rows = z[start:start + chunk_size]
         sim = rows @ z.T
-        idx = torch.arange(start, start + rows.shape[0])
-        sim[torch.arange(rows.shape[0]), idx] = float("-inf")
+        idx = torch.arange(start, start + rows.shape[0], device=z.device)
+        sim[torch.arange(rows.shape[0], device=z.device), idx] = float("-inf")
         correct += (sim.argmax(dim=1) == partner[idx]).sum().item()
     return correct

@@ -18,6 +18,7 @@ from pretrain.config import RunConfig, to_yaml
 from pretrain.data.datasets import build_dataset
 from pretrain.data.loader import build_loader
 from pretrain.data.tokenizer import load_tokenizer
+from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Engine
 from pretrain.metrics.accumulate import MetricSums
 from pretrain.metrics.writer import MetricsWriter, format_progress, print_progress
@@ -56,6 +57,11 @@ class Trainer:
         model = build_model(model_cfg)
         if cfg.checkpoint.init_from:
             _load_init_weights(model, cfg.checkpoint.init_from)
+        if cfg.train.compile:
+            if cfg.distributed.zero_stage == 3:
+                raise ValueError("train.compile=true is not supported with distributed.zero_stage=3 (ZeRO-3 "
+                                 "gathers parameters in module hooks); use ZeRO 0-2 or train.compile=false")
+            model.encoder.compile_layers()
         ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, data=cfg.data, tokenizer=self.tokenizer)
         self.module = TrainModule(model, Objective(cfg.objective, ctx))
         self.engine = Engine(
@@ -76,6 +82,8 @@ class Trainer:
                                      tokenizer_path=cfg.data.tokenizer, model_pooling=model_cfg.pooling,
                                      zero_stage=cfg.distributed.zero_stage)
         self.step = 0
+        self.data_wait_s = 0.0
+        """Seconds the loop has waited in next(loader) since the last log line (data_wait_frac)."""
         self.tokens_seen = 0
         self.bad_steps_total = 0
         self._resume_or_start()
@@ -128,10 +136,11 @@ class Trainer:
         loader = iter(self._loader(self.train_set, self.step * self.global_batch))
         sums = MetricSums()
         consecutive_bad = 0
-        t_last, samples_last, tokens_last = time.perf_counter(), 0, 0
         if self.step == 0:
             self.validate()  # the untrained baseline, so the held-out curve starts at step 0
         self.engine.train()
+        t_last, samples_last, tokens_last = time.perf_counter(), 0, 0
+        self.data_wait_s = 0.0
         while self.step < c.train.max_steps:
             info, bad, n_samples, n_tokens = self.train_step(loader, sums)
             self.step += 1
@@ -154,12 +163,14 @@ class Trainer:
                                bad_steps=self.bad_steps_total,
                                samples_per_s=samples_last * self.env.world_size / elapsed,
                                tokens_per_s=tokens_last * self.env.world_size / elapsed,
-                               tokens_seen=self.tokens_seen * self.env.world_size)
+                               tokens_seen=self.tokens_seen * self.env.world_size,
+                               data_wait_frac=self.data_wait_s / elapsed)
                 self.writer.log(self.step, scalars)
                 if self.env.is_main:
                     print_progress(format_progress(self.step, c.train.max_steps, scalars))
                 sums.reset()
                 t_last, samples_last, tokens_last = time.perf_counter(), 0, 0
+                self.data_wait_s = 0.0
             if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.max_steps:
                 self.validate()
             if self.stsb is not None and (self.step % c.eval.stsb_every == 0 or self.step == c.train.max_steps):
@@ -184,7 +195,10 @@ class Trainer:
         bad = False
         n_samples = n_tokens = 0
         for micro in range(c.train.grad_accum):
-            batch = _to_device(next(loader), self.engine.device)
+            t_wait = time.perf_counter()
+            batch = next(loader)
+            self.data_wait_s += time.perf_counter() - t_wait
+            batch = _to_device(batch, self.engine.device)
             n_samples += batch["input_ids"].shape[0]
             n_tokens += int(sum(batch[k].sum() for k in ("attention_mask", "view_a_mask", "view_b_mask")
                                 if k in batch))
@@ -275,9 +289,7 @@ class Trainer:
     def _should_stop(self) -> bool:
         flag = self.stop_signal.requested
         if self.env.is_distributed:
-            t = torch.tensor([int(flag)])
-            torch.distributed.all_reduce(t)
-            flag = bool(t.item())
+            flag = bool(all_reduce_host(torch.tensor([int(flag)])).item())
         return flag
 
     def close(self) -> None:
@@ -302,7 +314,7 @@ def _to_device(batch: dict, device) -> dict:
 def _all_finite(loss: torch.Tensor, env) -> bool:
     ok = torch.tensor([1 if bool(torch.isfinite(loss.detach()).all()) else 0])
     if env.is_distributed:
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        ok = all_reduce_host(ok, torch.distributed.ReduceOp.MIN)
     return bool(ok.item())
 
 

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The whole GPU pass in one command: install what the GPU machine lacks, build the CUDA extension, run
+# tests/gpu, the training smoke runs (every ZeRO stage, bf16/fp16, resume) and the benchmarks, and write
+# a log per stage plus OUTDIR/gpu_check.json with every figure.
+#
+#   bash tools/gpu_check.sh OUTDIR
+#
+# Environment:
+#   PYTHON             interpreter with a CUDA torch (default python3)
+#   PRETRAIN_WHEELS    directory of wheels to install offline when DeepSpeed is missing (default .whl;
+#                      see docs/performance.md for the list); without it, pip installs from the index
+#   GPU_CHECK_STAGES   comma list of stages to run (default: all, in this order)
+#                      install,tests,smoke,bench_similarity,bench_step,bench_step_compile
+#   GPU_CHECK_BATCHES  micro-batches for bench_step (default "64 128 256 512")
+# A prebuilt pretrain/_C*.so that imports is reused (PRETRAIN_BUILD_CUDA=0); delete it to rebuild.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash tools/gpu_check.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+WHEELS=${PRETRAIN_WHEELS:-.whl}
+STAGES=${GPU_CHECK_STAGES:-install,tests,smoke,bench_similarity,bench_step,bench_step_compile}
+BATCHES=${GPU_CHECK_BATCHES:-64 128 256 512}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PY WHEELS
+: >"$OUT/stages.jsonl"
+status=0
+
+stage() {  # stage NAME TIME_LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  case ",$STAGES," in *",$name,"*) ;; *) return 0 ;; esac
+  echo "[gpu_check] $(date +%T) $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >>"$OUT/stages.jsonl"
+  tail -n "${GPU_CHECK_TAIL:-15}" "$OUT/$name.log"
+  echo "[gpu_check] $name rc=$rc in $((SECONDS - t0))s"
+  [ "$rc" = 0 ] || status=1
+}
+
+install_deps() {
+  nvidia-smi || true
+  $PY - <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+EOF
+  if ! $PY -c "import deepspeed" 2>/dev/null; then
+    if [ -d "$WHEELS" ]; then
+      $PY -m pip install -q --no-index --no-deps --no-cache-dir "$WHEELS"/*.whl || return 1
+    else
+      $PY -m pip install -q deepspeed || return 1
+    fi
+  fi
+  local cap
+  cap=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  if ls pretrain/_C*.so >/dev/null 2>&1 && $PY -c "import torch, pretrain._C" 2>/dev/null; then
+    echo "reusing the prebuilt $(ls pretrain/_C*.so)"
+    PRETRAIN_BUILD_CUDA=0 $PY -m pip install -q --no-build-isolation --no-deps -e . || return 1
+  else
+    rm -f pretrain/_C*.so
+    local t0=$SECONDS
+    TORCH_CUDA_ARCH_LIST=$cap MAX_JOBS=${MAX_JOBS:-16} PRETRAIN_BUILD_CUDA=1 \
+      $PY -m pip install --no-build-isolation --no-deps -e . || return 1
+    echo "extension built in $((SECONDS - t0))s for sm_${cap/./}"
+  fi
+  $PY -c "import deepspeed, pretrain.ops as o; assert o.cuda_available(), 'extension not loaded'; print('deepspeed', deepspeed.__version__, 'extension ok')"
+}
+
+export -f install_deps
+stage install 600 bash -c install_deps
+cp pretrain/_C*.so "$OUT/" 2>/dev/null || true
+stage tests 900 $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
+stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke"
+cp "$OUT/smoke/smoke.json" "$OUT/" 2>/dev/null || true
+stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 4096,16384,65536 --dims 768 \
+  --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
+# shellcheck disable=SC2086
+stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
+  --zero-stage 2 --json-out "$OUT/bench_step.json"
+# shellcheck disable=SC2086
+stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
+  --zero-stage 2 --compile --json-out "$OUT/bench_step_compile.json"
+
+$PY - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+summary = {"stages": [json.loads(l) for l in (out / "stages.jsonl").read_text().splitlines() if l.strip()]}
+for name in ("bench_similarity", "bench_step", "bench_step_compile", "smoke"):
+    p = out / f"{name}.json"
+    if p.is_file():
+        summary[name] = json.loads(p.read_text())
+xml = out / "tests_gpu.xml"
+if xml.is_file():
+    import xml.etree.ElementTree as ET
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    summary["tests"] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
+(out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str))
+print("[gpu_check] stages:", ", ".join(f"{s['stage']} rc={s['rc']} {s['seconds']}s" for s in summary["stages"]))
+EOF
+exit $status
