@@ -151,8 +151,10 @@ def time_one(step, batch) -> float:
     return time.perf_counter() - t0
 
 
-def _timed_arm(name: str, build, batch, steps: int, device: str) -> dict:
-    """Build one arm, warm it up (2 steps) and time `steps` steps; {"oom": True} when it does not fit."""
+def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: str = "") -> dict:
+    """Build one arm, warm it up (2 steps) and time `steps` steps; {"oom": True} when it does not fit.
+
+    ``profile_out``: afterwards profile 3 more steps and write the kernel table (by device time) there."""
     try:
         step = build()
         step(batch), step(batch)
@@ -160,6 +162,16 @@ def _timed_arm(name: str, build, batch, steps: int, device: str) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         times = [time_one(step, batch) for _ in range(steps)]
+        if profile_out:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step(batch)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
+            with open(profile_out, "a") as f:
+                f.write(f"== {name}: 3 steps, batch {batch['input_ids'].shape[0]}, median step {statistics.median(times):.4f} s\n{table}\n")
     except torch.OutOfMemoryError:
         return {"oom": True}
     out = {"s": statistics.median(times), "all_s": times}
@@ -180,13 +192,13 @@ def measure(args, size: str) -> dict:
     if args.device == "cuda":
         res["ours"] = _timed_arm("ours", lambda: build_ours(size, args.vocab, args.seq, args.zero_stage,
                                                             args.precision, args.compile),
-                                 batch, args.steps, "cuda")
+                                 batch, args.steps, "cuda", args.profile_out)
         import gc
 
         gc.collect()
         torch.cuda.empty_cache()
         res["hf"] = _timed_arm("hf", lambda: build_hf(size, args.vocab, args.seq, "cuda", args.precision,
-                                                      args.compile), batch, args.steps, "cuda")
+                                                      args.compile), batch, args.steps, "cuda", args.profile_out)
         return res
     ours = build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile)
     hf = build_hf(size, args.vocab, args.seq, "cpu", args.precision, args.compile)
@@ -230,6 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak for MFU (H100 SXM 989, H200 989, A100 312)")
     p.add_argument("--json-out", default="", help="also write every figure to this JSON file")
+    p.add_argument("--profile-out", default="", help="CUDA: append each arm's kernel table (torch.profiler) here")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one (size, batch) as JSON (internal)
     args = p.parse_args(argv)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
@@ -251,6 +264,7 @@ def main(argv=None) -> int:
                    str(args.view_len), "--batch", str(b), "--vocab", str(args.vocab), "--steps", str(args.steps),
                    "--zero-stage", str(args.zero_stage), "--device", args.device, "--precision", args.precision]
             cmd += ["--compile"] if args.compile else []
+            cmd += ["--profile-out", args.profile_out] if args.profile_out else []
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:

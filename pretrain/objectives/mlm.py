@@ -20,5 +20,5 @@ def mlm_loss(logits_MV: torch.Tensor, labels_M: torch.Tensor):
         return zero, 0, {"mlm_acc": (0.0, 0)}
     loss_sum = F.cross_entropy(logits_MV.float(), labels_M, reduction="sum")
     with torch.no_grad():
-        correct = (logits_MV.argmax(dim=-1) == labels_M).sum().item()
+        correct = (logits_MV.argmax(dim=-1) == labels_M).sum()  # a tensor: no host sync mid-forward
     return loss_sum, count, {"mlm_acc": (correct, count)}

@@ -24,17 +24,17 @@ def nt_xent(z_a_NP: torch.Tensor, z_b_NP: torch.Tensor, *, temperature: float, i
 
 
 @torch.no_grad()
-def _local_top1(z_a_NP, z_b_NP, chunk_size: int) -> int:
+def _local_top1(z_a_NP, z_b_NP, chunk_size: int) -> torch.Tensor:
     """Rows whose partner is the most similar view within this rank's 2N views (chunked, O(N*chunk))."""
     z = F.normalize(torch.cat([z_a_NP, z_b_NP]).float(), dim=-1)
     n2 = z.shape[0]
     half = n2 // 2
     partner = (torch.arange(n2, device=z.device) + half) % n2
-    correct = 0
+    correct = z.new_zeros((), dtype=torch.int64)  # stays on the device: no host sync mid-forward
     for start in range(0, n2, chunk_size):
         rows = z[start:start + chunk_size]
         sim = rows @ z.T
         idx = torch.arange(start, start + rows.shape[0], device=z.device)
         sim[torch.arange(rows.shape[0], device=z.device), idx] = float("-inf")
-        correct += (sim.argmax(dim=1) == partner[idx]).sum().item()
+        correct += (sim.argmax(dim=1) == partner[idx]).sum()
     return correct

@@ -41,7 +41,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size) -> None:
+def _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size, check_values: bool = True) -> None:
     if q_ND.dim() != 2 or k_MD.dim() != 2 or q_ND.shape[1] != k_MD.shape[1]:
         raise ValueError(f"q and k must be (N, D) and (M, D), got {tuple(q_ND.shape)} and {tuple(k_MD.shape)}")
     if q_ND.dtype != k_MD.dtype or q_ND.device != k_MD.device:
@@ -60,11 +60,11 @@ def _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size) ->
             raise ValueError(
                 f"{name} must be an integer tensor of shape ({num_rows},), got {idx.dtype} {tuple(idx.shape)}"
             )
-        if torch.compiler.is_compiling() or num_rows == 0:
-            continue  # data-dependent checks would break the graph
+        if torch.compiler.is_compiling() or num_rows == 0 or not check_values:
+            continue  # data-dependent checks would break the graph (and cost a host sync each)
         if int(idx.min()) < 0 or int(idx.max()) >= num_cols:
             raise ValueError(f"{name} values must lie in [0, {num_cols}) (the columns of k)")
-    if self_idx_N is not None and not torch.compiler.is_compiling():
+    if self_idx_N is not None and check_values and not torch.compiler.is_compiling():
         if bool((self_idx_N.to(pos_idx_N.device) == pos_idx_N).any()):
             raise ValueError("self_idx equals pos_idx for some row: the positive cannot be the excluded column")
 
@@ -97,13 +97,15 @@ def info_nce_rows(
     impl: str = "auto",
     chunk_size: int = 1024,
     return_lse: bool = False,
+    _trusted_indices: bool = False,
 ):
     """Per-row InfoNCE/ArcCon loss_N (fp32, not reduced) of L2-normalised q against k; (loss_N, lse_N) if return_lse.
 
     Row i's positive is column pos_idx[i] (logit cos(acos(c) + margin)/T, margin in radians);
     column self_idx[i] is left out of the softmax. Differentiable w.r.t. q and k.
     """
-    _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size)
+    # Callers that build the indices themselves (nt_xent_rows) skip the value checks: each is a host sync.
+    _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size, check_values=not _trusted_indices)
     backend = resolve_impl(impl, q_ND.device)
     inv_temp = 1.0 / float(temperature)
     pos_idx_N = pos_idx_N.to(q_ND.device, torch.long)
@@ -151,5 +153,5 @@ def nt_xent_rows(
     pos_idx_R = (rows_R + num_pairs) % (2 * num_pairs) + offset
     return info_nce_rows(
         z_RD, cols_CD, pos_idx_R, temperature=temperature, self_idx_N=rows_R + offset,
-        impl=impl, chunk_size=chunk_size,
+        impl=impl, chunk_size=chunk_size, _trusted_indices=True,
     )
