@@ -11,8 +11,8 @@
 #                      see docs/performance.md for the list); without it, pip installs from the index
 #   GPU_CHECK_STAGES   comma list of stages to run (default: all, in this order)
 #                      install,tests,smoke,bench_similarity,bench_step,bench_step_compile
-#   GPU_CHECK_BATCHES  micro-batches for bench_step (default "256 512": 512 is the largest power of two
-#                      at which HF fits next to ours on an 80 GB H100)
+#   GPU_CHECK_BATCHES  micro-batches for bench_step (default "256 512"; on an 80 GB H100, HF's arm needs
+#                      67 GB at 512, so 1024 does not fit)
 # A prebuilt pretrain/_C*.so that imports is reused (PRETRAIN_BUILD_CUDA=0); delete it to rebuild.
 set -uo pipefail
 cd "$(dirname "$0")/.."
