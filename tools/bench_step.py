@@ -169,7 +169,10 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
                 for _ in range(3):
                     step(batch)
                 torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
+            avg = prof.key_averages()
+            table = avg.table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
+            table += "\n-- by self CPU time (where the host spends the step) --\n"
+            table += avg.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
             with open(profile_out, "a") as f:
                 f.write(f"== {name}: 3 steps, batch {batch['input_ids'].shape[0]}, median step {statistics.median(times):.4f} s\n{table}\n")
     except torch.OutOfMemoryError:

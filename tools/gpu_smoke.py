@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LOG_EVERY = 10
 MINI = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.ffn_size=1024"]
 
 
@@ -54,10 +55,15 @@ def base_overrides(paths: dict, run_dir: Path, steps: int) -> list[str]:
     return [
         str(ROOT / "configs" / "quickstart.yaml"), f"run_dir={run_dir}", f"data.tokenizer={paths['tokenizer']}",
         f"data.sources=[{{name: docs, path: {paths['train']}}}]", f"data.valid=[{{name: docs, path: {paths['valid']}}}]",
-        f"train.max_steps={steps}", "train.log_every=10", "train.eval_every=0", "train.eval_batches=8",
+        f"train.max_steps={steps}", f"train.log_every={LOG_EVERY}", "train.eval_every=0", "train.eval_batches=8",
         "optim.warmup_steps=10", "optim.lr=1e-3", f"checkpoint.every={steps // 2}", "checkpoint.keep_last=3",
         *MINI,
     ]
+
+
+def steps_half(*runs: dict) -> int:
+    """The half-way checkpoint's step of a run whose logged steps are given (max step // 2)."""
+    return max(max(r) for r in runs if r) // 2
 
 
 def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3), precisions=("bf16", "fp16"),
@@ -104,7 +110,8 @@ def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3
         if rr is not None:
             log = Path(rr["log"]).read_text(errors="replace") if rr.get("log") else ""
             again = _train_rows(_metrics(Path(rr["run_dir"])))
-            common = sorted(set(again) & set(train))
+            # A logged loss is the mean over its log window: compare only windows that start after the checkpoint.
+            common = sorted(s for s in set(again) & set(train) if s - LOG_EVERY >= steps_half(again, train))
             diffs = [abs(again[s]["loss"] - train[s]["loss"]) / abs(train[s]["loss"]) for s in common]
             res["resume"] = dict(rc=rr["rc"], resumed_msg="resumed from" in log, steps_compared=common,
                                  max_rel_diff=max(diffs) if diffs else None,
@@ -125,7 +132,7 @@ def feed(paths: dict, out: Path, workers: list[int], steps: int, batch: int) -> 
         args = [str(ROOT / "configs" / "recipes" / "clear_del_span_reorder.yaml"), f"run_dir={run_dir}",
                 f"data.tokenizer={paths['tokenizer']}", f"data.sources=[{{name: docs, path: {paths['train']}}}]",
                 "data.max_len=128", "data.view_max_len=64", f"data.num_workers={w}",
-                f"train.micro_batch_size={batch}", f"train.max_steps={steps}", "train.log_every=10",
+                f"train.micro_batch_size={batch}", f"train.max_steps={steps}", f"train.log_every={LOG_EVERY}",
                 "optim.warmup_steps=10", "checkpoint.every=0", "ops.similarity=cuda", "train.precision=bf16"]
         r = _run(f"feed_w{w}", out, args)
         rows = [row for row in _train_rows(_metrics(run_dir)).values() if row["step"] > 10]  # past warm-up

@@ -121,9 +121,18 @@ class Engine:
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else (grad_norm if grad_norm is not None else float("nan"))
-        scale = float(getattr(self.ds.optimizer, "cur_scale", 1.0) or 1.0) if self.precision == "fp16" else 1.0
+        scale = self._loss_scale() if self.precision == "fp16" else 1.0
         skipped = not self.ds.was_step_applied()  # fp16 overflow, or ZeRO's non-finite-gradient check
         return StepInfo(grad_norm=norm, loss_scale=scale, lr=lr, skipped=skipped)
+
+    def _loss_scale(self) -> float:
+        """fp16's current dynamic loss scale: ZeRO's optimizers expose ``cur_scale``, DeepSpeed's ZeRO-0 fp16
+        optimizers keep it in ``loss_scale_config.cur_scale``."""
+        opt = self.ds.optimizer
+        scale = getattr(opt, "cur_scale", None)
+        if scale is None:
+            scale = getattr(getattr(opt, "loss_scale_config", None), "cur_scale", None)
+        return float(scale) if scale else 1.0
 
     def zero_grad(self) -> None:
         self.ds.zero_grad()

@@ -63,8 +63,10 @@ def _check_run_dir(run_dir: Path, losses: dict) -> None:
 
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"] == 8
     rec = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[1])
-    for key in ("step", "loss", "mlm", "nt_xent", "lr", "grad_norm", "loss_scale", "tokens_per_s", "samples_per_s"):
+    for key in ("step", "loss", "mlm", "nt_xent", "lr", "grad_norm", "loss_scale", "tokens_per_s", "samples_per_s",
+                "data_wait_frac"):
         assert key in rec, key
+    assert 0.0 <= rec["data_wait_frac"] < 1.0, rec["data_wait_frac"]
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()
     events = acc.Scalars("train/loss")
