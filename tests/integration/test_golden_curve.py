@@ -1,0 +1,105 @@
+"""Golden curve: the first 20 per-step losses and grad norms of a fixed tiny run, stored in the repo.
+
+A change that moves them changes what training computes (data order, masking, views, init, dropout,
+the loss, the optimizer step). Such a change must update the asset on purpose and say why in its commit:
+
+    PRETRAIN_UPDATE_GOLDEN=1 python3 -m pytest tests/integration/test_golden_curve.py
+
+Everything is generated here, independent of the Python version and of tokenizer training: a corpus of
+made-up words from a fixed linear congruential generator and a WordPiece vocabulary listing exactly
+those words. Tolerances absorb only CPU-kernel differences between machines (1e-4 relative); a
+changed dropout mask, sample, masking or update moves the losses by far more.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+ASSET = Path(__file__).resolve().parents[1] / "assets" / "golden_tiny.json"
+STEPS = 20
+REL_TOL = {"loss": 1e-4, "mlm": 1e-4, "nt_xent": 1e-4, "grad_norm": 1e-3}
+
+
+def _lcg(seed: int):
+    state = seed
+    while True:
+        state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
+        yield state >> 33
+
+
+def _corpus(path: Path) -> list[str]:
+    """~2,000 sentences over 300 made-up lower-case words (Zipf-like frequencies), documents of 20 lines."""
+    rnd = _lcg(12345)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = sorted({"".join(letters[next(rnd) % 26] for _ in range(3 + next(rnd) % 6)) for _ in range(300)})
+    lines = []
+    for i in range(2000):
+        n = 6 + next(rnd) % 14
+        sent = [words[min(len(words) - 1, int(len(words) * (next(rnd) % 10_000 / 10_000) ** 2))] for _ in range(n)]
+        lines.append(" ".join(sent).capitalize() + ".")
+        if i % 20 == 19:
+            lines.append("")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return words
+
+
+def _tokenizer(words: list[str], path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    from pretrain.data.tokenizer import SPECIAL_TOKENS, _post_processor
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, ".", *words])}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.post_processor = _post_processor()
+    tok.save(str(path))
+
+
+def _run(tmp_path: Path) -> dict[int, dict]:
+    from pretrain.data.preprocess import preprocess
+    from pretrain.train import main
+
+    words = _corpus(tmp_path / "corpus.txt")
+    _tokenizer(words, tmp_path / "tokenizer.json")
+    preprocess([str(tmp_path / "corpus.txt")], str(tmp_path / "data"), str(tmp_path / "tokenizer.json"), num_workers=1)
+    run_dir = tmp_path / "run"
+    overrides = {
+        "run_dir": run_dir, "seed": 7, "data.tokenizer": tmp_path / "tokenizer.json",
+        "data.sources": f"[{{name: golden, path: {tmp_path / 'data'}}}]", "data.valid": "[]",
+        "data.max_len": 48, "data.view_max_len": 24, "data.num_workers": 0,
+        "data.augment.methods": "del-span+reorder",
+        "model.hidden_size": 32, "model.num_layers": 2, "model.num_heads": 2, "model.ffn_size": 64,
+        "model.max_position": 64, "model.pooling": "mean", "model.dropout": 0.1,
+        "train.micro_batch_size": 8, "train.max_steps": STEPS, "train.log_every": 1,
+        "optim.lr": 1e-3, "optim.warmup_steps": 5, "checkpoint.every": 0, "distributed.zero_stage": 0,
+    }
+    config = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    assert main([str(config), *(f"{k}={v}" for k, v in overrides.items())]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: r[k] for k in REL_TOL} for r in rows if r.get("split", "train") == "train" and "loss" in r}
+
+
+def test_golden_curve(tmp_path, clean_env):
+    got = _run(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    if os.environ.get("PRETRAIN_UPDATE_GOLDEN"):
+        ASSET.parent.mkdir(parents=True, exist_ok=True)
+        ASSET.write_text(json.dumps({str(s): v for s, v in sorted(got.items())}, indent=1) + "\n")
+        pytest.skip(f"golden curve rewritten: {ASSET}")
+    want = {int(s): v for s, v in json.loads(ASSET.read_text()).items()}
+    assert sorted(want) == sorted(got)
+    for step in sorted(want):
+        for key, tol in REL_TOL.items():
+            a, b = got[step][key], want[step][key]
+            assert math.isclose(a, b, rel_tol=tol), (
+                f"step {step} {key}: {a!r} != golden {b!r}. If training is meant to change, regenerate "
+                f"with PRETRAIN_UPDATE_GOLDEN=1 and say why in the commit.")
