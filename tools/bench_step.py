@@ -94,7 +94,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
     def step(batch):
         loss, _ = engine.forward(batch)
-        engine.backward(loss)
+        engine.micro_step(loss)
         engine.step()
         return loss.item()
 

@@ -1,13 +1,15 @@
 """The only module that imports DeepSpeed.
 
-``Engine`` wraps ``deepspeed.initialize`` and exposes what the trainer needs: ``forward``,
-``backward``, ``step``, ``save``, ``load``. The DeepSpeed JSON config is derived from the
+``Engine`` wraps ``deepspeed.initialize`` and owns the optimizer step: ``forward``, ``micro_step``
+(backward + DeepSpeed's micro-step count), ``step`` (the update at the accumulation boundary, or its
+skip when the gradients are non-finite) -> ``StepInfo``, ``save``, ``load``. The DeepSpeed JSON config is derived from the
 typed configs (``build_ds_config``) — users never write one by hand.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -58,6 +60,28 @@ def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedCon
     return cfg
 
 
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW whose update the Engine can veto (non-finite gradients where DeepSpeed does not check them).
+
+    A vetoed ``step()`` changes nothing: parameters, ``exp_avg``/``exp_avg_sq`` and the step count stay as
+    they were, and DeepSpeed, which reads ``overflow`` after ``step()``, skips its LR-scheduler step as for
+    an fp16 overflow. (DeepSpeed's ZeRO 1-3, bf16 and fp16 optimizers check the gradients themselves and
+    then never call this step; only ZeRO-0 in fp32 hands them straight to AdamW.)
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.veto = False
+        self.overflow = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.overflow, self.veto = self.veto, False
+        if self.overflow:
+            return None
+        return super().step(closure)
+
+
 @dataclass
 class StepInfo:
     grad_norm: float
@@ -80,8 +104,9 @@ class Engine:
         self.zero_stage = dist.zero_stage
         self.grad_accum = train.grad_accum
         use_fused = torch.cuda.is_available()
-        optimizer = torch.optim.AdamW(param_groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                                      weight_decay=optim.weight_decay, **({"fused": True} if use_fused else {}))
+        optimizer = GuardedAdamW(param_groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                 weight_decay=optim.weight_decay, **({"fused": True} if use_fused else {}))
+        self._adamw = optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         self.ds_config = build_ds_config(optim, train, dist, world_size)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -97,11 +122,18 @@ class Engine:
     def forward(self, *args, **kwargs):
         return self.ds(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.ds.backward(loss)
+    def micro_step(self, loss: torch.Tensor, *, finite: bool = True) -> None:
+        """Backward of one micro-batch; between accumulation boundaries DeepSpeed's micro-step is counted too.
 
-    def is_accumulation_boundary(self) -> bool:
-        return self.ds.is_gradient_accumulation_boundary()
+        ``finite=False`` (the loss was non-finite on some rank; every rank must pass the same flag) sends NaN
+        into every gradient instead, so that whichever optimizer DeepSpeed runs refuses the whole update at
+        the boundary (``step()`` then reports ``skipped``): parameters, optimizer moments, step count and
+        the LR schedule stay as they were. Under fp16 this also halves the dynamic loss scale."""
+        if not finite:
+            loss = sum(p.sum() for p in self.ds.module.parameters() if p.requires_grad) * float("nan")
+        self.ds.backward(loss)
+        if not self.ds.is_gradient_accumulation_boundary():
+            self.ds.step()  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
 
     def whole_grad_norm(self) -> float | None:
         """L2 norm of the gradients when they are held whole in ``p.grad`` (no ZeRO, after backward at a
@@ -112,17 +144,24 @@ class Engine:
                  if p.grad is not None]
         return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
-    def step(self, grad_norm: float | None = None) -> StepInfo:
-        """Optimizer step at an accumulation boundary (DeepSpeed only counts the micro-step otherwise).
+    def step(self) -> StepInfo:
+        """The optimizer step at an accumulation boundary (after the last ``micro_step``).
 
-        ``grad_norm``: the caller's ``whole_grad_norm()``, reported where DeepSpeed has none (ZeRO-0
-        with a client optimizer)."""
+        Non-finite gradients skip the update everywhere: DeepSpeed's own check under ZeRO 1-3, bf16 and
+        fp16, and here (a veto on AdamW) under ZeRO-0 fp32, whose reduced gradients are whole and equal on
+        every rank, so every rank decides alike without a collective."""
+        if not self.ds.is_gradient_accumulation_boundary():
+            raise RuntimeError("Engine.step() between accumulation boundaries: call micro_step() once per "
+                               "micro-batch (train.grad_accum of them) before step()")
         lr = self.scheduler.get_last_lr()[0]
+        grad_norm = self.whole_grad_norm()
+        self._adamw.veto = grad_norm is not None and not math.isfinite(grad_norm)
         self.ds.step()
+        self._adamw.veto = False  # DeepSpeed's own check may have skipped AdamW.step (bf16/fp16)
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else (grad_norm if grad_norm is not None else float("nan"))
         scale = self._loss_scale() if self.precision == "fp16" else 1.0
-        skipped = not self.ds.was_step_applied()  # fp16 overflow, or ZeRO's non-finite-gradient check
+        skipped = not self.ds.was_step_applied()  # non-finite gradients (any check above), fp16 overflow
         return StepInfo(grad_norm=norm, loss_scale=scale, lr=lr, skipped=skipped)
 
     def _loss_scale(self) -> float:
@@ -133,9 +172,6 @@ class Engine:
         if scale is None:
             scale = getattr(getattr(opt, "loss_scale_config", None), "cur_scale", None)
         return float(scale) if scale else 1.0
-
-    def zero_grad(self) -> None:
-        self.ds.zero_grad()
 
     def train(self) -> None:
         self.ds.train()

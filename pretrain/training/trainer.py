@@ -6,6 +6,7 @@ checkpoints, metrics); ``train_step`` is forward -> loss -> backward -> step -> 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -53,17 +54,20 @@ class Trainer:
                              f"({self.tokenizer.vocab_size}, {cfg.data.tokenizer}); set model.vocab_size=0")
         self.cfg = cfg = dataclasses.replace(cfg, model=model_cfg)
 
-        torch.manual_seed(cfg.seed)  # model init is identical on every rank
-        model = build_model(model_cfg)
-        if cfg.checkpoint.init_from:
-            _load_init_weights(model, cfg.checkpoint.init_from)
-        if cfg.train.compile:
-            if cfg.distributed.zero_stage == 3:
-                raise ValueError("train.compile=true is not supported with distributed.zero_stage=3 (ZeRO-3 "
-                                 "gathers parameters in module hooks); use ZeRO 0-2 or train.compile=false")
-            model.encoder.compile_layers()
-        ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, data=cfg.data, tokenizer=self.tokenizer)
-        self.module = TrainModule(model, Objective(cfg.objective, ctx))
+        if cfg.train.compile and cfg.distributed.zero_stage == 3:
+            raise ValueError("train.compile=true is not supported with distributed.zero_stage=3 (ZeRO-3 "
+                             "gathers parameters in module hooks); use ZeRO 0-2 or train.compile=false")
+        # Initial weights (the model's and the objective's heads') are identical on every rank: drawn from
+        # the seed in a scoped RNG that leaves the process-global one alone.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = build_model(model_cfg)
+            if cfg.checkpoint.init_from:
+                _load_init_weights(model, cfg.checkpoint.init_from)
+            if cfg.train.compile:
+                model.encoder.compile_layers()
+            ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, data=cfg.data, tokenizer=self.tokenizer)
+            self.module = TrainModule(model, Objective(cfg.objective, ctx))
         self.engine = Engine(
             self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
             train=cfg.train, dist=cfg.distributed, env=env,
@@ -188,57 +192,32 @@ class Trainer:
         return 0
 
     def train_step(self, loader, sums: MetricSums):
-        """One optimizer step over grad_accum micro-batches: forward -> loss -> backward -> step."""
+        """One optimizer step over grad_accum micro-batches: forward -> loss -> backward -> step -> metrics."""
         c, env = self.cfg, self.env
+        loss_ok, n_samples, n_tokens = True, 0, 0
         # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
-        torch.manual_seed((c.seed * 1_000_003 + self.step * 1009 + env.rank) % (2**63))
-        bad = False
-        n_samples = n_tokens = 0
-        for micro in range(c.train.grad_accum):
-            t_wait = time.perf_counter()
-            batch = next(loader)
-            self.data_wait_s += time.perf_counter() - t_wait
-            batch = _to_device(batch, self.engine.device)
-            n_samples += batch["input_ids"].shape[0]
-            n_tokens += int(sum(batch[k].sum() for k in ("attention_mask", "view_a_mask", "view_b_mask")
-                                if k in batch))
-            loss, metrics = self.engine.forward(batch)
-            if not _all_finite(loss, env):
-                # Skip this micro-batch's gradient: a zero loss tied to the parameters keeps
-                # DeepSpeed's gradient hooks consistent on every rank.
-                bad = True
-                loss = sum((p.sum() * 0.0) for p in self.module.parameters() if p.requires_grad)
-            else:
-                sums.update(metrics)
-                # Each rank's loss is scaled by the world size (DeepSpeed averages gradients over ranks): the
-                # mean over ranks of these is the global loss.
-                sums.add("loss", loss.detach().item(), 1)
-            self.engine.backward(loss)
-            if micro < c.train.grad_accum - 1:
-                self.engine.step()  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
-        assert self.engine.is_accumulation_boundary(), "micro-step count out of sync with DeepSpeed"
-        # Without ZeRO the reduced gradients sit whole in p.grad (identical on every rank): their norm is
-        # computed once, for the non-finite check and for the log.
-        grad_norm = self.engine.whole_grad_norm()
-        if not bad and grad_norm is not None and not math.isfinite(grad_norm):
-            # A finite loss with a NaN/inf gradient: zero it, or AdamW would write NaN into the parameters
-            # even at lr 0. (ZeRO>=1 checks its partitions itself and skips the step: see info.skipped.)
-            bad = True
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.zero_()
-        if bad:
-            saved = [g["lr"] for g in self.engine.optimizer.param_groups]
-            for g in self.engine.optimizer.param_groups:
-                g["lr"] = 0.0  # the update is skipped: parameters stay as they were
-        info = self.engine.step(grad_norm)
-        if bad:
-            for g, lr in zip(self.engine.optimizer.param_groups, saved):
-                g["lr"] = lr
-        # ZeRO>=1 drops a step with non-finite gradients itself; it is a bad step too (fp16's loss-scale
-        # overflows are routine and are not counted).
-        bad = bad or (info.skipped and c.train.precision != "fp16")
+        with dropout_rng(c.seed, self.step, env.rank, self.engine.device):
+            for _ in range(c.train.grad_accum):
+                batch = self._next_batch(loader)
+                n_samples += batch["input_ids"].shape[0]
+                n_tokens += count_tokens(batch)
+                loss, metrics = self.engine.forward(batch)
+                finite = _all_finite(loss, env)  # all ranks agree: a bad micro-batch anywhere skips the step
+                if finite:
+                    sums.update(metrics)
+                    sums.add("loss", loss.detach().item(), 1)  # x world size: the rank mean is the global loss
+                loss_ok &= finite
+                self.engine.micro_step(loss, finite=finite)
+        info = self.engine.step()  # skipped when the gradients are non-finite
+        # fp16's loss-scale overflows are routine skips, not bad steps.
+        bad = not loss_ok or (info.skipped and c.train.precision != "fp16")
         return info, bad, n_samples, n_tokens
+
+    def _next_batch(self, loader) -> dict:
+        t_wait = time.perf_counter()
+        batch = next(loader)
+        self.data_wait_s += time.perf_counter() - t_wait
+        return _to_device(batch, self.engine.device)
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -305,6 +284,22 @@ def _stage_parts(cfg: RunConfig):
                 lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
                 sentences.build_sentence_loader)
     return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
+
+
+@contextlib.contextmanager
+def dropout_rng(seed: int, step: int, rank: int, device):
+    """Dropout (and any other RNG use inside) keyed by (seed, step, rank), scoped: the process-global RNG
+    state (CPU, and the device's on CUDA) is restored on exit."""
+    on_cuda = torch.device(device).type == "cuda"
+    devices = [torch.device(device).index or 0] if on_cuda else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed((seed * 1_000_003 + step * 1009 + rank) % (2**63))
+        yield
+
+
+def count_tokens(batch: dict) -> int:
+    """Real (non-padding) tokens of a batch: the sequence and both views."""
+    return int(sum(batch[k].sum() for k in ("attention_mask", "view_a_mask", "view_b_mask") if k in batch))
 
 
 def _to_device(batch: dict, device) -> dict:

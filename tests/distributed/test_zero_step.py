@@ -65,7 +65,7 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str) -> None:
         per = B // world
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in _batch().items()}
         loss, _ = engine.forward(batch)
-        engine.backward(loss)
+        engine.micro_step(loss)
         engine.step()
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in module.model.state_dict().items()}, out)

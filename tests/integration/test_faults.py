@@ -114,15 +114,39 @@ def test_nan_loss_or_gradient_step_is_skipped_parameters_unchanged(zero_stage, t
         flags = []
         for step in range(1, 5):
             before = [p.detach().clone() for p in trainer.module.parameters()]
+            opt_before, lr_before = _optimizer_snapshot(trainer.engine), _schedule_snapshot(trainer.engine)
             _, bad, _, _ = _step_with_grad_poison(trainer, loader, step == 3)
             after = [p.detach().clone() for p in trainer.module.parameters()]
             unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
             assert all(torch.isfinite(a).all() for a in after), f"step {step} wrote non-finite parameters"
+            if bad:  # a skipped step leaves AdamW's moments, its step count and the LR schedule untouched too
+                assert _same_optimizer_state(opt_before, _optimizer_snapshot(trainer.engine)), f"step {step}"
+                assert _schedule_snapshot(trainer.engine) == lr_before, f"step {step} moved the LR schedule"
+            else:
+                assert _schedule_snapshot(trainer.engine) != lr_before, f"step {step} did not advance the schedule"
             flags.append((bad, unchanged))
         assert flags == [(False, False), (True, True), (True, True), (False, False)]
     finally:
         destroy_process_group()
         _release_deepspeed_groups()
+
+
+def _optimizer_snapshot(engine) -> list[dict]:
+    """AdamW's per-parameter state (exp_avg, exp_avg_sq, step), cloned; under ZeRO its fp32 partitions'."""
+    opt = engine.ds.optimizer  # DeepSpeed's wrapper (ZeRO, bf16, fp16) around our AdamW, or AdamW itself
+    while not isinstance(opt, torch.optim.AdamW):
+        opt = opt.optimizer
+    return [{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()} for st in opt.state.values()]
+
+
+def _same_optimizer_state(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+        for x, y in zip(a, b))
+
+
+def _schedule_snapshot(engine) -> tuple:
+    return engine.scheduler.last_epoch, tuple(engine.scheduler.get_last_lr())
 
 
 def _step_with_grad_poison(trainer, loader, poison: bool):
