@@ -291,7 +291,7 @@ def main(argv=None) -> int:
             rows.append(row)
             if row["ours"].get("oom") and row["hf"].get("oom"):
                 break
-    print(f"\n| size | batch | ours samples/s | HF samples/s | ours / HF | ours MFU | HF MFU | ours GiB | HF GiB |")
+    print("\n| size | batch | ours samples/s | HF samples/s | ours / HF | ours MFU | HF MFU | ours GiB | HF GiB |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         if "error" in row:
