@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+IGNORE_INDEX = -100
+"""Label of positions that are not predicted (PyTorch cross-entropy's ignore_index); data and model share it."""
+
 
 @dataclass(kw_only=True)
 class SourceConfig:

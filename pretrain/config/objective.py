@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,10 +50,6 @@ class ArcConConfig:
     margin_deg: float = 10.0
     """Angular margin m in degrees (paper: 10)."""
     gather: bool = True
-
-    @property
-    def margin_rad(self) -> float:
-        return math.radians(self.margin_deg)
 
     def __post_init__(self) -> None:
         _check_positive("objective.arccon.temperature", self.temperature)

@@ -16,7 +16,7 @@ import torch
 
 from pretrain.config.data import DataConfig
 from pretrain.data.augment import build_augmenter
-from pretrain.data.masking import mask_tokens
+from pretrain.data.masking import mask_tokens, with_cls_sep
 from pretrain.data.shards import ShardedDataset
 
 
@@ -105,7 +105,7 @@ class PretrainDataset(torch.utils.data.Dataset):
         return sample
 
     def wrap(self, tokens_T: np.ndarray) -> np.ndarray:
-        return np.concatenate([[self.cls_id], tokens_T, [self.sep_id]]).astype(np.int64)
+        return with_cls_sep(tokens_T, self.cls_id, self.sep_id)
 
 
 def apportion(total: int, weights: list[float]) -> np.ndarray:

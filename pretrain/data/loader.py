@@ -76,7 +76,7 @@ def _worker_init(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-class ShardedLoader:
+class ResumableLoader:
     """Iterable over this rank's collated micro-batches; ``consumed_samples`` counts global
     samples handed to the caller (all ranks), which is the position to checkpoint."""
 
@@ -109,7 +109,7 @@ def build_loader(
     pad_id: int,
     prefetch_factor: int = 4,
     collate_fn=collate,
-) -> ShardedLoader:
+) -> ResumableLoader:
     """Infinite loader of this rank's micro-batches from global position ``start_sample``.
 
     ``start_sample`` (consumed global samples) must be a multiple of micro_batch_size * world_size.
@@ -140,4 +140,4 @@ def build_loader(
         generator=torch.Generator().manual_seed(int(seed)),
         **extra,
     )
-    return ShardedLoader(loader, sampler, start_sample)
+    return ResumableLoader(loader, sampler, start_sample)

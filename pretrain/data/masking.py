@@ -14,10 +14,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from pretrain.config.data import MaskingConfig
+from pretrain.config.data import IGNORE_INDEX, MaskingConfig
 
-IGNORE_INDEX = -100
-"""Label of positions that are not predicted (PyTorch cross-entropy's ignore_index)."""
+__all__ = ["IGNORE_INDEX", "mask_tokens", "with_cls_sep"]
 
 
 def mask_tokens(
@@ -66,3 +65,8 @@ def random_non_special(rng: np.random.Generator, n: int, vocab_size: int, specia
     for s in specials_S:
         v_N += v_N >= s
     return v_N
+
+
+def with_cls_sep(tokens_T: np.ndarray, cls_id: int, sep_id: int) -> np.ndarray:
+    """[CLS] tokens [SEP] as int64 (the form every sequence and view of a sample takes)."""
+    return np.concatenate([[cls_id], tokens_T, [sep_id]]).astype(np.int64)

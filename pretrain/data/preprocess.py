@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import multiprocessing as mp
 import os
-import re
 import shutil
 import sys
 import time
@@ -27,47 +25,10 @@ import numpy as np
 
 from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
 from pretrain.data.readers import ReadStats, expand_inputs, read_file
-from pretrain.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, TOKEN_FREQ, file_sha256, verify_dataset
+from pretrain.data.shards import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, TOKEN_FREQ, file_sha256, verify_dataset,
+                                  write_manifest)
+from pretrain.data.sentence_split import split_sentences
 from pretrain.data.tokenizer import Tokenizer, load_tokenizer
-
-# ----------------------------------------------------------------------------------------------------------
-# Sentence splitting (rule-based, English-oriented)
-
-_BOUNDARY = re.compile(r"([.!?]+|\u2026)([\"'\u201d\u2019)\]]*)\s+(?=[\"'\u201c\u2018(\[]*[A-Z0-9\u00c0-\u00dd])")
-_ABBREVIATIONS = frozenset(
-    "mr mrs ms dr prof sr jr st mt ft vs gen col lt sgt capt cmdr adm gov sen rep rev hon pres messrs mme mlle "
-    "inc ltd co corp bros dept univ assn est approx ca cf viz al fig figs eq eqs vol vols ed eds trans jan feb "
-    "apr jun jul aug sep sept oct nov dec".split())
-_ABBREV_BEFORE_NUMBER = frozenset("no nos art p pp ch sec op vol".split())
-_ACRONYM = re.compile(r"(?:[A-Za-z]\.)+[A-Za-z]")
-
-
-def _is_abbreviation(text: str, start: int, dot: int) -> bool:
-    """Whether the '.' at ``dot`` ends an abbreviation (Mr., e.g., U.S., J. Smith, No. 5)."""
-    word = text[max(text.rfind(" ", start, dot) + 1, start):dot].lstrip("\"'(\u201c\u2018[")
-    low = word.lower()
-    if low in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or _ACRONYM.fullmatch(word):
-        return True
-    nxt = text[dot + 1:].lstrip()[:1]
-    return low in _ABBREV_BEFORE_NUMBER and nxt.isdigit()
-
-
-def split_sentences(text: str) -> list[str]:
-    """Split a paragraph at . ! ? … followed by space and a capital/digit, except after abbreviations."""
-    out: list[str] = []
-    start = 0
-    for m in _BOUNDARY.finditer(text):
-        if m.group(1) == "." and _is_abbreviation(text, start, m.start(1)):
-            continue
-        sentence = text[start:m.end(2)].strip()
-        if sentence:
-            out.append(sentence)
-        start = m.end()
-    tail = text[start:].strip()
-    if tail:
-        out.append(tail)
-    return out
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Worker side: chunk of documents → flat token ids + per-sentence sizes + per-document sentence counts
@@ -301,11 +262,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
             "inputs": [{"path": os.path.abspath(f), "bytes": os.path.getsize(f)} for f in files],
             "report": report,
         }
-        with open(tmp / (MANIFEST + ".tmp"), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp / (MANIFEST + ".tmp"), tmp / MANIFEST)
+        write_manifest(tmp, manifest)
         _publish(tmp, out)
     except BaseException:
         bar.close()

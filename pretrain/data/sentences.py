@@ -29,8 +29,8 @@ import torch
 from pretrain.config.data import DataConfig
 from pretrain.config.objective import ObjectiveConfig
 from pretrain.data.collate import pad_stack
-from pretrain.data.loader import ShardedLoader, build_loader
-from pretrain.data.masking import IGNORE_INDEX, mask_tokens
+from pretrain.data.loader import ResumableLoader, build_loader
+from pretrain.data.masking import IGNORE_INDEX, mask_tokens, with_cls_sep
 from pretrain.data.triplet_masks import build_triplet_views
 
 TRIPLET_KEYS = ("triplet_anchor", "triplet_low", "triplet_high")
@@ -115,7 +115,7 @@ class SentenceDataset(torch.utils.data.Dataset):
                 "triplet_high": self.wrap(views[1])}
 
     def wrap(self, tokens_T: np.ndarray) -> np.ndarray:
-        return np.concatenate([[self.cls_id], tokens_T, [self.sep_id]]).astype(np.int64)
+        return with_cls_sep(tokens_T, self.cls_id, self.sep_id)
 
     def token_frequencies(self) -> np.ndarray:
         """float64 [V] unigram frequencies over all sentences (sums to 1): SARCSE's freq(w)."""
@@ -167,7 +167,7 @@ def collate_sentences(samples: list[dict], pad_id: int) -> dict[str, torch.Tenso
     return batch
 
 
-def build_sentence_loader(dataset, **kwargs) -> ShardedLoader:
+def build_sentence_loader(dataset, **kwargs) -> ResumableLoader:
     """pretrain.data.loader.build_loader (same sample order and resume rule) with collate_sentences."""
     return build_loader(dataset, collate_fn=collate_sentences, **kwargs)
 

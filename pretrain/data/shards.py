@@ -21,6 +21,16 @@ FORMAT_VERSION = 1
 TOKEN_FREQ = "token_freq.npy"
 
 
+def write_manifest(directory: str | os.PathLike, manifest: dict) -> None:
+    """Write ``manifest.json`` durably and atomically (fsync, then rename): the dataset's completion mark."""
+    manifest = dict(manifest, format=FORMAT_NAME, format_version=FORMAT_VERSION)
+    path = Path(directory) / MANIFEST
+    tmp = path.with_name(MANIFEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_manifest(directory: str) -> dict:

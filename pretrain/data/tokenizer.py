@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pretrain.data.indexed import file_sha256
 from pretrain.data.readers import ReadStats, iter_documents
+from pretrain.data.sentence_split import split_sentences
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEL]")
 KINDS = ("wordpiece", "bpe", "unigram")
@@ -132,8 +133,6 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 def _text_batches(files: list[str], max_bytes: int | None, *, sentences: bool) -> Iterator[list[str]]:
     """Paragraphs (or sentences) from the project readers, in batches, stopping after ~max_bytes."""
-    from pretrain.data.preprocess import split_sentences  # local import: preprocess imports this module
-
     stats = ReadStats()
     seen = 0
     batch: list[str] = []

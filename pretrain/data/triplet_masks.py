@@ -87,14 +87,6 @@ def grow_mask(rng: np.random.Generator, mask_W: np.ndarray, num_extra: int) -> n
     return out_W
 
 
-def word_starts_from_word_ids(word_ids_T) -> np.ndarray:
-    """Token index where each word begins, from a tokenizer's per-token word ids (None = special, skipped)."""
-    starts, prev = [], None
-    for t, w in enumerate(word_ids_T):
-        if w is not None and w != prev:
-            starts.append(t)
-        prev = w
-    return np.asarray(starts, dtype=np.int64)
 
 
 def _apply(ids_T: np.ndarray, starts_W: np.ndarray, words_W: np.ndarray, mask_id: int) -> np.ndarray:

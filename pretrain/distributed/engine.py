@@ -104,8 +104,11 @@ class Engine:
         self.zero_stage = dist.zero_stage
         self.grad_accum = train.grad_accum
         use_fused = torch.cuda.is_available()
-        optimizer = GuardedAdamW(param_groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                                 weight_decay=optim.weight_decay, **({"fused": True} if use_fused else {}))
+        # ZeRO 1-3 check the gradients themselves (and DeepSpeed accepts only AdamW itself there without
+        # an "untested optimizer" warning); ZeRO-0 gets the vetoable subclass.
+        adamw = GuardedAdamW if dist.zero_stage == 0 else torch.optim.AdamW
+        optimizer = adamw(param_groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                          weight_decay=optim.weight_decay, **({"fused": True} if use_fused else {}))
         self._adamw = optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         self.ds_config = build_ds_config(optim, train, dist, world_size)
@@ -155,9 +158,12 @@ class Engine:
                                "micro-batch (train.grad_accum of them) before step()")
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = self.whole_grad_norm()
-        self._adamw.veto = grad_norm is not None and not math.isfinite(grad_norm)
+        guarded = isinstance(self._adamw, GuardedAdamW)
+        if guarded:
+            self._adamw.veto = grad_norm is not None and not math.isfinite(grad_norm)
         self.ds.step()
-        self._adamw.veto = False  # DeepSpeed's own check may have skipped AdamW.step (bf16/fp16)
+        if guarded:
+            self._adamw.veto = False  # DeepSpeed's own check may have skipped AdamW.step (bf16/fp16)
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else (grad_norm if grad_norm is not None else float("nan"))
         scale = self._loss_scale() if self.precision == "fp16" else 1.0

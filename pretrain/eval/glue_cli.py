@@ -20,6 +20,12 @@ DEFAULT_EPOCHS_LARGE = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import dataclasses
+
+    from pretrain.eval.glue import FinetuneConfig
+
+    # One source of truth for the hyperparameters' defaults: FinetuneConfig.
+    d = {f.name: f.default for f in dataclasses.fields(FinetuneConfig) if f.default is not dataclasses.MISSING}
     p = argparse.ArgumentParser(prog="pretrain-finetune-glue", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="our checkpoint, a pretrain-convert output dir or any HF BERT dir")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
@@ -27,15 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default="rte,mrpc,cola,stsb,sst2", help="comma list or 'all'")
     p.add_argument("--lrs", default="1e-5,2e-5,3e-5")
     p.add_argument("--seeds", default="1")
-    p.add_argument("--epochs", type=int, default=10, help="small tasks (RoBERTa: 10)")
+    p.add_argument("--epochs", type=int, default=d["epochs"], help="small tasks (RoBERTa: 10)")
     p.add_argument("--epochs-large", type=int, default=DEFAULT_EPOCHS_LARGE, help="MNLI/QNLI/QQP/SST-2")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=128)
-    p.add_argument("--warmup-ratio", type=float, default=0.06)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--max-train-examples", type=int, default=0, help="0 = all")
-    p.add_argument("--eval-every", type=int, default=0, help="0 = every epoch")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"])
+    p.add_argument("--max-len", type=int, default=d["max_len"])
+    p.add_argument("--warmup-ratio", type=float, default=d["warmup_ratio"])
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"])
+    p.add_argument("--max-train-examples", type=int, default=d["max_train_examples"], help="0 = all")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="0 = every epoch")
+    p.add_argument("--device", default=d["device"])
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave)")
     p.add_argument("--run-index", type=int, default=None, help="run only this grid entry (Slurm array id)")

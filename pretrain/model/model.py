@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pretrain.config.data import IGNORE_INDEX
 from pretrain.config.model import ModelConfig
 from pretrain.model.encoder import Encoder
 from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, pool
 from pretrain.model.init import init_bert_weights
 
-IGNORE_INDEX = -100
 # Parameters that are another parameter under a second name (state_dict lists both).
 TIED_KEYS = {"mlm_head.decoder.weight": "encoder.embeddings.word.weight"}
 

@@ -85,6 +85,8 @@ class Trainer:
                                      tokenizer_path=cfg.data.tokenizer, model_pooling=model_cfg.pooling,
                                      zero_stage=cfg.distributed.zero_stage)
         self.step = 0
+        self.consumed_samples = 0
+        """Global samples consumed so far (all ranks): where the data resumes."""
         self.data_wait_s = 0.0
         """Seconds the loop has waited in next(loader) since the last log line (data_wait_frac)."""
         self.tokens_seen = 0
@@ -101,6 +103,8 @@ class Trainer:
             self._check_compatible(state, ckpt_dir / tag)
             state = store.load_checkpoint(self.engine, self.env, ckpt_dir / tag)
             self.step = state["step"]
+            # The data position: every rank reads its slice of each global batch from here on.
+            self.consumed_samples = state.get("consumed_samples", self.step * self.global_batch)
             self.tokens_seen = state.get("tokens_seen", 0)
             self.bad_steps_total = state.get("bad_steps_total", 0)
             if self.env.is_main:
@@ -136,7 +140,7 @@ class Trainer:
     def train(self) -> int:
         """Runs to train.max_steps (or a stop signal). Returns the process exit code."""
         c = self.cfg
-        loader = iter(self._loader(self.train_set, self.step * self.global_batch))
+        loader = iter(self._loader(self.train_set, self.consumed_samples))
         sums = MetricSums()
         consecutive_bad = 0
         if self.step == 0:
@@ -147,6 +151,7 @@ class Trainer:
         while self.step < c.train.max_steps:
             info, bad, n_samples, n_tokens = self.train_step(loader, sums)
             self.step += 1
+            self.consumed_samples += self.global_batch
             self.tokens_seen += n_tokens
             samples_last += n_samples
             tokens_last += n_tokens
@@ -245,17 +250,13 @@ class Trainer:
         return scores
 
     def save(self) -> Path:
-        start = self.step * self.global_batch
         state = {
             "tokens_seen": self.tokens_seen,
-            "consumed_samples": start,
+            "consumed_samples": self.consumed_samples,
             "global_batch": self.global_batch,
             "world_size": self.env.world_size,
             "bad_steps_total": self.bad_steps_total,
             "seed": self.cfg.seed,
-            # Each rank reads its contiguous slice of every global batch from this position on.
-            "data_position": [{"rank": r, "next_sample": start + r * self.cfg.train.micro_batch_size}
-                              for r in range(self.env.world_size)],
         }
         path = store.save_checkpoint(self.engine, self.env, self.run_dir, step=self.step, trainer_state=state,
                                      config_yaml=to_yaml(self.cfg), tokenizer_path=self.cfg.data.tokenizer,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pretrain.data.triplet_masks import build_triplet_views, mask_counts, word_starts_from_word_ids
+from pretrain.data.triplet_masks import build_triplet_views, mask_counts
 
 MASK = 4
 
@@ -84,9 +84,3 @@ def test_mask_counts_and_argument_checks():
         build_triplet_views(ids, np.random.default_rng(0), word_starts=starts, mask_id=MASK, low=0.4, high=0.2)
     with pytest.raises(ValueError, match="word_starts"):
         build_triplet_views(ids, np.random.default_rng(0), word_starts=starts[::-1], mask_id=MASK)
-
-
-def test_word_starts_from_word_ids():
-    # [CLS] the quick ##ly fox [SEP]  -> word ids None 0 1 1 2 None
-    assert word_starts_from_word_ids([None, 0, 1, 1, 2, None]).tolist() == [1, 2, 4]
-    assert word_starts_from_word_ids([0, 0, 1]).tolist() == [0, 2]

@@ -1,0 +1,44 @@
+"""Rule-based English sentence splitting, shared by preprocessing and tokenizer training.
+
+A paragraph is cut at . ! ? … (with closing quotes/brackets) followed by whitespace and a capital or a
+digit, except after known abbreviations, single initials and acronyms (Mr., e.g., U.S., J. Smith, No. 5).
+"""
+
+from __future__ import annotations
+
+import re
+
+_BOUNDARY = re.compile(r"([.!?]+|\u2026)([\"'\u201d\u2019)\]]*)\s+(?=[\"'\u201c\u2018(\[]*[A-Z0-9\u00c0-\u00dd])")
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr prof sr jr st mt ft vs gen col lt sgt capt cmdr adm gov sen rep rev hon pres messrs mme mlle "
+    "inc ltd co corp bros dept univ assn est approx ca cf viz al fig figs eq eqs vol vols ed eds trans jan feb "
+    "apr jun jul aug sep sept oct nov dec".split())
+_ABBREV_BEFORE_NUMBER = frozenset("no nos art p pp ch sec op vol".split())
+_ACRONYM = re.compile(r"(?:[A-Za-z]\.)+[A-Za-z]")
+
+
+def _is_abbreviation(text: str, start: int, dot: int) -> bool:
+    """Whether the '.' at ``dot`` ends an abbreviation (Mr., e.g., U.S., J. Smith, No. 5)."""
+    word = text[max(text.rfind(" ", start, dot) + 1, start):dot].lstrip("\"'(\u201c\u2018[")
+    low = word.lower()
+    if low in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or _ACRONYM.fullmatch(word):
+        return True
+    nxt = text[dot + 1:].lstrip()[:1]
+    return low in _ABBREV_BEFORE_NUMBER and nxt.isdigit()
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split a paragraph at . ! ? … followed by space and a capital/digit, except after abbreviations."""
+    out: list[str] = []
+    start = 0
+    for m in _BOUNDARY.finditer(text):
+        if m.group(1) == "." and _is_abbreviation(text, start, m.start(1)):
+            continue
+        sentence = text[start:m.end(2)].strip()
+        if sentence:
+            out.append(sentence)
+        start = m.end()
+    tail = text[start:].strip()
+    if tail:
+        out.append(tail)
+    return out
