@@ -125,6 +125,16 @@ def info_nce_rows(
     return (loss_N, lse_N) if return_lse else loss_N
 
 
+def view_rows(z_a_ND: torch.Tensor, z_b_ND: torch.Tensor) -> torch.Tensor:
+    """NT-Xent's rows: cat(z_a, z_b) L2-normalised (in fp32 for half inputs), in the inputs' dtype (2N, D).
+
+    To use every rank's views as negatives, gather these rows (with gradient) and pass them to
+    ``nt_xent_rows`` as ``keys_CD`` with ``key_offset = rank * 2N``."""
+    if z_a_ND.shape != z_b_ND.shape or z_a_ND.dim() != 2:
+        raise ValueError(f"z_a and z_b must both be (N, D), got {tuple(z_a_ND.shape)} and {tuple(z_b_ND.shape)}")
+    return F.normalize(torch.cat([z_a_ND, z_b_ND]).to(acc_dtype(z_a_ND.dtype)), dim=1).to(z_a_ND.dtype)
+
+
 def nt_xent_rows(
     z_a_ND: torch.Tensor,
     z_b_ND: torch.Tensor,
@@ -132,26 +142,25 @@ def nt_xent_rows(
     temperature: float,
     impl: str = "auto",
     chunk_size: int = 1024,
-    gather_env=None,
+    keys_CD: torch.Tensor | None = None,
+    key_offset: int = 0,
 ) -> torch.Tensor:
     """CLEAR/SimCLR NT-Xent loss_2N (fp32) over rows cat(z_a, z_b): positive = partner view, self excluded.
 
-    With a distributed `gather_env` (DistEnv, world_size > 1) the columns are all ranks' views,
-    gathered with gradient; only this rank's 2N rows are computed. Inputs need not be normalised.
+    The columns are this rank's own rows, or ``keys_CD`` (e.g. all ranks' ``view_rows`` gathered by the
+    caller, this rank's block starting at ``key_offset``); only this rank's 2N rows are computed. Inputs
+    need not be normalised.
     """
-    if z_a_ND.shape != z_b_ND.shape or z_a_ND.dim() != 2:
-        raise ValueError(f"z_a and z_b must both be (N, D), got {tuple(z_a_ND.shape)} and {tuple(z_b_ND.shape)}")
+    z_RD = view_rows(z_a_ND, z_b_ND)
     num_pairs = z_a_ND.shape[0]
-    z_RD = F.normalize(torch.cat([z_a_ND, z_b_ND]).to(acc_dtype(z_a_ND.dtype)), dim=1).to(z_a_ND.dtype)
-    cols_CD, offset = z_RD, 0
-    if gather_env is not None and gather_env.world_size > 1:
-        from pretrain.distributed.comm import all_gather_with_grad
-
-        cols_CD = all_gather_with_grad(z_RD, gather_env)
-        offset = gather_env.rank * 2 * num_pairs
+    cols_CD = z_RD if keys_CD is None else keys_CD
+    if keys_CD is not None and (keys_CD.shape[1] != z_RD.shape[1] or
+                                not 0 <= key_offset <= keys_CD.shape[0] - z_RD.shape[0]):
+        raise ValueError(f"keys_CD {tuple(keys_CD.shape)} with key_offset {key_offset} does not hold this rank's "
+                         f"{tuple(z_RD.shape)} rows")
     rows_R = torch.arange(2 * num_pairs, device=z_RD.device)
-    pos_idx_R = (rows_R + num_pairs) % (2 * num_pairs) + offset
+    pos_idx_R = (rows_R + num_pairs) % (2 * num_pairs) + key_offset
     return info_nce_rows(
-        z_RD, cols_CD, pos_idx_R, temperature=temperature, self_idx_N=rows_R + offset,
+        z_RD, cols_CD, pos_idx_R, temperature=temperature, self_idx_N=rows_R + key_offset,
         impl=impl, chunk_size=chunk_size, _trusted_indices=True,
     )

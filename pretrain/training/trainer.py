@@ -65,8 +65,8 @@ class Trainer:
                 _load_init_weights(model, cfg.checkpoint.init_from)
             if cfg.train.compile:
                 model.encoder.compile_layers()
-            ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, data=cfg.data, tokenizer=self.tokenizer)
-            self.module = TrainModule(model, Objective(cfg.objective, ctx))
+            ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, stage=cfg.data.stage)
+            self.module = TrainModule(model, Objective(cfg.objective, ctx, **_objective_resources(cfg, self.tokenizer)))
         self.engine = Engine(
             self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
             train=cfg.train, dist=cfg.distributed, env=env,
@@ -273,6 +273,18 @@ class Trainer:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _objective_resources(cfg: RunConfig, tokenizer) -> dict:
+    """What the configured objective needs from outside the batch: RankCSE's teachers, SARCSE's frequencies."""
+    from pretrain.training import resources
+
+    out = {}
+    if cfg.objective.rank_distill is not None:
+        out["teachers"] = resources.load_teachers(cfg.objective.rank_distill)
+    if cfg.objective.reconstruction is not None:
+        out["token_freq_V"] = resources.resolve_token_freq(cfg.objective, cfg.data, tokenizer)
+    return out
 
 
 def _stage_parts(cfg: RunConfig):

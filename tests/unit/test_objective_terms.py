@@ -28,7 +28,8 @@ from pretrain.config.objective import (
 )
 from pretrain.config.train import OpsConfig
 from pretrain.model import build_model
-from pretrain.objective import Context, Objective, Teachers, TrainModule, _truncate
+from pretrain.objective import Context, Objective, Teachers, TrainModule
+from pretrain.objective.terms import _truncate
 
 VOCAB, CLS, SEP, MASK = 40, 2, 3, 4
 ENV = SimpleNamespace(rank=0, world_size=1, is_distributed=False)
@@ -68,7 +69,7 @@ def _batch(num: int = 6, seed: int = 0, with_triplet: bool = False) -> dict:
 
 def _objective(ctx_pooling="mean", **terms) -> tuple[Objective, Context]:
     cfg = ObjectiveConfig(mlm=None, nt_xent=None, **terms)
-    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling=ctx_pooling)
+    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling=ctx_pooling, stage="sentences")
     return cfg, ctx
 
 
@@ -263,7 +264,7 @@ def test_mlm_composes_with_info_nce():
     masked[:, 1] = MASK
     batch.update(input_ids=masked, mlm_labels=labels)
     cfg = ObjectiveConfig(nt_xent=None, info_nce=InfoNCEConfig(weight=2.0))
-    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling="mean")
+    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling="mean", stage="sentences")
     loss, metrics = Objective(cfg, ctx)(model, batch)
     with torch.no_grad():
         z = _embed(model, batch["sentence_ids"], batch["sentence_mask"])
@@ -314,7 +315,7 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
         half = {k: v[rank * 4:(rank + 1) * 4] for k, v in full.items()}
         cfg = ObjectiveConfig(mlm=None, nt_xent=None, arccon=ArcConConfig(gather=True),
                               consistency=ConsistencyConfig(weight=0.5))
-        ctx = Context(env=env, ops=OpsConfig(similarity="torch", chunk_size=3), pooling="mean")
+        ctx = Context(env=env, ops=OpsConfig(similarity="torch", chunk_size=3), pooling="mean", stage="sentences")
         loss, _ = Objective(cfg, ctx)(model, half)
         loss.backward()
         torch.save({"loss": loss.detach(), "grad": model.emb.weight.grad, "pgrad": model.projection.weight.grad},
@@ -336,7 +337,7 @@ def test_gathered_pair_terms_match_single_process(tmp_path):
     model = _Toy()
     cfg = ObjectiveConfig(mlm=None, nt_xent=None, arccon=ArcConConfig(gather=True),
                           consistency=ConsistencyConfig(weight=0.5))
-    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling="mean")
+    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling="mean", stage="sentences")
     loss, _ = Objective(cfg, ctx)(model, _batch(8, seed=3))
     loss.backward()
     # DeepSpeed averages gradients over ranks; each rank's loss is scaled by world / global count.

@@ -1,0 +1,109 @@
+"""Combines the configured loss terms with their weights: ``Objective`` and the module DeepSpeed wraps.
+
+The package: ``forward`` (the per-micro-batch forward cache and the terms' ``Context``), ``terms`` (one
+function per objective, ``OBJECTIVES``, RankCSE's ``Teachers``) and this composer. Each term is
+``fn(fwd, cfg, ctx) -> (loss_sum, count, metrics)``. Teachers and SARCSE's token frequencies are
+resolved by the caller (``pretrain.training.resources``) and passed in: nothing here reads data or
+checkpoints.
+
+Normalisation (DESIGN.md): every term's ``loss_sum`` is divided by its count summed over
+data-parallel ranks; the result is multiplied by the world size because DeepSpeed averages
+gradients over ranks.
+
+The seed objectives (SimCSE info_nce, ArcCSE arccon + triplet, RankCSE consistency +
+rank_distill, SARCSE reconstruction) work on a *pair* of embeddings (z1, z2): in the sentence
+stage two dropout passes of the same sentence (one forward of the doubled batch), in
+pretraining batches CLEAR's two augmented views (the pass nt_xent uses). Embeddings are
+pool -> projection, or the SARCSE autoencoder's Z when reconstruction is on. With ``gather``,
+the keys are every rank's z2 (gathered with gradient), row i's positive at rank * B + i.
+
+Legend: B local rows, M = W * B gathered rows, T tokens, D hidden, P embedding dim,
+Bt sentences with a triplet, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pretrain.config.objective import ObjectiveConfig
+from pretrain.objective.forward import Context, Forward
+from pretrain.objective.terms import OBJECTIVES, SELF_WEIGHTED, Teachers
+
+__all__ = ["OBJECTIVES", "SELF_WEIGHTED", "Context", "Forward", "Objective", "Teachers", "TrainModule"]
+
+
+class Objective:
+    """Runs the enabled terms on a micro-batch -> (loss for backward, raw sums for metrics)."""
+
+    def __init__(self, cfg: ObjectiveConfig, ctx: Context, *, teachers: Teachers | None = None,
+                 token_freq_V: torch.Tensor | None = None):
+        self.cfg, self.ctx = cfg, ctx
+        self.terms = []
+        for name in cfg.enabled():
+            if name not in OBJECTIVES:
+                raise ValueError(f"objective.{name} is configured but no loss term implements it; "
+                                 f"available: {', '.join(OBJECTIVES)}")
+            self.terms.append((name, OBJECTIVES[name], getattr(cfg, name)))
+        pair_cfg = cfg.info_nce or cfg.arccon
+        self.gather = bool(pair_cfg is not None and pair_cfg.gather)
+        self.teachers = teachers
+        if cfg.rank_distill is not None and teachers is None:
+            raise ValueError("objective.rank_distill needs its teachers: load them with "
+                             "pretrain.training.resources.load_teachers(cfg.rank_distill) and pass teachers=")
+        self.token_freq_V = token_freq_V
+        if cfg.reconstruction is not None and token_freq_V is None:
+            raise ValueError("objective.reconstruction needs token frequencies: resolve them with "
+                             "pretrain.training.resources.resolve_token_freq and pass token_freq_V=")
+
+    def build_heads(self, model) -> torch.nn.ModuleDict:
+        """Trainable modules the terms add on top of the model (SARCSE's autoencoder); empty otherwise."""
+        heads = torch.nn.ModuleDict()
+        rc = self.cfg.reconstruction
+        if rc is not None:
+            from pretrain.model.autoencoder import TextCNNAutoencoder
+
+            heads["autoencoder"] = TextCNNAutoencoder(model.cfg.hidden_size, tuple(rc.kernel_sizes), rc.channels,
+                                                      rc.integrate_channels)
+        return heads
+
+    def __call__(self, model, batch: dict, heads=None):
+        fwd = Forward(model, batch, self.ctx, heads=heads, gather=self.gather, teachers=self.teachers,
+                      token_freq_V=self.token_freq_V)
+        sums, counts, metrics = {}, {}, {}
+        for name, fn, term_cfg in self.terms:
+            loss_sum, count, term_metrics = fn(fwd, term_cfg, self.ctx)
+            sums[name], counts[name] = loss_sum, count
+            metrics.update(term_metrics)
+        global_counts = _reduce_counts([counts[n] for n, _, _ in self.terms], self.ctx.env)
+        world = self.ctx.env.world_size
+        loss = 0.0
+        for (name, _, term_cfg), total in zip(self.terms, global_counts):
+            weight = 1.0 if name in SELF_WEIGHTED else term_cfg.weight
+            if total > 0:
+                loss = loss + weight * sums[name] * (world / total)
+            metrics[name] = (sums[name].detach().item(), counts[name])
+        if not torch.is_tensor(loss):
+            loss = sum(s for s in sums.values()) * 0.0
+        return loss, metrics
+
+
+def _reduce_counts(counts: list, env) -> list[float]:
+    if not env.is_distributed:
+        return [float(c) for c in counts]
+    from pretrain.distributed.comm import all_reduce_host
+
+    return all_reduce_host(torch.tensor(counts, dtype=torch.float64)).tolist()
+
+
+class TrainModule(torch.nn.Module):
+    """What DeepSpeed wraps: the model (saved as ``model.*``), the objective's trainable heads
+    (``heads.*``, e.g. SARCSE's autoencoder) and the objective (teachers stay outside: not parameters)."""
+
+    def __init__(self, model: torch.nn.Module, objective: Objective):
+        super().__init__()
+        self.model = model
+        self.heads = objective.build_heads(model) if hasattr(objective, "build_heads") else torch.nn.ModuleDict()
+        self.objective = objective
+
+    def forward(self, batch: dict):
+        return self.objective(self.model, batch, self.heads)

@@ -1,0 +1,123 @@
+"""The forward cache shared by the loss terms of one micro-batch, and the terms' context.
+
+``Forward`` computes the encoder passes lazily, so terms sharing a pass (e.g. the views) run it once.
+How the embedding pair is obtained depends on the data stage (``Context.stage``): the sentence stage
+encodes the same sentence twice (independent dropout), pretraining encodes CLEAR's two augmented views.
+Legend: B local rows, M = W * B gathered rows, T tokens, D hidden, P embedding dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from pretrain.config.train import OpsConfig
+from pretrain.distributed.comm import all_gather_with_grad
+
+
+@dataclass
+class Context:
+    env: object
+    """DistEnv: rank/world for gathering negatives and reducing counts."""
+    ops: OpsConfig
+    pooling: str
+    stage: Literal["pretrain", "sentences"] = "pretrain"
+    """data.stage: which batch keys hold the embedding pair (CLEAR views, or one sentence twice)."""
+
+
+class Forward:
+    """Lazily computed forward passes of one micro-batch, shared by the loss terms."""
+
+    def __init__(self, model, batch: dict, ctx: Context, *, heads=None, gather: bool = False,
+                 teachers=None, token_freq_V: torch.Tensor | None = None):
+        self.model, self.batch, self.ctx = model, batch, ctx
+        self.heads = heads if heads is not None else {}
+        self.teachers, self.token_freq_V = teachers, token_freq_V
+        self.gather = gather and ctx.env.is_distributed
+        """Gather the pair's keys from all ranks (the info_nce/arccon setting, shared by the RankCSE terms)."""
+        self._cache: dict = {}
+
+    def mlm_hidden(self) -> torch.Tensor:
+        if "mlm" not in self._cache:
+            self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"])
+        return self._cache["mlm"]
+
+    def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+        """Training-time sentence embedding: pool -> projection MLP."""
+        return self.model.projection(self.model.pool(h_BTD, mask_BT, self.ctx.pooling))
+
+    def pair_hidden(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(h_2BTD, mask_2BT, ids_2BT, B): both halves of the pair through one encoder pass."""
+        if "pair_h" not in self._cache:
+            b = self.batch
+            if self.ctx.stage == "sentences":  # the same sentence twice, independent dropout
+                ids = torch.cat([b["sentence_ids"], b["sentence_ids"]])
+                mask = torch.cat([b["sentence_mask"], b["sentence_mask"]])
+                n = b["sentence_ids"].shape[0]
+            else:  # pretraining: CLEAR's two augmented views
+                ids, mask = _stack_padded([b["view_a_ids"], b["view_b_ids"]], [b["view_a_mask"], b["view_b_mask"]])
+                n = b["view_a_ids"].shape[0]
+            self._cache["pair_h"] = (self.model.encode(ids, mask), mask, ids, n)
+        return self._cache["pair_h"]
+
+    def view_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z_a, z_b): both views through one encoder pass (padded together), pooled, projected."""
+        if "views" not in self._cache:
+            if self.ctx.stage == "sentences":
+                raise ValueError("objective.nt_xent needs CLEAR views (data.stage=pretrain); the sentence stage "
+                                 "has none: use info_nce or arccon there")
+            h, mask, _, n = self.pair_hidden()
+            z = self.embed(h, mask)
+            self._cache["views"] = (z[:n], z[n:])
+        return self._cache["views"]
+
+    def autoencoded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """SARCSE: (z_2BE, recon_2BTD, x_2BTD, mask_2BT, ids_2BT, B) over the content tokens of the pair."""
+        if "ae" not in self._cache:
+            h, mask, ids, n = self.pair_hidden()
+            x, content_mask, content_ids = _content_tokens(h, mask, ids)
+            z, recon = self.heads["autoencoder"](x, content_mask)
+            self._cache["ae"] = (z, recon, x, content_mask, content_ids, n)
+        return self._cache["ae"]
+
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z1_BP, z2_BP): the two halves' embeddings (the AE's Z when reconstruction is on)."""
+        if "pair" not in self._cache:
+            if "autoencoder" in self.heads:
+                z, *_, n = self.autoencoded()
+                self._cache["pair"] = (z[:n], z[n:])
+            elif self.ctx.stage == "sentences":
+                h, mask, _, n = self.pair_hidden()
+                z = self.embed(h, mask)
+                self._cache["pair"] = (z[:n], z[n:])
+            else:
+                self._cache["pair"] = self.view_projections()
+        return self._cache["pair"]
+
+    def gathered_pair(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(z1_MP, z2_MP, pos_idx_B): all ranks' embeddings (with gradient) and each local row's positive."""
+        if "gathered" not in self._cache:
+            z1, z2 = self.pair()
+            offset = 0
+            if self.gather:
+                z1, z2 = all_gather_with_grad(z1, self.ctx.env), all_gather_with_grad(z2, self.ctx.env)
+                offset = self.ctx.env.rank * self.pair()[0].shape[0]
+            pos = torch.arange(self.pair()[0].shape[0], device=z1.device) + offset
+            self._cache["gathered"] = (z1, z2, pos)
+        return self._cache["gathered"]
+
+
+def _stack_padded(ids_list, mask_list):
+    t = max(x.shape[1] for x in ids_list)
+    ids = torch.cat([torch.nn.functional.pad(x, (0, t - x.shape[1])) for x in ids_list])
+    mask = torch.cat([torch.nn.functional.pad(m, (0, t - m.shape[1])) for m in mask_list])
+    return ids, mask
+
+
+def _content_tokens(h_BTD, mask_BT, ids_BT):
+    """Drop [CLS] (position 0) and [SEP] (last real token) -> (x_B(T-2)D, mask, ids), SARCSE sec. 2.1."""
+    from pretrain.model.autoencoder import content_tokens
+
+    return content_tokens(h_BTD, mask_BT, ids_BT)

@@ -1,0 +1,181 @@
+"""The loss terms: ``fn(fwd, cfg, ctx) -> (loss_sum, count, metrics)``, one per configured objective.
+
+Each term takes what it needs from the forward cache and calls a pure loss in ``objectives/``. Adding an
+objective = a pure loss in ``objectives/`` + a term function here + one line in ``OBJECTIVES``. RankCSE's
+frozen teachers (``Teachers``) are built by the caller from loaded models: this module opens no files.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pretrain.distributed.comm import all_gather_with_grad
+from pretrain.objective.forward import Context, Forward
+from pretrain.objectives.arccon import arccon
+from pretrain.objectives.info_nce import info_nce
+from pretrain.objectives.mlm import mlm_loss
+from pretrain.objectives.nt_xent import nt_xent
+from pretrain.objectives.ranking import cosine_matrix, js_consistency, listmle, listnet, mix_teacher_sims
+from pretrain.objectives.reconstruction import frequency_weights, reconstruction_loss
+from pretrain.objectives.triplet import dropout_off, triplet_entailment
+from pretrain.ops import view_rows
+
+
+def _prefixed(prefix: str, metrics: dict) -> dict:
+    return {f"{prefix}_{k}": v for k, v in metrics.items()}
+
+
+def mlm_term(fwd: Forward, cfg, ctx: Context):
+    logits, labels = fwd.model.mlm_logits(fwd.mlm_hidden(), fwd.batch["mlm_labels"])
+    return mlm_loss(logits, labels)
+
+
+def nt_xent_term(fwd: Forward, cfg, ctx: Context):
+    z_a, z_b = fwd.view_projections()
+    keys, offset = None, 0
+    if cfg.gather and ctx.env.is_distributed:  # every rank's views are negatives
+        rows = view_rows(z_a, z_b)
+        keys, offset = all_gather_with_grad(rows, ctx.env), ctx.env.rank * rows.shape[0]
+    return nt_xent(z_a, z_b, temperature=cfg.temperature, impl=ctx.ops.similarity,
+                   chunk_size=ctx.ops.chunk_size, keys_CP=keys, key_offset=offset)
+
+
+def info_nce_term(fwd: Forward, cfg, ctx: Context):
+    """SimCSE: InfoNCE of z1 against all (gathered) z2."""
+    z1, _ = fwd.pair()
+    _, keys, pos = fwd.gathered_pair()
+    loss, count, metrics = info_nce(z1, keys, pos, temperature=cfg.temperature, impl=ctx.ops.similarity,
+                                    chunk_size=ctx.ops.chunk_size)
+    return loss, count, _prefixed("info_nce", metrics)
+
+
+def arccon_term(fwd: Forward, cfg, ctx: Context):
+    """ArcCSE ArcCon: InfoNCE with the angular margin on the positive."""
+    z1, _ = fwd.pair()
+    _, keys, pos = fwd.gathered_pair()
+    loss, count, metrics = arccon(z1, keys, pos, temperature=cfg.temperature, margin_deg=cfg.margin_deg,
+                                  impl=ctx.ops.similarity, chunk_size=ctx.ops.chunk_size)
+    return loss, count, _prefixed("arccon", metrics)
+
+
+def triplet_term(fwd: Forward, cfg, ctx: Context):
+    """ArcCSE triplet entailment on (s, s', s''), all three encoded in one pass with dropout off."""
+    b = fwd.batch
+    if "triplet_index" not in b:
+        raise ValueError("objective.triplet needs triplet views in the batch; they come from the sentence stage "
+                         "(data.stage=sentences data.sentences=FILE)")
+    num = b["triplet_index"].numel()
+    if num == 0:
+        zero = sum(p.sum() for p in fwd.model.projection.parameters()) * 0.0
+        return zero, 0, {}
+    ids = torch.cat([b["triplet_anchor_ids"], b["triplet_low_ids"], b["triplet_high_ids"]])
+    mask = torch.cat([b["triplet_anchor_mask"], b["triplet_low_mask"], b["triplet_high_mask"]])
+    with dropout_off(fwd.model):
+        e = fwd.embed(fwd.model.encode(ids, mask), mask)
+    loss, count, metrics = triplet_entailment(e[:num], e[num:2 * num], e[2 * num:], margin=cfg.margin)
+    return loss, count, _prefixed("triplet", metrics)
+
+
+def consistency_term(fwd: Forward, cfg, ctx: Context):
+    """RankCSE: JS divergence between the two views' similarity lists."""
+    z1, z2 = fwd.pair()
+    z1_all, z2_all, _ = fwd.gathered_pair()
+    return js_consistency(cosine_matrix(z1, z2_all), cosine_matrix(z2, z1_all), temperature=cfg.temperature)
+
+
+def rank_distill_term(fwd: Forward, cfg, ctx: Context):
+    """RankCSE: ListNet / ListMLE from the frozen teachers' (mixed) similarity lists."""
+    z1, _ = fwd.pair()
+    _, z2_all, pos = fwd.gathered_pair()
+    student = cosine_matrix(z1, z2_all)
+    teacher = fwd.teachers.similarities(fwd)
+    pos_idx = pos if cfg.exclude_positive else None
+    if cfg.method == "listnet":
+        loss, count, metrics = listnet(student, teacher, student_temperature=cfg.student_temperature,
+                                       teacher_temperature=cfg.teacher_temperature, pos_idx_N=pos_idx)
+    else:
+        loss, count, metrics = listmle(student, teacher, temperature=cfg.student_temperature, pos_idx_N=pos_idx)
+    return loss, count, _prefixed(cfg.method, metrics)
+
+
+def reconstruction_term(fwd: Forward, cfg, ctx: Context):
+    """SARCSE: beta * L_R (first view) + gamma * L_R+ (second view); weights applied here (SELF_WEIGHTED)."""
+    _, recon, x, mask, ids, n = fwd.autoencoded()
+    weight = frequency_weights(ids, fwd.token_freq_V, cfg.theta, cfg.lam)
+    l1, count, m1 = reconstruction_loss(x[:n], recon[:n], weight[:n], mask[:n], detach_target=cfg.detach_target)
+    l2, _, m2 = reconstruction_loss(x[n:], recon[n:], weight[n:], mask[n:], detach_target=cfg.detach_target)
+    metrics = {"recon_mse": m1["mse"], "recon_pos_mse": m2["mse"], "recon_lr": (l1.detach(), count),
+               "recon_lr_pos": (l2.detach(), count)}
+    return cfg.weight * l1 + cfg.positive_weight * l2, count, metrics
+
+
+OBJECTIVES = {
+    "mlm": mlm_term,
+    "nt_xent": nt_xent_term,
+    "info_nce": info_nce_term,
+    "arccon": arccon_term,
+    "triplet": triplet_term,
+    "consistency": consistency_term,
+    "rank_distill": rank_distill_term,
+    "reconstruction": reconstruction_term,
+}
+
+SELF_WEIGHTED = frozenset({"reconstruction"})
+"""Terms that weight their parts themselves (two weights on one count); the composer uses 1 for them."""
+
+
+# ----------------------------------------------------------------------------- teachers
+
+
+class Teachers:
+    """RankCSE's frozen teachers: not submodules of the trained module, run under no_grad, eval mode."""
+
+    def __init__(self, cfg, *, models: list):
+        self.cfg = cfg
+        self.models = models
+        self.weights = cfg.mixing_weights()
+        for m in self.models:
+            m.requires_grad_(False)
+            m.eval()
+
+    @torch.no_grad()
+    def similarities(self, fwd: Forward) -> torch.Tensor:
+        """S_T = sum_k w_k cos(t_k(x_i), t_k(x_j)'), B x M, over the same sentences and column order as the student."""
+        b = fwd.batch
+        if fwd.ctx.stage == "sentences":
+            sides = [(b["sentence_ids"], b["sentence_mask"])]
+        else:
+            sides = [(b["view_a_ids"], b["view_a_mask"]), (b["view_b_ids"], b["view_b_mask"])]
+        vocab = fwd.model.cfg.vocab_size
+        sims = []
+        for model in self.models:
+            if model.cfg.vocab_size != vocab:
+                raise ValueError(f"a rank_distill teacher has vocabulary size {model.cfg.vocab_size}, the student "
+                                 f"{vocab}; teachers must share the student's tokenizer")
+            device = sides[0][0].device
+            if next(model.parameters()).device != device:
+                model.to(device)
+            embs = []
+            for ids, mask in sides:
+                ids, mask = _truncate(ids, mask, self.cfg.teacher_max_len)
+                h = model.encode(ids, mask, all_layers=self.cfg.teacher_pooling == "first_last_avg")
+                layers = h if isinstance(h, list) else None
+                h = h[-1] if isinstance(h, list) else h
+                embs.append(model.pool(h, mask, self.cfg.teacher_pooling, all_layers=layers))
+            t1, t2 = embs[0], embs[-1]
+            if fwd.gather:
+                t2 = all_gather_with_grad(t2.contiguous(), fwd.ctx.env)
+            sims.append(cosine_matrix(t1, t2))
+        return mix_teacher_sims(sims, self.weights)
+
+
+def _truncate(ids_BT: torch.Tensor, mask_BT: torch.Tensor, max_len: int):
+    """Cut rows to max_len tokens, keeping each cut row's last real token ([SEP]) at its new end."""
+    if ids_BT.shape[1] <= max_len:
+        return ids_BT, mask_BT
+    lengths_B = mask_BT.sum(1)
+    out_ids, out_mask = ids_BT[:, :max_len].clone(), mask_BT[:, :max_len]
+    cut_B = lengths_B > max_len
+    rows = torch.nonzero(cut_B).flatten()
+    out_ids[rows, max_len - 1] = ids_BT[rows, lengths_B[rows] - 1]
+    return out_ids, out_mask

@@ -1,0 +1,57 @@
+"""What the objective needs from outside the model and the batch, resolved by the trainer.
+
+RankCSE's frozen teachers (opened from checkpoints) and SARCSE's token frequencies (from the training
+data's stored ``token_freq.npy``, or counted over the sentence corpus). The loss composer
+(``pretrain.objective``) receives them ready-made and never touches data or checkpoints itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pretrain.config.data import DataConfig
+from pretrain.config.objective import ObjectiveConfig
+from pretrain.objective.terms import Teachers
+from pretrain.objectives.reconstruction import load_token_freq
+
+
+def load_teachers(cfg) -> Teachers:
+    """``Teachers`` for objective.rank_distill (cfg: RankDistillConfig) with every teacher model loaded."""
+    return Teachers(cfg, models=[load_teacher(p) for p in cfg.teachers])
+
+
+def load_teacher(path: str):
+    """A frozen teacher PretrainModel from our checkpoint, a from-hf init dir or a HF BERT dir."""
+    from pathlib import Path
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"objective.rank_distill teacher {path} does not exist; give one of our checkpoints, "
+                                "a pretrain-convert from-hf directory or a HF BERT directory")
+    if (Path(path) / "config.json").is_file():  # a HF BERT directory
+        from pretrain.checkpoint.hf import load_hf_model
+
+        return load_hf_model(path)
+    from pretrain.checkpoint.convert import load_checkpoint_model  # our checkpoint or init dir; no tokenizer needed
+
+    return load_checkpoint_model(path)[0]
+
+
+def resolve_token_freq(cfg: ObjectiveConfig, data: DataConfig | None, tokenizer=None,
+                       sentence_dataset=None) -> torch.Tensor:
+    """SARCSE's freq(w): objective.reconstruction.token_freq, else the training data's frequencies (the
+    sentence stage's dataset, stored or counted, or the first pretraining source's token_freq.npy)."""
+    rc = cfg.reconstruction
+    if rc.token_freq:
+        return load_token_freq(rc.token_freq)
+    if data is not None and data.stage == "sentences":
+        if sentence_dataset is None:
+            from pretrain.data.sentences import build_sentence_dataset
+
+            if tokenizer is None:
+                raise ValueError("the sentence stage's token frequencies need the tokenizer")
+            sentence_dataset = build_sentence_dataset(data, cfg, tokenizer, seed=0)
+        return torch.from_numpy(sentence_dataset.token_frequencies())
+    if data is not None and data.sources:
+        return load_token_freq(data.sources[0].path)
+    raise ValueError("objective.reconstruction needs token frequencies: set objective.reconstruction.token_freq "
+                     "to a token_freq.npy (pretrain-preprocess writes one) or configure data.sources/data.sentences")
