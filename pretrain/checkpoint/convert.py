@@ -14,47 +14,26 @@ import sys
 from pathlib import Path
 
 from pretrain.checkpoint.hf import (
-    INIT_CONFIG,
-    INIT_WEIGHTS,
     export_hf,
     load_hf_model,
     load_init_weights,
-    model_with_state,
     write_clean_tokenizer,
     write_init_dir,
 )
-from pretrain.config.loader import from_dict
-from pretrain.config.model import ModelConfig
 from pretrain.model import POOLINGS, PretrainModel
 
-__all__ = ["from_hf", "load_checkpoint_model", "load_init_weights", "main", "model_from_state", "to_hf"]
-
-
-def model_from_state(state: dict, model_cfg: dict) -> PretrainModel:
-    """Build a PretrainModel from a ``model:`` config dict and load ``state`` (our key names) into it."""
-    import dataclasses
-
-    cfg = from_dict(ModelConfig, dict(model_cfg), "model")
-    word = state.get("encoder.embeddings.word.weight")
-    if word is None:
-        raise ValueError("state dict has no encoder.embeddings.word.weight; is it a PretrainModel checkpoint?")
-    cfg = dataclasses.replace(cfg, vocab_size=word.shape[0], pooler="pooler.dense.weight" in state)
-    return model_with_state(cfg, state, source="checkpoint", required_prefixes=("",))
+__all__ = ["from_hf", "load_checkpoint_model", "load_init_weights", "main", "to_hf"]
 
 
 def load_checkpoint_model(checkpoint: str) -> tuple[PretrainModel, dict]:
     """(model, resolved run-config dict) from any of our checkpoints or a from-hf init directory."""
-    import yaml
+    from pretrain.checkpoint.resolve import open_weights
 
-    p = Path(checkpoint)
-    if (p / INIT_WEIGHTS).is_file() and (p / INIT_CONFIG).is_file():
-        config = yaml.safe_load((p / INIT_CONFIG).read_text(encoding="utf-8"))
-        state = load_init_weights(str(p))
-    else:
-        from pretrain.checkpoint.store import load_model_state
-
-        state, config = load_model_state(p)
-    return model_from_state(state, config.get("model") or {}), config
+    w = open_weights(checkpoint)
+    if w.kind not in ("checkpoint", "init_dir"):
+        raise ValueError(f"{checkpoint} is a Hugging Face directory, not one of our checkpoints; it is already in "
+                         f"HF format (to train from it: pretrain-convert from-hf {checkpoint} OUT)")
+    return w.build_model(), w.run_config
 
 
 def to_hf(

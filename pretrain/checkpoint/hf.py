@@ -362,22 +362,20 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict:
     raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {d}")
 
 
-def load_hf_model(hf_dir: str | os.PathLike) -> PretrainModel:
-    """HF BERT directory -> PretrainModel in fp32. Without MLM head weights the head is freshly
-    initialised (warned); without pooler weights the model has no pooler (cfg.pooler=False)."""
-    from dataclasses import replace
-
-    from safetensors.torch import load_file
+def open_hf_dir(hf_dir: str | os.PathLike):
+    """``Weights`` of a Hugging Face (or sentence-transformers) BERT directory; FileNotFoundError otherwise."""
+    from pretrain.checkpoint.resolve import open_weights
 
     d = Path(hf_dir)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d} has no config.json; pass a Hugging Face BERT model directory")
-    cfg = model_config_from_hf_config(json.loads((d / "config.json").read_text(encoding="utf-8")))
-    ours = from_hf_state_dict(read_hf_weights(d), cfg.num_layers)
-    if (d / PROJECTION_FILE).is_file():
-        ours.update(load_file(str(d / PROJECTION_FILE)))
-    cfg = replace(cfg, pooler="pooler.dense.weight" in ours)
-    return model_with_state(cfg, ours, source=str(d), required_prefixes=("encoder.",))
+    return open_weights(d)
+
+
+def load_hf_model(hf_dir: str | os.PathLike) -> PretrainModel:
+    """HF BERT directory -> PretrainModel in fp32. Without MLM head weights the head is freshly
+    initialised (warned); without pooler weights the model has no pooler (cfg.pooler=False)."""
+    return open_hf_dir(hf_dir).build_model()
 
 
 def model_with_state(
@@ -430,13 +428,8 @@ def load_hf(hf_dir: str, *, tokenizer_out: str | None = None):
     The tokenizer is re-saved as a clean tokenizer.json at ``tokenizer_out`` (default: a new
     temporary directory, kept because our Tokenizer re-opens its file by path).
     """
-    from pretrain.data.tokenizer import load_tokenizer
-
-    model = load_hf_model(hf_dir)
-    if tokenizer_out is None:
-        tokenizer_out = os.path.join(tempfile.mkdtemp(prefix="pretrain-hf-tokenizer-"), "tokenizer.json")
-    tokenizer = load_tokenizer(write_clean_tokenizer(hf_dir, tokenizer_out))
-    return model, tokenizer
+    w = open_hf_dir(hf_dir)
+    return w.build_model(), w.load_tokenizer(tokenizer_out)
 
 
 # ----------------------------------------------------------------------------- our "init" directory

@@ -127,78 +127,28 @@ def _looks_like_hf_dir(p: Path) -> bool:
 
 
 def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu"):
-    """(model, tokenizer) from our checkpoint, a convert_to_hf dir or any HF BERT dir.
+    """(model, tokenizer) from anything ``checkpoint.resolve.open_weights`` recognises.
 
-    backend "pretrain"/"auto": our PretrainModel (HF dirs through pretrain.checkpoint.hf);
-    "transformers": transformers.AutoModel, the reference path (HF dirs only).
+    backend "pretrain"/"auto": our PretrainModel; "transformers": transformers.AutoModel, the reference
+    path (HF dirs only).
     """
+    from pretrain.checkpoint.resolve import detect_kind, open_weights
+
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path {p} does not exist; pass a checkpoint or a HF model dir")
-    if _looks_like_hf_dir(p):
-        if backend == "transformers":
-            from pretrain.eval.hf_backend import load_hf_backbone
-
-            model, tok = load_hf_backbone(p)
-        else:
-            model, tok = _load_hf_ours(p)
-    elif p.is_dir() and (p / "config.yaml").is_file() and (p / "model.safetensors").is_file():
-        model, tok = _load_init_dir(p)
-    else:
-        if backend == "transformers":
+    if backend == "transformers":
+        if detect_kind(p) not in ("hf", "sentence_transformers"):
             raise ValueError(f"{p} is not a HF model dir (no config.json); use backend 'pretrain'")
-        model, tok = _load_our_checkpoint(p)
+        from pretrain.eval.hf_backend import load_hf_backbone
+
+        model, tok = load_hf_backbone(p)
+    else:
+        w = open_weights(p)
+        model, tok = w.build_model(), w.load_tokenizer()
     return model.to(device), tok
-
-
-def _load_hf_ours(p: Path):
-    """HF BERT dir -> (our PretrainModel, our Tokenizer over its vocabulary)."""
-    from pretrain.checkpoint.hf import load_hf
-
-    return load_hf(str(p))
-
-
-def _build_from(model_cfg_dict: dict, state: dict, tokenizer_path: str, where: Path):
-    from dataclasses import replace
-
-    from pretrain.config.loader import from_dict
-    from pretrain.config.model import ModelConfig
-    from pretrain.data.tokenizer import load_tokenizer
-    from pretrain.model import build_model
-
-    if not tokenizer_path or not Path(tokenizer_path).exists():
-        raise FileNotFoundError(f"{where} names tokenizer {tokenizer_path!r}, which is missing; "
-                                "convert it with pretrain-convert or keep the run directory intact")
-    tok = load_tokenizer(tokenizer_path)
-    cfg = from_dict(ModelConfig, model_cfg_dict, "model")
-    if cfg.vocab_size == 0:
-        cfg = replace(cfg, vocab_size=tok.vocab_size)
-    model = build_model(cfg)
-    missing = [k for k in model.load_state_dict(state, strict=False).missing_keys if k.startswith("encoder.")]
-    if missing:
-        raise ValueError(f"{where} lacks encoder weights {missing[:3]}...; is it a complete checkpoint?")
-    return model, tok
-
-
-def _load_our_checkpoint(p: Path):
-    """Our training checkpoint (run dir, checkpoints/ or a tag dir) -> (PretrainModel, tokenizer)."""
-    from pretrain.checkpoint.store import load_model_state
-
-    state, cfg = load_model_state(str(p))
-    return _build_from(cfg.get("model", {}), state, cfg.get("data", {}).get("tokenizer", ""), p)
-
-
-def _load_init_dir(p: Path):
-    """A `pretrain-convert from-hf` init dir: model.safetensors + config.yaml + tokenizer.json."""
-    import yaml
-
-    from pretrain.checkpoint.hf import load_init_weights
-
-    cfg = yaml.safe_load((p / "config.yaml").read_text(encoding="utf-8"))
-    tok = cfg.get("data", {}).get("tokenizer", "") or str(p / "tokenizer.json")
-    return _build_from(cfg.get("model", {}), load_init_weights(str(p)), tok, p)
 
 
 def load_sentence_encoder(path: str | Path, pooling: str, *, backend: str = "auto", max_len: int = 128,

@@ -7,6 +7,8 @@ data's stored ``token_freq.npy``, or counted over the sentence corpus). The loss
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pretrain.config.data import DataConfig
@@ -21,19 +23,14 @@ def load_teachers(cfg) -> Teachers:
 
 
 def load_teacher(path: str):
-    """A frozen teacher PretrainModel from our checkpoint, a from-hf init dir or a HF BERT dir."""
-    from pathlib import Path
+    """A frozen teacher PretrainModel from anything ``open_weights`` recognises (our checkpoint, a from-hf
+    init dir, a HF or sentence-transformers BERT dir)."""
+    from pretrain.checkpoint.resolve import open_weights
 
-    if not Path(path).exists():
+    if not os.path.exists(path):
         raise FileNotFoundError(f"objective.rank_distill teacher {path} does not exist; give one of our checkpoints, "
                                 "a pretrain-convert from-hf directory or a HF BERT directory")
-    if (Path(path) / "config.json").is_file():  # a HF BERT directory
-        from pretrain.checkpoint.hf import load_hf_model
-
-        return load_hf_model(path)
-    from pretrain.checkpoint.convert import load_checkpoint_model  # our checkpoint or init dir; no tokenizer needed
-
-    return load_checkpoint_model(path)[0]
+    return open_weights(path).build_model()
 
 
 def resolve_token_freq(cfg: ObjectiveConfig, data: DataConfig | None, tokenizer=None,

@@ -326,14 +326,11 @@ def _all_finite(loss: torch.Tensor, env) -> bool:
 
 
 def _load_init_weights(model: torch.nn.Module, path: str) -> None:
-    """Initial weights from one of our checkpoints or a `pretrain-convert from-hf` directory."""
-    p = Path(path)
-    if (p / "model.safetensors").is_file():
-        from pretrain.checkpoint.hf import load_init_weights
+    """Initial weights from anything ``open_weights`` recognises: our checkpoints, a `pretrain-convert from-hf`
+    directory, a HF or sentence-transformers BERT directory."""
+    from pretrain.checkpoint.resolve import open_weights
 
-        state = load_init_weights(str(p))
-    else:
-        state, _ = store.load_model_state(p)
+    state = open_weights(path).state
     # The contrastive projection head is a training-only head whose shape follows the recipe
     # (e.g. SimCSE's 1-layer MLP vs CLEAR's 2-layer one): when it does not fit, it starts fresh.
     own = model.state_dict()

@@ -91,7 +91,7 @@ CASES = {
     "init_from_other_model_size": ("train", lambda i, t: _argv(i, t, checkpoint__init_from="{dir}/init_h48"), 2,
                                    ["init_h48 does not fit this model", "another model size"]),
     "init_from_missing": ("train", lambda i, t: _argv(i, t, checkpoint__init_from="{dir}/no_ckpt"), 2,
-                          ["no_ckpt holds no complete checkpoint"]),
+                          ["no_ckpt is not a model directory pretrain can open", "trainer_state.json"]),
     # --- raw text (pretrain-preprocess) ---------------------------------------------------------------
     "empty_corpus": ("preprocess", lambda i, t: [str(i["dir"] / "empty.txt"), "--tokenizer", i["tok"], "--out",
                                                  str(t / "out"), "--workers", "1", "--no-progress"], 2,
@@ -107,7 +107,7 @@ CASES = {
     "tokenizer_empty_corpus": ("tokenizer", lambda i, t: [str(i["dir"] / "empty.txt"), "--out", str(t / "t.json")], 2,
                                ["no text found", "empty.txt"]),
     "convert_no_checkpoint": ("convert", lambda i, t: ["to-hf", str(i["dir"] / "no_ckpt"), str(t / "hf")], 2,
-                              ["no_ckpt holds no complete checkpoint"]),
+                              ["no_ckpt is not a model directory pretrain can open", "trainer_state.json"]),
     "convert_missing_path": ("convert", lambda i, t: ["to-hf", str(i["dir"] / "nothing"), str(t / "hf")], 2,
                              ["nothing does not exist"]),
 }

@@ -1,0 +1,149 @@
+"""One way to open weights: whatever directory a user hands us -> ``Weights`` -> a ``PretrainModel``.
+
+Recognised, in this order (the first match wins):
+
+    sentence_transformers  config.json + modules.json (a sentence-transformers model, e.g. all-MiniLM-L6-v2)
+    hf                     config.json (a Hugging Face BERT directory, ours from ``pretrain-convert to-hf`` too)
+    init_dir               model.safetensors + config.yaml (``pretrain-convert from-hf``, ``<run_dir>/best/``)
+    checkpoint             a run directory, its checkpoints/ or a tag (any ZeRO stage)
+
+Weights travel as safetensors; the only pickle read is DeepSpeed's own checkpoint format and a HF
+``pytorch_model.bin``, both with ``weights_only=True``. Used by ``checkpoint.init_from``, ``pretrain-convert``,
+RankCSE's teachers and evaluation, so that they all accept the same inputs with the same errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pretrain.config.model import ModelConfig
+
+Kind = Literal["sentence_transformers", "hf", "init_dir", "checkpoint"]
+
+LOOKED_FOR = ("config.json (a Hugging Face / sentence-transformers model), model.safetensors + config.yaml "
+              "(a pretrain-convert from-hf directory), or trainer_state.json in it, its checkpoints/ and their "
+              "'latest' (one of our checkpoints)")
+
+
+@dataclass
+class Weights:
+    """Weights in our key names with the architecture they describe."""
+
+    kind: Kind
+    path: Path
+    state: dict
+    """Our parameter names -> tensors (fp32 for our checkpoints; as stored otherwise)."""
+    model_cfg: ModelConfig
+    """The architecture: from our run config, or from config.json; vocab_size from the embedding matrix."""
+    tokenizer_path: str | None = None
+    """A tokenizer.json ours opens as it is (checkpoints and init dirs); None for HF dirs (see load_tokenizer)."""
+    run_config: dict = field(default_factory=dict)
+    """Our resolved run config (checkpoints and init dirs); {} for HF dirs."""
+    st_modules: list | None = None
+    """sentence-transformers' modules.json entries (kind sentence_transformers), e.g. its pooling."""
+
+    def build_model(self):
+        """A PretrainModel holding these weights (encoder weights required, heads filled in when absent)."""
+        from pretrain.checkpoint.hf import model_with_state
+
+        required = ("",) if self.kind == "checkpoint" else ("encoder.",)
+        return model_with_state(self.model_cfg, self.state, source=str(self.path), required_prefixes=required)
+
+    def load_tokenizer(self, out_path: str | None = None):
+        """Our Tokenizer for these weights. HF directories: their tokenizer re-saved as a clean tokenizer.json at
+        ``out_path`` (default: in a new temporary directory, kept: the Tokenizer re-opens its file by path)."""
+        from pretrain.data.tokenizer import load_tokenizer
+
+        if self.kind in ("hf", "sentence_transformers"):
+            from pretrain.checkpoint.hf import write_clean_tokenizer
+
+            out_path = out_path or os.path.join(tempfile.mkdtemp(prefix="pretrain-hf-tokenizer-"), "tokenizer.json")
+            return load_tokenizer(write_clean_tokenizer(self.path, out_path))
+        if not self.tokenizer_path or not Path(self.tokenizer_path).is_file():
+            raise FileNotFoundError(f"{self.path} names tokenizer {self.tokenizer_path!r}, which is missing; "
+                                    "convert it with pretrain-convert or keep the run directory intact")
+        return load_tokenizer(self.tokenizer_path)
+
+
+def detect_kind(path: str | os.PathLike) -> Kind:
+    """What ``path`` is (see the module docstring), or FileNotFoundError/ValueError naming what was looked for."""
+    from pretrain.checkpoint.hf import INIT_CONFIG, INIT_WEIGHTS
+    from pretrain.checkpoint.store import resolve_tag_dir
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p} does not exist; expected {LOOKED_FOR}")
+    if p.is_dir() and (p / "config.json").is_file():
+        return "sentence_transformers" if (p / "modules.json").is_file() else "hf"
+    if p.is_dir() and (p / INIT_WEIGHTS).is_file() and (p / INIT_CONFIG).is_file():
+        return "init_dir"
+    try:
+        resolve_tag_dir(p)
+    except (FileNotFoundError, ValueError, OSError):
+        raise ValueError(f"{p} is not a model directory pretrain can open: found none of {LOOKED_FOR}") from None
+    return "checkpoint"
+
+
+def open_weights(path: str | os.PathLike) -> Weights:
+    """``Weights`` of any recognised directory (see the module docstring)."""
+    p = Path(path)
+    kind = detect_kind(p)
+    if kind in ("hf", "sentence_transformers"):
+        return _open_hf(p, kind)
+    if kind == "init_dir":
+        return _open_init_dir(p)
+    return _open_checkpoint(p)
+
+
+def _model_cfg(model_dict: dict, state: dict, where: Path) -> ModelConfig:
+    from pretrain.config.loader import from_dict
+
+    cfg = from_dict(ModelConfig, dict(model_dict or {}), "model")
+    word = state.get("encoder.embeddings.word.weight")
+    if word is None:
+        raise ValueError(f"{where} has no encoder.embeddings.word.weight; is it a complete PretrainModel checkpoint?")
+    return dataclasses.replace(cfg, vocab_size=word.shape[0], pooler="pooler.dense.weight" in state)
+
+
+def _open_checkpoint(p: Path) -> Weights:
+    from pretrain.checkpoint.store import load_model_state
+
+    state, config = load_model_state(p)
+    return Weights("checkpoint", p, state, _model_cfg(config.get("model"), state, p),
+                   tokenizer_path=(config.get("data") or {}).get("tokenizer") or None, run_config=config)
+
+
+def _open_init_dir(p: Path) -> Weights:
+    import yaml
+
+    from pretrain.checkpoint.hf import INIT_CONFIG, INIT_TOKENIZER, load_init_weights
+
+    config = yaml.safe_load((p / INIT_CONFIG).read_text(encoding="utf-8")) or {}
+    state = load_init_weights(str(p))
+    tok = (config.get("data") or {}).get("tokenizer") or str(p / INIT_TOKENIZER)
+    return Weights("init_dir", p, state, _model_cfg(config.get("model"), state, p), tokenizer_path=tok,
+                   run_config=config)
+
+
+def _open_hf(p: Path, kind: Kind) -> Weights:
+    from safetensors.torch import load_file
+
+    from pretrain.checkpoint.hf import PROJECTION_FILE, from_hf_state_dict, model_config_from_hf_config, read_hf_weights
+
+    cfg = model_config_from_hf_config(json.loads((p / "config.json").read_text(encoding="utf-8")))
+    state = from_hf_state_dict(read_hf_weights(p), cfg.num_layers)
+    if (p / PROJECTION_FILE).is_file():
+        state.update(load_file(str(p / PROJECTION_FILE)))
+    cfg = dataclasses.replace(cfg, pooler="pooler.dense.weight" in state)
+    modules = None
+    if kind == "sentence_transformers":
+        modules = json.loads((p / "modules.json").read_text(encoding="utf-8"))
+        if not isinstance(modules, list):
+            raise ValueError(f"{p / 'modules.json'} is not a list of modules; is it a sentence-transformers model?")
+    return Weights(kind, p, state, cfg, st_modules=modules)
