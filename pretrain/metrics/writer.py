@@ -79,7 +79,8 @@ def _truncate_after_step(path: Path, step: int) -> None:
 
 def format_progress(step: int, max_steps: int, scalars: dict[str, float]) -> str:
     parts = [f"step {step}/{max_steps}"]
-    for key in ("loss", "mlm", "nt_xent", "mlm_acc", "cl_acc", "lr", "grad_norm", "samples_per_s", "tokens_per_s"):
+    for key in ("loss", "mlm", "nt_xent", "mlm_acc", "cl_acc", "lr", "grad_norm", "samples_per_s", "tokens_per_s",
+                "data_wait_frac"):
         if key in scalars:
             v = scalars[key]
             parts.append(f"{key} {v:.3g}" if key in ("lr",) else f"{key} {v:.4g}")

@@ -30,6 +30,9 @@ from pretrain.training.signals import StopSignal
 HEAD_PREFIXES = ("projection.",)
 """Training-only heads that init_from re-initialises when the checkpoint's shape does not fit."""
 
+DATA_WAIT_WARN = 0.10
+"""Warn (once) when the step spends more than this fraction of its time waiting for the next batch."""
+
 REQUEUE_EXIT_CODE = 75
 """Exit status after a signal-triggered checkpoint (EX_TEMPFAIL): the launcher requeues the job."""
 
@@ -89,6 +92,7 @@ class Trainer:
         """Global samples consumed so far (all ranks): where the data resumes."""
         self.data_wait_s = 0.0
         """Seconds the loop has waited in next(loader) since the last log line (data_wait_frac)."""
+        self._warned_starved = False
         self.tokens_seen = 0
         self.bad_steps_total = 0
         self._resume_or_start()
@@ -176,6 +180,7 @@ class Trainer:
                 self.writer.log(self.step, scalars)
                 if self.env.is_main:
                     print_progress(format_progress(self.step, c.train.max_steps, scalars))
+                    self._warn_if_starved(scalars["data_wait_frac"])
                 sums.reset()
                 t_last, samples_last, tokens_last = time.perf_counter(), 0, 0
                 self.data_wait_s = 0.0
@@ -216,6 +221,14 @@ class Trainer:
         # fp16's loss-scale overflows are routine skips, not bad steps.
         bad = not loss_ok or (info.skipped and c.train.precision != "fp16")
         return info, bad, n_samples, n_tokens
+
+    def _warn_if_starved(self, wait_frac: float) -> None:
+        """Once per run: say so when the step waits for its data more than DATA_WAIT_WARN of the time."""
+        if wait_frac > DATA_WAIT_WARN and not self._warned_starved and self.step > self.cfg.train.log_every:
+            self._warned_starved = True
+            print_progress(f"warning: step {self.step} waited for data {wait_frac:.0%} of the time "
+                           f"(> {DATA_WAIT_WARN:.0%}): the data pipeline is the bottleneck; raise data.num_workers "
+                           f"(now {self.cfg.data.num_workers}) or use lighter augmentations")
 
     def _next_batch(self, loader) -> dict:
         t_wait = time.perf_counter()

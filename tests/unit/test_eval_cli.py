@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import zlib
 
 import numpy as np
@@ -52,17 +50,3 @@ def test_run_eval_real_sts_align_ranking(data_dir):
     assert 0 < au["align"] < 4 and au["uniform"] < 0 and au["num_sentences"] > 2000
     md = markdown_report("bow", res)
     assert "| bow | all |" in md and "| KCC | bow |" in md and "align" in md
-
-
-def test_glue_sbatch_passes_array_index(tmp_path, repo_root):
-    fake = tmp_path / "srun"
-    fake.write_text('#!/bin/bash\necho "$@"\n')
-    fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    script = str(repo_root / "slurm" / "finetune_glue.sbatch")
-    out = subprocess.run(["bash", script, "--tasks", "rte", "--out", "x"], env={**env, "SLURM_ARRAY_TASK_ID": "3"},
-                         capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["python", "-m", "pretrain.eval.glue_cli", "--tasks", "rte", "--out", "x",
-                           "--run-index", "3"]
-    env.pop("SLURM_ARRAY_TASK_ID", None)
-    assert subprocess.run(["bash", script], env=env, capture_output=True).returncode == 2
