@@ -1,6 +1,7 @@
-"""Builds the optional CUDA extension `pretrain._C` (csrc/); metadata lives in pyproject.toml.
+"""Builds the optional extensions: the CPU sample-index packer `pretrain.data._index` (csrc/cpu/) and the CUDA
+extension `pretrain._C` (csrc/); metadata lives in pyproject.toml.
 
-The extension is built only when torch can be imported here, is a CUDA build, and nvcc is found
+The CUDA extension is built only when torch can be imported here, is a CUDA build, and nvcc is found
 (`pip install --no-build-isolation .` on a GPU machine); otherwise the package installs without it and
 pretrain.ops uses its chunked torch path. PRETRAIN_BUILD_CUDA=0 skips the build, =1 makes a failed
 detection an error. Architectures default to TORCH_CUDA_ARCH_LIST="8.0;9.0" (the kernels need sm_80+).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]  # keep in sync with pretrain/ops/extension.py
 SOURCES = ["csrc/similarity_ops.cpp", "csrc/similarity_kernels.cu"]
@@ -45,4 +46,11 @@ def _cuda_extension_kwargs() -> dict:
     return {}
 
 
-setup(**_cuda_extension_kwargs())
+# The sample-index packer (pure C, no torch): built everywhere a C compiler is found; without it the data
+# path falls back to the same rule in Python (optional=True: a failed build never fails the install).
+CPU_EXTENSIONS = [Extension("pretrain.data._index", ["csrc/cpu/sample_index.c"], optional=True,
+                            extra_compile_args=["-O3"])]
+
+kwargs = _cuda_extension_kwargs()
+kwargs["ext_modules"] = CPU_EXTENSIONS + kwargs.get("ext_modules", [])
+setup(**kwargs)

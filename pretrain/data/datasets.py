@@ -25,7 +25,22 @@ def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -> t
 
     Sentences are added to the current sample while the token total stays <= budget;
     samples never cross a document boundary; empty sentences never start a sample.
+    Runs in the C helper ``pretrain.data._index`` (csrc/cpu/sample_index.c) when it is built, else in
+    ``build_sample_index_py`` (the same rule, ~10x slower).
     """
+    try:
+        from pretrain.data import _index
+    except ImportError:
+        return build_sample_index_py(sizes, doc_idx, budget)
+    sizes = np.asarray(sizes)
+    if sizes.dtype not in (np.int32, np.int64):
+        sizes = sizes.astype(np.int64)
+    first, end = _index.pack(np.ascontiguousarray(sizes), np.ascontiguousarray(doc_idx, dtype=np.int64), int(budget))
+    return np.frombuffer(first, dtype=np.int64), np.frombuffer(end, dtype=np.int64)
+
+
+def build_sample_index_py(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """``build_sample_index`` in pure Python (the fallback, and the reference its C helper is tested against)."""
     sizes_l = np.asarray(sizes, dtype=np.int64).tolist()
     doc_l = np.asarray(doc_idx, dtype=np.int64).tolist()
     firsts: list[int] = []

@@ -172,3 +172,22 @@ def test_build_dataset_from_preprocessed_shards(tmp_path, tokenizer):
     assert s["input_ids"][0] == tokenizer.cls_id and "view_b" in s
     with pytest.raises(ValueError, match="data.valid"):
         build_dataset(cfg, tokenizer, seed=0, split="valid")
+
+
+def test_c_sample_index_equals_python_packing_on_random_corpora():
+    """The C helper (built by pip install) against the pure-Python rule, sample for sample."""
+    from pretrain.data.datasets import build_sample_index_py
+
+    _index = pytest.importorskip("pretrain.data._index", reason="C helper not built (pip install -e . builds it)")
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        lens = rng.integers(0, 40, size=int(rng.integers(0, 300)))
+        doc = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        n = int(doc[-1])
+        sizes = (rng.integers(0, 60, size=n) * (rng.random(n) > 0.2)).astype(np.int32 if trial % 2 else np.int64)
+        budget = int(rng.choice([1, 5, 30, 126, 500]))
+        got = build_sample_index(sizes, doc, budget)
+        want = build_sample_index_py(sizes, doc, budget)
+        assert got[0].dtype == np.int64 and all(np.array_equal(a, b) for a, b in zip(got, want)), (trial, budget)
+    with pytest.raises(ValueError, match="doc_idx"):
+        _index.pack(np.zeros(3, dtype=np.int64), np.array([0, 5], dtype=np.int64), 4)
