@@ -11,6 +11,10 @@ the masking and each view, so a sample depends only on its key, never on workers
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -64,6 +68,86 @@ def build_sample_index_py(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -
     return np.asarray(firsts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
 
 
+INDEX_RULE = "greedy1"
+"""Name of the packing rule in cache file names: change it when build_sample_index's output changes."""
+INDEX_CACHE_DIR = "index-cache"
+
+
+def index_cache_path(source, budget: int) -> Path | None:
+    """<dataset>/index-cache/samples-<manifest sha256>-b<budget>-<rule>.npy for a ShardedDataset; None otherwise.
+
+    The key names exactly what the index depends on: the dataset (its manifest, which checksums every
+    shard), the token budget (max_len - 2) and the packing rule; a cache of anything else is another file."""
+    directory = getattr(source, "directory", None)
+    manifest = Path(directory) / "manifest.json" if directory else None
+    if manifest is None or not manifest.is_file():
+        return None
+    digest = hashlib.sha256(manifest.read_bytes()).hexdigest()[:20]
+    return Path(directory) / INDEX_CACHE_DIR / f"samples-{digest}-b{budget}-{INDEX_RULE}.npy"
+
+
+def _open_cached_index(path: Path, num_sentences: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The cached (first_N, end_N), memory-mapped; None when absent or damaged (a damaged one is never used)."""
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError) as e:  # truncated or not an .npy: rebuild
+        print(f"[data] sample index cache {path} is damaged ({e}); rebuilding it", flush=True)
+        return None
+    ok = arr.ndim == 2 and arr.shape[0] == 2 and arr.dtype == np.int64
+    if ok and arr.shape[1]:  # cheap structural checks on the ends (a full scan would cost seconds at 1e9)
+        ok = 0 <= int(arr[0, 0]) < int(arr[1, 0]) and 0 < int(arr[1, -1]) <= num_sentences
+    if not ok:
+        print(f"[data] sample index cache {path} does not fit its dataset; rebuilding it", flush=True)
+        return None
+    return arr[0], arr[1]
+
+
+def load_or_build_sample_index(source, budget: int) -> tuple[np.ndarray, np.ndarray, Path | None]:
+    """(first_N, end_N, cache path or None): memory-mapped from the dataset's index cache, or built (and
+    cached, atomically: a file appears complete under its name or not at all; concurrent builders write
+    identical bytes and the last rename wins). A read-only dataset directory is built in memory."""
+    path = index_cache_path(source, budget)
+    if path is not None:
+        cached = _open_cached_index(path, len(source))
+        if cached is not None:
+            return cached[0], cached[1], path
+    first_N, end_N = _build_index_of(source, budget)
+    if path is None:
+        return first_N, end_N, None
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, np.stack([first_N, end_N]), allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # read-only or full: train from the in-memory index
+        print(f"[data] could not cache the sample index in {path.parent} ({e}); using it from memory", flush=True)
+        tmp.unlink(missing_ok=True)
+        return first_N, end_N, None
+    cached = _open_cached_index(path, len(source))
+    return (cached[0], cached[1], path) if cached is not None else (first_N, end_N, None)
+
+
+def _build_index_of(source, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sample index of a source; shard by shard for a ShardedDataset (documents never cross shards), so
+    that only the shards' memory-mapped sizes are read and no corpus-sized copy is made."""
+    shards = getattr(source, "shards", None)
+    if shards is None:
+        return build_sample_index(source.sizes, source.doc_idx, budget)
+    firsts, ends = [], []
+    for shard, start in zip(shards, source.starts.tolist()):
+        f, e = build_sample_index(shard.sizes, shard.doc_idx, budget)
+        firsts.append(f + start)
+        ends.append(e + start)
+    if not firsts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(firsts), np.concatenate(ends)
+
+
 def parse_key(key) -> tuple[int, int]:
     """(epoch, index) from a key tuple, or (0, index) from a bare int."""
     if isinstance(key, (tuple, list)):
@@ -84,7 +168,20 @@ class PretrainDataset(torch.utils.data.Dataset):
         self.special_ids = tuple(sorted(tokenizer.special_ids))
         self.cls_id, self.sep_id, self.mask_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id
         self.augmenter = build_augmenter(cfg.augment, tokenizer) if with_views else None
-        self.first_N, self.end_N = build_sample_index(source.sizes, source.doc_idx, cfg.max_len - 2)
+        self.first_N, self.end_N, self.index_path = load_or_build_sample_index(source, cfg.max_len - 2)
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers re-map the cached index instead of receiving a pickled copy of it.
+        state = dict(self.__dict__)
+        if self.index_path is not None:
+            state["first_N"] = state["end_N"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.first_N is None:
+            arr = np.load(self.index_path, mmap_mode="r", allow_pickle=False)
+            self.first_N, self.end_N = arr[0], arr[1]
 
     def __len__(self) -> int:
         return len(self.first_N)

@@ -7,6 +7,7 @@ Legend: N = total sequences (sentences), D = total documents, V = vocabulary siz
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -71,17 +72,31 @@ class ShardedDataset:
                                  f"run pretrain-preprocess --verify {directory}")
         counts = np.array([len(s) for s in self.shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.sizes = (np.concatenate([np.asarray(s.sizes) for s in self.shards]).astype(np.int32)
-                      if self.shards else np.zeros(0, np.int32))
-        bounds = [np.asarray(s.doc_idx[:-1]) + start for s, start in zip(self.shards, self._starts)]
-        self.doc_idx = np.concatenate(bounds + [np.array([self._starts[-1]])]).astype(np.int64)
-        self.num_documents = len(self.doc_idx) - 1
+        self.num_documents = int(sum(len(s.doc_idx) - 1 for s in self.shards))
         self.num_tokens = int(sum(s.num_tokens for s in self.shards))
         self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
         self.tokenizer_sha256 = have
 
     def __len__(self) -> int:
         return int(self._starts[-1])
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Global index of each shard's first sentence (+ the total), int64 [S + 1]."""
+        return self._starts
+
+    @functools.cached_property
+    def sizes(self) -> np.ndarray:
+        """Tokens per sentence over all shards, int32 [N]: a copy in RAM (4 bytes a sentence), made on first use.
+        The sample index reads the shards' memory-mapped sizes instead (``load_or_build_sample_index``)."""
+        return (np.concatenate([np.asarray(s.sizes) for s in self.shards]).astype(np.int32)
+                if self.shards else np.zeros(0, np.int32))
+
+    @functools.cached_property
+    def doc_idx(self) -> np.ndarray:
+        """Global document boundaries, int64 [D + 1]: a copy in RAM, made on first use."""
+        bounds = [np.asarray(s.doc_idx[:-1]) + start for s, start in zip(self.shards, self._starts)]
+        return np.concatenate(bounds + [np.array([self._starts[-1]])]).astype(np.int64)
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Token ids of global sentence ``i`` (memmap view; copy before modifying)."""

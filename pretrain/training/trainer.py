@@ -76,9 +76,12 @@ class Trainer:
             lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps),
         )
         self.global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * env.world_size
-        self.train_set = build_train_set(cfg, self.tokenizer)
-        self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \
-            if cfg.data.valid else None
+        # Rank 0 opens the datasets first, building and caching their sample indexes; the others wait, then
+        # memory-map the cached files (data/datasets.py: load_or_build_sample_index).
+        with _main_rank_first(env):
+            self.train_set = build_train_set(cfg, self.tokenizer)
+            self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \
+                if cfg.data.valid else None
 
         self.stsb = None
         if cfg.eval.stsb_every:
@@ -309,6 +312,18 @@ def _stage_parts(cfg: RunConfig):
                 lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
                 sentences.build_sentence_loader)
     return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
+
+
+@contextlib.contextmanager
+def _main_rank_first(env):
+    """Run the block on rank 0 first, then on the other ranks (which wait at a barrier meanwhile)."""
+    if env.is_distributed and not env.is_main:
+        torch.distributed.barrier()
+    try:
+        yield
+    finally:
+        if env.is_distributed and env.is_main:
+            torch.distributed.barrier()
 
 
 @contextlib.contextmanager
