@@ -3,7 +3,8 @@
 Synthetic datasets of N sentences (sizes 5-40 tokens, documents of 1-60 sentences, shards of 5e7
 sentences): real ``.idx`` files and a sparse ``.bin`` (no token data is written), so 1e8 sentences cost
 ~1.3 GB of index on disk. Each measurement runs in a fresh process: open the dataset, build or load the
-sample index (``load_or_build_sample_index``), report wall time and the RSS growth over an empty dataset;
+sample index (``load_or_build_sample_index``), report wall time and the growth of anonymous RSS (not counting the page cache of the
+memory-mapped files) over an empty dataset;
 the same row also times the pure-Python packer on the first 1e7 sentences for the per-sentence ratio.
 
     python tools/bench_data.py --sentences 1e6 1e7 1e8 [--dir /tmp/bench-data] [--json PATH]
@@ -30,8 +31,11 @@ SHARD_SENTENCES = 50_000_000
 
 
 def _rss_mib() -> float:
+    """Anonymous resident memory (RSS minus file-backed pages: the memory-mapped index files are page
+    cache, shared by every process on the node and reclaimable)."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        fields = f.read().split()
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def write_synthetic(directory: Path, num_sentences: int, seed: int = 0) -> None:

@@ -88,18 +88,25 @@ class IndexedDataset:
         self._check(idx_path)
         self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if num_tokens else np.zeros(0, self.dtype)
 
-    def _check(self, idx_path: str) -> None:
-        """Structural invariants (vectorised, O(N)): contiguous offsets, monotone document bounds."""
+    def _check(self, idx_path: str, chunk: int = 1 << 20) -> None:
+        """Structural invariants (O(N), in chunks: bounded temporary memory): contiguous offsets, monotone
+        document bounds."""
         n = len(self.sizes)
-        if n and (self.sizes.min() < 0 or self.offsets[0] != 0
-                  or not np.array_equal(self.offsets[1:], self.offsets[:-1] + self.sizes[:-1])
-                  or int(self.offsets[-1]) + int(self.sizes[-1]) != self.num_tokens):
-            raise ValueError(f"{idx_path} is corrupt: sizes/offsets do not tile the .bin file")
         if n == 0 and self.num_tokens != 0:
             raise ValueError(f"{idx_path} is corrupt: no sequences but {self.num_tokens} tokens")
+        if n and (self.offsets[0] != 0 or int(self.offsets[-1]) + int(self.sizes[-1]) != self.num_tokens):
+            raise ValueError(f"{idx_path} is corrupt: sizes/offsets do not tile the .bin file")
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk + 1)  # one overlapping entry links consecutive chunks
+            sizes, offsets = self.sizes[a:b], self.offsets[a:b]
+            if sizes.min() < 0 or not np.array_equal(offsets[1:], offsets[:-1] + sizes[:-1]):
+                raise ValueError(f"{idx_path} is corrupt: sizes/offsets do not tile the .bin file")
         di = self.doc_idx
-        if di[0] != 0 or di[-1] != n or (len(di) > 1 and np.any(np.diff(di) <= 0)):
+        if di[0] != 0 or di[-1] != n:
             raise ValueError(f"{idx_path} is corrupt: document boundaries are not increasing from 0 to {n}")
+        for a in range(0, len(di) - 1, chunk):
+            if np.any(np.diff(di[a:a + chunk + 1]) <= 0):
+                raise ValueError(f"{idx_path} is corrupt: document boundaries are not increasing from 0 to {n}")
 
     def __len__(self) -> int:
         return len(self.sizes)
