@@ -25,6 +25,7 @@ from pretrain.metrics.writer import MetricsWriter, format_progress, print_progre
 from pretrain.model import build_model
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.training.optim import build_param_groups, lr_lambda
+from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, RunLock
 from pretrain.training.signals import StopSignal
 
 HEAD_PREFIXES = ("projection.",)
@@ -46,6 +47,14 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.stop_signal = stop_signal or StopSignal(install=False)
         self.run_dir = Path(cfg.run_dir)
+        self.lock = _lock_run_dir(self.run_dir, env)  # one trainer per run_dir, before anything is written
+        try:
+            self._setup(cfg, env)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _setup(self, cfg: RunConfig, env) -> None:
         load_tok, build_train_set, self._build_train_loader = _stage_parts(cfg)
         self.tokenizer = load_tok(cfg.data.tokenizer)
         model_cfg = cfg.model
@@ -282,13 +291,22 @@ class Trainer:
         return path
 
     def _should_stop(self) -> bool:
-        flag = self.stop_signal.requested
+        flags = torch.tensor([int(self.stop_signal.requested), int(self.lock is not None and self.lock.lost)])
         if self.env.is_distributed:
-            flag = bool(all_reduce_host(torch.tensor([int(flag)])).item())
-        return flag
+            flags = all_reduce_host(flags)
+        if flags[1]:  # another trainer took the run directory over: stop without writing anything more
+            raise RunDirLocked(f"the lock of run directory {self.run_dir} was taken over by another trainer "
+                               f"({self.run_dir / LOCK_NAME}); stopping at step {self.step} without saving")
+        return bool(flags[0])
 
     def close(self) -> None:
         self.writer.close()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def _objective_resources(cfg: RunConfig, tokenizer) -> dict:
@@ -312,6 +330,26 @@ def _stage_parts(cfg: RunConfig):
                 lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
                 sentences.build_sentence_loader)
     return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
+
+
+def _lock_run_dir(run_dir: Path, env) -> RunLock | None:
+    """Rank 0 takes ``run_dir/run.lock``; every rank stops (RunDirLocked) when it cannot be had."""
+    lock, error = None, ""
+    if env.is_main:
+        lock = RunLock(run_dir)
+        try:
+            warning = lock.acquire()
+        except RunDirLocked as e:
+            lock, error = None, str(e)
+        else:
+            if warning:
+                print_progress(warning)
+    failed = bool(error)
+    if env.is_distributed:
+        failed = bool(all_reduce_host(torch.tensor([int(failed)])).item())
+    if failed:
+        raise RunDirLocked(error or f"rank 0 could not lock the run directory {run_dir} (see its message)")
+    return lock
 
 
 @contextlib.contextmanager

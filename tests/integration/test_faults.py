@@ -402,3 +402,38 @@ def test_one_rank_sigkilled_job_exits_bounded_and_relaunch_resumes(tmp_path, tin
     assert f"resumed from {ckpt / last} at step {step}" in out
     assert store.find_latest(ckpt) == store.tag_for_step(step + 2)
     print(f"job exited {elapsed:.1f}s after the SIGKILL")
+
+
+# ------------------------------------------------------------------------------ two trainers, one run_dir
+
+@pytest.mark.slow
+def test_second_trainer_on_a_run_dir_in_use_exits_at_once_naming_the_holder(tmp_path, tiny_overrides):
+    """The usual case: a requeued job starts while the old one still runs. The newcomer stops at once
+    (before DeepSpeed starts), non-zero, naming the holder; the holder is undisturbed and releases on exit."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0)
+    first = subprocess.Popen([sys.executable, "-m", "pretrain.train", *args], cwd=REPO, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert first.poll() is None, first.stdout.read()[-3000:]
+            assert time.time() < deadline, "the first trainer never logged a step"
+            time.sleep(0.2)
+        t0 = time.time()
+        second = subprocess.run([sys.executable, "-m", "pretrain.train", *args], cwd=REPO, env=_env(),
+                                capture_output=True, text=True, timeout=120)
+        took = time.time() - t0
+        out = second.stdout + second.stderr
+        assert second.returncode == 2, out[-3000:]
+        assert f"is in use by another trainer: host {socket.gethostname()}, pid {first.pid}" in out, out[-3000:]
+        assert "Traceback" not in out and took < 60
+        assert first.poll() is None  # the holder runs on
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)  # checkpoints and exits 75; the lock goes with it
+        first.wait(timeout=240)
+        first.stdout.close()
+    assert first.returncode == 75
+    assert not (run_dir / "run.lock").exists()

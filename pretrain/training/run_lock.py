@@ -1,0 +1,147 @@
+"""One trainer per run directory: ``<run_dir>/run.lock``, held by rank 0 for the whole run.
+
+The lock is a small JSON file (host, pid, start time, heartbeat, a random token) created with
+``O_CREAT | O_EXCL`` and refreshed by a heartbeat thread, because ``flock`` is not honoured reliably
+on the shared filesystems runs live on (NFS). A second trainer finds a live holder and stops at once
+with a message naming it. A holder that is gone — no heartbeat for ``stale_after_s``, or a dead pid on
+this very host — is taken over with a warning (atomic rename, then a re-read confirms the token: of
+two trainers taking over at once exactly one keeps the lock).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+LOCK_NAME = "run.lock"
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 300.0
+
+
+class RunDirLocked(ValueError):
+    """Another live trainer holds the run directory."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _fmt_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+class RunLock:
+    def __init__(self, run_dir: str | os.PathLike, *, heartbeat_s: float = HEARTBEAT_S,
+                 stale_after_s: float = STALE_AFTER_S) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
+        self.token = secrets.token_hex(8)
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "token": self.token}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost = False
+        """Set when the heartbeat finds the lock taken by someone else (the trainer then stops)."""
+
+    # -- acquiring ----------------------------------------------------------------------------------
+    def acquire(self) -> str | None:
+        """Take the lock; returns a warning line when a stale lock was taken over, raises RunDirLocked when
+        a live trainer holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._create():
+            self._start_heartbeat()
+            return None
+        holder = self._read()
+        if holder is not None:
+            reason = self._stale_reason(holder)
+            if reason is None:
+                age = time.time() - float(holder.get("heartbeat", holder.get("since", 0)))
+                raise RunDirLocked(
+                    f"run directory {self.path.parent} is in use by another trainer: host {holder.get('host')}, "
+                    f"pid {holder.get('pid')}, running since {_fmt_time(float(holder.get('since', 0)))}, last "
+                    f"heartbeat {age:.0f}s ago (lock file {self.path}). Wait for it to finish or stop it (scancel), "
+                    f"or use another run_dir; a holder that died is taken over after {self.stale_after_s:.0f}s "
+                    f"without heartbeat.")
+        else:
+            reason = "its lock file is unreadable"
+        self._replace()
+        time.sleep(min(0.2, self.heartbeat_s))  # let a concurrent taker's rename land, then see who won
+        now = self._read()
+        if now is None or now.get("token") != self.token:
+            raise RunDirLocked(f"run directory {self.path.parent}: another trainer took over its stale lock at the "
+                               f"same moment ({now}); use another run_dir or retry")
+        self._start_heartbeat()
+        prev = f"host {holder.get('host')}, pid {holder.get('pid')}" if holder else "unknown"
+        return f"warning: took over the lock of run directory {self.path.parent} from {prev} ({reason})"
+
+    def _stale_reason(self, holder: dict) -> str | None:
+        beat = float(holder.get("heartbeat", holder.get("since", 0)))
+        if time.time() - beat > self.stale_after_s:
+            return f"no heartbeat for {time.time() - beat:.0f}s"
+        if holder.get("host") == self.me["host"]:
+            pid = int(holder.get("pid", -1))
+            if pid == os.getpid():
+                return "held by this same process: a trainer that was never closed"
+            if not _pid_alive(pid):
+                return f"pid {pid} is no longer running on this host"
+        return None
+
+    def _payload(self) -> bytes:
+        return json.dumps(dict(self.me, heartbeat=time.time())).encode()
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(self._payload())
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _replace(self) -> None:
+        tmp = self.path.with_name(f".{LOCK_NAME}.{self.token}")
+        tmp.write_bytes(self._payload())
+        os.replace(tmp, self.path)
+
+    def _read(self) -> dict | None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    # -- holding ------------------------------------------------------------------------------------
+    def _start_heartbeat(self) -> None:
+        self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            holder = self._read()
+            if holder is None or holder.get("token") != self.token:
+                self.lost = True
+                return
+            try:
+                self._replace()
+            except OSError:
+                pass  # a transient filesystem error: the next beat retries
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        holder = self._read()
+        if holder is not None and holder.get("token") == self.token:
+            self.path.unlink(missing_ok=True)
