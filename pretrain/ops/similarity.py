@@ -10,6 +10,7 @@ Legend: N rows, M columns, D embedding size, E = 2 exclusions per row (positive,
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -28,7 +29,9 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     if impl not in IMPLS:
         raise ValueError(f"similarity impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "cuda" if device.type == "cuda" and extension.cuda_available() else "torch"
+        if device.type == "cuda" and extension.cuda_available() and kernel_self_check(device):
+            return "cuda"
+        return "torch"
     if impl == "cuda":
         if device.type != "cuda":
             raise ValueError(f"impl='cuda' needs CUDA tensors, got {device}; use impl='auto' or 'torch'")
@@ -39,6 +42,64 @@ def resolve_impl(impl: str, device: torch.device) -> str:
                 "pretrain.ops.extension.build_jit(), or use impl='torch'"
             )
     return impl
+
+
+_SELF_CHECK: dict[str, bool] = {}
+SELF_CHECK_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def kernel_self_check(device) -> bool:
+    """Whether the fused kernel computes what the torch path computes on ``device`` (once per device).
+
+    ``ops.similarity: auto`` uses the kernel only after this: a small random problem (96 x 130 x 64, fp32
+    and bf16, a self exclusion and an ArcCon margin) through both paths, loss and both gradients compared.
+    A mismatch (or an error) warns once and ``auto`` falls back to the torch path on that device."""
+    key = str(device)
+    if key not in _SELF_CHECK:
+        try:
+            errors = _self_check_errors(device)
+            bad = {k: v for k, v in errors.items() if not v <= SELF_CHECK_TOL[k[0]]}
+            reason = ", ".join(f"{dt} {name} rel. err {err:.2e}" for (dt, name), err in bad.items())
+        except Exception as e:  # noqa: BLE001 - any failure of the kernel means: do not trust it
+            bad, reason = {"error": True}, f"{type(e).__name__}: {e}"
+        _SELF_CHECK[key] = not bad
+        if bad:
+            warnings.warn(f"ops.similarity=auto: the CUDA kernel disagrees with the torch path on {device} "
+                          f"({reason}); using the torch path there. Rebuild the extension, or set "
+                          f"ops.similarity=torch (or =cuda to force the kernel).", RuntimeWarning, stacklevel=3)
+    return _SELF_CHECK[key]
+
+
+def _self_check_errors(device) -> dict:
+    gen = torch.Generator().manual_seed(20261122)
+    q = F.normalize(torch.randn(96, 64, generator=gen), dim=1).to(device)
+    k = F.normalize(torch.randn(130, 64, generator=gen), dim=1).to(device)
+    pos = torch.randint(0, 130, (96,), generator=gen).to(device)
+    self_idx = (pos + 1) % 130
+    errors = {}
+    for dtype in SELF_CHECK_TOL:
+        outs = {}
+        for backend in ("cuda", "torch"):
+            a = q.to(dtype).clone().requires_grad_()
+            b = k.to(dtype).clone().requires_grad_()
+            loss = _rows_with_backend(a, b, pos, self_idx, backend)
+            ga, gb = torch.autograd.grad(loss.sum(), (a, b))
+            outs[backend] = (loss, ga, gb)
+        for name, x, y in zip(("loss", "dq", "dk"), outs["cuda"], outs["torch"]):
+            x, y = x.detach().double(), y.detach().double()
+            errors[(dtype, name)] = float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
+    return errors
+
+
+def _rows_with_backend(q_ND, k_MD, pos_N, self_N, backend: str) -> torch.Tensor:
+    """InfoNCE rows (T = 0.05, 10 degree margin) through a given masked-lse backend, no dispatch checks."""
+    inv_temp = 20.0
+    acc = acc_dtype(q_ND.dtype)
+    c_pos_N = (q_ND.to(acc) * k_MD[pos_N].to(acc)).sum(dim=1)
+    s_pos_N = arc_margin(c_pos_N, 0.17453292519943295) * inv_temp
+    excl_NE = torch.stack([pos_N, self_N], dim=1)
+    lse_N = torch.logaddexp(_masked_lse(q_ND, k_MD, excl_NE, inv_temp, backend, 32), s_pos_N)
+    return lse_N - s_pos_N
 
 
 def _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size, check_values: bool = True) -> None:

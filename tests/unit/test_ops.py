@@ -231,3 +231,30 @@ def test_jit_build_explains_a_cpu_only_torch():
     assert all((extension.CSRC_DIR / name).is_file() for name in extension.SOURCES)
     with pytest.raises(ValueError, match="CUDA build of torch"):
         extension.build_jit()
+
+
+# ----------------------------------------------------------------------------- kernel self-check (auto)
+
+def test_auto_trusts_the_kernel_only_after_its_self_check(monkeypatch):
+    """On CPU, with stand-ins: a kernel that agrees with the torch path is used by `auto`, one that does not
+    is refused with a warning (once per device) and `auto` falls back to the torch path."""
+    from pretrain.ops import extension, library
+    from pretrain.ops import similarity as sim
+
+    monkeypatch.setattr(extension, "cuda_available", lambda: True)
+
+    # The CUDA op on CPU tensors runs the chunked implementation: it agrees.
+    monkeypatch.setattr(sim, "_SELF_CHECK", {})
+    assert sim.kernel_self_check(torch.device("cpu")) is True
+    monkeypatch.setattr(sim, "_SELF_CHECK", {"cuda:7": True})
+    assert sim.resolve_impl("auto", torch.device("cuda", 7)) == "cuda"
+
+    # A stand-in kernel that is off by 1e-2 in its log-sum-exp is caught and refused.
+    real = library.masked_lse
+    monkeypatch.setattr(library, "masked_lse", lambda q, k, excl, t, c: real(q, k, excl, t, c) + 1e-2)
+    monkeypatch.setattr(sim, "_SELF_CHECK", {})
+    with pytest.warns(RuntimeWarning, match="disagrees with the torch path on cpu .*float32 loss rel. err"):
+        assert sim.kernel_self_check(torch.device("cpu")) is False
+    assert sim.kernel_self_check(torch.device("cpu")) is False  # decided once per device, warned once
+    monkeypatch.setattr(sim, "_SELF_CHECK", {"cuda:7": False})
+    assert sim.resolve_impl("auto", torch.device("cuda", 7)) == "torch"
