@@ -59,7 +59,8 @@ def find_latest(ckpt_dir: Path) -> str | None:
     latest = ckpt_dir / LATEST_FILE
     if latest.is_file():
         tag = latest.read_text().strip()
-        if tag and is_complete(ckpt_dir / tag):
+        # `latest` names a tag of this directory or nothing: "../x" or an absolute path is never followed.
+        if _TAG_RE.match(tag) and is_complete(ckpt_dir / tag):
             complete = list_complete(ckpt_dir)
             # A crash between publishing a tag and updating `latest` leaves a newer complete tag.
             return complete[-1] if complete and _step_of(complete[-1]) > _step_of(tag) else tag
@@ -161,13 +162,26 @@ def load_checkpoint(engine, env, tag_dir: Path) -> dict:
     """Collective load of engine state + this rank's RNG; returns trainer_state."""
     state = read_trainer_state(tag_dir)
     engine.load(str(tag_dir.parent), tag_dir.name)
-    rng_file = tag_dir / f"rng_rank{env.rank}.pt"
-    if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=False)
+    rng = load_rng_state(tag_dir / f"rng_rank{env.rank}.pt")
+    if rng is not None:
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return state
+
+
+def load_rng_state(rng_file: Path) -> dict | None:
+    """A rank's saved RNG states (tensors only: ``weights_only=True``, so a planted pickle runs no code)."""
+    if not rng_file.is_file():
+        return None
+    try:
+        rng = torch.load(rng_file, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError for anything but tensors, or a damaged file
+        raise CheckpointError(f"{rng_file} is not a plain RNG-state file ({type(e).__name__}); the checkpoint is "
+                              f"damaged or was not written by pretrain-train: resume from another checkpoint") from None
+    if not isinstance(rng, dict) or not torch.is_tensor(rng.get("torch")):
+        raise CheckpointError(f"{rng_file} holds no RNG state; the checkpoint is damaged")
+    return rng
 
 
 def resolve_tag_dir(path: str | os.PathLike) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -159,3 +160,40 @@ def test_crlf_and_bom_give_the_same_dataset_as_lf(inputs, tmp_path, capsys):
     a, b = ShardedDataset(str(tmp_path / "lf")), ShardedDataset(str(tmp_path / "crlf_bom"))
     assert len(a) == len(b) == 3 and a.num_documents == b.num_documents == 2
     assert all(list(a[i]) == list(b[i]) for i in range(len(a)))
+
+
+# ----------------------------------------------------------------------------- untrusted files in a run dir
+
+def test_latest_naming_a_path_outside_the_checkpoints_is_not_followed(tmp_path):
+    from pretrain.checkpoint import store
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    for tag in ("step_00000002", "../../evil/step_00000009"):
+        (ckpt / tag).mkdir(parents=True)
+        (ckpt / tag / store.STATE_FILE).write_text("{}")
+    (ckpt / store.LATEST_FILE).write_text("../../evil/step_00000009\n")
+    assert store.find_latest(ckpt) == "step_00000002"
+    (ckpt / store.LATEST_FILE).write_text(str((tmp_path / "evil" / "step_00000009").resolve()) + "\n")
+    assert store.find_latest(ckpt) == "step_00000002"
+
+
+def test_planted_pickle_in_rng_state_runs_no_code(tmp_path):
+    import pickle
+
+    from pretrain.checkpoint import store
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    bad = tmp_path / "rng_rank0.pt"
+    with open(bad, "wb") as f:
+        pickle.dump({"torch": Payload()}, f)
+    with pytest.raises(store.CheckpointError, match="not a plain RNG-state file"):
+        store.load_rng_state(bad)
+    assert not marker.exists()
+    good = tmp_path / "rng_ok.pt"
+    torch.save({"torch": torch.get_rng_state(), "cuda": None}, good)
+    assert torch.equal(store.load_rng_state(good)["torch"], torch.get_rng_state())
