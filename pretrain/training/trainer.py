@@ -138,6 +138,14 @@ class Trainer:
                 f"re-split exactly. Relaunch with {old_world} ranks, or start a new run_dir with "
                 f"checkpoint.init_from={tag_dir} (weights only)."
             )
+        changed = _changed_architecture(tag_dir, self.cfg)
+        if changed:
+            raise ValueError(
+                f"checkpoint {tag_dir} was trained with another model or tokenizer than this run's config: "
+                + "; ".join(changed) + ". Resuming would load weights that do not fit. Either keep the "
+                f"checkpoint's settings, or start a new run_dir (with checkpoint.init_from={tag_dir} to start "
+                f"from its weights where their shapes fit)."
+            )
         if state.get("global_batch", self.global_batch) != self.global_batch:
             raise ValueError(
                 f"checkpoint {tag_dir} used a global batch of {state['global_batch']} sequences, this run "
@@ -330,6 +338,30 @@ def _stage_parts(cfg: RunConfig):
                 lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
                 sentences.build_sentence_loader)
     return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
+
+
+def _changed_architecture(tag_dir: Path, cfg: RunConfig) -> list[str]:
+    """``key: A in the checkpoint, B now`` for every model.* setting and the tokenizer that differ between the
+    checkpoint's config.yaml (+ its tokenizer copy) and this run. Settings safe to change on resume (steps,
+    logging, evaluation and checkpoint cadence, LR schedule, data workers) are not compared."""
+    import yaml
+
+    from pretrain.config.loader import to_dict
+    from pretrain.data.indexed import file_sha256
+
+    try:
+        old = yaml.safe_load((tag_dir / "config.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return []  # an old checkpoint without config: the shape check at load time still applies
+    now_model, old_model = to_dict(cfg.model), old.get("model") or {}
+    changed = [f"model.{k}: {old_model[k]!r} in the checkpoint, {now_model[k]!r} now"
+               for k in sorted(now_model) if k in old_model and old_model[k] != now_model[k]]
+    tok = tag_dir / "tokenizer.json"
+    if tok.is_file() and cfg.data.tokenizer and Path(cfg.data.tokenizer).is_file():
+        if file_sha256(str(tok)) != file_sha256(cfg.data.tokenizer):
+            changed.append(f"data.tokenizer: {cfg.data.tokenizer} is not the tokenizer the checkpoint was trained "
+                           f"with (its copy: {tok})")
+    return changed
 
 
 def _lock_run_dir(run_dir: Path, env) -> RunLock | None:

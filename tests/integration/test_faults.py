@@ -437,3 +437,38 @@ def test_second_trainer_on_a_run_dir_in_use_exits_at_once_naming_the_holder(tmp_
         first.stdout.close()
     assert first.returncode == 75
     assert not (run_dir / "run.lock").exists()
+
+
+# ------------------------------------------------------------------------------ resume with another model
+
+@pytest.mark.slow
+def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_path, tiny_overrides, clean_env,
+                                                                            capsys, tiny_corpus):
+    """Through the real CLI entry point: the differing keys are listed with both values and both ways
+    forward; safe changes (max_steps, logging, checkpoint cadence) still resume."""
+    run_dir = tmp_path / "run"
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=2, checkpoint__every=2), capsys)
+    assert code == 0, out[-2000:]
+
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, model__hidden_size=48,
+                                     model__ffn_size=96), capsys)
+    assert code == 2, out[-2000:]
+    assert "model.ffn_size: 64 in the checkpoint, 96 now" in out and "model.hidden_size: 32 in the checkpoint, 48 now" in out
+    assert "start a new run_dir" in out and "checkpoint.init_from=" in out and "Traceback" not in out
+
+    other_tok = tmp_path / "other_tokenizer.json"
+    from pretrain.data.tokenizer import train_tokenizer
+
+    from pretrain.data.preprocess import preprocess
+
+    text = f"{tiny_corpus['dir']}/text/valid.txt"
+    train_tokenizer([text], str(other_tok), kind="wordpiece", vocab_size=500)
+    preprocess([text], str(tmp_path / "other_data"), str(other_tok), num_workers=1, progress=False)
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, data__tokenizer=str(other_tok),
+                                     data__sources=f"[{{name: d, path: {tmp_path / 'other_data'}}}]"), capsys)
+    assert code == 2 and "is not the tokenizer the checkpoint was trained with" in out, out[-2000:]
+    assert "model.vocab_size: 2000 in the checkpoint" in out
+
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, train__log_every=2,
+                                     checkpoint__every=4), capsys)
+    assert code == 0 and "resumed from" in out, out[-2000:]
