@@ -48,6 +48,10 @@ def main(argv=None) -> int:
     except TrainingDiverged as e:
         print(f"pretrain-train: {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # a second Ctrl-C (StopSignal turns the first into a checkpoint-and-stop)
+        print(f"pretrain-train: aborted by a second SIGINT (rank {env.rank}); nothing was saved since the last "
+              f"checkpoint", file=sys.stderr)
+        return 130
     except CheckpointError as e:  # disk full or unreadable checkpoint: the message says what to do
         print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)
         return 4

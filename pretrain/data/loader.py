@@ -73,7 +73,10 @@ class RankBatchSampler:
 
 
 def _worker_init(worker_id: int) -> None:
+    from pretrain.training.signals import ignore_in_worker
+
     torch.set_num_threads(1)
+    ignore_in_worker()  # SIGTERM/SIGINT/SIGUSR1 to the process group: the main process decides
 
 
 class ResumableLoader:

@@ -211,11 +211,13 @@ class Trainer:
             if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.train.max_steps:
                 self.save()
             if self._should_stop():
-                self.save()
+                path = self.save()
+                code = self.stop_signal.exit_code if self.stop_signal.requested else REQUEUE_EXIT_CODE
                 if self.env.is_main:
-                    print_progress(f"stop signal: checkpointed step {self.step}; exiting with "
-                                   f"{REQUEUE_EXIT_CODE} so the job is requeued")
-                return REQUEUE_EXIT_CODE
+                    why = ("stopped by Ctrl-C: resume with the same command" if code != REQUEUE_EXIT_CODE
+                           else "exiting so the job is requeued")
+                    print_progress(f"stop signal: checkpointed step {self.step} ({path}); {why} (exit {code})")
+                return code
         self.validate()
         self.save()
         return 0

@@ -472,3 +472,71 @@ def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, train__log_every=2,
                                      checkpoint__every=4), capsys)
     assert code == 0 and "resumed from" in out, out[-2000:]
+
+
+# ------------------------------------------------------------------------------ signals to the whole job
+
+def _start_and_wait_for_a_step(run_dir, args):
+    p = subprocess.Popen([sys.executable, "-m", "pretrain.train", *args], cwd=REPO, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not (run_dir / "metrics.jsonl").is_file() or '"split": "train"' not in (run_dir / "metrics.jsonl").read_text():
+        assert p.poll() is None, p.stdout.read()[-3000:]
+        assert time.time() < deadline, "no step was logged"
+        time.sleep(0.2)
+    return p
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 75)])
+def test_signal_to_the_whole_process_group_checkpoints_and_exits(sig, code, tmp_path, tiny_overrides):
+    """Ctrl-C / scancel / timeout send the signal to every process of the job, DataLoader workers included:
+    the workers ignore it, the main process finishes the step, checkpoints and exits (130 for Ctrl-C, 75 to
+    be requeued)."""
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0,
+                          data__num_workers=1)
+    p = _start_and_wait_for_a_step(run_dir, args)
+    os.killpg(p.pid, sig)
+    out = p.communicate(timeout=240)[0]
+    assert p.returncode == code, out[-3000:]
+    assert f"received {sig.name}: will checkpoint after the current step" in out
+    assert f"(exit {code})" in out and "Traceback" not in out and "killed by signal" not in out, out[-3000:]
+    assert store.find_latest(store.checkpoints_dir(run_dir)) is not None
+    assert not (run_dir / "run.lock").exists()
+
+
+_SLOW_STEPS = """
+import sys, time
+from pretrain.training.trainer import Trainer
+real = Trainer.train_step
+def slow(self, *a, **k):
+    out = real(self, *a, **k)
+    time.sleep(1.5)  # a long step: a second Ctrl-C lands inside it
+    return out
+Trainer.train_step = slow
+from pretrain.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_second_sigint_aborts_at_once(tmp_path, tiny_overrides):
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0)
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_STEPS, *args], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in p.stdout:  # one line at a time: act on what the trainer says
+        seen.append(line)
+        if line.startswith("step 1/"):
+            os.killpg(p.pid, signal.SIGINT)
+        elif line.startswith("received SIGINT"):
+            os.killpg(p.pid, signal.SIGINT)
+            break
+    out = "".join(seen) + p.communicate(timeout=240)[0]
+    assert p.returncode == 130, out[-3000:]
+    assert "aborted by a second SIGINT (rank 0); nothing was saved since the last checkpoint" in out, out[-3000:]
+    assert "Traceback" not in out and "checkpointed step" not in out
+    assert store.find_latest(store.checkpoints_dir(run_dir)) is None
+    assert not (run_dir / "run.lock").exists()
