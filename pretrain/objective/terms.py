@@ -18,7 +18,6 @@ from pretrain.objectives.nt_xent import nt_xent
 from pretrain.objectives.ranking import cosine_matrix, js_consistency, listmle, listnet, mix_teacher_sims
 from pretrain.objectives.reconstruction import frequency_weights, reconstruction_loss
 from pretrain.objectives.triplet import dropout_off, triplet_entailment
-from pretrain.ops import view_rows
 
 
 def _prefixed(prefix: str, metrics: dict) -> dict:
@@ -32,12 +31,12 @@ def mlm_term(fwd: Forward, cfg, ctx: Context):
 
 def nt_xent_term(fwd: Forward, cfg, ctx: Context):
     z_a, z_b = fwd.view_projections()
-    keys, offset = None, 0
+    gather = None
     if cfg.gather and ctx.env.is_distributed:  # every rank's views are negatives
-        rows = view_rows(z_a, z_b)
-        keys, offset = all_gather_with_grad(rows, ctx.env), ctx.env.rank * rows.shape[0]
+        def gather(rows):
+            return all_gather_with_grad(rows, ctx.env), ctx.env.rank * rows.shape[0]
     return nt_xent(z_a, z_b, temperature=cfg.temperature, impl=ctx.ops.similarity,
-                   chunk_size=ctx.ops.chunk_size, keys_CP=keys, key_offset=offset)
+                   chunk_size=ctx.ops.chunk_size, gather=gather)
 
 
 def info_nce_term(fwd: Forward, cfg, ctx: Context):

@@ -13,13 +13,13 @@ from pretrain import ops
 
 
 def nt_xent(z_a_NP: torch.Tensor, z_b_NP: torch.Tensor, *, temperature: float, impl: str = "auto",
-            chunk_size: int = 1024, keys_CP: torch.Tensor | None = None, key_offset: int = 0):
+            chunk_size: int = 1024, gather=None):
     """-> (loss_sum over the 2N local rows, 2N, metrics {"cl_acc": (correct, 2N)}).
 
-    ``keys_CP``/``key_offset``: the negatives when they are more than this rank's views (all ranks'
-    ``ops.view_rows``, gathered by the caller)."""
+    ``gather``: the caller's ``rows -> (keys, offset)`` when the negatives are more than this rank's views
+    (see ``ops.nt_xent_rows``)."""
     loss_2N = ops.nt_xent_rows(z_a_NP, z_b_NP, temperature=temperature, impl=impl, chunk_size=chunk_size,
-                               keys_CD=keys_CP, key_offset=key_offset)
+                               gather=gather)
     count = loss_2N.numel()
     with torch.no_grad():
         correct = _local_top1(z_a_NP, z_b_NP, chunk_size)

@@ -10,6 +10,7 @@ Legend: N rows, M columns, D embedding size, E = 2 exclusions per row (positive,
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Literal
 
@@ -82,24 +83,13 @@ def _self_check_errors(device) -> dict:
         for backend in ("cuda", "torch"):
             a = q.to(dtype).clone().requires_grad_()
             b = k.to(dtype).clone().requires_grad_()
-            loss = _rows_with_backend(a, b, pos, self_idx, backend)
+            loss, _ = _rows(a, b, pos, self_idx, 20.0, math.radians(10.0), backend, 32)
             ga, gb = torch.autograd.grad(loss.sum(), (a, b))
             outs[backend] = (loss, ga, gb)
         for name, x, y in zip(("loss", "dq", "dk"), outs["cuda"], outs["torch"]):
             x, y = x.detach().double(), y.detach().double()
             errors[(dtype, name)] = float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
     return errors
-
-
-def _rows_with_backend(q_ND, k_MD, pos_N, self_N, backend: str) -> torch.Tensor:
-    """InfoNCE rows (T = 0.05, 10 degree margin) through a given masked-lse backend, no dispatch checks."""
-    inv_temp = 20.0
-    acc = acc_dtype(q_ND.dtype)
-    c_pos_N = (q_ND.to(acc) * k_MD[pos_N].to(acc)).sum(dim=1)
-    s_pos_N = arc_margin(c_pos_N, 0.17453292519943295) * inv_temp
-    excl_NE = torch.stack([pos_N, self_N], dim=1)
-    lse_N = torch.logaddexp(_masked_lse(q_ND, k_MD, excl_NE, inv_temp, backend, 32), s_pos_N)
-    return lse_N - s_pos_N
 
 
 def _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size, check_values: bool = True) -> None:
@@ -158,20 +148,23 @@ def info_nce_rows(
     impl: str = "auto",
     chunk_size: int = 1024,
     return_lse: bool = False,
-    _trusted_indices: bool = False,
 ):
     """Per-row InfoNCE/ArcCon loss_N (fp32, not reduced) of L2-normalised q against k; (loss_N, lse_N) if return_lse.
 
     Row i's positive is column pos_idx[i] (logit cos(acos(c) + margin)/T, margin in radians);
     column self_idx[i] is left out of the softmax. Differentiable w.r.t. q and k.
     """
-    # Callers that build the indices themselves (nt_xent_rows) skip the value checks: each is a host sync.
-    _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size, check_values=not _trusted_indices)
+    _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size)
     backend = resolve_impl(impl, q_ND.device)
-    inv_temp = 1.0 / float(temperature)
     pos_idx_N = pos_idx_N.to(q_ND.device, torch.long)
     if self_idx_N is not None:
         self_idx_N = self_idx_N.to(q_ND.device, torch.long)
+    loss_N, lse_N = _rows(q_ND, k_MD, pos_idx_N, self_idx_N, 1.0 / float(temperature), margin, backend, chunk_size)
+    return (loss_N, lse_N) if return_lse else loss_N
+
+
+def _rows(q_ND, k_MD, pos_idx_N, self_idx_N, inv_temp: float, margin: float, backend: str, chunk_size: int):
+    """(loss_N, lse_N) on checked inputs through one concrete backend ('cuda', 'torch' or 'eager')."""
     acc = acc_dtype(q_ND.dtype)
     c_pos_N = (q_ND.to(acc) * k_MD[pos_idx_N].to(acc)).sum(dim=1)
     s_pos_N = (arc_margin(c_pos_N, margin) if margin != 0.0 else c_pos_N) * inv_temp
@@ -179,21 +172,10 @@ def info_nce_rows(
         lse_N = _eager_lse(q_ND, k_MD, pos_idx_N, self_idx_N, s_pos_N, inv_temp)
     else:
         none_N = torch.full_like(pos_idx_N, -1)
-        excl_NE = torch.stack([pos_idx_N, none_N if self_idx_N is None else self_idx_N.long()], dim=1)
+        excl_NE = torch.stack([pos_idx_N, none_N if self_idx_N is None else self_idx_N], dim=1)
         lse_rest_N = _masked_lse(q_ND, k_MD, excl_NE, inv_temp, backend, chunk_size)
         lse_N = torch.logaddexp(lse_rest_N, s_pos_N)
-    loss_N = lse_N - s_pos_N
-    return (loss_N, lse_N) if return_lse else loss_N
-
-
-def view_rows(z_a_ND: torch.Tensor, z_b_ND: torch.Tensor) -> torch.Tensor:
-    """NT-Xent's rows: cat(z_a, z_b) L2-normalised (in fp32 for half inputs), in the inputs' dtype (2N, D).
-
-    To use every rank's views as negatives, gather these rows (with gradient) and pass them to
-    ``nt_xent_rows`` as ``keys_CD`` with ``key_offset = rank * 2N``."""
-    if z_a_ND.shape != z_b_ND.shape or z_a_ND.dim() != 2:
-        raise ValueError(f"z_a and z_b must both be (N, D), got {tuple(z_a_ND.shape)} and {tuple(z_b_ND.shape)}")
-    return F.normalize(torch.cat([z_a_ND, z_b_ND]).to(acc_dtype(z_a_ND.dtype)), dim=1).to(z_a_ND.dtype)
+    return lse_N - s_pos_N, lse_N
 
 
 def nt_xent_rows(
@@ -203,25 +185,26 @@ def nt_xent_rows(
     temperature: float,
     impl: str = "auto",
     chunk_size: int = 1024,
-    keys_CD: torch.Tensor | None = None,
-    key_offset: int = 0,
+    gather=None,
 ) -> torch.Tensor:
     """CLEAR/SimCLR NT-Xent loss_2N (fp32) over rows cat(z_a, z_b): positive = partner view, self excluded.
 
-    The columns are this rank's own rows, or ``keys_CD`` (e.g. all ranks' ``view_rows`` gathered by the
-    caller, this rank's block starting at ``key_offset``); only this rank's 2N rows are computed. Inputs
-    need not be normalised.
+    The rows are cat(z_a, z_b) L2-normalised (in fp32 for half inputs); the columns are those rows, or
+    ``gather(rows) -> (keys_CD, offset)`` when the caller supplies it (e.g. every rank's rows, gathered with
+    gradient, this rank's block at ``offset``): ops never communicate themselves. Only this rank's 2N rows
+    are computed. Inputs need not be normalised.
     """
-    z_RD = view_rows(z_a_ND, z_b_ND)
+    if z_a_ND.shape != z_b_ND.shape or z_a_ND.dim() != 2:
+        raise ValueError(f"z_a and z_b must both be (N, D), got {tuple(z_a_ND.shape)} and {tuple(z_b_ND.shape)}")
     num_pairs = z_a_ND.shape[0]
-    cols_CD = z_RD if keys_CD is None else keys_CD
-    if keys_CD is not None and (keys_CD.shape[1] != z_RD.shape[1] or
-                                not 0 <= key_offset <= keys_CD.shape[0] - z_RD.shape[0]):
-        raise ValueError(f"keys_CD {tuple(keys_CD.shape)} with key_offset {key_offset} does not hold this rank's "
+    z_RD = F.normalize(torch.cat([z_a_ND, z_b_ND]).to(acc_dtype(z_a_ND.dtype)), dim=1).to(z_a_ND.dtype)
+    cols_CD, offset = (z_RD, 0) if gather is None else gather(z_RD)
+    if cols_CD.shape[1] != z_RD.shape[1] or not 0 <= offset <= cols_CD.shape[0] - z_RD.shape[0]:
+        raise ValueError(f"gathered keys {tuple(cols_CD.shape)} at offset {offset} do not hold this rank's "
                          f"{tuple(z_RD.shape)} rows")
+    # The indices are built here, so only the structural checks run (a value check is a host sync each).
     rows_R = torch.arange(2 * num_pairs, device=z_RD.device)
-    pos_idx_R = (rows_R + num_pairs) % (2 * num_pairs) + key_offset
-    return info_nce_rows(
-        z_RD, cols_CD, pos_idx_R, temperature=temperature, self_idx_N=rows_R + key_offset,
-        impl=impl, chunk_size=chunk_size, _trusted_indices=True,
-    )
+    pos_idx_R = (rows_R + num_pairs) % (2 * num_pairs) + offset
+    _check_inputs(z_RD, cols_CD, pos_idx_R, None, temperature, chunk_size, check_values=False)
+    backend = resolve_impl(impl, z_RD.device)
+    return _rows(z_RD, cols_CD, pos_idx_R, rows_R + offset, 1.0 / float(temperature), 0.0, backend, chunk_size)[0]

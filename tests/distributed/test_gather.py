@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from pretrain.distributed.comm import all_gather_with_grad, all_reduce_sum
 from pretrain.distributed.env import DistEnv
-from pretrain.ops import nt_xent_rows, view_rows
+from pretrain.ops import nt_xent_rows
 
 WORLD = 2
 PAIRS, DIM, TEMP = 5, 12, 0.1
@@ -47,9 +47,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for impl in IMPLS:
             z_a = z_a_all[block].clone().requires_grad_()
             z_b = z_b_all[block].clone().requires_grad_()
-            keys = all_gather_with_grad(view_rows(z_a, z_b), env)  # the caller gathers the negatives
-            loss = nt_xent_rows(z_a, z_b, temperature=TEMP, impl=impl, chunk_size=3, keys_CD=keys,
-                                key_offset=rank * 2 * PAIRS)
+            loss = nt_xent_rows(z_a, z_b, temperature=TEMP, impl=impl, chunk_size=3,  # the caller gathers
+                                gather=lambda rows: (all_gather_with_grad(rows, env), rank * rows.shape[0]))
             loss.sum().backward()
             result[impl] = {"loss": loss.detach(), "ga": z_a.grad, "gb": z_b.grad}
 
