@@ -13,13 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pretrain.checkpoint.hf import (
-    export_hf,
-    load_hf_model,
-    load_init_weights,
-    write_clean_tokenizer,
-    write_init_dir,
-)
+from pretrain.checkpoint.hf import export_hf, load_init_weights, write_clean_tokenizer, write_init_dir
+from pretrain.checkpoint.resolve import load_hf_model, open_weights
 from pretrain.model import POOLINGS, PretrainModel
 
 __all__ = ["from_hf", "load_checkpoint_model", "load_init_weights", "main", "to_hf"]
@@ -27,8 +22,6 @@ __all__ = ["from_hf", "load_checkpoint_model", "load_init_weights", "main", "to_
 
 def load_checkpoint_model(checkpoint: str) -> tuple[PretrainModel, dict]:
     """(model, resolved run-config dict) from any of our checkpoints or a from-hf init directory."""
-    from pretrain.checkpoint.resolve import open_weights
-
     w = open_weights(checkpoint)
     if w.kind not in ("checkpoint", "init_dir"):
         raise ValueError(f"{checkpoint} is a Hugging Face directory, not one of our checkpoints; it is already in "

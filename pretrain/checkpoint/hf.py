@@ -362,22 +362,6 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict:
     raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {d}")
 
 
-def open_hf_dir(hf_dir: str | os.PathLike):
-    """``Weights`` of a Hugging Face (or sentence-transformers) BERT directory; FileNotFoundError otherwise."""
-    from pretrain.checkpoint.resolve import open_weights
-
-    d = Path(hf_dir)
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"{d} has no config.json; pass a Hugging Face BERT model directory")
-    return open_weights(d)
-
-
-def load_hf_model(hf_dir: str | os.PathLike) -> PretrainModel:
-    """HF BERT directory -> PretrainModel in fp32. Without MLM head weights the head is freshly
-    initialised (warned); without pooler weights the model has no pooler (cfg.pooler=False)."""
-    return open_hf_dir(hf_dir).build_model()
-
-
 def model_with_state(
     cfg: ModelConfig, state: dict, *, source: str, required_prefixes: tuple[str, ...] = ("encoder.",)
 ) -> PretrainModel:
@@ -420,16 +404,6 @@ def write_clean_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_path))
     return str(out_path)
-
-
-def load_hf(hf_dir: str, *, tokenizer_out: str | None = None):
-    """HF BERT directory -> (PretrainModel, Tokenizer).
-
-    The tokenizer is re-saved as a clean tokenizer.json at ``tokenizer_out`` (default: a new
-    temporary directory, kept because our Tokenizer re-opens its file by path).
-    """
-    w = open_hf_dir(hf_dir)
-    return w.build_model(), w.load_tokenizer(tokenizer_out)
 
 
 # ----------------------------------------------------------------------------- our "init" directory

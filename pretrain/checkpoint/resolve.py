@@ -7,9 +7,11 @@ Recognised, in this order (the first match wins):
     init_dir               model.safetensors + config.yaml (``pretrain-convert from-hf``, ``<run_dir>/best/``)
     checkpoint             a run directory, its checkpoints/ or a tag (any ZeRO stage)
 
-Weights travel as safetensors; the only pickle read is DeepSpeed's own checkpoint format and a HF
-``pytorch_model.bin``, both with ``weights_only=True``. Used by ``checkpoint.init_from``, ``pretrain-convert``,
-RankCSE's teachers and evaluation, so that they all accept the same inputs with the same errors.
+HF and init directories are read from safetensors (a HF ``pytorch_model.bin`` with ``weights_only=True``);
+our checkpoints are still read from DeepSpeed's pickled files (``store.load_model_state``), so a run directory
+must be trusted. Used by ``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so
+that they all accept the same inputs with the same errors. This module depends on ``checkpoint.hf`` (key
+maps, readers), never the other way round.
 """
 
 from __future__ import annotations
@@ -147,3 +149,24 @@ def _open_hf(p: Path, kind: Kind) -> Weights:
         if not isinstance(modules, list):
             raise ValueError(f"{p / 'modules.json'} is not a list of modules; is it a sentence-transformers model?")
     return Weights(kind, p, state, cfg, st_modules=modules)
+
+
+def open_hf_dir(hf_dir: str | os.PathLike) -> Weights:
+    """``Weights`` of a Hugging Face (or sentence-transformers) BERT directory; FileNotFoundError otherwise."""
+    d = Path(hf_dir)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d} has no config.json; pass a Hugging Face BERT model directory")
+    return _open_hf(d, detect_kind(d))
+
+
+def load_hf_model(hf_dir: str | os.PathLike):
+    """HF BERT directory -> PretrainModel in fp32. Without MLM head weights the head is freshly
+    initialised (warned); without pooler weights the model has no pooler (cfg.pooler=False)."""
+    return open_hf_dir(hf_dir).build_model()
+
+
+def load_hf(hf_dir: str, *, tokenizer_out: str | None = None):
+    """HF BERT directory -> (PretrainModel, Tokenizer); the tokenizer re-saved as a clean tokenizer.json at
+    ``tokenizer_out`` (default: a new temporary directory, kept: our Tokenizer re-opens its file by path)."""
+    w = open_hf_dir(hf_dir)
+    return w.build_model(), w.load_tokenizer(tokenizer_out)

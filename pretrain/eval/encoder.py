@@ -122,10 +122,6 @@ class SentenceEncoder:
         return out
 
 
-def _looks_like_hf_dir(p: Path) -> bool:
-    return p.is_dir() and (p / "config.json").is_file()
-
-
 def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu"):
     """(model, tokenizer) from anything ``checkpoint.resolve.open_weights`` recognises.
 

@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from pretrain.checkpoint import hf as hfmod  # noqa: E402
+from pretrain.checkpoint import resolve  # noqa: E402
 from pretrain.checkpoint.convert import main as convert_main  # noqa: E402
 from pretrain.config.model import ModelConfig  # noqa: E402
 from pretrain.model import TIED_KEYS, PretrainModel, build_model  # noqa: E402
@@ -75,12 +76,12 @@ def _load_hf_with_any_tokenizer(hf_dir, tmp_path, monkeypatch):
     import pretrain.data.tokenizer as data_tok
 
     try:
-        return hfmod.load_hf(str(hf_dir), tokenizer_out=str(tmp_path / "tok" / "tokenizer.json"))
+        return resolve.load_hf(str(hf_dir), tokenizer_out=str(tmp_path / "tok" / "tokenizer.json"))
     except ValueError as e:
         if "special token" not in str(e):
             raise
     monkeypatch.setattr(data_tok, "load_tokenizer", _StandInTokenizer)
-    return hfmod.load_hf(str(hf_dir), tokenizer_out=str(tmp_path / "tok2" / "tokenizer.json"))
+    return resolve.load_hf(str(hf_dir), tokenizer_out=str(tmp_path / "tok2" / "tokenizer.json"))
 
 
 def _ids_batch(tokenizer, sentences):
@@ -270,7 +271,7 @@ def test_export_import_export_is_identical(exported, tmp_path):
     from safetensors.torch import load_file
 
     model, tok_path, out = exported
-    again = hfmod.load_hf_model(str(out))
+    again = resolve.load_hf_model(str(out))
     assert again.cfg == model.cfg
     ours, back = model.state_dict(), again.state_dict()
     assert list(ours) == list(back) and all(torch.equal(ours[k], back[k]) for k in ours)
