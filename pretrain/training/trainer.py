@@ -138,7 +138,7 @@ class Trainer:
                 f"re-split exactly. Relaunch with {old_world} ranks, or start a new run_dir with "
                 f"checkpoint.init_from={tag_dir} (weights only)."
             )
-        changed = _changed_architecture(tag_dir, self.cfg)
+        changed = _changed_architecture(tag_dir, self.cfg, self.tokenizer.sha256)
         if changed:
             raise ValueError(
                 f"checkpoint {tag_dir} was trained with another model or tokenizer than this run's config: "
@@ -212,7 +212,7 @@ class Trainer:
                 self.save()
             if self._should_stop():
                 path = self.save()
-                code = self.stop_signal.exit_code if self.stop_signal.requested else REQUEUE_EXIT_CODE
+                code = self.stop_signal.exit_code  # 130 after Ctrl-C on this rank, else 75 (requeue)
                 if self.env.is_main:
                     why = ("stopped by Ctrl-C: resume with the same command" if code != REQUEUE_EXIT_CODE
                            else "exiting so the job is requeued")
@@ -229,9 +229,10 @@ class Trainer:
         # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
         with dropout_rng(c.seed, self.step, env.rank, self.engine.device):
             for _ in range(c.train.grad_accum):
-                batch = self._next_batch(loader)
+                batch = self._next_batch(loader)  # counted on the host, then moved: no device sync
                 n_samples += batch["input_ids"].shape[0]
                 n_tokens += count_tokens(batch)
+                batch = _to_device(batch, self.engine.device)
                 loss, metrics = self.engine.forward(batch)
                 finite = _all_finite(loss, env)  # all ranks agree: a bad micro-batch anywhere skips the step
                 if finite:
@@ -256,7 +257,7 @@ class Trainer:
         t_wait = time.perf_counter()
         batch = next(loader)
         self.data_wait_s += time.perf_counter() - t_wait
-        return _to_device(batch, self.engine.device)
+        return batch
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -342,7 +343,7 @@ def _stage_parts(cfg: RunConfig):
     return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
 
 
-def _changed_architecture(tag_dir: Path, cfg: RunConfig) -> list[str]:
+def _changed_architecture(tag_dir: Path, cfg: RunConfig, tokenizer_sha256: str) -> list[str]:
     """``key: A in the checkpoint, B now`` for every model.* setting and the tokenizer that differ between the
     checkpoint's config.yaml (+ its tokenizer copy) and this run. Settings safe to change on resume (steps,
     logging, evaluation and checkpoint cadence, LR schedule, data workers) are not compared."""
@@ -359,10 +360,9 @@ def _changed_architecture(tag_dir: Path, cfg: RunConfig) -> list[str]:
     changed = [f"model.{k}: {old_model[k]!r} in the checkpoint, {now_model[k]!r} now"
                for k in sorted(now_model) if k in old_model and old_model[k] != now_model[k]]
     tok = tag_dir / "tokenizer.json"
-    if tok.is_file() and cfg.data.tokenizer and Path(cfg.data.tokenizer).is_file():
-        if file_sha256(str(tok)) != file_sha256(cfg.data.tokenizer):
-            changed.append(f"data.tokenizer: {cfg.data.tokenizer} is not the tokenizer the checkpoint was trained "
-                           f"with (its copy: {tok})")
+    if tok.is_file() and file_sha256(str(tok)) != tokenizer_sha256:
+        changed.append(f"data.tokenizer: {cfg.data.tokenizer} is not the tokenizer the checkpoint was trained "
+                       f"with (its copy: {tok})")
     return changed
 
 
