@@ -36,7 +36,8 @@ def load_teacher(path: str):
 def resolve_token_freq(cfg: ObjectiveConfig, data: DataConfig | None, tokenizer=None,
                        sentence_dataset=None) -> torch.Tensor:
     """SARCSE's freq(w): objective.reconstruction.token_freq, else the training data's frequencies (the
-    sentence stage's dataset, stored or counted, or the first pretraining source's token_freq.npy)."""
+    sentence stage's dataset — ``sentence_dataset`` when the caller has it open, else opened here — stored
+    or counted, or the first pretraining source's token_freq.npy)."""
     rc = cfg.reconstruction
     if rc.token_freq:
         return load_token_freq(rc.token_freq)

@@ -65,6 +65,14 @@ class Trainer:
                              f"({self.tokenizer.vocab_size}, {cfg.data.tokenizer}); set model.vocab_size=0")
         self.cfg = cfg = dataclasses.replace(cfg, model=model_cfg)
 
+        # The datasets open before the model and DeepSpeed (a bad dataset fails fast, and SARCSE's frequencies
+        # come from the training set). Rank 0 first, building and caching the sample indexes; the others wait,
+        # then memory-map the cached files (data/datasets.py: load_or_build_sample_index).
+        with _main_rank_first(env):
+            self.train_set = build_train_set(cfg, self.tokenizer)
+            self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \
+                if cfg.data.valid else None
+
         if cfg.train.compile and cfg.distributed.zero_stage == 3:
             raise ValueError("train.compile=true is not supported with distributed.zero_stage=3 (ZeRO-3 "
                              "gathers parameters in module hooks); use ZeRO 0-2 or train.compile=false")
@@ -78,19 +86,14 @@ class Trainer:
             if cfg.train.compile:
                 model.encoder.compile_layers()
             ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, stage=cfg.data.stage)
-            self.module = TrainModule(model, Objective(cfg.objective, ctx, **_objective_resources(cfg, self.tokenizer)))
+            self.module = TrainModule(model, Objective(cfg.objective, ctx,
+                                                        **_objective_resources(cfg, self.tokenizer, self.train_set)))
         self.engine = Engine(
             self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
             train=cfg.train, dist=cfg.distributed, env=env,
             lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps),
         )
         self.global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * env.world_size
-        # Rank 0 opens the datasets first, building and caching their sample indexes; the others wait, then
-        # memory-map the cached files (data/datasets.py: load_or_build_sample_index).
-        with _main_rank_first(env):
-            self.train_set = build_train_set(cfg, self.tokenizer)
-            self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \
-                if cfg.data.valid else None
 
         self.stsb = None
         if cfg.eval.stsb_every:
@@ -320,7 +323,7 @@ class Trainer:
             self.lock = None
 
 
-def _objective_resources(cfg: RunConfig, tokenizer) -> dict:
+def _objective_resources(cfg: RunConfig, tokenizer, train_set) -> dict:
     """What the configured objective needs from outside the batch: RankCSE's teachers, SARCSE's frequencies."""
     from pretrain.training import resources
 
@@ -328,7 +331,8 @@ def _objective_resources(cfg: RunConfig, tokenizer) -> dict:
     if cfg.objective.rank_distill is not None:
         out["teachers"] = resources.load_teachers(cfg.objective.rank_distill)
     if cfg.objective.reconstruction is not None:
-        out["token_freq_V"] = resources.resolve_token_freq(cfg.objective, cfg.data, tokenizer)
+        sentences = train_set if cfg.data.stage == "sentences" else None  # counted once, not rebuilt
+        out["token_freq_V"] = resources.resolve_token_freq(cfg.objective, cfg.data, tokenizer, sentences)
     return out
 
 
