@@ -61,11 +61,6 @@ def base_overrides(paths: dict, run_dir: Path, steps: int) -> list[str]:
     ]
 
 
-def steps_half(*runs: dict) -> int:
-    """The half-way checkpoint's step of a run whose logged steps are given (max step // 2)."""
-    return max(max(r) for r in runs if r) // 2
-
-
 def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3), precisions=("bf16", "fp16"),
            similarity: str = "cuda") -> list[dict]:
     """ZeRO stages x precisions: run to `steps`, then resume a copy from the half-way checkpoint."""
@@ -111,7 +106,7 @@ def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3
             log = Path(rr["log"]).read_text(errors="replace") if rr.get("log") else ""
             again = _train_rows(_metrics(Path(rr["run_dir"])))
             # A logged loss is the mean over its log window: compare only windows that start after the checkpoint.
-            common = sorted(s for s in set(again) & set(train) if s - LOG_EVERY >= steps_half(again, train))
+            common = sorted(s for s in set(again) & set(train) if s - LOG_EVERY >= steps // 2)
             diffs = [abs(again[s]["loss"] - train[s]["loss"]) / abs(train[s]["loss"]) for s in common]
             res["resume"] = dict(rc=rr["rc"], resumed_msg="resumed from" in log, steps_compared=common,
                                  max_rel_diff=max(diffs) if diffs else None,

@@ -71,19 +71,15 @@ class ShardedDataset:
                 raise ValueError(f"{shard.prefix} does not match {MANIFEST} (sequence/token counts differ); "
                                  f"run pretrain-preprocess --verify {directory}")
         counts = np.array([len(s) for s in self.shards], dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        """Global index of each shard's first sentence (+ the total), int64 [S + 1]."""
         self.num_documents = int(sum(len(s.doc_idx) - 1 for s in self.shards))
         self.num_tokens = int(sum(s.num_tokens for s in self.shards))
         self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
         self.tokenizer_sha256 = have
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
-
-    @property
-    def starts(self) -> np.ndarray:
-        """Global index of each shard's first sentence (+ the total), int64 [S + 1]."""
-        return self._starts
+        return int(self.starts[-1])
 
     @functools.cached_property
     def sizes(self) -> np.ndarray:
@@ -95,8 +91,8 @@ class ShardedDataset:
     @functools.cached_property
     def doc_idx(self) -> np.ndarray:
         """Global document boundaries, int64 [D + 1]: a copy in RAM, made on first use."""
-        bounds = [np.asarray(s.doc_idx[:-1]) + start for s, start in zip(self.shards, self._starts)]
-        return np.concatenate(bounds + [np.array([self._starts[-1]])]).astype(np.int64)
+        bounds = [np.asarray(s.doc_idx[:-1]) + start for s, start in zip(self.shards, self.starts)]
+        return np.concatenate(bounds + [np.array([self.starts[-1]])]).astype(np.int64)
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Token ids of global sentence ``i`` (memmap view; copy before modifying)."""
@@ -105,8 +101,8 @@ class ShardedDataset:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sentence index {i} out of range for {n} sentences in {self.directory}")
-        k = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return self.shards[k][i - int(self._starts[k])]
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.shards[k][i - int(self.starts[k])]
 
     def token_frequencies(self) -> np.ndarray | None:
         """float64 [V] unigram frequencies over the dataset (sums to 1), or None when not stored."""
