@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: trainer_state.json names the sample stream (``sample_stream``); a version-1 pretraining state is read as
+stream 'generator-v1' (numpy Generators per sample), which this version does not resume into."""
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
 _TAG_RE = re.compile(r"^step_(\d{8,})$")
@@ -148,13 +150,15 @@ def read_trainer_state(tag_dir: Path) -> dict:
 
 
 def upgrade_state(state: dict) -> dict:
-    """Versioned upgrades of trainer_state.json (only version 1 exists so far)."""
+    """Versioned upgrades of trainer_state.json to the current version."""
     version = state.get("format_version")
     if version is None or version > FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint format_version {version!r} is not supported by this pretrain version "
             f"(supports <= {FORMAT_VERSION}); upgrade pretrain to read it"
         )
+    if version == 1:  # written before the sample stream was recorded: the Generator-per-sample stream
+        state = dict(state, format_version=2, sample_stream=state.get("sample_stream", "generator-v1"))
     return state
 
 

@@ -1,179 +1,226 @@
-"""CLEAR sentence augmentations on token-id arrays (Wu et al. 2020, section 3.3 and 4.1).
+"""CLEAR sentence augmentations (Wu et al. 2020, section 3.3 and 4.1), vectorised over a micro-batch.
 
-Shape legend: T = tokens in, W = words (a word is a word-start token plus its
-continuation sub-tokens, per ``tokenizer.word_start_mask()``), V = vocabulary, K = picks.
+Shape legend: B = samples, T = tokens, W = words (a word is a word-start token plus its continuation
+sub-tokens, per ``tokenizer.word_start_mask()``), K = picks, V = vocabulary, E = synonym entries.
 
-All operations work on whole words and take an explicit ``np.random.Generator``:
-  del-word  replace ``round(rate * W)`` random words by [DEL]                (rate 0.7)
+Every operation works on whole words of a ``Ragged`` batch and draws its noise from ``counter_rng.draws``
+(draw j of a stream is a hash of the sample's key), so each row's result depends only on its own tokens and
+key. In words, per row:
+  del-word  the ``round(rate * W)`` words with the smallest draws become [DEL]                   (rate 0.7)
             (each token is deleted with probability 0.7: "we delete 70% tokens")
-  del-span  replace ``num`` random non-overlapping spans of ``round(frac * W)``
-            words by [DEL] (fewer spans on short inputs, total ≈ num*frac*W) (5 x 5%)
-  reorder   pick ``2 * pairs`` non-overlapping spans of ``round(frac * W)`` words,
-            pair them at random and swap each pair                           (5 x 5%)
-  subs      replace ``round(rate * W)`` random words among those with a WordNet
-            synonym by a uniformly chosen synonym (kept if it tokenizes to [UNK]) (rate 0.3)
+  del-span  ``k`` non-overlapping spans of ``round(frac * W)`` words become [DEL] (fewer spans on short
+            inputs, total ≈ num*frac*W); the spans' places are uniform: k of the ``W - k*L + k`` slots
+            with the smallest draws, slot i (ascending) starting at word ``slot + i*(L-1)``      (5 x 5%)
+  reorder   ``2k`` spans placed the same way, paired by a random permutation (the order of their draws
+            from a second stream), each pair swapped                                            (5 x 5%)
+  subs      ``round(rate * W)`` of the words that have a WordNet synonym (smallest draws) get synonym
+            ``floor(u * count)`` (u from a second stream); one that tokenizes to [UNK] keeps the word (0.3)
   none      identity (SimCSE-style views that differ only by dropout)
-Every deleted word becomes one [DEL] and consecutive [DEL]s are merged into one (the
-paper's rule), also in the final view of a combination. Rounding is half-up; spans are
-at least one word. Combinations ('subs+del-span') apply left to right with one generator.
+Every deleted word becomes one [DEL] and consecutive [DEL]s are merged into one (the paper's rule), also in
+the final view of a combination. Rounding is half-up; spans are at least one word. Combinations
+('subs+del-span') apply left to right, method m drawing from its own streams; the two views of a sample
+are two rows whose keys are ``counter_rng.derive``d from the sample's key (view 1 and 2).
+tests/unit/augment_reference.py restates each rule one row at a time, in plain Python, on the same draws.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from pretrain.config.data import AugmentConfig
+from pretrain.data.counter_rng import draw_keys, draws
+from pretrain.data.ragged import Ragged, Words, assemble, compact, rows_of, smallest_k, span_cover, words
 from pretrain.data.wordnet import check_wordnet_dir, load_synonyms
 
 METHODS = ("del-word", "del-span", "reorder", "subs", "none")
 MAX_SYNONYM_CACHE = 500_000
-
-SynonymLookup = Callable[[tuple[int, ...]], Sequence[np.ndarray]]
-"""Word (token ids) -> its synonyms as token arrays (empty when it has none)."""
+STREAMS_PER_METHOD = 4
 
 
-def round_half_up(x: float) -> int:
-    return math.floor(x + 0.5)
+def method_stream(position: int) -> int:
+    """First stream id of the method at ``position`` of a combination (the view is in the row's key)."""
+    return STREAMS_PER_METHOD * position
 
 
-def word_starts(ids_T: np.ndarray, word_start_V: np.ndarray) -> np.ndarray:
-    """Token positions where words begin, int64[W] (position 0 always starts a word)."""
-    if len(ids_T) == 0:
-        return np.zeros(0, dtype=np.int64)
-    is_start_T = word_start_V[ids_T]
-    is_start_T[0] = True
-    return np.flatnonzero(is_start_T)
+def round_half_up(x: np.ndarray) -> np.ndarray:
+    return np.floor(np.asarray(x, dtype=np.float64) + 0.5).astype(np.int64)
 
 
-def word_index(ids_T: np.ndarray, word_start_V: np.ndarray) -> np.ndarray:
-    """For each token, the index of its word, int64[T]."""
-    is_start_T = np.zeros(len(ids_T), dtype=np.int64)
-    is_start_T[word_starts(ids_T, word_start_V)] = 1
-    return np.cumsum(is_start_T) - 1
+def span_plan(num_words_B: np.ndarray, num: int, frac: float, group: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(span_len_B, k_B) for ``num`` groups of ``group`` spans of ``frac`` of the words each.
 
-
-def merge_deletions(ids_T: np.ndarray, del_id: int) -> np.ndarray:
-    """Collapse every run of consecutive [DEL] tokens into a single [DEL]."""
-    is_del_T = ids_T == del_id
-    repeat_T = is_del_T.copy()
-    repeat_T[0:1] = False
-    repeat_T[1:] &= is_del_T[:-1]
-    return ids_T[~repeat_T]
-
-
-def replace_words_by_del(ids_T: np.ndarray, deleted_W: np.ndarray, word_start_V: np.ndarray, del_id: int) -> np.ndarray:
-    """Every token of a deleted word becomes [DEL], then runs of [DEL] are merged."""
-    out_T = np.array(ids_T, dtype=np.int64, copy=True)
-    out_T[deleted_W[word_index(ids_T, word_start_V)]] = del_id
-    return merge_deletions(out_T, del_id)
-
-
-def place_spans(rng: np.random.Generator, num_words: int, num_spans: int, span_len: int) -> np.ndarray:
-    """Sorted starts of ``num_spans`` non-overlapping spans of ``span_len`` words in ``num_words``.
-
-    Uniform over placements: choose distinct slots in a line shortened by the span bodies.
-    """
-    slots_K = np.sort(rng.choice(num_words - num_spans * span_len + num_spans, size=num_spans, replace=False))
-    return slots_K + np.arange(num_spans) * (span_len - 1)
-
-
-def span_plan(num_words: int, num: int, frac: float, group: int = 1) -> tuple[int, int]:
-    """(span_len, k) for ``num`` groups of ``group`` spans of ``frac`` of the words each.
-
-    Short inputs get fewer groups, keeping the covered words near ``num * group * frac * W``.
-    """
-    span_len = max(1, round_half_up(frac * num_words))
+    Short inputs get fewer groups, keeping the covered words near ``num * group * frac * W``."""
+    span_len_B = np.maximum(1, round_half_up(frac * num_words_B))
     if num == 0 or frac == 0.0:
-        return span_len, 0
-    k = min(num, max(1, round_half_up(num * frac * num_words / span_len)), num_words // (group * span_len))
-    return span_len, k
+        return span_len_B, np.zeros_like(span_len_B)
+    k_B = np.minimum(np.minimum(num, np.maximum(1, round_half_up(num * frac * num_words_B / span_len_B))),
+                     num_words_B // (group * span_len_B))
+    return span_len_B, k_B
 
 
-def delete_words(ids_T: np.ndarray, rng: np.random.Generator, *, word_start_V: np.ndarray, del_id: int, rate: float):
-    """del-word: ``round(rate * W)`` words chosen without replacement become [DEL] (merged)."""
-    num_words = len(word_starts(ids_T, word_start_V))
-    if num_words == 0:
-        return np.array(ids_T, dtype=np.int64)
-    chosen_K = rng.choice(num_words, size=round_half_up(rate * num_words), replace=False)
-    deleted_W = np.zeros(num_words, dtype=bool)
-    deleted_W[chosen_K] = True
-    return replace_words_by_del(ids_T, deleted_W, word_start_V, del_id)
+def place_spans(keys_B: np.ndarray, stream: int, num_words_B: np.ndarray, k_B: np.ndarray,
+                span_len_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts_BK ascending, ok_BK) of ``k`` non-overlapping spans of ``span_len`` words in each row.
+
+    Uniform over placements: choose k distinct slots in a line shortened by the span bodies."""
+    K = int(k_B.max(initial=0))
+    slots_B = num_words_B - k_B * span_len_B + k_B
+    J = int(slots_B.max(initial=0))
+    chosen_BJ = smallest_k(draw_keys(keys_B, stream, J), np.arange(J) < slots_B[:, None], k_B)
+    rank_BJ = np.cumsum(chosen_BJ, axis=1) - 1
+    b, j = np.nonzero(chosen_BJ)
+    starts_BK = np.zeros((len(keys_B), K), dtype=np.int64)
+    starts_BK[b, rank_BJ[b, j]] = j + rank_BJ[b, j] * (span_len_B[b] - 1)
+    return starts_BK, np.arange(K) < k_B[:, None]
 
 
-def delete_spans(
-    ids_T: np.ndarray, rng: np.random.Generator, *, word_start_V: np.ndarray, del_id: int, num_spans: int, frac: float
-):
+def merge_deletions(r: Ragged, del_id: int) -> Ragged:
+    """Collapse every run of consecutive [DEL] tokens into a single [DEL]."""
+    is_del = (r.ids == del_id) & r.valid()
+    repeat = np.zeros_like(is_del)
+    repeat[:, 1:] = is_del[:, 1:] & is_del[:, :-1]
+    if not repeat.any():
+        return r
+    return compact(r.ids, r.valid() & ~repeat)
+
+
+def delete_marked_words(r: Ragged, w: Words, dead_BW: np.ndarray, del_id: int) -> Ragged:
+    """Every token of a marked word becomes [DEL], then runs of [DEL] are merged."""
+    if dead_BW.shape[1] == 0:
+        return r
+    dead_BT = dead_BW[rows_of(dead_BW), w.index] & r.valid()
+    return merge_deletions(Ragged(np.where(dead_BT, del_id, r.ids), r.len), del_id)
+
+
+def delete_words(r: Ragged, keys_B, stream: int, *, word_start_V, del_id: int, rate: float) -> Ragged:
+    """del-word: the ``round(rate * W)`` words with the smallest draws become [DEL] (merged)."""
+    w = words(r, word_start_V)
+    W = w.first.shape[1]
+    dead_BW = smallest_k(draw_keys(keys_B, stream, W), w.valid(), round_half_up(rate * w.num))
+    return delete_marked_words(r, w, dead_BW, del_id)
+
+
+def delete_spans(r: Ragged, keys_B, stream: int, *, word_start_V, del_id: int, num_spans: int,
+                 frac: float) -> Ragged:
     """del-span: non-overlapping spans of ``frac`` of the words each become one [DEL]."""
-    num_words = len(word_starts(ids_T, word_start_V))
-    if num_words == 0:
-        return np.array(ids_T, dtype=np.int64)
-    span_len, k = span_plan(num_words, num_spans, frac)
-    starts_K = place_spans(rng, num_words, k, span_len)
-    deleted_W = np.zeros(num_words, dtype=bool)
-    deleted_W[(starts_K[:, None] + np.arange(span_len)).ravel()] = True
-    return replace_words_by_del(ids_T, deleted_W, word_start_V, del_id)
+    w = words(r, word_start_V)
+    span_len_B, k_B = span_plan(w.num, num_spans, frac)
+    starts_BK, ok_BK = place_spans(keys_B, stream, w.num, k_B, span_len_B)
+    dead_BW = span_cover(starts_BK, ok_BK, span_len_B, w.first.shape[1]) >= 0
+    return delete_marked_words(r, w, dead_BW, del_id)
 
 
-def gather_words(ids_T: np.ndarray, starts_W: np.ndarray, order_W: np.ndarray) -> np.ndarray:
-    """Tokens of the words in ``order_W`` (indices into ``starts_W``), concatenated."""
-    lens_W = np.diff(np.append(starts_W, len(ids_T)))
-    new_lens_W = lens_W[order_W]
-    out_begin_W = np.cumsum(new_lens_W) - new_lens_W
-    idx_T = np.arange(len(ids_T)) - np.repeat(out_begin_W, new_lens_W) + np.repeat(starts_W[order_W], new_lens_W)
-    return np.asarray(ids_T, dtype=np.int64)[idx_T]
-
-
-def reorder_spans(
-    ids_T: np.ndarray, rng: np.random.Generator, *, word_start_V: np.ndarray, num_pairs: int, frac: float
-):
+def reorder_spans(r: Ragged, keys_B, stream: int, *, word_start_V, num_pairs: int, frac: float) -> Ragged:
     """reorder: ``2 * pairs`` non-overlapping equal spans, randomly paired, each pair swapped."""
-    starts_W = word_starts(ids_T, word_start_V)
-    num_words = len(starts_W)
-    span_len, k = span_plan(num_words, num_pairs, frac, group=2)
-    if k == 0:
-        return np.array(ids_T, dtype=np.int64)
-    span_starts_S = place_spans(rng, num_words, 2 * k, span_len)
-    pairs_K2 = span_starts_S[rng.permutation(2 * k)].reshape(k, 2)
-    order_W = np.arange(num_words)
-    for a, b in pairs_K2.tolist():
-        span_a = order_W[a : a + span_len].copy()
-        order_W[a : a + span_len] = order_W[b : b + span_len]
-        order_W[b : b + span_len] = span_a
-    return gather_words(ids_T, starts_W, order_W)
+    w = words(r, word_start_V)
+    W = w.first.shape[1]
+    span_len_B, k_B = span_plan(w.num, num_pairs, frac, group=2)
+    if not k_B.any():
+        return r
+    starts_BS, ok_BS = place_spans(keys_B, stream, w.num, 2 * k_B, span_len_B)
+    S = starts_BS.shape[1]
+    perm_BS = np.argsort(np.where(ok_BS, draw_keys(keys_B, stream + 1, S), np.iinfo(np.uint64).max), axis=1)
+    partner_BS = np.tile(np.arange(S), (len(k_B), 1))
+    b, p = np.nonzero(np.arange(S // 2) < k_B[:, None])
+    first, second = perm_BS[b, 2 * p], perm_BS[b, 2 * p + 1]
+    partner_BS[b, first], partner_BS[b, second] = second, first
+    span_BW = span_cover(starts_BS, ok_BS, span_len_B, W)
+    inside = span_BW >= 0
+    span_BW = np.maximum(span_BW, 0)
+    R = rows_of(span_BW)
+    own_start = starts_BS[R, span_BW]
+    partner_start = starts_BS[R, partner_BS[R, span_BW]]
+    word_W = np.arange(W)
+    source_BW = np.where(inside, partner_start + word_W - own_start, word_W)
+    return assemble(r, w, source_BW)
 
 
-def substitute_synonyms(
-    ids_T: np.ndarray, rng: np.random.Generator, *, word_start_V: np.ndarray, rate: float, lookup: SynonymLookup
-):
-    """subs: ``round(rate * W)`` words among those with synonyms get a random synonym's tokens."""
-    starts_W = word_starts(ids_T, word_start_V)
-    num_words = len(starts_W)
-    if num_words == 0:
-        return np.array(ids_T, dtype=np.int64)
-    ids_T = np.asarray(ids_T, dtype=np.int64)
-    ids_l = ids_T.tolist()
-    bounds = starts_W.tolist() + [len(ids_l)]
-    options = [lookup(tuple(ids_l[bounds[w] : bounds[w + 1]])) for w in range(num_words)]
-    candidates_C = np.array([w for w in range(num_words) if len(options[w])], dtype=np.int64)
-    k = min(len(candidates_C), round_half_up(rate * num_words))
-    if k == 0:
-        return ids_T.copy()
-    pieces, done = [], 0
-    for w in np.sort(rng.choice(candidates_C, size=k, replace=False)).tolist():
-        pieces += [ids_T[done : bounds[w]], options[w][int(rng.integers(len(options[w])))]]
-        done = bounds[w + 1]
-    pieces.append(ids_T[done:])
-    return np.concatenate(pieces)
+class SynonymTable:
+    """Synonyms as token arrays: single-token words in flat arrays indexed by token id, longer words through
+    ``multi(word tokens) -> Sequence[np.ndarray]`` (looked up, then cached, per process)."""
+
+    def __init__(self, count_V: np.ndarray, first_entry_V: np.ndarray, entry_start_E: np.ndarray,
+                 entry_size_E: np.ndarray, pool_P: np.ndarray,
+                 multi: Callable[[tuple[int, ...]], Sequence[np.ndarray]] | None = None):
+        self.count_V, self.first_entry_V = count_V, first_entry_V
+        self.entry_start_E, self.entry_size_E, self.pool_P = entry_start_E, entry_size_E, pool_P
+        self.multi = multi
+
+    @classmethod
+    def from_mapping(cls, mapping: dict[tuple[int, ...], Sequence[np.ndarray]], vocab_size: int,
+                     multi: Callable[[tuple[int, ...]], Sequence[np.ndarray]] | None = None) -> "SynonymTable":
+        """Table of ``mapping``'s single-token words; its longer words are looked up in it (unless ``multi``)."""
+        count_V = np.zeros(vocab_size + 1, dtype=np.int64)
+        first_entry_V = np.zeros(vocab_size + 1, dtype=np.int64)
+        starts, sizes, pool, used = [], [], [], 0
+        for word, options in sorted(mapping.items()):
+            if len(word) != 1 or not len(options):
+                continue
+            first_entry_V[word[0]], count_V[word[0]] = len(starts), len(options)
+            for ids in options:
+                ids = np.asarray(ids, dtype=np.int64)
+                starts.append(used)
+                sizes.append(len(ids))
+                pool.append(ids)
+                used += len(ids)
+        if multi is None:
+            longer = {k: v for k, v in mapping.items() if len(k) > 1}
+            multi = longer.get  # a plain dict's get: () for a word without synonyms via the default below
+        return cls(count_V, first_entry_V, np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
+                   np.concatenate(pool) if pool else np.zeros(0, np.int64), multi)
+
+    def lookup_multi(self, word: tuple[int, ...]) -> Sequence[np.ndarray]:
+        found = self.multi(word) if self.multi is not None else None
+        return found if found is not None else ()
+
+
+def substitute_synonyms(r: Ragged, keys_B, stream: int, *, word_start_V, rate: float,
+                        table: SynonymTable) -> Ragged:
+    """subs: ``round(rate * W)`` words among those with synonyms get one of them, chosen uniformly."""
+    w = words(r, word_start_V)
+    W = w.first.shape[1]
+    if W == 0:
+        return r
+    valid_BW = w.valid()
+    head_BW = r.ids[rows_of(r.ids), np.minimum(w.first, max(r.ids.shape[1] - 1, 0))]
+    single_BW = (w.size == 1) & valid_BW
+    count_BW = np.where(single_BW, table.count_V[np.where(single_BW, head_BW, 0)], 0)
+    multi_options = {}
+    for b, q in zip(*np.nonzero((w.size > 1) & valid_BW)):
+        start = int(w.first[b, q])
+        options = table.lookup_multi(tuple(r.ids[b, start : start + int(w.size[b, q])].tolist()))
+        if len(options):
+            multi_options[b, q] = options
+            count_BW[b, q] = len(options)
+    k_B = np.minimum((count_BW > 0).sum(axis=1), round_half_up(rate * w.num))
+    chosen_BW = smallest_k(draw_keys(keys_B, stream, W), count_BW > 0, k_B)
+    pick_BW = np.floor(draws(keys_B, stream + 1, W) * count_BW).astype(np.int64)
+    entry_BW = table.first_entry_V[np.where(single_BW, head_BW, 0)] + pick_BW
+    use_table = chosen_BW & single_BW
+    entry_BW = np.where(use_table, entry_BW, 0)
+    pool_start_BW = np.where(use_table, table.entry_start_E[entry_BW] if len(table.entry_start_E) else 0, -1)
+    pool_size_BW = np.where(use_table, table.entry_size_E[entry_BW] if len(table.entry_size_E) else 0, 0)
+    pool_P = table.pool_P
+    extra = [(b, q) for (b, q) in multi_options if chosen_BW[b, q]]
+    if extra:
+        pieces, used = [pool_P], len(pool_P)
+        for b, q in extra:
+            ids = np.asarray(multi_options[b, q][int(pick_BW[b, q])], dtype=np.int64)
+            pool_start_BW[b, q], pool_size_BW[b, q] = used, len(ids)
+            pieces.append(ids)
+            used += len(ids)
+        pool_P = np.concatenate(pieces)
+    source_BW = np.broadcast_to(np.arange(W), (len(keys_B), W))
+    return assemble(r, w, source_BW, pool_P, pool_start_BW, pool_size_BW)
 
 
 class Augmenter:
-    """Applies the configured '+'-joined CLEAR augmentations, in order, to one token array."""
+    """Applies the configured '+'-joined CLEAR augmentations, in order, to a batch of token rows."""
 
     def __init__(self, cfg: AugmentConfig, methods: tuple[str, ...], word_start_V: np.ndarray, del_id: int | None,
-                 tokenizer):
+                 synonyms: SynonymTable | None = None):
         self.cfg = cfg
         self.methods = methods
         self.word_start_V = np.asarray(word_start_V, dtype=bool).copy()
@@ -185,61 +232,88 @@ class Augmenter:
             self.word_start_V = np.append(self.word_start_V, True)
         self.word_start_V[del_id] = True  # a merged [DEL] is a word of its own
         self.del_id = del_id
-        self.tokenizer = tokenizer if "subs" in methods else None
+        if "subs" in methods and synonyms is None:
+            raise ValueError("the 'subs' augmentation needs a SynonymTable (build_augmenter makes one from WordNet)")
+        self.synonyms = synonyms
+
+    def __call__(self, r: Ragged, keys_B: np.ndarray) -> Ragged:
+        """Augmented copies of the rows of ``r`` (no specials added or removed except [DEL]); row b's noise comes
+        from key ``keys_B[b]`` (both views of a sample are rows of one call, with keys ``derive``d per view)."""
+        c, ws = self.cfg, self.word_start_V
+        for m, method in enumerate(self.methods):
+            s = method_stream(m)
+            if method == "del-word":
+                r = delete_words(r, keys_B, s, word_start_V=ws, del_id=self.del_id, rate=c.del_word_rate)
+            elif method == "del-span":
+                r = delete_spans(r, keys_B, s, word_start_V=ws, del_id=self.del_id, num_spans=c.del_span_num,
+                                 frac=c.del_span_frac)
+            elif method == "reorder":
+                r = reorder_spans(r, keys_B, s, word_start_V=ws, num_pairs=c.reorder_pairs, frac=c.reorder_frac)
+            elif method == "subs":
+                r = substitute_synonyms(r, keys_B, s, word_start_V=ws, rate=c.subs_rate, table=self.synonyms)
+        # Reordering can bring two [DEL]s together; the paper's rule holds for the final view.
+        r = merge_deletions(r, self.del_id)
+        if self.drop_deleted:
+            r = compact(r.ids, r.valid() & (r.ids != self.del_id))
+        return r
+
+
+class WordNetSynonyms:
+    """The WordNet synonyms of a word given as token ids, as token arrays: decoded, looked up, capitalised
+    like the word, each synonym tokenized on first use (one that gives [UNK] or nothing stands for the word
+    itself). Cached per process."""
+
+    def __init__(self, tokenizer, wordnet_dir: str):
+        self.tokenizer, self.wordnet_dir = tokenizer, wordnet_dir
         self._cache: dict[tuple[int, ...], Sequence[np.ndarray]] = {}
         self._encoded: dict[str, np.ndarray | None] = {}
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_cache"], state["_encoded"] = {}, {}  # rebuilt lazily in each worker
-        return state
+        return dict(self.__dict__, _cache={}, _encoded={})  # rebuilt lazily in each worker
 
-    def __call__(self, ids_T: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Augmented copy of ``ids_T`` (int64[T'], no specials added or removed except [DEL])."""
-        out_T = np.asarray(ids_T, dtype=np.int64)
-        c, ws = self.cfg, self.word_start_V
-        for m in self.methods:
-            if m == "del-word":
-                out_T = delete_words(out_T, rng, word_start_V=ws, del_id=self.del_id, rate=c.del_word_rate)
-            elif m == "del-span":
-                out_T = delete_spans(
-                    out_T, rng, word_start_V=ws, del_id=self.del_id, num_spans=c.del_span_num, frac=c.del_span_frac
-                )
-            elif m == "reorder":
-                out_T = reorder_spans(out_T, rng, word_start_V=ws, num_pairs=c.reorder_pairs, frac=c.reorder_frac)
-            elif m == "subs":
-                out_T = substitute_synonyms(out_T, rng, word_start_V=ws, rate=c.subs_rate, lookup=self.synonyms_of)
-            else:
-                out_T = np.array(out_T, dtype=np.int64, copy=True)
-        # Reordering can bring two [DEL]s together; the paper's rule holds for the final view.
-        out_T = merge_deletions(out_T, self.del_id)
-        return out_T[out_T != self.del_id] if self.drop_deleted else out_T
+    def words_of(self, key: tuple[int, ...]) -> tuple[str, ...]:
+        word = self.tokenizer.decode(list(key)).strip()
+        if not word.isalpha():
+            return ()
+        syns = load_synonyms(self.wordnet_dir).get(word.lower(), ())
+        return tuple(s.capitalize() for s in syns) if word[0].isupper() else syns
 
-    def synonyms_of(self, key: tuple[int, ...]) -> Sequence[np.ndarray]:
-        """The WordNet synonyms of one word as token arrays, tokenized on first use (cached per process)."""
+    def __call__(self, key: tuple[int, ...]) -> Sequence[np.ndarray]:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         if len(self._cache) >= MAX_SYNONYM_CACHE:
             self._cache.clear()
             self._encoded.clear()
-        word = self.tokenizer.decode(list(key)).strip()
-        found: Sequence[np.ndarray] = ()
-        if word.isalpha():
-            syns = load_synonyms(self.cfg.wordnet_dir).get(word.lower(), ())
-            if word[0].isupper():
-                syns = tuple(s.capitalize() for s in syns)
-            if syns:
-                found = Synonyms(syns, np.asarray(key, dtype=np.int64), self.encode_synonym)
+        syns = self.words_of(key)
+        found = Synonyms(syns, np.asarray(key, dtype=np.int64), self.encode) if syns else ()
         self._cache[key] = found
         return found
 
-    def encode_synonym(self, text: str) -> np.ndarray | None:
+    def encode(self, text: str) -> np.ndarray | None:
         """Token ids of a synonym, or None when it does not tokenize cleanly (empty or [UNK])."""
         if text not in self._encoded:
             ids = np.asarray(self.tokenizer.encode(text), dtype=np.int64)
             self._encoded[text] = ids if len(ids) and not (ids == self.tokenizer.unk_id).any() else None
         return self._encoded[text]
+
+    def single_token_table(self, word_start_V: np.ndarray, special_ids) -> SynonymTable:
+        """Every single-token word of the vocabulary with its synonyms, tokenized once (batched)."""
+        specials = set(int(s) for s in special_ids)
+        found = {}
+        for v in np.flatnonzero(word_start_V).tolist():
+            if v not in specials:
+                syns = self.words_of((v,))
+                if syns:
+                    found[v] = syns
+        texts = sorted({s for syns in found.values() for s in syns})
+        unk = self.tokenizer.unk_id
+        encoded = {t: np.asarray(ids, dtype=np.int64) for t, ids in zip(texts, self.tokenizer.encode_batch(texts))}
+        mapping = {}
+        for v, syns in found.items():
+            own = np.array([v], dtype=np.int64)
+            mapping[(v,)] = [ids if len(ids) and not (ids == unk).any() else own for ids in map(encoded.get, syns)]
+        return SynonymTable.from_mapping(mapping, len(word_start_V), multi=self)
 
 
 class Synonyms(Sequence):
@@ -269,8 +343,11 @@ def parse_methods(methods: str) -> tuple[str, ...]:
 
 
 def build_augmenter(cfg: AugmentConfig, tokenizer) -> Augmenter:
-    """Augmenter for ``cfg.methods``; checks WordNet is installed when 'subs' is requested."""
+    """Augmenter for ``cfg.methods``; checks WordNet is installed and tabulates it when 'subs' is requested."""
     methods = parse_methods(cfg.methods)
+    table = None
     if "subs" in methods:
         check_wordnet_dir(cfg.wordnet_dir)
-    return Augmenter(cfg, methods, tokenizer.word_start_mask(), tokenizer.del_id, tokenizer)
+        ws = tokenizer.word_start_mask()
+        table = WordNetSynonyms(tokenizer, cfg.wordnet_dir).single_token_table(ws, tokenizer.special_ids)
+    return Augmenter(cfg, methods, tokenizer.word_start_mask(), tokenizer.del_id, table)

@@ -22,12 +22,14 @@ def pad_stack(seqs: list[np.ndarray], value: int) -> tuple[torch.Tensor, torch.T
     return torch.from_numpy(ids_BT), torch.from_numpy(mask_BT)
 
 
-def collate(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Samples from PretrainDataset/BlendedDataset -> batch dict.
+def collate(samples, pad_id: int) -> dict[str, torch.Tensor]:
+    """A SampleBatch (PretrainDataset/BlendedDataset.__getitems__), or a list of their samples -> batch dict.
 
     Keys: input_ids [B,T], attention_mask [B,T] bool, mlm_labels [B,T] (-100 on padding),
     view_{a,b}_ids [B,Ta|Tb], view_{a,b}_mask (bool), and source [B] when samples carry it.
     """
+    if hasattr(samples, "fields"):
+        return collate_batch(samples, pad_id)
     if not samples:
         raise ValueError("collate got an empty list of samples")
     batch: dict[str, torch.Tensor] = {}
@@ -39,3 +41,18 @@ def collate(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     if "source" in samples[0]:
         batch["source"] = torch.tensor([s["source"] for s in samples], dtype=torch.int64)
     return batch
+
+
+def collate_batch(batch, pad_id: int) -> dict[str, torch.Tensor]:
+    """``collate`` of a SampleBatch: its padded fields with the padding values set, as tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for name, r in batch.fields.items():
+        mask_BT = r.valid()
+        ids_BT = np.where(mask_BT, r.ids, IGNORE_INDEX if name == "mlm_labels" else pad_id)
+        key = "input_ids" if name == "input_ids" else name if name == "mlm_labels" else f"{name}_ids"
+        out[key] = torch.from_numpy(ids_BT)
+        if name != "mlm_labels":
+            out["attention_mask" if name == "input_ids" else f"{name}_mask"] = torch.from_numpy(mask_BT)
+    if batch.source is not None:
+        out["source"] = torch.from_numpy(np.asarray(batch.source, dtype=np.int64))
+    return out

@@ -4,9 +4,9 @@ Shape legend: T = MLM sequence length (<= max_len), Ta/Tb = view lengths (<= vie
 N = samples, D = documents.
 
 A sample is a run of contiguous sentences of one document whose tokens fit in
-``max_len - 2`` (a single longer sentence is truncated). Its noise comes from
-``np.random.default_rng([seed, epoch, index])``, split into independent streams for
-the masking and each view, so a sample depends only on its key, never on workers.
+``max_len - 2`` (a single longer sentence is truncated). Its noise comes from counter-based draws keyed
+by ``(seed, epoch, index)`` (``counter_rng``), in separate streams for the masking and each view, so a sample
+depends only on its key, never on the batch it is built in or the worker that builds it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import torch
 
 from pretrain.config.data import DataConfig
 from pretrain.data.augment import build_augmenter
-from pretrain.data.masking import mask_tokens, with_cls_sep
+from pretrain.data.counter_rng import derive, sample_keys
+from pretrain.data.masking import mask_batch, special_table
+from pretrain.data.ragged import Ragged
 from pretrain.data.shards import ShardedDataset
 
 
@@ -156,8 +158,20 @@ def parse_key(key) -> tuple[int, int]:
     return 0, int(key)
 
 
+VIEW_A, VIEW_B = 1, 2
+"""``counter_rng.derive`` tags of the two views' keys (the masking draws from the sample's own key)."""
+SAMPLE_STREAM = "counter-v2"
+"""Names the rule mapping (seed, epoch, index) to a sample's noise; checkpoints record it, and a run is not
+resumed into another one (v1: numpy Generator per sample; v2: counter_rng draws, batched)."""
+
+
 class PretrainDataset(torch.utils.data.Dataset):
-    """Samples of one source (a ShardedDataset-like object: sizes, doc_idx, __getitem__)."""
+    """Samples of one source (a ShardedDataset-like object: sizes, doc_idx, __getitem__, optionally tokens).
+
+    ``__getitems__(keys)`` builds a whole micro-batch at once (vectorised; what the DataLoader calls), a
+    ``SampleBatch``; ``dataset[key]`` is one sample of it as a dict of arrays."""
+
+    sample_stream = SAMPLE_STREAM
 
     def __init__(self, source, tokenizer, cfg: DataConfig, *, seed: int, with_views: bool = True):
         self.source = source
@@ -166,6 +180,7 @@ class PretrainDataset(torch.utils.data.Dataset):
         self.with_views = with_views
         self.vocab_size = tokenizer.vocab_size
         self.special_ids = tuple(sorted(tokenizer.special_ids))
+        self.special_V, self.allowed_A = special_table(self.vocab_size, self.special_ids)
         self.cls_id, self.sep_id, self.mask_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id
         self.augmenter = build_augmenter(cfg.augment, tokenizer) if with_views else None
         self.first_N, self.end_N, self.index_path = load_or_build_sample_index(source, cfg.max_len - 2)
@@ -187,37 +202,87 @@ class PretrainDataset(torch.utils.data.Dataset):
         return len(self.first_N)
 
     def text(self, index: int) -> np.ndarray:
-        """Token ids (int64, no specials) of sample ``index``, at most max_len - 2 of them."""
+        """Token ids (no specials) of sample ``index``, at most max_len - 2 of them."""
         budget = self.cfg.max_len - 2
-        parts = [np.asarray(self.source[i]) for i in range(self.first_N[index], self.end_N[index])]
-        return np.concatenate(parts).astype(np.int64)[:budget]
+        first, end = int(self.first_N[index]), int(self.end_N[index])
+        if hasattr(self.source, "tokens"):
+            return self.source.tokens(first, end, budget)
+        return np.concatenate([np.asarray(self.source[i]) for i in range(first, end)])[:budget]
+
+    def texts(self, index_B: np.ndarray) -> Ragged:
+        """``text`` of many samples, gathered at once from a ShardedDataset (one sample at a time otherwise)."""
+        if not hasattr(self.source, "token_batch"):
+            return Ragged.from_rows([self.text(i) for i in index_B.tolist()])
+        first_B, end_B = np.asarray(self.first_N[index_B]), np.asarray(self.end_N[index_B])
+        return Ragged(*self.source.token_batch(first_B, end_B, self.cfg.max_len - 2))
+
+    def __getitems__(self, keys) -> "SampleBatch":
+        """The samples of ``keys`` ((epoch, index) pairs; index >= len reuses the text of index % len with
+        fresh noise), built together. Each row depends only on its key."""
+        n = len(self)
+        epoch_B, index_B = np.array([parse_key(k) for k in keys], dtype=np.int64).reshape(-1, 2).T
+        if n == 0 or (index_B < 0).any():
+            raise IndexError(f"sample index {index_B.min(initial=0)} out of range for a dataset of {n} samples")
+        keys_B = sample_keys(self.seed, epoch_B, index_B)
+        text = self.texts(index_B % n)
+        seq = text.wrap(self.cls_id, self.sep_id)
+        input_BT, labels_BT = mask_batch(seq, keys_B, self.cfg.masking, special_V=self.special_V,
+                                         allowed_A=self.allowed_A, mask_id=self.mask_id)
+        fields = {"input_ids": Ragged(input_BT, seq.len), "mlm_labels": Ragged(labels_BT, seq.len)}
+        if self.augmenter is not None:  # both views in one call: rows 0..B-1 are view a, B..2B-1 view b
+            B = len(keys_B)
+            both = Ragged(np.concatenate([text.ids, text.ids]), np.concatenate([text.len, text.len]))
+            views = self.augmenter(both, np.concatenate([derive(keys_B, VIEW_A), derive(keys_B, VIEW_B)]))
+            budget = self.cfg.view_max_len - 2
+            for name, rows in (("view_a", slice(0, B)), ("view_b", slice(B, 2 * B))):
+                len_B = np.minimum(views.len[rows], budget)
+                view = Ragged(views.ids[rows, : int(len_B.max(initial=0))], len_B)
+                fields[name] = view.wrap(self.cls_id, self.sep_id)
+        return SampleBatch(fields)
 
     def __getitem__(self, key) -> dict:
-        """key = (epoch, index); index >= len reuses the text of index % len with fresh noise."""
-        epoch, index = parse_key(key)
-        n = len(self)
-        if index < 0 or n == 0:
-            raise IndexError(f"sample index {index} out of range for a dataset of {n} samples")
-        tokens_T = self.text(index % n)
-        rng_mask, rng_a, rng_b = np.random.default_rng([self.seed, epoch, index]).spawn(3)
-        seq_T = self.wrap(tokens_T)
-        input_T, labels_T = mask_tokens(
-            seq_T,
-            rng_mask,
-            self.cfg.masking,
-            vocab_size=self.vocab_size,
-            special_ids=self.special_ids,
-            mask_id=self.mask_id,
-        )
-        sample = {"input_ids": input_T, "mlm_labels": labels_T}
-        if self.augmenter is not None:
-            budget = self.cfg.view_max_len - 2
-            sample["view_a"] = self.wrap(self.augmenter(tokens_T, rng_a)[:budget])
-            sample["view_b"] = self.wrap(self.augmenter(tokens_T, rng_b)[:budget])
-        return sample
+        """key = (epoch, index): one sample as a dict of int64 arrays (input_ids, mlm_labels, view_a, view_b)."""
+        return self.__getitems__([key]).sample(0)
 
-    def wrap(self, tokens_T: np.ndarray) -> np.ndarray:
-        return with_cls_sep(tokens_T, self.cls_id, self.sep_id)
+
+class SampleBatch:
+    """A micro-batch of samples: named ``Ragged`` fields (+ ``source``, int64 [B], for a blend)."""
+
+    def __init__(self, fields: dict[str, Ragged], source: np.ndarray | None = None):
+        self.fields, self.source = fields, source
+
+    def __len__(self) -> int:
+        return len(next(iter(self.fields.values())).len)
+
+    def __getitem__(self, rows: slice) -> "SampleBatch":
+        """Rows ``rows`` as a batch of their own (each field cut to its longest row there)."""
+        fields = {}
+        for name, r in self.fields.items():
+            len_B = r.len[rows]
+            fields[name] = Ragged(r.ids[rows, : int(len_B.max(initial=0))], len_B)
+        return SampleBatch(fields, None if self.source is None else self.source[rows])
+
+    def sample(self, b: int) -> dict:
+        out = {name: r.ids[b, : r.len[b]].copy() for name, r in self.fields.items()}
+        if self.source is not None:
+            out["source"] = int(self.source[b])
+        return out
+
+    @staticmethod
+    def merge(parts: list["SampleBatch"], rows: list[np.ndarray], source: np.ndarray) -> "SampleBatch":
+        """One batch whose rows ``rows[i]`` come from ``parts[i]`` (in that part's order)."""
+        B = sum(len(r) for r in rows)
+        fields = {}
+        for name in parts[0].fields:
+            width = max(p.fields[name].ids.shape[1] for p in parts)
+            ids = np.zeros((B, width), dtype=np.int64)
+            len_B = np.zeros(B, dtype=np.int64)
+            for p, r in zip(parts, rows):
+                f = p.fields[name]
+                ids[r, : f.ids.shape[1]] = f.ids
+                len_B[r] = f.len
+            fields[name] = Ragged(ids, len_B)
+        return SampleBatch(fields, source)
 
 
 def apportion(total: int, weights: list[float]) -> np.ndarray:
@@ -269,12 +334,21 @@ class BlendedDataset(torch.utils.data.Dataset):
         s = int(self.source_N[index])
         return s, int(self.offset_S[s] + epoch * self.counts_S[s] + self.draw_N[index])
 
+    @property
+    def sample_stream(self) -> str:
+        return self.datasets[0].sample_stream
+
+    def __getitems__(self, keys) -> SampleBatch:
+        located = [(e, *self.locate(e, i)) for e, i in (parse_key(k) for k in keys)]
+        source_B = np.array([s for _, s, _ in located], dtype=np.int64)
+        parts, rows = [], []
+        for s in np.unique(source_B).tolist():
+            rows.append(np.flatnonzero(source_B == s))
+            parts.append(self.datasets[s].__getitems__([(located[b][0], located[b][2]) for b in rows[-1]]))
+        return SampleBatch.merge(parts, rows, source_B)
+
     def __getitem__(self, key) -> dict:
-        epoch, index = parse_key(key)
-        s, position = self.locate(epoch, index)
-        sample = self.datasets[s][(epoch, position)]
-        sample["source"] = s
-        return sample
+        return self.__getitems__([key]).sample(0)
 
 
 def build_dataset(cfg: DataConfig, tokenizer, *, seed: int, split: str = "train"):

@@ -15,8 +15,13 @@ from collections.abc import Iterable
 import numpy as np
 
 from pretrain.config.data import IGNORE_INDEX, MaskingConfig
+from pretrain.data.counter_rng import draw_keys, draws
+from pretrain.data.ragged import Ragged, smallest_k
 
-__all__ = ["IGNORE_INDEX", "mask_tokens", "with_cls_sep"]
+__all__ = ["IGNORE_INDEX", "mask_batch", "mask_tokens", "with_cls_sep"]
+
+MASK_COUNT, MASK_PICK, MASK_ACTION, MASK_RANDOM = 0, 1, 2, 3
+"""counter_rng streams of ``mask_batch`` (the views draw from streams >= 16)."""
 
 
 def mask_tokens(
@@ -70,3 +75,39 @@ def random_non_special(rng: np.random.Generator, n: int, vocab_size: int, specia
 def with_cls_sep(tokens_T: np.ndarray, cls_id: int, sep_id: int) -> np.ndarray:
     """[CLS] tokens [SEP] as int64 (the form every sequence and view of a sample takes)."""
     return np.concatenate([[cls_id], tokens_T, [sep_id]]).astype(np.int64)
+
+
+def mask_batch(seq: Ragged, keys_B: np.ndarray, cfg: MaskingConfig, *, special_V: np.ndarray,
+               allowed_A: np.ndarray, mask_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``mask_tokens``' rule for a batch, on counter-based draws: (input_ids_BT, labels_BT) int64.
+
+    Per row: K = floor(prob * N + u) of the N non-special positions (u: draw 0 of MASK_COUNT), those with the
+    smallest MASK_PICK keys (``draw_keys``; key j belongs to position j); a chosen position becomes [MASK] when its
+    MASK_ACTION draw a < mask_frac, ``allowed_A[floor(r * A)]`` (r: its MASK_RANDOM draw; ``allowed_A`` the
+    sorted non-special ids) when a < mask_frac + random_frac, else stays. Padding: input 0, label -100.
+    """
+    ids_BT = seq.ids
+    T = ids_BT.shape[1]
+    candidate_BT = seq.valid() & ~special_V[ids_BT]
+    count_B = np.floor(cfg.prob * candidate_BT.sum(axis=1) + draws(keys_B, MASK_COUNT, 1)[:, 0]).astype(np.int64)
+    chosen_BT = smallest_k(draw_keys(keys_B, MASK_PICK, T), candidate_BT, count_B)
+    labels_BT = np.where(chosen_BT, ids_BT, IGNORE_INDEX)
+    action_BT = draws(keys_B, MASK_ACTION, T)
+    to_mask = chosen_BT & (action_BT < cfg.mask_frac)
+    to_random = chosen_BT & ~to_mask & (action_BT < cfg.mask_frac + cfg.random_frac)
+    input_BT = np.where(to_mask, mask_id, ids_BT)
+    if to_random.any():
+        pick_BT = np.minimum((draws(keys_B, MASK_RANDOM, T) * len(allowed_A)).astype(np.int64), len(allowed_A) - 1)
+        input_BT = np.where(to_random, allowed_A[pick_BT], input_BT)
+    return input_BT, labels_BT
+
+
+def special_table(vocab_size: int, special_ids: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(special_V bool [V], allowed_A: the non-special ids, sorted) for ``mask_batch``."""
+    special_V = np.zeros(vocab_size, dtype=bool)
+    ids = [int(i) for i in special_ids if 0 <= int(i) < vocab_size]
+    special_V[ids] = True
+    allowed_A = np.flatnonzero(~special_V).astype(np.int64)
+    if not len(allowed_A):
+        raise ValueError(f"vocab_size {vocab_size} leaves no non-special token to sample for MLM random replacement")
+    return special_V, allowed_A

@@ -104,6 +104,40 @@ class ShardedDataset:
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
         return self.shards[k][i - int(self.starts[k])]
 
+    def tokens(self, first: int, end: int, limit: int) -> np.ndarray:
+        """The first ``limit`` tokens of global sentences ``first .. end - 1``, which must lie in one shard
+        (a sample never crosses a document, and a document never crosses a shard): one memmap slice."""
+        k = int(np.searchsorted(self.starts, first, side="right")) - 1
+        base = int(self.starts[k]) if 0 <= k < len(self.shards) else 0
+        if not 0 <= k < len(self.shards) or end > int(self.starts[k + 1]):
+            raise IndexError(f"sentences {first}..{end} are not inside one shard of {self.directory}")
+        return self.shards[k].tokens(first - base, end - base, limit)
+
+    def token_batch(self, first_B: np.ndarray, end_B: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """``tokens`` of many ranges at once: (ids int64 [B, T] zero-padded, len int64 [B]), one gather per shard."""
+        first_B, end_B = np.asarray(first_B, dtype=np.int64), np.asarray(end_B, dtype=np.int64)
+        k_B = np.searchsorted(self.starts, first_B, side="right") - 1
+        if len(first_B) and ((first_B < 0).any() or (k_B >= len(self.shards)).any()
+                             or (end_B <= first_B).any() or (end_B > self.starts[np.minimum(k_B + 1, len(self.shards))]).any()):
+            raise IndexError(f"a sentence range of {list(zip(first_B.tolist(), end_B.tolist()))} is not inside one "
+                             f"shard of {self.directory}")
+        begin_B = np.zeros(len(first_B), dtype=np.int64)
+        len_B = np.zeros(len(first_B), dtype=np.int64)
+        for k in np.unique(k_B).tolist():
+            rows = np.flatnonzero(k_B == k)
+            shard, base = self.shards[k], int(self.starts[k])
+            first, last = first_B[rows] - base, end_B[rows] - 1 - base
+            begin_B[rows] = shard.offsets[first]
+            len_B[rows] = np.minimum(shard.offsets[last] + shard.sizes[last] - begin_B[rows], limit)
+        T = int(len_B.max(initial=0))
+        valid_BT = np.arange(T) < len_B[:, None]
+        ids_BT = np.zeros((len(first_B), T), dtype=np.int64)
+        for k in np.unique(k_B).tolist():
+            rows = np.flatnonzero(k_B == k)
+            pos = np.where(valid_BT[rows], begin_B[rows, None] + np.arange(T), 0)
+            ids_BT[rows] = np.where(valid_BT[rows], self.shards[k]._bin[pos], 0)
+        return ids_BT, len_B
+
     def token_frequencies(self) -> np.ndarray | None:
         """float64 [V] unigram frequencies over the dataset (sums to 1), or None when not stored."""
         path = os.path.join(self.directory, TOKEN_FREQ)

@@ -149,6 +149,15 @@ class Trainer:
                 f"checkpoint's settings, or start a new run_dir (with checkpoint.init_from={tag_dir} to start "
                 f"from its weights where their shapes fit)."
             )
+        stream = getattr(self.train_set, "sample_stream", None)
+        if stream is not None and state.get("sample_stream") != stream:
+            raise ValueError(
+                f"checkpoint {tag_dir} was trained on the sample stream {state.get('sample_stream')!r} (how each "
+                f"sample's masking and views are drawn), this pretrain version draws {stream!r}: resuming would "
+                f"silently give every remaining sample different noise than the run it continues. Finish the run "
+                f"with the pretrain version that wrote it, or start a new run_dir with "
+                f"checkpoint.init_from={tag_dir} (weights only)."
+            )
         if state.get("global_batch", self.global_batch) != self.global_batch:
             raise ValueError(
                 f"checkpoint {tag_dir} used a global batch of {state['global_batch']} sequences, this run "
@@ -296,6 +305,7 @@ class Trainer:
             "world_size": self.env.world_size,
             "bad_steps_total": self.bad_steps_total,
             "seed": self.cfg.seed,
+            "sample_stream": getattr(self.train_set, "sample_stream", None),
         }
         path = store.save_checkpoint(self.engine, self.env, self.run_dir, step=self.step, trainer_state=state,
                                      config_yaml=to_yaml(self.cfg), tokenizer_path=self.cfg.data.tokenizer,

@@ -450,6 +450,18 @@ def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=2, checkpoint__every=2), capsys)
     assert code == 0, out[-2000:]
 
+    # A checkpoint of the format before the sample stream was recorded (numpy Generators per sample): its
+    # remaining samples would get other noise here, so it is refused too (weights-only init_from is the way).
+    state_file = store.checkpoints_dir(run_dir) / store.find_latest(store.checkpoints_dir(run_dir)) / "trainer_state.json"
+    original = state_file.read_text()
+    state = json.loads(original)
+    assert state["format_version"] == 2 and state["sample_stream"] == "counter-v2"
+    del state["sample_stream"]
+    state_file.write_text(json.dumps(dict(state, format_version=1)))
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4), capsys)
+    assert code == 2 and "sample stream 'generator-v1'" in out and "checkpoint.init_from=" in out, out[-2000:]
+    state_file.write_text(original)
+
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, model__hidden_size=48,
                                      model__ffn_size=96), capsys)
     assert code == 2, out[-2000:]

@@ -1,5 +1,6 @@
-"""CLEAR augmentations: exact outputs for fixed generators (replayed by hand), rates over seeds,
-reorder as a permutation of whole words, [DEL] merging, WordNet substitution, config errors."""
+"""CLEAR augmentations: every row of random batches equals the row-by-row Python reference on the same
+draws, rates and uniformity over keys, reorder as a permutation of whole words, [DEL] merging, WordNet
+substitution, config errors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ import pytest
 
 from pretrain.config.data import AugmentConfig
 from pretrain.data import augment as A
+from pretrain.data.counter_rng import sample_keys
+from pretrain.data.ragged import Ragged
 from pretrain.data.wordnet import load_synonyms, read_synonyms
+
+import augment_reference as R
 
 DEL = 5
 VOCAB = 100
@@ -33,144 +38,137 @@ def flat(words: list[list[int]]) -> np.ndarray:
     return np.array([t for w in words for t in w], dtype=np.int64)
 
 
-def build_with_dels(words: list[list[int]], deleted: set[int]) -> list[int]:
-    """Direct reference: deleted words -> one [DEL]; a [DEL] never follows a [DEL]."""
-    out: list[int] = []
-    for w, toks in enumerate(words):
-        if w in deleted or toks == [DEL]:
-            if not out or out[-1] != DEL:
-                out.append(DEL)
-        else:
-            out.extend(toks)
-    return out
+def batch_of(rows: list[list[int]]) -> Ragged:
+    return Ragged.from_rows([np.array(r, dtype=np.int64) for r in rows])
 
 
-def rhu(x: float) -> int:
-    return int(np.floor(x + 0.5))
+def random_rows(rng: np.random.Generator, n: int) -> list[list[int]]:
+    """Rows of 0-60 words (empty and one-word rows included), some with [DEL] words already in them."""
+    rows = []
+    for _ in range(n):
+        words = make_words(rng, int(rng.choice([0, 1, 2, 3, 7, 20, 40, 60])))
+        for w in range(len(words)):
+            if rng.random() < 0.05:
+                words[w] = [DEL]
+        rows.append(flat(words).tolist())
+    return rows
 
 
-@pytest.mark.parametrize("num_words", [1, 7, 40])
-def test_del_word_matches_direct_computation(num_words):
-    words = make_words(np.random.default_rng(num_words), num_words)
-    for seed in range(5):
-        out = A.delete_words(flat(words), np.random.default_rng(seed), word_start_V=WS, del_id=DEL, rate=0.7)
-        chosen = np.random.default_rng(seed).choice(num_words, size=rhu(0.7 * num_words), replace=False)
-        assert out.tolist() == build_with_dels(words, set(chosen.tolist()))
+SYNONYMS = {(w,): [np.array([w + 1]), np.array([59, 99])] for w in range(6, 59, 3)}
+SYNONYMS.update({(7, 60): [np.array([58])], (8, 61, 62): [np.array([57, 98]), np.array([6])]})
+COMBINATIONS = ["del-word", "del-span", "reorder", "subs", "none", "del-span+reorder", "subs+del-span",
+                "reorder+del-word", "del-word+subs"]
 
 
-def test_del_word_rate_and_uniformity_over_seeds():
+@pytest.mark.parametrize("methods", COMBINATIONS)
+@pytest.mark.parametrize("with_del", [True, False])
+def test_batched_views_equal_the_row_by_row_reference(methods, with_del):
+    """Every row of every batch equals the plain-Python restatement of the rules on the same draws."""
+    cfg = AugmentConfig(methods=methods)
+    table = A.SynonymTable.from_mapping(SYNONYMS, VOCAB)
+    aug = A.Augmenter(cfg, A.parse_methods(methods), WS, DEL if with_del else None, table)
+    ws_ref = np.append(WS, True)
+    ws_ref[DEL] = True
+    del_ref = DEL if with_del else VOCAB
+    rng = np.random.default_rng(hash(methods) % 2**32)
+    for trial in range(25):
+        rows = random_rows(rng, int(rng.integers(1, 12)))
+        keys = sample_keys(trial, 0, np.arange(len(rows)))
+        got = aug(batch_of(rows), keys).rows()
+        for row, key, out in zip(rows, keys.tolist(), got):
+            expected = R.augment(row, key, A.parse_methods(methods), cfg, ws_ref, del_ref, SYNONYMS,
+                                 drop_deleted=not with_del)
+            assert out.tolist() == expected, (methods, row)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    cfg = AugmentConfig(methods="del-span+reorder")
+    aug = A.Augmenter(cfg, A.parse_methods(cfg.methods), WS, DEL)
+    rows = random_rows(np.random.default_rng(1), 9)
+    keys = sample_keys(3, 1, np.arange(9))
+    together = aug(batch_of(rows), keys).rows()
+    for b in range(9):
+        alone = aug(batch_of([rows[b]]), keys[b:b + 1]).rows()[0]
+        assert alone.tolist() == together[b].tolist()
+
+
+def test_del_word_rate_and_uniformity_over_keys():
     words = make_words(np.random.default_rng(0), 30)
     for i, w in enumerate(words):
         w[0] = 6 + i  # distinct word starts make the deleted set recoverable
-    ids = flat(words)
+    aug = A.Augmenter(AugmentConfig(methods="del-word"), ("del-word",), WS, DEL)
+    out = aug(batch_of([flat(words).tolist()] * 600), sample_keys(0, 0, np.arange(600))).rows()
     hits = np.zeros(30)
-    for seed in range(600):
-        out = A.delete_words(ids, np.random.default_rng(seed), word_start_V=WS, del_id=DEL, rate=0.7)
-        # Word starts that survive, in order: exactly 30 - 21 of the original words.
-        kept = [t for t in out.tolist() if t != DEL and t < 60]
-        assert len(kept) == 30 - 21
-        # Recover which words were deleted: each surviving start matches the next original word.
-        w, deleted = 0, np.ones(30, bool)
-        for t in kept:
-            while words[w][0] != t:
-                w += 1
-            deleted[w] = False
-            w += 1
+    for row in out:
+        kept = [t for t in row.tolist() if t != DEL and t < 60]
+        assert len(kept) == 30 - 21  # exactly round(0.7 * 30) words deleted
+        deleted = np.ones(30, bool)
+        deleted[np.array(kept) - 6] = False
         hits += deleted
     assert np.abs(hits / 600 - 0.7).max() < 0.08
 
 
-@pytest.mark.parametrize("num_words", [3, 12, 40, 101])
-def test_del_span_matches_direct_computation(num_words):
-    words = make_words(np.random.default_rng(num_words), num_words)
-    for seed in range(5):
-        out = A.delete_spans(flat(words), np.random.default_rng(seed), word_start_V=WS, del_id=DEL, num_spans=5,
-                             frac=0.05)
-        span_len = max(1, rhu(0.05 * num_words))
-        k = min(5, max(1, rhu(5 * 0.05 * num_words / span_len)), num_words // span_len)
-        slots = np.sort(np.random.default_rng(seed).choice(num_words - k * span_len + k, size=k, replace=False))
-        deleted = {int(s) + i * (span_len - 1) + j for i, s in enumerate(slots) for j in range(span_len)}
-        assert len(deleted) == k * span_len  # non-overlapping
-        assert out.tolist() == build_with_dels(words, deleted)
-        if num_words == 101:  # the paper's setting on a long text: 5 spans of 5% each
-            assert (span_len, k) == (5, 5)
-
-
-def test_place_spans_is_uniform_over_non_overlapping_placements():
+def test_span_placements_are_uniform_and_spans_do_not_overlap():
+    n = 3000
+    starts_BK, ok_BK = A.place_spans(sample_keys(5, 0, np.arange(n)), 0, np.full(n, 7), np.full(n, 2),
+                                     np.full(n, 2))
+    assert ok_BK.all()
     placements = {}
-    for seed in range(3000):
-        starts = tuple(A.place_spans(np.random.default_rng(seed), 7, 2, 2).tolist())
-        placements[starts] = placements.get(starts, 0) + 1
+    for s in map(tuple, starts_BK.tolist()):
+        placements[s] = placements.get(s, 0) + 1
     expected = {c for c in combinations(range(6), 2) if c[1] - c[0] >= 2}
     assert set(placements) == expected
-    freq = np.array(list(placements.values())) / 3000
+    freq = np.array(list(placements.values())) / n
     assert np.abs(freq - 1 / len(expected)).max() < 0.03
 
 
-@pytest.mark.parametrize("num_words", [2, 5, 20, 60])
+@pytest.mark.parametrize("num_words", [2, 5, 20, 60, 101])
 def test_reorder_swaps_whole_spans_pairwise(num_words):
     words = make_words(np.random.default_rng(100 + num_words), num_words)
+    for i, w in enumerate(words):
+        w[0] = 6 + i % 54
     ids = flat(words)
-    for seed in range(5):
-        out = A.reorder_spans(ids, np.random.default_rng(seed), word_start_V=WS, num_pairs=5, frac=0.05)
+    cfg = AugmentConfig(methods="reorder")
+    aug = A.Augmenter(cfg, ("reorder",), WS, DEL)
+    span_len = max(1, R.rhu(0.05 * num_words))
+    k = min(5, max(1, R.rhu(5 * 0.05 * num_words / span_len)), num_words // (2 * span_len))
+    for out in aug(batch_of([ids.tolist()] * 20), sample_keys(1, 0, np.arange(20))).rows():
         assert sorted(out.tolist()) == sorted(ids.tolist())  # multiset preserved
-        span_len = max(1, rhu(0.05 * num_words))
-        k = min(5, max(1, rhu(5 * 0.05 * num_words / span_len)), num_words // (2 * span_len))
-        rng = np.random.default_rng(seed)
-        slots = np.sort(rng.choice(num_words - 2 * k * span_len + 2 * k, size=2 * k, replace=False))
-        starts = [int(s) + i * (span_len - 1) for i, s in enumerate(slots)]
-        perm = rng.permutation(2 * k)
-        order = list(range(num_words))
-        for p in range(k):
-            a, b = starts[perm[2 * p]], starts[perm[2 * p + 1]]
-            order[a : a + span_len], order[b : b + span_len] = order[b : b + span_len], order[a : a + span_len]
-        assert out.tolist() == [t for w in order for t in words[w]]
-        moved = sum(o != i for i, o in enumerate(order))
-        assert moved == 2 * k * span_len
+        moved = [w for w in R.split_words(out.tolist(), WS)]
+        assert len(moved) == num_words
+        assert sum(a != b for a, b in zip(moved, words)) <= 2 * k * span_len
+        if num_words == 101:  # the paper's setting on a long text: 5 pairs of 5% spans
+            assert (span_len, k) == (5, 5)
 
 
 def test_merge_deletions_and_no_consecutive_del_after_any_method():
-    assert A.merge_deletions(np.array([DEL, DEL, 7, DEL, DEL, DEL, 8, DEL]), DEL).tolist() == [DEL, 7, DEL, 8, DEL]
+    r = A.merge_deletions(batch_of([[DEL, DEL, 7, DEL, DEL, DEL, 8, DEL], [DEL], []]), DEL)
+    assert [x.tolist() for x in r.rows()] == [[DEL, 7, DEL, 8, DEL], [DEL], []]
     words = make_words(np.random.default_rng(3), 25)
     words[4] = [DEL]
     words[5] = [DEL]
-    cfg = AugmentConfig()
     for methods in ("del-word", "del-span", "del-span+reorder", "reorder+del-word"):
-        aug = A.Augmenter(cfg, A.parse_methods(methods), WS, DEL, tokenizer=None)
-        for seed in range(20):
-            out = aug(flat(words), np.random.default_rng(seed))
+        aug = A.Augmenter(AugmentConfig(), A.parse_methods(methods), WS, DEL)
+        for out in aug(batch_of([flat(words).tolist()] * 20), sample_keys(0, 0, np.arange(20))).rows():
             assert not ((out[1:] == DEL) & (out[:-1] == DEL)).any(), methods
 
 
-def test_substitution_with_a_lookup_matches_direct_computation():
-    words = make_words(np.random.default_rng(9), 20)
-    table = {tuple(words[w]): (np.array([59, 99]), np.array([58])) for w in range(0, 20, 3)}
-
-    def lookup(word):
-        return table.get(word, ())
-
-    for seed in range(5):
-        out = A.substitute_synonyms(flat(words), np.random.default_rng(seed), word_start_V=WS, rate=0.3,
-                                    lookup=lookup)
-        rng = np.random.default_rng(seed)
-        cands = np.array([w for w in range(20) if tuple(words[w]) in table])
-        k = min(len(cands), rhu(0.3 * 20))
-        expected = [list(w) for w in words]
-        for w in np.sort(rng.choice(cands, size=k, replace=False)).tolist():
-            opts = table[tuple(words[w])]
-            expected[w] = opts[int(rng.integers(len(opts)))].tolist()
-        assert out.tolist() == [t for w in expected for t in w]
-        assert sum(a != b for a, b in zip(expected, words)) == k
-
-
-def test_combination_applies_methods_in_order_with_one_stream():
-    words = make_words(np.random.default_rng(4), 30)
-    cfg = AugmentConfig(methods="del-span+reorder")
-    aug = A.Augmenter(cfg, A.parse_methods(cfg.methods), WS, DEL, tokenizer=None)
-    rng = np.random.default_rng(11)
-    step1 = A.delete_spans(flat(words), rng, word_start_V=aug.word_start_V, del_id=DEL, num_spans=5, frac=0.05)
-    step2 = A.reorder_spans(step1, rng, word_start_V=aug.word_start_V, num_pairs=5, frac=0.05)
-    assert aug(flat(words), np.random.default_rng(11)).tolist() == A.merge_deletions(step2, DEL).tolist()
+def test_substitution_counts_and_only_uses_synonyms():
+    """Single-token words and synonyms: position w of the view is word w or one of its synonyms, and exactly
+    min(candidates, round(0.3 W)) words change (a synonym never equals its word here)."""
+    mapping = {(w,): [np.array([w + 20]), np.array([w + 21])] for w in range(6, 30, 2)}
+    row = list(range(6, 26))  # 20 one-token words, 10 of them with synonyms
+    aug = A.Augmenter(AugmentConfig(methods="subs"), ("subs",), WS, DEL, A.SynonymTable.from_mapping(mapping, VOCAB))
+    hits = np.zeros(20)
+    for out in aug(batch_of([row] * 400), sample_keys(2, 0, np.arange(400))).rows():
+        assert len(out) == 20
+        changed = out != np.array(row)
+        assert changed.sum() == min(10, R.rhu(0.3 * 20))
+        for w in np.flatnonzero(changed).tolist():
+            assert out[w] in (row[w] + 20, row[w] + 21)
+        hits += changed
+    assert hits[1::2].sum() == 0  # words without synonyms never change
+    assert np.abs(hits[0::2] / 400 - 0.6).max() < 0.1  # 6 of the 10 candidates, uniformly
 
 
 def test_wordnet_reader_parses_synsets(tmp_path):
@@ -213,32 +211,58 @@ def tokenizer(tmp_path_factory):
 
 @pytest.mark.skipif(not Path("/usr/share/wordnet/data.noun").is_file(), reason="wordnet-base not installed")
 def test_real_wordnet_substitution_uses_synonyms(tokenizer):
+    """The WordNet table (single-token words, tabulated once) and multi-token words (looked up) both give
+    real synonyms; the augmenter survives pickling (DataLoader workers) with the same output."""
     aug = A.build_augmenter(AugmentConfig(methods="subs"), tokenizer)
     syn = load_synonyms("/usr/share/wordnet")  # the cache the augmenter uses too
     text = "the big car drove fast down the happy road"
     ids = np.array(tokenizer.encode(text))
+    keys = sample_keys(0, 0, np.arange(10))
+    out_rows = aug(batch_of([ids.tolist()] * 10), keys).rows()
     changed = 0
-    for seed in range(10):
-        out = tokenizer.decode(aug(ids, np.random.default_rng(seed))).split()
+    for row in out_rows:
+        out = tokenizer.decode(row).split()
         assert len(out) == len(text.split())  # one-word synonyms only
         for a, b in zip(text.split(), out):
             if a != b:
                 assert b in syn[a], (a, b)
                 changed += 1
-    # round(0.3 * 9) = 3 words per call whenever three candidates encode without [UNK].
     assert changed > 0
     again = pickle.loads(pickle.dumps(aug))
-    assert again(ids, np.random.default_rng(3)).tolist() == aug(ids, np.random.default_rng(3)).tolist()
+    assert [r.tolist() for r in again(batch_of([ids.tolist()] * 10), keys).rows()] == [r.tolist() for r in out_rows]
 
 
 def test_vocabulary_without_del_drops_deleted_words():
     """An imported HF BERT vocabulary has no [DEL]: the same draws delete the words without a marker."""
     words = make_words(np.random.default_rng(5), 30)
     cfg = AugmentConfig(methods="del-span")
-    with_del = A.Augmenter(cfg, A.parse_methods(cfg.methods), WS, DEL, tokenizer=None)
-    without = A.Augmenter(cfg, A.parse_methods(cfg.methods), WS, None, tokenizer=None)
-    marked = with_del(flat(words), np.random.default_rng(3))
-    dropped = without(flat(words), np.random.default_rng(3))
+    with_del = A.Augmenter(cfg, A.parse_methods(cfg.methods), WS, DEL)
+    without = A.Augmenter(cfg, A.parse_methods(cfg.methods), WS, None)
+    keys = sample_keys(0, 0, np.arange(1))
+    marked = with_del(batch_of([flat(words).tolist()]), keys).rows()[0]
+    dropped = without(batch_of([flat(words).tolist()]), keys).rows()[0]
     assert DEL in marked.tolist()
     assert dropped.tolist() == [t for t in marked.tolist() if t != DEL]
     assert dropped.max() < VOCAB
+
+
+def test_counter_draws_are_uniform_independent_and_width_free():
+    from pretrain.data.counter_rng import derive, draw_keys, draws
+
+    keys = sample_keys(0, 0, np.arange(2000))
+    u = draws(keys, 3, 64)
+    assert np.array_equal(u[:, :10], draws(keys, 3, 10))  # column j does not depend on the width asked for
+    assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+    counts = np.histogram(u, bins=20, range=(0, 1))[0]
+    chi2 = ((counts - u.size / 20) ** 2 / (u.size / 20)).sum()
+    assert chi2 < 45  # 19 degrees of freedom: p < 1e-3 above ~43.8
+    # Neighbouring columns, streams, samples, epochs, seeds and derived keys are uncorrelated.
+    others = [draws(keys, 4, 64), draws(sample_keys(0, 1, np.arange(2000)), 3, 64),
+              draws(sample_keys(1, 0, np.arange(2000)), 3, 64), draws(derive(keys, 1), 3, 64),
+              draws(sample_keys(0, 0, np.arange(1, 2001)), 3, 64)]
+    for other in others + [u[:, 1:]]:
+        a = u[:, : other.shape[1]].ravel()
+        assert abs(np.corrcoef(a, other.ravel())[0, 1]) < 0.01
+    k = draw_keys(keys, 3, 300)
+    assert all(len(set(row)) == 300 for row in k.tolist())  # distinct within a row
+    assert len(set(keys.tolist())) == 2000

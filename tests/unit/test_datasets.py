@@ -191,3 +191,34 @@ def test_c_sample_index_equals_python_packing_on_random_corpora():
         assert got[0].dtype == np.int64 and all(np.array_equal(a, b) for a, b in zip(got, want)), (trial, budget)
     with pytest.raises(ValueError, match="doc_idx"):
         _index.pack(np.zeros(3, dtype=np.int64), np.array([0, 5], dtype=np.int64), 4)
+
+
+def test_a_batch_is_its_samples_built_one_by_one(tokenizer, tmp_path):
+    """``__getitems__`` (what the DataLoader calls) gives, row for row, the samples ``dataset[key]`` builds
+    alone: from a preprocessed ShardedDataset (the vectorised token gather) and through a blend."""
+    from pretrain.data.collate import collate
+    from pretrain.data.preprocess import preprocess
+
+    text = ("The quick brown fox jumps over the lazy dog. A big car drove fast down the happy road.\n"
+            "She was glad to see the large house and the small garden near the river.\n\n") * 40
+    (tmp_path / "a.txt").write_text(text)
+    preprocess([str(tmp_path / "a.txt")], str(tmp_path / "ds"), tokenizer.path, num_workers=1, progress=False)
+    cfg = DataConfig(tokenizer=tokenizer.path, max_len=20, view_max_len=12,
+                     sources=[SourceConfig(name="a", path=str(tmp_path / "ds"))],
+                     augment=AugmentConfig(methods="del-span+reorder"))
+    ds = build_dataset(cfg, tokenizer, seed=2)
+    fake = PretrainDataset(FakeShards(random_docs(np.random.default_rng(3), 25, 6, tokenizer.vocab_size)),
+                           tokenizer, cfg, seed=2)
+    blend = BlendedDataset([ds, fake], [0.5, 0.5], seed=1)
+    for dataset in (ds, fake, blend):
+        reach = len(dataset) if dataset is blend else 2 * len(dataset)  # a source reuses texts past its end
+        keys = [(e, i) for e in (0, 3) for i in range(0, reach, 3)]
+        batch = collate(dataset.__getitems__(keys), pad_id=tokenizer.pad_id)
+        for b, key in enumerate(keys):
+            one = dataset[key]
+            for name, field in (("input_ids", "input_ids"), ("mlm_labels", "mlm_labels"),
+                                ("view_a", "view_a_ids"), ("view_b", "view_b_ids")):
+                n = len(one[name])
+                assert batch[field][b, :n].tolist() == one[name].tolist(), (key, name)
+                assert (batch[field][b, n:] == (-100 if name == "mlm_labels" else tokenizer.pad_id)).all()
+        assert batch["view_a_mask"].sum(1).tolist() == [len(dataset[k]["view_a"]) for k in keys]

@@ -125,3 +125,24 @@ def test_collate_pads_to_batch_max():
     assert b["view_b_mask"].tolist() == [[True] * 4, [True, True, False, False]]
     assert b["source"].tolist() == [1, 0]
     assert b["input_ids"].dtype == torch.int64 and b["attention_mask"].dtype == torch.bool
+
+
+def test_chunks_and_packed_hand_off_give_the_same_batches(dataset):
+    """Workers build several micro-batches per task and hand them over packed in one buffer: the batches
+    (values, dtypes, shapes) and the consumed position are those of one micro-batch per task in-process."""
+    from pretrain.data.loader import PackedBatch
+
+    kw = dict(seed=5, rank=1, world_size=2, micro_batch_size=3, pad_id=0)
+    ref_loader = build_loader(dataset, start_sample=12, num_workers=0, chunk=1, **kw)
+    ref = list(itertools.islice(iter(ref_loader), 9))
+    for workers, chunk in ((0, 4), (2, 4), (1, 1)):
+        loader = build_loader(dataset, start_sample=12, num_workers=workers, chunk=chunk, **kw)
+        got = list(itertools.islice(iter(loader), 9))
+        assert loader.state_dict() == ref_loader.state_dict() == {"consumed_samples": 12 + 9 * 6}
+        for a, b in zip(got, ref):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (workers, chunk, k)
+    big = {"x": torch.tensor([[2**40, -1]]), "m": torch.tensor([[True, False]]), "f": torch.tensor([0.5])}
+    out = PackedBatch(big).unpack()  # values beyond int32 travel as int64
+    assert all(out[k].dtype == big[k].dtype and torch.equal(out[k], big[k]) for k in big)

@@ -99,3 +99,47 @@ def test_short_and_all_special_inputs():
 def test_config_rejects_bad_values(kw):
     with pytest.raises(ValueError, match="data.masking"):
         MaskingConfig(**kw)
+
+
+def test_mask_batch_rows_equal_the_row_by_row_reference():
+    import augment_reference as R
+
+    from pretrain.data.counter_rng import sample_keys
+    from pretrain.data.masking import mask_batch, special_table
+    from pretrain.data.ragged import Ragged
+
+    cfg = MaskingConfig()
+    special_V, allowed_A = special_table(VOCAB, SPECIALS)
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        rows = [sequence(rng, int(rng.choice([0, 1, 5, 40, 126]))) for _ in range(int(rng.integers(1, 9)))]
+        keys = sample_keys(trial, 2, np.arange(len(rows)))
+        batch = Ragged.from_rows(rows)
+        inp_BT, labels_BT = mask_batch(batch, keys, cfg, special_V=special_V, allowed_A=allowed_A, mask_id=MASK_ID)
+        for b, (row, key) in enumerate(zip(rows, keys.tolist())):
+            inp, labels = R.mask(row, key, cfg, SPECIALS, MASK_ID, VOCAB)
+            assert inp_BT[b, : len(row)].tolist() == inp and labels_BT[b, : len(row)].tolist() == labels
+            assert (labels_BT[b, len(row):] == IGNORE_INDEX).all()
+
+
+def test_mask_batch_statistics():
+    from pretrain.data.counter_rng import sample_keys
+    from pretrain.data.masking import mask_batch, special_table
+    from pretrain.data.ragged import Ragged
+
+    cfg = MaskingConfig()
+    special_V, allowed_A = special_table(VOCAB, SPECIALS)
+    rows = [sequence(np.random.default_rng(i), 100) for i in range(400)]
+    batch = Ragged.from_rows(rows)
+    inp, labels = mask_batch(batch, sample_keys(1, 0, np.arange(400)), cfg, special_V=special_V,
+                             allowed_A=allowed_A, mask_id=MASK_ID)
+    valid = batch.valid()
+    special = special_V[batch.ids] | ~valid
+    chosen = labels != IGNORE_INDEX
+    assert not (chosen & special).any()  # specials and padding never predicted
+    assert abs(chosen.sum() / (~special).sum() - 0.15) < 0.005
+    n = chosen.sum()
+    assert abs((inp[chosen] == MASK_ID).sum() / n - 0.8) < 0.02
+    kept = (inp == batch.ids) & chosen
+    assert abs(kept.sum() / n - 0.1) < 0.02  # random replacements may hit the original id (1 in 44)
+    assert not special_V[inp[chosen & (inp != MASK_ID)]].any()

@@ -1,0 +1,138 @@
+"""Slow references for the vectorised sample pipeline: each rule of pretrain.data.augment / masking.mask_batch
+restated for one row in plain Python (lists, loops, sorted()), on the same counter-based draws. The vectorised
+code must give exactly these rows for every row of every batch."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pretrain.data.counter_rng import draw_keys, draws
+
+
+def u(key: int, stream: int, n: int) -> list[float]:
+    return draws(np.array([key], dtype=np.uint64), stream, n)[0].tolist()
+
+
+def order_keys(key: int, stream: int, n: int) -> list[int]:
+    return [int(x) for x in draw_keys(np.array([key], dtype=np.uint64), stream, n)[0]]
+
+
+def smallest(keys: list[int], allowed, k: int) -> list[int]:
+    """The k allowed indices with the smallest keys."""
+    return sorted(allowed, key=lambda j: keys[j])[:k]
+
+
+def rhu(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+def split_words(tokens: list[int], word_start) -> list[list[int]]:
+    out: list[list[int]] = []
+    for i, t in enumerate(tokens):
+        if i == 0 or word_start[t]:
+            out.append([t])
+        else:
+            out[-1].append(t)
+    return out
+
+
+def merge(tokens: list[int], del_id: int) -> list[int]:
+    out: list[int] = []
+    for t in tokens:
+        if not (t == del_id and out and out[-1] == del_id):
+            out.append(t)
+    return out
+
+
+def with_dels(words: list[list[int]], dead: set[int], del_id: int) -> list[int]:
+    return merge([t for w, toks in enumerate(words) for t in ([del_id] if w in dead else toks)], del_id)
+
+
+def plan(num_words: int, num: int, frac: float, group: int = 1) -> tuple[int, int]:
+    span_len = max(1, rhu(frac * num_words))
+    if num == 0 or frac == 0.0:
+        return span_len, 0
+    return span_len, min(num, max(1, rhu(num * frac * num_words / span_len)), num_words // (group * span_len))
+
+
+def place(key: int, stream: int, num_words: int, k: int, span_len: int) -> list[int]:
+    slots = num_words - k * span_len + k
+    chosen = sorted(smallest(order_keys(key, stream, slots), range(slots), k))
+    return [s + i * (span_len - 1) for i, s in enumerate(chosen)]
+
+
+def del_word(tokens, key, stream, ws, del_id, rate):
+    words = split_words(tokens, ws)
+    dead = set(smallest(order_keys(key, stream, len(words)), range(len(words)), rhu(rate * len(words))))
+    return with_dels(words, dead, del_id)
+
+
+def del_span(tokens, key, stream, ws, del_id, num, frac):
+    words = split_words(tokens, ws)
+    span_len, k = plan(len(words), num, frac)
+    dead = {s + j for s in place(key, stream, len(words), k, span_len) for j in range(span_len)}
+    return with_dels(words, dead, del_id)
+
+
+def reorder(tokens, key, stream, ws, pairs, frac):
+    words = split_words(tokens, ws)
+    span_len, k = plan(len(words), pairs, frac, group=2)
+    if k == 0:
+        return list(tokens)
+    starts = place(key, stream, len(words), 2 * k, span_len)
+    pk = order_keys(key, stream + 1, 2 * k)
+    perm = sorted(range(2 * k), key=lambda i: pk[i])
+    order = list(range(len(words)))
+    for p in range(k):
+        a, b = starts[perm[2 * p]], starts[perm[2 * p + 1]]
+        order[a:a + span_len], order[b:b + span_len] = order[b:b + span_len], order[a:a + span_len]
+    return [t for w in order for t in words[w]]
+
+
+def subs(tokens, key, stream, ws, rate, mapping):
+    words = split_words(tokens, ws)
+    options = [list(mapping.get(tuple(w), ())) for w in words]
+    candidates = [w for w in range(len(words)) if options[w]]
+    k = min(len(candidates), rhu(rate * len(words)))
+    picks = u(key, stream + 1, len(words))
+    for w in smallest(order_keys(key, stream, len(words)), candidates, k):
+        words[w] = [int(t) for t in options[w][math.floor(picks[w] * len(options[w]))]]
+    return [t for w in words for t in w]
+
+
+def augment(tokens, key, methods, cfg, ws, del_id, mapping=None, drop_deleted=False):
+    """One view of one row: methods in order, method m drawing from streams 4m.."""
+    tokens = [int(t) for t in tokens]
+    for m, method in enumerate(methods):
+        s = 4 * m
+        if method == "del-word":
+            tokens = del_word(tokens, key, s, ws, del_id, cfg.del_word_rate)
+        elif method == "del-span":
+            tokens = del_span(tokens, key, s, ws, del_id, cfg.del_span_num, cfg.del_span_frac)
+        elif method == "reorder":
+            tokens = reorder(tokens, key, s, ws, cfg.reorder_pairs, cfg.reorder_frac)
+        elif method == "subs":
+            tokens = subs(tokens, key, s, ws, cfg.subs_rate, mapping)
+    tokens = merge(tokens, del_id)
+    return [t for t in tokens if t != del_id] if drop_deleted else tokens
+
+
+def mask(seq, key, cfg, special_ids, mask_id, vocab_size):
+    """mask_batch's rule for one row: (input ids, labels)."""
+    seq = [int(t) for t in seq]
+    specials = set(special_ids)
+    candidates = [j for j, t in enumerate(seq) if t not in specials]
+    count = math.floor(cfg.prob * len(candidates) + u(key, 0, 1)[0])
+    chosen = smallest(order_keys(key, 1, len(seq)), candidates, count)
+    action, rand = u(key, 2, len(seq)), u(key, 3, len(seq))
+    allowed = [t for t in range(vocab_size) if t not in specials]
+    inp, labels = list(seq), [-100] * len(seq)
+    for j in chosen:
+        labels[j] = seq[j]
+        if action[j] < cfg.mask_frac:
+            inp[j] = mask_id
+        elif action[j] < cfg.mask_frac + cfg.random_frac:
+            inp[j] = allowed[min(math.floor(rand[j] * len(allowed)), len(allowed) - 1)]
+    return inp, labels
