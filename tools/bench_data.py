@@ -1,16 +1,24 @@
-"""Data-path benchmark: the sample index — cold build (+ cache write), warm start and per-process RSS.
+"""Data-path benchmark: the sample pipeline, the loader hand-off, the sample index and preprocessing.
 
-Synthetic datasets of N sentences (sizes 5-40 tokens, documents of 1-60 sentences, shards of 5e7
+  augment     samples/s of masking + two CLEAR views + collate per augmentation (max_len 128, view_max_len 64,
+              micro-batch 32, a 30522 WordPiece trained on the corpus), through ``build_loader`` in one process
+  loader      the same through ``build_loader`` with 1 and 2 worker processes, per worker core, and the
+              hand-off cost (1 - one worker / one process)
+  index       the sample index (below)
+  preprocess  ``pretrain-preprocess`` MB/s on 1 and on 2 cores beside raw ``tokenizers`` ``encode_batch``
+              on the same lines and the same number of threads (each in a fresh process)
+
+Index: synthetic datasets of N sentences (sizes 5-40 tokens, documents of 1-60 sentences, shards of 5e7
 sentences): real ``.idx`` files and a sparse ``.bin`` (no token data is written), so 1e8 sentences cost
 ~1.3 GB of index on disk. Each measurement runs in a fresh process: open the dataset, build or load the
 sample index (``load_or_build_sample_index``), report wall time and the growth of anonymous RSS (not counting the page cache of the
 memory-mapped files) over an empty dataset;
 the same row also times the pure-Python packer on the first 1e7 sentences for the per-sentence ratio.
 
-    python tools/bench_data.py --sentences 1e6 1e7 1e8 [--dir /tmp/bench-data] [--json PATH]
+    python tools/bench_data.py [--parts augment loader index preprocess] [--sentences 1e6 1e7 1e8]
+                               [--dir /tmp/pretrain-bench-data] [--json PATH]
 
-Not measured here yet (see tools/bench_augment.py for the sample pipeline): augmentation and loader
-throughput, preprocessing MB/s.
+Run it on a quiet machine (it prints the load average): every figure is a rate of CPU-bound work.
 """
 
 from __future__ import annotations
@@ -100,13 +108,90 @@ def python_ns_per_sentence(directory: str, budget: int, limit: int = 10_000_000)
     return (time.perf_counter() - t0) / n * 1e9
 
 
-def _child(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True).stdout
+AUGMENT_METHODS = ("del-word", "del-span", "reorder", "del-span+reorder", "subs", "subs+del-span")
+SHARED = ROOT.parent / "shared" / "data" / "corpus"
+
+
+def prepare_corpus(work: Path, corpus: str, vocab_size: int) -> tuple[str, str]:
+    """(tokenizer path, dataset dir) for the augment/loader parts, built once under ``work``."""
+    sys.path.insert(0, str(ROOT))
+    from pretrain.data.preprocess import preprocess
+    from pretrain.data.tokenizer import train_tokenizer
+
+    tok, ds = work / f"tokenizer-{vocab_size}.json", work / f"dataset-{vocab_size}"
+    if not tok.is_file():  # enough wiki text for the full vocabulary
+        train_tokenizer([corpus, str(SHARED / "wiki")], str(tok), vocab_size=vocab_size, max_bytes=40_000_000)
+    if not (ds / "manifest.json").is_file():
+        preprocess([corpus], str(ds), str(tok), num_workers=1, progress=False, overwrite=True)
+    return str(tok), str(ds)
+
+
+def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: int, micro_batch: int) -> float:
+    """Samples per second (wall) through build_loader, after a warm-up that absorbs worker start-up."""
+    import itertools
+
+    import torch
+
+    from pretrain.config.data import AugmentConfig, DataConfig, SourceConfig
+    from pretrain.data.datasets import build_dataset
+    from pretrain.data.loader import build_loader
+    from pretrain.data.tokenizer import load_tokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(tok_path)
+    cfg = DataConfig(tokenizer=tok_path, max_len=128, view_max_len=64, sources=[SourceConfig(name="c", path=ds_dir)],
+                     augment=AugmentConfig(methods=method))
+    dataset = build_dataset(cfg, tokenizer, seed=0)
+    loader = build_loader(dataset, seed=0, rank=0, world_size=1, micro_batch_size=micro_batch, start_sample=0,
+                          num_workers=workers, pad_id=tokenizer.pad_id)
+    it = iter(loader)
+    for _ in itertools.islice(it, 16):
+        pass
+    t0 = time.perf_counter()
+    for _ in itertools.islice(it, batches):
+        pass
+    return batches * micro_batch / (time.perf_counter() - t0)
+
+
+def preprocess_rate(tok_path: str, files: list[str], cores: int, out: str) -> float:
+    """MB/s of ``pretrain-preprocess`` with ``cores`` workers (its own accounting of threads)."""
+    from pretrain.data.preprocess import preprocess
+
+    mb = sum(os.path.getsize(f) for f in files) / 1e6
+    t0 = time.perf_counter()
+    preprocess(files, out, tok_path, num_workers=cores, progress=False, overwrite=True)
+    return mb / (time.perf_counter() - t0)
+
+
+def tokenizers_rate(tok_path: str, files: list[str]) -> float:
+    """MB/s of raw ``tokenizers`` encode_batch over the files' lines (threads: RAYON_NUM_THREADS of the caller)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tok_path)
+    lines = [ln for f in files for ln in Path(f).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    mb = sum(os.path.getsize(f) for f in files) / 1e6
+    t0 = time.perf_counter()
+    for a in range(0, len(lines), 10_000):
+        tok.encode_batch(lines[a:a + 10_000], add_special_tokens=False)
+    return mb / (time.perf_counter() - t0)
+
+
+def _child(args: list[str], env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True,
+                         env=None if env is None else {**os.environ, **env}).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", nargs="+", default=["augment", "loader", "index", "preprocess"],
+                   choices=["augment", "loader", "index", "preprocess"])
+    p.add_argument("--corpus", default=str(SHARED / "books"), help="text for the augment/loader parts")
+    p.add_argument("--vocab-size", type=int, default=30522)
+    p.add_argument("--methods", nargs="+", default=list(AUGMENT_METHODS))
+    p.add_argument("--batches", type=int, default=120, help="micro-batches timed per cell")
+    p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--preprocess-mb", type=float, default=20, help="MB of wiki text for the preprocess part")
     p.add_argument("--sentences", nargs="+", type=float, default=[1e6, 1e7, 1e8])
     p.add_argument("--dir", default="/tmp/pretrain-bench-data")
     p.add_argument("--max-len", type=int, default=128)
@@ -114,6 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the synthetic datasets")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--python-ns", help=argparse.SUPPRESS)
+    p.add_argument("--cell", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     budget = args.max_len - 2
     if args.one:
@@ -122,7 +208,79 @@ def main(argv=None) -> int:
     if args.python_ns:
         print(json.dumps({"ns": python_ns_per_sentence(args.python_ns, budget)}))
         return 0
-    print(f"load average {os.getloadavg()[0]:.2f}; budget {budget} tokens; one fresh process per cell")
+    if args.cell:
+        print(json.dumps(_cell(json.loads(args.cell))))
+        return 0
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores; one fresh process per cell")
+    results: dict = {}
+    work = Path(args.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    if "augment" in args.parts or "loader" in args.parts:
+        results.update(bench_pipeline(args, work))
+    if "preprocess" in args.parts:
+        results["preprocess"] = bench_preprocess(args, work)
+    if "index" in args.parts:
+        results["index"] = bench_index(args, budget)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _cell(spec: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    if spec["kind"] == "loader":
+        return {"rate": loader_rate(spec["tok"], spec["ds"], spec["method"], spec["workers"], spec["batches"],
+                                    spec["micro_batch"])}
+    if spec["kind"] == "preprocess":
+        return {"rate": preprocess_rate(spec["tok"], spec["files"], spec["cores"], spec["out"])}
+    return {"rate": tokenizers_rate(spec["tok"], spec["files"])}
+
+
+def bench_pipeline(args, work: Path) -> dict:
+    tok, ds = prepare_corpus(work, args.corpus, args.vocab_size)
+    base = {"kind": "loader", "tok": tok, "ds": ds, "batches": args.batches, "micro_batch": args.micro_batch}
+    augment, loader = {}, {}
+    print(f"\nsample pipeline: {Path(args.corpus).name}, vocab {args.vocab_size}, max_len 128, view_max_len 64, "
+          f"micro-batch {args.micro_batch}; samples/s per core")
+    print("| method | 1 process | 1 worker | 2 workers (per worker core) | hand-off cost |\n|---|---:|---:|---:|---:|")
+    for method in args.methods:
+        run = lambda w: _child(["--cell", json.dumps({**base, "method": method, "workers": w})])["rate"]
+        augment[method] = run(0)
+        w1, w2 = (run(1), run(2) / 2) if "loader" in args.parts else (float("nan"), float("nan"))
+        loader[method] = {"workers_1": w1, "workers_2": w2}
+        print(f"| {method} | {augment[method]:,.0f} | {w1:,.0f} | {w2:,.0f} | {1 - w1 / augment[method]:.0%} |",
+              flush=True)
+    return {"augment": augment, **({"loader": loader} if "loader" in args.parts else {})}
+
+
+def bench_preprocess(args, work: Path) -> dict:
+    tok, _ = prepare_corpus(work, args.corpus, args.vocab_size)
+    files, total = [], 0
+    for f in sorted((SHARED / "wiki").rglob("wiki_*")):
+        if total >= args.preprocess_mb * 1e6:
+            break
+        files.append(str(f))
+        total += f.stat().st_size
+    out = str(work / "preprocessed")
+    row = {}
+    for cores in (1, 2):
+        row[f"cores_{cores}"] = _child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": files,
+                                                               "cores": cores, "out": out})])["rate"]
+        env = {"RAYON_NUM_THREADS": str(cores), "TOKENIZERS_PARALLELISM": "true" if cores > 1 else "false"}
+        row[f"tokenizers_{cores}"] = _child(["--cell", json.dumps({"kind": "tokenizers", "tok": tok,
+                                                                   "files": files})], env=env)["rate"]
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"\npreprocess: {total / 1e6:.1f} MB of wiki, vocab {args.vocab_size}; MB/s")
+    print("| cores | pretrain-preprocess | raw tokenizers encode_batch | ratio |\n|---:|---:|---:|---:|")
+    for c in (1, 2):
+        print(f"| {c} | {row[f'cores_{c}']:.2f} | {row[f'tokenizers_{c}']:.2f} | "
+              f"{row[f'cores_{c}'] / row[f'tokenizers_{c}']:.0%} |", flush=True)
+    return row
+
+
+def bench_index(args, budget: int) -> list[dict]:
+    print(f"\nsample index: budget {budget} tokens")
     rows = []
     for n in map(int, args.sentences):
         d = Path(args.dir) / f"n{n:.0e}".replace("+", "")
@@ -148,9 +306,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['sentences']:.0e} | {r['cold_s']:.2f} | {r['cold_ns_per_sentence']:.1f} | "
               f"{r['python_ns_per_sentence']:.0f} | {r['warm_s']:.2f} | {r['rss_mib']:.0f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"index": rows}, indent=1))
-    return 0
+    return rows
 
 
 def _empty_dataset(root: Path) -> Path:

@@ -13,7 +13,11 @@ position, never on how it is split over ranks and accumulation steps: resuming a
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import signal
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -131,7 +135,7 @@ def _worker_init(worker_id: int) -> None:
     from pretrain.training.signals import ignore_in_worker
 
     torch.set_num_threads(1)
-    ignore_in_worker()  # signals to the launcher's process group reach the main process only: it decides
+    ignore_in_worker()  # SIGTERM/SIGINT/SIGUSR1 to the process group (or cgroup): the main process decides
 
 
 class ResumableLoader:
@@ -154,6 +158,26 @@ class ResumableLoader:
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}
+
+    def close(self) -> None:
+        """Stop the worker processes: asked to exit, then SIGKILLed if they have not within a few seconds (they
+        ignore SIGTERM, which is what the DataLoader's own shutdown and multiprocessing's exit handler send)."""
+        it = getattr(self.loader, "_iterator", None)
+        if it is None or not hasattr(it, "_shutdown_workers"):
+            return
+        workers = list(getattr(it, "_workers", []))
+        it._shutdown_workers()
+        for w in workers:
+            if w.is_alive():
+                os.kill(w.pid, signal.SIGKILL)
+                w.join(timeout=5)
+        self.loader._iterator = None
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    loader = ref()
+    if loader is not None:
+        loader.close()
 
 
 def build_loader(
@@ -205,4 +229,7 @@ def build_loader(
         generator=torch.Generator().manual_seed(int(seed)),
         **extra,
     )
-    return ResumableLoader(loader, sampler, start_sample)
+    resumable = ResumableLoader(loader, sampler, start_sample)
+    if num_workers > 0:  # runs before multiprocessing's exit handler, which would wait forever on the workers
+        atexit.register(_close_at_exit, weakref.ref(resumable))
+    return resumable

@@ -89,9 +89,17 @@ def _run_chunk(docs: list[list[str]]) -> ChunkResult:
 def _map_ordered(chunks: Iterator[tuple[list[list[str]], int]], processor: ChunkProcessor,
                  num_workers: int) -> Iterator[tuple[ChunkResult, int]]:
     """(result, input byte position) in input order; at most 4 chunks per worker in flight (bounded memory)."""
-    if num_workers <= 1:
-        for chunk, pos in chunks:
-            yield processor(chunk), pos
+    if num_workers <= 1:  # one core: the tokenizer's own thread pool would make it two
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            for chunk, pos in chunks:
+                yield processor(chunk), pos
+        finally:
+            if saved is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
         return
     tok = processor.tokenizer
     with mp.get_context().Pool(num_workers, initializer=_init_worker,
@@ -292,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("inputs", nargs="*", help="files or directories (.txt, .jsonl, WikiExtractor output, books)")
     ap.add_argument("--tokenizer", help="tokenizer.json written by pretrain-tokenizer")
     ap.add_argument("--out", help="output dataset directory")
-    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                    help="cores to use: worker processes, each with a single-threaded tokenizer (1: in-process, "
+                         "one thread); default: the cores this process may run on")
     ap.add_argument("--shard-size-tokens", type=float, default=50_000_000)
     ap.add_argument("--min-sentence-chars", type=int, default=8)
     ap.add_argument("--max-line-bytes", type=int, default=1_000_000)

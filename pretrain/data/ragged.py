@@ -103,7 +103,8 @@ def words(r: Ragged, word_start_V: np.ndarray) -> Words:
     """Words of every row; position 0 of a non-empty row always starts a word."""
     valid = r.valid()
     start_BT = word_start_V[r.ids] & valid
-    start_BT[:, 0] = valid[:, 0]
+    if start_BT.shape[1]:
+        start_BT[:, 0] = valid[:, 0]
     index_BT = np.maximum(np.cumsum(start_BT, axis=1) - 1, 0)
     num_B = start_BT.sum(axis=1, dtype=np.int64)
     W = int(num_B.max(initial=0))

@@ -1,7 +1,7 @@
 """Stop signals: SIGUSR1/SIGTERM (preemption) and a first SIGINT (Ctrl-C) ask the trainer to finish the step,
-checkpoint and exit; a second SIGINT aborts at once. DataLoader workers leave the process group
-(``ignore_in_worker``): a signal sent to the whole group must not kill the workers the checkpoint still waits
-on — the main process decides."""
+checkpoint and exit; a second SIGINT aborts at once. DataLoader workers ignore all three
+(``ignore_in_worker``): a signal sent to the whole process group must not kill the workers the checkpoint
+still waits on — the main process decides."""
 
 from __future__ import annotations
 
@@ -47,17 +47,9 @@ class StopSignal:
 
 
 def ignore_in_worker() -> None:
-    """For DataLoader workers: leave the launcher's process group, so a stop signal sent to the group (Ctrl-C,
-    Slurm signalling a job step) reaches only the main process, which decides (checkpoint, then shut the workers
-    down); SIGINT and SIGUSR1 are ignored too. SIGTERM keeps its default: the DataLoader's own shutdown
-    terminates a worker that does not exit by itself, and a worker whose parent is gone exits by itself."""
-    import os
-
-    try:
-        os.setpgid(0, 0)
-    except OSError:  # already a group leader: nothing to leave
-        pass
-    for name in ("SIGUSR1", "SIGINT"):
+    """For DataLoader workers: ignore the stop signals (the main process handles them and shuts the workers
+    down; a worker whose parent is gone exits by itself)."""
+    for name in StopSignal.SIGNALS:
         sig = getattr(signal, name, None)
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)

@@ -146,3 +146,34 @@ def test_chunks_and_packed_hand_off_give_the_same_batches(dataset):
     big = {"x": torch.tensor([[2**40, -1]]), "m": torch.tensor([[True, False]]), "f": torch.tensor([0.5])}
     out = PackedBatch(big).unpack()  # values beyond int32 travel as int64
     assert all(out[k].dtype == big[k].dtype and torch.equal(out[k], big[k]) for k in big)
+
+
+def test_a_script_that_ends_with_workers_running_exits(tmp_path):
+    """Workers ignore SIGTERM (a signal to the whole job must not kill them mid-checkpoint), so the interpreter's
+    exit must not wait on them: the loader stops them itself at exit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent('''
+        import itertools, torch
+        from pretrain.data.loader import build_loader
+
+        class Squares(torch.utils.data.Dataset):
+            def __len__(self):
+                return 1000
+            def __getitem__(self, key):
+                return {"input_ids": torch.tensor([key[1] ** 2])}
+
+        def collate(samples, pad_id):
+            return {"input_ids": torch.cat([s["input_ids"] for s in samples])}
+
+        loader = build_loader(Squares(), seed=0, rank=0, world_size=1, micro_batch_size=2, start_sample=0,
+                              num_workers=2, pad_id=0, collate_fn=collate)
+        it = iter(loader)
+        print(next(it)["input_ids"].tolist(), flush=True)
+    '''))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert len(eval(p.stdout.strip())) == 2
