@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--corpus", default=str(SHARED / "books"), help="text for the augment/loader parts")
     p.add_argument("--vocab-size", type=int, default=30522)
     p.add_argument("--methods", nargs="+", default=list(AUGMENT_METHODS))
-    p.add_argument("--batches", type=int, default=120, help="micro-batches timed per cell")
+    p.add_argument("--batches", type=int, default=600, help="micro-batches timed per cell")
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--preprocess-mb", type=float, default=20, help="MB of wiki text for the preprocess part")
     p.add_argument("--sentences", nargs="+", type=float, default=[1e6, 1e7, 1e8])

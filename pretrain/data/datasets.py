@@ -115,39 +115,49 @@ def load_or_build_sample_index(source, budget: int) -> tuple[np.ndarray, np.ndar
         cached = _open_cached_index(path, len(source))
         if cached is not None:
             return cached[0], cached[1], path
-    first_N, end_N = _build_index_of(source, budget)
-    if path is None:
-        return first_N, end_N, None
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        path.parent.mkdir(exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.save(f, np.stack([first_N, end_N]), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:  # read-only or full: train from the in-memory index
-        print(f"[data] could not cache the sample index in {path.parent} ({e}); using it from memory", flush=True)
-        tmp.unlink(missing_ok=True)
-        return first_N, end_N, None
-    cached = _open_cached_index(path, len(source))
-    return (cached[0], cached[1], path) if cached is not None else (first_N, end_N, None)
+    parts = _index_parts(source, budget)
+    if path is not None:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            _write_index(tmp, parts)
+            os.replace(tmp, path)
+        except OSError as e:  # read-only or full: train from the in-memory index
+            print(f"[data] could not cache the sample index in {path.parent} ({e}); using it from memory", flush=True)
+            tmp.unlink(missing_ok=True)
+        else:
+            cached = _open_cached_index(path, len(source))
+            if cached is not None:
+                return cached[0], cached[1], path
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), None
+    return (np.concatenate([f + o for f, _, o in parts]), np.concatenate([e + o for _, e, o in parts]), None)
 
 
-def _build_index_of(source, budget: int) -> tuple[np.ndarray, np.ndarray]:
-    """The sample index of a source; shard by shard for a ShardedDataset (documents never cross shards), so
-    that only the shards' memory-mapped sizes are read and no corpus-sized copy is made."""
+def _write_index(tmp: Path, parts: list[tuple[np.ndarray, np.ndarray, int]]) -> None:
+    """The .npy of (2, N) int64 [first; end], filled part by part straight into the file, then fsynced."""
+    total = sum(len(f) for f, _, _ in parts)
+    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(2, total))
+    at = 0
+    for f, e, offset in parts:
+        np.add(f, offset, out=arr[0, at:at + len(f)])
+        np.add(e, offset, out=arr[1, at:at + len(f)])
+        at += len(f)
+    arr.flush()
+    del arr
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def _index_parts(source, budget: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """The sample index of a source as (first, end, sentence offset) parts, one per shard of a ShardedDataset
+    (documents never cross shards): only the shards' memory-mapped sizes are read, no corpus-sized copy."""
     shards = getattr(source, "shards", None)
     if shards is None:
-        return build_sample_index(source.sizes, source.doc_idx, budget)
-    firsts, ends = [], []
-    for shard, start in zip(shards, source.starts.tolist()):
-        f, e = build_sample_index(shard.sizes, shard.doc_idx, budget)
-        firsts.append(f + start)
-        ends.append(e + start)
-    if not firsts:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(firsts), np.concatenate(ends)
+        f, e = build_sample_index(source.sizes, source.doc_idx, budget)
+        return [(f, e, 0)]
+    return [(*build_sample_index(shard.sizes, shard.doc_idx, budget), start)
+            for shard, start in zip(shards, source.starts.tolist())]
 
 
 def parse_key(key) -> tuple[int, int]:

@@ -52,7 +52,9 @@ def idx_nbytes(num_sequences: int, num_documents: int) -> int:
 class IndexedDataset:
     """Read-only view of one shard; ``ds[i]`` is the int array of sequence ``i`` (a memmap view)."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, *, check: bool = True) -> None:
+        """``check=False`` skips the O(N) structural scan of the index (the caller vouches that these very files
+        passed it: ``ShardedDataset``'s checked stamp); the header and file-size checks always run."""
         self.prefix = str(prefix)
         idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
         for p in (idx_path, bin_path):
@@ -86,7 +88,8 @@ class IndexedDataset:
         off += 8 * (d + 1)
         self.sizes = idx[off:off + 4 * n].view("<i4")
         self.num_tokens = int(num_tokens)
-        self._check(idx_path)
+        if check:
+            self._check(idx_path)
         self._bin = (np.memmap(bin_path, dtype=self.dtype, mode="r").view(np.ndarray) if num_tokens
                      else np.zeros(0, self.dtype))
 

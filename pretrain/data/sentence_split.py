@@ -17,13 +17,13 @@ _ABBREV_BEFORE_NUMBER = frozenset("no nos art p pp ch sec op vol".split())
 _ACRONYM = re.compile(r"(?:[A-Za-z]\.)+[A-Za-z]")
 
 
-def _is_abbreviation(text: str, start: int, dot: int) -> bool:
-    """Whether the '.' at ``dot`` ends an abbreviation (Mr., e.g., U.S., J. Smith, No. 5)."""
+def _is_abbreviation(text: str, start: int, dot: int, nxt: str) -> bool:
+    """Whether the '.' at ``dot`` ends an abbreviation (Mr., e.g., U.S., J. Smith, No. 5); ``nxt`` is the first
+    non-space character after it."""
     word = text[max(text.rfind(" ", start, dot) + 1, start):dot].lstrip("\"'(\u201c\u2018[")
     low = word.lower()
     if low in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or _ACRONYM.fullmatch(word):
         return True
-    nxt = text[dot + 1:].lstrip()[:1]
     return low in _ABBREV_BEFORE_NUMBER and nxt.isdigit()
 
 
@@ -32,7 +32,9 @@ def split_sentences(text: str) -> list[str]:
     out: list[str] = []
     start = 0
     for m in _BOUNDARY.finditer(text):
-        if m.group(1) == "." and _is_abbreviation(text, start, m.start(1)):
+        # First non-space character after the '.': a closing quote, or what follows the whitespace.
+        nxt = text[m.end(1)] if m.end(2) > m.end(1) else text[m.end():m.end() + 1]
+        if m.group(1) == "." and _is_abbreviation(text, start, m.start(1), nxt):
             continue
         sentence = text[start:m.end(2)].strip()
         if sentence:

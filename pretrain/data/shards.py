@@ -8,6 +8,7 @@ Legend: N = total sequences (sentences), D = total documents, V = vocabulary siz
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -65,7 +66,13 @@ class ShardedDataset:
                 f"dataset {directory} was tokenized with tokenizer sha256 {have[:16]}… "
                 f"({self.manifest['tokenizer'].get('path')}), but the configured tokenizer has sha256 "
                 f"{tokenizer_sha256[:16]}…; re-run pretrain-preprocess with that tokenizer")
-        self.shards = [IndexedDataset(os.path.join(self.directory, s["name"])) for s in self.manifest["shards"]]
+        stamp_path, stamp = self._checked_stamp()
+        known = _read_json(stamp_path) if stamp_path is not None else None
+        self.shards = [IndexedDataset(os.path.join(self.directory, s["name"]),
+                                      check=known is None or known.get(s["name"]) != stamp.get(s["name"]))
+                       for s in self.manifest["shards"]]
+        if stamp_path is not None and known != stamp:
+            _write_json_quietly(stamp_path, stamp)
         for shard, entry in zip(self.shards, self.manifest["shards"]):
             if len(shard) != entry["num_sequences"] or shard.num_tokens != entry["num_tokens"]:
                 raise ValueError(f"{shard.prefix} does not match {MANIFEST} (sequence/token counts differ); "
@@ -80,6 +87,24 @@ class ShardedDataset:
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    def _checked_stamp(self) -> tuple[Path | None, dict]:
+        """(``index-cache/checked-<manifest sha>.json``, {shard: [size, mtime_ns] of its .idx and .bin}).
+
+        The shards' O(N) structural check (4 s at 1e9 sentences) runs once per set of files: the stamp records
+        the files that passed, and a shard whose files still have that size and mtime opens without it (the
+        sha256 of every file is ``pretrain-preprocess --verify``'s job)."""
+        manifest = Path(self.directory) / MANIFEST
+        stamp = {}
+        for s in self.manifest["shards"]:
+            prefix = os.path.join(self.directory, s["name"])
+            try:
+                stat = [os.stat(prefix + ext) for ext in (".idx", ".bin")]
+            except OSError:
+                return None, {}  # a missing file: IndexedDataset says which
+            stamp[s["name"]] = [[st.st_size, st.st_mtime_ns] for st in stat]
+        digest = hashlib.sha256(manifest.read_bytes()).hexdigest()[:20]
+        return Path(self.directory) / "index-cache" / f"checked-{digest}.json", stamp
 
     @functools.cached_property
     def sizes(self) -> np.ndarray:
@@ -150,6 +175,25 @@ class ShardedDataset:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["directory"], tokenizer_sha256=state["tokenizer_sha256"])
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json_quietly(path: Path, data: dict) -> None:
+    """Atomic write; a read-only or full dataset directory just goes without (the check runs again next time)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(exist_ok=True)
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def verify_dataset(directory: str) -> list[str]:

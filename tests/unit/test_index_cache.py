@@ -92,8 +92,9 @@ def test_workers_receive_the_index_by_path_not_by_copy(dataset_dir, tiny_corpus)
 
 
 def test_shard_by_shard_index_equals_the_global_one(tiny_corpus, tmp_path):
-    """Built from each shard's memory-mapped sizes (no corpus-sized copy), the index is the global packing."""
-    from pretrain.data.datasets import _build_index_of
+    """Built from each shard's memory-mapped sizes (no corpus-sized copy) and written part by part into the
+    cache file, the index is the global packing."""
+    from pretrain.data.datasets import load_or_build_sample_index
     from pretrain.data.preprocess import preprocess
 
     text = tmp_path / "text.txt"
@@ -102,7 +103,30 @@ def test_shard_by_shard_index_equals_the_global_one(tiny_corpus, tmp_path):
                shard_size_tokens=20_000)
     src = ShardedDataset(str(tmp_path / "many"))
     assert len(src.shards) > 3
-    got = _build_index_of(src, 62)
+    got = load_or_build_sample_index(src, 62)
+    assert got[2] is not None and got[2].is_file()  # cached
     assert "sizes" not in vars(src)  # the global copy was never made
     want = build_sample_index(src.sizes, src.doc_idx, 62)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def test_structural_check_runs_once_per_set_of_files(tiny_corpus, tmp_path, monkeypatch):
+    """The O(N) .idx scan runs on the first open and again only for a shard whose files changed; a damaged
+    .idx written after the stamp is still caught."""
+    from pretrain.data import indexed
+
+    shutil.copytree(tiny_corpus["train"], tmp_path / "ds")
+    calls = []
+    real = indexed.IndexedDataset._check
+    monkeypatch.setattr(indexed.IndexedDataset, "_check", lambda self, p, *a: (calls.append(p), real(self, p, *a)))
+    ShardedDataset(str(tmp_path / "ds"))
+    first = len(calls)
+    assert first >= 1
+    ShardedDataset(str(tmp_path / "ds"))
+    assert len(calls) == first  # warm: stamp matches, no scan
+    idx = sorted((tmp_path / "ds").glob("shard-*.idx"))[0]
+    raw = bytearray(idx.read_bytes())
+    raw[-8:] = b"\xff" * 8  # a size field at the end: the offsets no longer tile the .bin
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="corrupt"):
+        ShardedDataset(str(tmp_path / "ds"))
