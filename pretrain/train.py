@@ -2,6 +2,7 @@
 
     pretrain-train configs/quickstart.yaml optim.lr=3e-4 train.max_steps=100
     torchrun --nproc-per-node 2 -m pretrain.train configs/clear_base.yaml run_dir=runs/x
+    pretrain-train --check runs/x      (every checkpoint: good or damaged, and why)
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pretrain-train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pretrain-train", description=__doc__.splitlines()[0],
+                                epilog="pretrain-train --check RUN_DIR lists every checkpoint of a run as good or "
+                                       "damaged (sizes + whole-file sha256) and the one a resume would use")
     p.add_argument("config", nargs="?", help="YAML config (see configs/); omitted = defaults")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.norm=pre")
     args = p.parse_args(argv)
@@ -22,7 +25,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def check(run_dir: str, *, full: bool = True) -> int:
+    """``pretrain-train --check RUN_DIR``: every checkpoint of a run, good or damaged and why; 1 when the newest
+    is damaged (a resume would fall back), 0 otherwise."""
+    from pathlib import Path
+
+    from pretrain.checkpoint import store
+
+    ckpt_dir = store.checkpoints_dir(run_dir)
+    if not Path(run_dir).is_dir():
+        print(f"pretrain-train: error: {run_dir} is not a directory", file=sys.stderr)
+        return 2
+    tags = store.list_complete(ckpt_dir)
+    if not tags:
+        print(f"{ckpt_dir}: no complete checkpoint")
+        return 0
+    how = "sizes + whole-file sha256" if full else "sizes + sampled sha256"
+    print(f"{ckpt_dir} ({how}; resume checks sizes + sampled sha256):")
+    bad = {}
+    for tag in tags:
+        problems = store.verify_checkpoint(ckpt_dir / tag, full=full)
+        unrecorded = not (ckpt_dir / tag / store.FILES_FILE).is_file()
+        verdict = "damaged: " + "; ".join(problems) if problems else (
+            "good (written before file checksums were recorded: state file only)" if unrecorded else "good")
+        print(f"  {tag}  {verdict}")
+        bad[tag] = bool(problems)
+    resumable = store.find_resumable(ckpt_dir, say=lambda _: None)
+    print(f"a resume would start from: {resumable or 'nothing (no intact checkpoint)'}")
+    return 1 if bad[tags[-1]] else 0
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--check"]:
+        if len(argv) != 2:
+            print("usage: pretrain-train --check RUN_DIR", file=sys.stderr)
+            return 2
+        return check(argv[1])
     args = parse_args(argv)
     from pretrain.checkpoint.store import CheckpointError
     from pretrain.config import load_run_config

@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--corpus", default=str(SHARED / "books"), help="text for the augment/loader parts")
     p.add_argument("--vocab-size", type=int, default=30522)
     p.add_argument("--methods", nargs="+", default=list(AUGMENT_METHODS))
-    p.add_argument("--batches", type=int, default=600, help="micro-batches timed per cell")
+    p.add_argument("--batches", type=int, default=400, help="micro-batches timed per cell")
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per cell; the median is reported")
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--preprocess-mb", type=float, default=20, help="MB of wiki text for the preprocess part")
     p.add_argument("--sentences", nargs="+", type=float, default=[1e6, 1e7, 1e8])
@@ -245,7 +246,10 @@ def bench_pipeline(args, work: Path) -> dict:
           f"micro-batch {args.micro_batch}; samples/s per core")
     print("| method | 1 process | 1 worker | 2 workers (per worker core) | hand-off cost |\n|---|---:|---:|---:|---:|")
     for method in args.methods:
-        run = lambda w: _child(["--cell", json.dumps({**base, "method": method, "workers": w})])["rate"]
+        def run(w: int) -> float:
+            cell = ["--cell", json.dumps({**base, "method": method, "workers": w})]
+            return float(np.median([_child(cell)["rate"] for _ in range(args.repeats)]))
+
         augment[method] = run(0)
         w1, w2 = (run(1), run(2) / 2) if "loader" in args.parts else (float("nan"), float("nan"))
         loader[method] = {"workers_1": w1, "workers_2": w2}

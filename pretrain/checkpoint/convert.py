@@ -62,6 +62,8 @@ def from_hf(hf_dir: str, out: str, *, overwrite: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pretrain.checkpoint.store import CheckpointError
+
     parser = argparse.ArgumentParser(prog="pretrain-convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", help="our checkpoint -> HF BERT (+ sentence-transformers) directory")
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             from_hf(args.hf_dir, args.out, overwrite=args.overwrite)
             print(f"wrote {args.out}; train from it with checkpoint.init_from={args.out} "
                   f"data.tokenizer={Path(args.out) / 'tokenizer.json'}")  # fmt: skip
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"pretrain-convert: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -8,8 +8,8 @@ Recognised, in this order (the first match wins):
     checkpoint             a run directory, its checkpoints/ or a tag (any ZeRO stage)
 
 HF and init directories are read from safetensors (a HF ``pytorch_model.bin`` with ``weights_only=True``);
-our checkpoints are still read from DeepSpeed's pickled files (``store.load_model_state``), so a run directory
-must be trusted. Used by ``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so
+our checkpoints are still read from DeepSpeed's pickled files (``store.load_model_state``, after checking the
+files against the checkpoint's files.json: a damaged one is refused), so a run directory must be trusted. Used by ``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so
 that they all accept the same inputs with the same errors. This module depends on ``checkpoint.hf`` (key
 maps, readers), never the other way round.
 """

@@ -7,6 +7,8 @@ Layout under ``<run_dir>/checkpoints/``::
         config.yaml           the resolved run config
         tokenizer.json        a copy, so the checkpoint converts and evaluates on its own
         rng_rank<r>.pt        per-rank RNG states
+        files.json            every other file's size, sha256 and sampled sha256 (written before
+                              trainer_state.json): what ``verify_checkpoint`` checks
     latest                    the tag of the newest complete checkpoint
 
 A save writes into ``.tmp-step_…`` and is published by one ``os.replace`` of the directory,
@@ -28,6 +30,11 @@ FORMAT_VERSION = 2
 """2: trainer_state.json names the sample stream (``sample_stream``); a version-1 pretraining state is read as
 stream 'generator-v1' (numpy Generators per sample), which this version does not resume into."""
 STATE_FILE = "trainer_state.json"
+FILES_FILE = "files.json"
+SAMPLE_BLOCK = 1 << 20
+SAMPLE_BLOCKS = 8
+"""The sampled checksum of a file: sha256 of its size and of SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes evenly
+spread from its first to its last byte (the whole file when smaller): at most 8 MiB read per file."""
 LATEST_FILE = "latest"
 _TAG_RE = re.compile(r"^step_(\d{8,})$")
 
@@ -84,6 +91,96 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def file_digests(path: Path, *, full: bool = True) -> dict:
+    """{"bytes", "sampled_sha256"[, "sha256"]} of one file."""
+    import hashlib
+
+    size = path.stat().st_size
+    sampled = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCK * SAMPLE_BLOCKS:
+            sampled.update(f.read())
+        else:
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(round(i * (size - SAMPLE_BLOCK) / (SAMPLE_BLOCKS - 1)))
+                sampled.update(f.read(SAMPLE_BLOCK))
+        out = {"bytes": size, "sampled_sha256": sampled.hexdigest()}
+        if full:
+            f.seek(0)
+            whole = hashlib.sha256()
+            for block in iter(lambda: f.read(1 << 23), b""):
+                whole.update(block)
+            out["sha256"] = whole.hexdigest()
+    return out
+
+
+def _record_files(env, tmp_dir: Path) -> None:
+    """files.json of a checkpoint being published: the files are split over the ranks, each hashes its share
+    (read back from the page cache right after writing), rank 0 writes the union."""
+    names = sorted(str(p.relative_to(tmp_dir)) for p in tmp_dir.rglob("*")
+                   if p.is_file() and p.name not in (STATE_FILE, FILES_FILE) and not p.name.endswith(".tmp"))
+    world = env.world_size if env.is_distributed else 1
+    mine = {n: file_digests(tmp_dir / n) for n in names[env.rank::world]}
+    if env.is_distributed:
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, mine)
+        mine = {k: v for part in parts for k, v in part.items()}
+    if env.is_main:
+        _atomic_write_text(tmp_dir / FILES_FILE, json.dumps({"files": mine, "sample_block": SAMPLE_BLOCK,
+                                                              "sample_blocks": SAMPLE_BLOCKS}, indent=1))
+
+
+def verify_checkpoint(tag_dir: Path, *, full: bool = False) -> list[str]:
+    """What is wrong with a checkpoint ([] = good): its state file, then every file files.json records — size
+    always, then the sampled sha256 (``full=False``: at most 8 MiB read per file) or the whole sha256.
+    A checkpoint written before files.json existed is checked for its state file only."""
+    try:
+        read_trainer_state(tag_dir)
+    except CheckpointError as e:
+        return [str(e)]
+    try:
+        recorded = json.loads((tag_dir / FILES_FILE).read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{FILES_FILE} is unreadable ({type(e).__name__})"]
+    problems = []
+    for name, want in sorted(recorded.items()):
+        path = tag_dir / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            problems.append(f"{FILES_FILE} names {name!r}, outside the checkpoint")
+            continue
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        size = path.stat().st_size
+        if size != want.get("bytes"):
+            problems.append(f"{name} has {size} bytes, {want.get('bytes')} when it was written (truncated?)")
+            continue
+        got = file_digests(path, full=full)
+        key = "sha256" if full else "sampled_sha256"
+        if got[key] != want.get(key):
+            problems.append(f"{name}: {'sha256' if full else 'sampled sha256'} differs from when it was written "
+                            f"(the file changed or is corrupt)")
+    return problems
+
+
+def find_resumable(ckpt_dir: Path, *, say=print) -> str | None:
+    """The newest checkpoint that verifies (sizes + sampled sha256); each damaged newer one is named with why."""
+    complete = list_complete(ckpt_dir)
+    newest = find_latest(ckpt_dir)
+    if newest is not None and newest not in complete:
+        complete.append(newest)
+    for tag in reversed(sorted(complete, key=_step_of)):
+        problems = verify_checkpoint(ckpt_dir / tag)
+        if not problems:
+            return tag
+        older = [t for t in complete if _step_of(t) < _step_of(tag)]
+        say(f"warning: checkpoint {ckpt_dir / tag} is damaged: {'; '.join(problems)}. "
+            f"{'Trying the previous one, ' + older[-1] if older else 'No older checkpoint is left'}.")
+    return None
+
+
 def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, trainer_state: dict,
                     config_yaml: str, tokenizer_path: str | None, keep_last: int) -> Path:
     """Collective save; returns the published tag directory or raises CheckpointError."""
@@ -109,6 +206,12 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         if isinstance(e, RuntimeError) and not shutil.disk_usage(ckpt_dir).free:
             error += " (no space left on device)"
+    failed = _any_rank(env, error is not None)
+    if not failed:
+        try:
+            _record_files(env, tmp_dir)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
     failed = _any_rank(env, error is not None)
     if not failed and env.is_main:
         try:
@@ -215,7 +318,10 @@ def load_model_state(path: str | os.PathLike) -> tuple[dict, dict]:
     from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
 
     tag_dir = resolve_tag_dir(path)
-    read_trainer_state(tag_dir)
+    problems = verify_checkpoint(tag_dir)
+    if problems:
+        raise CheckpointError(f"checkpoint {tag_dir} is damaged: {'; '.join(problems)}. Use an older checkpoint "
+                              f"of the run (pretrain-train --check {tag_dir.parent.parent} lists them).")
     full = fp32_state_dict_from_checkpoint(str(tag_dir))
     prefix = "model."
     state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}

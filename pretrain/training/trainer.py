@@ -116,7 +116,7 @@ class Trainer:
     # -- setup -------------------------------------------------------------------------------
     def _resume_or_start(self) -> None:
         ckpt_dir = store.checkpoints_dir(self.run_dir)
-        tag = store.find_latest(ckpt_dir) if self.cfg.checkpoint.resume == "auto" else None
+        tag = self._resumable_tag(ckpt_dir) if self.cfg.checkpoint.resume == "auto" else None
         if tag is not None:
             state = store.read_trainer_state(ckpt_dir / tag)
             self._check_compatible(state, ckpt_dir / tag)
@@ -131,6 +131,21 @@ class Trainer:
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
+
+    def _resumable_tag(self, ckpt_dir: Path) -> str | None:
+        """Rank 0 picks the newest checkpoint that verifies (naming each damaged one), every rank takes it."""
+        tag = store.find_resumable(ckpt_dir, say=print_progress) if self.env.is_main else None
+        if self.env.is_distributed:
+            box = [tag]
+            torch.distributed.broadcast_object_list(box, src=0)
+            tag = box[0]
+        if tag is None and store.list_complete(ckpt_dir):
+            raise store.CheckpointError(
+                f"every checkpoint in {ckpt_dir} is damaged (pretrain-train --check {self.run_dir} says how); "
+                f"refusing to start this run over on top of them. Move {ckpt_dir} away to start from scratch.")
+        if self.env.is_main and tag is not None and tag != store.find_latest(ckpt_dir):
+            print_progress(f"warning: resuming from {ckpt_dir / tag}, the newest checkpoint that is intact")
+        return tag
 
     def _check_compatible(self, state: dict, tag_dir: Path) -> None:
         old_world = state.get("world_size", self.env.world_size)

@@ -552,3 +552,56 @@ def test_second_sigint_aborts_at_once(tmp_path, tiny_overrides):
     assert "Traceback" not in out and "checkpointed step" not in out
     assert store.find_latest(store.checkpoints_dir(run_dir)) is None
     assert not (run_dir / "run.lock").exists()
+
+
+# ------------------------------------------------------------------------------ checkpoint integrity
+
+@pytest.mark.slow
+def test_damaged_newest_checkpoint_falls_back_and_is_refused_by_weight_readers(tmp_path, tiny_overrides, clean_env,
+                                                                               capsys):
+    """Really truncated and bit-flipped files: ``--check`` names them, resume falls back to the newest intact
+    checkpoint with a warning naming both, and convert/init_from refuse the damaged one with the same reason."""
+    from pretrain.checkpoint.convert import main as convert_main
+    from pretrain.train import main as train_main
+
+    run_dir = tmp_path / "run"
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, checkpoint__every=2), capsys)
+    assert code == 0, out[-2000:]
+    ckpts = store.checkpoints_dir(run_dir)
+    assert store.list_complete(ckpts) == ["step_00000002", "step_00000004"]
+    recorded = json.loads((ckpts / "step_00000004" / store.FILES_FILE).read_text())["files"]
+    assert "mp_rank_00_model_states.pt" in recorded and "config.yaml" in recorded
+    assert train_main(["--check", str(run_dir)]) == 0
+    assert capsys.readouterr().out.count(" good") == 2
+
+    model_file = ckpts / "step_00000004" / "mp_rank_00_model_states.pt"
+    size = model_file.stat().st_size
+    with open(model_file, "r+b") as f:
+        f.truncate(size // 2)
+    assert train_main(["--check", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"step_00000004  damaged: mp_rank_00_model_states.pt has {size // 2} bytes, {size} when it was written" in out
+    assert "step_00000002  good" in out and "a resume would start from: step_00000002" in out
+
+    assert convert_main(["to-hf", str(ckpts / "step_00000004"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "step_00000004 is damaged: mp_rank_00_model_states.pt has" in err and "Traceback" not in err
+    code, out = _main(tiny_overrides(tmp_path / "other", data__valid="[]", train__max_steps=1,
+                                     checkpoint__init_from=str(ckpts / "step_00000004")), capsys)
+    assert code == 4 and "is damaged: mp_rank_00_model_states.pt" in out, out[-2000:]
+
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=6, checkpoint__every=2), capsys)
+    assert code == 0, out[-2000:]
+    assert "checkpoint" in out and "step_00000004 is damaged: mp_rank_00_model_states.pt" in out
+    assert "resuming from" in out and "step_00000002, the newest checkpoint that is intact" in out
+    assert "resumed from" in out and "at step 2" in out
+    assert train_main(["--check", str(run_dir)]) == 0  # step 4 rewritten by the resumed run, step 6 added
+    capsys.readouterr()
+
+    # A flipped byte (same size) is caught by the checksums: the sampled one covers a small file whole.
+    cfg_file = ckpts / "step_00000006" / "config.yaml"
+    raw = bytearray(cfg_file.read_bytes())
+    raw[0] ^= 1
+    cfg_file.write_bytes(bytes(raw))
+    assert store.verify_checkpoint(ckpts / "step_00000006") == [
+        "config.yaml: sampled sha256 differs from when it was written (the file changed or is corrupt)"]

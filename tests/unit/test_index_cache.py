@@ -116,6 +116,7 @@ def test_structural_check_runs_once_per_set_of_files(tiny_corpus, tmp_path, monk
     from pretrain.data import indexed
 
     shutil.copytree(tiny_corpus["train"], tmp_path / "ds")
+    shutil.rmtree(tmp_path / "ds" / "index-cache", ignore_errors=True)  # copytree kept mtimes: drop the stamps
     calls = []
     real = indexed.IndexedDataset._check
     monkeypatch.setattr(indexed.IndexedDataset, "_check", lambda self, p, *a: (calls.append(p), real(self, p, *a)))
