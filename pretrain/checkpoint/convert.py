@@ -20,9 +20,9 @@ from pretrain.model import POOLINGS, PretrainModel
 __all__ = ["from_hf", "load_checkpoint_model", "load_init_weights", "main", "to_hf"]
 
 
-def load_checkpoint_model(checkpoint: str) -> tuple[PretrainModel, dict]:
+def load_checkpoint_model(checkpoint: str, *, trust: bool = False) -> tuple[PretrainModel, dict]:
     """(model, resolved run-config dict) from any of our checkpoints or a from-hf init directory."""
-    w = open_weights(checkpoint)
+    w = open_weights(checkpoint, trust=trust)
     if w.kind not in ("checkpoint", "init_dir"):
         raise ValueError(f"{checkpoint} is a Hugging Face directory, not one of our checkpoints; it is already in "
                          f"HF format (to train from it: pretrain-convert from-hf {checkpoint} OUT)")
@@ -36,11 +36,12 @@ def to_hf(
     pooling: str | None = None,
     max_seq_length: int | None = None,
     overwrite: bool = False,
+    trust: bool = False,
 ) -> None:
     """Export one of our checkpoints as a HF BERT + sentence-transformers directory."""
     if Path(out_dir).exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists; remove it or pass --overwrite")
-    model, config = load_checkpoint_model(checkpoint)
+    model, config = load_checkpoint_model(checkpoint, trust=trust)
     tokenizer = (config.get("data") or {}).get("tokenizer")
     if not tokenizer:
         raise ValueError(f"{checkpoint}: its config names no data.tokenizer; cannot write tokenizer files")
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="sentence-transformers pooling (default: the run's model.pooling)")  # fmt: skip
     p.add_argument("--max-seq-length", type=int, default=None, help="default: the run's data.max_len")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
     p = sub.add_parser("from-hf", help="HF BERT directory -> init directory for checkpoint.init_from")
     p.add_argument("hf_dir")
     p.add_argument("out")
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "to-hf":
             to_hf(args.checkpoint, args.out_dir, pooling=args.pooling, max_seq_length=args.max_seq_length,
-                  overwrite=args.overwrite)  # fmt: skip
+                  overwrite=args.overwrite, trust=args.trust_checkpoint)  # fmt: skip
             print(f"wrote {args.out_dir} (HF BERT + sentence-transformers)")
         else:
             from_hf(args.hf_dir, args.out, overwrite=args.overwrite)

@@ -8,8 +8,8 @@ Recognised, in this order (the first match wins):
     checkpoint             a run directory, its checkpoints/ or a tag (any ZeRO stage)
 
 HF and init directories are read from safetensors (a HF ``pytorch_model.bin`` with ``weights_only=True``);
-our checkpoints are still read from DeepSpeed's pickled files (``store.load_model_state``, after checking the
-files against the checkpoint's files.json: a damaged one is refused), so a run directory must be trusted. Used by ``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so
+our checkpoints from their model.safetensors (``store.load_model_state``, after checking the files against the
+checkpoint's files.json: a damaged one is refused); an old checkpoint without it only with ``trust``. Used by ``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so
 that they all accept the same inputs with the same errors. This module depends on ``checkpoint.hf`` (key
 maps, readers), never the other way round.
 """
@@ -76,13 +76,15 @@ class Weights:
 def detect_kind(path: str | os.PathLike) -> Kind:
     """What ``path`` is (see the module docstring), or FileNotFoundError/ValueError naming what was looked for."""
     from pretrain.checkpoint.hf import INIT_CONFIG, INIT_WEIGHTS
-    from pretrain.checkpoint.store import resolve_tag_dir
+    from pretrain.checkpoint.store import is_complete, resolve_tag_dir
 
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist; expected {LOOKED_FOR}")
     if p.is_dir() and (p / "config.json").is_file():
         return "sentence_transformers" if (p / "modules.json").is_file() else "hf"
+    if is_complete(p):  # a checkpoint tag holds model.safetensors + config.yaml too: it is verified as one
+        return "checkpoint"
     if p.is_dir() and (p / INIT_WEIGHTS).is_file() and (p / INIT_CONFIG).is_file():
         return "init_dir"
     try:
@@ -92,15 +94,16 @@ def detect_kind(path: str | os.PathLike) -> Kind:
     return "checkpoint"
 
 
-def open_weights(path: str | os.PathLike) -> Weights:
-    """``Weights`` of any recognised directory (see the module docstring)."""
+def open_weights(path: str | os.PathLike, *, trust: bool = False) -> Weights:
+    """``Weights`` of any recognised directory (see the module docstring); ``trust`` allows unpickling an old
+    checkpoint of ours that has no model.safetensors."""
     p = Path(path)
     kind = detect_kind(p)
     if kind in ("hf", "sentence_transformers"):
         return _open_hf(p, kind)
     if kind == "init_dir":
         return _open_init_dir(p)
-    return _open_checkpoint(p)
+    return _open_checkpoint(p, trust)
 
 
 def _model_cfg(model_dict: dict, state: dict, where: Path) -> ModelConfig:
@@ -113,10 +116,10 @@ def _model_cfg(model_dict: dict, state: dict, where: Path) -> ModelConfig:
     return dataclasses.replace(cfg, vocab_size=word.shape[0], pooler="pooler.dense.weight" in state)
 
 
-def _open_checkpoint(p: Path) -> Weights:
+def _open_checkpoint(p: Path, trust: bool) -> Weights:
     from pretrain.checkpoint.store import load_model_state
 
-    state, config = load_model_state(p)
+    state, config = load_model_state(p, trust=trust)
     return Weights("checkpoint", p, state, _model_cfg(config.get("model"), state, p),
                    tokenizer_path=(config.get("data") or {}).get("tokenizer") or None, run_config=config)
 

@@ -7,6 +7,7 @@ Layout under ``<run_dir>/checkpoints/``::
         config.yaml           the resolved run config
         tokenizer.json        a copy, so the checkpoint converts and evaluates on its own
         rng_rank<r>.pt        per-rank RNG states
+        model.safetensors     the model's consolidated fp32 weights (what weight readers use: no pickle)
         files.json            every other file's size, sha256 and sampled sha256 (written before
                               trainer_state.json): what ``verify_checkpoint`` checks
     latest                    the tag of the newest complete checkpoint
@@ -31,6 +32,7 @@ FORMAT_VERSION = 2
 stream 'generator-v1' (numpy Generators per sample), which this version does not resume into."""
 STATE_FILE = "trainer_state.json"
 FILES_FILE = "files.json"
+WEIGHTS_FILE = "model.safetensors"
 SAMPLE_BLOCK = 1 << 20
 SAMPLE_BLOCKS = 8
 """The sampled checksum of a file: sha256 of its size and of SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes evenly
@@ -112,6 +114,20 @@ def file_digests(path: Path, *, full: bool = True) -> dict:
                 whole.update(block)
             out["sha256"] = whole.hexdigest()
     return out
+
+
+def _write_weights(tmp_dir: Path, step: int) -> None:
+    """model.safetensors: the PretrainModel's fp32 weights consolidated from the DeepSpeed files just written
+    (any ZeRO stage; our own files, read back once), so that no reader of the weights has to unpickle."""
+    from safetensors.torch import save_file
+
+    from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
+
+    full = fp32_state_dict_from_checkpoint(str(tmp_dir))
+    state = {k[len("model."):]: v.detach().clone().contiguous() for k, v in full.items() if k.startswith("model.")}
+    tmp = tmp_dir / (WEIGHTS_FILE + ".tmp")
+    save_file(state, str(tmp), metadata={"format": "pt", "dtype": "float32", "step": str(step)})
+    os.replace(tmp, tmp_dir / WEIGHTS_FILE)
 
 
 def _record_files(env, tmp_dir: Path) -> None:
@@ -206,6 +222,12 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         if isinstance(e, RuntimeError) and not shutil.disk_usage(ckpt_dir).free:
             error += " (no space left on device)"
+    failed = _any_rank(env, error is not None)
+    if not failed and env.is_main:
+        try:
+            _write_weights(tmp_dir, step)
+        except (OSError, RuntimeError) as e:
+            error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
     failed = _any_rank(env, error is not None)
     if not failed:
         try:
@@ -307,10 +329,12 @@ def resolve_tag_dir(path: str | os.PathLike) -> Path:
     )
 
 
-def load_model_state(path: str | os.PathLike) -> tuple[dict, dict]:
+def load_model_state(path: str | os.PathLike, *, trust: bool = False) -> tuple[dict, dict]:
     """(fp32 state dict of the PretrainModel, resolved run config dict) from any of our checkpoints.
 
-    Works for every ZeRO stage without DeepSpeed's scripts; ``config["data"]["tokenizer"]``
+    Read from the checkpoint's model.safetensors (nothing unpickled); a checkpoint without one (written before
+    2026-11-22) is read from DeepSpeed's pickled files only with ``trust`` (``--trust-checkpoint`` /
+    ``checkpoint.trust``), since unpickling runs whatever code the files carry. ``config["data"]["tokenizer"]``
     points at the checkpoint's own tokenizer copy.
     """
     import yaml
@@ -322,9 +346,20 @@ def load_model_state(path: str | os.PathLike) -> tuple[dict, dict]:
     if problems:
         raise CheckpointError(f"checkpoint {tag_dir} is damaged: {'; '.join(problems)}. Use an older checkpoint "
                               f"of the run (pretrain-train --check {tag_dir.parent.parent} lists them).")
-    full = fp32_state_dict_from_checkpoint(str(tag_dir))
-    prefix = "model."
-    state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+    if (tag_dir / WEIGHTS_FILE).is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(tag_dir / WEIGHTS_FILE))
+    elif trust:
+        full = fp32_state_dict_from_checkpoint(str(tag_dir))
+        state = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+    else:
+        raise CheckpointError(
+            f"{tag_dir} has no {WEIGHTS_FILE} (written by a pretrain from before 2026-11-22, or not by "
+            f"pretrain-train): its weights can only be read by unpickling DeepSpeed's files, which runs any code "
+            f"they carry. If you trust where this checkpoint comes from, pass --trust-checkpoint (pretrain-convert, "
+            f"pretrain-eval, pretrain-finetune-glue) or checkpoint.trust=true (checkpoint.init_from, RankCSE "
+            f"teachers).")
     if not state:
         raise CheckpointError(f"{tag_dir} holds no 'model.*' weights; it was not written by pretrain-train")
     config = yaml.safe_load((tag_dir / "config.yaml").read_text(encoding="utf-8"))

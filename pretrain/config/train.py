@@ -66,6 +66,9 @@ class CheckpointConfig:
     """auto: continue from the run directory's latest complete checkpoint if there is one."""
     init_from: str = ""
     """Start weights from this checkpoint (ours, or converted from HF) without its optimizer/data state."""
+    trust: bool = False
+    """Allow reading init_from / RankCSE teachers from an old checkpoint of ours without model.safetensors by
+    unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:

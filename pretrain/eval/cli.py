@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pooling", default="cls_before_pooler",
                    choices=["cls", "cls_before_pooler", "mean", "first_last_avg"])
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
+    p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
     p.add_argument("--data-dir", default="../shared/data")
     p.add_argument("--suites", default="sts,align,ranking", help=f"comma list of {SUITES} or 'all'")
     p.add_argument("--sts-tasks", default=",".join(sts.TASKS))
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         if s not in SUITES:
             raise SystemExit(f"unknown suite {s!r}; choose from {SUITES} or 'all'")
     enc = load_sentence_encoder(args.model, args.pooling, backend=args.backend, max_len=args.max_len,
-                                batch_size=args.batch_size, device=args.device, progress=not args.no_progress)
+                                batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
+                                trust=args.trust_checkpoint)
     cfg = ClassifierConfig(inner_kfold=args.inner_kfold, mrpc_features=args.mrpc_features)
     res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
                    transfer_tasks=[t for t in args.transfer_tasks.split(",") if t], variant=args.variant,

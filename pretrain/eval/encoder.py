@@ -122,7 +122,7 @@ class SentenceEncoder:
         return out
 
 
-def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu"):
+def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", *, trust: bool = False):
     """(model, tokenizer) from anything ``checkpoint.resolve.open_weights`` recognises.
 
     backend "pretrain"/"auto": our PretrainModel; "transformers": transformers.AutoModel, the reference
@@ -142,14 +142,15 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu"):
 
         model, tok = load_hf_backbone(p)
     else:
-        w = open_weights(p)
+        w = open_weights(p, trust=trust)
         model, tok = w.build_model(), w.load_tokenizer()
     return model.to(device), tok
 
 
 def load_sentence_encoder(path: str | Path, pooling: str, *, backend: str = "auto", max_len: int = 128,
-                          batch_size: int = 64, device: str = "cpu", progress: bool = False) -> SentenceEncoder:
+                          batch_size: int = 64, device: str = "cpu", progress: bool = False,
+                          trust: bool = False) -> SentenceEncoder:
     """SentenceEncoder for a checkpoint / from-hf dir / HF BERT dir."""
-    model, tok = load_backbone(path, backend=backend, device=device)
+    model, tok = load_backbone(path, backend=backend, device=device, trust=trust)
     return SentenceEncoder(model, tok, pooling=pooling, max_len=max_len, batch_size=batch_size,
                            device=device, progress=progress)

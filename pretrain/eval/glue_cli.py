@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain-finetune-glue", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="our checkpoint, a pretrain-convert output dir or any HF BERT dir")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
+    p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
     p.add_argument("--glue-dir", default="../shared/data/glue")
     p.add_argument("--tasks", default="rte,mrpc,cola,stsb,sst2", help="comma list or 'all'")
     p.add_argument("--lrs", default="1e-5,2e-5,3e-5")
@@ -83,7 +84,7 @@ def run_one(args, task: str, lr: float, seed: int) -> dict:
         weight_decay=args.weight_decay, max_train_examples=args.max_train_examples,
         eval_every=args.eval_every, device=args.device, bf16=args.bf16,
     )
-    backbone, tok = load_backbone(args.model, backend=args.backend, device=args.device)
+    backbone, tok = load_backbone(args.model, backend=args.backend, device=args.device, trust=args.trust_checkpoint)
     path = run_path(Path(args.out), task, lr, seed)
     res = finetune(cfg, backbone, tok, args.glue_dir,
                    save_dir=path.with_suffix("") if args.save_best else None)

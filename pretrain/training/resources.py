@@ -17,12 +17,12 @@ from pretrain.objective.terms import Teachers
 from pretrain.objectives.reconstruction import load_token_freq
 
 
-def load_teachers(cfg) -> Teachers:
+def load_teachers(cfg, *, trust: bool = False) -> Teachers:
     """``Teachers`` for objective.rank_distill (cfg: RankDistillConfig) with every teacher model loaded."""
-    return Teachers(cfg, models=[load_teacher(p) for p in cfg.teachers])
+    return Teachers(cfg, models=[load_teacher(p, trust=trust) for p in cfg.teachers])
 
 
-def load_teacher(path: str):
+def load_teacher(path: str, *, trust: bool = False):
     """A frozen teacher PretrainModel from anything ``open_weights`` recognises (our checkpoint, a from-hf
     init dir, a HF or sentence-transformers BERT dir)."""
     from pretrain.checkpoint.resolve import open_weights
@@ -30,7 +30,7 @@ def load_teacher(path: str):
     if not os.path.exists(path):
         raise FileNotFoundError(f"objective.rank_distill teacher {path} does not exist; give one of our checkpoints, "
                                 "a pretrain-convert from-hf directory or a HF BERT directory")
-    return open_weights(path).build_model()
+    return open_weights(path, trust=trust).build_model()
 
 
 def resolve_token_freq(cfg: ObjectiveConfig, data: DataConfig | None, tokenizer=None,

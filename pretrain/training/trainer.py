@@ -82,7 +82,7 @@ class Trainer:
             torch.manual_seed(cfg.seed)
             model = build_model(model_cfg)
             if cfg.checkpoint.init_from:
-                _load_init_weights(model, cfg.checkpoint.init_from)
+                _load_init_weights(model, cfg.checkpoint.init_from, trust=cfg.checkpoint.trust)
             if cfg.train.compile:
                 model.encoder.compile_layers()
             ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, stage=cfg.data.stage)
@@ -354,7 +354,7 @@ def _objective_resources(cfg: RunConfig, tokenizer, train_set) -> dict:
 
     out = {}
     if cfg.objective.rank_distill is not None:
-        out["teachers"] = resources.load_teachers(cfg.objective.rank_distill)
+        out["teachers"] = resources.load_teachers(cfg.objective.rank_distill, trust=cfg.checkpoint.trust)
     if cfg.objective.reconstruction is not None:
         sentences = train_set if cfg.data.stage == "sentences" else None  # counted once, not rebuilt
         out["token_freq_V"] = resources.resolve_token_freq(cfg.objective, cfg.data, tokenizer, sentences)
@@ -454,12 +454,12 @@ def _all_finite(loss: torch.Tensor, env) -> bool:
     return bool(ok.item())
 
 
-def _load_init_weights(model: torch.nn.Module, path: str) -> None:
+def _load_init_weights(model: torch.nn.Module, path: str, *, trust: bool = False) -> None:
     """Initial weights from anything ``open_weights`` recognises: our checkpoints, a `pretrain-convert from-hf`
     directory, a HF or sentence-transformers BERT directory."""
     from pretrain.checkpoint.resolve import open_weights
 
-    state = open_weights(path).state
+    state = open_weights(path, trust=trust).state
     # The contrastive projection head is a training-only head whose shape follows the recipe
     # (e.g. SimCSE's 1-layer MLP vs CLEAR's 2-layer one): when it does not fit, it starts fresh.
     own = model.state_dict()

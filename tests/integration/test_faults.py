@@ -605,3 +605,59 @@ def test_damaged_newest_checkpoint_falls_back_and_is_refused_by_weight_readers(t
     cfg_file.write_bytes(bytes(raw))
     assert store.verify_checkpoint(ckpts / "step_00000006") == [
         "config.yaml: sampled sha256 differs from when it was written (the file changed or is corrupt)"]
+
+
+class _Planted:
+    """Unpickling this creates a file: proof that code from a checkpoint ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _refresh_files_json(tag_dir: Path) -> None:
+    """What someone handing over a doctored checkpoint would do: make files.json agree with the files."""
+    entries = {p.name: store.file_digests(p) for p in tag_dir.iterdir()
+               if p.is_file() and p.name not in (store.STATE_FILE, store.FILES_FILE)}
+    (tag_dir / store.FILES_FILE).write_text(json.dumps({"files": entries}))
+
+
+@pytest.mark.slow
+def test_weight_readers_never_unpickle_a_foreign_checkpoint(tmp_path, tiny_overrides, clean_env, capsys):
+    """A checkpoint whose DeepSpeed files carry a planted pickle: convert and init_from read model.safetensors
+    and run nothing; without model.safetensors they refuse (naming --trust-checkpoint) and still run nothing."""
+    import pickle
+
+    from pretrain.checkpoint.convert import main as convert_main
+
+    run_dir = tmp_path / "run"
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=2, checkpoint__every=2), capsys)
+    assert code == 0, out[-2000:]
+    tag_dir = store.checkpoints_dir(run_dir) / "step_00000002"
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tag_dir / store.WEIGHTS_FILE))
+    assert "encoder.embeddings.word.weight" in weights and all(v.dtype == torch.float32 for v in weights.values())
+
+    marker = tmp_path / "pwned"
+    for f in tag_dir.glob("*model_states.pt"):
+        with open(f, "wb") as fh:
+            pickle.dump({"module": _Planted(marker)}, fh)
+    _refresh_files_json(tag_dir)
+    assert convert_main(["to-hf", str(tag_dir), str(tmp_path / "hf")]) == 0
+    code, out = _main(tiny_overrides(tmp_path / "init", data__valid="[]", train__max_steps=1,
+                                     checkpoint__init_from=str(tag_dir)), capsys)
+    assert code == 0, out[-2000:]
+    assert not marker.exists()
+
+    (tag_dir / store.WEIGHTS_FILE).unlink()
+    _refresh_files_json(tag_dir)
+    assert convert_main(["to-hf", str(tag_dir), str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert "has no model.safetensors" in err and "--trust-checkpoint" in err and "Traceback" not in err
+    code, out = _main(tiny_overrides(tmp_path / "init2", data__valid="[]", train__max_steps=1,
+                                     checkpoint__init_from=str(tag_dir)), capsys)
+    assert code == 4 and "checkpoint.trust=true" in out, out[-2000:]
+    assert not marker.exists()
