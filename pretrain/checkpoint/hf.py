@@ -430,7 +430,8 @@ def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, o
     try:
         save_file(state, str(tmp / INIT_WEIGHTS), metadata={"format": "pt"})
         shutil.copyfile(tokenizer_path, tmp / INIT_TOKENIZER)
-        config = {"model": to_dict(model.cfg), "data": {"tokenizer": str((out / INIT_TOKENIZER).resolve())}}
+        # Relative to the directory: a moved or copied init dir (or run's best/) still opens its own tokenizer.
+        config = {"model": to_dict(model.cfg), "data": {"tokenizer": INIT_TOKENIZER}}
         (tmp / INIT_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
         os.chmod(tmp, 0o755)
         if out.exists():

@@ -131,9 +131,24 @@ def _open_init_dir(p: Path) -> Weights:
 
     config = yaml.safe_load((p / INIT_CONFIG).read_text(encoding="utf-8")) or {}
     state = load_init_weights(str(p))
-    tok = (config.get("data") or {}).get("tokenizer") or str(p / INIT_TOKENIZER)
+    tok = _own_tokenizer(p, (config.get("data") or {}).get("tokenizer"), INIT_TOKENIZER)
+    config.setdefault("data", {})["tokenizer"] = tok  # consumers of run_config get the resolved path too
     return Weights("init_dir", p, state, _model_cfg(config.get("model"), state, p), tokenizer_path=tok,
                    run_config=config)
+
+
+def _own_tokenizer(directory: Path, named: str | None, default: str) -> str:
+    """The tokenizer an init dir means: its own copy when it holds one (older ones recorded an absolute path,
+    wrong once the directory moves), else the recorded path, relative to the directory; a relative path that
+    leaves the directory is refused."""
+    if (directory / default).is_file() or not named:
+        return str(directory / default)
+    if os.path.isabs(named):
+        return named
+    resolved = (directory / named).resolve()
+    if not resolved.is_relative_to(directory.resolve()):
+        raise ValueError(f"{directory}/config.yaml names tokenizer {named!r}, outside the directory; refusing it")
+    return str(resolved)
 
 
 def _open_hf(p: Path, kind: Kind) -> Weights:

@@ -108,9 +108,14 @@ def main(argv: list[str] | None = None) -> None:
     for s in suites:
         if s not in SUITES:
             raise SystemExit(f"unknown suite {s!r}; choose from {SUITES} or 'all'")
-    enc = load_sentence_encoder(args.model, args.pooling, backend=args.backend, max_len=args.max_len,
-                                batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
-                                trust=args.trust_checkpoint)
+    from pretrain.checkpoint.store import CheckpointError
+
+    try:
+        enc = load_sentence_encoder(args.model, args.pooling, backend=args.backend, max_len=args.max_len,
+                                    batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
+                                    trust=args.trust_checkpoint)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"pretrain-eval: error: {e}") from None
     cfg = ClassifierConfig(inner_kfold=args.inner_kfold, mrpc_features=args.mrpc_features)
     res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
                    transfer_tasks=[t for t in args.transfer_tasks.split(",") if t], variant=args.variant,

@@ -84,7 +84,13 @@ def run_one(args, task: str, lr: float, seed: int) -> dict:
         weight_decay=args.weight_decay, max_train_examples=args.max_train_examples,
         eval_every=args.eval_every, device=args.device, bf16=args.bf16,
     )
-    backbone, tok = load_backbone(args.model, backend=args.backend, device=args.device, trust=args.trust_checkpoint)
+    from pretrain.checkpoint.store import CheckpointError
+
+    try:
+        backbone, tok = load_backbone(args.model, backend=args.backend, device=args.device,
+                                      trust=args.trust_checkpoint)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"pretrain-finetune-glue: error: {e}") from None
     path = run_path(Path(args.out), task, lr, seed)
     res = finetune(cfg, backbone, tok, args.glue_dir,
                    save_dir=path.with_suffix("") if args.save_best else None)

@@ -650,6 +650,11 @@ def test_weight_readers_never_unpickle_a_foreign_checkpoint(tmp_path, tiny_overr
     code, out = _main(tiny_overrides(tmp_path / "init", data__valid="[]", train__max_steps=1,
                                      checkpoint__init_from=str(tag_dir)), capsys)
     assert code == 0, out[-2000:]
+    from pretrain.eval.encoder import load_backbone
+    from pretrain.training.resources import load_teacher
+
+    load_backbone(tag_dir)  # pretrain-eval / pretrain-finetune-glue --model
+    load_teacher(str(tag_dir))  # RankCSE teachers
     assert not marker.exists()
 
     (tag_dir / store.WEIGHTS_FILE).unlink()
@@ -660,4 +665,7 @@ def test_weight_readers_never_unpickle_a_foreign_checkpoint(tmp_path, tiny_overr
     code, out = _main(tiny_overrides(tmp_path / "init2", data__valid="[]", train__max_steps=1,
                                      checkpoint__init_from=str(tag_dir)), capsys)
     assert code == 4 and "checkpoint.trust=true" in out, out[-2000:]
+    for read in (lambda: load_backbone(tag_dir), lambda: load_teacher(str(tag_dir))):
+        with pytest.raises(store.CheckpointError, match="has no model.safetensors"):
+            read()
     assert not marker.exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import os
 import warnings
 from pathlib import Path
@@ -185,7 +186,7 @@ def test_from_hf_cli_writes_init_dir(tmp_path):
     import yaml
 
     config = yaml.safe_load((out / "config.yaml").read_text())
-    assert config["data"]["tokenizer"] == str((out / "tokenizer.json").resolve())
+    assert config["data"]["tokenizer"] == "tokenizer.json"  # relative: the directory may move
     assert config["model"]["hidden_size"] == 384 and config["model"]["vocab_size"] == 30522
     tok = json.loads((out / "tokenizer.json").read_text())
     assert tok["padding"] is None and tok["truncation"] is None
@@ -288,9 +289,13 @@ def test_export_import_export_is_identical(exported, tmp_path):
 
 
 def test_to_hf_cli_from_init_dir(exported, tmp_path):
+    from pretrain.checkpoint.resolve import open_weights
+
     model, tok_path, out = exported
     init = tmp_path / "init"
-    hfmod.write_init_dir(model, str(tok_path), str(init))
+    hfmod.write_init_dir(model, str(tok_path), str(tmp_path / "made_here"))
+    shutil.move(str(tmp_path / "made_here"), str(init))  # a moved init dir still opens its own tokenizer
+    assert open_weights(init).tokenizer_path == str(init / "tokenizer.json")
     hf_out = tmp_path / "hf"
     assert convert_main(["to-hf", str(init), str(hf_out), "--pooling", "mean"]) == 0
     assert json.loads((hf_out / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"] is True
