@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from pretrain.eval import sts
+from pretrain.eval import default_data_dir, fail, sts
 
 SUITES = ("sts", "transfer", "align", "ranking")
 
@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["cls", "cls_before_pooler", "mean", "first_last_avg"])
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
-    p.add_argument("--data-dir", default="../shared/data")
+    p.add_argument("--data-dir", default=default_data_dir(),
+                   help="STS/SentEval data root (default: $PRETRAIN_DATA_DIR, else ../shared/data)")
     p.add_argument("--suites", default="sts,align,ranking", help=f"comma list of {SUITES} or 'all'")
     p.add_argument("--sts-tasks", default=",".join(sts.TASKS))
     p.add_argument("--transfer-tasks", default="MR,CR,SUBJ,MPQA,SST2,TREC,MRPC")
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     suites = SUITES if args.suites == "all" else tuple(s.strip() for s in args.suites.split(","))
     for s in suites:
         if s not in SUITES:
-            raise SystemExit(f"unknown suite {s!r}; choose from {SUITES} or 'all'")
+            fail("pretrain-eval", f"unknown suite {s!r}; choose from {SUITES} or 'all'")
     from pretrain.checkpoint.store import CheckpointError
 
     try:
@@ -115,11 +116,15 @@ def main(argv: list[str] | None = None) -> None:
                                     batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
                                     trust=args.trust_checkpoint)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"pretrain-eval: error: {e}") from None
+        fail("pretrain-eval", e)
     cfg = ClassifierConfig(inner_kfold=args.inner_kfold, mrpc_features=args.mrpc_features)
-    res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
-                   transfer_tasks=[t for t in args.transfer_tasks.split(",") if t], variant=args.variant,
-                   classifier_cfg=cfg)
+    try:
+        res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
+                       transfer_tasks=[t for t in args.transfer_tasks.split(",") if t], variant=args.variant,
+                       classifier_cfg=cfg)
+    except FileNotFoundError as e:
+        fail("pretrain-eval", f"{e} (data root {args.data_dir}: pass --data-dir or set PRETRAIN_DATA_DIR to the "
+                              f"directory holding sts/ and senteval/)")
     res["args"] = vars(args)
     name = args.name or str(args.model)
     report = markdown_report(name, res)

