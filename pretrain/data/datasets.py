@@ -11,7 +11,6 @@ depends only on its key, never on the batch it is built in or the worker that bu
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from pretrain.data.augment import build_augmenter
 from pretrain.data.counter_rng import derive, sample_keys
 from pretrain.data.masking import mask_batch, special_table
 from pretrain.data.ragged import Ragged
-from pretrain.data.shards import ShardedDataset
+from pretrain.data.shards import INDEX_CACHE_DIR, ShardedDataset
 
 
 def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +71,6 @@ def build_sample_index_py(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -
 
 INDEX_RULE = "greedy1"
 """Name of the packing rule in cache file names: change it when build_sample_index's output changes."""
-INDEX_CACHE_DIR = "index-cache"
 
 
 def index_cache_path(source, budget: int) -> Path | None:
@@ -80,12 +78,10 @@ def index_cache_path(source, budget: int) -> Path | None:
 
     The key names exactly what the index depends on: the dataset (its manifest, which checksums every
     shard), the token budget (max_len - 2) and the packing rule; a cache of anything else is another file."""
-    directory = getattr(source, "directory", None)
-    manifest = Path(directory) / "manifest.json" if directory else None
-    if manifest is None or not manifest.is_file():
+    digest = getattr(source, "manifest_digest", None)
+    if digest is None:
         return None
-    digest = hashlib.sha256(manifest.read_bytes()).hexdigest()[:20]
-    return Path(directory) / INDEX_CACHE_DIR / f"samples-{digest}-b{budget}-{INDEX_RULE}.npy"
+    return Path(source.directory) / INDEX_CACHE_DIR / f"samples-{digest}-b{budget}-{INDEX_RULE}.npy"
 
 
 def _open_cached_index(path: Path, num_sentences: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -212,12 +208,10 @@ class PretrainDataset(torch.utils.data.Dataset):
         return len(self.first_N)
 
     def text(self, index: int) -> np.ndarray:
-        """Token ids (no specials) of sample ``index``, at most max_len - 2 of them."""
-        budget = self.cfg.max_len - 2
+        """Token ids (no specials) of sample ``index``, at most max_len - 2 of them, sentence by sentence (a
+        source without ``token_batch``)."""
         first, end = int(self.first_N[index]), int(self.end_N[index])
-        if hasattr(self.source, "tokens"):
-            return self.source.tokens(first, end, budget)
-        return np.concatenate([np.asarray(self.source[i]) for i in range(first, end)])[:budget]
+        return np.concatenate([np.asarray(self.source[i]) for i in range(first, end)])[:self.cfg.max_len - 2]
 
     def texts(self, index_B: np.ndarray) -> Ragged:
         """``text`` of many samples, gathered at once from a ShardedDataset (one sample at a time otherwise)."""

@@ -129,15 +129,6 @@ class IndexedDataset:
         start = int(self.offsets[i])
         return self._bin[start:start + int(self.sizes[i])]
 
-    def tokens(self, first: int, end: int, limit: int) -> np.ndarray:
-        """The first ``limit`` tokens of sequences ``first .. end - 1`` (contiguous in the .bin: one slice)."""
-        if not 0 <= first < end <= len(self.sizes):
-            raise IndexError(f"sequence range {first}..{end} out of range for {len(self.sizes)} sequences in "
-                             f"{self.prefix}")
-        start = int(self.offsets[first])
-        stop = int(self.offsets[end - 1]) + int(self.sizes[end - 1])
-        return self._bin[start:min(stop, start + limit)]
-
     def __getstate__(self) -> dict:
         return {"prefix": self.prefix}
 

@@ -21,6 +21,8 @@ MANIFEST = "manifest.json"
 FORMAT_NAME = "pretrain-sharded-dataset"
 FORMAT_VERSION = 1
 TOKEN_FREQ = "token_freq.npy"
+INDEX_CACHE_DIR = "index-cache"
+"""Derived files of a dataset (sample index caches, checked stamps), keyed by ``ShardedDataset.manifest_digest``."""
 
 
 def write_manifest(directory: str | os.PathLike, manifest: dict) -> None:
@@ -60,6 +62,8 @@ class ShardedDataset:
         self.directory = str(directory)
         self._tokenizer_sha256 = tokenizer_sha256
         self.manifest = read_manifest(self.directory)
+        self.manifest_digest = hashlib.sha256((Path(self.directory) / MANIFEST).read_bytes()).hexdigest()[:20]
+        """Names this exact dataset (the manifest checksums every shard): the key of its index-cache files."""
         have = self.manifest["tokenizer"]["sha256"]
         if tokenizer_sha256 is not None and have != tokenizer_sha256:
             raise ValueError(
@@ -94,7 +98,6 @@ class ShardedDataset:
         The shards' O(N) structural check (4 s at 1e9 sentences) runs once per set of files: the stamp records
         the files that passed, and a shard whose files still have that size and mtime opens without it (the
         sha256 of every file is ``pretrain-preprocess --verify``'s job)."""
-        manifest = Path(self.directory) / MANIFEST
         stamp = {}
         for s in self.manifest["shards"]:
             prefix = os.path.join(self.directory, s["name"])
@@ -103,8 +106,7 @@ class ShardedDataset:
             except OSError:
                 return None, {}  # a missing file: IndexedDataset says which
             stamp[s["name"]] = [[st.st_size, st.st_mtime_ns] for st in stat]
-        digest = hashlib.sha256(manifest.read_bytes()).hexdigest()[:20]
-        return Path(self.directory) / "index-cache" / f"checked-{digest}.json", stamp
+        return Path(self.directory) / INDEX_CACHE_DIR / f"checked-{self.manifest_digest}.json", stamp
 
     @functools.cached_property
     def sizes(self) -> np.ndarray:
@@ -129,17 +131,10 @@ class ShardedDataset:
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
         return self.shards[k][i - int(self.starts[k])]
 
-    def tokens(self, first: int, end: int, limit: int) -> np.ndarray:
-        """The first ``limit`` tokens of global sentences ``first .. end - 1``, which must lie in one shard
-        (a sample never crosses a document, and a document never crosses a shard): one memmap slice."""
-        k = int(np.searchsorted(self.starts, first, side="right")) - 1
-        base = int(self.starts[k]) if 0 <= k < len(self.shards) else 0
-        if not 0 <= k < len(self.shards) or end > int(self.starts[k + 1]):
-            raise IndexError(f"sentences {first}..{end} are not inside one shard of {self.directory}")
-        return self.shards[k].tokens(first - base, end - base, limit)
-
     def token_batch(self, first_B: np.ndarray, end_B: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
-        """``tokens`` of many ranges at once: (ids int64 [B, T] zero-padded, len int64 [B]), one gather per shard."""
+        """The first ``limit`` tokens of global sentences ``first .. end - 1`` for each of B ranges, which must each
+        lie in one shard (a sample never crosses a document, nor a document a shard): (ids int64 [B, T]
+        zero-padded, len int64 [B]), one gather per shard."""
         first_B, end_B = np.asarray(first_B, dtype=np.int64), np.asarray(end_B, dtype=np.int64)
         k_B = np.searchsorted(self.starts, first_B, side="right") - 1
         if len(first_B) and ((first_B < 0).any() or (k_B >= len(self.shards)).any()
