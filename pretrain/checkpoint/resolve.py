@@ -4,13 +4,14 @@ Recognised, in this order (the first match wins):
 
     sentence_transformers  config.json + modules.json (a sentence-transformers model, e.g. all-MiniLM-L6-v2)
     hf                     config.json (a Hugging Face BERT directory, ours from ``pretrain-convert to-hf`` too)
+    checkpoint             a checkpoint tag (trainer_state.json; it holds model.safetensors + config.yaml too)
     init_dir               model.safetensors + config.yaml (``pretrain-convert from-hf``, ``<run_dir>/best/``)
-    checkpoint             a run directory, its checkpoints/ or a tag (any ZeRO stage)
+    checkpoint             a run directory or its checkpoints/ (their newest complete tag; any ZeRO stage)
 
 HF and init directories are read from safetensors (a HF ``pytorch_model.bin`` with ``weights_only=True``);
 our checkpoints from their model.safetensors (``store.load_model_state``, after checking the files against the
-checkpoint's files.json: a damaged one is refused); an old checkpoint without it only with ``trust``. Used by ``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so
-that they all accept the same inputs with the same errors. This module depends on ``checkpoint.hf`` (key
+checkpoint's files.json: a damaged one is refused); an old checkpoint without it only with ``trust``. Used by
+``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so that they all accept the same inputs with the same errors. This module depends on ``checkpoint.hf`` (key
 maps, readers), never the other way round.
 """
 
