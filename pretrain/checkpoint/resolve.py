@@ -11,8 +11,9 @@ Recognised, in this order (the first match wins):
 HF and init directories are read from safetensors (a HF ``pytorch_model.bin`` with ``weights_only=True``);
 our checkpoints from their model.safetensors (``store.load_model_state``, after checking the files against the
 checkpoint's files.json: a damaged one is refused); an old checkpoint without it only with ``trust``. Used by
-``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so that they all accept the same inputs with the same errors. This module depends on ``checkpoint.hf`` (key
-maps, readers), never the other way round.
+``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so that they all accept the
+same inputs with the same errors. This module depends on ``checkpoint.hf`` (key maps, readers), never the other
+way round.
 """
 
 from __future__ import annotations

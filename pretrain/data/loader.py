@@ -102,7 +102,7 @@ class PackedBatch:
                 a = a.astype(np.int32)
             raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
             pad = -len(raw) % 8  # every field starts 8-byte aligned, so it can be viewed in place
-            self.layout.append((name, str(t.dtype).removeprefix("torch."), a.shape, offset, len(raw), wide))
+            self.layout.append((name, t.dtype, a.shape, offset, len(raw), wide))
             parts += [raw, np.zeros(pad, np.uint8)]
             offset += len(raw) + pad
         self.buffer = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
@@ -112,10 +112,7 @@ class PackedBatch:
         out = {}
         for name, dtype, shape, offset, nbytes, wide in self.layout:
             view = buf[offset : offset + nbytes]
-            if wide:
-                out[name] = view.view(torch.int32).view(shape).long()
-            else:
-                out[name] = view.view(getattr(torch, dtype)).view(shape)
+            out[name] = view.view(torch.int32).view(shape).long() if wide else view.view(dtype).view(shape)
         return out
 
 
