@@ -6,7 +6,8 @@
               hand-off cost (1 - one worker / one process)
   index       the sample index (below)
   preprocess  ``pretrain-preprocess`` MB/s on 1 and on 2 cores beside raw ``tokenizers`` ``encode_batch``
-              on the same lines and the same number of threads (each in a fresh process)
+              on the same lines and the same number of threads (each in a fresh process, interleaved)
+  preprocess-rss  (not by default) peak RSS of ``pretrain-preprocess`` as the input grows (--rss-mb)
 
 Index: synthetic datasets of N sentences (sizes 5-40 tokens, documents of 1-60 sentences, shards of 5e7
 sentences): real ``.idx`` files and a sparse ``.bin`` (no token data is written), so 1e8 sentences cost
@@ -153,14 +154,19 @@ def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: 
     return batches * micro_batch / (time.perf_counter() - t0)
 
 
-def preprocess_rate(tok_path: str, files: list[str], cores: int, out: str) -> float:
-    """MB/s of ``pretrain-preprocess`` with ``cores`` workers (its own accounting of threads)."""
+def preprocess_rate(tok_path: str, files: list[str], cores: int, out: str) -> dict:
+    """MB/s of ``pretrain-preprocess`` with ``cores`` workers (its own accounting of threads) and peak RSS (MiB)
+    of the main process and of the largest worker."""
+    import resource
+
     from pretrain.data.preprocess import preprocess
 
     mb = sum(os.path.getsize(f) for f in files) / 1e6
     t0 = time.perf_counter()
     preprocess(files, out, tok_path, num_workers=cores, progress=False, overwrite=True)
-    return mb / (time.perf_counter() - t0)
+    rate = mb / (time.perf_counter() - t0)
+    return {"rate": rate, "rss_main_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_worker_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
 def tokenizers_rate(tok_path: str, files: list[str]) -> float:
@@ -185,7 +191,7 @@ def _child(args: list[str], env: dict | None = None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", nargs="+", default=["augment", "loader", "index", "preprocess"],
-                   choices=["augment", "loader", "index", "preprocess"])
+                   choices=["augment", "loader", "index", "preprocess", "preprocess-rss"])
     p.add_argument("--corpus", default=str(SHARED / "books"), help="text for the augment/loader parts")
     p.add_argument("--vocab-size", type=int, default=30522)
     p.add_argument("--methods", nargs="+", default=list(AUGMENT_METHODS))
@@ -193,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per cell; the median is reported")
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--preprocess-mb", type=float, default=20, help="MB of wiki text for the preprocess part")
+    p.add_argument("--rss-mb", nargs="+", type=float, default=[100, 2000],
+                   help="input sizes (MB) for the preprocess-rss part (not run by default: 2 GB take ~10 min)")
     p.add_argument("--sentences", nargs="+", type=float, default=[1e6, 1e7, 1e8])
     p.add_argument("--dir", default="/tmp/pretrain-bench-data")
     p.add_argument("--max-len", type=int, default=128)
@@ -220,6 +228,8 @@ def main(argv=None) -> int:
         results.update(bench_pipeline(args, work))
     if "preprocess" in args.parts:
         results["preprocess"] = bench_preprocess(args, work)
+    if "preprocess-rss" in args.parts:
+        results["preprocess_rss"] = bench_preprocess_rss(args, work)
     if "index" in args.parts:
         results["index"] = bench_index(args, budget)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
@@ -234,7 +244,7 @@ def _cell(spec: dict) -> dict:
         return {"rate": loader_rate(spec["tok"], spec["ds"], spec["method"], spec["workers"], spec["batches"],
                                     spec["micro_batch"])}
     if spec["kind"] == "preprocess":
-        return {"rate": preprocess_rate(spec["tok"], spec["files"], spec["cores"], spec["out"])}
+        return preprocess_rate(spec["tok"], spec["files"], spec["cores"], spec["out"])
     return {"rate": tokenizers_rate(spec["tok"], spec["files"])}
 
 
@@ -258,29 +268,61 @@ def bench_pipeline(args, work: Path) -> dict:
     return {"augment": augment, **({"loader": loader} if "loader" in args.parts else {})}
 
 
-def bench_preprocess(args, work: Path) -> dict:
-    tok, _ = prepare_corpus(work, args.corpus, args.vocab_size)
+def _wiki_files(mb: float) -> tuple[list[str], int]:
+    """The first ~mb MB of the wiki corpus; past its end the same files again (inputs may repeat)."""
+    every = sorted((SHARED / "wiki").rglob("wiki_*"))
     files, total = [], 0
-    for f in sorted((SHARED / "wiki").rglob("wiki_*")):
-        if total >= args.preprocess_mb * 1e6:
-            break
+    while total < mb * 1e6:
+        f = every[len(files) % len(every)]
         files.append(str(f))
         total += f.stat().st_size
+    return files, total
+
+
+def bench_preprocess(args, work: Path) -> dict:
+    """Interleaved repeats (preprocess, tokenizers, preprocess, ...) per core count; medians reported."""
+    tok, _ = prepare_corpus(work, args.corpus, args.vocab_size)
+    files, total = _wiki_files(args.preprocess_mb)
     out = str(work / "preprocessed")
     row = {}
     for cores in (1, 2):
-        row[f"cores_{cores}"] = _child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": files,
-                                                               "cores": cores, "out": out})])["rate"]
         env = {"RAYON_NUM_THREADS": str(cores), "TOKENIZERS_PARALLELISM": "true" if cores > 1 else "false"}
-        row[f"tokenizers_{cores}"] = _child(["--cell", json.dumps({"kind": "tokenizers", "tok": tok,
-                                                                   "files": files})], env=env)["rate"]
+        ours, raw = [], []
+        for _ in range(args.repeats):
+            ours.append(_child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": files,
+                                                      "cores": cores, "out": out})])["rate"])
+            raw.append(_child(["--cell", json.dumps({"kind": "tokenizers", "tok": tok, "files": files})],
+                              env=env)["rate"])
+        row[f"cores_{cores}"], row[f"tokenizers_{cores}"] = float(np.median(ours)), float(np.median(raw))
+        row[f"ratios_{cores}"] = [round(a / b, 3) for a, b in zip(ours, raw)]
     shutil.rmtree(out, ignore_errors=True)
-    print(f"\npreprocess: {total / 1e6:.1f} MB of wiki, vocab {args.vocab_size}; MB/s")
-    print("| cores | pretrain-preprocess | raw tokenizers encode_batch | ratio |\n|---:|---:|---:|---:|")
+    print(f"\npreprocess: {total / 1e6:.1f} MB of wiki, vocab {args.vocab_size}; MB/s, median of {args.repeats} "
+          f"interleaved fresh processes")
+    print("| cores | pretrain-preprocess | raw tokenizers encode_batch | ratio of medians | ratio per pair |\n"
+          "|---:|---:|---:|---:|---|")
     for c in (1, 2):
         print(f"| {c} | {row[f'cores_{c}']:.2f} | {row[f'tokenizers_{c}']:.2f} | "
-              f"{row[f'cores_{c}'] / row[f'tokenizers_{c}']:.0%} |", flush=True)
+              f"{row[f'cores_{c}'] / row[f'tokenizers_{c}']:.0%} | "
+              f"{', '.join(f'{r:.0%}' for r in row[f'ratios_{c}'])} |", flush=True)
     return row
+
+
+def bench_preprocess_rss(args, work: Path) -> list[dict]:
+    """Peak RSS of pretrain-preprocess (2 workers) as the input grows (the wiki corpus repeated past its end)."""
+    tok, _ = prepare_corpus(work, args.corpus, args.vocab_size)
+    out = str(work / "preprocessed-rss")
+    rows = []
+    print("\npreprocess memory: 2 workers; peak RSS in MiB\n| input MB | MB/s | main process | largest worker |\n"
+          "|---:|---:|---:|---:|")
+    for mb in args.rss_mb:
+        files, total = _wiki_files(mb)
+        cell = _child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": files, "cores": 2,
+                                             "out": out})])
+        rows.append({"input_mb": round(total / 1e6, 1), **cell})
+        print(f"| {total / 1e6:,.0f} | {cell['rate']:.2f} | {cell['rss_main_mib']:.0f} | "
+              f"{cell['rss_worker_mib']:.0f} |", flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return rows
 
 
 def bench_index(args, budget: int) -> list[dict]:

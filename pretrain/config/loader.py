@@ -199,8 +199,38 @@ def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
+SIZE_PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+"""``model=NAME`` on the command line merges ``configs/models/NAME.yaml`` (tiny, mini, small, base, large)."""
+
+
+def size_presets() -> list[str]:
+    return sorted(p.stem for p in SIZE_PRESETS_DIR.glob("*.yaml"))
+
+
+def _preset_path(name: str) -> Path:
+    path = SIZE_PRESETS_DIR / f"{name}.yaml"
+    if not name.replace("-", "").replace("_", "").isalnum() or not path.is_file():
+        raise ValueError(f"model={name}: no such size preset; choose one of {', '.join(size_presets()) or '(none found)'}"
+                         f" (files in {SIZE_PRESETS_DIR}), or set model.* keys one by one")
+    return path
+
+
 def load(cls: type[T], path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> T:
-    """YAML file (optional) + dotted overrides -> validated ``cls`` instance."""
+    """YAML file (optional) + overrides -> validated ``cls`` instance.
+
+    Overrides apply left to right: ``a.b=value`` sets one key; ``include=FILE[,FILE...]`` merges YAML files over
+    what is there so far (paths relative to the working directory); ``model=NAME`` merges the size preset
+    ``configs/models/NAME.yaml`` (the recipe's other model keys — pooling, dropout, ... — stay)."""
     data = read_yaml(path) if path is not None else {}
-    data = apply_overrides(data, overrides or [])
+    for item in overrides or []:
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        if key == INCLUDE_KEY:
+            files = yaml.safe_load(raw) if raw.strip().startswith("[") else raw.split(",")
+            for inc in files or []:
+                data = deep_merge(data, read_yaml(str(inc).strip()))
+        elif key == "model" and raw.strip() and not raw.strip().startswith("{"):
+            data = deep_merge(data, read_yaml(_preset_path(raw.strip())))
+        else:
+            data = apply_overrides(data, [item])
     return from_dict(cls, data)

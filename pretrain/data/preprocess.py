@@ -10,7 +10,6 @@ Everything is written into a hidden ``.<name>.partial-<pid>`` directory which be
 from __future__ import annotations
 
 import argparse
-import itertools
 import multiprocessing as mp
 import os
 import shutil
@@ -27,7 +26,7 @@ from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
 from pretrain.data.readers import ReadStats, expand_inputs, read_file
 from pretrain.data.shards import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, TOKEN_FREQ, file_sha256, verify_dataset,
                                   write_manifest)
-from pretrain.data.sentence_split import split_sentences
+from pretrain.data.sentence_split import sentence_spans, split_sentences  # noqa: F401 (re-exported)
 from pretrain.data.tokenizer import Tokenizer, load_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------
@@ -52,25 +51,20 @@ class ChunkProcessor:
         self.min_sentence_chars = min_sentence_chars
 
     def __call__(self, docs: list[list[str]]) -> ChunkResult:
-        sentences: list[str] = []
-        owner: list[int] = []
-        short = 0
-        chars = 0
-        for d, paragraphs in enumerate(docs):
-            for p in paragraphs:
-                chars += len(p)
-                for s in split_sentences(p):
-                    if len(s) < self.min_sentence_chars:
-                        short += 1
-                    else:
-                        sentences.append(s)
-                        owner.append(d)
-        ids = self.tokenizer.encode_batch(sentences)
-        sizes = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
-        keep = sizes > 0
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(sizes.sum()))
-        doc_sentences = np.bincount(np.asarray(owner, dtype=np.int64)[keep], minlength=len(docs))
-        return ChunkResult(flat, sizes[keep], doc_sentences.astype(np.int64), chars, short, int((~keep).sum()))
+        paragraphs = [p for doc in docs for p in doc]
+        spans = [sentence_spans(p) for p in paragraphs]
+        per_paragraph = np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))
+        owner = np.repeat(np.repeat(np.arange(len(docs)), [len(doc) for doc in docs]), per_paragraph)
+        chars = np.fromiter((b - a for sp in spans for a, b in sp), dtype=np.int64, count=len(owner))
+        # Short sentences are cut out after tokenizing: whole paragraphs are encoded anyway (see encode_sentences).
+        flat, sizes = self.tokenizer.encode_sentences(paragraphs, spans)
+        long_enough = chars >= self.min_sentence_chars
+        keep = long_enough & (sizes > 0)
+        flat = flat[np.repeat(keep, sizes)]
+        doc_sentences = np.bincount(owner[keep], minlength=len(docs))
+        return ChunkResult(flat, sizes[keep].astype(np.int32), doc_sentences.astype(np.int64),
+                           sum(map(len, paragraphs)), int((~long_enough).sum()),
+                           int((long_enough & (sizes == 0)).sum()))
 
 
 _WORKER: dict = {}

@@ -17,30 +17,40 @@ _ABBREV_BEFORE_NUMBER = frozenset("no nos art p pp ch sec op vol".split())
 _ACRONYM = re.compile(r"(?:[A-Za-z]\.)+[A-Za-z]")
 
 
-def _is_abbreviation(text: str, start: int, dot: int, nxt: str) -> bool:
-    """Whether the '.' at ``dot`` ends an abbreviation (Mr., e.g., U.S., J. Smith, No. 5); ``nxt`` is the first
-    non-space character after it."""
+def _is_abbreviation(text: str, start: int, m: re.Match) -> bool:
+    """Whether the single '.' of boundary ``m`` ends an abbreviation (Mr., e.g., U.S., J. Smith, No. 5);
+    ``start`` is where the current sentence began."""
+    dot = m.start(1)
     word = text[max(text.rfind(" ", start, dot) + 1, start):dot].lstrip("\"'(\u201c\u2018[")
     low = word.lower()
     if low in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or _ACRONYM.fullmatch(word):
         return True
-    return low in _ABBREV_BEFORE_NUMBER and nxt.isdigit()
+    if low not in _ABBREV_BEFORE_NUMBER:
+        return False
+    # The first non-space character after the '.': a closing quote, or what follows the whitespace.
+    nxt = text[m.end(1)] if m.end(2) > m.end(1) else text[m.end():m.end() + 1]
+    return nxt.isdigit()
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) character spans of the sentences of a paragraph, without surrounding whitespace; the rule
+    of ``split_sentences``. Consecutive sentences are separated by whitespace only."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    a = len(text) - len(text.lstrip())
+    for m in _BOUNDARY.finditer(text):
+        if m.group(1) == "." and _is_abbreviation(text, start, m):
+            continue
+        # A sentence ends with its punctuation (and closing quotes) and the next one starts at a non-space
+        # character (the boundary's lookahead), so neither needs stripping.
+        out.append((a, m.end(2)))
+        start = a = m.end()
+    b = len(text.rstrip())
+    if b > a:
+        out.append((a, b))
+    return out
 
 
 def split_sentences(text: str) -> list[str]:
     """Split a paragraph at . ! ? … followed by space and a capital/digit, except after abbreviations."""
-    out: list[str] = []
-    start = 0
-    for m in _BOUNDARY.finditer(text):
-        # First non-space character after the '.': a closing quote, or what follows the whitespace.
-        nxt = text[m.end(1)] if m.end(2) > m.end(1) else text[m.end():m.end() + 1]
-        if m.group(1) == "." and _is_abbreviation(text, start, m.start(1), nxt):
-            continue
-        sentence = text[start:m.end(2)].strip()
-        if sentence:
-            out.append(sentence)
-        start = m.end()
-    tail = text[start:].strip()
-    if tail:
-        out.append(tail)
-    return out
+    return [text[a:b] for a, b in sentence_spans(text)]

@@ -9,6 +9,7 @@ for the HF export only.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -58,6 +59,10 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a plain Exception on bad JSON
             raise ValueError(f"{path} is not a valid tokenizers tokenizer.json ({e}); "
                              f"re-create it with pretrain-tokenizer") from None
+        # Sequences are cut and padded by the data pipeline; a tokenizer.json saved with truncation or padding
+        # (as HF model directories often are) would silently shorten or pad every sentence here.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         model_type = spec.get("model", {}).get("type")
         if model_type not in _MODEL_KIND:
             raise ValueError(f"{path}: unsupported tokenizer model {model_type!r}; expected one of {list(_MODEL_KIND)}")
@@ -75,6 +80,9 @@ class Tokenizer:
         """None for vocabularies without [DEL] (e.g. imported HF BERT): deletion views then drop words."""
         self.special_ids = frozenset(i for i in ids.values() if i is not None)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.splits_at_whitespace = _splits_at_whitespace(spec)
+        """Tokens never span whitespace and nothing is added at a text's start (WordPiece behind a whitespace
+        pre-tokenizer): a paragraph's tokens are then its sentences' tokens, cut where each sentence starts."""
         self._word_start: np.ndarray | None = None
 
     def __getstate__(self) -> dict:
@@ -95,6 +103,43 @@ class Tokenizer:
         if not texts:
             return []
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_sentences(self, paragraphs: list[str],
+                         spans: list[list[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of the sentences ``paragraphs[i][a:b]`` for each (a, b) in ``spans[i]``, in order: (all ids
+        concatenated as int32, int64 token count per sentence) — equal to ``encode_batch`` on the sentence texts.
+
+        When the tokenizer ``splits_at_whitespace``, each paragraph is encoded once and cut at the token where
+        each sentence starts (about 15% less work in ``tokenizers`` than many short items); a paragraph whose
+        cut is not clean (a sentence starting with a character that yields no token) is encoded sentence by
+        sentence instead."""
+        if not self.splits_at_whitespace:
+            texts = [p[a:b] for p, sp in zip(paragraphs, spans) for a, b in sp]
+            ids = self.encode_batch(texts)
+            sizes = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+            return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(sizes.sum())), sizes
+        encs = self._tok.encode_batch(list(paragraphs), add_special_tokens=False)
+        sizes: list[int] = []
+        pieces: list[list[int]] = []
+        for p, sp, enc in zip(paragraphs, spans, encs):
+            ids = enc.ids
+            if len(sp) <= 1:
+                if not sp:
+                    continue
+                sizes.append(len(ids))
+                pieces.append(ids)
+                continue
+            cuts = [0] + [enc.char_to_token(a) for a, _ in sp[1:]] + [len(ids)]
+            if None in cuts or any(x > y for x, y in zip(cuts, cuts[1:])):
+                for one in self.encode_batch([p[a:b] for a, b in sp]):
+                    sizes.append(len(one))
+                    pieces.append(one)
+                continue
+            sizes.extend(y - x for x, y in zip(cuts, cuts[1:]))
+            pieces.append(ids)
+        size_arr = np.asarray(sizes, dtype=np.int64)
+        flat = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int32, count=int(size_arr.sum()))
+        return flat, size_arr
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -124,6 +169,26 @@ class Tokenizer:
                     mask[i] = tok.startswith("\u2581")
             self._word_start = mask
         return self._word_start
+
+
+_WHITESPACE_PRE_TOKENIZERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit"}
+_LOCAL_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "StripAccents", "Strip"}
+"""Normalizers that act on characters where they are (none joins or moves text across whitespace)."""
+
+
+def _splits_at_whitespace(spec: dict) -> bool:
+    """A WordPiece tokenizer whose pre-tokenizer splits at whitespace and whose normalizer is character-local."""
+    def types(node) -> list[str]:
+        if not node:
+            return []
+        if node.get("type") == "Sequence":
+            return [t for sub in node.get("pretokenizers", node.get("normalizers", [])) for t in types(sub)]
+        return [node.get("type")]
+
+    pre, norm = types(spec.get("pre_tokenizer")), types(spec.get("normalizer"))
+    return (spec.get("model", {}).get("type") == "WordPiece" and bool(set(pre) & _WHITESPACE_PRE_TOKENIZERS)
+            and set(pre) <= _WHITESPACE_PRE_TOKENIZERS | {"Punctuation", "Digits"}
+            and set(norm) <= _LOCAL_NORMALIZERS)
 
 
 def load_tokenizer(path: str) -> Tokenizer:

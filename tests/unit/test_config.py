@@ -10,6 +10,7 @@ import yaml
 from pretrain.config import RunConfig, from_dict, load_run_config, to_dict, to_yaml
 
 REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
 
 
 def test_model_sizes_resolve_from_yaml_includes():
@@ -85,3 +86,33 @@ def test_every_shipped_config_loads():
     assert len(files) >= 10
     for f in files:
         load_run_config(f)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mini", "small", "base", "large"])
+def test_model_size_preset_on_the_command_line_resizes_any_recipe(preset):
+    """model=NAME takes the size keys of configs/models/NAME.yaml and keeps the recipe's other model keys."""
+    want = yaml.safe_load((CONFIGS / "models" / f"{preset}.yaml").read_text())["model"]
+    for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")):
+        base = load_run_config(str(recipe))
+        cfg = load_run_config(str(recipe), [f"model={preset}", "train.max_steps=7"])
+        for key, value in want.items():
+            assert getattr(cfg.model, key) == value, (recipe.name, key)
+        assert cfg.model.pooling == base.model.pooling and cfg.model.dropout == base.model.dropout
+        assert cfg.train.max_steps == 7 and cfg.objective == base.objective
+
+
+def test_include_on_the_command_line_merges_in_order(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("model: {hidden_size: 96, num_heads: 3}\noptim: {lr: 0.5}\n")
+    b.write_text("model: {hidden_size: 48}\n")
+    recipe = str(CONFIGS / "recipes" / "clear_del_span.yaml")
+    cfg = load_run_config(recipe, [f"include={a},{b}", "optim.lr=0.25"])
+    assert (cfg.model.hidden_size, cfg.model.num_heads, cfg.optim.lr) == (48, 3, 0.25)
+    cfg = load_run_config(recipe, ["optim.lr=0.25", f"include=[{a}]"])  # left to right: the file wins here
+    assert cfg.optim.lr == 0.5
+    with pytest.raises(ValueError, match="no such size preset; choose one of base, large, mini, small, tiny"):
+        load_run_config(recipe, ["model=huge"])
+    with pytest.raises(ValueError, match="no such size preset"):
+        load_run_config(recipe, ["model=../recipes/clear_del_span"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_run_config(recipe, [f"include={tmp_path / 'missing.yaml'}"])

@@ -260,3 +260,42 @@ def test_real_books_and_wiki(data_dir, tmp_path):
     assert any("rabbit - hole" in s and "went straight on like a tunnel" in s for s in book)  # wrapped lines joined
     assert m["num_documents"] == ds.num_documents == 1 + 38 and m["report"]["skipped"]["wiki_heading"] > 100
     assert not any(tok.decode(ds[i]).startswith("< doc") for i in range(len(ds)))
+
+
+def _reference_split(text: str) -> list[str]:
+    """The splitting rule written plainly (strip every piece), as before sentence_spans existed."""
+    from pretrain.data.sentence_split import _ABBREV_BEFORE_NUMBER, _ABBREVIATIONS, _ACRONYM, _BOUNDARY
+
+    out, start = [], 0
+    for m in _BOUNDARY.finditer(text):
+        nxt = text[m.end(1)] if m.end(2) > m.end(1) else text[m.end():m.end() + 1]
+        if m.group(1) == ".":
+            dot = m.start(1)
+            word = text[max(text.rfind(" ", start, dot) + 1, start):dot].lstrip("\"'(\u201c\u2018[")
+            low = word.lower()
+            if (low in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or _ACRONYM.fullmatch(word)
+                    or (low in _ABBREV_BEFORE_NUMBER and nxt.isdigit())):
+                continue
+        if text[start:m.end(2)].strip():
+            out.append(text[start:m.end(2)].strip())
+        start = m.end()
+    if text[start:].strip():
+        out.append(text[start:].strip())
+    return out
+
+
+def test_sentence_spans_match_the_plain_rule_on_real_and_random_text(data_dir):
+    """The fast span finder cuts exactly where the plainly written rule does: real Wikipedia paragraphs and
+    random strings dense in dots, quotes, abbreviations, digits and odd whitespace."""
+    from pretrain.data.sentence_split import sentence_spans
+
+    wiki = sorted((data_dir / "corpus" / "wiki").rglob("wiki_*"))[0]
+    texts = [p for doc in read_file(str(wiki), ReadStats()) for p in doc.paragraphs][:4000]
+    rng = np.random.default_rng(0)
+    atoms = ["Mr", "No", "e.g", "U.S", "J", "word", "x", "5", "42", ".", "...", "!", "?", "\u2026", '"', "'",
+             "\u201d", "(", ")", "[", " ", "  ", "\t", "\u00a0", "\u00c9cole", "Yes", "vol", "pp"]
+    texts += ["".join(rng.choice(atoms, size=int(rng.integers(1, 40)))) for _ in range(20000)]
+    for t in texts:
+        spans = sentence_spans(t)
+        assert [t[a:b] for a, b in spans] == _reference_split(t), t
+        assert all(t[a:b] == t[a:b].strip() for a, b in spans)

