@@ -3,6 +3,7 @@
     pretrain-train configs/quickstart.yaml optim.lr=3e-4 train.max_steps=100
     torchrun --nproc-per-node 2 -m pretrain.train configs/clear_base.yaml run_dir=runs/x
     pretrain-train --check runs/x      (every checkpoint: good or damaged, and why)
+    pretrain-train configs/recipes/clear_del_span.yaml model=tiny --dry-run --ranks 64   (banner + memory, exit)
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 epilog="pretrain-train --check RUN_DIR lists every checkpoint of a run as good or "
                                        "damaged (sizes + whole-file sha256) and the one a resume would use")
     p.add_argument("config", nargs="?", help="YAML config (see configs/); omitted = defaults")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.norm=pre")
-    args = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.norm=pre; "
+                                                "model=tiny|mini|small|base|large picks a size preset; "
+                                                "include=FILE merges a YAML file")
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve the config, build the model and the data, print the banner and the per-rank "
+                        "memory estimate, and exit without training or writing a checkpoint")
+    p.add_argument("--ranks", type=int, default=0,
+                   help="with --dry-run: the number of data-parallel ranks to plan for (default: this launch's)")
+    args = p.parse_intermixed_args(argv)
     if args.config and "=" in args.config and not os.path.exists(args.config):
         args.overrides.insert(0, args.config)
         args.config = None
@@ -55,6 +63,35 @@ def check(run_dir: str, *, full: bool = True) -> int:
     return 1 if bad[tags[-1]] else 0
 
 
+def dry_run(cfg, env, ranks: int = 0) -> int:
+    """``--dry-run``: everything the trainer checks and builds before DeepSpeed starts, then the banner."""
+    import dataclasses
+
+    from pretrain.data.datasets import build_dataset
+    from pretrain.model import build_model
+    from pretrain.objective import Context, Objective, TrainModule
+    from pretrain.training.banner import banner_lines
+    from pretrain.training.trainer import _objective_resources, _stage_parts
+
+    load_tok, build_train_set, _ = _stage_parts(cfg)
+    tok = load_tok(cfg.data.tokenizer)
+    if cfg.model.vocab_size and cfg.model.vocab_size < tok.vocab_size:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                         f"({tok.vocab_size}, {cfg.data.tokenizer}); set model.vocab_size=0")
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tok.vocab_size)
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    train_set = build_train_set(cfg, tok)
+    valid_set = build_dataset(cfg.data, tok, seed=cfg.seed, split="valid") if cfg.data.valid else None
+    ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, stage=cfg.data.stage)
+    module = TrainModule(build_model(model_cfg),
+                         Objective(cfg.objective, ctx, **_objective_resources(cfg, tok, train_set)))
+    for line in banner_lines(cfg, ranks or env.world_size, module, train_set, valid_set, model_cfg.vocab_size):
+        print(line)
+    print(f"dry run: config, tokenizer, data and model are fine; nothing was trained or written to {cfg.run_dir}. "
+          f"Drop --dry-run to train.")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--check"]:
@@ -75,6 +112,12 @@ def main(argv=None) -> int:
         print(f"pretrain-train: error: {e}", file=sys.stderr)
         return 2
     env = detect_env()
+    if args.dry_run:
+        try:
+            return dry_run(cfg, env, args.ranks)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"pretrain-train: error: {e}", file=sys.stderr)
+            return 2
     init_process_group(env, backend=cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s)
     stop = StopSignal()
     trainer = None

@@ -1,0 +1,110 @@
+"""What a run is about to do, before it does it: the start-up banner and the per-rank memory estimate.
+
+Printed by the trainer on rank 0 at start and by ``pretrain-train CONFIG --dry-run`` (which builds the model and
+the data, prints this and exits without starting DeepSpeed, training or writing a checkpoint).
+
+Memory per rank for model states follows the ZeRO paper (Rajbhandari et al. 2020, Sec. 3.1 and Fig. 1): with Ψ
+parameters and Adam, mixed precision holds 2Ψ (16-bit weights) + 2Ψ (16-bit gradients) + 12Ψ (fp32 master
+weights, momentum, variance); ZeRO-1 divides the 12Ψ by the ranks, ZeRO-2 also the gradients, ZeRO-3 everything.
+fp32 training holds 4Ψ + 4Ψ + 8Ψ with the same divisions. Activations are estimated per micro-batch with the
+per-layer count of Korthikanti et al. 2022 (Sec. 4.1: s·b·h·(34 + 5·a·s/h) bytes for 16-bit activations,
+twice that in fp32) for each encoder pass, plus the MLM logits of the masked positions. It is an estimate
+(±30%): allocator overhead, DeepSpeed's buckets and the communication buffers come on top.
+"""
+
+from __future__ import annotations
+
+import math
+
+GIB = 1024 ** 3
+
+
+def parameter_counts(module) -> dict[str, int]:
+    """Trainable parameters per part (the module's second-level names, e.g. ``encoder.embeddings``,
+    ``mlm_head``, ``projection``); a parameter shared by two parts (tied weights) counts once, in the first."""
+    seen: set[int] = set()
+    parts: dict[str, int] = {}
+    for name, p in module.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        bits = [b for b in name.split(".") if b not in ("model", "module")]
+        part = ".".join(bits[:2]) if bits[0] == "encoder" else bits[0]
+        parts[part] = parts.get(part, 0) + p.numel()
+    return parts
+
+
+def _tokens_per_sequence(cfg) -> list[int]:
+    """Lengths of the encoder passes a micro-batch's sequence takes (at most): the MLM input and the views."""
+    terms = set(cfg.objective.enabled())
+    if cfg.data.stage == "sentences":
+        passes = 2 if terms & {"info_nce", "arccon", "consistency", "rank_distill", "reconstruction"} else 1
+        return [cfg.data.max_len] * passes
+    lengths = [cfg.data.max_len] if "mlm" in terms else []
+    if terms & {"nt_xent", "info_nce", "arccon"}:
+        lengths += [cfg.data.view_max_len] * 2
+    return lengths or [cfg.data.max_len]
+
+
+def memory_estimate(cfg, num_params: int, world_size: int, vocab_size: int) -> dict[str, float]:
+    """Estimated GiB per rank: ``weights``, ``gradients``, ``optimizer``, ``activations`` and ``total``."""
+    mixed = cfg.train.precision in ("bf16", "fp16")
+    w, g, o = (2, 2, 12) if mixed else (4, 4, 8)
+    stage, n = cfg.distributed.zero_stage, max(1, world_size)
+    weights = num_params * w / (n if stage >= 3 else 1)
+    grads = num_params * g / (n if stage >= 2 else 1)
+    optim = num_params * o / (n if stage >= 1 else 1)
+    m = cfg.model
+    act_bytes = 1 if mixed else 2  # multiplier on the 16-bit count
+    b = cfg.train.micro_batch_size
+    acts = 0.0
+    for s in _tokens_per_sequence(cfg):
+        acts += m.num_layers * s * b * m.hidden_size * (34 + 5 * m.num_heads * s / m.hidden_size) * act_bytes
+    if cfg.objective.mlm is not None:
+        masked = math.ceil(cfg.data.masking.prob * cfg.data.max_len) * b
+        acts += masked * vocab_size * 4 * 2  # logits and their gradient, fp32
+    out = {"weights": weights / GIB, "gradients": grads / GIB, "optimizer": optim / GIB, "activations": acts / GIB}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def banner_lines(cfg, world_size: int, module, train_set, valid_set, vocab_size: int) -> list[str]:
+    """The start-up banner: model and parameters per part, batch and tokens per step, precision and ZeRO, data
+    sizes and the epochs max_steps implies, the objectives, and the per-rank memory estimate."""
+    m, t = cfg.model, cfg.train
+    parts = parameter_counts(module)
+    total = sum(parts.values())
+    global_batch = t.micro_batch_size * t.grad_accum * world_size
+    lengths = _tokens_per_sequence(cfg)
+    lines = [
+        f"run {cfg.run_dir}: seed {cfg.seed}, stage {cfg.data.stage}",
+        f"model: {m.num_layers} layers x {m.hidden_size} hidden x {m.num_heads} heads, ffn {m.ffn_size}, vocab "
+        f"{vocab_size:,}, pooling {m.pooling}; {_count(total)} parameters ("
+        + ", ".join(f"{k} {_count(v)}" for k, v in parts.items()) + ")",
+        f"batch: micro {t.micro_batch_size} x grad_accum {t.grad_accum} x {world_size} rank(s) = {global_batch:,} "
+        f"sequences per step; at most {global_batch * sum(lengths):,} tokens per step "
+        f"(encoder passes of <= {' + '.join(map(str, lengths))} tokens per sequence)",
+        f"precision {t.precision}, ZeRO-{cfg.distributed.zero_stage}, backend {cfg.distributed.backend}",
+    ]
+    n_train = len(train_set)
+    samples = t.max_steps * global_batch
+    epochs = samples / n_train if n_train else float("inf")
+    data = f"data: train {n_train:,} samples per epoch"
+    if valid_set is not None:
+        data += f", valid {len(valid_set):,}"
+    lines.append(data + f"; max_steps {t.max_steps:,} x {global_batch:,} = {samples:,} samples = {epochs:.2f} epochs")
+    lines.append("objectives: " + ", ".join(f"{name} x{getattr(cfg.objective, name).weight:g}"
+                                            for name in cfg.objective.enabled()))
+    mem = memory_estimate(cfg, total, world_size, vocab_size)
+    lines.append(f"memory per rank (estimate, +-30%): {mem['total']:.2f} GiB = weights {mem['weights']:.2f} + "
+                 f"gradients {mem['gradients']:.2f} + optimizer {mem['optimizer']:.2f} (ZeRO-"
+                 f"{cfg.distributed.zero_stage} over {world_size}) + activations {mem['activations']:.2f} per "
+                 f"micro-batch")
+    return lines
