@@ -77,13 +77,44 @@ def _truncate_after_step(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def format_progress(step: int, max_steps: int, scalars: dict[str, float]) -> str:
+_PROGRESS_TAIL = ("lr", "grad_norm", "loss_scale", "bad_steps", "samples_per_s", "tokens_per_s", "data_wait_frac")
+_PROGRESS_HIDDEN = {"step", "split", "time", "tokens_seen"}
+
+
+def format_duration(seconds: float) -> str:
+    """3725 -> '1h02m', 95 -> '1m35s', 4 -> '4s'."""
+    seconds = max(0, int(round(seconds)))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m"
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def format_progress(step: int, max_steps: int, scalars: dict[str, float], eta_s: float | None = None) -> str:
+    """The console line: the loss, every objective's own figures (in the order they were logged), then lr, grad
+    norm, throughput, the data-wait fraction and the time left (a loss scale of 1 and zero bad steps are not
+    shown)."""
     parts = [f"step {step}/{max_steps}"]
-    for key in ("loss", "mlm", "nt_xent", "mlm_acc", "cl_acc", "lr", "grad_norm", "samples_per_s", "tokens_per_s",
-                "data_wait_frac"):
-        if key in scalars:
-            v = scalars[key]
-            parts.append(f"{key} {v:.3g}" if key in ("lr",) else f"{key} {v:.4g}")
+    if "loss" in scalars:
+        parts.append(f"loss {scalars['loss']:.4g}")
+    for key, v in scalars.items():
+        if key not in _PROGRESS_HIDDEN and key not in _PROGRESS_TAIL and key != "loss":
+            parts.append(f"{key} {v:.4g}")
+    for key in _PROGRESS_TAIL:
+        v = scalars.get(key)
+        if v is None or (key == "loss_scale" and v == 1.0) or (key == "bad_steps" and v == 0):
+            continue
+        if key == "lr":
+            parts.append(f"lr {v:.3g}")
+        elif key in ("samples_per_s", "tokens_per_s"):
+            parts.append(f"{key} {v:,.0f}")
+        elif key == "data_wait_frac":
+            parts.append(f"data_wait {v:.1%}")
+        else:
+            parts.append(f"{key} {v:.4g}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
 
 

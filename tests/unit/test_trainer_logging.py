@@ -21,3 +21,16 @@ def test_data_starvation_warns_once(capsys):
     out = capsys.readouterr().out
     assert out.count("warning: step 20 waited for data 42% of the time") == 1 and "step 30" not in out
     assert "data.num_workers (now 1)" in out
+
+
+def test_console_line_shows_every_objective_figure_and_the_time_left():
+    from pretrain.metrics.writer import format_duration, format_progress
+
+    scalars = {"step": 40, "split": "train", "time": 1.0, "loss": 2.5, "info_nce": 2.25, "pos_cos": 0.8125,
+               "neg_cos": 0.125, "acc": 0.75, "lr": 3e-5, "grad_norm": 1.5, "loss_scale": 1.0, "bad_steps": 0,
+               "samples_per_s": 1234.4, "tokens_per_s": 45678.9, "tokens_seen": 99, "data_wait_frac": 0.034}
+    line = format_progress(40, 100, scalars, eta_s=3725)
+    assert line == ("step 40/100 | loss 2.5 | info_nce 2.25 | pos_cos 0.8125 | neg_cos 0.125 | acc 0.75 | lr 3e-05 | "
+                    "grad_norm 1.5 | samples_per_s 1,234 | tokens_per_s 45,679 | data_wait 3.4% | eta 1h02m")
+    assert "loss_scale 512" in format_progress(1, 2, {**scalars, "loss_scale": 512.0, "bad_steps": 1})
+    assert (format_duration(95), format_duration(4), format_duration(-3)) == ("1m35s", "4s", "0s")
