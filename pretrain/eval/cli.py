@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default="senteval", choices=list(sts.VARIANTS),
                    help="STS copy: SentEval's tokenized one (papers) or the untokenized originals")
     p.add_argument("--inner-kfold", type=int, default=10, help="transfer: inner model-selection folds")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="transfer: processes for the classifier fits (0 = every core); results do not depend on it")
     p.add_argument("--mrpc-features", default="uv_absdiff_prod", choices=["uv_absdiff_prod", "senteval"])
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
@@ -43,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks=None, variant="senteval",
-             classifier_cfg=None, log=print) -> dict:
-    """All requested suites for one encode_fn -> results dict (JSON-serialisable)."""
+             classifier_cfg=None, log=print, transfer_results=None, resume_key=None) -> dict:
+    """All requested suites for one encode_fn -> results dict (JSON-serialisable). ``transfer_results``: a JSON
+    file each finished transfer task is written to, and resumed from (for the same ``resume_key``)."""
     from pretrain.eval.ranking import ranking_metrics
 
     res: dict = {"variant": variant}
@@ -69,7 +72,8 @@ def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks
         from pretrain.eval.senteval import evaluate_transfer
 
         t0 = time.time()
-        res["transfer"] = evaluate_transfer(encode_fn, data_dir, transfer_tasks, classifier_cfg, log=log)
+        res["transfer"] = evaluate_transfer(encode_fn, data_dir, transfer_tasks, classifier_cfg, log=log,
+                                            results_path=transfer_results, resume_key=resume_key)
         timings["transfer"] = time.time() - t0
     res["timings_s"] = timings
     return res
@@ -117,11 +121,19 @@ def main(argv: list[str] | None = None) -> None:
                                     trust=args.trust_checkpoint)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         fail("pretrain-eval", e)
-    cfg = ClassifierConfig(inner_kfold=args.inner_kfold, mrpc_features=args.mrpc_features)
+    try:
+        cfg = ClassifierConfig(inner_kfold=args.inner_kfold, mrpc_features=args.mrpc_features, n_jobs=args.jobs)
+    except ValueError as e:
+        fail("pretrain-eval", e)
+    # With --out, each finished transfer task is kept in OUT/transfer_partial.json: a rerun of the same command
+    # (same model, pooling, length and classifier settings) continues after the last finished task.
+    partial = Path(args.out) / "transfer_partial.json" if args.out else None
+    key = {"model": str(Path(args.model).resolve()), "pooling": args.pooling, "backend": args.backend,
+           "max_len": args.max_len}
     try:
         res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
                        transfer_tasks=[t for t in args.transfer_tasks.split(",") if t], variant=args.variant,
-                       classifier_cfg=cfg)
+                       classifier_cfg=cfg, transfer_results=partial, resume_key=key)
     except FileNotFoundError as e:
         fail("pretrain-eval", f"{e} (data root {args.data_dir}: pass --data-dir or set PRETRAIN_DATA_DIR to the "
                               f"directory holding sts/ and senteval/)")

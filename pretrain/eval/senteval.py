@@ -39,10 +39,15 @@ class ClassifierConfig:
     max_iter: int = 200
     mrpc_features: str = "uv_absdiff_prod"
     """'uv_absdiff_prod' = [u, v, |u-v|, u*v]; 'senteval' = [|u-v|, u*v] as in SentEval's mrpc.py."""
+    n_jobs: int = 0
+    """Processes for the independent fits (folds x C); 0 = every core this process may use. The result does not
+    depend on it: each fit is the same deterministic problem wherever it runs."""
 
     def __post_init__(self) -> None:
         if self.kfold < 2 or self.inner_kfold < 2:
             raise ValueError(f"kfold and inner_kfold must be >= 2, got {self.kfold}, {self.inner_kfold}")
+        if self.n_jobs < 0:
+            raise ValueError(f"n_jobs must be >= 0 (0 = all cores), got {self.n_jobs}")
         if self.mrpc_features not in ("uv_absdiff_prod", "senteval"):
             raise ValueError(f"mrpc_features must be 'uv_absdiff_prod' or 'senteval', got {self.mrpc_features!r}")
 
@@ -119,38 +124,61 @@ def _fit_score(x_tr, y_tr, x_te, y_te, c: float, cfg: ClassifierConfig) -> float
     return float(clf.score(x_te, y_te))
 
 
-def select_c(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig, folds: int) -> tuple[float, float]:
+def _jobs(cfg: ClassifierConfig) -> int:
+    import os
+
+    return cfg.n_jobs or len(os.sched_getaffinity(0))
+
+
+def _run_all(calls: list, n_jobs: int) -> list:
+    """[fn(*args) for fn, args in calls], in worker processes when n_jobs > 1 (joblib limits each worker's BLAS
+    threads so that the cores are not oversubscribed); results in input order."""
+    if n_jobs <= 1 or len(calls) <= 1:
+        return [fn(*args) for fn, args in calls]
+    from joblib import Parallel, delayed
+
+    return Parallel(n_jobs=min(n_jobs, len(calls)))(delayed(fn)(*args) for fn, args in calls)
+
+
+def select_c(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig, folds: int,
+             n_jobs: int = 1) -> tuple[float, float]:
     """Best C by stratified k-fold accuracy: (C, its mean validation accuracy)."""
     from sklearn.model_selection import StratifiedKFold
 
     skf = StratifiedKFold(n_splits=folds, shuffle=True, random_state=cfg.seed)
     splits = list(skf.split(x_NF, y_N))
-    scores = [np.mean([_fit_score(x_NF[tr], y_N[tr], x_NF[va], y_N[va], c, cfg) for tr, va in splits])
-              for c in cfg.c_grid]
+    fits = _run_all([(_fit_score, (x_NF[tr], y_N[tr], x_NF[va], y_N[va], c, cfg))
+                     for c in cfg.c_grid for tr, va in splits], n_jobs)
+    scores = [float(np.mean(fits[i * len(splits):(i + 1) * len(splits)])) for i in range(len(cfg.c_grid))]
     best = int(np.argmax(scores))
     return cfg.c_grid[best], float(scores[best])
 
 
+def _outer_fold(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig) -> tuple[float, float]:
+    """(test accuracy, inner validation accuracy) of one outer fold: C chosen on its training part."""
+    c, dev = select_c(x_tr, y_tr, cfg, cfg.inner_kfold)
+    return _fit_score(x_tr, y_tr, x_te, y_te, c, cfg), dev
+
+
 def nested_cv_accuracy(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig) -> dict:
-    """SentEval's InnerKFoldClassifier: mean outer-fold test accuracy ×100, C chosen per outer fold."""
+    """SentEval's InnerKFoldClassifier: mean outer-fold test accuracy ×100, C chosen per outer fold (the outer
+    folds run in parallel)."""
     from sklearn.model_selection import StratifiedKFold
 
     skf = StratifiedKFold(n_splits=cfg.kfold, shuffle=True, random_state=cfg.seed)
-    accs, dev_accs = [], []
-    for tr, te in skf.split(x_NF, y_N):
-        c, dev = select_c(x_NF[tr], y_N[tr], cfg, cfg.inner_kfold)
-        dev_accs.append(dev)
-        accs.append(_fit_score(x_NF[tr], y_N[tr], x_NF[te], y_N[te], c, cfg))
+    folds = _run_all([(_outer_fold, (x_NF[tr], y_N[tr], x_NF[te], y_N[te], cfg))
+                      for tr, te in skf.split(x_NF, y_N)], _jobs(cfg))
+    accs, dev_accs = [a for a, _ in folds], [d for _, d in folds]
     return {"acc": 100 * float(np.mean(accs)), "devacc": 100 * float(np.mean(dev_accs)), "n": int(len(y_N))}
 
 
 def train_test_accuracy(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig, x_dev=None, y_dev=None) -> dict:
     """C by dev accuracy (when given) else k-fold CV on train; refit on train; test accuracy ×100."""
     if x_dev is not None:
-        scores = [_fit_score(x_tr, y_tr, x_dev, y_dev, c, cfg) for c in cfg.c_grid]
+        scores = _run_all([(_fit_score, (x_tr, y_tr, x_dev, y_dev, c, cfg)) for c in cfg.c_grid], _jobs(cfg))
         c, dev = cfg.c_grid[int(np.argmax(scores))], max(scores)
     else:
-        c, dev = select_c(x_tr, y_tr, cfg, cfg.kfold)
+        c, dev = select_c(x_tr, y_tr, cfg, cfg.kfold, n_jobs=_jobs(cfg))
     from sklearn.linear_model import LogisticRegression
 
     clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=cfg.seed).fit(x_tr, y_tr)
@@ -184,17 +212,66 @@ def evaluate_transfer_task(encode_fn: EncodeFn, data: TransferData, cfg: Classif
     return train_test_accuracy(*feats["train"], *feats["test"], cfg, x_dev=dev[0], y_dev=dev[1])
 
 
+PROTOCOL = {"MR": "nested {k}-fold CV", "CR": "nested {k}-fold CV", "SUBJ": "nested {k}-fold CV",
+            "MPQA": "nested {k}-fold CV", "SST2": "C on dev, test", "TREC": "C by {k}-fold CV, test",
+            "MRPC": "C by {k}-fold CV, test"}
+
+
 def evaluate_transfer(encode_fn: EncodeFn, data_dir: str | Path, tasks=TASKS,
-                      cfg: ClassifierConfig | None = None, log=None) -> dict:
-    """{task: {acc, devacc, ...}, 'avg': mean test accuracy over the tasks}."""
+                      cfg: ClassifierConfig | None = None, log=None, results_path: str | Path | None = None,
+                      resume_key: dict | None = None) -> dict:
+    """{task: {acc, devacc, ...}, 'avg': mean test accuracy over the tasks}.
+
+    With ``results_path``, each task's result is written there (atomically, JSON) as soon as it finishes, and a
+    later call with the same ``resume_key`` (what identifies the model: path, pooling, ...) and classifier
+    settings takes the finished tasks from it instead of running them again."""
+    import dataclasses
+    import json
+    import time
+
     cfg = cfg or ClassifierConfig()
+    say = log or (lambda _: None)
+    key = {"model": resume_key or {}, "classifier": {k: v for k, v in dataclasses.asdict(cfg).items()
+                                                     if k != "n_jobs"}}
+    key = json.loads(json.dumps(key))  # tuples -> lists, as read back
+    done: dict = {}
+    if results_path is not None and Path(results_path).is_file():
+        try:
+            saved = json.loads(Path(results_path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            say(f"[senteval] ignoring unreadable partial results {results_path} ({e})")
+            saved = {}
+        if saved.get("key") == key:
+            done = {t: r for t, r in saved.get("tasks", {}).items() if t in tasks}
+        elif saved:
+            say(f"[senteval] {results_path} holds results of another model or classifier setting; starting over")
     out = {}
-    for name in tasks:
-        out[name] = evaluate_transfer_task(encode_fn, load_transfer_task(data_dir, name), cfg)
-        if log:
-            log(f"[senteval] {name}: acc {out[name]['acc']:.2f}")
+    for i, name in enumerate(tasks, 1):
+        if name in done:
+            out[name] = done[name]
+            say(f"[senteval] {name} ({i}/{len(tasks)}): acc {out[name]['acc']:.2f} (resumed from {results_path})")
+            continue
+        t0 = time.perf_counter()
+        data = load_transfer_task(data_dir, name)
+        n = sum(len(y) for _, y in data.splits.values())
+        say(f"[senteval] {name} ({i}/{len(tasks)}): {n:,} examples, "
+            f"{PROTOCOL.get(name, '').format(k=cfg.kfold)}, {_jobs(cfg)} process(es) ...")
+        out[name] = evaluate_transfer_task(encode_fn, data, cfg)
+        say(f"[senteval] {name}: acc {out[name]['acc']:.2f} ({time.perf_counter() - t0:.0f} s)")
+        if results_path is not None:
+            _write_json_atomic(Path(results_path), {"key": key, "tasks": out})
     out["avg"] = float(np.mean([out[t]["acc"] for t in tasks]))
     return out
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    import json
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def transfer_markdown_table(rows: dict[str, dict]) -> str:

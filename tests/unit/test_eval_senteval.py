@@ -81,3 +81,83 @@ def test_real_data_counts(data_dir):
         d = se.load_transfer_task(data_dir, task)
         assert {k: len(v[0]) for k, v in d.splits.items()} == splits, task
         assert {k: len(v[1]) for k, v in d.splits.items()} == splits, task
+
+
+def _synthetic_senteval(root, n=60):
+    """CR (nested CV) and TREC (C by k-fold, then test) with learnable signal: label words in the text."""
+    rng = np.random.default_rng(3)
+    words = [f"w{i}" for i in range(50)]
+    r = root / "senteval"
+    (r / "CR").mkdir(parents=True)
+    (r / "TREC").mkdir(parents=True)
+    for label, fname in ((1, "custrev.pos"), (0, "custrev.neg")):
+        lines = [" ".join(rng.choice(words, 5)) + (" good" if label else " bad") * int(rng.integers(0, 3))
+                 for _ in range(n)]
+        (r / "CR" / fname).write_bytes("\n".join(lines).encode("latin-1"))
+    for fname, m in (("train_5500.label", 3 * n), ("TREC_10.label", n)):
+        lines = []
+        for _ in range(m):
+            c = se.TREC_CLASSES[int(rng.integers(0, 3))]
+            lines.append(f"{c}:x {c.lower()} " + " ".join(rng.choice(words, 4)) + " ?")
+        (r / "TREC" / fname).write_bytes("\n".join(lines).encode("latin-1"))
+    return root
+
+
+def _bag_of_words(calls: list):
+    vocab = {w: i for i, w in enumerate([f"w{i}" for i in range(50)] + ["good", "bad", "abbr", "desc", "enty"])}
+
+    def encode(sentences):
+        calls.append(len(sentences))
+        out = np.zeros((len(sentences), len(vocab)))
+        for i, s in enumerate(sentences):
+            for w in s.split():
+                if w in vocab:
+                    out[i, vocab[w]] += 1
+        return out
+
+    return encode
+
+
+def test_parallel_fits_give_exactly_the_serial_results(tmp_path):
+    """n_jobs only spreads the same deterministic fits over processes: nested CV, k-fold C selection and dev
+    selection are bit-for-bit the serial results."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((200, 5))
+    y = (x[:, 0] + rng.standard_normal(200) > 0).astype(np.int64)
+    serial = se.ClassifierConfig(kfold=4, inner_kfold=3, n_jobs=1)
+    parallel = se.ClassifierConfig(kfold=4, inner_kfold=3, n_jobs=2)
+    assert se.nested_cv_accuracy(x, y, serial) == se.nested_cv_accuracy(x, y, parallel)
+    args = (x[:120], y[:120], x[160:], y[160:])
+    assert se.train_test_accuracy(*args, serial) == se.train_test_accuracy(*args, parallel)
+    assert (se.train_test_accuracy(*args, serial, x_dev=x[120:160], y_dev=y[120:160])
+            == se.train_test_accuracy(*args, parallel, x_dev=x[120:160], y_dev=y[120:160]))
+    with pytest.raises(ValueError, match="n_jobs"):
+        se.ClassifierConfig(n_jobs=-1)
+
+
+def test_transfer_writes_each_task_as_it_finishes_and_resumes(tmp_path):
+    data = _synthetic_senteval(tmp_path)
+    cfg = se.ClassifierConfig(kfold=3, inner_kfold=2, n_jobs=1)
+    path = tmp_path / "out" / "transfer_partial.json"
+    lines, calls = [], []
+    key = {"model": "m1", "pooling": "cls"}
+    first = se.evaluate_transfer(_bag_of_words(calls), data, ("CR", "TREC"), cfg, log=lines.append,
+                                 results_path=path, resume_key=key)
+    assert first["CR"]["acc"] > 60 and first["TREC"]["acc"] > 60
+    assert any("CR (1/2)" in ln for ln in lines) and any("TREC (2/2)" in ln for ln in lines)
+    assert sorted(__import__("json").loads(path.read_text())["tasks"]) == ["CR", "TREC"]
+    # Resumed: nothing is encoded or fitted again and the figures are the same.
+    calls.clear()
+    lines.clear()
+    again = se.evaluate_transfer(_bag_of_words(calls), data, ("CR", "TREC"), cfg, log=lines.append,
+                                 results_path=path, resume_key=key)
+    assert again == first and calls == [] and all("resumed from" in ln for ln in lines)
+    # Another model (or classifier setting) starts over; an unreadable file is ignored with a note.
+    se.evaluate_transfer(_bag_of_words(calls), data, ("CR",), cfg, log=lines.append, results_path=path,
+                         resume_key={"model": "m2", "pooling": "cls"})
+    assert calls and any("starting over" in ln for ln in lines)
+    path.write_text('{"key": ')
+    lines.clear()
+    se.evaluate_transfer(_bag_of_words(calls), data, ("CR",), cfg, log=lines.append, results_path=path,
+                         resume_key=key)
+    assert any("ignoring unreadable" in ln for ln in lines)
