@@ -6,7 +6,7 @@ function per objective, ``OBJECTIVES``, RankCSE's ``Teachers``) and this compose
 resolved by the caller (``pretrain.training.resources``) and passed in: nothing here reads data or
 checkpoints.
 
-Normalisation (DESIGN.md): every term's ``loss_sum`` is divided by its count summed over
+Normalisation (docs/architecture.md, "Contracts"): every term's ``loss_sum`` is divided by its count summed over
 data-parallel ranks; the result is multiplied by the world size because DeepSpeed averages
 gradients over ranks.
 

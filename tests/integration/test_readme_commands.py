@@ -41,6 +41,7 @@ SMALL: dict[str, dict] = {
     "torchrun --nproc-per-node 8 -m pretrain.train configs/recipes/clear_del_span_reorder.yaml run_dir=runs/clear": {
         "replace": {"8": "2"}, "append": ["run_dir=runs/clear-2ranks", *TINY_TRAIN]},
     "tensorboard --logdir runs/quickstart/tb": {"append": ["--inspect"], "expect": "scalars"},
+    "pretrain-report runs/quickstart --out runs/quickstart/report": {"expect": "report.md"},
     "pretrain-inspect runs/quickstart/config.yaml -n 4 data.augment.methods=del-span+reorder": {"expect": "[MASK]"},
     "pretrain-convert to-hf runs/quickstart runs/quickstart/hf": {},
     "pretrain-convert from-hf path/to/hf_bert runs/init_bert": {"placeholder": "path/to/hf_bert"},
@@ -121,5 +122,5 @@ def test_readme_commands_run_as_written(tmp_path, data_dir):
     for path in ("runs/tokenizer/tokenizer.json", "data/wiki/manifest.json", "data/books/manifest.json",
                  "runs/clear/checkpoints/latest", "runs/clear-2ranks/checkpoints/latest",
                  "runs/quickstart/hf/config.json", "runs/init_bert/model.safetensors",
-                 "runs/quickstart/eval/eval.json", "runs/glue"):
+                 "runs/quickstart/eval/eval.json", "runs/glue", "runs/quickstart/report/train_loss.png"):
         assert (clone / path).exists(), path

@@ -1,0 +1,360 @@
+"""``pretrain-report``: PNG plots and a markdown summary of one or more run directories.
+
+    pretrain-report runs/clear runs/simcse --out reports/clear-vs-simcse
+
+Reads each run's ``metrics.jsonl`` (the records ``metrics.writer.MetricsWriter`` writes: ``split`` train, valid
+or eval), its ``config.yaml`` and its newest checkpoint's ``trainer_state.json``. Writes one PNG per metric with
+every run overlaid (one colour per run) and ``report.md`` embedding them, beside a table of each run's
+config highlights and results. Plots are drawn on matplotlib's Agg canvas: no display, no pyplot state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOSS_TERMS = ("mlm", "nt_xent", "info_nce", "arccon", "triplet", "consistency", "rank_distill", "reconstruction")
+"""The loss terms a run can log, as named in ``objective.terms.OBJECTIVES`` (a test keeps the two equal)."""
+
+
+@dataclass(frozen=True)
+class Plot:
+    file: str
+    """PNG name inside the report directory."""
+    split: str
+    """Which records hold the metric: train, valid (held-out) or eval (STS-B dev)."""
+    metric: str
+    title: str
+    log_y: bool = False
+
+
+PLOTS = (
+    Plot("train_loss.png", "train", "loss", "Training loss (weighted sum of the terms)"),
+    *(Plot(f"train_{t}.png", "train", t, f"Training loss term: {t}") for t in LOSS_TERMS),
+    Plot("lr.png", "train", "lr", "Learning rate"),
+    Plot("grad_norm.png", "train", "grad_norm", "Gradient norm"),
+    Plot("loss_scale.png", "train", "loss_scale", "Loss scale (fp16 dynamic scaling; 1 otherwise)", log_y=True),
+    Plot("tokens_per_s.png", "train", "tokens_per_s", "Throughput (tokens/s, all ranks)"),
+    Plot("valid_mlm.png", "valid", "mlm", "Held-out MLM loss"),
+    Plot("valid_mlm_acc.png", "valid", "mlm_acc", "Held-out MLM accuracy"),
+    Plot("valid_cl_acc.png", "valid", "cl_acc", "Held-out contrastive top-1 accuracy"),
+    Plot("stsb_dev.png", "eval", "stsb_dev_spearman", "STS-B dev Spearman x100"),
+)
+
+
+@dataclass
+class Run:
+    """One run directory: its metrics records by split (step order), config, newest trainer state, notes."""
+
+    name: str
+    path: Path
+    records: dict[str, list[dict]]
+    config: dict | None = None
+    state: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def series(self, split: str, metric: str) -> tuple[list[int], list[float]]:
+        rows = [r for r in self.records.get(split, []) if isinstance(r.get(metric), (int, float))]
+        return [r["step"] for r in rows], [float(r[metric]) for r in rows]
+
+    def last(self, split: str, metric: str | None = None) -> dict | None:
+        for r in reversed(self.records.get(split, [])):
+            if metric is None or isinstance(r.get(metric), (int, float)):
+                return r
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+def read_metrics(path: Path) -> tuple[dict[str, list[dict]], list[str]]:
+    """Records of ``metrics.jsonl`` by split, and notes on what was skipped.
+
+    A torn last line (a run killed while writing) and lines that are not JSON objects with a step are skipped.
+    When a split's step goes back (a relaunch that restarted from an earlier step without truncating the file),
+    the later records supersede the earlier ones from that step on, as in the relaunched run's own curve.
+    """
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    by_split: dict[str, list[dict]] = {}
+    notes, bad, superseded = [], [], 0
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            if n == len(lines) and not text.endswith("\n"):
+                notes.append(f"{path}: the last line is incomplete (the run was stopped while writing it); skipped")
+            else:
+                bad.append(n)
+            continue
+        rec = {k: _number(v) for k, v in rec.items()}
+        rows = by_split.setdefault(str(rec.get("split", "train")), [])
+        while rows and rows[-1]["step"] >= rec["step"]:
+            rows.pop()
+            superseded += 1
+        rows.append(rec)
+    if bad:
+        shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        notes.append(f"{path}: line(s) {shown} are not metrics records; skipped")
+    if superseded:
+        notes.append(f"{path}: {superseded} record(s) superseded by a relaunch that restarted from an earlier step")
+    return by_split, notes
+
+
+def _number(v):
+    """The writer stores non-finite floats as strings ("nan", "inf", "-inf"); read them back as floats."""
+    if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+        return float(v)
+    return v
+
+
+def load_run(run_dir: str | Path, name: str) -> Run:
+    """FileNotFoundError (naming the directory) when it is missing or has no metrics.jsonl."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a directory (give run directories, e.g. runs/quickstart)")
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory, or its run has not "
+                                f"logged a step yet")
+    records, notes = read_metrics(metrics)
+    run = Run(name=name, path=path, records=records, notes=notes)
+    if not any(records.values()):
+        run.notes.append(f"{metrics}: no metrics records yet")
+    config = path / "config.yaml"
+    if config.is_file():
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(config.read_text(encoding="utf-8"))
+            run.config = loaded if isinstance(loaded, dict) else None
+        except yaml.YAMLError as e:
+            run.notes.append(f"{config} is not readable YAML ({str(e).splitlines()[0]}); no config highlights")
+    else:
+        run.notes.append(f"{path}: no config.yaml; no config highlights")
+    run.state = _newest_trainer_state(path, run.notes)
+    return run
+
+
+def _newest_trainer_state(run_dir: Path, notes: list[str]) -> dict | None:
+    from pretrain.checkpoint import store
+
+    ckpt_dir = store.checkpoints_dir(run_dir)
+    tag = store.find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    if tag is None:
+        return None
+    try:
+        return store.read_trainer_state(ckpt_dir / tag)
+    except store.CheckpointError as e:
+        notes.append(f"{run_dir}: {e}")
+        return None
+
+
+def run_names(run_dirs: list[str]) -> list[str]:
+    """Each directory's name; the path as given where two names would be the same."""
+    names = [Path(d).resolve().name or str(d) for d in run_dirs]
+    return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs)]
+
+
+# ------------------------------------------------------------------------------------------------ plotting
+
+def _style(i: int) -> dict:
+    return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[(i // 10) % 4]}
+
+
+def draw(plot: Plot, runs: list[Run], path: Path) -> list[str]:
+    """Draws ``plot`` with every run that has the metric (run i in colour Ci); returns the names of those without."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.0, 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    missing, values_all = [], []
+    for i, run in enumerate(runs):
+        steps, values = run.series(plot.split, plot.metric)
+        if not steps:
+            missing.append(run.name)
+            continue
+        few = len(steps) <= 40 or plot.split != "train"
+        ax.plot(steps, values, label=run.name, marker="o" if few else None, markersize=3, linewidth=1.5,
+                **_style(i))
+        values_all += values
+    finite = [v for v in values_all if math.isfinite(v)]
+    if plot.log_y and finite and min(finite) > 0 and max(finite) / min(finite) > 10:
+        ax.set_yscale("log")
+    ax.set_title(plot.title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(plot.metric)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return missing
+
+
+# ------------------------------------------------------------------------------------------------ summary
+
+def config_highlights(run: Run) -> dict[str, str]:
+    """Model size, objectives and weights, augmentation, global batch, lr, precision, ZeRO stage."""
+    c = run.config or {}
+    model, data, optim, train = (c.get(k) or {} for k in ("model", "data", "optim", "train"))
+    rows = {"model": (f"hidden {model.get('hidden_size', '?')}, {model.get('num_layers', '?')} layers, "
+                      f"{model.get('num_heads', '?')} heads (ffn {model.get('ffn_size', '?')}, "
+                      f"vocab {model.get('vocab_size', '?')})") if model else "?"}
+    terms = []
+    for name, sub in (c.get("objective") or {}).items():
+        if isinstance(sub, dict):
+            extra = [f"τ {sub['temperature']:g}"] if isinstance(sub.get("temperature"), (int, float)) else []
+            if isinstance(sub.get("positive_weight"), (int, float)):
+                extra.append(f"positive ×{sub['positive_weight']:g}")
+            terms.append(f"{name} ×{_g(sub.get('weight'))}" + (f" ({', '.join(extra)})" if extra else ""))
+    rows["objectives"] = " + ".join(terms) or "?"
+    stage = data.get("stage", "pretrain")
+    rows["augmentation"] = ((data.get("augment") or {}).get("methods", "?") if stage == "pretrain"
+                            else f"none (data.stage={stage})")
+    micro, accum = train.get("micro_batch_size", "?"), train.get("grad_accum", 1)
+    if run.state and "global_batch" in run.state:
+        s = run.state
+        ranks = s.get("world_size", "?")
+        rows["global batch"] = (f"{s['global_batch']} ({ranks} rank{'' if ranks == 1 else 's'} × "
+                                f"{s.get('micro_batch_size', micro)} × {s.get('grad_accum', accum)} accum)")
+    else:
+        rows["global batch"] = f"{micro} × {accum} accum per rank (no checkpoint gives the rank count)"
+    rows["lr"] = (f"{_g(optim.get('lr'))}, {optim.get('schedule', '?')}, {optim.get('warmup_steps', '?')} warmup "
+                  f"steps") if optim else "?"
+    rows["precision"] = str(train.get("precision", "?"))
+    rows["ZeRO stage"] = str((c.get("distributed") or {}).get("zero_stage", "?"))
+    return rows
+
+
+def results(run: Run) -> dict[str, str]:
+    """Steps, tokens seen, wall time, best STS-B dev (and its step), the last held-out figures."""
+    c = run.config or {}
+    max_steps = (c.get("train") or {}).get("max_steps")
+    last_train = run.last("train")
+    step = last_train["step"] if last_train else 0
+    rows = {"steps": f"{step}" + (f" / {max_steps}" if max_steps else "")}
+    tokens = run.last("train", "tokens_seen")
+    rows["tokens seen"] = _count(tokens["tokens_seen"]) if tokens else "—"
+    times = [r["time"] for rs in run.records.values() for r in rs if isinstance(r.get("time"), (int, float))]
+    rows["wall time"] = _duration(max(times) - min(times)) if len(times) > 1 else "—"
+    steps, scores = run.series("eval", "stsb_dev_spearman")
+    scored = [(s, v) for s, v in zip(steps, scores) if math.isfinite(v)]
+    if scored:
+        best_step, best = max(scored, key=lambda sv: sv[1])
+        rows["best STS-B dev"] = f"{best:.2f} (step {best_step})"
+    else:
+        rows["best STS-B dev"] = "—"
+    held = run.last("valid")
+    if held:
+        figures = [f"{k} {_g(v, 4)}" for k, v in sorted(held.items())
+                   if k not in ("step", "split", "time") and isinstance(v, (int, float))]
+        rows["held-out (last)"] = f"step {held['step']}: " + ", ".join(figures)
+    else:
+        rows["held-out (last)"] = "—"
+    return rows
+
+
+def _g(v, digits: int = 3) -> str:
+    return f"{v:.{digits}g}" if isinstance(v, (int, float)) else "?"
+
+
+def _count(n) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{int(n):,}"
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min" if s >= 3600 else f"{s // 60} min {s % 60:02d} s"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(runs: list[Run], rows_by_run: list[dict[str, str]]) -> list[str]:
+    lines = ["| | " + " | ".join(f"**{_cell(r.name)}**" for r in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    for key in rows_by_run[0]:
+        lines.append(f"| {key} | " + " | ".join(_cell(rows[key]) for rows in rows_by_run) + " |")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+@dataclass
+class Report:
+    markdown: Path
+    images: list[Path]
+    absent: list[Plot]
+    notes: list[str]
+
+
+def write_report(run_dirs: list[str], out_dir: str | Path) -> Report:
+    """Plots and ``report.md`` for ``run_dirs`` in ``out_dir``; FileNotFoundError for a bad run directory."""
+    runs = [load_run(d, name) for d, name in zip(run_dirs, run_names(run_dirs))]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    images, absent, sections = [], [], []
+    for plot in PLOTS:
+        if not any(run.series(plot.split, plot.metric)[0] for run in runs):
+            absent.append(plot)
+            continue
+        missing = draw(plot, runs, out / plot.file)
+        images.append(out / plot.file)
+        sections += [f"### {plot.title}", "", f"![{plot.title}]({plot.file})", ""]
+        if missing:
+            sections += [f"_Not logged by: {', '.join(missing)}._", ""]
+    notes = [note for run in runs for note in run.notes]
+    md = ["# Training report", "",
+          f"{len(runs)} run(s): " + ", ".join(f"**{r.name}** (`{r.path}`)" for r in runs) + ".", "",
+          "## Configuration", "", *_table(runs, [config_highlights(r) for r in runs]), "",
+          "## Results", "", *_table(runs, [results(r) for r in runs]), "",
+          ("Wall time runs from the first to the last metrics record (any pause between launches included); "
+           "tokens seen counts every rank's input tokens; held-out figures are the last validation record."), "",
+          "## Plots", "", "One colour per run, the same in every plot.", "", *sections]
+    if absent:
+        md += ["## Absent metrics", "", "Logged by no run, so not plotted: "
+               + ", ".join(f"{p.title} (`{p.split}/{p.metric}`)" for p in absent) + ".", ""]
+    if notes:
+        md += ["## Notes", "", *(f"- {_cell(n)}" for n in notes), ""]
+    markdown = out / "report.md"
+    markdown.write_text("\n".join(md), encoding="utf-8")
+    return Report(markdown=markdown, images=images, absent=absent, notes=notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pretrain-report", description=__doc__.splitlines()[0])
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
+    p.add_argument("--out", required=True, help="output directory for the PNGs and report.md")
+    args = p.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("pretrain-report: error: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return 2
+    try:
+        report = write_report(args.run_dirs, args.out)
+    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError
+        print(f"pretrain-report: error: {e}", file=sys.stderr)
+        return 2
+    for note in report.notes:
+        print(f"note: {note}")
+    absent = ", ".join(f"{plot.split}/{plot.metric}" for plot in report.absent)
+    print(f"wrote {report.markdown} with {len(report.images)} plots"
+          + (f"; absent from every run: {absent}" if absent else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
