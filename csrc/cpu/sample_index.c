@@ -5,6 +5,10 @@
  * <= budget; samples never cross a document boundary; empty sentences never start a sample. Exactly the
  * rule of the pure-Python fallback, in two sequential passes (count, then fill) with no Python objects
  * per sentence. sizes: a buffer of int32 or int64; doc_idx: a buffer of int64 (D + 1 offsets).
+ *
+ * count(sizes, doc_idx, budget) -> number of samples; fill(sizes, doc_idx, budget, out_first, out_end, offset)
+ * writes the same samples (plus offset) straight into two writable int64 buffers of exactly that length, e.g.
+ * the rows of a memory-mapped cache file: at 1e9 sentences no multi-GB intermediate copy is made.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,9 +19,10 @@ static inline int64_t size_at(const Py_buffer *b, Py_ssize_t i) {
   return b->itemsize == 4 ? (int64_t)((const int32_t *)b->buf)[i] : ((const int64_t *)b->buf)[i];
 }
 
-/* Walks every document; with out_first == NULL it only counts. Returns the number of samples, -1 on bad input. */
+/* Walks every document; with out_first == NULL it only counts, else writes at most cap samples (+ offset).
+ * Returns the number of samples, -1 on bad input, -2 when there are more than cap samples. */
 static Py_ssize_t walk(const Py_buffer *sizes, const int64_t *doc, Py_ssize_t num_docs, int64_t budget,
-                       int64_t *out_first, int64_t *out_end) {
+                       int64_t *out_first, int64_t *out_end, int64_t offset, Py_ssize_t cap) {
   Py_ssize_t count = 0;
   const Py_ssize_t n = sizes->len / sizes->itemsize;
   for (Py_ssize_t d = 0; d < num_docs; ++d) {
@@ -28,7 +33,8 @@ static Py_ssize_t walk(const Py_buffer *sizes, const int64_t *doc, Py_ssize_t nu
       const int64_t len = size_at(sizes, i);
       if (len == 0) continue;
       if (used && used + len > budget) {
-        if (out_first) { out_first[count] = first; out_end[count] = i; }
+        if (out_first && count >= cap) return -2;
+        if (out_first) { out_first[count] = first + offset; out_end[count] = i + offset; }
         ++count;
         used = 0;
       }
@@ -36,7 +42,8 @@ static Py_ssize_t walk(const Py_buffer *sizes, const int64_t *doc, Py_ssize_t nu
       used += len;
     }
     if (used) {
-      if (out_first) { out_first[count] = first; out_end[count] = hi; }
+      if (out_first && count >= cap) return -2;
+      if (out_first) { out_first[count] = first + offset; out_end[count] = hi + offset; }
       ++count;
     }
   }
@@ -55,7 +62,7 @@ static PyObject *pack(PyObject *self, PyObject *args) {
   const Py_ssize_t num_docs = doc.len / 8 - 1;
   Py_ssize_t count;
   Py_BEGIN_ALLOW_THREADS
-  count = walk(&sizes, (const int64_t *)doc.buf, num_docs, budget, NULL, NULL);
+  count = walk(&sizes, (const int64_t *)doc.buf, num_docs, budget, NULL, NULL, 0, 0);
   Py_END_ALLOW_THREADS
   if (count < 0) {
     PyErr_SetString(PyExc_ValueError, "pack: doc_idx is not a non-decreasing list of offsets into sizes");
@@ -66,7 +73,7 @@ static PyObject *pack(PyObject *self, PyObject *args) {
   if (first && end) {
     int64_t *f = (int64_t *)PyBytes_AS_STRING(first), *e = (int64_t *)PyBytes_AS_STRING(end);
     Py_BEGIN_ALLOW_THREADS
-    walk(&sizes, (const int64_t *)doc.buf, num_docs, budget, f, e);
+    walk(&sizes, (const int64_t *)doc.buf, num_docs, budget, f, e, 0, count);
     Py_END_ALLOW_THREADS
     result = PyTuple_Pack(2, first, end);
   }
@@ -78,8 +85,71 @@ done:
   return result;
 }
 
+static int check_inputs(const Py_buffer *sizes, const Py_buffer *doc) {
+  if ((sizes->itemsize != 4 && sizes->itemsize != 8) || doc->itemsize != 8 || doc->len < 8) {
+    PyErr_SetString(PyExc_ValueError, "sizes must be int32/int64 and doc_idx int64 with >= 1 entry");
+    return 0;
+  }
+  return 1;
+}
+
+static PyObject *count_samples(PyObject *self, PyObject *args) {
+  Py_buffer sizes, doc;
+  long long budget;
+  if (!PyArg_ParseTuple(args, "y*y*L", &sizes, &doc, &budget)) return NULL;
+  PyObject *result = NULL;
+  if (check_inputs(&sizes, &doc)) {
+    Py_ssize_t count;
+    Py_BEGIN_ALLOW_THREADS
+    count = walk(&sizes, (const int64_t *)doc.buf, doc.len / 8 - 1, budget, NULL, NULL, 0, 0);
+    Py_END_ALLOW_THREADS
+    if (count < 0)
+      PyErr_SetString(PyExc_ValueError, "count: doc_idx is not a non-decreasing list of offsets into sizes");
+    else
+      result = PyLong_FromSsize_t(count);
+  }
+  PyBuffer_Release(&sizes);
+  PyBuffer_Release(&doc);
+  return result;
+}
+
+static PyObject *fill(PyObject *self, PyObject *args) {
+  Py_buffer sizes, doc, first, end;
+  long long budget, offset;
+  if (!PyArg_ParseTuple(args, "y*y*Lw*w*L", &sizes, &doc, &budget, &first, &end, &offset)) return NULL;
+  PyObject *result = NULL;
+  if (check_inputs(&sizes, &doc)) {
+    const Py_ssize_t cap = first.len / 8;
+    if (end.len != first.len || first.itemsize != 8 || end.itemsize != 8 || !PyBuffer_IsContiguous(&first, 'C') ||
+        !PyBuffer_IsContiguous(&end, 'C')) {
+      PyErr_SetString(PyExc_ValueError, "fill: out_first/out_end must be contiguous int64 buffers of equal length");
+    } else {
+      Py_ssize_t count;
+      Py_BEGIN_ALLOW_THREADS
+      count = walk(&sizes, (const int64_t *)doc.buf, doc.len / 8 - 1, budget, (int64_t *)first.buf,
+                   (int64_t *)end.buf, offset, cap);
+      Py_END_ALLOW_THREADS
+      if (count == -1)
+        PyErr_SetString(PyExc_ValueError, "fill: doc_idx is not a non-decreasing list of offsets into sizes");
+      else if (count != cap)
+        PyErr_Format(PyExc_ValueError, "fill: the output holds %zd samples but the data packs into %s", cap,
+                     count == -2 ? "more" : "fewer");
+      else
+        result = PyLong_FromSsize_t(count);
+    }
+  }
+  PyBuffer_Release(&sizes);
+  PyBuffer_Release(&doc);
+  PyBuffer_Release(&first);
+  PyBuffer_Release(&end);
+  return result;
+}
+
 static PyMethodDef methods[] = {
     {"pack", pack, METH_VARARGS, "pack(sizes, doc_idx, budget) -> (first_bytes, end_bytes), int64"},
+    {"count", count_samples, METH_VARARGS, "count(sizes, doc_idx, budget) -> number of samples"},
+    {"fill", fill, METH_VARARGS,
+     "fill(sizes, doc_idx, budget, out_first, out_end, offset) -> number of samples written (+ offset)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_index", "Greedy sample packing (C).", -1, methods};

@@ -37,11 +37,16 @@ def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -> t
         from pretrain.data import _index
     except ImportError:
         return build_sample_index_py(sizes, doc_idx, budget)
+    first, end = _index.pack(*_packer_inputs(sizes, doc_idx), int(budget))
+    return np.frombuffer(first, dtype=np.int64), np.frombuffer(end, dtype=np.int64)
+
+
+def _packer_inputs(sizes, doc_idx) -> tuple[np.ndarray, np.ndarray]:
+    """sizes (int32 or int64) and doc_idx (int64) as the C helper reads them: contiguous, no copy when they are."""
     sizes = np.asarray(sizes)
     if sizes.dtype not in (np.int32, np.int64):
         sizes = sizes.astype(np.int64)
-    first, end = _index.pack(np.ascontiguousarray(sizes), np.ascontiguousarray(doc_idx, dtype=np.int64), int(budget))
-    return np.frombuffer(first, dtype=np.int64), np.frombuffer(end, dtype=np.int64)
+    return np.ascontiguousarray(sizes), np.ascontiguousarray(doc_idx, dtype=np.int64)
 
 
 def build_sample_index_py(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,12 +116,11 @@ def load_or_build_sample_index(source, budget: int) -> tuple[np.ndarray, np.ndar
         cached = _open_cached_index(path, len(source))
         if cached is not None:
             return cached[0], cached[1], path
-    parts = _index_parts(source, budget)
     if path is not None:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             path.parent.mkdir(exist_ok=True)
-            _write_index(tmp, parts)
+            _write_index(tmp, source, budget)
             os.replace(tmp, path)
         except OSError as e:  # read-only or full: train from the in-memory index
             print(f"[data] could not cache the sample index in {path.parent} ({e}); using it from memory", flush=True)
@@ -125,35 +129,49 @@ def load_or_build_sample_index(source, budget: int) -> tuple[np.ndarray, np.ndar
             cached = _open_cached_index(path, len(source))
             if cached is not None:
                 return cached[0], cached[1], path
+    parts = [(*build_sample_index(sizes, doc_idx, budget), start) for sizes, doc_idx, start in _pieces(source)]
     if not parts:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), None
     return (np.concatenate([f + o for f, _, o in parts]), np.concatenate([e + o for _, e, o in parts]), None)
 
 
-def _write_index(tmp: Path, parts: list[tuple[np.ndarray, np.ndarray, int]]) -> None:
-    """The .npy of (2, N) int64 [first; end], filled part by part straight into the file, then fsynced."""
-    total = sum(len(f) for f, _, _ in parts)
-    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(2, total))
+def _write_index(tmp: Path, source, budget: int) -> None:
+    """The .npy of (2, N) int64 [first; end], then fsynced. With the C helper, the samples are counted shard by
+    shard and then packed straight into the memory-mapped file (no corpus-sized copy in RAM); without it, the
+    Python packer's parts are copied in."""
+    try:
+        from pretrain.data import _index
+    except ImportError:
+        _index = None
+    pieces = _pieces(source)
+    if _index is not None:
+        pieces = [(*_packer_inputs(sizes, doc_idx), start) for sizes, doc_idx, start in pieces]
+        counts = [_index.count(sizes, doc_idx, budget) for sizes, doc_idx, _ in pieces]
+    else:
+        parts = [build_sample_index(sizes, doc_idx, budget) for sizes, doc_idx, _ in pieces]
+        counts = [len(f) for f, _ in parts]
+    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(2, sum(counts)))
     at = 0
-    for f, e, offset in parts:
-        np.add(f, offset, out=arr[0, at:at + len(f)])
-        np.add(e, offset, out=arr[1, at:at + len(f)])
-        at += len(f)
+    for k, ((sizes, doc_idx, start), n) in enumerate(zip(pieces, counts)):
+        if _index is not None:
+            _index.fill(sizes, doc_idx, budget, arr[0, at:at + n], arr[1, at:at + n], start)
+        else:
+            np.add(parts[k][0], start, out=arr[0, at:at + n])
+            np.add(parts[k][1], start, out=arr[1, at:at + n])
+        at += n
     arr.flush()
     del arr
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
 
 
-def _index_parts(source, budget: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """The sample index of a source as (first, end, sentence offset) parts, one per shard of a ShardedDataset
-    (documents never cross shards): only the shards' memory-mapped sizes are read, no corpus-sized copy."""
+def _pieces(source) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """(sizes, doc_idx, first sentence) per shard of a ShardedDataset (documents never cross shards), else the
+    whole source: only the shards' memory-mapped sizes are read, no corpus-sized copy."""
     shards = getattr(source, "shards", None)
     if shards is None:
-        f, e = build_sample_index(source.sizes, source.doc_idx, budget)
-        return [(f, e, 0)]
-    return [(*build_sample_index(shard.sizes, shard.doc_idx, budget), start)
-            for shard, start in zip(shards, source.starts.tolist())]
+        return [(source.sizes, source.doc_idx, 0)]
+    return [(shard.sizes, shard.doc_idx, start) for shard, start in zip(shards, source.starts.tolist())]
 
 
 def parse_key(key) -> tuple[int, int]:

@@ -189,8 +189,24 @@ def test_c_sample_index_equals_python_packing_on_random_corpora():
         got = build_sample_index(sizes, doc, budget)
         want = build_sample_index_py(sizes, doc, budget)
         assert got[0].dtype == np.int64 and all(np.array_equal(a, b) for a, b in zip(got, want)), (trial, budget)
+        # count + fill (how the cache file is written): the same samples, shifted by the offset, in place.
+        n_samples = _index.count(sizes, doc, budget)
+        out = np.full((2, n_samples), -1, dtype=np.int64)
+        assert _index.fill(sizes, doc, budget, out[0], out[1], 1000 + trial) == n_samples == len(want[0])
+        assert np.array_equal(out[0], want[0] + 1000 + trial) and np.array_equal(out[1], want[1] + 1000 + trial)
     with pytest.raises(ValueError, match="doc_idx"):
         _index.pack(np.zeros(3, dtype=np.int64), np.array([0, 5], dtype=np.int64), 4)
+    sizes, doc = np.array([3, 3, 3, 3], dtype=np.int32), np.array([0, 4], dtype=np.int64)
+    assert _index.count(sizes, doc, 6) == 2
+    for wrong in (1, 3):  # the output must be exactly the count: never written past, never left half-empty
+        out = np.zeros((2, wrong), dtype=np.int64)
+        with pytest.raises(ValueError, match="packs into (more|fewer)"):
+            _index.fill(sizes, doc, 6, out[0], out[1], 0)
+    out = np.zeros((2, 4), dtype=np.int64)
+    with pytest.raises(TypeError, match="read-write bytes-like"):  # a strided view is refused by the parser
+        _index.fill(sizes, doc, 6, out[0, ::2], out[1, ::2], 0)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        _index.fill(sizes, doc, 6, out[0, :2], out[1, :3], 0)
 
 
 def test_a_batch_is_its_samples_built_one_by_one(tokenizer, tmp_path):
