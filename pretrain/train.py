@@ -67,6 +67,7 @@ def dry_run(cfg, env, ranks: int = 0) -> int:
     """``--dry-run``: everything the trainer checks and builds before DeepSpeed starts, then the banner."""
     import dataclasses
 
+    from pretrain.config.lint import inert_settings
     from pretrain.data.datasets import build_dataset
     from pretrain.model import build_model
     from pretrain.objective import Context, Objective, TrainModule
@@ -87,6 +88,8 @@ def dry_run(cfg, env, ranks: int = 0) -> int:
                          Objective(cfg.objective, ctx, **_objective_resources(cfg, tok, train_set)))
     for line in banner_lines(cfg, ranks or env.world_size, module, train_set, valid_set, model_cfg.vocab_size):
         print(line)
+    for line in inert_settings(cfg):
+        print(f"warning: {line}")
     print(f"dry run: config, tokenizer, data and model are fine; nothing was trained or written to {cfg.run_dir}. "
           f"Drop --dry-run to train.")
     return 0

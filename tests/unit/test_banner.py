@@ -53,6 +53,8 @@ def test_dry_run_prints_the_banner_and_writes_nothing(tmp_path, tiny_overrides, 
     assert "2 layers x 32 hidden x 2 heads" in out and "parameters (encoder.embeddings" in out
     assert "x 4 rank(s) =" in out and "ZeRO-" in out and "epochs" in out and "memory per rank" in out
     assert "dry run:" in out and not run_dir.exists()
+    assert main([*tiny_overrides(run_dir), "--dry-run", "data.valid=[]", "train.eval_every=3"]) == 0
+    assert "warning: train.eval_every=3 does nothing" in capsys.readouterr().out
     # A bad input fails with one line and exit 2, before anything starts.
     assert main([*tiny_overrides(run_dir), "--dry-run", "data.sources=[{name: x, path: /nonexistent}]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -116,3 +116,28 @@ def test_include_on_the_command_line_merges_in_order(tmp_path):
         load_run_config(recipe, ["model=../recipes/clear_del_span"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_run_config(recipe, [f"include={tmp_path / 'missing.yaml'}"])
+
+
+def test_settings_that_cannot_act_are_named():
+    """Each inert setting gets one line naming it and why; the shipped recipes have none (quickstart.yaml's data
+    paths, held-out set included, are filled in by pretrain.quickstart)."""
+    from pretrain.config.lint import inert_settings
+
+    def lines(overrides, path=None):
+        return inert_settings(load_run_config(path, overrides))
+
+    assert lines(["optim.warmup_steps=100"]) == []
+    assert any("train.eval_every=5 does nothing" in ln for ln in lines(["train.eval_every=5"]))
+    assert lines(["train.eval_every=5", "data.valid=[{name: v, path: /x}]", "optim.warmup_steps=100"]) == []
+    got = lines(["data.augment.methods=del-span", "data.augment.subs_rate=0.5", "data.augment.del_span_num=3",
+                 "optim.warmup_steps=100"])
+    assert len(got) == 1 and "data.augment.subs_rate do nothing" in got[0] and "does not include subs" in got[0]
+    assert any("objective.mlm is off" in ln for ln in lines(["objective.mlm=null", "data.masking.prob=0.3"]))
+    assert any("eval.pooling do nothing" in ln for ln in lines(["eval.pooling=mean"]))
+    assert any("data.sources is not read by data.stage=sentences" in ln
+               for ln in lines(["data.stage=sentences", "data.sentences=/s.txt", "data.sources=[{name: a, path: /x}]",
+                                "objective.mlm=null", "objective.nt_xent=null", "objective.info_nce={}"]))
+    assert any("warming up" in ln for ln in lines(["optim.warmup_steps=50", "train.max_steps=20"]))
+    for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")) + [CONFIGS / "wiki_books_mini.yaml",
+                                                                  CONFIGS / "sentence_stage_quick.yaml"]:
+        assert lines([], recipe) == [], recipe.name

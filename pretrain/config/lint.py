@@ -1,0 +1,65 @@
+"""Settings that cannot act in a given config: each gets one warning line saying what is ignored and why.
+
+A value is reported only when it differs from its default (the user asked for it) or when it is a switch whose
+effect depends on another setting (``train.eval_every`` without ``data.valid``). The trainer prints these once
+at start (rank 0), and so does ``pretrain-train --dry-run``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pretrain.config.data import AugmentConfig, MaskingConfig
+from pretrain.config.train import EvalConfig
+
+_AUGMENT_OPTIONS = {"del-word": ("del_word_rate",), "del-span": ("del_span_num", "del_span_frac"),
+                    "reorder": ("reorder_pairs", "reorder_frac"), "subs": ("subs_rate", "wordnet_dir")}
+"""The data.augment options each augmentation reads."""
+
+
+def _changed(obj, default, names) -> list[str]:
+    return [n for n in names if getattr(obj, n) != getattr(default, n)]
+
+
+def inert_settings(cfg) -> list[str]:
+    """One line per setting of ``cfg`` (a RunConfig) that has no effect, with what to do about it."""
+    out = []
+    d, t = cfg.data, cfg.train
+    if t.eval_every and not d.valid:
+        out.append(f"train.eval_every={t.eval_every} does nothing: no held-out data is configured (data.valid is "
+                   f"empty); add data.valid sources or set train.eval_every=0")
+    if d.stage == "sentences":
+        if d.sources:
+            used = " (only for SARCSE token frequencies when objective.reconstruction.token_freq is unset)" \
+                if cfg.objective.reconstruction is not None else ""
+            out.append(f"data.sources is not read by data.stage=sentences, which trains on data.sentences="
+                       f"{d.sentences!r}{used}")
+        aug = _changed(d.augment, AugmentConfig(), [f.name for f in dataclasses.fields(AugmentConfig)])
+        if aug:
+            out.append(f"data.augment.{', data.augment.'.join(aug)} do nothing in data.stage=sentences (its two "
+                       f"views differ by dropout only)")
+    else:
+        if d.sentences:
+            out.append(f"data.sentences={d.sentences!r} is not read by data.stage=pretrain (it reads data.sources); "
+                       f"set data.stage=sentences to train on it")
+        methods = set(d.augment.methods.split("+"))
+        for method, names in _AUGMENT_OPTIONS.items():
+            unused = _changed(d.augment, AugmentConfig(), names) if method not in methods else []
+            if unused:
+                out.append(f"data.augment.{', data.augment.'.join(unused)} do nothing: data.augment.methods="
+                           f"{d.augment.methods!r} does not include {method}")
+        if cfg.objective.nt_xent is None and d.augment.methods != AugmentConfig().methods:
+            out.append(f"data.augment.methods={d.augment.methods!r} has no loss to act on: objective.nt_xent is off "
+                       f"(the views are built but no term reads them)")
+        if cfg.objective.mlm is None:
+            masking = _changed(d.masking, MaskingConfig(), [f.name for f in dataclasses.fields(MaskingConfig)])
+            if masking:
+                out.append(f"data.masking.{', data.masking.'.join(masking)} do nothing: objective.mlm is off")
+    if not cfg.eval.stsb_every:
+        ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
+        if ev:
+            out.append(f"eval.{', eval.'.join(ev)} do nothing: STS-B evaluation is off (eval.stsb_every=0)")
+    if cfg.optim.schedule != "constant" and cfg.optim.warmup_steps >= t.max_steps:
+        out.append(f"optim.warmup_steps={cfg.optim.warmup_steps} >= train.max_steps={t.max_steps}: the run ends "
+                   f"while the learning rate is still warming up (peak optim.lr={cfg.optim.lr:g} is never reached)")
+    return out
