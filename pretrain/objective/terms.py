@@ -24,6 +24,25 @@ def _prefixed(prefix: str, metrics: dict) -> dict:
     return {f"{prefix}_{k}": v for k, v in metrics.items()}
 
 
+@torch.no_grad()
+def spread_metrics(z_a: torch.Tensor, z_b: torch.Tensor) -> dict:
+    """How far apart a term's embeddings are (this rank's rows of both views): ``emb_cos``, the mean cosine
+    between different sentences (near 1 = collapsed: every input gets the same vector), and ``uniform``, the
+    log of the mean exp(-2 |x - y|^2) over pairs of different sentences' unit vectors (Wang & Isola 2020; 0 =
+    collapsed, lower = more spread out). Pairs of a sentence with its own other view are left out."""
+    n = z_a.shape[0]
+    if n < 2:
+        return {}
+    z = torch.nn.functional.normalize(torch.cat([z_a, z_b]).detach().float(), dim=-1)
+    cos = z @ z.T
+    idx = torch.arange(2 * n, device=z.device)
+    other = (idx[:, None] % n) != (idx[None, :] % n)  # different sentences (not itself, not its twin view)
+    pairs = int(other.sum())
+    sq_dist = (2 - 2 * cos).clamp_min(0)
+    uniform = torch.log(torch.exp(-2 * sq_dist)[other].mean())
+    return {"emb_cos": (float(cos[other].sum()), pairs), "uniform": (float(uniform), 1)}
+
+
 def mlm_term(fwd: Forward, cfg, ctx: Context):
     logits, labels = fwd.model.mlm_logits(fwd.mlm_hidden(), fwd.batch["mlm_labels"])
     return mlm_loss(logits, labels)
@@ -35,8 +54,9 @@ def nt_xent_term(fwd: Forward, cfg, ctx: Context):
     if cfg.gather and ctx.env.is_distributed:  # every rank's views are negatives
         def gather(rows):
             return all_gather_with_grad(rows, ctx.env), ctx.env.rank * rows.shape[0]
-    return nt_xent(z_a, z_b, temperature=cfg.temperature, impl=ctx.ops.similarity,
-                   chunk_size=ctx.ops.chunk_size, gather=gather)
+    loss, count, metrics = nt_xent(z_a, z_b, temperature=cfg.temperature, impl=ctx.ops.similarity,
+                                   chunk_size=ctx.ops.chunk_size, gather=gather)
+    return loss, count, {**metrics, **_prefixed("cl", spread_metrics(z_a, z_b))}
 
 
 def info_nce_term(fwd: Forward, cfg, ctx: Context):
@@ -45,7 +65,7 @@ def info_nce_term(fwd: Forward, cfg, ctx: Context):
     _, keys, pos = fwd.gathered_pair()
     loss, count, metrics = info_nce(z1, keys, pos, temperature=cfg.temperature, impl=ctx.ops.similarity,
                                     chunk_size=ctx.ops.chunk_size)
-    return loss, count, _prefixed("info_nce", metrics)
+    return loss, count, _prefixed("info_nce", {**metrics, **spread_metrics(*fwd.pair())})
 
 
 def arccon_term(fwd: Forward, cfg, ctx: Context):
@@ -54,7 +74,7 @@ def arccon_term(fwd: Forward, cfg, ctx: Context):
     _, keys, pos = fwd.gathered_pair()
     loss, count, metrics = arccon(z1, keys, pos, temperature=cfg.temperature, margin_deg=cfg.margin_deg,
                                   impl=ctx.ops.similarity, chunk_size=ctx.ops.chunk_size)
-    return loss, count, _prefixed("arccon", metrics)
+    return loss, count, _prefixed("arccon", {**metrics, **spread_metrics(*fwd.pair())})
 
 
 def triplet_term(fwd: Forward, cfg, ctx: Context):

@@ -345,3 +345,29 @@ def test_gathered_pair_terms_match_single_process(tmp_path):
     torch.testing.assert_close((res[0]["grad"] + res[1]["grad"]) / 2, model.emb.weight.grad, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close((res[0]["pgrad"] + res[1]["pgrad"]) / 2, model.projection.weight.grad,
                                rtol=1e-6, atol=1e-9)
+
+
+def test_spread_metrics_against_a_pairwise_loop_and_on_collapse():
+    """emb_cos / uniform against a float64 loop over pairs of different sentences; a collapsed batch (every row
+    the same vector) reads emb_cos 1 and uniform 0, a spread one far from both."""
+    import math
+
+    from pretrain.objective.terms import spread_metrics
+
+    g = torch.Generator().manual_seed(0)
+    z_a, z_b = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    got = spread_metrics(z_a, z_b)
+    rows = [r / r.norm() for r in torch.cat([z_a, z_b]).double()]
+    cos, ker = [], []
+    for i in range(12):
+        for j in range(12):
+            if i % 6 != j % 6:
+                cos.append(float(rows[i] @ rows[j]))
+                ker.append(math.exp(-2 * float(((rows[i] - rows[j]) ** 2).sum())))
+    assert got["emb_cos"][1] == len(cos) == 12 * 10
+    assert got["emb_cos"][0] / got["emb_cos"][1] == pytest.approx(sum(cos) / len(cos), abs=1e-6)
+    assert got["uniform"][0] == pytest.approx(math.log(sum(ker) / len(ker)), abs=1e-5)
+    same = torch.ones(4, 3) + 1e-4 * torch.randn(4, 3, generator=g)
+    collapsed = spread_metrics(same, same.clone())
+    assert collapsed["emb_cos"][0] / collapsed["emb_cos"][1] > 0.9999 and collapsed["uniform"][0] > -1e-4
+    assert spread_metrics(z_a[:1], z_b[:1]) == {}
