@@ -67,6 +67,7 @@ def dry_run(cfg, env, ranks: int = 0) -> int:
     """``--dry-run``: everything the trainer checks and builds before DeepSpeed starts, then the banner."""
     import dataclasses
 
+    from pretrain.checkpoint.resolve import run_model_config
     from pretrain.config.lint import inert_settings
     from pretrain.data.datasets import build_dataset
     from pretrain.model import build_model
@@ -76,6 +77,7 @@ def dry_run(cfg, env, ranks: int = 0) -> int:
 
     load_tok, build_train_set, _ = _stage_parts(cfg)
     tok = load_tok(cfg.data.tokenizer)
+    cfg = dataclasses.replace(cfg, model=run_model_config(cfg))  # checkpoint.init_from's sizes, as the trainer
     if cfg.model.vocab_size and cfg.model.vocab_size < tok.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                          f"({tok.vocab_size}, {cfg.data.tokenizer}); set model.vocab_size=0")
@@ -145,8 +147,6 @@ def main(argv=None) -> int:
             trainer.close()
         stop.uninstall()
         destroy_process_group()
-    if env.is_main and code == 0:
-        print(f"done: run directory {cfg.run_dir} (config.yaml, metrics.jsonl, tb/, checkpoints/)")
     return code
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for pretrain: system packages (when root), CPU torch pinned first so no
-# dependency pulls a CUDA build, then the package itself (editable) with the test extras.
+# dependency pulls a CUDA build, then the package itself (editable) with the hf extra (transformers +
+# sentence-transformers, to load exports) or, with --test, the test extras.
 #   bash tools/setup.sh          # what the quickstart needs
 #   bash tools/setup.sh --test   # + what the test suite needs (Slurm + munge for the real-cluster tests)
 set -euo pipefail

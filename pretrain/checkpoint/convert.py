@@ -1,10 +1,11 @@
-"""`pretrain-convert`: our checkpoints <-> Hugging Face BERT directories.
+"""`pretrain-convert`: our checkpoints <-> Hugging Face BERT / sentence-transformers directories.
 
-    pretrain-convert to-hf CHECKPOINT OUT_DIR [--pooling mean] [--overwrite]
+    pretrain-convert to-hf CHECKPOINT OUT_DIR [--pooling mean] [--no-mlm-head] [--overwrite]
     pretrain-convert from-hf HF_DIR OUT [--overwrite]
 
 CHECKPOINT is a run directory, its checkpoints/ directory, a checkpoint tag (any ZeRO stage;
-no DeepSpeed scripts needed) or a from-hf init directory.
+no DeepSpeed scripts needed) or a from-hf init directory. A sentence-transformers model's modules
+(pooling, Dense, Normalize) survive both ways; to-hf also writes a model card (README.md).
 """
 
 from __future__ import annotations
@@ -14,18 +15,23 @@ import sys
 from pathlib import Path
 
 from pretrain.checkpoint.hf import export_hf, load_init_weights, write_clean_tokenizer, write_init_dir
-from pretrain.checkpoint.resolve import load_hf_model, open_weights
+from pretrain.checkpoint.resolve import load_hf_model, open_hf_dir, open_weights
 from pretrain.model import POOLINGS, PretrainModel
 
-__all__ = ["from_hf", "load_checkpoint_model", "load_init_weights", "main", "to_hf"]
+__all__ = ["from_hf", "load_checkpoint_model", "load_hf_model", "load_init_weights", "main", "to_hf"]
 
 
-def load_checkpoint_model(checkpoint: str, *, trust: bool = False) -> tuple[PretrainModel, dict]:
-    """(model, resolved run-config dict) from any of our checkpoints or a from-hf init directory."""
+def _open_ours(checkpoint: str, trust: bool):
     w = open_weights(checkpoint, trust=trust)
     if w.kind not in ("checkpoint", "init_dir"):
         raise ValueError(f"{checkpoint} is a Hugging Face directory, not one of our checkpoints; it is already in "
                          f"HF format (to train from it: pretrain-convert from-hf {checkpoint} OUT)")
+    return w
+
+
+def load_checkpoint_model(checkpoint: str, *, trust: bool = False) -> tuple[PretrainModel, dict]:
+    """(model, resolved run-config dict) from any of our checkpoints or a from-hf init directory."""
+    w = _open_ours(checkpoint, trust)
     return w.build_model(), w.run_config
 
 
@@ -37,29 +43,48 @@ def to_hf(
     max_seq_length: int | None = None,
     overwrite: bool = False,
     trust: bool = False,
+    mlm_head: bool = True,
 ) -> None:
-    """Export one of our checkpoints as a HF BERT + sentence-transformers directory."""
+    """Export one of our checkpoints as a HF BERT + sentence-transformers directory with a model card.
+
+    The sentence embedding is the model's own (model.pooling, pooler, Dense, Normalize) unless ``pooling``
+    says otherwise; the MLM head (mlm/: when the weights have one and their run, if known, trained it) and the
+    projection head are written only when the weights have them."""
+    from pretrain.checkpoint.model_card import build_model_card, run_record
+
     if Path(out_dir).exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists; remove it or pass --overwrite")
-    model, config = load_checkpoint_model(checkpoint, trust=trust)
-    tokenizer = (config.get("data") or {}).get("tokenizer")
+    w = _open_ours(checkpoint, trust)
+    # The MLM head is exported when it is one: not when the weights lack it (an import of a BertModel), nor when
+    # the run that wrote them had no mlm term (then it is whatever it started as, fresh for such an import).
+    objective = run_record(w)["config"].get("objective")
+    has_head = "mlm_head.dense.weight" in w.state and (objective is None or bool(objective.get("mlm")))
+    model = w.build_model(warn_fresh_head=False)  # a head the weights lack is not exported either
+    tokenizer = (w.run_config.get("data") or {}).get("tokenizer")
     if not tokenizer:
         raise ValueError(f"{checkpoint}: its config names no data.tokenizer; cannot write tokenizer files")
-    max_len = max_seq_length or (config.get("data") or {}).get("max_len")
-    export_hf(model, tokenizer, out_dir, pooling=pooling or model.cfg.pooling, max_seq_length=max_len,
-              overwrite=overwrite)  # fmt: skip
+    max_len = max_seq_length or w.max_seq_length
+    pooling = pooling or model.cfg.pooling
+    heads = {"mlm_head": mlm_head and has_head, "projection": any(k.startswith("projection.") for k in w.state)}
+    card = build_model_card(w, pooling=pooling, out_dir=out_dir, **heads)
+    export_hf(model, tokenizer, out_dir, pooling=pooling, max_seq_length=max_len, overwrite=overwrite,
+              model_card=card, **heads)
 
 
 def from_hf(hf_dir: str, out: str, *, overwrite: bool = False) -> None:
-    """Turn a HF BERT directory into an init directory (``checkpoint.init_from=OUT``)."""
+    """Turn a HF BERT / sentence-transformers directory into an init directory (``checkpoint.init_from=OUT``):
+    the weights it has (no fresh heads), the model.* settings it states, its max_seq_length as data.max_len."""
     import tempfile
 
     if Path(out).exists() and not overwrite:
         raise ValueError(f"{out} already exists; remove it or pass --overwrite")
-    model = load_hf_model(hf_dir)
+    w = open_hf_dir(hf_dir)
+    model = w.build_model(warn_fresh_head=False)  # a head the source lacks is not written (state_keys below)
+    data = {"max_len": w.max_seq_length} if w.max_seq_length else {}
     with tempfile.TemporaryDirectory() as tmp:
         tok = write_clean_tokenizer(hf_dir, Path(tmp) / "tokenizer.json")
-        write_init_dir(model, tok, out, overwrite=overwrite)
+        write_init_dir(model, tok, out, overwrite=overwrite, state_keys=w.state, model_fields=w.recorded,
+                       data=data, source=str(Path(hf_dir).resolve()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pooling", choices=list(POOLINGS), default=None,
                    help="sentence-transformers pooling (default: the run's model.pooling)")  # fmt: skip
     p.add_argument("--max-seq-length", type=int, default=None, help="default: the run's data.max_len")
+    p.add_argument("--no-mlm-head", action="store_true",
+                   help="leave out mlm/ (the BertForMaskedLM copy: encoder + MLM head; about doubles the size)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
     p = sub.add_parser("from-hf", help="HF BERT directory -> init directory for checkpoint.init_from")
@@ -83,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "to-hf":
             to_hf(args.checkpoint, args.out_dir, pooling=args.pooling, max_seq_length=args.max_seq_length,
-                  overwrite=args.overwrite, trust=args.trust_checkpoint)  # fmt: skip
+                  overwrite=args.overwrite, trust=args.trust_checkpoint, mlm_head=not args.no_mlm_head)  # fmt: skip
             print(f"wrote {args.out_dir} (HF BERT + sentence-transformers)")
         else:
             from_hf(args.hf_dir, args.out, overwrite=args.overwrite)

@@ -1,8 +1,19 @@
 """Hugging Face BERT <-> PretrainModel: one key table used both ways, config mapping, export/import.
 
-An export directory loads with ``transformers`` (AutoModel, AutoModelForMaskedLM, AutoTokenizer;
-BERT architecture, safetensors, no custom code) and with ``sentence_transformers.SentenceTransformer``
-(modules.json + pooling config reproduce the pooling the run used).
+An export directory (no custom code) holds
+
+    config.json, model.safetensors      BertModel: encoder + pooler (AutoModel, SentenceTransformer)
+    mlm/config.json, mlm/model.safetensors
+                                        BertForMaskedLM: encoder + MLM head
+                                        (AutoModelForMaskedLM.from_pretrained(OUT, subfolder="mlm"))
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json
+    modules.json, sentence_bert_config.json, N_Pooling/, [N_Dense/], ...  (st_modules: the run's pooling)
+    pretrain_projection.safetensors     the contrastive projection head (ours only; ignored by both libraries)
+    README.md                           the model card (model_card.py)
+
+transformers 5 reports every checkpoint key a class does not hold: BertModel has no MLM head and
+BertForMaskedLM no pooler, so one weights file cannot load quietly into both; the MLM head goes to mlm/
+(the encoder is stored twice; ``mlm_head=False`` / ``--no-mlm-head`` leaves it out).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.checkpoint.files import publish_dir, save_safetensors
 from pretrain.config.model import ModelConfig
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
 from pretrain.model.init import init_bert_weights
@@ -53,11 +65,18 @@ KEY_MAP: list[tuple[str, str]] = [
 # Ours-only parameters: kept next to the HF weights in PROJECTION_FILE, not in model.safetensors.
 OURS_ONLY_PREFIXES = ("projection.",)
 PROJECTION_FILE = "pretrain_projection.safetensors"
+SENTENCE_PREFIXES = ("sentence_dense.",)
+"""Parameters of sentence-transformers modules after pooling (written to their module folders)."""
+MLM_SUBDIR = "mlm"
+"""The BertForMaskedLM copy of an export (encoder + MLM head)."""
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
-_ST_POOLING_MODES = {"cls": "pooling_mode_cls_token", "cls_before_pooler": "pooling_mode_cls_token",
-                     "mean": "pooling_mode_mean_tokens", "first_last_avg": "pooling_mode_mean_tokens"}  # fmt: skip
+CONFIG_JSON_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
+                      "type_vocab_size", "dropout", "attention_dropout", "layer_norm_eps", "activation", "init_std")
+"""The ModelConfig fields every BERT config.json states."""
+PRETRAIN_EXTRA = ("norm", "pooling", "pooler", "projection_dim", "projection_layers", "projection_activation")
+"""Our settings that ride along in config.json under "pretrain" (our exports only)."""
 
 
 def _expand(num_layers: int) -> list[tuple[str, str]]:
@@ -77,7 +96,8 @@ def to_hf_state_dict(ours: dict, num_layers: int) -> dict:
     """
     pairs = _expand(num_layers)
     mapped = {o for o, _ in pairs}
-    extra = [k for k in ours if k not in mapped and k not in TIED_KEYS and not k.startswith(OURS_ONLY_PREFIXES)]
+    extra = [k for k in ours if k not in mapped and k not in TIED_KEYS
+             and not k.startswith(OURS_ONLY_PREFIXES + SENTENCE_PREFIXES)]
     if extra:
         raise ValueError(
             f"parameters with no BERT counterpart: {', '.join(sorted(extra)[:5])}; only post-LN models "
@@ -115,14 +135,14 @@ def _token_id(tokenizer, token: str) -> int | None:
     return tokenizer.token_to_id(token)
 
 
-def hf_config_from_model_config(cfg: ModelConfig, tokenizer) -> dict:
-    """ModelConfig (+ tokenizer for special ids) -> a BERT config.json dict (BertForMaskedLM).
+def hf_config_from_model_config(cfg: ModelConfig, tokenizer, architecture: str = "BertForMaskedLM") -> dict:
+    """ModelConfig (+ tokenizer for special ids) -> a BERT config.json dict for ``architecture``.
 
     ``tokenizer`` is anything with ``token_to_id`` (ours or a ``tokenizers.Tokenizer``), or None.
     Our extra settings (pooling, projection, pre-LN...) ride along under the "pretrain" key.
     """
     d = {
-        "architectures": ["BertForMaskedLM"],
+        "architectures": [architecture],
         "model_type": "bert",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -138,15 +158,8 @@ def hf_config_from_model_config(cfg: ModelConfig, tokenizer) -> dict:
         "layer_norm_eps": cfg.layer_norm_eps,
         "position_embedding_type": "absolute",
         "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-        "pretrain": {
-            "norm": cfg.norm,
-            "pooling": cfg.pooling,
-            "pooler": cfg.pooler,
-            "projection_dim": cfg.projection_dim,
-            "projection_layers": cfg.projection_layers,
-            "projection_activation": cfg.projection_activation,
-        },
+        "dtype": "float32",
+        "pretrain": {name: getattr(cfg, name) for name in PRETRAIN_EXTRA},
     }
     pad = _token_id(tokenizer, SPECIAL_TOKENS["pad"])
     if pad is not None:
@@ -180,8 +193,7 @@ def model_config_from_hf_config(d: dict) -> ModelConfig:
         layer_norm_eps=d.get("layer_norm_eps", 1e-12),
         activation=_ACT_FROM_HF[act],
         init_std=d.get("initializer_range", 0.02),
-        **{k: extra[k] for k in ("norm", "pooling", "pooler", "projection_dim", "projection_layers",
-                                  "projection_activation") if k in extra},
+        **{k: extra[k] for k in PRETRAIN_EXTRA if k in extra},
     )  # fmt: skip
 
 
@@ -221,51 +233,6 @@ def _write_tokenizer_files(tok, out: Path, model_max_length: int) -> None:
     )
 
 
-def _write_sentence_transformers_files(
-    out: Path, pooling: str, hidden: int, num_layers: int, max_seq_length: int, pooler: dict | None
-) -> None:
-    """modules.json + module configs: Transformer -> [WeightedLayerPooling] -> Pooling -> [Dense tanh]."""
-    from safetensors.torch import save_file
-
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
-    st_config: dict = {"max_seq_length": max_seq_length, "do_lower_case": False}
-    if pooling == "first_last_avg":  # (layer 1 + layer L)/2 per token: weights 1,0,...,0,1 from layer 1 on
-        st_config["config_args"] = {"output_hidden_states": True}
-        weights = torch.zeros(num_layers)
-        weights[0] += 1.0
-        weights[-1] += 1.0
-        modules.append({"idx": 1, "name": "1", "path": "1_WeightedLayerPooling",
-                        "type": "sentence_transformers.models.WeightedLayerPooling"})  # fmt: skip
-        _write_json(
-            out / "1_WeightedLayerPooling" / "config.json",
-            {"word_embedding_dimension": hidden, "layer_start": 1, "num_hidden_layers": num_layers},
-        )
-        save_file({"layer_weights": weights}, str(out / "1_WeightedLayerPooling" / "model.safetensors"))
-    n = len(modules)
-    modules.append({"idx": n, "name": str(n), "path": f"{n}_Pooling", "type": "sentence_transformers.models.Pooling"})
-    modes = dict.fromkeys(
-        ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
-         "pooling_mode_mean_sqrt_len_tokens"), False
-    )  # fmt: skip
-    modes[_ST_POOLING_MODES[pooling]] = True
-    _write_json(out / f"{n}_Pooling" / "config.json", {"word_embedding_dimension": hidden, **modes})
-    if pooler is not None:  # "cls" through BERT's pooler = CLS token, then Dense + tanh
-        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
-        _write_json(
-            out / "2_Dense" / "config.json",
-            {"in_features": hidden, "out_features": hidden, "bias": True,
-             "activation_function": "torch.nn.modules.activation.Tanh"},
-        )  # fmt: skip
-        save_file(pooler, str(out / "2_Dense" / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(out / "modules.json", modules)
-    _write_json(out / "sentence_bert_config.json", st_config)
-    _write_json(
-        out / "config_sentence_transformers.json",
-        {"__version__": {"pretrain": "0.1.0"}, "prompts": {}, "default_prompt_name": None,
-         "similarity_fn_name": "cosine"},
-    )  # fmt: skip
-
-
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().clone()
 
@@ -275,26 +242,34 @@ def export_hf(
     tokenizer_path: str,
     out_dir: str,
     *,
-    pooling: str,
+    pooling: str | None = None,
     max_seq_length: int | None = None,
     overwrite: bool = False,
-) -> None:
-    """Write a HF BERT directory (+ sentence-transformers files) for ``model``.
+    mlm_head: bool = True,
+    projection: bool = True,
+    model_card: str | None = None,
+) -> list[str]:
+    """Write a HF BERT + sentence-transformers directory for ``model`` (layout: module docstring).
 
-    Written to a temporary sibling directory and renamed into place: ``out_dir`` is complete
-    or absent. ``pooling`` is what SentenceTransformer(out_dir) will apply (any of POOLINGS;
-    first_last_avg goes through sentence-transformers' WeightedLayerPooling).
+    Written to a temporary sibling directory and renamed into place: ``out_dir`` is complete or absent.
+    ``pooling`` (default: the model's) is what SentenceTransformer(out_dir) applies, through the model's
+    pooler, Dense and Normalize settings (st_modules). ``mlm_head=False`` writes no mlm/ and
+    ``projection=False`` no projection file (heads never trained, e.g. of a sentence-transformers import).
+    ``model_card`` becomes README.md.
+    Returns the sentence-transformers module chain, e.g. ['Transformer', 'Pooling', 'Normalize'].
     """
     import tokenizers
-    from safetensors.torch import save_file
+
+    from pretrain.checkpoint.st_modules import ST_POOLING, write_st_modules
 
     cfg = model.cfg
+    pooling = pooling or cfg.pooling
     if cfg.norm != "post":
         raise ValueError("only post-LN models (model.norm=post) export to the HF BERT format; pre-LN has no BERT twin")
-    if pooling not in _ST_POOLING_MODES:
+    if pooling not in ST_POOLING:
         raise ValueError(
             f"pooling {pooling!r} cannot be expressed in sentence-transformers here; "
-            f"export with one of {', '.join(_ST_POOLING_MODES)}"
+            f"export with one of {', '.join(ST_POOLING)}"
         )
     if not os.path.isfile(tokenizer_path):
         raise FileNotFoundError(f"tokenizer file {tokenizer_path} not found; pass the run's data.tokenizer path")
@@ -308,26 +283,38 @@ def export_hf(
             f"vocab_size is {cfg.vocab_size}; pass the tokenizer the model was trained with"
         )
     max_len = min(max_seq_length or cfg.max_position, cfg.max_position)
-    ours = model.state_dict()
-    hf = {k: _cpu_copy(v) for k, v in to_hf_state_dict(ours, cfg.num_layers).items()}
-    projection = {k: _cpu_copy(v) for k, v in ours.items() if k.startswith(OURS_ONLY_PREFIXES)}
-    pooler = None
-    if pooling == "cls" and model.pooler is not None:
-        pooler = {"linear.weight": hf["bert.pooler.dense.weight"].clone(),
-                  "linear.bias": hf["bert.pooler.dense.bias"].clone()}  # fmt: skip
-    hf_config = hf_config_from_model_config(cfg, tok)
-    hf_config["torch_dtype"] = str(next(iter(hf.values())).dtype).removeprefix("torch.")
+    ours = {k: _cpu_copy(v) for k, v in model.state_dict().items() if k not in TIED_KEYS}
+    hf = to_hf_state_dict(ours, cfg.num_layers)
+    if "bert.pooler.dense.weight" not in hf:
+        # BertModel always has a pooler (a missing one is reported): zeros, which our import drops again since
+        # config.json says "pretrain": {"pooler": false}.
+        hf["bert.pooler.dense.weight"] = torch.zeros(cfg.hidden_size, cfg.hidden_size)
+        hf["bert.pooler.dense.bias"] = torch.zeros(cfg.hidden_size)
+    base = {k.removeprefix("bert."): v for k, v in hf.items() if k.startswith("bert.")}  # BertModel's own names
+    heads = {k: v for k, v in ours.items() if k.startswith(OURS_ONLY_PREFIXES)} if projection else {}
+    dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
+    hf_config = hf_config_from_model_config(cfg, tok, architecture="BertModel")
+    hf_config["dtype"] = dtype
+    if mlm_head:
+        hf_config["pretrain"]["mlm_head"] = MLM_SUBDIR
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if projection:
-            save_file(projection, str(tmp / PROJECTION_FILE), metadata={"format": "pt"})
+        save_safetensors(base, tmp / "model.safetensors", metadata={"format": "pt"})
         _write_json(tmp / "config.json", hf_config)
+        if mlm_head:
+            (tmp / MLM_SUBDIR).mkdir()
+            mlm = {k: v for k, v in hf.items() if not k.startswith("bert.pooler.")}
+            save_safetensors(mlm, tmp / MLM_SUBDIR / "model.safetensors", metadata={"format": "pt"})
+            _write_json(tmp / MLM_SUBDIR / "config.json", {**hf_config, "architectures": ["BertForMaskedLM"]})
+        if heads:
+            save_safetensors(heads, tmp / PROJECTION_FILE, metadata={"format": "pt"})
         _write_tokenizer_files(tok, tmp, max_len)
-        _write_sentence_transformers_files(tmp, pooling, cfg.hidden_size, cfg.num_layers, max_len, pooler)
-        os.chmod(tmp, 0o755)
+        chain = write_st_modules(tmp, cfg, pooling, ours, max_len)
+        if model_card is not None:
+            (tmp / "README.md").write_text(model_card, encoding="utf-8")
+        publish_dir(tmp)
         if out.exists():  # overwrite: move the old one aside first, so out_dir is never half-written
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)
@@ -338,6 +325,7 @@ def export_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return chain
 
 
 # ----------------------------------------------------------------------------- import
@@ -363,19 +351,21 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict:
 
 
 def model_with_state(
-    cfg: ModelConfig, state: dict, *, source: str, required_prefixes: tuple[str, ...] = ("encoder.",)
+    cfg: ModelConfig, state: dict, *, source: str, required_prefixes: tuple[str, ...] = ("encoder.",),
+    warn_fresh_head: bool = True,
 ) -> PretrainModel:
     """PretrainModel(cfg) holding ``state`` (our names; tensors are taken over, not copied).
 
-    Keys under ``required_prefixes`` must all be present (ValueError otherwise); missing MLM-head
-    weights are freshly initialised with a warning, missing projection weights silently.
+    Keys under ``required_prefixes`` (and the Dense layer after pooling, part of the sentence embedding) must
+    all be present (ValueError otherwise); missing MLM-head weights are freshly initialised with a warning
+    (unless ``warn_fresh_head`` is False), missing projection weights silently.
     """
     model = build_model(cfg, init=False)
     expected = model.state_dict()
     unexpected = sorted(set(state) - set(expected))
     missing = sorted(set(expected) - set(state) - set(TIED_KEYS))
     bad_shape = [k for k in state if k in expected and state[k].shape != expected[k].shape]
-    if unexpected or bad_shape or any(k.startswith(required_prefixes) for k in missing):
+    if unexpected or bad_shape or any(k.startswith(required_prefixes + SENTENCE_PREFIXES) for k in missing):
         raise ValueError(
             f"{source} does not fit the model its config describes: missing {missing[:4]}, "
             f"unexpected {unexpected[:4]}, wrong shape {bad_shape[:4]}; is it a complete BERT/PretrainModel checkpoint?"
@@ -383,7 +373,7 @@ def model_with_state(
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
     model.tie_weights()
     for name in sorted({k.split(".")[0] for k in missing}):
-        if name == "mlm_head":
+        if name == "mlm_head" and warn_fresh_head:
             warnings.warn(f"{source} has no MLM head weights; the MLM head is freshly initialised", stacklevel=3)
         init_bert_weights(getattr(model, name), cfg.init_std)
     return model
@@ -413,27 +403,39 @@ INIT_CONFIG = "config.yaml"
 INIT_TOKENIZER = "tokenizer.json"
 
 
-def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, overwrite: bool = False) -> None:
+def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, overwrite: bool = False,
+                   state_keys=None, model_fields=None, data: dict | None = None, source: str | None = None) -> None:
     """Write OUT/{model.safetensors (our key names), config.yaml (model: + data.tokenizer), tokenizer.json},
-    a directory the trainer starts from with ``checkpoint.init_from=OUT``. Complete or absent."""
+    a directory the trainer starts from with ``checkpoint.init_from=OUT``. Complete or absent.
+
+    ``state_keys``: the weights to write (default all; an import leaves out heads it never had, so nobody takes
+    a fresh head for a trained one). ``model_fields``: the model.* settings the source states (default all;
+    the rest stay ModelConfig defaults, which a run's config may set). ``data``: more data.* settings the
+    source states (e.g. max_len); ``source``: where the weights came from (for the model card)."""
     import yaml
-    from safetensors.torch import save_file
 
     from pretrain.config.loader import to_dict
 
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; remove it or pass overwrite=True (--overwrite)")
-    state = {k: _cpu_copy(v) for k, v in model.state_dict().items() if k not in TIED_KEYS}
+    keep = set(state_keys) if state_keys is not None else None
+    state = {k: _cpu_copy(v) for k, v in model.state_dict().items()
+             if k not in TIED_KEYS and (keep is None or k in keep)}
+    model_dict = to_dict(model.cfg)
+    if model_fields is not None:
+        model_dict = {k: v for k, v in model_dict.items() if k in set(model_fields)}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        save_file(state, str(tmp / INIT_WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(state, tmp / INIT_WEIGHTS, metadata={"format": "pt"})
         shutil.copyfile(tokenizer_path, tmp / INIT_TOKENIZER)
         # Relative to the directory: a moved or copied init dir (or run's best/) still opens its own tokenizer.
-        config = {"model": to_dict(model.cfg), "data": {"tokenizer": INIT_TOKENIZER}}
+        config = {"model": model_dict, "data": {"tokenizer": INIT_TOKENIZER, **(data or {})}}
+        if source:
+            config["converted_from"] = source
         (tmp / INIT_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-        os.chmod(tmp, 0o755)
+        publish_dir(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

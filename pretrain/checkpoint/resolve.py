@@ -2,8 +2,10 @@
 
 Recognised, in this order (the first match wins):
 
-    sentence_transformers  config.json + modules.json (a sentence-transformers model, e.g. all-MiniLM-L6-v2)
-    hf                     config.json (a Hugging Face BERT directory, ours from ``pretrain-convert to-hf`` too)
+    sentence_transformers  config.json + modules.json (a sentence-transformers model, e.g. all-MiniLM-L6-v2; its
+                           modules become model.pooling/pooler/dense_*/normalize: see st_modules)
+    hf                     config.json (a Hugging Face BERT directory: its sentence embedding is ModelConfig's
+                           default, pooling=cls through the pooler; ours from ``pretrain-convert to-hf`` too)
     checkpoint             a checkpoint tag (trainer_state.json; it holds model.safetensors + config.yaml too)
     init_dir               model.safetensors + config.yaml (``pretrain-convert from-hf``, ``<run_dir>/best/``)
     checkpoint             a run directory or its checkpoints/ (their newest complete tag; any ZeRO stage)
@@ -12,8 +14,8 @@ HF and init directories are read from safetensors (a HF ``pytorch_model.bin`` wi
 our checkpoints from their model.safetensors (``store.load_model_state``, after checking the files against the
 checkpoint's files.json: a damaged one is refused); an old checkpoint without it only with ``trust``. Used by
 ``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so that they all accept the
-same inputs with the same errors. This module depends on ``checkpoint.hf`` (key maps, readers), never the other
-way round.
+same inputs with the same errors. ``run_model_config`` gives ``checkpoint.init_from`` the architecture of what it
+starts from. This module depends on ``checkpoint.hf`` (key maps, readers), never the other way round.
 """
 
 from __future__ import annotations
@@ -52,13 +54,19 @@ class Weights:
     """Our resolved run config (checkpoints and init dirs); {} for HF dirs."""
     st_modules: list | None = None
     """sentence-transformers' modules.json entries (kind sentence_transformers), e.g. its pooling."""
+    recorded: frozenset = frozenset()
+    """The ModelConfig fields the source states; the others in model_cfg are ModelConfig defaults (a plain HF
+    BERT states no pooling, say). What ``checkpoint.init_from`` takes over (see init_model_config)."""
+    max_seq_length: int | None = None
+    """The sequence length the source was used with (sentence-transformers' max_seq_length), if it says."""
 
-    def build_model(self):
+    def build_model(self, *, warn_fresh_head: bool = True):
         """A PretrainModel holding these weights (encoder weights required, heads filled in when absent)."""
         from pretrain.checkpoint.hf import model_with_state
 
         required = ("",) if self.kind == "checkpoint" else ("encoder.",)
-        return model_with_state(self.model_cfg, self.state, source=str(self.path), required_prefixes=required)
+        return model_with_state(self.model_cfg, self.state, source=str(self.path), required_prefixes=required,
+                                warn_fresh_head=warn_fresh_head)
 
     def load_tokenizer(self, out_path: str | None = None):
         """Our Tokenizer for these weights. HF directories: their tokenizer re-saved as a clean tokenizer.json at
@@ -144,22 +152,25 @@ def open_weights(path: str | os.PathLike, *, trust: bool = False) -> Weights:
     return _open_checkpoint(p, trust)
 
 
-def _model_cfg(model_dict: dict, state: dict, where: Path) -> ModelConfig:
+def _model_cfg(model_dict: dict, state: dict, where: Path) -> tuple[ModelConfig, frozenset]:
+    """(ModelConfig, the fields stated) from a config.yaml's model: block and the weights."""
     from pretrain.config.loader import from_dict
 
     cfg = from_dict(ModelConfig, dict(model_dict or {}), "model")
     word = state.get("encoder.embeddings.word.weight")
     if word is None:
         raise ValueError(f"{where} has no encoder.embeddings.word.weight; is it a complete PretrainModel checkpoint?")
-    return dataclasses.replace(cfg, vocab_size=word.shape[0], pooler="pooler.dense.weight" in state)
+    cfg = dataclasses.replace(cfg, vocab_size=word.shape[0], pooler="pooler.dense.weight" in state)
+    return cfg, frozenset(model_dict or {}) | {"vocab_size", "pooler"}
 
 
 def _open_checkpoint(p: Path, trust: bool) -> Weights:
     from pretrain.checkpoint.store import load_model_state
 
     state, config = load_model_state(p, trust=trust)
-    return Weights("checkpoint", p, state, _model_cfg(config.get("model"), state, p),
-                   tokenizer_path=(config.get("data") or {}).get("tokenizer") or None, run_config=config)
+    cfg, recorded = _model_cfg(config.get("model"), state, p)
+    return Weights("checkpoint", p, state, cfg, tokenizer_path=(config.get("data") or {}).get("tokenizer") or None,
+                   run_config=config, recorded=recorded, max_seq_length=(config.get("data") or {}).get("max_len"))
 
 
 def _open_init_dir(p: Path) -> Weights:
@@ -171,8 +182,9 @@ def _open_init_dir(p: Path) -> Weights:
     state = load_init_weights(str(p))
     tok = _own_tokenizer(p, (config.get("data") or {}).get("tokenizer"), INIT_TOKENIZER)
     config.setdefault("data", {})["tokenizer"] = tok  # consumers of run_config get the resolved path too
-    return Weights("init_dir", p, state, _model_cfg(config.get("model"), state, p), tokenizer_path=tok,
-                   run_config=config)
+    cfg, recorded = _model_cfg(config.get("model"), state, p)
+    return Weights("init_dir", p, state, cfg, tokenizer_path=tok, run_config=config, recorded=recorded,
+                   max_seq_length=config["data"].get("max_len"))
 
 
 def _own_tokenizer(directory: Path, named: str | None, default: str) -> str:
@@ -192,19 +204,39 @@ def _own_tokenizer(directory: Path, named: str | None, default: str) -> str:
 def _open_hf(p: Path, kind: Kind) -> Weights:
     from safetensors.torch import load_file
 
-    from pretrain.checkpoint.hf import PROJECTION_FILE, from_hf_state_dict, model_config_from_hf_config, read_hf_weights
+    from pretrain.checkpoint.hf import (CONFIG_JSON_FIELDS, PROJECTION_FILE, from_hf_state_dict,
+                                        model_config_from_hf_config, read_hf_weights)
+    from pretrain.checkpoint.st_modules import SENTENCE_FIELDS, read_st_modules
 
-    cfg = model_config_from_hf_config(json.loads((p / "config.json").read_text(encoding="utf-8")))
-    state = from_hf_state_dict(read_hf_weights(p), cfg.num_layers)
+    config = json.loads((p / "config.json").read_text(encoding="utf-8"))
+    extra = config.get("pretrain") or {}  # our own exports: the settings BERT's config.json has no place for
+    cfg = model_config_from_hf_config(config)
+    hf_state = read_hf_weights(p)
+    mlm = str(extra.get("mlm_head") or "")
+    if mlm and Path(mlm).name == mlm and (p / mlm / "model.safetensors").is_file():  # our export's MLM copy
+        from safetensors import safe_open
+
+        with safe_open(str(p / mlm / "model.safetensors"), framework="pt") as f:  # its head only
+            hf_state.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("cls.")})
+    state = from_hf_state_dict(hf_state, cfg.num_layers)
+    if extra.get("pooler") is False:  # BertModel always has a pooler: ours wrote zeros for a model without one
+        state = {k: v for k, v in state.items() if not k.startswith("pooler.")}
     if (p / PROJECTION_FILE).is_file():
         state.update(load_file(str(p / PROJECTION_FILE)))
+    recorded = set(CONFIG_JSON_FIELDS) | set(extra) & {f.name for f in dataclasses.fields(ModelConfig)} | {"pooler"}
     cfg = dataclasses.replace(cfg, pooler="pooler.dense.weight" in state)
-    modules = None
+    modules, max_len = None, None
     if kind == "sentence_transformers":
         modules = json.loads((p / "modules.json").read_text(encoding="utf-8"))
         if not isinstance(modules, list):
             raise ValueError(f"{p / 'modules.json'} is not a list of modules; is it a sentence-transformers model?")
-    return Weights(kind, p, state, cfg, st_modules=modules)
+        st = read_st_modules(p, modules, num_layers=cfg.num_layers, hidden=cfg.hidden_size, state=state,
+                             recorded_pooling=extra.get("pooling"))
+        cfg = dataclasses.replace(cfg, **st.fields)
+        state.update(st.state)
+        recorded |= set(SENTENCE_FIELDS)
+        max_len = st.max_seq_length
+    return Weights(kind, p, state, cfg, st_modules=modules, recorded=frozenset(recorded), max_seq_length=max_len)
 
 
 def open_hf_dir(hf_dir: str | os.PathLike) -> Weights:
@@ -217,7 +249,11 @@ def open_hf_dir(hf_dir: str | os.PathLike) -> Weights:
 
 def load_hf_model(hf_dir: str | os.PathLike):
     """HF BERT directory -> PretrainModel in fp32. Without MLM head weights the head is freshly
-    initialised (warned); without pooler weights the model has no pooler (cfg.pooler=False)."""
+    initialised (warned); without pooler weights the model has no pooler (cfg.pooler=False).
+
+    The sentence embedding: a sentence-transformers model's modules (st_modules: pooling, Dense, Normalize);
+    a plain transformers BERT states none, so it gets ModelConfig's defaults: model.pooling=cls (through
+    BERT's pooler when the weights have one, as BERT's pooler_output), no Dense, no normalisation."""
     return open_hf_dir(hf_dir).build_model()
 
 
@@ -226,3 +262,43 @@ def load_hf(hf_dir: str, *, tokenizer_out: str | None = None):
     ``tokenizer_out`` (default: a new temporary directory, kept: our Tokenizer re-opens its file by path)."""
     w = open_hf_dir(hf_dir)
     return w.build_model(), w.load_tokenizer(tokenizer_out)
+
+
+# ----------------------------------------------------------------------------- checkpoint.init_from
+
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
+                       "type_vocab_size", "layer_norm_eps", "norm", "activation", "pooler", "pooling", "normalize",
+                       "dense_dim", "dense_activation", "dense_bias")
+"""model.* settings ``checkpoint.init_from`` takes from the weights it starts from (the shapes, and what a
+sentence embedding is). Dropout, init and the training-only projection head stay the run's."""
+
+
+def init_model_config(model_cfg: ModelConfig, weights: Weights, *, given=frozenset(), source: str = "") -> ModelConfig:
+    """``model_cfg`` with every architecture field the weights state, unless the config sets it (``given``: the
+    dotted keys the YAML files and overrides set, e.g. "model.hidden_size"); a set value that differs from the
+    weights' is a ValueError naming both (model.vocab_size=0, "from the tokenizer", counts as unset)."""
+    updates, conflicts = {}, []
+    for name in ARCHITECTURE_FIELDS:
+        if name not in weights.recorded:
+            continue
+        ours, theirs = getattr(model_cfg, name), getattr(weights.model_cfg, name)
+        if f"model.{name}" in given and not (name == "vocab_size" and ours == 0):
+            if ours != theirs:
+                conflicts.append(f"model.{name}={ours!r} in the config, {theirs!r} in the checkpoint")
+        elif ours != theirs:
+            updates[name] = theirs
+    if conflicts:
+        raise ValueError(
+            f"checkpoint.init_from={source or weights.path} does not fit this model: {'; '.join(conflicts)}. Is it "
+            f"a checkpoint of another model size? Without these model.* settings the run takes the checkpoint's; "
+            f"or set them to the checkpoint's values")
+    return dataclasses.replace(model_cfg, **updates) if updates else model_cfg
+
+
+def run_model_config(cfg) -> ModelConfig:
+    """The model a run builds: ``cfg.model`` (a RunConfig's), with ``checkpoint.init_from``'s architecture where
+    the config does not set it (init_model_config). Without init_from: cfg.model."""
+    if not cfg.checkpoint.init_from:
+        return cfg.model
+    w = open_weights(cfg.checkpoint.init_from, trust=cfg.checkpoint.trust)
+    return init_model_config(cfg.model, w, given=cfg.given, source=cfg.checkpoint.init_from)

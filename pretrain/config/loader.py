@@ -22,6 +22,8 @@ import yaml
 T = TypeVar("T")
 
 INCLUDE_KEY = "include"
+INTERNAL = "internal"
+"""Field metadata flag: filled by the loader, not a config key (never read from YAML, never written)."""
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
@@ -96,7 +98,7 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     if not isinstance(data, dict):
         raise ValueError(f"config {where}: expected a mapping for {cls.__name__}, got {type(data).__name__} {data!r}")
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.metadata.get(INTERNAL)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         full = [f"{path}.{k}" if path else k for k in unknown]
@@ -187,7 +189,7 @@ def _type_name(tp: Any) -> str:
 def to_dict(cfg: Any) -> Any:
     """Dataclass tree -> plain dict/list/scalars (YAML-serialisable)."""
     if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if not f.metadata.get(INTERNAL)}
     if isinstance(cfg, (list, tuple)):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, dict):
@@ -220,7 +222,10 @@ def load(cls: type[T], path: str | os.PathLike | None = None, overrides: list[st
 
     Overrides apply left to right: ``a.b=value`` sets one key; ``include=FILE[,FILE...]`` merges YAML files over
     what is there so far (paths relative to the working directory); ``model=NAME`` merges the size preset
-    ``configs/models/NAME.yaml`` (the recipe's other model keys — pooling, dropout, ... — stay)."""
+    ``configs/models/NAME.yaml`` (the recipe's other model keys — pooling, dropout, ... — stay).
+
+    A config class with an internal ``given`` field (RunConfig) gets the dotted keys the files and overrides
+    set, so that defaults can be told from choices (``checkpoint.init_from`` fills only the defaults)."""
     data = read_yaml(path) if path is not None else {}
     for item in overrides or []:
         key, _, raw = item.partition("=")
@@ -233,4 +238,19 @@ def load(cls: type[T], path: str | os.PathLike | None = None, overrides: list[st
             data = deep_merge(data, read_yaml(_preset_path(raw.strip())))
         else:
             data = apply_overrides(data, [item])
-    return from_dict(cls, data)
+    cfg = from_dict(cls, data)
+    if any(f.name == "given" and f.metadata.get(INTERNAL) for f in dataclasses.fields(cls)):
+        cfg = dataclasses.replace(cfg, given=given_keys(data))
+    return cfg
+
+
+def given_keys(data: dict, prefix: str = "") -> frozenset[str]:
+    """The dotted keys a config mapping sets (its leaves: "model.hidden_size", "data.sources", ...)."""
+    keys: set[str] = set()
+    for k, v in data.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            keys |= given_keys(v, path + ".")
+        else:
+            keys.add(path)
+    return frozenset(keys)

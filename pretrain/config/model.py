@@ -35,6 +35,20 @@ class ModelConfig:
     """Nonlinearity between projection layers (SimCLR/CLEAR: ReLU; SimCSE's MLP: tanh)."""
     pooler: bool = True
     """Keep BERT's pooler (dense+tanh over [CLS]); "cls" pooling goes through it when present."""
+    dense_dim: int = 0
+    """Output size of a Dense layer applied after pooling (sentence-transformers' Dense module, as some imported
+    models carry one); 0 = none. Not BERT's pooler (see pooler)."""
+    dense_activation: Literal["tanh", "identity", "relu", "gelu"] = "tanh"
+    """Activation after that Dense layer."""
+    dense_bias: bool = True
+    normalize: bool = False
+    """L2-normalise sentence embeddings after pooling (sentence-transformers' Normalize module, e.g.
+    all-MiniLM-L6-v2); cosine similarities are unchanged, dot products become cosines."""
+
+    @property
+    def sentence_dim(self) -> int:
+        """Size of a sentence embedding (what ``PretrainModel.pool`` returns)."""
+        return self.dense_dim or self.hidden_size
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "ffn_size", "max_position"):
@@ -49,5 +63,7 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.dense_dim < 0:
+            raise ValueError(f"model.dense_dim must be >= 0 (0 = no Dense layer after pooling), got {self.dense_dim}")
         if self.projection_dim < 0 or self.projection_layers < 1:
             raise ValueError("model.projection_dim must be >= 0 and model.projection_layers >= 1")

@@ -31,3 +31,6 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    given: frozenset[str] = field(default=frozenset(), repr=False, compare=False, metadata={"internal": True})
+    """Not a config key: the dotted keys the YAML files and overrides set (filled by ``config.load``), so that
+    ``checkpoint.init_from`` can tell the model.* settings chosen from the defaults it may fill in."""

@@ -82,12 +82,17 @@ class DistributedConfig:
     """auto: nccl on GPU, gloo on CPU."""
     timeout_s: int = 600
     """Collective timeout; a dead rank makes the others fail within this time instead of hanging."""
+    peer_timeout_s: int = 30
+    """Multi-node jobs: a node whose ranks send no heartbeat for this long is lost (crashed, cut off the network),
+    and the others exit at once naming it and the last good checkpoint (distributed/peers.py); 0 = off."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"distributed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.timeout_s <= 0:
             raise ValueError(f"distributed.timeout_s must be positive, got {self.timeout_s}")
+        if self.peer_timeout_s < 0:
+            raise ValueError(f"distributed.peer_timeout_s must be >= 0 (0 = off), got {self.peer_timeout_s}")
 
 
 @dataclass(kw_only=True)

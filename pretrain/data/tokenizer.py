@@ -13,8 +13,8 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -292,9 +292,9 @@ def train_tokenizer(files: list[str], out_path: str, *, kind: str = "wordpiece",
     tok.post_processor = _post_processor()
     if tok.get_vocab_size() <= len(SPECIAL_TOKENS):
         raise ValueError(f"no text found in {files} to train a tokenizer on")
-    # Atomic publish: a half-written tokenizer.json is never visible under out_path.
-    fd, tmp = tempfile.mkstemp(dir=str(Path(out_path).parent), suffix=".tmp")
-    os.close(fd)
+    # Atomic publish: a half-written tokenizer.json is never visible under out_path. The temporary name is made
+    # here, not by mkstemp, whose 0600 file would keep that mode after the rename (the user's umask applies).
+    tmp = str(Path(out_path).parent / f".{Path(out_path).name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         tok.save(tmp, pretty=True)
         os.replace(tmp, out_path)

@@ -33,8 +33,10 @@ def _import_deepspeed():
     return deepspeed
 
 
-def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedConfig, world_size: int) -> dict:
-    """Typed configs -> DeepSpeed config dict."""
+def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedConfig, world_size: int, *,
+                    load_universal: bool = False) -> dict:
+    """Typed configs -> DeepSpeed config dict. ``load_universal``: ``load`` reads a universal checkpoint
+    (``convert_to_universal``), which re-splits ZeRO's optimizer partitions over this world size."""
     zero: dict = {"stage": dist.zero_stage}
     if dist.zero_stage >= 2:
         zero.update(overlap_comm=False, contiguous_gradients=True, reduce_scatter=True)
@@ -49,7 +51,7 @@ def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedCon
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
-        "checkpoint": {"load_universal": False},
+        "checkpoint": {"load_universal": load_universal},
     }
     if train.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -94,7 +96,7 @@ class Engine:
     """A DeepSpeed engine around ``module`` with a client AdamW and LambdaLR schedule."""
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict], *, optim: OptimConfig,
-                 train: TrainConfig, dist: DistributedConfig, env, lr_lambda):
+                 train: TrainConfig, dist: DistributedConfig, env, lr_lambda, load_universal: bool = False):
         deepspeed = _import_deepspeed()
         world_size = env.world_size
         # DeepSpeed reads the launcher's variables even when the process group already exists.
@@ -111,7 +113,8 @@ class Engine:
                           weight_decay=optim.weight_decay, **({"fused": True} if use_fused else {}))
         self._adamw = optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-        self.ds_config = build_ds_config(optim, train, dist, world_size)
+        self.ds_config = build_ds_config(optim, train, dist, world_size, load_universal=load_universal)
+        self.load_universal = load_universal
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             dist_init_required=False,
@@ -190,13 +193,47 @@ class Engine:
         self.ds.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, directory: str, tag: str, *, load_optimizer: bool = True) -> dict:
+        """Collective: model, optimizer and LR schedule from ``directory/tag`` (a universal checkpoint when the
+        engine was built with ``load_universal``)."""
+        # ZeRO-3's universal loader (DeepSpeed 0.19, stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3)
+        # gives every param group the first group's hyperparameters (the no-decay group would get the weights'
+        # weight_decay) and one shared Adam step-count tensor, which each group's step then increments again
+        # (the second group's bias correction would run a step ahead). Both are undone after the load.
+        groups_before = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                         for g in self._adamw.param_groups]
         path, client_state = self.ds.load_checkpoint(
             directory, tag=tag, load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer,
             load_module_strict=True,
         )
         if path is None:
             raise FileNotFoundError(f"DeepSpeed could not load checkpoint {directory}/{tag}")
+        if self.load_universal:
+            if self.zero_stage == 3:
+                for group, before in zip(self._adamw.param_groups, groups_before):
+                    group.update(before)
+            for state in self._adamw.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
         return client_state or {}
+
+
+def convert_to_universal(tag_dir: str, out_dir: str, *, log) -> None:
+    """DeepSpeed's ``ds_to_universal`` of a ZeRO 1-3 checkpoint tag directory into ``out_dir`` (which must not
+    exist): every parameter's fp32 weights and Adam moments as whole tensors, loadable on any number of ranks
+    by an engine built with ``load_universal``. Reads (unpickles) the tag's own DeepSpeed files; its progress
+    output goes to the text file ``log``. Also writes ``latest_universal`` next to ``out_dir``."""
+    import argparse
+    import contextlib
+
+    _import_deepspeed()
+    from deepspeed.checkpoint import ds_to_universal
+
+    # One process, no worker pool (the caller may be a rank of a running job); our modules carry no
+    # universal-checkpoint info, which DeepSpeed then injects (a plain data-parallel model needs none).
+    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out_dir), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        ds_to_universal.main(args)
 
 
 def fp32_state_dict_from_checkpoint(tag_dir: str) -> dict:

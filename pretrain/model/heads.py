@@ -1,7 +1,7 @@
 """Heads on top of the encoder: tied MLM head, BERT pooler, CLEAR projection, sentence pooling.
 
 Shapes: B batch, T sequence length, D hidden size, M masked (predicted) positions,
-V vocabulary, P projection size.
+V vocabulary, P projection size (D also stands for the sentence embedding size, dense_dim when set).
 """
 
 from __future__ import annotations
@@ -46,17 +46,32 @@ class Pooler(nn.Module):
         return torch.tanh(self.dense(cls_BD))
 
 
+class SentenceDense(nn.Module):
+    """A Dense layer after pooling (sentence-transformers' Dense): e_BD -> act(linear(e_BD)) of size dense_dim."""
+
+    ACTIVATIONS = {"tanh": nn.Tanh, "identity": nn.Identity, "relu": nn.ReLU, "gelu": nn.GELU}
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.linear = nn.Linear(cfg.hidden_size, cfg.dense_dim, bias=cfg.dense_bias)
+        self.act = self.ACTIVATIONS[cfg.dense_activation]()
+
+    def forward(self, e_BD: torch.Tensor) -> torch.Tensor:
+        return self.act(self.linear(e_BD))
+
+
 class ProjectionHead(nn.Module):
     """CLEAR's g(.): e_BD -> z_BP, ``projection_layers`` Linear layers with the activation between."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        out_dim = cfg.projection_dim or cfg.hidden_size
+        in_dim = cfg.sentence_dim
+        out_dim = cfg.projection_dim or in_dim
         act = nn.ReLU if cfg.projection_activation == "relu" else nn.Tanh
         mods: list[nn.Module] = []
         for i in range(cfg.projection_layers):
             last = i == cfg.projection_layers - 1
-            mods.append(nn.Linear(cfg.hidden_size, out_dim if last else cfg.hidden_size))
+            mods.append(nn.Linear(in_dim, out_dim if last else in_dim))
             if not last:
                 mods.append(act())
         self.layers = nn.Sequential(*mods)

@@ -6,12 +6,13 @@ Shapes: B batch, T sequence length, D hidden size, M masked positions, V vocabul
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.data import IGNORE_INDEX
 from pretrain.config.model import ModelConfig
 from pretrain.model.encoder import Encoder
-from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, pool
+from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, SentenceDense, pool
 from pretrain.model.init import init_bert_weights
 
 # Parameters that are another parameter under a second name (state_dict lists both).
@@ -31,6 +32,7 @@ class PretrainModel(nn.Module):
         self.cfg = cfg
         self.encoder = Encoder(cfg)
         self.pooler = Pooler(cfg) if cfg.pooler else None
+        self.sentence_dense = SentenceDense(cfg) if cfg.dense_dim else None
         self.mlm_head = MLMHead(cfg, self.encoder.embeddings.word.weight)
         self.projection = ProjectionHead(cfg)
 
@@ -63,10 +65,14 @@ class PretrainModel(nn.Module):
         pooling: str | None = None,
         all_layers: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Sentence embeddings e_BD; ``pooling`` defaults to cfg.pooling (see heads.pool)."""
-        return pool(
-            h_BTD, attention_mask_BT, pooling or self.cfg.pooling, pooler=self.pooler, all_layers=all_layers
-        )
+        """Sentence embeddings e_BD: pooling (default cfg.pooling, see heads.pool), then the Dense layer and the
+        L2 normalisation when the config has them (as sentence-transformers applies its modules in order)."""
+        e_BD = pool(h_BTD, attention_mask_BT, pooling or self.cfg.pooling, pooler=self.pooler, all_layers=all_layers)
+        if self.sentence_dense is not None:
+            e_BD = self.sentence_dense(e_BD)
+        if self.cfg.normalize:
+            e_BD = F.normalize(e_BD, p=2.0, dim=-1)
+        return e_BD
 
     def project(self, e_BD: torch.Tensor) -> torch.Tensor:
         """CLEAR's projection g(e) -> z_BP."""

@@ -20,11 +20,13 @@ from pretrain.data.loader import build_loader
 from pretrain.data.tokenizer import load_tokenizer
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Engine
+from pretrain.distributed.peers import PeerWatch
 from pretrain.metrics.accumulate import MetricSums
 from pretrain.metrics.writer import MetricsWriter, format_progress, print_progress
 from pretrain.model import build_model
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.training.optim import build_param_groups, lr_lambda
+from pretrain.training.progress import CollapseWatch, Eta, end_summary, schedule_change
 from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, RunLock
 from pretrain.training.signals import StopSignal
 
@@ -48,16 +50,21 @@ class Trainer:
         self.stop_signal = stop_signal or StopSignal(install=False)
         self.run_dir = Path(cfg.run_dir)
         self.lock = _lock_run_dir(self.run_dir, env)  # one trainer per run_dir, before anything is written
+        # Multi-node: a lost node ends every rank within distributed.peer_timeout_s, naming it and the checkpoint.
+        self.peers = PeerWatch(env, timeout_s=cfg.distributed.peer_timeout_s, on_lost=self._release_lock,
+                               last_checkpoint=lambda: _last_good_checkpoint(self.run_dir))
         try:
+            self.peers.start()
             self._setup(cfg, env)
         except BaseException:
+            self.peers.stop()
             self._release_lock()
             raise
 
     def _setup(self, cfg: RunConfig, env) -> None:
         load_tok, build_train_set, self._build_train_loader = _stage_parts(cfg)
         self.tokenizer = load_tok(cfg.data.tokenizer)
-        model_cfg = cfg.model
+        model_cfg = _init_from_model_config(cfg)  # checkpoint.init_from's architecture where the config sets none
         if model_cfg.vocab_size == 0:
             model_cfg = dataclasses.replace(model_cfg, vocab_size=self.tokenizer.vocab_size)
         elif model_cfg.vocab_size < self.tokenizer.vocab_size:
@@ -72,10 +79,24 @@ class Trainer:
             self.train_set = build_train_set(cfg, self.tokenizer)
             self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \
                 if cfg.data.valid else None
+        # STS-B dev evaluation opens its data now too: a missing directory fails before DeepSpeed starts.
+        self.stsb = None
+        if cfg.eval.stsb_every:
+            from pretrain.training.evaluation import StsbKeepBest
+
+            self.stsb = StsbKeepBest(cfg.eval, run_dir=self.run_dir, tokenizer=self.tokenizer,
+                                     tokenizer_path=cfg.data.tokenizer, model_pooling=model_cfg.pooling,
+                                     zero_stage=cfg.distributed.zero_stage)
 
         if cfg.train.compile and cfg.distributed.zero_stage == 3:
             raise ValueError("train.compile=true is not supported with distributed.zero_stage=3 (ZeRO-3 "
                              "gathers parameters in module hooks); use ZeRO 0-2 or train.compile=false")
+        # The checkpoint to resume is chosen before DeepSpeed starts: on another number of ranks it decides the
+        # batch split (the global batch stays) and whether the engine loads a universal checkpoint.
+        self.requested_batch = (cfg.train.micro_batch_size, cfg.train.grad_accum)
+        """The config's (micro_batch_size, grad_accum) before any resume adjusted them (kept in checkpoints)."""
+        resume_dir, universal = self._choose_resume()
+        cfg = self.cfg
         # Initial weights (the model's and the objective's heads') are identical on every rank: drawn from
         # the seed in a scoped RNG that leaves the process-global one alone.
         with torch.random.fork_rng(devices=[]):
@@ -91,17 +112,10 @@ class Trainer:
         self.engine = Engine(
             self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
             train=cfg.train, dist=cfg.distributed, env=env,
-            lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps),
+            lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps), load_universal=universal,
         )
         self.global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * env.world_size
 
-        self.stsb = None
-        if cfg.eval.stsb_every:
-            from pretrain.training.evaluation import StsbKeepBest
-
-            self.stsb = StsbKeepBest(cfg.eval, run_dir=self.run_dir, tokenizer=self.tokenizer,
-                                     tokenizer_path=cfg.data.tokenizer, model_pooling=model_cfg.pooling,
-                                     zero_stage=cfg.distributed.zero_stage)
         self.step = 0
         self.consumed_samples = 0
         """Global samples consumed so far (all ranks): where the data resumes."""
@@ -110,24 +124,53 @@ class Trainer:
         self._warned_starved = False
         self.tokens_seen = 0
         self.bad_steps_total = 0
-        self._resume_or_start()
+        self._resume_or_start(resume_dir, universal)
         self.writer = MetricsWriter(self.run_dir, enabled=env.is_main, resume_step=self.step)
 
     # -- setup -------------------------------------------------------------------------------
-    def _resume_or_start(self) -> None:
+    def _choose_resume(self) -> tuple[Path | None, bool]:
+        """(tag dir of the checkpoint to resume or None, whether it loads through a universal checkpoint). Checks
+        that it fits this run, and sets self.cfg.train's batch split for this run's rank count."""
         ckpt_dir = store.checkpoints_dir(self.run_dir)
         tag = self._resumable_tag(ckpt_dir) if self.cfg.checkpoint.resume == "auto" else None
-        if tag is not None:
-            state = store.read_trainer_state(ckpt_dir / tag)
-            self._check_compatible(state, ckpt_dir / tag)
-            state = store.load_checkpoint(self.engine, self.env, ckpt_dir / tag)
+        if tag is None:
+            return None, False
+        tag_dir = ckpt_dir / tag
+        state = store.read_trainer_state(tag_dir)
+        self._check_compatible(state, tag_dir)
+        saved_train = _saved_config(tag_dir).get("train") or {}
+        old_world = state.get("world_size", self.env.world_size)
+        micro = state.get("micro_batch_size", saved_train.get("micro_batch_size", self.cfg.train.micro_batch_size))
+        accum = state.get("grad_accum", saved_train.get("grad_accum", self.cfg.train.grad_accum))
+        micro, accum, note = resume_batch_split(
+            tag_dir=tag_dir, global_batch=state.get("global_batch", micro * accum * old_world),
+            saved=(old_world, micro, accum), requested=tuple(state.get("requested_batch", (micro, accum))),
+            config=self.requested_batch, world=self.env.world_size)
+        if note and self.env.is_main:
+            print_progress(note)
+        train = dataclasses.replace(self.cfg.train, micro_batch_size=micro, grad_accum=accum)
+        self.cfg = dataclasses.replace(self.cfg, train=train)
+        # ZeRO 1-3 keep the optimizer state in one partition per rank: another rank count re-splits it through
+        # DeepSpeed's universal checkpoint. ZeRO-0 keeps it whole and loads as it is.
+        universal = old_world != self.env.world_size and self.cfg.distributed.zero_stage > 0
+        return tag_dir, universal
+
+    def _resume_or_start(self, tag_dir: Path | None, universal: bool) -> None:
+        if tag_dir is not None:
+            state = store.load_checkpoint(self.engine, self.env, tag_dir, universal=universal, say=print_progress)
             self.step = state["step"]
-            # The data position: every rank reads its slice of each global batch from here on.
+            # The data position is global: every rank reads its slice of each global batch from here on, however
+            # many ranks wrote the checkpoint.
             self.consumed_samples = state.get("consumed_samples", self.step * self.global_batch)
-            self.tokens_seen = state.get("tokens_seen", 0)
+            old_world = state.get("world_size", self.env.world_size)
+            self.tokens_seen = state.get("tokens_seen", 0) * old_world // self.env.world_size  # counted per rank
             self.bad_steps_total = state.get("bad_steps_total", 0)
             if self.env.is_main:
-                print_progress(f"resumed from {ckpt_dir / tag} at step {self.step}")
+                ranks = f" (written by {_ranks(old_world)})" if old_world != self.env.world_size else ""
+                print_progress(f"resumed from {tag_dir} at step {self.step}{ranks}")
+                note = schedule_change(_saved_config(tag_dir), self.cfg, self.step)
+                if note:
+                    print_progress(note)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
@@ -149,12 +192,13 @@ class Trainer:
 
     def _check_compatible(self, state: dict, tag_dir: Path) -> None:
         old_world = state.get("world_size", self.env.world_size)
-        if old_world != self.env.world_size and self.cfg.distributed.zero_stage > 0:
+        old_stage = (_saved_config(tag_dir).get("distributed") or {}).get("zero_stage", self.cfg.distributed.zero_stage)
+        if old_world != self.env.world_size and old_stage != self.cfg.distributed.zero_stage:
             raise ValueError(
-                f"checkpoint {tag_dir} was written by {old_world} data-parallel ranks but this run has "
-                f"{self.env.world_size}; ZeRO-{self.cfg.distributed.zero_stage} optimizer partitions cannot be "
-                f"re-split exactly. Relaunch with {old_world} ranks, or start a new run_dir with "
-                f"checkpoint.init_from={tag_dir} (weights only)."
+                f"checkpoint {tag_dir} was written by {old_world} ranks under ZeRO-{old_stage}; this run has "
+                f"{self.env.world_size} ranks and distributed.zero_stage={self.cfg.distributed.zero_stage}. Change "
+                f"the rank count or the ZeRO stage, not both in one resume: relaunch with "
+                f"distributed.zero_stage={old_stage}."
             )
         changed = _changed_architecture(tag_dir, self.cfg, self.tokenizer.sha256)
         if changed:
@@ -173,11 +217,6 @@ class Trainer:
                 f"with the pretrain version that wrote it, or start a new run_dir with "
                 f"checkpoint.init_from={tag_dir} (weights only)."
             )
-        if state.get("global_batch", self.global_batch) != self.global_batch:
-            raise ValueError(
-                f"checkpoint {tag_dir} used a global batch of {state['global_batch']} sequences, this run "
-                f"{self.global_batch} (micro_batch_size x grad_accum x ranks); keep it equal to resume exactly"
-            )
 
     def _loader(self, dataset, start_sample: int):
         c = self.cfg
@@ -194,9 +233,14 @@ class Trainer:
         loader = iter(self._loader(self.train_set, self.consumed_samples))
         sums = MetricSums()
         consecutive_bad = 0
+        if self.env.is_main:
+            self._print_banner()
         if self.step == 0:
             self.validate()  # the untrained baseline, so the held-out curve starts at step 0
         self.engine.train()
+        start_step = self.step
+        eta = Eta(start_step, c.train.max_steps)
+        collapse = CollapseWatch(c, self.env.world_size)
         t_last, samples_last, tokens_last = time.perf_counter(), 0, 0
         self.data_wait_s = 0.0
         while self.step < c.train.max_steps:
@@ -215,7 +259,7 @@ class Trainer:
                     f"stopping. The last good checkpoint is {store.find_latest(store.checkpoints_dir(self.run_dir))}; "
                     f"lower optim.lr or check the data before resuming."
                 )
-            if self.step % c.train.log_every == 0 or self.step == c.train.max_steps:
+            if self.step % c.train.log_every == 0 or self.step in (c.train.max_steps, start_step + 1):
                 elapsed = time.perf_counter() - t_last
                 scalars = sums.reduce(self.env)
                 scalars.update(lr=info.lr, grad_norm=info.grad_norm, loss_scale=info.loss_scale,
@@ -226,8 +270,10 @@ class Trainer:
                                data_wait_frac=self.data_wait_s / elapsed)
                 self.writer.log(self.step, scalars)
                 if self.env.is_main:
-                    print_progress(format_progress(self.step, c.train.max_steps, scalars))
+                    print_progress(format_progress(self.step, c.train.max_steps, scalars, eta_s=eta(self.step)))
                     self._warn_if_starved(scalars["data_wait_frac"])
+                    for warning in collapse.update(self.step, scalars):
+                        print_progress(warning)
                 sums.reset()
                 t_last, samples_last, tokens_last = time.perf_counter(), 0, 0
                 self.data_wait_s = 0.0
@@ -245,9 +291,26 @@ class Trainer:
                            else "exiting so the job is requeued")
                     print_progress(f"stop signal: checkpointed step {self.step} ({path}); {why} (exit {code})")
                 return code
-        self.validate()
-        self.save()
+        last_valid = self.validate()
+        path = self.save()
+        if self.env.is_main:
+            for line in end_summary(self.run_dir, step=self.step, max_steps=c.train.max_steps, start_step=start_step,
+                                    wall_s=eta.elapsed(), tokens_seen=self.tokens_seen * self.env.world_size,
+                                    last_valid=last_valid, best_stsb=self.stsb.best if self.stsb else None,
+                                    checkpoint=str(path) if path else None):
+                print_progress(line)
         return 0
+
+    def _print_banner(self) -> None:
+        """The start-up banner (training/banner.py) and one warning per setting that cannot act."""
+        from pretrain.config.lint import inert_settings
+        from pretrain.training.banner import banner_lines
+
+        for line in banner_lines(self.cfg, self.env.world_size, self.module, self.train_set, self.valid_set,
+                                 self.cfg.model.vocab_size):
+            print_progress(line)
+        for line in inert_settings(self.cfg):
+            print_progress(f"warning: {line}")
 
     def train_step(self, loader, sums: MetricSums):
         """One optimizer step over grad_accum micro-batches: forward -> loss -> backward -> step -> metrics."""
@@ -318,6 +381,9 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
             "global_batch": self.global_batch,
             "world_size": self.env.world_size,
+            "micro_batch_size": self.cfg.train.micro_batch_size,
+            "grad_accum": self.cfg.train.grad_accum,
+            "requested_batch": list(self.requested_batch),
             "bad_steps_total": self.bad_steps_total,
             "seed": self.cfg.seed,
             "sample_stream": getattr(self.train_set, "sample_stream", None),
@@ -339,6 +405,7 @@ class Trainer:
         return bool(flags[0])
 
     def close(self) -> None:
+        self.peers.stop()
         self.writer.close()
         self._release_lock()
 
@@ -372,19 +439,86 @@ def _stage_parts(cfg: RunConfig):
     return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
 
 
+def resume_batch_split(*, tag_dir: Path, global_batch: int, saved: tuple[int, int, int],
+                       requested: tuple[int, int], config: tuple[int, int], world: int) -> tuple[int, int, str | None]:
+    """(micro_batch_size, grad_accum, a line to print or None) that continue a checkpoint's global batch of
+    ``global_batch`` sequences per step on ``world`` ranks; ValueError (listing the splits that work) when none
+    is allowed.
+
+    ``saved`` = (ranks, micro_batch_size, grad_accum) the checkpoint ran with, ``requested`` = the config values its
+    run was launched with (before any adjustment), ``config`` = this launch's. The config's values are kept when
+    they give the global batch. When they are the launch values but do not fit (the rank count changed), the split
+    is chosen: first the one that keeps every micro-step's sequences (micro_batch_size x ranks) and grad_accum,
+    so each micro-step is the same batch as before and the loss continues exactly; else the config's
+    micro_batch_size with another grad_accum. A changed value that does not fit is an error, not overridden.
+    """
+    old_world, old_micro, old_accum = saved
+    micro, accum = config
+    step_batch = old_micro * old_world  # sequences per micro-step, over all ranks
+    was = (f"checkpoint {tag_dir} was trained with a global batch of {global_batch} sequences (micro_batch_size "
+           f"{old_micro} x grad_accum {old_accum} x {_ranks(old_world)})")
+    if global_batch % world:
+        fits = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
+        raise ValueError(f"{was}; {_ranks(world)} cannot split it evenly. Resume on a rank count that divides "
+                         f"{global_batch} ({', '.join(map(str, fits))}), or start a new run_dir with "
+                         f"checkpoint.init_from={tag_dir} (weights only) to train with another global batch.")
+    per_rank = global_batch // world
+    more = "more" if micro * world > step_batch else "fewer"
+    changed_split = (f"; each micro-step now has {micro * world} sequences, not {step_batch}: contrastive terms get "
+                     f"{more} in-batch negatives (their loss moves to another level) and every term is normalised "
+                     f"per micro-step, so training goes on, not identical with a run that kept the split")
+    if micro * accum == per_rank:
+        if micro * world == step_batch:
+            return micro, accum, None
+        return micro, accum, (f"resuming a {old_world}-rank checkpoint on {_ranks(world)} with micro_batch_size "
+                              f"{micro} x grad_accum {accum}" + changed_split)
+    fits = [f"{m} x {per_rank // m}" for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    hint = (f"On {_ranks(world)}, train.micro_batch_size x train.grad_accum must be {per_rank}: "
+            f"{', '.join(fits[:12])}{' ...' if len(fits) > 12 else ''}")
+    if (micro, accum) != tuple(requested):
+        raise ValueError(f"{was}; this run's train.micro_batch_size={micro} x train.grad_accum={accum} x "
+                         f"{_ranks(world)} gives {micro * accum * world}. Resuming keeps the global batch. {hint}, "
+                         f"or leave both at the values the run was launched with ({requested[0]} and "
+                         f"{requested[1]}) to have them chosen.")
+    head = f"resuming a {old_world}-rank checkpoint on {_ranks(world)}:"
+    if step_batch % world == 0:  # then micro_batch_size step_batch / world with the old grad_accum fits
+        new_micro = step_batch // world
+        note = (f"{head} train.micro_batch_size {micro} -> {new_micro} (grad_accum {old_accum}) keeps every "
+                f"micro-step's {step_batch} sequences and the global batch {global_batch}: the same batches as before")
+        if new_micro > micro and per_rank % micro == 0:
+            note += (f". That is {new_micro / micro:g}x the activations per rank; if it does not fit, relaunch with "
+                     f"train.grad_accum={per_rank // micro} (the losses then differ slightly: each micro-step has "
+                     f"{micro * world} sequences)")
+        return new_micro, old_accum, note
+    if per_rank % micro == 0:
+        new_accum = per_rank // micro
+        return micro, new_accum, (f"{head} train.grad_accum {accum} -> {new_accum} keeps the global batch "
+                                  f"{global_batch}" + changed_split)
+    raise ValueError(f"{was}; no split with this run's micro_batch_size {micro} keeps it on {_ranks(world)}. {hint}.")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _saved_config(tag_dir: Path) -> dict:
+    """The checkpoint's resolved config.yaml as a dict ({} when it has none or it is unreadable)."""
+    import yaml
+
+    try:
+        return yaml.safe_load((tag_dir / "config.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
 def _changed_architecture(tag_dir: Path, cfg: RunConfig, tokenizer_sha256: str) -> list[str]:
     """``key: A in the checkpoint, B now`` for every model.* setting and the tokenizer that differ between the
     checkpoint's config.yaml (+ its tokenizer copy) and this run. Settings safe to change on resume (steps,
     logging, evaluation and checkpoint cadence, LR schedule, data workers) are not compared."""
-    import yaml
-
     from pretrain.config.loader import to_dict
     from pretrain.data.indexed import file_sha256
 
-    try:
-        old = yaml.safe_load((tag_dir / "config.yaml").read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError):
-        return []  # an old checkpoint without config: the shape check at load time still applies
+    old = _saved_config(tag_dir)  # {} for an old checkpoint without config: the shape check at load time applies
     now_model, old_model = to_dict(cfg.model), old.get("model") or {}
     changed = [f"model.{k}: {old_model[k]!r} in the checkpoint, {now_model[k]!r} now"
                for k in sorted(now_model) if k in old_model and old_model[k] != now_model[k]]
@@ -393,6 +527,13 @@ def _changed_architecture(tag_dir: Path, cfg: RunConfig, tokenizer_sha256: str) 
         changed.append(f"data.tokenizer: {cfg.data.tokenizer} is not the tokenizer the checkpoint was trained "
                        f"with (its copy: {tok})")
     return changed
+
+
+def _last_good_checkpoint(run_dir: Path) -> str:
+    """For the lost-node message: the checkpoint a resume would start from."""
+    ckpt_dir = store.checkpoints_dir(run_dir)
+    tag = store.find_resumable(ckpt_dir, say=lambda _: None)
+    return f"The last good checkpoint is {ckpt_dir / tag}" if tag else f"There is no checkpoint in {ckpt_dir} yet"
 
 
 def _lock_run_dir(run_dir: Path, env) -> RunLock | None:
@@ -452,6 +593,14 @@ def _all_finite(loss: torch.Tensor, env) -> bool:
     if env.is_distributed:
         ok = all_reduce_host(ok, torch.distributed.ReduceOp.MIN)
     return bool(ok.item())
+
+
+def _init_from_model_config(cfg: RunConfig):
+    """cfg.model, with the sizes, vocabulary and pooling of checkpoint.init_from where the config does not set
+    them (a setting that contradicts the checkpoint is a ValueError naming both)."""
+    from pretrain.checkpoint.resolve import run_model_config
+
+    return run_model_config(cfg)
 
 
 def _load_init_weights(model: torch.nn.Module, path: str, *, trust: bool = False) -> None:

@@ -1,12 +1,17 @@
 """HF conversion: key table both ways, all-MiniLM-L6-v2 import vs transformers, export loadable by
-transformers/sentence-transformers, export -> import -> export identical, the pretrain-convert CLI."""
+transformers/sentence-transformers (quietly, same outputs), sentence-transformers modules both ways,
+export -> import -> export identical, file modes, the pretrain-convert CLI. (The all-MiniLM-L6-v2 round trip
+with STS-B under sentence-transformers' evaluator: tests/integration/test_st_roundtrip.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
+import logging
 import os
+import re
+import shutil
+import stat
 import warnings
 from pathlib import Path
 
@@ -148,6 +153,8 @@ def test_minilm_import_matches_transformers_and_sentence_transformers(tmp_path, 
     assert any("MLM head" in str(w.message) for w in caught)  # BertModel weights: fresh head, warned
     model.eval()
     assert model.cfg.hidden_size == 384 and model.cfg.num_layers == 6 and model.pooler is not None
+    # modules.json: Transformer -> Pooling(mean) -> Normalize, taken over as our settings
+    assert (model.cfg.pooling, model.cfg.normalize, model.cfg.dense_dim) == ("mean", True, 0)
 
     ref_tok = transformers.AutoTokenizer.from_pretrained(str(d))
     rows, ids_BT, mask_BT = _ids_batch(tokenizer, SENTENCES)
@@ -157,8 +164,8 @@ def test_minilm_import_matches_transformers_and_sentence_transformers(tmp_path, 
     with torch.no_grad():
         h_BTD = model.encode(ids_BT, mask_BT)
         out = ref(input_ids=ids_BT, attention_mask=mask_BT)
-        e_mean = model.pool(h_BTD, mask_BT, "mean")
-        e_cls = model.pool(h_BTD, mask_BT, "cls")
+        e_mean = model.pool(h_BTD, mask_BT)  # the model's own sentence embedding: mean, then L2 normalisation
+        e_cls = model.pooler(h_BTD[:, 0])
     keep = mask_BT.bool()
     assert (h_BTD - out.last_hidden_state)[keep].abs().max() < 1e-5
     assert (e_cls - out.pooler_output).abs().max() < 1e-5
@@ -174,7 +181,7 @@ def test_minilm_import_matches_transformers_and_sentence_transformers(tmp_path, 
     st_mod = pytest.importorskip("sentence_transformers")
     st = st_mod.SentenceTransformer(str(d), device="cpu")
     st_e = st.encode(SENTENCES, convert_to_tensor=True)  # mean pooling + Normalize
-    assert (torch.nn.functional.normalize(e_mean, dim=-1) - st_e).abs().max() < 1e-5
+    assert (e_mean - st_e).abs().max() < 1e-5
 
 
 def test_from_hf_cli_writes_init_dir(tmp_path):
@@ -187,7 +194,10 @@ def test_from_hf_cli_writes_init_dir(tmp_path):
 
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["data"]["tokenizer"] == "tokenizer.json"  # relative: the directory may move
+    assert config["data"]["max_len"] == 256  # sentence-transformers' max_seq_length
     assert config["model"]["hidden_size"] == 384 and config["model"]["vocab_size"] == 30522
+    assert (config["model"]["pooling"], config["model"]["normalize"]) == ("mean", True)
+    assert "projection_layers" not in config["model"]  # not stated by the source: the run's config decides
     tok = json.loads((out / "tokenizer.json").read_text())
     assert tok["padding"] is None and tok["truncation"] is None
     state = hfmod.load_init_weights(str(out))
@@ -196,7 +206,8 @@ def test_from_hf_cli_writes_init_dir(tmp_path):
     assert state["mlm_head.decoder.weight"] is state["encoder.embeddings.word.weight"]
     with torch.device("meta"):  # key set and shapes only; no weights allocated
         expected = PretrainModel(ModelConfig(**config["model"])).state_dict()
-    assert set(state) == set(expected)  # strict load works (tied alias included)
+    # every weight the source has; the heads it never had (MLM head, projection) are not written as fresh ones
+    assert set(state) == {k for k in expected if not k.startswith(("mlm_head.", "projection."))} | set(TIED_KEYS)
     assert all(state[k].shape == expected[k].shape for k in state)
     assert convert_main(["from-hf", str(d), str(out)]) == 2  # exists -> clear error, untouched
 
@@ -219,8 +230,47 @@ def exported(tmp_path_factory):
     return model, tok_path, out
 
 
-def test_export_loads_in_transformers(exported):
+LOAD_COMPLAINTS = re.compile(r"unexpected|missing|newly initiali[sz]ed|not used|not initiali[sz]ed", re.I)
+
+
+def _quietly(load, capfd):
+    """(what ``load()`` returns, every warning, log record (any logger, WARNING and up) and stderr line it made)."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    keep = Keep(level=logging.WARNING)
+    loggers = [logging.getLogger(name) for name in ("", "transformers", "sentence_transformers")]
+    for lg in loggers:
+        lg.addHandler(keep)
+    capfd.readouterr()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = load()
+    finally:
+        for lg in loggers:
+            lg.removeHandler(keep)
+    err = capfd.readouterr()
+    return result, "\n".join(records + [str(w.message) for w in caught] + [err.err, err.out])
+
+
+def _batch_for(tok_path, sentences):
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(tok_path))
+    stub = type("T", (), {"cls_id": 2, "sep_id": 3, "pad_id": 0,
+                          "encode": staticmethod(lambda s: raw.encode(s, add_special_tokens=False).ids)})  # fmt: skip
+    return _ids_batch(stub, sentences)
+
+
+def test_export_loads_quietly_in_transformers_and_sentence_transformers(exported, capfd):
+    """AutoModel, AutoModelForMaskedLM (mlm/) and SentenceTransformer load the export without a word about
+    unexpected or missing keys, and compute what our model computes (to 1e-5)."""
     transformers = pytest.importorskip("transformers")
+    st_mod = pytest.importorskip("sentence_transformers")
     model, tok_path, out = exported
     assert not any(p.name.startswith(".") for p in out.parent.iterdir())  # no temp dirs left behind
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
@@ -232,8 +282,19 @@ def test_export_loads_in_transformers(exported):
         ids = [2, *raw.encode(s, add_special_tokens=False).ids, 3]
         assert enc["input_ids"][i, : len(ids)].tolist() == ids
     assert (tok.pad_token_id, tok.mask_token_id, tok.cls_token_id) == (0, 4, 2)
-    base = transformers.AutoModel.from_pretrained(str(out)).eval()
-    mlm = transformers.AutoModelForMaskedLM.from_pretrained(str(out)).eval()
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertModel"]
+
+    base, said = _quietly(lambda: transformers.AutoModel.from_pretrained(str(out)), capfd)
+    assert not LOAD_COMPLAINTS.search(said), said
+    mlm, said = _quietly(lambda: transformers.AutoModelForMaskedLM.from_pretrained(str(out), subfolder="mlm"), capfd)
+    assert not LOAD_COMPLAINTS.search(said), said
+    st, said = _quietly(lambda: st_mod.SentenceTransformer(str(out), device="cpu"), capfd)
+    assert not LOAD_COMPLAINTS.search(said), said
+    # the capture does see a load report: the root directory is no BertForMaskedLM (its MLM head is in mlm/)
+    _, said = _quietly(lambda: transformers.AutoModelForMaskedLM.from_pretrained(str(out)), capfd)
+    assert LOAD_COMPLAINTS.search(said), said
+
+    base.eval(), mlm.eval()
     ids_BT, mask_BT = enc["input_ids"], enc["attention_mask"]
     labels_BT = torch.where(mask_BT.bool(), ids_BT, torch.full_like(ids_BT, -100))
     with torch.no_grad():
@@ -245,6 +306,10 @@ def test_export_loads_in_transformers(exported):
     assert (h_BTD - out_base.last_hidden_state)[keep].abs().max() < 1e-5
     assert (model.pool(h_BTD, mask_BT, "cls") - out_base.pooler_output).abs().max() < 1e-5
     assert (logits_MV - out_mlm.logits[keep]).abs().max() < 1e-5
+    _, ids_BT, mask_BT = _batch_for(tok_path, SENTENCES)
+    with torch.no_grad():
+        e_BD = model.pool(model.encode(ids_BT, mask_BT), mask_BT)
+    assert (st.encode(SENTENCES, convert_to_tensor=True) - e_BD).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean", "cls_before_pooler", "first_last_avg"])
@@ -256,12 +321,7 @@ def test_sentence_transformers_reproduces_our_pooling(exported, tmp_path, poolin
         hfmod.export_hf(model, str(tok_path), str(out), pooling=pooling)
     st = st_mod.SentenceTransformer(str(out), device="cpu")
     st_e = st.encode(SENTENCES, convert_to_tensor=True)
-    from tokenizers import Tokenizer
-
-    raw = Tokenizer.from_file(str(tok_path))
-    stub = type("T", (), {"cls_id": 2, "sep_id": 3, "pad_id": 0,
-                          "encode": staticmethod(lambda s: raw.encode(s, add_special_tokens=False).ids)})  # fmt: skip
-    _, ids_BT, mask_BT = _ids_batch(stub, SENTENCES)
+    _, ids_BT, mask_BT = _batch_for(tok_path, SENTENCES)
     with torch.no_grad():
         layers = model.encode(ids_BT, mask_BT, all_layers=True)
         e_BD = model.pool(layers[-1], mask_BT, pooling, all_layers=layers)
@@ -278,13 +338,14 @@ def test_export_import_export_is_identical(exported, tmp_path):
     assert list(ours) == list(back) and all(torch.equal(ours[k], back[k]) for k in ours)
     out2 = tmp_path / "hf2"
     hfmod.export_hf(again, str(tok_path), str(out2), pooling="cls")
-    for name in ("model.safetensors", hfmod.PROJECTION_FILE, "2_Dense/model.safetensors"):
+    for name in ("model.safetensors", "mlm/model.safetensors", hfmod.PROJECTION_FILE, "2_Dense/model.safetensors"):
         a, b = load_file(str(out / name)), load_file(str(out2 / name))
         assert a.keys() == b.keys()
         for k in a:
             assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
             assert a[k].numpy().tobytes() == b[k].numpy().tobytes(), k
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "modules.json", "1_Pooling/config.json"):
+    for name in ("config.json", "mlm/config.json", "tokenizer.json", "tokenizer_config.json", "modules.json",
+                 "1_Pooling/config.json", "2_Dense/config.json"):
         assert (out / name).read_bytes() == (out2 / name).read_bytes(), name
 
 
@@ -321,3 +382,151 @@ def test_export_refuses_what_bert_cannot_hold(exported, tmp_path):
     with pytest.raises(ValueError, match="model_type"):
         hfmod.model_config_from_hf_config({"model_type": "roberta"})
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+# ----------------------------------------------------------------------------- sentence-transformers modules
+
+ST_VARIANTS = {  # model settings -> the module chain the export must have
+    "mean_normalize": ({"pooling": "mean", "normalize": True}, ["Transformer", "Pooling", "Normalize"]),
+    "cls_with_pooler": ({"pooling": "cls"}, ["Transformer", "Pooling", "Dense"]),
+    "cls_without_pooler": ({"pooling": "cls", "pooler": False}, ["Transformer", "Pooling"]),
+    "cls_before_pooler": ({"pooling": "cls_before_pooler"}, ["Transformer", "Pooling"]),
+    "first_last_avg": ({"pooling": "first_last_avg"}, ["Transformer", "WeightedLayerPooling", "Pooling"]),
+    "mean_dense_normalize": ({"pooling": "mean", "dense_dim": 16, "dense_activation": "identity", "normalize": True},
+                             ["Transformer", "Pooling", "Dense", "Normalize"]),
+    "cls_pooler_dense": ({"pooling": "cls", "dense_dim": 8, "dense_bias": False},
+                         ["Transformer", "Pooling", "Dense", "Dense"]),
+}
+
+
+@pytest.mark.parametrize("variant", list(ST_VARIANTS))
+def test_sentence_embedding_settings_survive_export_and_import(exported, tmp_path, variant, capfd):
+    """The model's own sentence embedding (pooling, pooler or not, Dense, Normalize) is what SentenceTransformer
+    computes from the export, and importing the export gives back the same settings and weights."""
+    st_mod = pytest.importorskip("sentence_transformers")
+    transformers = pytest.importorskip("transformers")
+    base, tok_path, _ = exported
+    changes, chain = ST_VARIANTS[variant]
+    model = build_model(dataclasses.replace(base.cfg, **changes), seed=5).eval()
+    out = tmp_path / "hf"
+    assert hfmod.export_hf(model, str(tok_path), str(out)) == chain  # default pooling: the model's own
+    assert [m["type"].rsplit(".", 1)[-1] for m in json.loads((out / "modules.json").read_text())] == chain
+
+    st, said = _quietly(lambda: st_mod.SentenceTransformer(str(out), device="cpu"), capfd)
+    assert not LOAD_COMPLAINTS.search(said), said
+    _, said = _quietly(lambda: transformers.AutoModel.from_pretrained(str(out)), capfd)  # pooler or not: quiet
+    assert not LOAD_COMPLAINTS.search(said), said
+    _, ids_BT, mask_BT = _batch_for(tok_path, SENTENCES)
+    with torch.no_grad():
+        layers = model.encode(ids_BT, mask_BT, all_layers=True)
+        e_BD = model.pool(layers[-1], mask_BT, all_layers=layers)
+    assert e_BD.shape[1] == model.cfg.sentence_dim
+    assert (st.encode(SENTENCES, convert_to_tensor=True) - e_BD).abs().max() < 1e-5
+
+    w = resolve.open_weights(out)
+    assert w.model_cfg == model.cfg
+    again = w.build_model()
+    ours, back = model.state_dict(), again.state_dict()
+    assert set(ours) == set(back) and all(torch.equal(ours[k], back[k]) for k in ours)
+
+
+def _set_json(path: Path, **changes) -> None:
+    d = json.loads(path.read_text())
+    d.update(changes)
+    path.write_text(json.dumps(d))
+
+
+def test_sentence_transformers_6_format_and_unsupported_modules(exported, tmp_path):
+    """sentence-transformers 6 writes `pooling_mode` and new module paths: read the same. Modules pretrain has no
+    counterpart for are refused, naming them."""
+    model, tok_path, _ = exported
+    mean = build_model(dataclasses.replace(model.cfg, pooling="mean", normalize=True), seed=5)
+    out = tmp_path / "st6"
+    hfmod.export_hf(mean, str(tok_path), str(out))
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"embedding_dimension": 32, "pooling_mode": "mean", "include_prompt": True}))
+    modules = json.loads((out / "modules.json").read_text())
+    modules[0]["type"] = "sentence_transformers.base.modules.transformer.Transformer"
+    modules[1]["type"] = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
+    modules[2]["type"] = "sentence_transformers.base.modules.normalize.Normalize"
+    (out / "modules.json").write_text(json.dumps(modules))
+    cfg = resolve.open_weights(out).model_cfg
+    assert (cfg.pooling, cfg.normalize) == ("mean", True)
+
+    _set_json(out / "1_Pooling" / "config.json", pooling_mode="max")
+    with pytest.raises(ValueError, match="pooling mode max has no counterpart"):
+        resolve.open_weights(out)
+    _set_json(out / "1_Pooling" / "config.json", pooling_mode=["mean", "cls"])
+    with pytest.raises(ValueError, match="mean\\+cls"):
+        resolve.open_weights(out)
+    _set_json(out / "1_Pooling" / "config.json", pooling_mode="mean")
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
+    modules[3]["idx"] = 3
+    (out / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="LayerNorm"):
+        resolve.open_weights(out)
+
+
+def test_plain_transformers_bert_imports_with_the_documented_default(exported, tmp_path):
+    """No sentence-transformers files and no "pretrain" block (a plain BERT): ModelConfig's defaults, i.e.
+    pooling=cls through BERT's pooler, nothing after it; pooling is not stated, so a run's config decides it."""
+    model, tok_path, _ = exported
+    out = tmp_path / "plain"
+    hfmod.export_hf(build_model(dataclasses.replace(model.cfg, pooling="mean", normalize=True), seed=5),
+                    str(tok_path), str(out))
+    for name in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
+        (out / name).unlink()
+    shutil.rmtree(out / "1_Pooling")
+    config = json.loads((out / "config.json").read_text())
+    del config["pretrain"]
+    (out / "config.json").write_text(json.dumps(config))
+    w = resolve.open_weights(out)
+    assert w.kind == "hf"
+    assert (w.model_cfg.pooling, w.model_cfg.pooler, w.model_cfg.normalize, w.model_cfg.dense_dim) == \
+        ("cls", True, False, 0)
+    assert "pooling" not in w.recorded and {"hidden_size", "vocab_size", "pooler"} <= w.recorded
+
+
+# ----------------------------------------------------------------------------- file modes, the hf extra
+
+
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_artifacts_get_the_users_file_mode(exported, tmp_path, umask):
+    """Exports, init directories, trained tokenizers and checkpoint weights follow the umask (no 0600 files
+    from safetensors' or mkstemp's temporary files, no 0700 directories from mkdtemp)."""
+    from pretrain.checkpoint.files import save_safetensors
+    from pretrain.data.tokenizer import train_tokenizer
+
+    model, tok_path, _ = exported
+    old = os.umask(umask)
+    try:
+        hfmod.export_hf(model, str(tok_path), str(tmp_path / "hf"))
+        hfmod.write_init_dir(model, str(tok_path), str(tmp_path / "init"))
+        (tmp_path / "corpus.txt").write_text("\n\n".join(f"Some words in line {i} of a corpus." for i in range(50)))
+        (tmp_path / "tok").mkdir()
+        train_tokenizer([str(tmp_path / "corpus.txt")], str(tmp_path / "tok" / "tokenizer.json"), vocab_size=100,
+                        min_frequency=1)
+        save_safetensors({"w": torch.zeros(2)}, tmp_path / "ckpt.safetensors")  # what checkpoints write through
+    finally:
+        os.umask(old)
+    file_mode, dir_mode = 0o666 & ~umask, 0o777 & ~umask
+    for root in ("hf", "init", "tok"):
+        for name, mode in _modes(tmp_path / root).items():
+            is_dir = (tmp_path / root / name).is_dir()
+            assert mode == (dir_mode if is_dir else file_mode), (root, name, oct(mode))
+    assert stat.S_IMODE((tmp_path / "ckpt.safetensors").stat().st_mode) == file_mode
+    assert {"model.safetensors", "mlm/model.safetensors", "tokenizer.json"} <= set(_modes(tmp_path / "hf"))
+
+
+def test_hf_extra_and_setup_install_what_loading_an_export_needs(repo_root):
+    import tomllib
+
+    project = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ \[]", req, maxsplit=1)[0].lower() for req in project["optional-dependencies"]["hf"]}
+    assert {"transformers", "sentence-transformers"} <= names
+    setup = (repo_root / "tools" / "setup.sh").read_text()
+    assert 'extras="hf"' in setup and 'pip install -q -e ".[${extras}]"' in setup

@@ -34,3 +34,69 @@ def test_console_line_shows_every_objective_figure_and_the_time_left():
                     "grad_norm 1.5 | samples_per_s 1,234 | tokens_per_s 45,679 | data_wait 3.4% | eta 1h02m")
     assert "loss_scale 512" in format_progress(1, 2, {**scalars, "loss_scale": 512.0, "bad_steps": 1})
     assert (format_duration(95), format_duration(4), format_duration(-3)) == ("1m35s", "4s", "0s")
+
+
+def test_chance_losses_and_the_collapse_warning():
+    """NT-Xent's chance loss is ln(2m - 1) over the gathered batch, InfoNCE's ln(m); the warning comes once, after
+    COLLAPSE_PATIENCE steps at chance, and a step away from chance restarts the count."""
+    import math
+
+    from pretrain.config import load_run_config
+    from pretrain.training.progress import CollapseWatch, chance_losses
+
+    cfg = load_run_config(None, ["train.micro_batch_size=32", "model.pooling=cls"])
+    assert chance_losses(cfg, 2) == {"nt_xent": math.log(127)}
+    assert chance_losses(load_run_config(None, ["train.micro_batch_size=32", "objective.nt_xent.gather=false"]),
+                         2) == {"nt_xent": math.log(63)}
+    sent = load_run_config(None, ["train.micro_batch_size=8", "objective.nt_xent=null", "objective.mlm=null",
+                                  "objective.info_nce={}"])
+    assert chance_losses(sent, 4) == {"info_nce": math.log(32)}
+    watch = CollapseWatch(cfg, 2, patience=200)
+    at_chance = {"nt_xent": math.log(127) * 1.01, "cl_emb_cos": 0.9999}
+    assert watch.update(10, at_chance) == [] and watch.update(150, at_chance) == []
+    assert watch.update(160, {"nt_xent": 2.0}) == []  # escaped: the count restarts
+    assert watch.update(170, at_chance) == [] and watch.update(360, at_chance) == []
+    warned = watch.update(370, at_chance)
+    assert len(warned) == 1 and "since step 170 (200 steps)" in warned[0] and "0.9999" in warned[0]
+    assert "model.pooling=mean" in warned[0] and "[CLS]" in warned[0]
+    assert watch.update(380, at_chance) == []  # once
+
+
+def test_resume_schedule_change_names_both_learning_rates():
+    from pretrain.config import load_run_config, to_dict
+    from pretrain.training.optim import lr_lambda
+    from pretrain.training.progress import schedule_change
+
+    old = load_run_config(None, ["train.max_steps=40", "optim.warmup_steps=10", "optim.lr=1e-3"])
+    new = load_run_config(None, ["train.max_steps=80", "optim.warmup_steps=10", "optim.lr=1e-3"])
+    assert schedule_change(to_dict(old), old, 40) is None
+    note = schedule_change(to_dict(old), new, 40)
+    want_old = 1e-3 * lr_lambda(old.optim, 40)(40)
+    want_new = 1e-3 * lr_lambda(new.optim, 80)(40)
+    assert "train.max_steps 40 -> 80" in note and f"was {want_old:.3g}" in note and f"is {want_new:.3g} now" in note
+
+
+def test_a_run_prints_banner_first_step_eta_and_summary(tmp_path, tiny_overrides, clean_env, capsys):
+    """The console of a real tiny run: the banner, a line at step 1 with the time left, the end summary; a resume
+    with more steps says how the LR schedule changes."""
+    from pretrain.train import main
+
+    run = tmp_path / "run"
+    assert main([*tiny_overrides(run), "train.max_steps=3", "train.log_every=10", "optim.warmup_steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters (encoder.embeddings" in out and "memory per rank" in out
+    first = [ln for ln in out.splitlines() if ln.startswith("step 1/3")]
+    assert first and "| eta " in first[0]
+    assert "done: step 3/3 (3 in this launch" in out and "held-out at the end: " in out
+    assert f"artifacts in {run}" in out and "model.safetensors" in out
+    import os
+    import sys
+
+    # What the clean_env fixture does after a run, so that a second in-process run starts afresh: DeepSpeed
+    # exported the launcher variables and cached sub-groups of the old process group.
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    sys.modules["deepspeed.utils.groups"]._release_process_group_references(None)
+    assert main([*tiny_overrides(run), "train.max_steps=5", "train.log_every=10", "optim.warmup_steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming at step 3 with train.max_steps 3 -> 5" in out and "step 4/5" in out

@@ -1,0 +1,48 @@
+"""Artifact files with the user's normal permissions.
+
+Two writers give private modes behind our back: ``safetensors.torch.save_file`` writes a temporary file
+(mode 0600) and renames it into place, and ``tempfile.mkdtemp``/``mkstemp`` create 0700/0600 entries. A
+model.safetensors or a published directory must be readable as any other file the user writes (umask), so
+every such write goes through here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux: /proc/self/status)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: the only portable way to read it is to set it and put it back
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode ``open(path, "w")`` would give a new file (0644 under the usual umask 022)."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """The mode ``mkdir`` would give a new directory (0755 under umask 022)."""
+    return 0o777 & ~current_umask()
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file`` with the file left at the user's normal mode, not 0600."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, file_mode())
+
+
+def publish_dir(tmp_dir: str | os.PathLike) -> None:
+    """Give a ``tempfile.mkdtemp`` directory (0700) the normal directory mode before it is renamed into place."""
+    os.chmod(tmp_dir, dir_mode())

@@ -1,0 +1,173 @@
+"""The model card (README.md) ``pretrain-convert to-hf`` writes into an export.
+
+What was trained (architecture, sentence embedding), on what data, with which objective terms and for how
+many steps (from the checkpoint's config.yaml and trainer_state.json, or a run's best/ with best.json); the
+evaluations found in the run directory (``pretrain-eval --out`` -> eval.md, ``pretrain-finetune-glue`` ->
+results.md) copied in as they are; and how to load the export with transformers and sentence-transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+EVAL_FILES = {"eval.md": "STS and sentence-embedding evaluation (`pretrain-eval`)",
+              "results.md": "GLUE fine-tuning (`pretrain-finetune-glue`)"}
+
+
+def run_record(w) -> dict:
+    """{"run_dir", "step", "config" (the full run config when known), "what"} of the weights behind an export
+    (Weights of ours): a checkpoint's run, a run's best/ (best.json + run_config.yaml), or nothing known."""
+    from pretrain.checkpoint import store
+
+    info: dict = {"run_dir": None, "step": None, "config": w.run_config, "what": None}
+    if w.kind == "checkpoint":
+        tag = store.resolve_tag_dir(w.path)
+        state = json.loads((tag / store.STATE_FILE).read_text(encoding="utf-8"))
+        info.update(run_dir=tag.parent.parent, step=state.get("step"), state=state,
+                    what=f"checkpoint `{tag.name}`")
+    elif (w.path / "best.json").is_file():  # a run's best/ (kept by eval.stsb_every)
+        import yaml
+
+        best = json.loads((w.path / "best.json").read_text(encoding="utf-8"))
+        full = w.path / "run_config.yaml"
+        if full.is_file():
+            info["config"] = yaml.safe_load(full.read_text(encoding="utf-8")) or w.run_config
+        info.update(run_dir=w.path.parent, step=best.get("step"),
+                    what=f"the best STS-B dev weights (Spearman {best.get('stsb_dev_spearman', float('nan')):.2f} "
+                         f"at step {best.get('step')})")
+    return info
+
+
+def _objective_lines(objective: dict) -> list[str]:
+    lines = []
+    for name, term in (objective or {}).items():
+        if term is None:
+            continue
+        term = dict(term) if isinstance(term, dict) else {}
+        weight = term.pop("weight", 1.0)
+        rest = ", ".join(f"{k} {json.dumps(v)}" for k, v in term.items() if not isinstance(v, (dict, list)))
+        lines.append(f"- `{name}`, weight {weight}" + (f" ({rest})" if rest else ""))
+    return lines or ["- (none recorded)"]
+
+
+def _data_lines(data: dict) -> list[str]:
+    lines = []
+    if data.get("stage") == "sentences":
+        lines.append(f"- sentences: `{data.get('sentences')}` (sentence stage: one sentence per line)")
+    else:
+        for src in data.get("sources") or []:
+            lines.append(f"- `{src.get('name')}`: `{src.get('path')}` (weight {src.get('weight', 1.0)})")
+    if data.get("augment") and data.get("stage") != "sentences":
+        lines.append(f"- views for the contrastive terms: augmentation `{data['augment'].get('methods')}`")
+    lines.append(f"- tokenizer: `{data.get('tokenizer')}`; max length {data.get('max_len')} tokens")
+    return lines
+
+
+def _embedding_line(cfg, pooling: str) -> str:
+    how = {"cls": "the [CLS] token" + (" through BERT's pooler (dense + tanh)" if cfg.pooler else ""),
+           "cls_before_pooler": "the [CLS] token (before BERT's pooler)",
+           "mean": "the mean of the token states (padding excluded)",
+           "first_last_avg": "the mean over tokens of (first layer + last layer) / 2"}[pooling]
+    parts = [how]
+    if cfg.dense_dim:
+        parts.append(f"a Dense layer to {cfg.dense_dim} dimensions ({cfg.dense_activation})")
+    if cfg.normalize:
+        parts.append("L2 normalisation")
+    return ", then ".join(parts)
+
+
+def _evaluations(run_dir: Path | None, out_dir: Path) -> list[str]:
+    if run_dir is None or not run_dir.is_dir():
+        return []
+    found = []
+    for name, title in EVAL_FILES.items():
+        for depth in ("", "*/", "*/*/"):
+            for f in sorted(run_dir.glob(depth + name)):
+                if out_dir.resolve() in f.resolve().parents or "checkpoints" in f.parts:
+                    continue
+                found += [f"### {title}", "", f"From `{f.relative_to(run_dir)}` in the run directory:", "",
+                          f.read_text(encoding="utf-8").strip(), ""]
+    return found
+
+
+def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projection: bool) -> str:
+    """README.md text for the export of ``w`` (Weights of one of our checkpoints or init directories)."""
+    cfg = w.model_cfg
+    name = Path(out_dir).name
+    info = run_record(w)
+    config = info["config"] or {}
+    lines = ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
+             "tags: [sentence-transformers, feature-extraction, sentence-similarity, pretrain]", "---", "",
+             f"# {name}", ""]
+    num_params = sum(v.numel() for k, v in w.state.items() if not k.startswith(("projection.", "mlm_head.")))
+    lines += [f"A BERT encoder ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_heads} heads, "
+              f"feed-forward {cfg.ffn_size}, vocabulary {cfg.vocab_size}; {num_params / 1e6:.1f}M parameters "
+              f"without the heads) written by `pretrain-convert to-hf` from {info['what'] or f'`{w.path}`'}.", "",
+              f"Sentence embedding ({cfg.sentence_dim} dimensions): {_embedding_line(cfg, pooling)}.", ""]
+    lines += ["## Training", ""]
+    if config.get("objective"):
+        train = config.get("train") or {}
+        state = info.get("state") or {}
+        batch = state.get("global_batch") or (train.get("micro_batch_size", 0) * train.get("grad_accum", 1))
+        step = info["step"]
+        lines += [f"- steps: {step if step is not None else '?'} (train.max_steps {train.get('max_steps')}), "
+                  f"global batch {batch}" + (f", {state['tokens_seen']:,} tokens seen" if state.get("tokens_seen")
+                                            else ""),
+                  f"- precision {train.get('precision', '?')}; optimizer lr {(config.get('optim') or {}).get('lr')}, "
+                  f"seed {config.get('seed')}"]
+        init = (config.get("checkpoint") or {}).get("init_from")
+        lines += [f"- started from: `{init}`" if init else "- started from: random initialisation", "",
+                  "Objective terms (their sum is the loss):", "", *_objective_lines(config["objective"]), "",
+                  "Data:", "", *_data_lines(config.get("data") or {}), ""]
+    elif config.get("converted_from"):
+        lines += [f"Not trained here: converted from `{config['converted_from']}` by `pretrain-convert from-hf`; "
+                  "its own card tells how it was trained.", ""]
+    else:
+        lines += ["No training record found next to these weights.", ""]
+    evals = _evaluations(info["run_dir"], Path(out_dir))
+    lines += ["## Evaluation", "", *(evals or ["No evaluation found in the run directory (`pretrain-eval --out "
+                                               "RUN_DIR/eval` writes one; re-export to include it).", ""])]
+    lines += ["## Usage", "", "sentence-transformers (`pip install sentence-transformers`):", "", "```python",
+              "from sentence_transformers import SentenceTransformer", "",
+              f'model = SentenceTransformer("path/to/{name}")',
+              'embeddings = model.encode(["A man is playing a guitar.", "Someone plays an instrument."])',
+              "print(model.similarity(embeddings, embeddings))", "```", "",
+              "transformers (`pip install transformers`), the same embeddings:", "", "```python",
+              "import torch", "from transformers import AutoModel, AutoTokenizer", "",
+              f'tokenizer = AutoTokenizer.from_pretrained("path/to/{name}")',
+              f'model = AutoModel.from_pretrained("path/to/{name}").eval()',
+              'batch = tokenizer(["A man is playing a guitar."], padding=True, return_tensors="pt")',
+              "with torch.no_grad():", *_usage_pooling(cfg, pooling), "```", ""]
+    if mlm_head:
+        lines += ["The masked-language-model head is in `mlm/` (the encoder with BERT's MLM head):", "", "```python",
+                  "from transformers import AutoModelForMaskedLM", "",
+                  f'mlm = AutoModelForMaskedLM.from_pretrained("path/to/{name}", subfolder="mlm")', "```", ""]
+    if not cfg.pooler:
+        lines += ["This model has no BERT pooler: `pooler_output` is all zeros.", ""]
+    if projection:
+        lines += ["`pretrain_projection.safetensors` holds the contrastive projection head used in training only "
+                  "(`pretrain-convert from-hf` reads it back with the rest).", ""]
+    return "\n".join(lines)
+
+
+def _usage_pooling(cfg, pooling: str) -> list[str]:
+    """The transformers lines that compute the sentence embedding the sentence-transformers modules compute."""
+    if pooling == "first_last_avg":
+        lines = ["    out = model(**batch, output_hidden_states=True)",
+                 "h = (out.hidden_states[1] + out.hidden_states[-1]) / 2  # first and last layer"]
+    else:
+        lines = ["    out = model(**batch)", "h = out.last_hidden_state"]
+    if pooling == "cls" and cfg.pooler:
+        lines.append("embedding = out.pooler_output  # [CLS] through BERT's pooler")
+    elif pooling in ("cls", "cls_before_pooler"):
+        lines.append("embedding = h[:, 0]  # [CLS]")
+    else:
+        lines += ["mask = batch['attention_mask'].unsqueeze(-1).float()",
+                  "embedding = (h * mask).sum(1) / mask.sum(1)  # mean over tokens"]
+    if cfg.dense_dim:
+        lines.append(f"# then the Dense layer ({cfg.dense_dim} dimensions, {cfg.dense_activation}) of the Dense "
+                     "module folder named in modules.json")
+    if cfg.normalize:
+        lines.append("embedding = torch.nn.functional.normalize(embedding, dim=-1)")
+    return lines

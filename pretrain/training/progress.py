@@ -1,0 +1,140 @@
+"""What the trainer tells the user while it runs: time left, a collapsed contrastive term, a re-stretched LR
+schedule on resume, and the summary at the end. Pure functions and small trackers; the trainer prints."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from pretrain.metrics.writer import format_duration
+
+COLLAPSE_TOLERANCE = 0.02
+"""A contrastive loss within this fraction of its chance value counts as "at chance"."""
+COLLAPSE_PATIENCE = 200
+"""Steps at chance before the warning."""
+
+
+class Eta:
+    """Seconds left to ``max_steps`` at the average step time since this launch's first step."""
+
+    def __init__(self, start_step: int, max_steps: int) -> None:
+        self.start_step, self.max_steps = start_step, max_steps
+        self.t0 = time.perf_counter()
+
+    def __call__(self, step: int) -> float | None:
+        done = step - self.start_step
+        if done <= 0:
+            return None
+        return (time.perf_counter() - self.t0) / done * max(0, self.max_steps - step)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def chance_losses(cfg, world_size: int) -> dict[str, float]:
+    """The loss each contrastive term has when the embeddings carry no information (all candidates equally
+    likely): NT-Xent ln(2m - 1) over the 2m views of a micro-step's m sentences (m counts every rank when the
+    negatives are gathered), InfoNCE and ArcCon ln(m)."""
+    out = {}
+    o, n = cfg.objective, cfg.train.micro_batch_size
+    if o.nt_xent is not None:
+        m = n * (world_size if o.nt_xent.gather else 1)
+        if m > 1:
+            out["nt_xent"] = math.log(2 * m - 1)
+    for name in ("info_nce", "arccon"):
+        term = getattr(o, name)
+        if term is not None:
+            m = n * (world_size if term.gather else 1)
+            if m > 1:
+                out[name] = math.log(m)
+    return out
+
+
+class CollapseWatch:
+    """Warns once per contrastive term that has stayed within COLLAPSE_TOLERANCE of its chance loss for
+    COLLAPSE_PATIENCE steps (checked at each log step)."""
+
+    def __init__(self, cfg, world_size: int, *, patience: int = COLLAPSE_PATIENCE,
+                 tolerance: float = COLLAPSE_TOLERANCE) -> None:
+        self.chance = chance_losses(cfg, world_size)
+        self.pooling = cfg.model.pooling
+        self.patience, self.tolerance = patience, tolerance
+        self.since: dict[str, int] = {}
+        self.warned: set[str] = set()
+
+    def update(self, step: int, scalars: dict[str, float]) -> list[str]:
+        out = []
+        for name, chance in self.chance.items():
+            loss = scalars.get(name)
+            if loss is None or not math.isfinite(loss) or abs(loss - chance) > self.tolerance * chance:
+                self.since.pop(name, None)
+                continue
+            first = self.since.setdefault(name, step)
+            if step - first >= self.patience and name not in self.warned:
+                self.warned.add(name)
+                cos_key = "cl_emb_cos" if name == "nt_xent" else f"{name}_emb_cos"
+                cos = scalars.get(cos_key)
+                seen = f" (the embeddings' mean cosine between different sentences is {cos:.4f})" if cos is not None \
+                    else ""
+                out.append(
+                    f"warning: {name} has stayed within {self.tolerance:.0%} of its chance value {chance:.3f} since "
+                    f"step {first} ({step - first} steps){seen}: the sentence embeddings do not depend on the input "
+                    f"yet, so the contrastive gradient is near zero. With model.pooling={self.pooling}"
+                    + (" and BERT's initialisation the [CLS] output is nearly input-independent until MLM mixes "
+                       "context into it" if self.pooling.startswith("cls") else "")
+                    + ". Try model.pooling=mean, a larger model.init_std, model.norm=pre, or a longer "
+                      "optim.warmup_steps (README, 'When the contrastive loss sits at chance').")
+        return out
+
+
+def schedule_change(saved_cfg: dict, cfg, step: int) -> str | None:
+    """A line saying how the LR schedule changes when a run resumes at ``step`` with other train.max_steps or
+    optim.* schedule settings than the checkpoint's, with the lr at that step under both; None when equal."""
+    from pretrain.config import OptimConfig, from_dict
+    from pretrain.training.optim import lr_lambda
+
+    old_optim_d, old_max = saved_cfg.get("optim"), (saved_cfg.get("train") or {}).get("max_steps")
+    if not old_optim_d or old_max is None:
+        return None
+    try:
+        old_optim = from_dict(OptimConfig, old_optim_d)
+    except ValueError:
+        return None
+    keys = ("lr", "warmup_steps", "schedule", "min_lr_ratio")
+    changes = [f"train.max_steps {old_max} -> {cfg.train.max_steps}"] if old_max != cfg.train.max_steps else []
+    changes += [f"optim.{k} {getattr(old_optim, k)} -> {getattr(cfg.optim, k)}" for k in keys
+                if getattr(old_optim, k) != getattr(cfg.optim, k)]
+    if not changes:
+        return None
+    old_lr = old_optim.lr * lr_lambda(old_optim, old_max)(step)
+    new_lr = cfg.optim.lr * lr_lambda(cfg.optim, cfg.train.max_steps)(step)
+    return (f"resuming at step {step} with {', '.join(changes)}: the learning-rate schedule is recomputed for the "
+            f"new settings; the lr at step {step} was {old_lr:.3g} under the checkpoint's schedule and is "
+            f"{new_lr:.3g} now")
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def end_summary(run_dir: Path, *, step: int, max_steps: int, start_step: int, wall_s: float, tokens_seen: int,
+                last_valid: dict, best_stsb: float | None, checkpoint: str | None) -> list[str]:
+    """The lines printed when a run finishes: steps, tokens, wall time, final held-out figures, artifacts and
+    what to run next."""
+    lines = [f"done: step {step}/{max_steps} ({step - start_step} in this launch, {format_duration(wall_s)}); "
+             f"{_count(tokens_seen)} tokens seen"]
+    if last_valid:
+        lines.append("held-out at the end: " + " | ".join(f"{k} {v:.4g}" for k, v in last_valid.items()))
+    if best_stsb is not None and math.isfinite(best_stsb):
+        lines.append(f"best STS-B dev: {best_stsb:.2f} (weights in {run_dir / 'best'})")
+    arts = ["config.yaml", "metrics.jsonl", "tb/ (tensorboard --logdir " + str(run_dir / "tb") + ")"]
+    if checkpoint:
+        arts.insert(0, f"{checkpoint} (model.safetensors)")
+    lines.append(f"artifacts in {run_dir}: " + ", ".join(arts))
+    lines.append(f"next: pretrain-report {run_dir} --out {run_dir / 'report'} | pretrain-convert to-hf {run_dir} "
+                 f"{run_dir / 'hf'} | pretrain-eval --model {run_dir} --out {run_dir / 'eval'}")
+    return lines
