@@ -7,8 +7,9 @@ multi-node job adds to its node's counter in the job's rendezvous store every ``
 counters back: a node whose counter has not moved for ``timeout_s`` is lost, and every surviving rank exits with
 NODE_LOST_EXIT_CODE (the lowest surviving node's local rank 0 first says which node it was and what to resume
 from). Counters, not clocks: nodes need not agree on the time, and a rank that was merely paused sees its peers'
-counters moved, not stale. A node whose ranks finished add LEFT and are no longer watched. If the store itself
-(hosted on the head node) stops answering for ``timeout_s``, the head node is taken as lost.
+counters moved, not stale. A rank that finishes cleanly adds LEFT to its node's counter, and that node is no
+longer watched. If the store itself (hosted on the head node) stops answering for ``timeout_s``, the head node is
+taken as lost. Exercised end to end by tests/integration/test_slurm_multinode.py (a node cut off mid-run).
 """
 
 from __future__ import annotations

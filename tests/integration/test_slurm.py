@@ -26,6 +26,8 @@ PAYLOAD = REPO / "tests" / "slurm" / "payload.py"
 MAX_STEPS = 24
 STOP_AFTER = 5  # signal once this many steps are logged
 PAYLOAD_STEPS = 16
+EARLY_STEPS = 40  # long enough that a resent USR1 (every 2 s) lands before the stand-in finishes, however loaded
+SLOW_START = 3  # the "early" stand-in keeps USR1 ignored this long after it started (> the forward's latency)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 
@@ -83,7 +85,9 @@ def _submit(cluster, args: list[str], out: Path, **env) -> str:
 def _base_env() -> dict:
     import os
 
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    # The stand-in runs as a script: pretrain must import without relying on how it was installed.
+    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
 
 
 def _job(cluster, job_id: str) -> dict:
@@ -117,13 +121,6 @@ def _train_losses(run_dir: Path) -> dict[int, float]:
     return losses
 
 
-def _has_step(cluster, job_id: str) -> bool:
-    """srun has launched the job's first step (torchrun and its workers are starting)."""
-    out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True,
-                         text=True, env=cluster.env())
-    return f"{job_id}.0" in out.stdout.split()
-
-
 def _num_steps(run_dir: Path) -> int:
     try:
         return len(_train_losses(run_dir))
@@ -148,20 +145,23 @@ def jobs(cluster, tmp_path_factory):
     ids["srun"] = _submit(cluster, ["--ntasks=2", "--wrap",
                                     f"srun python {PAYLOAD} none run_dir={runs['srun']} steps=4"],
                           root / "srun.out")
-    for name in ("requeued", "early"):
-        ids[name] = _submit(
-            cluster, [str(SBATCH), str(runs[name]), "none", f"steps={PAYLOAD_STEPS}", "step_time=0.3"],
-            root / f"{name}.out", GPUS_PER_NODE="2", TRAIN_MODULE=str(PAYLOAD), USR1_RESEND="2")
+    ids["requeued"] = _submit(
+        cluster, [str(SBATCH), str(runs["requeued"]), "none", f"steps={PAYLOAD_STEPS}", "step_time=0.3"],
+        root / "requeued.out", GPUS_PER_NODE="2", TRAIN_MODULE=str(PAYLOAD), USR1_RESEND="2")
+    ids["early"] = _submit(
+        cluster, [str(SBATCH), str(runs["early"]), "none", f"steps={EARLY_STEPS}", "step_time=0.3",
+                  f"slow_start={SLOW_START}"],
+        root / "early.out", GPUS_PER_NODE="2", TRAIN_MODULE=str(PAYLOAD), USR1_RESEND="2")
     # preempted: what Slurm does N seconds before the time limit with --signal=B:USR1@N.
     # requeued: what an admin or a preempting job does (SIGTERM to every process, then requeue).
-    # early: USR1 while the workers are still starting (and ignore it): the script's resend must
-    # reach them once they listen.
+    # early: USR1 while the workers are still starting (they have started, USR1 still ignored for
+    # SLOW_START s): the script's resend must reach them once they listen.
     triggers = {"preempted": ["scancel", "--batch", "--signal=USR1", ids["preempted"]],
                 "requeued": ["scontrol", "requeue", ids["requeued"]],
                 "early": ["scancel", "--batch", "--signal=USR1", ids["early"]]}
     ready = {"preempted": lambda: _num_steps(runs["preempted"]) >= STOP_AFTER,
              "requeued": lambda: _num_steps(runs["requeued"]) >= STOP_AFTER,
-             "early": lambda: _has_step(cluster, ids["early"]) and _num_steps(runs["early"]) == 0}
+             "early": lambda: (runs["early"] / "started-rank0-try0").exists()}
     deadline = time.monotonic() + 240
     while triggers:
         for name in list(triggers):
@@ -255,8 +255,10 @@ def test_scontrol_requeue_terminates_checkpoints_and_resumes(jobs):
 def test_usr1_during_worker_startup_is_resent_until_heard(jobs):
     info, log, run = jobs["infos"]["early"], jobs["logs"]["early"], jobs["runs"]["early"]
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    workers = [json.loads((run / f"rank{r}-try0.json").read_text()) for r in (0, 1)]
+    assert all(w["usr1_ignored_at_start"] for w in workers)  # so the first USR1 went unheard
     stop = json.loads((run / "preempted-try0.json").read_text())
-    assert stop["signal"] == 10 and 1 <= stop["step"] < PAYLOAD_STEPS
-    got, want = _train_losses(run), _payload_reference(PAYLOAD_STEPS, 2)
+    assert stop["signal"] == 10 and 1 <= stop["step"] < EARLY_STEPS
+    got, want = _train_losses(run), _payload_reference(EARLY_STEPS, 2)
     assert sorted(got) == sorted(want)
     assert all(got[s] == pytest.approx(want[s], rel=1e-9) for s in want)

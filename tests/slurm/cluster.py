@@ -1,4 +1,4 @@
-"""A real one-node Slurm cluster on this host, for tests and CI.
+"""A real one-node Slurm cluster on this host, for tests and CI (several nodes: tests/slurm/netns.py).
 
     python tests/slurm/cluster.py start   [--root DIR]   # install if missing, start, wait for idle
     python tests/slurm/cluster.py status  [--root DIR]
@@ -63,14 +63,81 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node_line() -> str:
-    """This host as Slurm sees it (`slurmd -C`): NodeName, CPUs, sockets/cores/threads, memory."""
+def _node_hardware() -> dict[str, str]:
+    """This host as Slurm sees it (`slurmd -C`): CPUs, sockets/cores/threads, memory."""
     out = subprocess.run([BINARIES["slurmd"], "-C"], capture_output=True, text=True, check=True).stdout
     line = next(l for l in out.splitlines() if l.startswith("NodeName="))
     fields = dict(kv.split("=", 1) for kv in line.split())
+    del fields["NodeName"]
     # Leave memory headroom so a busy host is not drained for "low RealMemory".
     fields["RealMemory"] = str(max(int(fields.get("RealMemory", "1024")) * 9 // 10, 256))
-    return " ".join(f"{k}={v}" for k, v in fields.items()) + " NodeAddr=127.0.0.1 State=UNKNOWN"
+    return fields
+
+
+def _node_line() -> str:
+    """This host as one node: NodeName, hardware, on loopback."""
+    hw = " ".join(f"{k}={v}" for k, v in _node_hardware().items())
+    return f"NodeName={socket.gethostname()} {hw} NodeAddr=127.0.0.1 State=UNKNOWN"
+
+
+def _is_ours(binary: str, root: Path, pid: int) -> bool:
+    """PID is alive and is still `binary` started with a path under `root` (not a recycled PID)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
+    except OSError:
+        return False
+    return stat[0] != "Z" and bool(cmd) and cmd[0].decode() == binary and str(root).encode() in b" ".join(cmd)
+
+
+def _terminate(pid: int, still_ours, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after timeout_s, a PID for as long as `still_ours()` says it is ours."""
+    if not still_ours():
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and still_ours():
+        time.sleep(0.1)
+    if still_ours():
+        os.kill(pid, signal.SIGKILL)
+    try:  # reap if it is our child (same process started it)
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def wait_until(ready, timeout_s: float, proc: subprocess.Popen, root: Path) -> None:
+    """Poll `ready()` until true; ClusterError if the daemon `proc` exits or time runs out."""
+    name = Path(proc.args[0]).name
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ClusterError(f"{name} exited at start; see {root}/log/{name}.*")
+        if ready():
+            return
+        time.sleep(0.2)
+    raise ClusterError(f"{name} did not come up in {timeout_s}s; see {root}/log/")
+
+
+_COMMON_SETTINGS = """\
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2
+MpiDefault=none
+SwitchType=switch/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+ReturnToService=2
+JobRequeue=1
+KillWait=10
+MinJobAge=600
+InactiveLimit=0
+"""
+"""slurm.conf lines every test cluster shares (netns.py too): no cgroups, quick scheduling, requeue, short KillWait."""
 
 
 @dataclass(frozen=True)
@@ -125,23 +192,7 @@ SlurmctldLogFile={r}/log/slurmctld.log
 SlurmdLogFile={r}/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=2
-MpiDefault=none
-SwitchType=switch/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-ReturnToService=2
-JobRequeue=1
-KillWait=10
-MinJobAge=600
-InactiveLimit=0
-SlurmdTimeout=60
+{_COMMON_SETTINGS}SlurmdTimeout=60
 {_node_line()}
 # FORCE:4 lets up to 4 jobs share a CPU, so tests can run their jobs side by side on a small host.
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
@@ -176,14 +227,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             return {}
 
     def _is_ours(self, name: str, pid: int) -> bool:
-        """PID is alive and is still the daemon we started (not a recycled PID)."""
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return False
-        stat = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
-        return stat[0] != "Z" and bool(cmd) and cmd[0].decode() == BINARIES[name] and \
-            str(self.root).encode() in b" ".join(cmd)
+        return _is_ours(BINARIES[name], self.root, pid)
 
     def alive(self) -> dict[str, int]:
         return {n: p for n, p in self._recorded().items() if self._is_ours(n, p)}
@@ -229,15 +273,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             return True
 
     def _wait_for(self, ready, timeout_s: float, proc: subprocess.Popen) -> None:
-        name = Path(proc.args[0]).name
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise ClusterError(f"{name} exited at start; see {self.root}/log/{name}.*")
-            if ready():
-                return
-            time.sleep(0.2)
-        raise ClusterError(f"{name} did not come up in {timeout_s}s; see {self.root}/log/")
+        wait_until(ready, timeout_s, proc, self.root)
 
     def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -269,19 +305,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 
     def _stop_pids(self, pids: dict[str, int], timeout_s: float = 15.0) -> None:
         for name in reversed(DAEMONS):
-            pid = pids.get(name)
-            if pid is None or not self._is_ours(name, pid):
-                continue
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and self._is_ours(name, pid):
-                time.sleep(0.1)
-            if self._is_ours(name, pid):
-                os.kill(pid, signal.SIGKILL)
-            try:  # reap if it is our child (same process started it)
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
+            if name in pids:
+                _terminate(pids[name], lambda: self._is_ours(name, pids[name]), timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,13 @@
 """Stand-in trainer for the Slurm tests: same CLI and signal contract as `pretrain.train`.
 
-    python tests/slurm/payload.py CONFIG run_dir=DIR [steps=N] [step_time=S]
+    python tests/slurm/payload.py CONFIG run_dir=DIR [steps=N] [step_time=S] [slow_start=S]
 
 Trains a tiny linear model with all-reduced gradients (gloo), appends {"step", "loss"} per step to
 RUN_DIR/metrics.jsonl, resumes from RUN_DIR/ckpt.pt, and on SIGUSR1/SIGTERM finishes the current
 step, checkpoints and exits with code 3. Records what each rank saw in RUN_DIR/rank{r}-try{k}.json.
+slow_start=S: write RUN_DIR/started-rank{r}-try{k} first, then keep the signals as inherited (USR1
+ignored under slurm/pretrain.sbatch) for S seconds before installing the handlers, like a trainer
+still importing and opening its data.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ def main(argv: list[str]) -> int:
     usr1_ignored_at_start = signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
     kv = dict(a.split("=", 1) for a in argv[2:])  # argv[1] is the config
     run_dir, steps, step_time = Path(kv["run_dir"]), int(kv.get("steps", 20)), float(kv.get("step_time", 0.05))
+    attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    env = detect_env()
+    if "slow_start" in kv:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / f"started-rank{env.rank}-try{attempt}").touch()
+        time.sleep(float(kv["slow_start"]))
     stop = {"sig": 0}
 
     def on_signal(signum, frame):
@@ -43,10 +52,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGUSR1, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    env = detect_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     run_dir.mkdir(parents=True, exist_ok=True)
-    attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     info = {"env": env.__dict__, "usr1_ignored_at_start": usr1_ignored_at_start, "argv": argv,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "pid": os.getpid(), "ppid": os.getppid()}
     (run_dir / f"rank{env.rank}-try{attempt}.json").write_text(json.dumps(info))
@@ -85,4 +92,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    # Python resets its handlers to the default action while the interpreter shuts down, and the default
+    # action of USR1 is to die: a USR1 the batch shell resends meanwhile would turn exit 3 into "killed by
+    # signal 10". pretrain.train restores the inherited "ignore" (StopSignal.uninstall); so does the stand-in.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    sys.exit(code)

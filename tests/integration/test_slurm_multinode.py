@@ -1,0 +1,235 @@
+"""slurm/pretrain.sbatch across nodes, on a real 3-node Slurm cluster in network namespaces (tests/slurm/netns.py).
+
+Every job is `pretrain.train` with ZeRO-2 on 4 gloo ranks (tiny model, CPU), and they run side by side:
+
+- reference: `sbatch --nodes=2` with 2 workers per node (srun -> torchrun on each node, rendezvous on pt-node1), to
+  completion; its per-step losses must equal, bitwise, those of `one_node`: 1 node x 4 workers, same config
+  (gloo's all-reduce order follows the ranks, not the hosts they run on).
+- preempted: the 2-node run sent USR1 after a few steps: checkpoint -> requeue -> resume, same losses.
+- node_lost: a 2-node run on pt-node1 + pt-node3 whose pt-node3 is lost mid-run as in a crash (frozen, cable
+  pulled, then every process on it, slurmd included, SIGKILLed; Slurm itself only notices after SlurmdTimeout,
+  5 min). The job must end non-zero within 60 s with a message naming pt-node3 and the last good checkpoint.
+  resumed: resubmitted on one remaining node with 4 workers (the same rank count, so the ZeRO partitions load as
+  they are), it resumes from that checkpoint and finishes with the reference's losses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "slurm" / "pretrain.sbatch"
+MAX_STEPS = 16
+CKPT_EVERY = 4
+STOP_AFTER = 5  # USR1 / node loss once this many steps are logged
+LOST_NODE_DEADLINE_S = 60
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _load(name: str):
+    """tests/slurm/<name>.py as a module (tests/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"slurm_{name}", REPO / "tests" / "slurm" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    mod = _load("netns")
+    # A short root: slurmstepd's unix sockets live in the spool dirs (108-byte limit on their paths).
+    root = Path(tempfile.mkdtemp(prefix="pt-netns-"))
+    nc = mod.NetnsCluster(root, num_nodes=3)
+    try:
+        nc.start(timeout_s=60)
+    except (mod.SlurmUnavailable, mod.NetnsUnavailable) as e:
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(str(e))
+    try:
+        yield nc
+    finally:  # daemons, namespaces, veths and bridge go, also when a test failed; the logs are kept
+        nc.stop()
+        shutil.copytree(root / "log", tmp_path_factory.mktemp("netns-slurm-logs"), dirs_exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _prepare_data(root: Path) -> dict:
+    from pretrain.data.embedded import write_embedded_corpus
+    from pretrain.quickstart import prepare
+
+    train_txt, _ = write_embedded_corpus(root / "corpus", valid_every=10)
+    train_txt.write_text("\n".join(train_txt.read_text().splitlines()[:3000]) + "\n")
+    return prepare(root, vocab_size=1000, num_workers=1)
+
+
+def _overrides(paths: dict) -> list[str]:
+    return [
+        f"data.tokenizer={paths['tokenizer']}",
+        f"data.sources=[{{name: docs, path: {paths['train']}}}]",
+        f"data.valid=[{{name: docs, path: {paths['valid']}}}]",
+        f"train.max_steps={MAX_STEPS}", "train.micro_batch_size=8", "train.log_every=1",
+        "train.eval_every=0", "train.eval_batches=0", "data.max_len=64", "data.view_max_len=32",
+        "data.num_workers=0", f"checkpoint.every={CKPT_EVERY}", "checkpoint.keep_last=5",
+        "distributed.zero_stage=2", "distributed.backend=gloo",
+    ]
+
+
+def _job_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    path = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": path} | extra
+
+
+def _submit(cluster, sbatch_args: list[str], out: Path, **env) -> str:
+    proc = cluster.run(["sbatch", "--parsable", f"--output={out}", f"--chdir={REPO}", *sbatch_args],
+                       env=_job_env(**env))
+    assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
+    return proc.stdout.strip().split(";")[0]
+
+
+def _job(cluster, job_id: str) -> dict:
+    return dict(re.findall(r"(\w+)=(\S*)", cluster.run(["scontrol", "show", "job", "-o", job_id]).stdout))
+
+
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+ENDED = FINAL | {"COMPLETING"}
+"""COMPLETING: the batch script has exited and the exit code is known; a job that ran on the lost node stays so
+until Slurm declares that node down (SlurmdTimeout)."""
+
+
+def _train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss of the train records; a step logged twice keeps its last record."""
+    losses = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("split", "train") == "train" and "loss" in rec:
+            losses[rec["step"]] = rec["loss"]
+    return losses
+
+
+def _num_steps(run_dir: Path) -> int:
+    try:
+        return len(_train_losses(run_dir))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def _complete_checkpoints(run_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")
+                  if (p / "trainer_state.json").is_file())
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, tmp_path_factory):
+    """Submit the four jobs at once; preempt one, lose a node under another, resubmit that one; wait for all."""
+    root = tmp_path_factory.mktemp("multinode")
+    t0 = time.monotonic()
+    paths = _prepare_data(root / "data")
+    cfg, args = str(REPO / "configs" / "quickstart.yaml"), _overrides(paths)
+    runs = {name: root / name for name in ("reference", "one_node", "preempted", "node_lost")}
+    placement = {"reference": ["--nodes=2", "--nodelist=pt-node[1-2]"], "one_node": ["--nodes=1", "--nodelist=pt-node2"],
+                 "preempted": ["--nodes=2", "--nodelist=pt-node[1-2]"], "node_lost": ["--nodes=2", "--nodelist=pt-node[1,3]"]}
+    ids = {name: _submit(cluster, [*placement[name], str(SBATCH), str(runs[name]), cfg, *args], root / f"{name}.out",
+                         GPUS_PER_NODE="4" if name == "one_node" else "2")
+           for name in runs}
+    lost = runs["node_lost"]
+    ready = {"preempted": lambda: _num_steps(runs["preempted"]) >= STOP_AFTER,
+             "node_lost": lambda: CKPT_EVERY in _complete_checkpoints(lost) and _num_steps(lost) >= STOP_AFTER}
+    timeline: dict[str, float] = {}
+    deadline = time.monotonic() + 300
+    while ready or "ended" not in timeline:
+        for name in list(ready):
+            if ready[name]():
+                del ready[name]
+                if name == "preempted":  # what Slurm does N s before the time limit with --signal=B:USR1@N
+                    assert cluster.run(["scancel", "--batch", "--signal=USR1", ids[name]]).returncode == 0
+                else:
+                    timeline["killed"] = time.monotonic()
+                    timeline["killed_pids"] = len(cluster.kill_node("pt-node3"))
+            else:
+                assert _job(cluster, ids[name]).get("JobState") not in FINAL, \
+                    (root / f"{name}.out").read_text()[-3000:]
+        if "killed" in timeline and "ended" not in timeline and \
+                _job(cluster, ids["node_lost"]).get("JobState") != "RUNNING":
+            timeline["ended"] = time.monotonic()
+        assert time.monotonic() < deadline, f"{list(ready)} never reached the trigger point / {timeline}"
+        time.sleep(0.25)
+    # Resubmitted without the lost node: one node, the same 4 ranks.
+    ids["resumed"] = _submit(cluster, ["--nodes=1", "--exclude=pt-node3", str(SBATCH), str(lost), cfg, *args],
+                             root / "resumed.out", GPUS_PER_NODE="4")
+    infos = {}
+    for name, job_id in ids.items():
+        while (info := _job(cluster, job_id)).get("JobState") not in ENDED:
+            assert time.monotonic() < deadline + 240, f"job {name} did not finish: {info}"
+            time.sleep(1)
+        infos[name] = info
+    logs = {name: (root / f"{name}.out").read_text() for name in ids}
+    print(f"\n[test_slurm_multinode] all done in {time.monotonic() - t0:.0f}s; node loss: job left RUNNING "
+          f"{timeline['ended'] - timeline['killed']:.1f}s after the kill")
+    return {"runs": runs, "infos": infos, "logs": logs, "timeline": timeline, "root": root}
+
+
+def test_two_nodes_give_the_losses_of_one_node_bitwise(jobs):
+    info, log = jobs["infos"]["reference"], jobs["logs"]["reference"]
+    assert info["JobState"] == "COMPLETED" and info["NumNodes"] == "2", log[-3000:]
+    assert info["NodeList"] == "pt-node[1-2]"
+    assert "2 node(s) x 2 worker(s), head pt-node1:" in log
+    one = jobs["infos"]["one_node"]
+    assert one["JobState"] == "COMPLETED" and one["NumNodes"] == "1", jobs["logs"]["one_node"][-3000:]
+    two, single = _train_losses(jobs["runs"]["reference"]), _train_losses(jobs["runs"]["one_node"])
+    assert sorted(two) == sorted(single) == list(range(1, MAX_STEPS + 1))
+    assert all(math.isfinite(v) for v in two.values())
+    assert two == single  # bitwise: the same ranks reduce in the same order, wherever they run
+    final = jobs["runs"]["reference"] / "checkpoints" / f"step_{MAX_STEPS:08d}"
+    assert sorted(p.name for p in final.glob("rng_rank*.pt")) == [f"rng_rank{r}.pt" for r in range(4)]
+
+
+def test_usr1_on_two_nodes_checkpoints_requeues_and_resumes_identically(jobs):
+    info, log, run = jobs["infos"]["preempted"], jobs["logs"]["preempted"], jobs["runs"]["preempted"]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    assert "USR1: asking the trainer" in log and "requeueing job" in log and "restart 1: 2 node(s)" in log
+    stopped_at = [s for s in _complete_checkpoints(run) if s % CKPT_EVERY]
+    assert len(stopped_at) == 1 and STOP_AFTER <= stopped_at[0] < MAX_STEPS  # the checkpoint on USR1
+    assert f"resumed from {run}/checkpoints/step_{stopped_at[0]:08d} at step {stopped_at[0]}" in log
+    assert _train_losses(run) == _train_losses(jobs["runs"]["reference"])
+
+
+def test_lost_node_ends_the_job_within_a_minute_naming_it_and_the_checkpoint(jobs):
+    info, log, run = jobs["infos"]["node_lost"], jobs["logs"]["node_lost"], jobs["runs"]["node_lost"]
+    assert jobs["timeline"]["killed_pids"] >= 4  # slurmd, slurmstepd, torchrun and its workers on pt-node3
+    took = jobs["timeline"]["ended"] - jobs["timeline"]["killed"]
+    assert took < LOST_NODE_DEADLINE_S, f"the job ran on {took:.0f}s after losing pt-node3:\n{log[-3000:]}"
+    assert info["JobState"] in ("FAILED", "COMPLETING") and info["Reason"] == "NonZeroExitCode", log[-3000:]
+    assert info["ExitCode"] != "0:0" and info["Restarts"] == "0"  # ended by itself: not requeued by Slurm
+    m = re.search(r"pretrain: lost node pt-node3 \(node rank 1, ranks 2-3\).*?The last good checkpoint is (\S+);", log)
+    assert m, log[-3000:]
+    named = Path(m.group(1))
+    assert named.parent == run / "checkpoints" and (named / "trainer_state.json").is_file()
+    assert "--exclude=pt-node3" in log
+
+
+def test_resubmitted_on_the_remaining_node_resumes_from_that_checkpoint(jobs):
+    info, log, run = jobs["infos"]["resumed"], jobs["logs"]["resumed"], jobs["runs"]["node_lost"]
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] != "pt-node3", log[-3000:]
+    assert "1 node(s) x 4 worker(s)" in log
+    assert "took over the lock" not in log  # the lost run's rank 0 released it on its way out
+    m = re.search(r"resumed from (\S+) at step (\d+)", log)
+    assert m, log[-3000:]
+    named = re.search(r"The last good checkpoint is (\S+);", jobs["logs"]["node_lost"])
+    assert named and m.group(1) == named.group(1)
+    resumed_at = int(m.group(2))
+    assert resumed_at >= CKPT_EVERY
+    assert _train_losses(run) == _train_losses(jobs["runs"]["reference"])  # before and after the loss
