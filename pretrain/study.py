@@ -1,0 +1,418 @@
+"""``pretrain-study``: run a study (prepared data, arms x seeds of runs, evaluations, tables) from one YAML file.
+
+The same evaluations run for every run; the tables follow the papers' layouts, with an overlay report of the runs.
+
+    pretrain-study configs/studies/clear_small.yaml [--out DIR] [--only ARM ...] [--dry-run] [--use STUDY=DIR]
+
+Every step is a subprocess of the real CLIs (``pretrain-tokenizer``, ``pretrain-preprocess``, ``python -m
+pretrain.train``, ``pretrain-eval``, ``pretrain-finetune-glue``, ``pretrain-report``) logging to
+``OUT/logs/<step>.log``. A step whose result exists is skipped: a run whose newest checkpoint has reached its
+``train.max_steps``, an evaluation whose result file exists, a preparation step whose output exists (the tools
+write theirs atomically). An interrupted run is relaunched with the same ``run_dir`` and resumes from its newest
+checkpoint. ``OUT/status.json`` records every step (done, skipped, failed), its wall and CPU seconds
+(``getrusage(RUSAGE_CHILDREN)``) and the study's total, so the compute a study used can be reported.
+The study file and the plan: ``study_plan.py``; the tables: ``study_tables.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pretrain.study_plan import EVAL_RESULTS, Planner, Step, Study, StudyError, load_study
+
+# ------------------------------------------------------------------------------------------------ done, stamps
+
+def final_step(run_dir: Path) -> tuple[int, int]:
+    """(newest complete checkpoint's step, the run's train.max_steps); (-1, 0) without them."""
+    import yaml
+
+    from pretrain.checkpoint import store
+
+    config = run_dir / "config.yaml"
+    ckpt_dir = store.checkpoints_dir(run_dir)
+    tag = store.find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    if tag is None or not config.is_file():
+        return -1, 0
+    max_steps = ((yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("train") or {}).get("max_steps", 0)
+    try:
+        return int(store.read_trainer_state(ckpt_dir / tag)["step"]), int(max_steps)
+    except store.CheckpointError:
+        return -1, int(max_steps)
+
+
+def is_done(step: Step) -> bool:
+    if step.kind == "prep":
+        return (step.output / step.complete if step.complete else step.output).exists()
+    if step.kind == "train":
+        done, max_steps = final_step(step.output)
+        return max_steps > 0 and done >= max_steps
+    if step.kind == "eval":
+        return (step.output / EVAL_RESULTS[step.tool]).is_file()
+    return (step.output / "report.md").is_file()
+
+
+def weights_digest(path: Path, cache: dict | None = None) -> str:
+    """sha256 of a safetensors file's tensors: the header with its keys sorted (the writer's metadata order
+    varies between processes), then the data. ``cache`` maps path -> [size, mtime_ns, digest]."""
+    st = path.stat()
+    key = str(path)
+    if cache is not None and cache.get(key, [None])[:2] == [st.st_size, st.st_mtime_ns]:
+        return cache[key][2]
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        h = hashlib.sha256(json.dumps(json.loads(f.read(n)), sort_keys=True).encode())
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    if cache is not None:
+        cache[key] = [st.st_size, st.st_mtime_ns, h.hexdigest()]
+    return h.hexdigest()
+
+
+def stamp(step: Step, cache: dict | None = None) -> str:
+    """What a finished step produced, as a short hash: a run's weights (final and best/), an evaluation's or a
+    preparation step's output. A step whose inputs' stamps changed since it ran is out of date."""
+    h = hashlib.sha256()
+    if step.kind == "train":
+        from pretrain.checkpoint import store
+
+        ckpt_dir = store.checkpoints_dir(step.output)
+        tag = store.find_latest(ckpt_dir)
+        h.update(f"{tag}:{weights_digest(ckpt_dir / tag / store.WEIGHTS_FILE, cache)}".encode())
+        best = step.output / "best" / store.WEIGHTS_FILE
+        if best.is_file():
+            h.update(f"best:{weights_digest(best, cache)}".encode())
+    elif step.kind == "eval":
+        h.update((step.output / EVAL_RESULTS[step.tool]).read_bytes())
+    else:
+        target = step.output / step.complete if step.complete else step.output
+        target = target / "report.md" if step.kind == "report" else target
+        if target.is_file():
+            h.update(target.read_bytes())
+        else:
+            for f in sorted(target.rglob("*")):
+                if f.is_file():
+                    h.update(f"{f.relative_to(target)}:{f.stat().st_size}\n".encode())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+def portable(argv: list[str], out: Path) -> list[str]:
+    """argv as recorded: the study directory as {out}, the interpreter as python (moving either is no change)."""
+    return [("python" if a == sys.executable else a.replace(str(out), "{out}")) for a in argv]
+
+
+def _cpu(who) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+class Status:
+    """OUT/status.json: one record per step and per invocation, rewritten atomically after every step."""
+
+    def __init__(self, path: Path, study: Study, out: Path):
+        self.path, self.out = path, out
+        self.data = json.loads(path.read_text()) if path.is_file() else {}
+        self.data.update(study=study.name, file=str(study.path), out=str(out))
+        self.data.setdefault("steps", {})
+        self.data.setdefault("invocations", [])
+
+    def portable(self, argv: list[str]) -> list[str]:
+        return portable(argv, self.out)
+
+    def save(self) -> None:
+        steps = self.data["steps"].values()
+        inv = self.data["invocations"]
+        self.data["totals"] = {
+            "steps_done": sum(1 for r in steps if r.get("state") == "done"),
+            "steps_wall_s": round(sum(r.get("wall_s", 0) for r in steps), 1),
+            "steps_cpu_s": round(sum(r.get("cpu_s", 0) for r in steps), 1),
+            "invocations_wall_s": round(sum(i.get("wall_s", 0) for i in inv), 1),
+            "cpu_s": round(sum(i.get("cpu_s", 0) for i in inv), 1),
+        }
+        self.data["totals"]["cpu_h"] = round(self.data["totals"]["cpu_s"] / 3600, 3)
+        self.data["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
+
+
+class Runner:
+    def __init__(self, study: Study, out: Path, env: dict, status: Status, say=print):
+        self.study, self.out, self.env, self.status, self.say = study, out, env, status, say
+        self.stamps: dict[str, str] = {}
+        self.digests = status.data.setdefault("weights_digests", {})
+        self.child: subprocess.Popen | None = None
+        self.stopping = False
+
+    def state(self, step: Step) -> tuple[str, str]:
+        """(todo | done | stale | blocked, why)."""
+        missing = [d for d in step.deps if d not in self.stamps]
+        if missing:
+            return "blocked", f"waits for {', '.join(missing)}"
+        if not is_done(step):
+            return "todo", ""
+        rec = self.status.data["steps"].get(step.id)
+        if rec is None or "argv" not in rec:
+            return "done", "result found (no record)"
+        changed = [d for d in step.deps if rec.get("deps", {}).get(d) not in (None, self.stamps[d])]
+        now = self.status.portable(step.argv)
+        if rec.get("argv") != now:
+            if step.kind in ("train", "prep"):
+                was = rec.get("argv") or []
+                diff = next((f"{a!r} is now {b!r}" for a, b in zip(was, now) if a != b), "arguments added or removed")
+                raise StudyError(
+                    f"{step.id} was done with another command ({diff}); its output {self._rel(step.output)} stays "
+                    f"as it is: restore the study's settings, or move that output away to redo it")
+            return "stale", "its command changed"
+        if changed and step.kind in ("eval", "report"):
+            return "stale", f"{', '.join(changed)} changed since"
+        if changed:
+            self.say(f"note: {step.id} is kept although {', '.join(changed)} changed since it ran; move "
+                     f"{self._rel(step.output)} away to redo it")
+        return "done", ""
+
+    def _rel(self, p) -> str:
+        rel = os.path.relpath(p)
+        return str(p) if rel.startswith("..") else rel
+
+    def log_path(self, step: Step) -> Path:
+        return self.out / "logs" / (step.id.replace("/", os.sep) + ".log")
+
+    def execute(self, steps: list[Step], invocation: dict) -> None:
+        for i, step in enumerate(steps, 1):
+            state, why = self.state(step)
+            rec = self.status.data["steps"].setdefault(step.id, {"kind": step.kind})
+            if state == "blocked":
+                raise StudyError(f"{step.id} cannot start: it {why}")
+            if state == "done":
+                self.stamps[step.id] = stamp(step, self.digests)
+                rec.update(state="done", last="skipped", log=self._rel(self.log_path(step)),
+                           argv=self.status.portable(step.argv), stamp=self.stamps[step.id])
+                rec.setdefault("deps", {d: self.stamps[d] for d in step.deps})
+                invocation["skipped"].append(step.id)
+                self.say(f"[{i}/{len(steps)}] {step.id}: done, skipped")
+                self.status.save()
+                continue
+            if state == "stale":
+                self.say(f"[{i}/{len(steps)}] {step.id}: out of date ({why}); redoing")
+                _remove(step.output)
+            self._run(step, rec, f"[{i}/{len(steps)}]")
+            invocation["ran"].append(step.id)
+            self.status.save()
+
+    def _run(self, step: Step, rec: dict, counter: str) -> None:
+        weights = Path(step.argv[step.argv.index("--model") + 1]) if step.kind == "eval" else None
+        if weights is not None and self.study.weights == "best" and not weights.is_dir():
+            raise StudyError(f"{step.id}: evaluations.weights is best but {step.deps[0]} wrote no best/ weights: set "
+                             f"eval.stsb_every in shared.overrides (STS-B dev keep-best), or use weights: final")
+        log = self.log_path(step)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        resumed = step.kind == "train" and final_step(step.output)[0] >= 0
+        self.say(f"{counter} {step.id}: {'resuming' if resumed else 'running'} (log {self._rel(log)})")
+        t0, cpu0 = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} $ {shlex.join(step.argv)}\n")
+            f.flush()
+            self.child = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, env=self.env)
+            rc = self.child.wait()
+            self.child = None
+        wall, cpu = time.perf_counter() - t0, _cpu(resource.RUSAGE_CHILDREN) - cpu0
+        rec.update(wall_s=round(rec.get("wall_s", 0) + wall, 1) if resumed else round(wall, 1),
+                   cpu_s=round(rec.get("cpu_s", 0) + cpu, 1) if resumed else round(cpu, 1),
+                   log=self._rel(log), argv=self.status.portable(step.argv), rc=rc,
+                   finished=time.strftime("%Y-%m-%dT%H:%M:%S"), deps={d: self.stamps[d] for d in step.deps})
+        if self.stopping:
+            rec.update(state="interrupted", last="interrupted")
+            self.status.save()
+            raise StudyError(f"interrupted during {step.id} (log {self._rel(log)}); rerun the same command to continue")
+        if rc != 0 or not is_done(step):
+            rec.update(state="failed", last="failed")
+            self.status.save()
+            why = f"exit {rc}" if rc else "it exited 0 but its result is missing"
+            raise StudyError(f"{step.id} failed ({why}): {_last_line(log)} — log: {self._rel(log)}")
+        self.stamps[step.id] = stamp(step, self.digests)
+        rec.update(state="done", last="ran", stamp=self.stamps[step.id])
+        self.say(f"    done in {wall:.1f} s wall, {cpu:.1f} CPU-s")
+
+    def interrupt(self, signum, frame) -> None:
+        """SIGTERM/SIGINT: the running step gets SIGTERM (the trainer checkpoints and exits), then the driver stops."""
+        self.stopping = True
+        if self.child is not None and self.child.poll() is None and signum != signal.SIGINT:
+            self.child.send_signal(signal.SIGTERM)  # SIGINT from a terminal reaches the child by itself
+        if self.child is None:
+            raise KeyboardInterrupt
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _last_line(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    line = lines[-1] if lines else "(empty log)"
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+def _used_studies(study: Study, given: dict[str, str]) -> dict[str, tuple[Study, Path]]:
+    used = {}
+    for name, path in study.uses.items():
+        other = load_study(path)
+        out = Path(given.get(name) or other.out or f"runs/studies/{other.name}").resolve()
+        used[name] = (other, out)
+    unknown = set(given) - set(study.uses)
+    if unknown:
+        raise StudyError(f"--use {', '.join(sorted(unknown))}: not listed under uses: in {study.path}")
+    return used
+
+
+def _select(steps: list[Step], only: list[str], study: Study) -> list[Step]:
+    """With --only: those arms' steps and the steps they need (transitively), plus the preparation."""
+    if not only:
+        return steps
+    for a in only:
+        study.arm(a)
+    by_id = {s.id: s for s in steps}
+    keep = {s.id for s in steps if s.kind == "prep"}
+    todo = [s.id for s in steps if s.kind in ("train", "eval") and s.id.split("/")[1].rsplit("-seed", 1)[0] in only]
+    while todo:
+        sid = todo.pop()
+        if sid in keep or sid not in by_id:
+            continue
+        keep.add(sid)
+        todo += by_id[sid].deps
+        if by_id[sid].kind == "train":  # a needed run comes with its evaluations
+            todo += [s.id for s in steps if s.kind == "eval" and s.deps == [sid]]
+    return [s for s in steps if s.id in keep]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pretrain-study", description=__doc__.splitlines()[0])
+    p.add_argument("study", help="study file (configs/studies/*.yaml)")
+    p.add_argument("--out", default=None, help="study directory (default: the file's out:, else runs/studies/NAME)")
+    p.add_argument("--only", nargs="+", default=[], metavar="ARM",
+                   help="run only these arms (and the runs they start from); tables cover what exists")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the study and every run's config, print the plan, run nothing")
+    p.add_argument("--use", action="append", default=[], metavar="STUDY=DIR",
+                   help="directory of a study named under uses: (default: that study's own out:)")
+    args = p.parse_args(argv)
+    try:
+        return run_study(args)
+    except StudyError as e:
+        print(f"pretrain-study: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pretrain-study: interrupted; rerun the same command to continue", file=sys.stderr)
+        return 130
+
+
+def run_study(args) -> int:
+    from pretrain.eval import default_data_dir
+
+    study = load_study(args.study)
+    out = Path(args.out or study.out or f"runs/studies/{study.name}").resolve()
+    given = dict(u.split("=", 1) for u in args.use if "=" in u)
+    data_dir = Path(default_data_dir()).resolve()
+    planner = Planner(study, out, data_dir, _used_studies(study, given))
+    configs = planner.configs()  # every run's config is valid before the first one starts
+    steps = _select(planner.steps(), args.only, study)
+    if args.dry_run:
+        return _print_plan(planner, steps, out)
+    out.mkdir(parents=True, exist_ok=True)
+    status = Status(out / "status.json", study, out)
+    env = {**os.environ, **study.env, "PRETRAIN_DATA_DIR": str(data_dir)}
+    runner = Runner(study, out, env, status)
+    _require_used(planner, steps, runner)
+    invocation = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "only": args.only, "ran": [], "skipped": []}
+    status.data["invocations"].append(invocation)
+    t0, cpu0 = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN) + _cpu(resource.RUSAGE_SELF)
+    old = {s: signal.signal(s, runner.interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def close(result: str) -> None:
+        invocation.update(wall_s=round(time.perf_counter() - t0, 2), result=result,
+                          cpu_s=round(_cpu(resource.RUSAGE_CHILDREN) + _cpu(resource.RUSAGE_SELF) - cpu0, 2))
+        status.save()
+
+    try:
+        runner.execute(steps, invocation)
+        close("writing tables")  # the tables' compute line includes this invocation
+        from pretrain.study_tables import write_results
+
+        results = write_results(study, planner, configs, status.data)
+    except StudyError as e:
+        close(f"failed: {e}")
+        raise
+    except KeyboardInterrupt:
+        close("interrupted")
+        raise
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    close("ok")
+    t = status.data["totals"]
+    print(f"study {study.name}: {len(invocation['ran'])} step(s) ran, {len(invocation['skipped'])} skipped, "
+          f"{invocation['wall_s']:.1f} s; total so far {t['cpu_h']:.3f} CPU-h. Tables: {runner._rel(results)}")
+    return 0
+
+
+def _require_used(planner: Planner, steps: list[Step], runner: Runner) -> None:
+    """Steps of other studies (``uses:``) are not run here: each must be done already."""
+    needed = sorted({d for s in steps for d in s.deps if ":" in d})
+    for dep in needed:
+        name, sid = dep.split(":", 1)
+        other, out = planner.used[name]
+        kind, rest = sid.split("/", 1)
+        if kind == "prep":
+            p = next(x for x in other.prep if x.name == rest)
+            step = Step(sid, "prep", [], out / p.output, complete=p.complete)
+        else:
+            step = Step(sid, "train", [], out / "runs" / rest)
+        if not is_done(step):
+            arm = rest.rsplit("-seed", 1)[0]
+            hint = f" --only {arm}" if kind == "train" else ""
+            raise StudyError(f"this study starts from {name}'s {sid}, which is not finished "
+                             f"({runner._rel(step.output)}): run `pretrain-study {other.path}{hint}` first "
+                             f"(or pass --use {name}=DIR)")
+        runner.stamps[dep] = stamp(step, runner.digests)
+
+
+def _print_plan(planner: Planner, steps: list[Step], out: Path) -> int:
+    runner = Runner(planner.study, out, {}, Status(out / "status.json", planner.study, out), say=lambda _: None)
+    for dep in sorted({d for s in steps for d in s.deps if ":" in d}):
+        runner.stamps[dep] = "external"
+    print(f"study {planner.study.name}: {len(steps)} steps, directory {runner._rel(out)}")
+    for step in steps:
+        try:
+            state, why = runner.state(step)
+        except StudyError as e:
+            state, why = "conflict", str(e)
+        if state in ("done", "stale") or (state == "todo" and step.kind == "train" and final_step(step.output)[0] >= 0):
+            runner.stamps[step.id] = stamp(step) if state != "todo" else "partial"
+        elif state in ("todo", "blocked"):
+            runner.stamps[step.id] = "planned"
+        print(f"  [{state}] {step.id}" + (f" ({why})" if why else ""))
+        print(f"      $ {shlex.join(portable(step.argv, out))}")
+    print("dry run: nothing was run; drop --dry-run to run the steps marked todo/stale.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
