@@ -175,7 +175,7 @@ class IndexedDatasetBuilder:
         data = flat.astype(self.dtype, copy=False).tobytes()
         self._bin.write(data)
         self._bin_hash.update(data)
-        self._sizes.extend(int(s) for s in sizes)
+        self._sizes.frombytes(sizes.astype(np.int32).tobytes())  # array('i') is int32 on every platform we run
         self.num_tokens += int(flat.size)
 
     def end_document(self) -> None:
