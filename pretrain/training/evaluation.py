@@ -17,18 +17,25 @@ import torch
 from pretrain.config.train import EvalConfig
 
 
+def stsb_data_dir(cfg: EvalConfig, zero_stage: int) -> str:
+    """The STS data root eval.stsb_every will read (ValueError when none is known or ZeRO-3 makes it impossible);
+    config-only and import-free, so the trainer runs it before anything slow."""
+    data_dir = cfg.data_dir or os.environ.get("PRETRAIN_DATA_DIR", "")
+    if not data_dir:
+        raise ValueError("eval.stsb_every is set but no STS data directory is known: set eval.data_dir "
+                         "(the directory holding sts/STSBenchmark) or PRETRAIN_DATA_DIR")
+    if zero_stage == 3:
+        raise ValueError("eval.stsb_every needs whole parameters on each rank; use distributed.zero_stage <= 2 "
+                         "for sentence-stage training (the models are small) or evaluate checkpoints offline")
+    return data_dir
+
+
 class StsbKeepBest:
     def __init__(self, cfg: EvalConfig, *, run_dir: Path, tokenizer, tokenizer_path: str, model_pooling: str,
                  zero_stage: int):
         from pretrain.eval.sts import StsbDevEvaluator
 
-        data_dir = cfg.data_dir or os.environ.get("PRETRAIN_DATA_DIR", "")
-        if not data_dir:
-            raise ValueError("eval.stsb_every is set but no STS data directory is known: set eval.data_dir "
-                             "(the directory holding sts/STSBenchmark) or PRETRAIN_DATA_DIR")
-        if zero_stage == 3:
-            raise ValueError("eval.stsb_every needs whole parameters on each rank; use distributed.zero_stage <= 2 "
-                             "for sentence-stage training (the models are small) or evaluate checkpoints offline")
+        data_dir = stsb_data_dir(cfg, zero_stage)
         self.cfg, self.run_dir = cfg, run_dir
         self.tokenizer, self.tokenizer_path = tokenizer, tokenizer_path
         self.pooling = cfg.pooling or model_pooling

@@ -27,10 +27,16 @@ def load_teacher(path: str, *, trust: bool = False):
     init dir, a HF or sentence-transformers BERT dir)."""
     from pretrain.checkpoint.resolve import open_weights
 
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"objective.rank_distill teacher {path} does not exist; give one of our checkpoints, "
-                                "a pretrain-convert from-hf directory or a HF BERT directory")
+    check_teacher_paths([path])
     return open_weights(path, trust=trust).build_model()
+
+
+def check_teacher_paths(paths) -> None:
+    """FileNotFoundError naming the first teacher path that does not exist (the trainer checks before loading)."""
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"objective.rank_distill teacher {path} does not exist; give one of our "
+                                    "checkpoints, a pretrain-convert from-hf directory or a HF BERT directory")
 
 
 def resolve_token_freq(cfg: ObjectiveConfig, data: DataConfig | None, tokenizer=None,

@@ -62,6 +62,7 @@ class Trainer:
             raise
 
     def _setup(self, cfg: RunConfig, env) -> None:
+        _preflight(cfg)
         load_tok, build_train_set, self._build_train_loader = _stage_parts(cfg)
         self.tokenizer = load_tok(cfg.data.tokenizer)
         model_cfg = _init_from_model_config(cfg)  # checkpoint.init_from's architecture where the config sets none
@@ -426,6 +427,19 @@ def _objective_resources(cfg: RunConfig, tokenizer, train_set) -> dict:
         sentences = train_set if cfg.data.stage == "sentences" else None  # counted once, not rebuilt
         out["token_freq_V"] = resources.resolve_token_freq(cfg.objective, cfg.data, tokenizer, sentences)
     return out
+
+
+def _preflight(cfg: RunConfig) -> None:
+    """Config-only checks of paths later steps open (after the tokenizer, data and model): a wrong one fails in
+    the first seconds."""
+    if cfg.eval.stsb_every:
+        from pretrain.training.evaluation import stsb_data_dir
+
+        stsb_data_dir(cfg.eval, cfg.distributed.zero_stage)
+    if cfg.objective.rank_distill is not None:
+        from pretrain.training.resources import check_teacher_paths
+
+        check_teacher_paths(cfg.objective.rank_distill.teachers)
 
 
 def _stage_parts(cfg: RunConfig):
