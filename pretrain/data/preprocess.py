@@ -1,8 +1,10 @@
 """Raw text → sharded binary dataset (``pretrain-preprocess``).
 
-The main process streams documents from the readers, cuts them into fixed-size chunks and hands them to a
-``multiprocessing`` pool (bounded window, results consumed in submission order) that splits sentences and
-tokenizes. The main process writes shards in order, so the output is byte-identical for any worker count.
+The main process cuts every input file into byte ranges of about ``chunk_chars`` bytes, only where its reader
+starts afresh (``readers.plan_ranges``), and hands them to a ``multiprocessing`` pool (bounded window, results
+consumed in submission order) whose workers read, parse, split sentences and tokenize their ranges themselves.
+The main process writes shards in order, so the output is byte-identical for any worker count (and to reading
+each file whole).
 Everything is written into a hidden ``.<name>.partial-<pid>`` directory which becomes ``out_dir`` only after
 ``manifest.json`` is written; a failed run leaves no dataset behind.
 """
@@ -23,7 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
-from pretrain.data.readers import ReadStats, expand_inputs, read_file
+from pretrain.data.readers import ReadStats, expand_inputs, open_input, plan_ranges, read_range, sniff_format
 from pretrain.data.shards import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, TOKEN_FREQ, file_sha256, verify_dataset,
                                   write_manifest)
 from pretrain.data.sentence_split import sentence_spans, split_sentences  # noqa: F401 (re-exported)
@@ -67,28 +69,50 @@ class ChunkProcessor:
                            int((long_enough & (sizes == 0)).sum()))
 
 
+@dataclass(frozen=True)
+class RangeTask:
+    """Bytes ``start .. end`` of one input file, read as ``kind`` (``readers.plan_ranges``): what a worker reads,
+    splits and tokenizes by itself."""
+
+    path: str
+    start: int
+    end: int
+    kind: str
+    ends_before_doc: bool
+
+
+def _run_task(task: RangeTask, processor: ChunkProcessor, read_kwargs: dict) -> tuple[ChunkResult, dict]:
+    """Read, split and tokenize one range: (its result, the lines it skipped by reason)."""
+    stats = ReadStats()
+    docs = read_range(task.path, task.start, task.end, task.kind, stats, ends_before_doc=task.ends_before_doc,
+                      **read_kwargs)
+    return processor([d.paragraphs for d in docs]), stats.skipped
+
+
 _WORKER: dict = {}
 """Per-worker-process handle set by the pool initializer (the only process-level state here)."""
 
 
-def _init_worker(tokenizer_path: str, sha256: str, min_sentence_chars: int) -> None:
+def _init_worker(tokenizer_path: str, sha256: str, min_sentence_chars: int, read_kwargs: dict) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; avoid oversubscription
     _WORKER["processor"] = ChunkProcessor(Tokenizer(tokenizer_path, expected_sha256=sha256), min_sentence_chars)
+    _WORKER["read_kwargs"] = read_kwargs
 
 
-def _run_chunk(docs: list[list[str]]) -> ChunkResult:
-    return _WORKER["processor"](docs)
+def _run_in_worker(task: RangeTask) -> tuple[ChunkResult, dict]:
+    return _run_task(task, _WORKER["processor"], _WORKER["read_kwargs"])
 
 
-def _map_ordered(chunks: Iterator[tuple[list[list[str]], int]], processor: ChunkProcessor,
-                 num_workers: int) -> Iterator[tuple[ChunkResult, int]]:
-    """(result, input byte position) in input order; at most 4 chunks per worker in flight (bounded memory)."""
+def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_workers: int,
+                 read_kwargs: dict) -> Iterator[tuple[ChunkResult, dict, RangeTask]]:
+    """(result, skipped lines, task) in input order; at most 4 tasks per worker in flight (bounded memory). The
+    workers read their ranges themselves: the main process only plans the cuts and writes the shards."""
     if num_workers <= 1:  # one core: the tokenizer's own thread pool would make it two
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         try:
-            for chunk, pos in chunks:
-                yield processor(chunk), pos
+            for task in tasks:
+                yield (*_run_task(task, processor, read_kwargs), task)
         finally:
             if saved is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -97,16 +121,16 @@ def _map_ordered(chunks: Iterator[tuple[list[list[str]], int]], processor: Chunk
         return
     tok = processor.tokenizer
     with mp.get_context().Pool(num_workers, initializer=_init_worker,
-                               initargs=(tok.path, tok.sha256, processor.min_sentence_chars)) as pool:
+                               initargs=(tok.path, tok.sha256, processor.min_sentence_chars, read_kwargs)) as pool:
         window: deque = deque()
-        for chunk, pos in chunks:
-            window.append((pool.apply_async(_run_chunk, (chunk,)), pos))
+        for task in tasks:
+            window.append((pool.apply_async(_run_in_worker, (task,)), task))
             if len(window) >= 4 * num_workers:
-                result, pos = window.popleft()
-                yield result.get(), pos
+                result, task = window.popleft()
+                yield (*result.get(), task)
         while window:
-            result, pos = window.popleft()
-            yield result.get(), pos
+            result, task = window.popleft()
+            yield (*result.get(), task)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -154,24 +178,16 @@ class _ShardWriter:
             self.builder.abort()
 
 
-def _chunks(files: list[str], stats: ReadStats, chunk_chars: int, **read_kwargs) -> Iterator[tuple[list, int]]:
-    """Documents (as paragraph lists) in ~chunk_chars chunks, each with the input bytes consumed so far."""
-    chunk: list[list[str]] = []
-    size = 0
-    done_bytes = 0
-    pos = 0
+def _tasks(files: list[str], stats: ReadStats, chunk_bytes: int, *, fmt: str, max_line_bytes: int,
+           errors: str) -> Iterator[RangeTask]:
+    """The byte ranges of every input file (about chunk_bytes each, cut where the reader starts afresh); files are
+    counted in ``stats`` here, their lines by the workers."""
     for path in files:
-        for doc in read_file(path, stats, **read_kwargs):
-            chunk.append(doc.paragraphs)
-            size += sum(len(p) for p in doc.paragraphs)
-            pos = max(pos, done_bytes + doc.num_bytes)
-            if size >= chunk_chars:
-                yield chunk, pos
-                chunk, size = [], 0
-        done_bytes += os.path.getsize(path)
-        pos = done_bytes
-    if chunk:
-        yield chunk, pos
+        if not open_input(path, stats):
+            continue
+        kind = sniff_format(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
+        for start, end, before_doc in plan_ranges(path, kind, chunk_bytes, max_line_bytes=max_line_bytes):
+            yield RangeTask(path, start, end, kind, before_doc)
 
 
 def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
@@ -224,11 +240,16 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
                disable=not progress, mininterval=1.0, smoothing=0.1)
     try:
-        chunks = _chunks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes,
-                         errors=errors, text_field=text_field)
-        for r, pos in _map_ordered(chunks, ChunkProcessor(tok, min_sentence_chars), num_workers):
+        tasks = _tasks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
+        read_kwargs = {"max_line_bytes": max_line_bytes, "errors": errors, "text_field": text_field}
+        done_bytes = 0
+        for r, skipped, task in _map_ordered(tasks, ChunkProcessor(tok, min_sentence_chars), num_workers,
+                                             read_kwargs):
+            for reason, n in skipped.items():
+                stats.count(reason, n)
             writer.add(r)
-            bar.update(max(0, pos - bar.n))
+            done_bytes += task.end - task.start
+            bar.update(max(0, done_bytes - bar.n))
             counts += np.bincount(r.flat_ids, minlength=tok.vocab_size)
             report["documents"] += int((r.doc_sentences > 0).sum())
             report["sentences"] += len(r.sizes)

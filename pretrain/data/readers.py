@@ -75,10 +75,11 @@ def expand_inputs(inputs: list[str]) -> list[str]:
 
 
 def _iter_lines(f: BinaryIO, path: str, stats: ReadStats, *, max_line_bytes: int,
-                errors: str) -> Iterator[tuple[str, int]]:
-    """Decoded lines (without EOL) and the byte position after each; bad lines are skipped and counted."""
-    pos = 0
-    first = True
+                errors: str, base: int = 0) -> Iterator[tuple[str, int]]:
+    """Decoded lines (without EOL) and the byte position after each; bad lines are skipped and counted. ``base``:
+    where ``f`` starts in the file (a range read by a worker); only a file's first line may start with a BOM."""
+    pos = base
+    first = base == 0
     while True:
         raw = f.readline(max_line_bytes + 1)
         if not raw:
@@ -129,7 +130,10 @@ def _is_wiki_heading(line: str) -> bool:
     return line.endswith(".") and line.count(".") == 1 and len(line.split()) <= 6
 
 
-def _read_wikiextractor(lines: Iterator[tuple[str, int]], path: str, stats: ReadStats) -> Iterator[Document]:
+def _read_wikiextractor(lines: Iterator[tuple[str, int]], path: str, stats: ReadStats, *,
+                        ends_before_doc: bool = False) -> Iterator[Document]:
+    """``ends_before_doc``: the lines stop right before a ``<doc`` line (a range cut there), whose arrival would
+    close the current document as the whole file's reading does."""
     paragraphs: list[str] = []
     in_doc = False
     need_title = False
@@ -155,7 +159,12 @@ def _read_wikiextractor(lines: Iterator[tuple[str, int]], path: str, stats: Read
             if not in_doc:
                 stats.count("text_outside_doc")
             paragraphs.append(s)
-    if paragraphs:
+    if ends_before_doc:  # what the next <doc line does to the current state (the first branch above)
+        if in_doc:
+            stats.count("unclosed_doc")
+            if paragraphs:
+                yield Document(paragraphs, path, 0)
+    elif paragraphs:
         stats.count("unclosed_doc")
         yield Document(paragraphs, path, 0)
 
@@ -236,57 +245,141 @@ def _split_oversized(docs: Iterator[Document], stats: ReadStats, max_document_ch
             yield Document(part, doc.source, doc.num_bytes)
 
 
-def read_file(path: str, stats: ReadStats, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
-              errors: str = "strict", text_field: str = "text",
-              max_document_chars: int = 64_000_000) -> Iterator[Document]:
-    """Stream one file as documents. Empty files are warned about and skipped (listed in ``stats``)."""
+def _check_options(fmt: str, errors: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown input format {fmt!r}; choose one of {FORMATS}")
     if errors not in ("strict", "replace", "skip"):
         raise ValueError(f"errors must be 'strict', 'replace' or 'skip', got {errors!r}")
+
+
+def sniff_format(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000, errors: str = "strict") -> str:
+    """The format ``read_file`` reads ``path`` as: ``fmt`` unless "auto", else from the extension and the first
+    valid non-empty line (a ``.txt`` with a ``*** START OF`` marker in its first lines is gutenberg)."""
+    head: list[str] = []
+    with open(path, "rb") as f:  # bad lines are counted when the file is read, not here
+        for line, _ in _iter_lines(f, path, ReadStats(), max_line_bytes=max_line_bytes, errors=errors):
+            head.append(line)
+            if line.strip() or len(head) >= _GUTENBERG_SCAN_LINES:
+                break
+        first = next((x for x in head if x.strip()), "")
+        kind = detect_format(path, first) if fmt == "auto" else fmt
+        if kind == "text" and fmt == "auto" and head:  # a marker in the lines after the first non-empty one
+            seen = len(head)
+            for line, _ in _iter_lines(f, path, ReadStats(), max_line_bytes=max_line_bytes, errors=errors,
+                                       base=f.tell()):
+                seen += 1
+                x = line.lstrip()
+                if x.startswith("*** START OF") or x.startswith("***START OF"):
+                    return "gutenberg"
+                if seen >= _GUTENBERG_SCAN_LINES:
+                    break
+    return kind
+
+
+class _Range:
+    """A binary file read from its current position up to byte ``end`` (readline never crosses it)."""
+
+    def __init__(self, f: BinaryIO, end: int):
+        self.f, self.end = f, end
+
+    def readline(self, size: int = -1) -> bytes:
+        left = self.end - self.f.tell()
+        if left <= 0:
+            return b""
+        return self.f.readline(left if size < 0 else min(size, left))
+
+
+def plan_ranges(path: str, kind: str, target_bytes: int, *, max_line_bytes: int = 1_000_000) -> list[tuple[int, int, bool]]:
+    """(start, end, ends_before_doc) byte ranges of about ``target_bytes`` covering the file, cut only where its
+    reader starts afresh, so that reading the ranges one after another gives exactly ``read_file``'s documents:
+    after a newline (jsonl), after a blank line (text), right before a ``<doc`` line (wikiextractor); a
+    gutenberg book is one document, one range."""
+    size = os.path.getsize(path)
+    if kind == "gutenberg" or size <= target_bytes:
+        return [(0, size, False)]
+    out: list[tuple[int, int, bool]] = []
+    start = 0
+    with open(path, "rb") as f:
+        while start < size:
+            cut, before_doc = _next_cut(f, min(start + target_bytes, size), size, kind, max_line_bytes)
+            out.append((start, cut, before_doc))
+            start = cut
+    return out
+
+
+def _next_cut(f: BinaryIO, at: int, size: int, kind: str, max_line_bytes: int) -> tuple[int, bool]:
+    """The first cut at or after byte ``at`` (see plan_ranges), or the end of the file."""
+    if at >= size:
+        return size, False
+    f.seek(at - 1)
+    if f.read(1) != b"\n":  # inside a line: skip the rest of it
+        while True:
+            raw = f.readline(max_line_bytes + 1)
+            if not raw or raw.endswith(b"\n"):
+                break
+    while True:
+        line_start = f.tell()
+        raw = f.readline(max_line_bytes + 1)
+        if not raw:
+            return size, False
+        if kind == "jsonl":
+            return line_start, False
+        if kind == "wikiextractor":
+            head = raw.lstrip()
+            if head.startswith(b"<doc ") or head.startswith(b"<doc>"):
+                return line_start, True
+        elif not raw.strip():  # text: a blank line ends the document before it
+            return f.tell(), False
+        while raw and not raw.endswith(b"\n"):  # a giant line: to its end
+            raw = f.readline(max_line_bytes + 1)
+
+
+def read_range(path: str, start: int, end: int, kind: str, stats: ReadStats, *, ends_before_doc: bool = False,
+               max_line_bytes: int = 1_000_000, errors: str = "strict", text_field: str = "text",
+               max_document_chars: int = 64_000_000) -> Iterator[Document]:
+    """The documents of bytes ``start .. end`` of ``path`` read as ``kind`` (a range of ``plan_ranges``); bad lines
+    are counted in ``stats``. ``Document.num_bytes`` is the file position after the document."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        lines = _iter_lines(_Range(f, end), path, stats, max_line_bytes=max_line_bytes, errors=errors, base=start)
+        if kind == "wikiextractor":
+            docs = _read_wikiextractor(lines, path, stats, ends_before_doc=ends_before_doc)
+        elif kind == "gutenberg":
+            docs = _read_gutenberg(lines, path)
+        elif kind == "jsonl":
+            docs = _read_jsonl(lines, path, stats, text_field)
+        else:
+            docs = _read_text(lines, path)
+        for doc in _split_oversized(docs, stats, max_document_chars):
+            if doc.num_bytes == 0:
+                doc.num_bytes = end
+            yield doc
+
+
+def read_file(path: str, stats: ReadStats, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
+              errors: str = "strict", text_field: str = "text",
+              max_document_chars: int = 64_000_000) -> Iterator[Document]:
+    """Stream one file as documents. Empty files are warned about and skipped (listed in ``stats``)."""
+    _check_options(fmt, errors)
+    if not open_input(path, stats):
+        return
+    kind = sniff_format(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
+    yield from read_range(path, 0, os.path.getsize(path), kind, stats, max_line_bytes=max_line_bytes,
+                          errors=errors, text_field=text_field, max_document_chars=max_document_chars)
+
+
+def open_input(path: str, stats: ReadStats) -> bool:
+    """Count an input file in ``stats``; False (with a warning, listed in ``stats``) when it is empty."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"input file {path} does not exist")
     size = os.path.getsize(path)
     stats.files += 1
     stats.bytes += size
     if size == 0:
-        warnings.warn(f"skipping empty input file {path}", stacklevel=2)
+        warnings.warn(f"skipping empty input file {path}", stacklevel=3)
         stats.empty_files.append(path)
-        return
-    with open(path, "rb") as f:
-        lines = _iter_lines(f, path, stats, max_line_bytes=max_line_bytes, errors=errors)
-        # Peek (bounded) to detect the format without losing lines.
-        head: list[tuple[str, int]] = []
-        for item in lines:
-            head.append(item)
-            if item[0].strip() or len(head) >= _GUTENBERG_SCAN_LINES:
-                break
-        first = next((s for s, _ in head if s.strip()), "")
-        kind = detect_format(path, first) if fmt == "auto" else fmt
-        if kind == "text":
-            for item in lines:
-                head.append(item)
-                s = item[0].lstrip()
-                if s.startswith("*** START OF") or s.startswith("***START OF"):
-                    kind = "gutenberg" if fmt == "auto" else kind
-                    break
-                if len(head) >= _GUTENBERG_SCAN_LINES:
-                    break
-        if not head:  # every line was skipped (and counted) as bad input
-            return
-        all_lines = _chain(head, lines)
-        if kind == "wikiextractor":
-            docs = _read_wikiextractor(all_lines, path, stats)
-        elif kind == "gutenberg":
-            docs = _read_gutenberg(all_lines, path)
-        elif kind == "jsonl":
-            docs = _read_jsonl(all_lines, path, stats, text_field)
-        else:
-            docs = _read_text(all_lines, path)
-        for doc in _split_oversized(docs, stats, max_document_chars):
-            if doc.num_bytes == 0:
-                doc.num_bytes = size
-            yield doc
+        return False
+    return True
 
 
 def _chain(head: list[tuple[str, int]], rest: Iterator[tuple[str, int]]) -> Iterator[tuple[str, int]]:

@@ -67,24 +67,12 @@ def cluster(tmp_path_factory):
 
 
 def _prepare_data(root: Path) -> dict:
-    from pretrain.data.embedded import write_embedded_corpus
-    from pretrain.quickstart import prepare
-
-    train_txt, _ = write_embedded_corpus(root / "corpus", valid_every=10)
-    train_txt.write_text("\n".join(train_txt.read_text().splitlines()[:3000]) + "\n")
-    return prepare(root, vocab_size=1000, num_workers=1)
+    return _load("jobdata").prepare(root)
 
 
 def _overrides(paths: dict) -> list[str]:
-    return [
-        f"data.tokenizer={paths['tokenizer']}",
-        f"data.sources=[{{name: docs, path: {paths['train']}}}]",
-        f"data.valid=[{{name: docs, path: {paths['valid']}}}]",
-        f"train.max_steps={MAX_STEPS}", "train.micro_batch_size=8", "train.log_every=1",
-        "train.eval_every=0", "train.eval_batches=0", "data.max_len=64", "data.view_max_len=32",
-        "data.num_workers=0", f"checkpoint.every={CKPT_EVERY}", "checkpoint.keep_last=5",
-        "distributed.zero_stage=2", "distributed.backend=gloo",
-    ]
+    return _load("jobdata").overrides(paths, max_steps=MAX_STEPS, checkpoint_every=CKPT_EVERY, keep_last=5,
+                                      extra=("distributed.zero_stage=2", "distributed.backend=gloo"))
 
 
 def _job_env(**extra) -> dict:

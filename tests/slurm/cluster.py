@@ -140,11 +140,11 @@ InactiveLimit=0
 """slurm.conf lines every test cluster shares (netns.py too): no cgroups, quick scheduling, requeue, short KillWait."""
 
 
-@dataclass(frozen=True)
-class LocalCluster:
-    """A one-node Slurm cluster whose files all live under `root`."""
+class ClusterFiles:
+    """What every test cluster (this one-node one and netns.py's) has under its `root`: the config, the record of
+    the daemons it started, and the environment its client commands need."""
 
-    root: Path = DEFAULT_ROOT
+    root: Path
 
     @property
     def conf(self) -> Path:
@@ -157,6 +157,13 @@ class LocalCluster:
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """An environment for Slurm client commands (sbatch, squeue, scontrol) of this cluster."""
         return {**(os.environ if base is None else base), "SLURM_CONF": str(self.conf)}
+
+
+@dataclass(frozen=True)
+class LocalCluster(ClusterFiles):
+    """A one-node Slurm cluster whose files all live under `root`."""
+
+    root: Path = DEFAULT_ROOT
 
     # -- files -------------------------------------------------------------------------------
 

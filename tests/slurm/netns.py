@@ -59,7 +59,7 @@ class NetnsUnavailable(ClusterError):
 
 
 @dataclass(frozen=True)
-class NetnsCluster:
+class NetnsCluster(_cluster.ClusterFiles):
     """`num_nodes` Slurm nodes on this host, each in its own network namespace (see the module docstring).
 
     Addresses (10.77.0.0/24) exist only inside this cluster's namespaces: the controller is .1 on the bridge,
@@ -102,21 +102,10 @@ class NetnsCluster:
         return self.nodes.index(node) + 1
 
     @property
-    def conf(self) -> Path:
-        return self.root / "slurm.conf"
-
-    @property
-    def state_file(self) -> Path:
-        return self.root / "daemons.json"
-
-    @property
     def network_file(self) -> Path:
         return self.root / "network.json"
 
     # -- clients -----------------------------------------------------------------------------------
-    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        return {**(os.environ if base is None else base), "SLURM_CONF": str(self.conf)}
-
     def cmd(self, argv: list[str]) -> list[str]:
         """A client command line (sbatch, squeue, ...) run in the controller's namespace."""
         return ["nsenter", f"--net=/run/netns/{self.ctl_ns}", *argv]

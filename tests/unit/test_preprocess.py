@@ -299,3 +299,59 @@ def test_sentence_spans_match_the_plain_rule_on_real_and_random_text(data_dir):
         spans = sentence_spans(t)
         assert [t[a:b] for a, b in spans] == _reference_split(t), t
         assert all(t[a:b] == t[a:b].strip() for a, b in spans)
+
+
+def _edge_case_files(d):
+    """One file per format, with what the readers must handle: BOM, CRLF, blank-line runs, NUL bytes, a giant
+    line, an unclosed <doc>, text outside a doc, a title and headings, bad JSON."""
+    d.mkdir(parents=True, exist_ok=True)
+    paras = [f"Paragraph {i} says something. It has two sentences." for i in range(40)]
+    text = "\ufeff" + "\r\n".join(paras[:5]) + "\r\n\r\n\r\n" + "\n".join(paras[5:12]) + "\n  \n\t\n"
+    text += "\n".join(paras[12:20]) + "\nnul\x00line here\n" + "x" * 3000 + "\n" + "\n\n".join(paras[20:]) + "\n"
+    (d / "a.txt").write_text(text, encoding="utf-8")
+    wiki = []
+    for k in range(12):
+        wiki += [f'<doc id="{k}" title="T{k}">', f"T{k}", "", "History.", *(paras[k:k + 3] if k != 9 else [])]
+        if k not in (5, 9):  # 5: unclosed with paragraphs, 9: unclosed without any
+            wiki.append("</doc>")
+        if k == 7:
+            wiki.append("Stray text outside of any document, long enough not to be a heading.")
+    wiki += ['<doc id="99">', "T99"]  # opened, never closed, no paragraphs
+    (d / "wiki_00").write_text("\n".join(wiki) + "\n", encoding="utf-8")
+    jsonl = [json.dumps({"text": "\n".join(paras[k:k + 2])}) for k in range(30)]
+    jsonl.insert(4, "{not json")
+    jsonl.insert(9, json.dumps({"other": 1}))
+    (d / "c.jsonl").write_text("\n".join(jsonl) + "\n", encoding="utf-8")
+    book = ["Header line", "*** START OF THE BOOK ***", *[p + "\nwrapped." for p in paras[:10]], "*** END OF IT ***"]
+    (d / "book.txt").write_text("\n\n".join(book) + "\n", encoding="utf-8")
+    return sorted(d.iterdir())
+
+
+@pytest.mark.parametrize("target", [1, 7, 64, 333, 100_000])
+def test_reading_a_file_in_planned_ranges_gives_exactly_its_documents_and_counts(tmp_path, target):
+    """Workers read byte ranges of a file: cut only where the reader starts afresh, the ranges read one after
+    another give read_file's documents and skipped-line counts, for every format and any range size."""
+    from pretrain.data.readers import plan_ranges, read_range, sniff_format
+
+    for path in _edge_case_files(tmp_path / "in"):
+        whole_stats = ReadStats()
+        whole = [d.paragraphs for d in read_file(str(path), whole_stats, max_line_bytes=1000)]
+        kind = sniff_format(str(path), max_line_bytes=1000)
+        ranges = plan_ranges(str(path), kind, target, max_line_bytes=1000)
+        assert ranges[0][0] == 0 and ranges[-1][1] == path.stat().st_size
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        if target == 1 and kind != "gutenberg":
+            assert len(ranges) > 3, (path.name, ranges)
+        stats = ReadStats()
+        parts = [d.paragraphs for start, end, before in ranges
+                 for d in read_range(str(path), start, end, kind, stats, ends_before_doc=before, max_line_bytes=1000)]
+        assert parts == whole, (path.name, target)
+        assert stats.skipped == whole_stats.skipped, (path.name, target)
+        assert whole, path.name
+
+
+def test_sniffed_formats_of_the_edge_case_files(tmp_path):
+    from pretrain.data.readers import sniff_format
+
+    kinds = {p.name: sniff_format(str(p)) for p in _edge_case_files(tmp_path)}
+    assert kinds == {"a.txt": "text", "book.txt": "gutenberg", "c.jsonl": "jsonl", "wiki_00": "wikiextractor"}
