@@ -155,6 +155,22 @@ class PeerWatch:
             return
         if report:
             print(message, file=sys.stderr, flush=True)
+            try:
+                self._timed(lambda store: store.set(f"{self._prefix}reported", "1"))
+            except Exception:
+                pass
+        else:
+            # The reporting rank may notice the loss up to a heartbeat later; were this rank to exit first, the
+            # reporter's own collective would fail on the closed connection with a traceback before it could say
+            # which node was lost. Wait until it has reported (bounded).
+            deadline = time.monotonic() + 2 * self.interval_s + 2
+            while time.monotonic() < deadline:
+                try:
+                    if self._timed(lambda store: store.check([f"{self._prefix}reported"])):
+                        break
+                except Exception:
+                    pass
+                time.sleep(0.2)
         try:
             self.on_lost()
         finally:

@@ -260,7 +260,11 @@ class Trainer:
                     f"stopping. The last good checkpoint is {store.find_latest(store.checkpoints_dir(self.run_dir))}; "
                     f"lower optim.lr or check the data before resuming."
                 )
-            if self.step % c.train.log_every == 0 or self.step in (c.train.max_steps, start_step + 1):
+            log_step = self.step % c.train.log_every == 0 or self.step == c.train.max_steps
+            # The first step of a launch is shown on the console at once; it is not a logged window (the window
+            # runs on to the next log step, so logged figures are the same whether or not the run was resumed).
+            first_step = self.step == start_step + 1 and not log_step
+            if log_step or first_step:
                 elapsed = time.perf_counter() - t_last
                 scalars = sums.reduce(self.env)
                 scalars.update(lr=info.lr, grad_norm=info.grad_norm, loss_scale=info.loss_scale,
@@ -269,9 +273,11 @@ class Trainer:
                                tokens_per_s=tokens_last * self.env.world_size / elapsed,
                                tokens_seen=self.tokens_seen * self.env.world_size,
                                data_wait_frac=self.data_wait_s / elapsed)
-                self.writer.log(self.step, scalars)
                 if self.env.is_main:
                     print_progress(format_progress(self.step, c.train.max_steps, scalars, eta_s=eta(self.step)))
+            if log_step:
+                self.writer.log(self.step, scalars)
+                if self.env.is_main:
                     self._warn_if_starved(scalars["data_wait_frac"])
                     for warning in collapse.update(self.step, scalars):
                         print_progress(warning)
