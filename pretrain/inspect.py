@@ -19,9 +19,9 @@ import numpy as np
 def inspect_samples(cfg, n: int, start: int = 0) -> tuple[object, list[tuple[tuple[int, int], dict]]]:
     """(tokenizer, [(key, sample)]) for global stream positions start .. start + n - 1 of ``cfg``'s training set."""
     from pretrain.data.loader import SampleOrder
-    from pretrain.training.trainer import _stage_parts
+    from pretrain.training.build import stage_parts
 
-    load_tok, build_train_set, _ = _stage_parts(cfg)
+    load_tok, build_train_set, _ = stage_parts(cfg)
     tokenizer = load_tok(cfg.data.tokenizer)
     dataset = build_train_set(cfg, tokenizer)
     keys = SampleOrder(len(dataset), seed=cfg.seed).keys(start, n)

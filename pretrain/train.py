@@ -67,31 +67,20 @@ def dry_run(cfg, env, ranks: int = 0) -> int:
     """``--dry-run``: everything the trainer checks and builds before DeepSpeed starts, then the banner."""
     import dataclasses
 
-    from pretrain.checkpoint.resolve import run_model_config
-    from pretrain.config.lint import inert_settings
     from pretrain.data.datasets import build_dataset
-    from pretrain.model import build_model
-    from pretrain.objective import Context, Objective, TrainModule
     from pretrain.training.banner import banner_lines
-    from pretrain.training.trainer import _objective_resources, _stage_parts
+    from pretrain.training.build import build_train_module, model_config, open_init_weights, preflight, stage_parts
 
-    load_tok, build_train_set, _ = _stage_parts(cfg)
+    preflight(cfg)
+    load_tok, build_train_set, _ = stage_parts(cfg)
     tok = load_tok(cfg.data.tokenizer)
-    cfg = dataclasses.replace(cfg, model=run_model_config(cfg))  # checkpoint.init_from's sizes, as the trainer
-    if cfg.model.vocab_size and cfg.model.vocab_size < tok.vocab_size:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                         f"({tok.vocab_size}, {cfg.data.tokenizer}); set model.vocab_size=0")
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tok.vocab_size)
-    cfg = dataclasses.replace(cfg, model=model_cfg)
+    init = open_init_weights(cfg)
+    cfg = dataclasses.replace(cfg, model=model_config(cfg, tok, init))
     train_set = build_train_set(cfg, tok)
     valid_set = build_dataset(cfg.data, tok, seed=cfg.seed, split="valid") if cfg.data.valid else None
-    ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, stage=cfg.data.stage)
-    module = TrainModule(build_model(model_cfg),
-                         Objective(cfg.objective, ctx, **_objective_resources(cfg, tok, train_set)))
-    for line in banner_lines(cfg, ranks or env.world_size, module, train_set, valid_set, model_cfg.vocab_size):
+    module = build_train_module(cfg, env, tok, train_set, init)
+    for line in banner_lines(cfg, ranks or env.world_size, module, train_set, valid_set):
         print(line)
-    for line in inert_settings(cfg):
-        print(f"warning: {line}")
     print(f"dry run: config, tokenizer, data and model are fine; nothing was trained or written to {cfg.run_dir}. "
           f"Drop --dry-run to train.")
     return 0

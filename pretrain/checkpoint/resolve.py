@@ -295,10 +295,11 @@ def init_model_config(model_cfg: ModelConfig, weights: Weights, *, given=frozens
     return dataclasses.replace(model_cfg, **updates) if updates else model_cfg
 
 
-def run_model_config(cfg) -> ModelConfig:
+def run_model_config(cfg, weights: Weights | None = None) -> ModelConfig:
     """The model a run builds: ``cfg.model`` (a RunConfig's), with ``checkpoint.init_from``'s architecture where
-    the config does not set it (init_model_config). Without init_from: cfg.model."""
+    the config does not set it (init_model_config). Without init_from: cfg.model. ``weights``: init_from already
+    opened (the trainer loads them next), else it is opened here."""
     if not cfg.checkpoint.init_from:
         return cfg.model
-    w = open_weights(cfg.checkpoint.init_from, trust=cfg.checkpoint.trust)
+    w = weights or open_weights(cfg.checkpoint.init_from, trust=cfg.checkpoint.trust)
     return init_model_config(cfg.model, w, given=cfg.given, source=cfg.checkpoint.init_from)

@@ -75,10 +75,14 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def banner_lines(cfg, world_size: int, module, train_set, valid_set, vocab_size: int) -> list[str]:
-    """The start-up banner: model and parameters per part, batch and tokens per step, precision and ZeRO, data
-    sizes and the epochs max_steps implies, the objectives, and the per-rank memory estimate."""
+def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str]:
+    """The start-up banner (``cfg.model`` as built: its vocab_size resolved): model and parameters per part, batch
+    and tokens per step, precision and ZeRO, data sizes and the epochs max_steps implies, the objectives, the
+    per-rank memory estimate, and a warning line for each setting that cannot act (config/lint.py)."""
+    from pretrain.config.lint import inert_settings
+
     m, t = cfg.model, cfg.train
+    vocab_size = m.vocab_size
     parts = parameter_counts(module)
     total = sum(parts.values())
     global_batch = t.micro_batch_size * t.grad_accum * world_size
@@ -107,4 +111,4 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set, vocab_size:
                  f"gradients {mem['gradients']:.2f} + optimizer {mem['optimizer']:.2f} (ZeRO-"
                  f"{cfg.distributed.zero_stage} over {world_size}) + activations {mem['activations']:.2f} per "
                  f"micro-batch")
-    return lines
+    return lines + [f"warning: {line}" for line in inert_settings(cfg)]

@@ -17,21 +17,19 @@ from pretrain.checkpoint import store
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data.datasets import build_dataset
 from pretrain.data.loader import build_loader
-from pretrain.data.tokenizer import load_tokenizer
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Engine
 from pretrain.distributed.peers import PeerWatch
 from pretrain.metrics.accumulate import MetricSums
 from pretrain.metrics.writer import MetricsWriter, format_progress, print_progress
-from pretrain.model import build_model
-from pretrain.objective import Context, Objective, TrainModule
+from pretrain.training.banner import banner_lines
+from pretrain.training.build import build_train_module, model_config, open_init_weights, preflight, stage_parts
 from pretrain.training.optim import build_param_groups, lr_lambda
 from pretrain.training.progress import CollapseWatch, Eta, end_summary, schedule_change
+from pretrain.training.resume import (changed_architecture, last_good_checkpoint, n_ranks, resume_batch_split,
+                                      saved_config)
 from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, RunLock
 from pretrain.training.signals import StopSignal
-
-HEAD_PREFIXES = ("projection.",)
-"""Training-only heads that init_from re-initialises when the checkpoint's shape does not fit."""
 
 DATA_WAIT_WARN = 0.10
 """Warn (once) when the step spends more than this fraction of its time waiting for the next batch."""
@@ -52,7 +50,7 @@ class Trainer:
         self.lock = _lock_run_dir(self.run_dir, env)  # one trainer per run_dir, before anything is written
         # Multi-node: a lost node ends every rank within distributed.peer_timeout_s, naming it and the checkpoint.
         self.peers = PeerWatch(env, timeout_s=cfg.distributed.peer_timeout_s, on_lost=self._release_lock,
-                               last_checkpoint=lambda: _last_good_checkpoint(self.run_dir))
+                               last_checkpoint=lambda: last_good_checkpoint(self.run_dir))
         try:
             self.peers.start()
             self._setup(cfg, env)
@@ -62,16 +60,11 @@ class Trainer:
             raise
 
     def _setup(self, cfg: RunConfig, env) -> None:
-        _preflight(cfg)
-        load_tok, build_train_set, self._build_train_loader = _stage_parts(cfg)
+        preflight(cfg)
+        load_tok, build_train_set, self._build_train_loader = stage_parts(cfg)
         self.tokenizer = load_tok(cfg.data.tokenizer)
-        model_cfg = _init_from_model_config(cfg)  # checkpoint.init_from's architecture where the config sets none
-        if model_cfg.vocab_size == 0:
-            model_cfg = dataclasses.replace(model_cfg, vocab_size=self.tokenizer.vocab_size)
-        elif model_cfg.vocab_size < self.tokenizer.vocab_size:
-            raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's vocabulary "
-                             f"({self.tokenizer.vocab_size}, {cfg.data.tokenizer}); set model.vocab_size=0")
-        self.cfg = cfg = dataclasses.replace(cfg, model=model_cfg)
+        init = open_init_weights(cfg)  # opened (and verified) once: its architecture now, its weights below
+        self.cfg = cfg = dataclasses.replace(cfg, model=model_config(cfg, self.tokenizer, init))
 
         # The datasets open before the model and DeepSpeed (a bad dataset fails fast, and SARCSE's frequencies
         # come from the training set). Rank 0 first, building and caching the sample indexes; the others wait,
@@ -86,7 +79,7 @@ class Trainer:
             from pretrain.training.evaluation import StsbKeepBest
 
             self.stsb = StsbKeepBest(cfg.eval, run_dir=self.run_dir, tokenizer=self.tokenizer,
-                                     tokenizer_path=cfg.data.tokenizer, model_pooling=model_cfg.pooling,
+                                     tokenizer_path=cfg.data.tokenizer, model_pooling=cfg.model.pooling,
                                      zero_stage=cfg.distributed.zero_stage)
 
         if cfg.train.compile and cfg.distributed.zero_stage == 3:
@@ -96,20 +89,9 @@ class Trainer:
         # batch split (the global batch stays) and whether the engine loads a universal checkpoint.
         self.requested_batch = (cfg.train.micro_batch_size, cfg.train.grad_accum)
         """The config's (micro_batch_size, grad_accum) before any resume adjusted them (kept in checkpoints)."""
-        resume_dir, universal = self._choose_resume()
+        resume_dir, universal, saved = self._choose_resume()
         cfg = self.cfg
-        # Initial weights (the model's and the objective's heads') are identical on every rank: drawn from
-        # the seed in a scoped RNG that leaves the process-global one alone.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model = build_model(model_cfg)
-            if cfg.checkpoint.init_from:
-                _load_init_weights(model, cfg.checkpoint.init_from, trust=cfg.checkpoint.trust)
-            if cfg.train.compile:
-                model.encoder.compile_layers()
-            ctx = Context(env=env, ops=cfg.ops, pooling=model_cfg.pooling, stage=cfg.data.stage)
-            self.module = TrainModule(model, Objective(cfg.objective, ctx,
-                                                        **_objective_resources(cfg, self.tokenizer, self.train_set)))
+        self.module = build_train_module(cfg, env, self.tokenizer, self.train_set, init)
         self.engine = Engine(
             self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
             train=cfg.train, dist=cfg.distributed, env=env,
@@ -125,21 +107,22 @@ class Trainer:
         self._warned_starved = False
         self.tokens_seen = 0
         self.bad_steps_total = 0
-        self._resume_or_start(resume_dir, universal)
+        self._resume_or_start(resume_dir, universal, saved)
         self.writer = MetricsWriter(self.run_dir, enabled=env.is_main, resume_step=self.step)
 
     # -- setup -------------------------------------------------------------------------------
-    def _choose_resume(self) -> tuple[Path | None, bool]:
-        """(tag dir of the checkpoint to resume or None, whether it loads through a universal checkpoint). Checks
-        that it fits this run, and sets self.cfg.train's batch split for this run's rank count."""
+    def _choose_resume(self) -> tuple[Path | None, bool, dict]:
+        """(tag dir of the checkpoint to resume or None, whether it loads through a universal checkpoint, its saved
+        config). Checks that it fits this run, and sets self.cfg.train's batch split for this run's rank count."""
         ckpt_dir = store.checkpoints_dir(self.run_dir)
         tag = self._resumable_tag(ckpt_dir) if self.cfg.checkpoint.resume == "auto" else None
         if tag is None:
-            return None, False
+            return None, False, {}
         tag_dir = ckpt_dir / tag
         state = store.read_trainer_state(tag_dir)
-        self._check_compatible(state, tag_dir)
-        saved_train = _saved_config(tag_dir).get("train") or {}
+        saved = saved_config(tag_dir)
+        self._check_compatible(state, tag_dir, saved)
+        saved_train = saved.get("train") or {}
         old_world = state.get("world_size", self.env.world_size)
         micro = state.get("micro_batch_size", saved_train.get("micro_batch_size", self.cfg.train.micro_batch_size))
         accum = state.get("grad_accum", saved_train.get("grad_accum", self.cfg.train.grad_accum))
@@ -154,9 +137,9 @@ class Trainer:
         # ZeRO 1-3 keep the optimizer state in one partition per rank: another rank count re-splits it through
         # DeepSpeed's universal checkpoint. ZeRO-0 keeps it whole and loads as it is.
         universal = old_world != self.env.world_size and self.cfg.distributed.zero_stage > 0
-        return tag_dir, universal
+        return tag_dir, universal, saved
 
-    def _resume_or_start(self, tag_dir: Path | None, universal: bool) -> None:
+    def _resume_or_start(self, tag_dir: Path | None, universal: bool, saved: dict) -> None:
         if tag_dir is not None:
             state = store.load_checkpoint(self.engine, self.env, tag_dir, universal=universal, say=print_progress)
             self.step = state["step"]
@@ -167,9 +150,9 @@ class Trainer:
             self.tokens_seen = state.get("tokens_seen", 0) * old_world // self.env.world_size  # counted per rank
             self.bad_steps_total = state.get("bad_steps_total", 0)
             if self.env.is_main:
-                ranks = f" (written by {_ranks(old_world)})" if old_world != self.env.world_size else ""
+                ranks = f" (written by {n_ranks(old_world)})" if old_world != self.env.world_size else ""
                 print_progress(f"resumed from {tag_dir} at step {self.step}{ranks}")
-                note = schedule_change(_saved_config(tag_dir), self.cfg, self.step)
+                note = schedule_change(saved, self.cfg, self.step)
                 if note:
                     print_progress(note)
         if self.env.is_main:
@@ -191,9 +174,9 @@ class Trainer:
             print_progress(f"warning: resuming from {ckpt_dir / tag}, the newest checkpoint that is intact")
         return tag
 
-    def _check_compatible(self, state: dict, tag_dir: Path) -> None:
+    def _check_compatible(self, state: dict, tag_dir: Path, saved: dict) -> None:
         old_world = state.get("world_size", self.env.world_size)
-        old_stage = (_saved_config(tag_dir).get("distributed") or {}).get("zero_stage", self.cfg.distributed.zero_stage)
+        old_stage = (saved.get("distributed") or {}).get("zero_stage", self.cfg.distributed.zero_stage)
         if old_world != self.env.world_size and old_stage != self.cfg.distributed.zero_stage:
             raise ValueError(
                 f"checkpoint {tag_dir} was written by {old_world} ranks under ZeRO-{old_stage}; this run has "
@@ -201,7 +184,7 @@ class Trainer:
                 f"the rank count or the ZeRO stage, not both in one resume: relaunch with "
                 f"distributed.zero_stage={old_stage}."
             )
-        changed = _changed_architecture(tag_dir, self.cfg, self.tokenizer.sha256)
+        changed = changed_architecture(saved, tag_dir, self.cfg, self.tokenizer.sha256)
         if changed:
             raise ValueError(
                 f"checkpoint {tag_dir} was trained with another model or tokenizer than this run's config: "
@@ -235,7 +218,8 @@ class Trainer:
         sums = MetricSums()
         consecutive_bad = 0
         if self.env.is_main:
-            self._print_banner()
+            for line in banner_lines(c, self.env.world_size, self.module, self.train_set, self.valid_set):
+                print_progress(line)
         if self.step == 0:
             self.validate()  # the untrained baseline, so the held-out curve starts at step 0
         self.engine.train()
@@ -307,17 +291,6 @@ class Trainer:
                                     checkpoint=str(path) if path else None):
                 print_progress(line)
         return 0
-
-    def _print_banner(self) -> None:
-        """The start-up banner (training/banner.py) and one warning per setting that cannot act."""
-        from pretrain.config.lint import inert_settings
-        from pretrain.training.banner import banner_lines
-
-        for line in banner_lines(self.cfg, self.env.world_size, self.module, self.train_set, self.valid_set,
-                                 self.cfg.model.vocab_size):
-            print_progress(line)
-        for line in inert_settings(self.cfg):
-            print_progress(f"warning: {line}")
 
     def train_step(self, loader, sums: MetricSums):
         """One optimizer step over grad_accum micro-batches: forward -> loss -> backward -> step -> metrics."""
@@ -422,140 +395,6 @@ class Trainer:
             self.lock = None
 
 
-def _objective_resources(cfg: RunConfig, tokenizer, train_set) -> dict:
-    """What the configured objective needs from outside the batch: RankCSE's teachers, SARCSE's frequencies."""
-    from pretrain.training import resources
-
-    out = {}
-    if cfg.objective.rank_distill is not None:
-        out["teachers"] = resources.load_teachers(cfg.objective.rank_distill, trust=cfg.checkpoint.trust)
-    if cfg.objective.reconstruction is not None:
-        sentences = train_set if cfg.data.stage == "sentences" else None  # counted once, not rebuilt
-        out["token_freq_V"] = resources.resolve_token_freq(cfg.objective, cfg.data, tokenizer, sentences)
-    return out
-
-
-def _preflight(cfg: RunConfig) -> None:
-    """Config-only checks of paths later steps open (after the tokenizer, data and model): a wrong one fails in
-    the first seconds."""
-    if cfg.eval.stsb_every:
-        from pretrain.training.evaluation import stsb_data_dir
-
-        stsb_data_dir(cfg.eval, cfg.distributed.zero_stage)
-    if cfg.objective.rank_distill is not None:
-        from pretrain.training.resources import check_teacher_paths
-
-        check_teacher_paths(cfg.objective.rank_distill.teachers)
-
-
-def _stage_parts(cfg: RunConfig):
-    """(load tokenizer, build train set, build loader) for data.stage: pretraining documents or sentences."""
-    if cfg.data.stage == "sentences":  # seed objectives on single sentences
-        from pretrain.data import sentences
-
-        return (load_tokenizer,
-                lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
-                sentences.build_sentence_loader)
-    return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
-
-
-def resume_batch_split(*, tag_dir: Path, global_batch: int, saved: tuple[int, int, int],
-                       requested: tuple[int, int], config: tuple[int, int], world: int) -> tuple[int, int, str | None]:
-    """(micro_batch_size, grad_accum, a line to print or None) that continue a checkpoint's global batch of
-    ``global_batch`` sequences per step on ``world`` ranks; ValueError (listing the splits that work) when none
-    is allowed.
-
-    ``saved`` = (ranks, micro_batch_size, grad_accum) the checkpoint ran with, ``requested`` = the config values its
-    run was launched with (before any adjustment), ``config`` = this launch's. The config's values are kept when
-    they give the global batch. When they are the launch values but do not fit (the rank count changed), the split
-    is chosen: first the one that keeps every micro-step's sequences (micro_batch_size x ranks) and grad_accum,
-    so each micro-step is the same batch as before and the loss continues exactly; else the config's
-    micro_batch_size with another grad_accum. A changed value that does not fit is an error, not overridden.
-    """
-    old_world, old_micro, old_accum = saved
-    micro, accum = config
-    step_batch = old_micro * old_world  # sequences per micro-step, over all ranks
-    was = (f"checkpoint {tag_dir} was trained with a global batch of {global_batch} sequences (micro_batch_size "
-           f"{old_micro} x grad_accum {old_accum} x {_ranks(old_world)})")
-    if global_batch % world:
-        fits = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
-        raise ValueError(f"{was}; {_ranks(world)} cannot split it evenly. Resume on a rank count that divides "
-                         f"{global_batch} ({', '.join(map(str, fits))}), or start a new run_dir with "
-                         f"checkpoint.init_from={tag_dir} (weights only) to train with another global batch.")
-    per_rank = global_batch // world
-    more = "more" if micro * world > step_batch else "fewer"
-    changed_split = (f"; each micro-step now has {micro * world} sequences, not {step_batch}: contrastive terms get "
-                     f"{more} in-batch negatives (their loss moves to another level) and every term is normalised "
-                     f"per micro-step, so training goes on, not identical with a run that kept the split")
-    if micro * accum == per_rank:
-        if micro * world == step_batch:
-            return micro, accum, None
-        return micro, accum, (f"resuming a {old_world}-rank checkpoint on {_ranks(world)} with micro_batch_size "
-                              f"{micro} x grad_accum {accum}" + changed_split)
-    fits = [f"{m} x {per_rank // m}" for m in range(per_rank, 0, -1) if per_rank % m == 0]
-    hint = (f"On {_ranks(world)}, train.micro_batch_size x train.grad_accum must be {per_rank}: "
-            f"{', '.join(fits[:12])}{' ...' if len(fits) > 12 else ''}")
-    if (micro, accum) != tuple(requested):
-        raise ValueError(f"{was}; this run's train.micro_batch_size={micro} x train.grad_accum={accum} x "
-                         f"{_ranks(world)} gives {micro * accum * world}. Resuming keeps the global batch. {hint}, "
-                         f"or leave both at the values the run was launched with ({requested[0]} and "
-                         f"{requested[1]}) to have them chosen.")
-    head = f"resuming a {old_world}-rank checkpoint on {_ranks(world)}:"
-    if step_batch % world == 0:  # then micro_batch_size step_batch / world with the old grad_accum fits
-        new_micro = step_batch // world
-        note = (f"{head} train.micro_batch_size {micro} -> {new_micro} (grad_accum {old_accum}) keeps every "
-                f"micro-step's {step_batch} sequences and the global batch {global_batch}: the same batches as before")
-        if new_micro > micro and per_rank % micro == 0:
-            note += (f". That is {new_micro / micro:g}x the activations per rank; if it does not fit, relaunch with "
-                     f"train.grad_accum={per_rank // micro} (the losses then differ slightly: each micro-step has "
-                     f"{micro * world} sequences)")
-        return new_micro, old_accum, note
-    if per_rank % micro == 0:
-        new_accum = per_rank // micro
-        return micro, new_accum, (f"{head} train.grad_accum {accum} -> {new_accum} keeps the global batch "
-                                  f"{global_batch}" + changed_split)
-    raise ValueError(f"{was}; no split with this run's micro_batch_size {micro} keeps it on {_ranks(world)}. {hint}.")
-
-
-def _ranks(n: int) -> str:
-    return f"{n} rank" if n == 1 else f"{n} ranks"
-
-
-def _saved_config(tag_dir: Path) -> dict:
-    """The checkpoint's resolved config.yaml as a dict ({} when it has none or it is unreadable)."""
-    import yaml
-
-    try:
-        return yaml.safe_load((tag_dir / "config.yaml").read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-
-
-def _changed_architecture(tag_dir: Path, cfg: RunConfig, tokenizer_sha256: str) -> list[str]:
-    """``key: A in the checkpoint, B now`` for every model.* setting and the tokenizer that differ between the
-    checkpoint's config.yaml (+ its tokenizer copy) and this run. Settings safe to change on resume (steps,
-    logging, evaluation and checkpoint cadence, LR schedule, data workers) are not compared."""
-    from pretrain.config.loader import to_dict
-    from pretrain.data.indexed import file_sha256
-
-    old = _saved_config(tag_dir)  # {} for an old checkpoint without config: the shape check at load time applies
-    now_model, old_model = to_dict(cfg.model), old.get("model") or {}
-    changed = [f"model.{k}: {old_model[k]!r} in the checkpoint, {now_model[k]!r} now"
-               for k in sorted(now_model) if k in old_model and old_model[k] != now_model[k]]
-    tok = tag_dir / "tokenizer.json"
-    if tok.is_file() and file_sha256(str(tok)) != tokenizer_sha256:
-        changed.append(f"data.tokenizer: {cfg.data.tokenizer} is not the tokenizer the checkpoint was trained "
-                       f"with (its copy: {tok})")
-    return changed
-
-
-def _last_good_checkpoint(run_dir: Path) -> str:
-    """For the lost-node message: the checkpoint a resume would start from."""
-    ckpt_dir = store.checkpoints_dir(run_dir)
-    tag = store.find_resumable(ckpt_dir, say=lambda _: None)
-    return f"The last good checkpoint is {ckpt_dir / tag}" if tag else f"There is no checkpoint in {ckpt_dir} yet"
-
-
 def _lock_run_dir(run_dir: Path, env) -> RunLock | None:
     """Rank 0 takes ``run_dir/run.lock``; every rank stops (RunDirLocked) when it cannot be had."""
     lock, error = None, ""
@@ -615,34 +454,3 @@ def _all_finite(loss: torch.Tensor, env) -> bool:
     return bool(ok.item())
 
 
-def _init_from_model_config(cfg: RunConfig):
-    """cfg.model, with the sizes, vocabulary and pooling of checkpoint.init_from where the config does not set
-    them (a setting that contradicts the checkpoint is a ValueError naming both)."""
-    from pretrain.checkpoint.resolve import run_model_config
-
-    return run_model_config(cfg)
-
-
-def _load_init_weights(model: torch.nn.Module, path: str, *, trust: bool = False) -> None:
-    """Initial weights from anything ``open_weights`` recognises: our checkpoints, a `pretrain-convert from-hf`
-    directory, a HF or sentence-transformers BERT directory."""
-    from pretrain.checkpoint.resolve import open_weights
-
-    state = open_weights(path, trust=trust).state
-    # The contrastive projection head is a training-only head whose shape follows the recipe
-    # (e.g. SimCSE's 1-layer MLP vs CLEAR's 2-layer one): when it does not fit, it starts fresh.
-    own = model.state_dict()
-    dropped = [k for k, v in state.items() if k.startswith(HEAD_PREFIXES)
-               and (k not in own or own[k].shape != v.shape)]
-    state = {k: v for k, v in state.items() if k not in dropped}
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # shape mismatch
-        raise ValueError(f"checkpoint.init_from={path} does not fit this model ({str(e).splitlines()[-1].strip()}); "
-                         f"is it a checkpoint of another model size? Set model.* to match it.") from None
-    if unexpected:
-        raise ValueError(f"checkpoint.init_from={path} has weights this model does not: {unexpected[:5]}; "
-                         f"is it a checkpoint of another model size?")
-    if missing:
-        print_progress(f"init_from {path}: {len(missing)} tensors not in the checkpoint keep their fresh init "
-                       f"(e.g. {missing[:3]})")

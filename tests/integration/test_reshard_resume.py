@@ -20,7 +20,7 @@ import pytest
 from test_faults import _launch, _train_records  # the fault suite's torchrun helpers (same directory)
 
 from pretrain.checkpoint import store
-from pretrain.training.trainer import resume_batch_split
+from pretrain.training.resume import resume_batch_split
 
 MAX_STEPS, RESUME_AT = 6, 3
 

@@ -13,9 +13,9 @@ def test_inspect_shows_the_samples_the_loader_builds(tiny_corpus, tiny_overrides
     overrides = tiny_overrides(tmp_path / "run", data__augment__methods="del-span+reorder")
     cfg = load_run_config(None, overrides)
     tokenizer, samples = inspect_samples(cfg, 6, start=12)
-    from pretrain.training.trainer import _stage_parts
+    from pretrain.training.build import stage_parts
 
-    _, build_train_set, _ = _stage_parts(cfg)
+    _, build_train_set, _ = stage_parts(cfg)
     dataset = build_train_set(cfg, tokenizer)
     loader = build_loader(dataset, seed=cfg.seed, rank=0, world_size=1, micro_batch_size=6, start_sample=12,
                           num_workers=0, pad_id=tokenizer.pad_id)

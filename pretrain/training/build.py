@@ -1,0 +1,120 @@
+"""What a run builds before DeepSpeed starts, shared by the trainer and ``pretrain-train --dry-run``: the
+config-only preflight, the stage's tokenizer/dataset/loader builders, the model config (init_from's architecture,
+the tokenizer's vocabulary) and the module with its objective (init_from's weights, RankCSE's teachers, SARCSE's
+frequencies)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pretrain.config import RunConfig
+from pretrain.data.datasets import build_dataset
+from pretrain.data.loader import build_loader
+from pretrain.data.tokenizer import load_tokenizer
+from pretrain.metrics.writer import print_progress
+from pretrain.model import build_model
+from pretrain.objective import Context, Objective, TrainModule
+
+HEAD_PREFIXES = ("projection.",)
+"""Training-only heads that init_from re-initialises when the checkpoint's shape does not fit."""
+
+
+def objective_resources(cfg: RunConfig, tokenizer, train_set) -> dict:
+    """What the configured objective needs from outside the batch: RankCSE's teachers, SARCSE's frequencies."""
+    from pretrain.training import resources
+
+    out = {}
+    if cfg.objective.rank_distill is not None:
+        out["teachers"] = resources.load_teachers(cfg.objective.rank_distill, trust=cfg.checkpoint.trust)
+    if cfg.objective.reconstruction is not None:
+        sentences = train_set if cfg.data.stage == "sentences" else None  # counted once, not rebuilt
+        out["token_freq_V"] = resources.resolve_token_freq(cfg.objective, cfg.data, tokenizer, sentences)
+    return out
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Config-only checks of paths later steps open (after the tokenizer, data and model): a wrong one fails in
+    the first seconds."""
+    if cfg.eval.stsb_every:
+        from pretrain.training.evaluation import stsb_data_dir
+
+        stsb_data_dir(cfg.eval, cfg.distributed.zero_stage)
+    if cfg.objective.rank_distill is not None:
+        from pretrain.training.resources import check_teacher_paths
+
+        check_teacher_paths(cfg.objective.rank_distill.teachers)
+
+
+def stage_parts(cfg: RunConfig):
+    """(load tokenizer, build train set, build loader) for data.stage: pretraining documents or sentences."""
+    if cfg.data.stage == "sentences":  # seed objectives on single sentences
+        from pretrain.data import sentences
+
+        return (load_tokenizer,
+                lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
+                sentences.build_sentence_loader)
+    return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
+
+
+def open_init_weights(cfg: RunConfig):
+    """checkpoint.init_from opened (``resolve.open_weights``), or None without one."""
+    if not cfg.checkpoint.init_from:
+        return None
+    from pretrain.checkpoint.resolve import open_weights
+
+    return open_weights(cfg.checkpoint.init_from, trust=cfg.checkpoint.trust)
+
+
+def model_config(cfg: RunConfig, tokenizer, init):
+    """The model a run builds: cfg.model with the architecture of the init_from weights ``init`` where the config
+    does not set it (a contradicting setting is a ValueError naming both), and the tokenizer's vocabulary size
+    when model.vocab_size is 0."""
+    from pretrain.checkpoint.resolve import run_model_config
+
+    model_cfg = run_model_config(cfg, init)
+    if model_cfg.vocab_size == 0:
+        return dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
+    if model_cfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's vocabulary "
+                         f"({tokenizer.vocab_size}, {cfg.data.tokenizer}); set model.vocab_size=0")
+    return model_cfg
+
+
+def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> TrainModule:
+    """The model (cfg.model, from ``model_config``) with the init_from weights ``init`` loaded, and its objective.
+    Initial weights (the model's and the objective's heads') are identical on every rank: drawn from the seed in a
+    scoped RNG that leaves the process-global one alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model)
+        if init is not None:
+            _load_init_weights(model, init)
+        if cfg.train.compile:
+            model.encoder.compile_layers()
+        ctx = Context(env=env, ops=cfg.ops, pooling=cfg.model.pooling, stage=cfg.data.stage)
+        return TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
+
+
+def _load_init_weights(model: torch.nn.Module, init) -> None:
+    """Initial weights from anything ``open_weights`` recognises (``init``): our checkpoints, a `pretrain-convert
+    from-hf` directory, a HF or sentence-transformers BERT directory."""
+    state, path = init.state, init.path
+    # The contrastive projection head is a training-only head whose shape follows the recipe
+    # (e.g. SimCSE's 1-layer MLP vs CLEAR's 2-layer one): when it does not fit, it starts fresh.
+    own = model.state_dict()
+    dropped = [k for k, v in state.items() if k.startswith(HEAD_PREFIXES)
+               and (k not in own or own[k].shape != v.shape)]
+    state = {k: v for k, v in state.items() if k not in dropped}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatch
+        raise ValueError(f"checkpoint.init_from={path} does not fit this model ({str(e).splitlines()[-1].strip()}); "
+                         f"is it a checkpoint of another model size? Set model.* to match it.") from None
+    if unexpected:
+        raise ValueError(f"checkpoint.init_from={path} has weights this model does not: {unexpected[:5]}; "
+                         f"is it a checkpoint of another model size?")
+    if missing:
+        print_progress(f"init_from {path}: {len(missing)} tensors not in the checkpoint keep their fresh init "
+                       f"(e.g. {missing[:3]})")
