@@ -12,7 +12,7 @@ Layout under ``<run_dir>/checkpoints/``::
                               trainer_state.json): what ``verify_checkpoint`` checks
     latest                    the tag of the newest complete checkpoint
     universal/step_00001000/  derived, only after a resume on another number of ranks under ZeRO 1-3: the
-                              tag's optimizer state in DeepSpeed's universal layout (``prepare_universal``);
+                              tag's optimizer state in DeepSpeed's universal layout (``universal.py``);
                               removed with its tag
 
 A save writes into ``.tmp-step_…`` and is published by one ``os.replace`` of the directory,
@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import torch
@@ -43,12 +42,6 @@ SAMPLE_BLOCKS = 8
 """The sampled checksum of a file: sha256 of its size and of SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes evenly
 spread from its first to its last byte (the whole file when smaller): at most 8 MiB read per file."""
 LATEST_FILE = "latest"
-UNIVERSAL_DIR = "universal"
-"""``checkpoints/universal/<tag>``: the universal form of a checkpoint, converted once for resuming it on another
-number of ranks."""
-UNIVERSAL_SOURCE = "source.json"
-"""In a universal copy: which checkpoint it was made from and its own files' sizes and sampled sha256 (written
-last, before the copy is published by a rename)."""
 _TAG_RE = re.compile(r"^step_(\d{8,})$")
 
 
@@ -95,7 +88,7 @@ def _step_of(tag: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
@@ -150,7 +143,7 @@ def _record_files(env, tmp_dir: Path) -> None:
         torch.distributed.all_gather_object(parts, mine)
         mine = {k: v for part in parts for k, v in part.items()}
     if env.is_main:
-        _atomic_write_text(tmp_dir / FILES_FILE, json.dumps({"files": mine, "sample_block": SAMPLE_BLOCK,
+        atomic_write_text(tmp_dir / FILES_FILE, json.dumps({"files": mine, "sample_block": SAMPLE_BLOCK,
                                                               "sample_blocks": SAMPLE_BLOCKS}, indent=1))
 
 
@@ -168,10 +161,10 @@ def verify_checkpoint(tag_dir: Path, *, full: bool = False) -> list[str]:
         return []
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [f"{FILES_FILE} is unreadable ({type(e).__name__})"]
-    return _check_files(tag_dir, recorded, full=full, manifest=FILES_FILE)
+    return check_files(tag_dir, recorded, full=full, manifest=FILES_FILE)
 
 
-def _check_files(directory: Path, recorded: dict, *, full: bool, manifest: str) -> list[str]:
+def check_files(directory: Path, recorded: dict, *, full: bool, manifest: str) -> list[str]:
     """What differs between the files of ``directory`` and their recorded sizes and digests ([] = good)."""
     problems = []
     for name, want in sorted(recorded.items()):
@@ -251,7 +244,7 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
     if not failed and env.is_main:
         try:
             state = dict(trainer_state, format_version=FORMAT_VERSION, step=step, tag=tag)
-            _atomic_write_text(tmp_dir / STATE_FILE, json.dumps(state, indent=2))
+            atomic_write_text(tmp_dir / STATE_FILE, json.dumps(state, indent=2))
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
     failed = _any_rank(env, error is not None)
@@ -264,15 +257,17 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
             f"the previous checkpoint ({previous or 'none'}) is intact. Free disk space in {ckpt_dir} and resume."
         )
     if env.is_main:
+        from pretrain.checkpoint import universal  # (it imports this module)
+
         final_dir = ckpt_dir / tag
         if final_dir.exists():  # an older copy of this step (e.g. a redone step after resume): replace it
-            shutil.rmtree(universal_dir(final_dir), ignore_errors=True)
+            shutil.rmtree(universal.universal_dir(final_dir), ignore_errors=True)
             shutil.rmtree(final_dir)
         os.replace(tmp_dir, final_dir)
-        _atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
+        atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
         for old in list_complete(ckpt_dir)[:-keep_last]:
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-        _prune_universal(ckpt_dir)
+        universal.prune(ckpt_dir)
     _barrier(env)
     return ckpt_dir / tag
 
@@ -304,11 +299,16 @@ def upgrade_state(state: dict) -> dict:
 
 def load_checkpoint(engine, env, tag_dir: Path, *, universal: bool = False, say=print) -> dict:
     """Collective load of engine state + this rank's RNG; returns trainer_state. ``universal``: the engine state
-    comes from the checkpoint's universal copy (``prepare_universal``; the engine was built to load one), which
+    comes from the checkpoint's universal copy (``universal.prepare``; the engine was built to load one), which
     re-splits ZeRO's optimizer partitions over this run's ranks. A rank the checkpoint did not have keeps its RNG
     (nothing in training draws from it: data noise and dropout are keyed)."""
     state = read_trainer_state(tag_dir)
-    source = prepare_universal(env, tag_dir, say=say) if universal else tag_dir
+    if universal:
+        from pretrain.checkpoint import universal as universal_copy
+
+        source = universal_copy.prepare(env, tag_dir, say=say)
+    else:
+        source = tag_dir
     engine.load(str(source.parent), source.name)
     rng = load_rng_state(tag_dir / f"rng_rank{env.rank}.pt")
     if rng is not None:
@@ -330,130 +330,6 @@ def load_rng_state(rng_file: Path) -> dict | None:
     if not isinstance(rng, dict) or not torch.is_tensor(rng.get("torch")):
         raise CheckpointError(f"{rng_file} holds no RNG state; the checkpoint is damaged")
     return rng
-
-
-def universal_dir(tag_dir: Path) -> Path:
-    """Where the universal copy of checkpoint ``tag_dir`` lives: ``checkpoints/universal/<tag>``."""
-    return tag_dir.parent / UNIVERSAL_DIR / tag_dir.name
-
-
-def prepare_universal(env, tag_dir: Path, *, say=print) -> Path:
-    """Collective: the checkpoint's ZeRO optimizer state in DeepSpeed's universal layout (every parameter's fp32
-    weights and Adam moments whole, loadable on any number of ranks); returns its directory.
-
-    Rank 0 converts it once (DeepSpeed's ds_to_universal, reading the checkpoint's own files) into a temporary
-    directory and publishes it by one rename, with ``source.json`` naming the checkpoint it was made from and its
-    files' digests; the other ranks wait. A copy that is absent, partial, damaged or made from another
-    checkpoint of the same step is (re)built, never used. The checkpoint itself is only read."""
-    out = universal_dir(tag_dir)
-    ranks = f"{env.world_size} rank{'s' if env.world_size > 1 else ''}"
-
-    def build() -> None:
-        problems = _universal_problems(out, tag_dir)
-        if not problems:
-            return
-        if out.exists():
-            say(f"rebuilding {out}: {'; '.join(problems)}")
-        say(f"converting checkpoint {tag_dir} to DeepSpeed's universal layout for {ranks} (once: kept in {out})")
-        _convert_universal(tag_dir, out)
-
-    error = _on_main_rank(env, build)
-    if error is not None:
-        raise CheckpointError(
-            f"converting checkpoint {tag_dir} to DeepSpeed's universal layout (to resume it on {ranks}) failed: "
-            f"{error}. The checkpoint itself is unchanged: resume it with the number of ranks it was written with "
-            f"(world_size in its {STATE_FILE}), or start a new run_dir with checkpoint.init_from={tag_dir} "
-            f"(weights only)."
-        )
-    return out
-
-
-def _source_id(tag_dir: Path) -> str:
-    """What identifies a checkpoint's contents: the sha256 of its files.json (of trainer_state.json without one)."""
-    manifest = tag_dir / FILES_FILE
-    return hashlib.sha256((manifest if manifest.is_file() else tag_dir / STATE_FILE).read_bytes()).hexdigest()
-
-
-def _universal_problems(out: Path, tag_dir: Path) -> list[str]:
-    """Why the universal copy ``out`` cannot be used for ``tag_dir`` ([] = it can)."""
-    try:
-        source = json.loads((out / UNIVERSAL_SOURCE).read_text(encoding="utf-8"))
-        made_from, recorded = source["checkpoint"], source["files"]
-    except FileNotFoundError:
-        return ["it does not exist" if not out.exists() else f"it has no {UNIVERSAL_SOURCE} (incomplete)"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"{UNIVERSAL_SOURCE} is unreadable ({type(e).__name__})"]
-    if made_from != _source_id(tag_dir):
-        return [f"it was made from another checkpoint {tag_dir.name} than the one there now"]
-    return _check_files(out, recorded, full=False, manifest=UNIVERSAL_SOURCE)
-
-
-def _convert_universal(tag_dir: Path, out: Path) -> None:
-    """Rank 0: ds_to_universal into ``universal/.tmp-<tag>/<tag>``, digests recorded, published by os.replace."""
-    from pretrain.distributed.engine import convert_to_universal
-
-    tmp_root = out.parent / (".tmp-" + out.name)
-    shutil.rmtree(tmp_root, ignore_errors=True)  # what a conversion that died half-way left
-    tmp_root.mkdir(parents=True)
-    tmp = tmp_root / out.name
-    log_path = tmp_root / "convert.log"
-    try:
-        with open(log_path, "w", encoding="utf-8") as log:
-            convert_to_universal(str(tag_dir), str(tmp), log=log)
-    except Exception as e:  # noqa: BLE001 - DeepSpeed's converter raises anything from asserts to KeyError
-        tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
-        shutil.rmtree(tmp_root, ignore_errors=True)
-        said = f" (DeepSpeed's output ended: {' | '.join(tail)})" if tail else ""
-        raise CheckpointError(f"{type(e).__name__}: {e}{said}") from None
-    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-    source = {"checkpoint": _source_id(tag_dir), "files": {n: file_digests(tmp / n, full=False) for n in names}}
-    _atomic_write_text(tmp / UNIVERSAL_SOURCE, json.dumps(source, indent=1))
-    if out.exists():  # stale or damaged: replaced by the fresh copy
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    shutil.rmtree(tmp_root, ignore_errors=True)
-
-
-def _prune_universal(ckpt_dir: Path) -> None:
-    """Removes universal copies whose checkpoint is gone (retention), and leftovers of interrupted conversions."""
-    root = ckpt_dir / UNIVERSAL_DIR
-    if not root.is_dir():
-        return
-    keep = set(list_complete(ckpt_dir))
-    for p in root.iterdir():
-        if p.name not in keep:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _on_main_rank(env, fn) -> str | None:
-    """Runs ``fn()`` on rank 0 while the other ranks wait; returns, on every rank, rank 0's error as
-    "Type: message" or None. The wait is one small all-reduce per second rather than one barrier: the work
-    may take longer than distributed.timeout_s, and a rank 0 that dies still ends the wait within it."""
-    box: dict = {}
-
-    def call() -> None:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - reported to every rank, which then raises CheckpointError
-            box["error"] = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-
-    if not env.is_distributed:
-        call()
-        return box.get("error")
-    from pretrain.distributed.comm import all_reduce_host
-
-    worker = threading.Thread(target=call, name="universal-checkpoint", daemon=True) if env.is_main else None
-    if worker is not None:
-        worker.start()
-    while True:
-        if worker is not None:
-            worker.join(timeout=1.0)
-        done = worker is not None and not worker.is_alive()
-        if all_reduce_host(torch.tensor([int(done)], dtype=torch.int64)).item():
-            break
-    box_list = [box.get("error")]
-    torch.distributed.broadcast_object_list(box_list, src=0)
-    return box_list[0]
 
 
 def resolve_tag_dir(path: str | os.PathLike) -> Path:

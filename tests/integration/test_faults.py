@@ -22,6 +22,7 @@ import torch
 
 import pretrain.objective as objective_mod
 from pretrain.checkpoint import store
+from pretrain.checkpoint.universal import UNIVERSAL_SOURCE
 from pretrain.data.shards import ShardedDataset, verify_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -375,7 +376,7 @@ def test_resume_with_other_rank_count(tmp_path, tiny_overrides, clean_env, capsy
             assert r[key] == pytest.approx(ref[r["step"]][key], rel=1e-5), key
     universal = store.checkpoints_dir(z1) / "universal"
     assert sorted(p.name for p in universal.iterdir()) == ["step_00000002"]  # published; no temporary left
-    assert (universal / "step_00000002" / store.UNIVERSAL_SOURCE).is_file()
+    assert (universal / "step_00000002" / UNIVERSAL_SOURCE).is_file()
     assert sorted(p.name for p in tag_dir.iterdir()) == files_before  # the checkpoint itself is only read
     assert store.verify_checkpoint(tag_dir, full=True) == []
     import yaml

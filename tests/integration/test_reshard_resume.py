@@ -20,6 +20,7 @@ import pytest
 from test_faults import _launch, _train_records  # the fault suite's torchrun helpers (same directory)
 
 from pretrain.checkpoint import store
+from pretrain.checkpoint.universal import UNIVERSAL_DIR, UNIVERSAL_SOURCE
 from pretrain.training.resume import resume_batch_split
 
 MAX_STEPS, RESUME_AT = 6, 3
@@ -133,8 +134,8 @@ def test_resume_on_another_rank_count_continues_the_run(stage, old_world, new_wo
         assert f"train.micro_batch_size {micro} -> {micro * old_world // new_world} (grad_accum {accum})" in out
     else:
         assert "train.grad_accum 2 -> 1 keeps the global batch 12" in out and "not identical" in out
-    universal = ckpt_dir / store.UNIVERSAL_DIR / tag_dir.name
-    assert (universal / store.UNIVERSAL_SOURCE).is_file()  # converted once, published complete
+    universal = ckpt_dir / UNIVERSAL_DIR / tag_dir.name
+    assert (universal / UNIVERSAL_SOURCE).is_file()  # converted once, published complete
     assert sorted(p.name for p in tag_dir.iterdir()) == files_before  # the checkpoint itself is only read
     assert store.verify_checkpoint(tag_dir, full=True) == []
 
