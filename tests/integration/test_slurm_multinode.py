@@ -16,7 +16,6 @@ Every job is `pretrain.train` with ZeRO-2 on 4 gloo ranks (tiny model, CPU), and
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import re
@@ -39,7 +38,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _load(name: str):
-    """tests/slurm/<name>.py as a module (tests/ is not a package)."""
+    """tests/slurm/<name>.py as a module (tests/ is not a package), loaded once per process."""
+    if f"slurm_{name}" in sys.modules:
+        return sys.modules[f"slurm_{name}"]
     spec = importlib.util.spec_from_file_location(f"slurm_{name}", REPO / "tests" / "slurm" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
@@ -99,20 +100,11 @@ until Slurm declares that node down (SlurmdTimeout)."""
 
 
 def _train_losses(run_dir: Path) -> dict[int, float]:
-    """step -> loss of the train records; a step logged twice keeps its last record."""
-    losses = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("split", "train") == "train" and "loss" in rec:
-            losses[rec["step"]] = rec["loss"]
-    return losses
+    return _load("jobdata").train_losses(run_dir)
 
 
 def _num_steps(run_dir: Path) -> int:
-    try:
-        return len(_train_losses(run_dir))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return 0
+    return _load("jobdata").num_steps(run_dir)
 
 
 def _complete_checkpoints(run_dir: Path) -> list[int]:

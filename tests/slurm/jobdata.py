@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -26,3 +27,21 @@ def overrides(paths: dict, *, max_steps: int, checkpoint_every: int = 0, keep_la
         "train.eval_every=0", "train.eval_batches=0", "data.max_len=64", "data.view_max_len=32",
         "data.num_workers=0", f"checkpoint.every={checkpoint_every}", f"checkpoint.keep_last={keep_last}", *extra,
     ]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss of the run's train records; a step logged twice keeps its last record."""
+    losses = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("split", "train") == "train" and "loss" in rec:
+            losses[rec["step"]] = rec["loss"]
+    return losses
+
+
+def num_steps(run_dir: Path) -> int:
+    """Steps logged so far (0 before the run wrote any, or while a line is half-written)."""
+    try:
+        return len(train_losses(run_dir))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
