@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.checkpoint.files import atomic_write_text
 from pretrain.study_plan import EVAL_RESULTS, Planner, Step, Study, StudyError, load_study
 
 # ------------------------------------------------------------------------------------------------ done, stamps
@@ -142,9 +143,7 @@ class Status:
         }
         self.data["totals"]["cpu_h"] = round(self.data["totals"]["cpu_s"] / 3600, 3)
         self.data["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(self.data, indent=1))
 
 
 class Runner:

@@ -1,4 +1,4 @@
-"""Artifact files with the user's normal permissions.
+"""Artifact files: written whole or not at all, with the user's normal permissions.
 
 Two writers give private modes behind our back: ``safetensors.torch.save_file`` writes a temporary file
 (mode 0600) and renames it into place, and ``tempfile.mkdtemp``/``mkstemp`` create 0700/0600 entries. A
@@ -8,6 +8,7 @@ every such write goes through here.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -46,3 +47,26 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
 def publish_dir(tmp_dir: str | os.PathLike) -> None:
     """Give a ``tempfile.mkdtemp`` directory (0700) the normal directory mode before it is renamed into place."""
     os.chmod(tmp_dir, dir_mode())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``path`` durably and atomically: a temporary file beside it (fsynced), then one rename; a reader
+    sees the old content or the new, never part of it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj, *, indent: int = 2) -> None:
+    """``obj`` as JSON into ``path`` (parents created), the way HF and sentence-transformers files are written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=indent) + "\n", encoding="utf-8")

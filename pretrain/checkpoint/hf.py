@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import publish_dir, save_safetensors
+from pretrain.checkpoint.files import publish_dir, save_safetensors, write_json
 from pretrain.config.model import ModelConfig
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
 from pretrain.model.init import init_bert_weights
@@ -218,16 +218,11 @@ def clean_tokenizer(tok):
     return tok
 
 
-def _write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-
-
 def _write_tokenizer_files(tok, out: Path, model_max_length: int) -> None:
     tok.save(str(out / "tokenizer.json"))
     special = {f"{name}_token": t for name, t in SPECIAL_TOKENS.items()}
-    _write_json(out / "special_tokens_map.json", special)
-    _write_json(
+    write_json(out / "special_tokens_map.json", special)
+    write_json(
         out / "tokenizer_config.json",
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length, **special},
     )
@@ -302,12 +297,12 @@ def export_hf(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_safetensors(base, tmp / "model.safetensors", metadata={"format": "pt"})
-        _write_json(tmp / "config.json", hf_config)
+        write_json(tmp / "config.json", hf_config)
         if mlm_head:
             (tmp / MLM_SUBDIR).mkdir()
             mlm = {k: v for k, v in hf.items() if not k.startswith("bert.pooler.")}
             save_safetensors(mlm, tmp / MLM_SUBDIR / "model.safetensors", metadata={"format": "pt"})
-            _write_json(tmp / MLM_SUBDIR / "config.json", {**hf_config, "architectures": ["BertForMaskedLM"]})
+            write_json(tmp / MLM_SUBDIR / "config.json", {**hf_config, "architectures": ["BertForMaskedLM"]})
         if heads:
             save_safetensors(heads, tmp / PROJECTION_FILE, metadata={"format": "pt"})
         _write_tokenizer_files(tok, tmp, max_len)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import save_safetensors
+from pretrain.checkpoint.files import save_safetensors, write_json
 from pretrain.config.model import ModelConfig
 
 ST_POOLING = {"cls": "cls", "cls_before_pooler": "cls", "mean": "mean", "first_last_avg": "mean"}
@@ -39,11 +39,6 @@ _LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "ma
 SENTENCE_FIELDS = ("pooling", "normalize", "dense_dim", "dense_activation", "dense_bias")
 """The ModelConfig fields a sentence-transformers model states (with ``pooler``, from the weights)."""
 ST_TYPE = "sentence_transformers.models."
-
-
-def _write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------- write
@@ -62,7 +57,7 @@ def write_st_modules(out: Path, cfg: ModelConfig, pooling: str, state: dict, max
         path = "" if kind == "Transformer" else f"{n}_{kind}"
         modules.append({"idx": n, "name": str(n), "path": path, "type": ST_TYPE + kind})
         if files is not None:
-            _write_json(out / path / "config.json", files)
+            write_json(out / path / "config.json", files)
         if weights is not None:
             save_safetensors(weights, out / path / "model.safetensors", metadata={"format": "pt"})
 
@@ -86,9 +81,9 @@ def write_st_modules(out: Path, cfg: ModelConfig, pooling: str, state: dict, max
             {k.removeprefix("sentence_dense."): state[k].clone() for k in state if k.startswith("sentence_dense.")})
     if cfg.normalize:
         add("Normalize")  # no files: sentence-transformers builds it from the type alone
-    _write_json(out / "modules.json", modules)
-    _write_json(out / "sentence_bert_config.json", st_config)
-    _write_json(out / "config_sentence_transformers.json",
+    write_json(out / "modules.json", modules)
+    write_json(out / "sentence_bert_config.json", st_config)
+    write_json(out / "config_sentence_transformers.json",
                 {"__version__": {"pretrain": "0.1.0"}, "prompts": {}, "default_prompt_name": None,
                  "similarity_fn_name": "cosine"})
     return [m["type"].rsplit(".", 1)[-1] for m in modules]

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from pretrain.checkpoint.files import atomic_write_text
+
 FORMAT_VERSION = 2
 """2: trainer_state.json names the sample stream (``sample_stream``); a version-1 pretraining state is read as
 stream 'generator-v1' (numpy Generators per sample), which this version does not resume into."""
@@ -88,15 +90,6 @@ def _step_of(tag: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def file_digests(path: Path, *, full: bool = True) -> dict:
     """{"bytes", "sampled_sha256"[, "sha256"]} of one file."""
     size = path.stat().st_size
@@ -135,7 +128,8 @@ def _record_files(env, tmp_dir: Path) -> None:
     """files.json of a checkpoint being published: the files are split over the ranks, each hashes its share
     (read back from the page cache right after writing), rank 0 writes the union."""
     names = sorted(str(p.relative_to(tmp_dir)) for p in tmp_dir.rglob("*")
-                   if p.is_file() and p.name not in (STATE_FILE, FILES_FILE) and not p.name.endswith(".tmp"))
+                   if p.is_file() and p.name not in (STATE_FILE, FILES_FILE) and not p.name.endswith(".tmp")
+                   and not p.name.startswith("."))
     world = env.world_size if env.is_distributed else 1
     mine = {n: file_digests(tmp_dir / n) for n in names[env.rank::world]}
     if env.is_distributed:

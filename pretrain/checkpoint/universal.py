@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.store import (FILES_FILE, STATE_FILE, CheckpointError, atomic_write_text, check_files,
-                                       file_digests, list_complete)
+from pretrain.checkpoint.files import atomic_write_text
+from pretrain.checkpoint.store import FILES_FILE, STATE_FILE, CheckpointError, check_files, file_digests, list_complete
 
 UNIVERSAL_DIR = "universal"
 """``checkpoints/universal/<tag>``: the universal form of a checkpoint, converted once for resuming it on another

@@ -229,6 +229,8 @@ def evaluate_transfer(encode_fn: EncodeFn, data_dir: str | Path, tasks=TASKS,
     import json
     import time
 
+    from pretrain.checkpoint.files import atomic_write_text
+
     cfg = cfg or ClassifierConfig()
     say = log or (lambda _: None)
     key = {"model": resume_key or {}, "classifier": {k: v for k, v in dataclasses.asdict(cfg).items()
@@ -259,19 +261,12 @@ def evaluate_transfer(encode_fn: EncodeFn, data_dir: str | Path, tasks=TASKS,
         out[name] = evaluate_transfer_task(encode_fn, data, cfg)
         say(f"[senteval] {name}: acc {out[name]['acc']:.2f} ({time.perf_counter() - t0:.0f} s)")
         if results_path is not None:
-            _write_json_atomic(Path(results_path), {"key": key, "tasks": out})
+            Path(results_path).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(results_path, json.dumps({"key": key, "tasks": out}, indent=1))
     out["avg"] = float(np.mean([out[t]["acc"] for t in tasks]))
     return out
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    import json
-    import os
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def transfer_markdown_table(rows: dict[str, dict]) -> str:
