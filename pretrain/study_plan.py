@@ -16,7 +16,7 @@ A study file (``configs/studies/*.yaml``) has these top-level keys::
     evaluations:
       weights: final | best            # the run directory, or <run_dir>/best (STS-B dev keep-best)
       runs: [{name: sts, tool: pretrain-eval | pretrain-finetune-glue, args: [...]}]   # every run, the same
-    tables: [{kind: sts | glue | align | report, title: ..., evals: [sts], convention: all, arms: [...]}]
+    tables: [{kind: sts | glue | align | training | report, title: ..., evals: [sts], convention: all, arms: [...]}]
 
 An arm may not set a key the shared overrides set unless it lists it under ``replaces_shared`` (a remedy arm that
 is meant to differ there). Strings may hold the placeholders of ``PLACEHOLDER``; ``{run:ARM}`` and friends make
@@ -91,7 +91,8 @@ class EvalSpec:
 @dataclass(kw_only=True)
 class TableSpec:
     kind: str
-    """sts | glue | align | report (pretrain-report overlay)."""
+    """sts | glue | align | training (escape from chance, held-out MLM, STS avg of its evals) | report
+    (pretrain-report overlay)."""
     title: str = ""
     evals: list[str] = field(default_factory=list)
     arms: list[str] = field(default_factory=list)
@@ -226,15 +227,15 @@ def _check(s: Study) -> None:
         if taken:
             raise StudyError(f"{where}: evaluation {e.name}: {', '.join(taken)} are set by the driver")
     for t in s.tables:
-        if t.kind not in ("sts", "glue", "align", "report"):
-            raise StudyError(f"{where}: table kind {t.kind!r} is not one of sts, glue, align, report")
+        if t.kind not in ("sts", "glue", "align", "training", "report"):
+            raise StudyError(f"{where}: table kind {t.kind!r} is not one of sts, glue, align, training, report")
         for e in t.evals:
             if e not in [x.name for x in s.evals]:
                 raise StudyError(f"{where}: table {t.title or t.kind} names evaluation {e!r}, which "
                                  f"evaluations.runs lacks")
         for a in t.arms:
             s.arm(a)
-        if t.kind != "report" and not t.evals:
+        if t.kind not in ("report", "training") and not t.evals:
             raise StudyError(f"{where}: table {t.title or t.kind} needs evals: [NAME, ...]")
         if t.convention not in ("all", "mean", "wmean"):
             raise StudyError(f"{where}: table {t.title or t.kind}: convention must be all, mean or wmean")

@@ -135,7 +135,103 @@ def _short(value, out: Path) -> str:
     return text if len(text) <= 48 else text[:45] + "..."
 
 
-KINDS = {"sts": sts_table, "glue": glue_table, "align": align_table}
+def escape_step(records: list[dict], key: str, chance: float, tolerance: float) -> int | None:
+    """The first logged training step from which the contrastive term ``key`` stays more than ``tolerance``
+    (relative) below its chance value for the rest of the run; None when it is still at chance at the end."""
+    points = [(r["step"], r[key]) for r in records if r.get("split") == "train" and key in r]
+    below = [loss < (1.0 - tolerance) * chance for _, loss in points]
+    if not points or not below[-1]:
+        return None
+    i = len(points) - 1
+    while i > 0 and below[i - 1]:
+        i -= 1
+    return points[i][0]
+
+
+def run_dynamics(run_dir: Path) -> dict | None:
+    """What a run's metrics.jsonl says about its training: per contrastive term the chance value ln(2m-1) or
+    ln(m), the step it escaped chance (see escape_step), its final training loss and the embeddings' final mean
+    cosine; the final held-out MLM loss; the last step. None when the run has no metrics yet."""
+    from pretrain.config import RunConfig
+    from pretrain.config.loader import from_dict, read_yaml
+    from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
+
+    metrics, config = run_dir / "metrics.jsonl", run_dir / "config.yaml"
+    if not metrics.is_file() or not config.is_file():
+        return None
+    records = []
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line of a run that is still writing
+    if not records:
+        return None
+    cfg = from_dict(RunConfig, read_yaml(config))
+    world = 1
+    states = sorted((run_dir / "checkpoints").glob("step_*/trainer_state.json"))
+    if states:
+        world = json.loads(states[-1].read_text()).get("world_size", 1)
+    train = [r for r in records if r.get("split") == "train"]
+    valid = [r for r in records if r.get("split") not in ("train", None)]
+    out = {"last_step": max(r["step"] for r in records), "terms": {},
+           "heldout_mlm": next((r["mlm"] for r in reversed(valid) if "mlm" in r), None)}
+    for name, chance in chance_losses(cfg, world).items():
+        last = next((r for r in reversed(train) if name in r), None)
+        if last is None:
+            continue
+        cos_key = "cl_emb_cos" if name == "nt_xent" else f"{name}_emb_cos"
+        out["terms"][name] = {"chance": chance, "escape_step": escape_step(records, name, chance, COLLAPSE_TOLERANCE),
+                              "final": last[name], "emb_cos": last.get(cos_key)}
+    return out
+
+
+def training_table(planner, table) -> tuple[list[str], list[dict]]:
+    """Rows per arm: steps to escape chance of the contrastive term, its final loss and embedding cosine, the
+    held-out MLM loss, and the STS average of each evaluation named (mean ± std over seeds)."""
+    from pretrain.eval.sts import TASKS
+    from pretrain.study_plan import run_name
+
+    arms = [planner.study.arm(a) for a in table.arms] if table.arms else planner.study.arms
+    head = ["| Model | escaped chance at step | contrastive loss (chance) | emb. cos | held-out MLM | "
+            + "".join(f"STS avg {e} | " for e in table.evals) + "seeds |",
+            "|---|" + "---:|" * (5 + len(table.evals))]
+    rows, data = [], []
+    for arm in arms:
+        dyn = [run_dynamics(planner.out / "runs" / run_name(arm.name, s)) for s in arm.seeds]
+        done = [d for d in dyn if d]
+        term = next((t for d in done for t in d["terms"]), None)
+        cells: dict = {"heldout_mlm": _stats([d["heldout_mlm"] for d in done])}
+        escape, loss, cos = "–", "–", "–"
+        if term:
+            ts = [d["terms"][term] for d in done if term in d["terms"]]
+            steps = [t["escape_step"] for t in ts]
+            cells.update(term=term, escape_steps=steps, chance=ts[0]["chance"],
+                         final=_stats([t["final"] for t in ts]), emb_cos=_stats([t["emb_cos"] for t in ts]))
+            escape = ", ".join("never" if s is None else str(s) for s in steps)
+            loss = f"{_fmt(cells['final'], 3)} ({cells['chance']:.3f})"
+            cos = _fmt(cells["emb_cos"], 3)
+        for e in table.evals:
+            avgs = []
+            for r in _results(planner, arm, e):
+                s = (r or {}).get("sts") or {}
+                if s and all(t in s for t in TASKS):
+                    avgs.append(statistics.fmean(s[t]["spearman"]["all"] for t in TASKS))
+            cells[f"sts_{e}"] = _stats(avgs)
+        last = ", ".join(str(d["last_step"]) for d in done) or "–"
+        rows.append(f"| {arm.name} | {escape} | {loss} | {cos} | {_fmt(cells['heldout_mlm'], 3)} | "
+                    + "".join(f"{_fmt(cells[f'sts_{e}'])} | " for e in table.evals)
+                    + f"{len(done)}/{len(arm.seeds)} (step {last}) |")
+        data.append({"label": arm.name, "cells": cells})
+    note = ("Escaped chance at step: the first logged training step from which the contrastive loss stays more "
+            "than 2% below its chance value (ln(2m-1) for NT-Xent over m sentences, ln(m) for InfoNCE/ArcCon) to "
+            "the end; 'never' = still at chance at the last step. Contrastive loss and emb. cos (mean pairwise "
+            "cosine of the pooled embeddings of different sentences) at the last logged step; held-out MLM = "
+            "the last validation MLM loss. STS avg: 7 tasks, Spearman ×100, subsets concatenated.")
+    return head + rows + ["", note], data
+
+
+KINDS = {"sts": sts_table, "glue": glue_table, "align": align_table, "training": training_table}
 
 
 def write_results(study, planner, configs: dict[str, dict], status: dict) -> Path:

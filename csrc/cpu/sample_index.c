@@ -1,14 +1,17 @@
-/* Greedy sample packing for pretrain.data.datasets.build_sample_index (module pretrain.data._index).
+/* Greedy sample packing for pretrain.data.datasets (module pretrain.data._index).
  *
  * pack(sizes, doc_idx, budget) -> (first_bytes, end_bytes): int64 arrays (as bytes) of each sample's first
  * sentence and end sentence (exclusive). Sentences join the current sample while its token total stays
  * <= budget; samples never cross a document boundary; empty sentences never start a sample. Exactly the
- * rule of the pure-Python fallback, in two sequential passes (count, then fill) with no Python objects
- * per sentence. sizes: a buffer of int32 or int64; doc_idx: a buffer of int64 (D + 1 offsets).
+ * rule of the pure-Python fallback, with no Python objects per sentence. sizes: a buffer of int32 or int64;
+ * doc_idx: a buffer of int64 (D + 1 offsets).
  *
- * count(sizes, doc_idx, budget) -> number of samples; fill(sizes, doc_idx, budget, out_first, out_end, offset)
- * writes the same samples (plus offset) straight into two writable int64 buffers of exactly that length, e.g.
- * the rows of a memory-mapped cache file: at 1e9 sentences no multi-GB intermediate copy is made.
+ * starts(sizes, doc_idx, budget, out, offset) -> (count, last_end): the same samples in one pass, as their
+ * first sentences (+ offset) written into a writable contiguous int64 buffer (e.g. a memory-mapped cache file
+ * sized for the worst case, one sample per sentence), and the end of the last sample (+ offset; offset when
+ * there is none). A sample's end is the next one's first sentence except across skipped empty sentences, which
+ * hold no tokens, and at the end of the data, which last_end gives: the cache stores N + 1 starts, half of
+ * (first, end) pairs, and is written without counting first.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,7 +25,7 @@ static inline int64_t size_at(const Py_buffer *b, Py_ssize_t i) {
 /* Walks every document; with out_first == NULL it only counts, else writes at most cap samples (+ offset).
  * Returns the number of samples, -1 on bad input, -2 when there are more than cap samples. */
 static Py_ssize_t walk(const Py_buffer *sizes, const int64_t *doc, Py_ssize_t num_docs, int64_t budget,
-                       int64_t *out_first, int64_t *out_end, int64_t offset, Py_ssize_t cap) {
+                       int64_t *out_first, int64_t *out_end, int64_t offset, Py_ssize_t cap, int64_t *last_end) {
   Py_ssize_t count = 0;
   const Py_ssize_t n = sizes->len / sizes->itemsize;
   for (Py_ssize_t d = 0; d < num_docs; ++d) {
@@ -34,7 +37,8 @@ static Py_ssize_t walk(const Py_buffer *sizes, const int64_t *doc, Py_ssize_t nu
       if (len == 0) continue;
       if (used && used + len > budget) {
         if (out_first && count >= cap) return -2;
-        if (out_first) { out_first[count] = first + offset; out_end[count] = i + offset; }
+        if (out_first) out_first[count] = first + offset;
+        if (out_end) out_end[count] = i + offset;
         ++count;
         used = 0;
       }
@@ -43,7 +47,9 @@ static Py_ssize_t walk(const Py_buffer *sizes, const int64_t *doc, Py_ssize_t nu
     }
     if (used) {
       if (out_first && count >= cap) return -2;
-      if (out_first) { out_first[count] = first + offset; out_end[count] = hi + offset; }
+      if (out_first) out_first[count] = first + offset;
+      if (out_end) out_end[count] = hi + offset;
+      if (last_end) *last_end = hi + offset;
       ++count;
     }
   }
@@ -62,7 +68,7 @@ static PyObject *pack(PyObject *self, PyObject *args) {
   const Py_ssize_t num_docs = doc.len / 8 - 1;
   Py_ssize_t count;
   Py_BEGIN_ALLOW_THREADS
-  count = walk(&sizes, (const int64_t *)doc.buf, num_docs, budget, NULL, NULL, 0, 0);
+  count = walk(&sizes, (const int64_t *)doc.buf, num_docs, budget, NULL, NULL, 0, 0, NULL);
   Py_END_ALLOW_THREADS
   if (count < 0) {
     PyErr_SetString(PyExc_ValueError, "pack: doc_idx is not a non-decreasing list of offsets into sizes");
@@ -73,7 +79,7 @@ static PyObject *pack(PyObject *self, PyObject *args) {
   if (first && end) {
     int64_t *f = (int64_t *)PyBytes_AS_STRING(first), *e = (int64_t *)PyBytes_AS_STRING(end);
     Py_BEGIN_ALLOW_THREADS
-    walk(&sizes, (const int64_t *)doc.buf, num_docs, budget, f, e, 0, count);
+    walk(&sizes, (const int64_t *)doc.buf, num_docs, budget, f, e, 0, count, NULL);
     Py_END_ALLOW_THREADS
     result = PyTuple_Pack(2, first, end);
   }
@@ -93,63 +99,40 @@ static int check_inputs(const Py_buffer *sizes, const Py_buffer *doc) {
   return 1;
 }
 
-static PyObject *count_samples(PyObject *self, PyObject *args) {
-  Py_buffer sizes, doc;
-  long long budget;
-  if (!PyArg_ParseTuple(args, "y*y*L", &sizes, &doc, &budget)) return NULL;
-  PyObject *result = NULL;
-  if (check_inputs(&sizes, &doc)) {
-    Py_ssize_t count;
-    Py_BEGIN_ALLOW_THREADS
-    count = walk(&sizes, (const int64_t *)doc.buf, doc.len / 8 - 1, budget, NULL, NULL, 0, 0);
-    Py_END_ALLOW_THREADS
-    if (count < 0)
-      PyErr_SetString(PyExc_ValueError, "count: doc_idx is not a non-decreasing list of offsets into sizes");
-    else
-      result = PyLong_FromSsize_t(count);
-  }
-  PyBuffer_Release(&sizes);
-  PyBuffer_Release(&doc);
-  return result;
-}
-
-static PyObject *fill(PyObject *self, PyObject *args) {
-  Py_buffer sizes, doc, first, end;
+static PyObject *starts(PyObject *self, PyObject *args) {
+  Py_buffer sizes, doc, out;
   long long budget, offset;
-  if (!PyArg_ParseTuple(args, "y*y*Lw*w*L", &sizes, &doc, &budget, &first, &end, &offset)) return NULL;
+  if (!PyArg_ParseTuple(args, "y*y*Lw*L", &sizes, &doc, &budget, &out, &offset)) return NULL;
   PyObject *result = NULL;
   if (check_inputs(&sizes, &doc)) {
-    const Py_ssize_t cap = first.len / 8;
-    if (end.len != first.len || first.itemsize != 8 || end.itemsize != 8 || !PyBuffer_IsContiguous(&first, 'C') ||
-        !PyBuffer_IsContiguous(&end, 'C')) {
-      PyErr_SetString(PyExc_ValueError, "fill: out_first/out_end must be contiguous int64 buffers of equal length");
+    if (out.itemsize != 8 || !PyBuffer_IsContiguous(&out, 'C')) {
+      PyErr_SetString(PyExc_ValueError, "starts: out must be a contiguous int64 buffer");
     } else {
       Py_ssize_t count;
+      int64_t last_end = offset;
       Py_BEGIN_ALLOW_THREADS
-      count = walk(&sizes, (const int64_t *)doc.buf, doc.len / 8 - 1, budget, (int64_t *)first.buf,
-                   (int64_t *)end.buf, offset, cap);
+      count = walk(&sizes, (const int64_t *)doc.buf, doc.len / 8 - 1, budget, (int64_t *)out.buf, NULL, offset,
+                   out.len / 8, &last_end);
       Py_END_ALLOW_THREADS
       if (count == -1)
-        PyErr_SetString(PyExc_ValueError, "fill: doc_idx is not a non-decreasing list of offsets into sizes");
-      else if (count != cap)
-        PyErr_Format(PyExc_ValueError, "fill: the output holds %zd samples but the data packs into %s", cap,
-                     count == -2 ? "more" : "fewer");
+        PyErr_SetString(PyExc_ValueError, "starts: doc_idx is not a non-decreasing list of offsets into sizes");
+      else if (count == -2)
+        PyErr_Format(PyExc_ValueError, "starts: the data packs into more than the %zd samples out holds",
+                     out.len / 8);
       else
-        result = PyLong_FromSsize_t(count);
+        result = Py_BuildValue("(nL)", count, (long long)last_end);
     }
   }
   PyBuffer_Release(&sizes);
   PyBuffer_Release(&doc);
-  PyBuffer_Release(&first);
-  PyBuffer_Release(&end);
+  PyBuffer_Release(&out);
   return result;
 }
 
 static PyMethodDef methods[] = {
     {"pack", pack, METH_VARARGS, "pack(sizes, doc_idx, budget) -> (first_bytes, end_bytes), int64"},
-    {"count", count_samples, METH_VARARGS, "count(sizes, doc_idx, budget) -> number of samples"},
-    {"fill", fill, METH_VARARGS,
-     "fill(sizes, doc_idx, budget, out_first, out_end, offset) -> number of samples written (+ offset)"},
+    {"starts", starts, METH_VARARGS,
+     "starts(sizes, doc_idx, budget, out, offset) -> (count, last_end): first sentences (+ offset) into out"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_index", "Greedy sample packing (C).", -1, methods};

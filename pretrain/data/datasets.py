@@ -78,19 +78,72 @@ INDEX_RULE = "greedy1"
 """Name of the packing rule in cache file names: change it when build_sample_index's output changes."""
 
 
+INDEX_LAYOUT = "starts"
+"""Layout of the cache file (in its name): a 1-D int64 .npy of the N + 1 sample starts (see SampleIndex)."""
+_HEADER_BYTES = 128
+"""The cache's .npy header, padded to a fixed size so that it can be rewritten in place once N is known."""
+
+
+class SampleIndex:
+    """The samples of a source as N + 1 sentence starts: sample k is sentences ``starts[k] ..
+    min(starts[k + 1], end of the shard holding starts[k]) - 1``, and ``starts[N]`` ends the last sample.
+
+    The greedy packer's end of a sample is the next sample's first sentence except across empty sentences it
+    skipped (a document's leading ones), which hold no tokens: both ranges give the same tokens, so half of
+    the (first, end) pairs is enough. A range never runs past its shard (``bounds``, the shards' first
+    sentences and the total), as the shards' token gather requires. Memory-mapped from the cache file when
+    there is one; pickling (DataLoader workers) sends only the path, and the receiver maps the file again."""
+
+    def __init__(self, starts: np.ndarray, bounds: np.ndarray, path: Path | None = None):
+        self.starts, self.bounds, self.path = starts, np.asarray(bounds, dtype=np.int64), path
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def ranges(self, index_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(first_B, end_B) int64: the sentence range of each sample in ``index_B`` (end exclusive)."""
+        index_B = np.asarray(index_B, dtype=np.int64)
+        first_B, next_B = np.asarray(self.starts[index_B]), np.asarray(self.starts[index_B + 1])
+        shard_B = np.searchsorted(self.bounds, first_B, side="right") - 1
+        return first_B, np.minimum(next_B, self.bounds[np.minimum(shard_B + 1, len(self.bounds) - 1)])
+
+    def range(self, index: int) -> tuple[int, int]:
+        first, end = self.ranges(np.array([index]))
+        return int(first[0]), int(end[0])
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.path is not None:
+            state["starts"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.starts is None:
+            self.starts = np.load(self.path, mmap_mode="r", allow_pickle=False)
+
+
 def index_cache_path(source, budget: int) -> Path | None:
-    """<dataset>/index-cache/samples-<manifest sha256>-b<budget>-<rule>.npy for a ShardedDataset; None otherwise.
+    """<dataset>/index-cache/samples-<manifest sha256>-b<budget>-<rule>-<layout>.npy for a ShardedDataset; None
+    otherwise.
 
     The key names exactly what the index depends on: the dataset (its manifest, which checksums every
-    shard), the token budget (max_len - 2) and the packing rule; a cache of anything else is another file."""
+    shard), the token budget (max_len - 2), the packing rule and the file layout; a cache of anything else is
+    another file."""
     digest = getattr(source, "manifest_digest", None)
     if digest is None:
         return None
-    return Path(source.directory) / INDEX_CACHE_DIR / f"samples-{digest}-b{budget}-{INDEX_RULE}.npy"
+    return Path(source.directory) / INDEX_CACHE_DIR / f"samples-{digest}-b{budget}-{INDEX_RULE}-{INDEX_LAYOUT}.npy"
 
 
-def _open_cached_index(path: Path, num_sentences: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """The cached (first_N, end_N), memory-mapped; None when absent or damaged (a damaged one is never used)."""
+def _bounds(source) -> np.ndarray:
+    """The shards' first sentences and the total (one shard: [0, len])."""
+    starts = getattr(source, "starts", None)
+    return np.asarray(starts if starts is not None else [0, len(source)], dtype=np.int64)
+
+
+def _open_cached_index(path: Path, num_sentences: int) -> np.ndarray | None:
+    """The cached starts (N + 1), memory-mapped; None when absent or damaged (a damaged one is never used)."""
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
@@ -98,24 +151,24 @@ def _open_cached_index(path: Path, num_sentences: int) -> tuple[np.ndarray, np.n
     except (ValueError, OSError) as e:  # truncated or not an .npy: rebuild
         print(f"[data] sample index cache {path} is damaged ({e}); rebuilding it", flush=True)
         return None
-    ok = arr.ndim == 2 and arr.shape[0] == 2 and arr.dtype == np.int64
-    if ok and arr.shape[1]:  # cheap structural checks on the ends (a full scan would cost seconds at 1e9)
-        ok = 0 <= int(arr[0, 0]) < int(arr[1, 0]) and 0 < int(arr[1, -1]) <= num_sentences
+    ok = arr.ndim == 1 and arr.dtype == np.int64 and len(arr) >= 1
+    if ok and len(arr) > 1:  # cheap structural checks on the ends (a full scan would cost seconds at 1e9)
+        ok = 0 <= int(arr[0]) < int(arr[1]) and int(arr[-2]) < int(arr[-1]) <= num_sentences
     if not ok:
         print(f"[data] sample index cache {path} does not fit its dataset; rebuilding it", flush=True)
         return None
-    return arr[0], arr[1]
+    return arr
 
 
-def load_or_build_sample_index(source, budget: int) -> tuple[np.ndarray, np.ndarray, Path | None]:
-    """(first_N, end_N, cache path or None): memory-mapped from the dataset's index cache, or built (and
-    cached, atomically: a file appears complete under its name or not at all; concurrent builders write
-    identical bytes and the last rename wins). A read-only dataset directory is built in memory."""
-    path = index_cache_path(source, budget)
+def load_or_build_sample_index(source, budget: int) -> SampleIndex:
+    """The source's SampleIndex: memory-mapped from the dataset's index cache, or built (and cached,
+    atomically: a file appears complete under its name or not at all; concurrent builders write identical
+    bytes and the last rename wins). A read-only dataset directory is built in memory."""
+    path, bounds = index_cache_path(source, budget), _bounds(source)
     if path is not None:
         cached = _open_cached_index(path, len(source))
         if cached is not None:
-            return cached[0], cached[1], path
+            return SampleIndex(cached, bounds, path)
     if path is not None:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
@@ -128,40 +181,54 @@ def load_or_build_sample_index(source, budget: int) -> tuple[np.ndarray, np.ndar
         else:
             cached = _open_cached_index(path, len(source))
             if cached is not None:
-                return cached[0], cached[1], path
-    parts = [(*build_sample_index(sizes, doc_idx, budget), start) for sizes, doc_idx, start in _pieces(source)]
-    if not parts:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), None
-    return (np.concatenate([f + o for f, _, o in parts]), np.concatenate([e + o for _, e, o in parts]), None)
+                return SampleIndex(cached, bounds, path)
+    firsts, last = [np.zeros(0, np.int64)], 0
+    for sizes, doc_idx, start in _pieces(source):
+        first, end = build_sample_index(sizes, doc_idx, budget)
+        if len(first):
+            firsts.append(first + start)
+            last = int(end[-1]) + start
+    return SampleIndex(np.concatenate(firsts + [np.array([last], np.int64)]), bounds)
+
+
+def _npy_header(length: int) -> bytes:
+    """A version-1.0 .npy header of a 1-D little-endian int64 array, padded to _HEADER_BYTES."""
+    body = ("{'descr': '<i8', 'fortran_order': False, 'shape': (%d,), }" % length).encode("latin1")
+    return b"\x93NUMPY\x01\x00" + (_HEADER_BYTES - 10).to_bytes(2, "little") + body.ljust(_HEADER_BYTES - 11) + b"\n"
 
 
 def _write_index(tmp: Path, source, budget: int) -> None:
-    """The .npy of (2, N) int64 [first; end], then fsynced. With the C helper, the samples are counted shard by
-    shard and then packed straight into the memory-mapped file (no corpus-sized copy in RAM); without it, the
-    Python packer's parts are copied in."""
+    """The .npy of the N + 1 starts, in one pass over the shards' sizes: the file is first sized (sparse) for
+    the worst case of one sample per sentence, each shard's samples are packed straight into its memory map
+    (the C helper; the Python packer's output is copied in without it), then the file is cut to N + 1, its
+    header rewritten with N, and fsynced. No corpus-sized array is held in RAM."""
     try:
         from pretrain.data import _index
     except ImportError:
         _index = None
     pieces = _pieces(source)
-    if _index is not None:
-        pieces = [(*_packer_inputs(sizes, doc_idx), start) for sizes, doc_idx, start in pieces]
-        counts = [_index.count(sizes, doc_idx, budget) for sizes, doc_idx, _ in pieces]
-    else:
-        parts = [build_sample_index(sizes, doc_idx, budget) for sizes, doc_idx, _ in pieces]
-        counts = [len(f) for f, _ in parts]
-    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(2, sum(counts)))
-    at = 0
-    for k, ((sizes, doc_idx, start), n) in enumerate(zip(pieces, counts)):
+    total = sum(len(sizes) for sizes, _, _ in pieces)
+    with open(tmp, "wb") as fh:
+        fh.write(_npy_header(total + 1))
+        fh.truncate(_HEADER_BYTES + 8 * (total + 1))
+    out = np.memmap(tmp, dtype=np.int64, mode="r+", offset=_HEADER_BYTES, shape=(total + 1,))
+    at, last = 0, 0
+    for sizes, doc_idx, start in pieces:
         if _index is not None:
-            _index.fill(sizes, doc_idx, budget, arr[0, at:at + n], arr[1, at:at + n], start)
+            n, end = _index.starts(*_packer_inputs(sizes, doc_idx), budget, out[at:at + len(sizes)], start)
         else:
-            np.add(parts[k][0], start, out=arr[0, at:at + n])
-            np.add(parts[k][1], start, out=arr[1, at:at + n])
+            first, ends = build_sample_index(sizes, doc_idx, budget)
+            n, end = len(first), (int(ends[-1]) + start if len(first) else start)
+            np.add(first, start, out=out[at:at + n])
+        if n:
+            last = end
         at += n
-    arr.flush()
-    del arr
+    out[at] = last
+    out.flush()
+    del out
     with open(tmp, "rb+") as fh:
+        fh.write(_npy_header(at + 1))
+        fh.truncate(_HEADER_BYTES + 8 * (at + 1))
         os.fsync(fh.fileno())
 
 
@@ -207,35 +274,22 @@ class PretrainDataset(torch.utils.data.Dataset):
         self.special_V, self.allowed_A = special_table(self.vocab_size, self.special_ids)
         self.cls_id, self.sep_id, self.mask_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id
         self.augmenter = build_augmenter(cfg.augment, tokenizer) if with_views else None
-        self.first_N, self.end_N, self.index_path = load_or_build_sample_index(source, cfg.max_len - 2)
-
-    def __getstate__(self) -> dict:
-        # DataLoader workers re-map the cached index instead of receiving a pickled copy of it.
-        state = dict(self.__dict__)
-        if self.index_path is not None:
-            state["first_N"] = state["end_N"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if self.first_N is None:
-            arr = np.load(self.index_path, mmap_mode="r", allow_pickle=False)
-            self.first_N, self.end_N = arr[0], arr[1]
+        self.index = load_or_build_sample_index(source, cfg.max_len - 2)
 
     def __len__(self) -> int:
-        return len(self.first_N)
+        return len(self.index)
 
     def text(self, index: int) -> np.ndarray:
         """Token ids (no specials) of sample ``index``, at most max_len - 2 of them, sentence by sentence (a
         source without ``token_batch``)."""
-        first, end = int(self.first_N[index]), int(self.end_N[index])
+        first, end = self.index.range(index)
         return np.concatenate([np.asarray(self.source[i]) for i in range(first, end)])[:self.cfg.max_len - 2]
 
     def texts(self, index_B: np.ndarray) -> Ragged:
         """``text`` of many samples, gathered at once from a ShardedDataset (one sample at a time otherwise)."""
         if not hasattr(self.source, "token_batch"):
             return Ragged.from_rows([self.text(i) for i in index_B.tolist()])
-        first_B, end_B = np.asarray(self.first_N[index_B]), np.asarray(self.end_N[index_B])
+        first_B, end_B = self.index.ranges(index_B)
         return Ragged(*self.source.token_batch(first_B, end_B, self.cfg.max_len - 2))
 
     def __getitems__(self, keys) -> "SampleBatch":

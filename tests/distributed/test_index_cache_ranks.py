@@ -32,10 +32,11 @@ def _worker(rank: int, port: int, directory: str, out: str) -> None:
         with _main_rank_first(env):
             src = ShardedDataset(directory)
             existed = index_cache_path(src, 62).exists()
-            first, end, path = load_or_build_sample_index(src, 62)
+            index = load_or_build_sample_index(src, 62)
+        first, end = index.ranges(np.arange(len(index)))
         with open(f"{out}/rank{rank}.json", "w") as f:
-            json.dump({"existed": existed, "memmap": isinstance(first, np.memmap), "n": len(first),
-                       "sum": int(np.asarray(end).sum())}, f)
+            json.dump({"existed": existed, "memmap": isinstance(index.starts, np.memmap), "n": len(index),
+                       "sum": int(end.sum() + first.sum())}, f)
     finally:
         dist.destroy_process_group()
 

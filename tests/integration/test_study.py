@@ -106,8 +106,16 @@ def test_smoke_study_end_to_end_rerun_and_resume(tmp_path, data_dir):
             assert row[-1] == f"{len(ARMS[row[0]])}/{len(ARMS[row[0]])}"
         assert "±" in rows[1][1]
     assert "`data.stage`" in (out / "results.md").read_text()  # what differs between arms
+    # Training dynamics: every arm's contrastive term with its chance value and the step it escaped (or never).
+    rows = tables["Escape from chance, held-out MLM"]
+    assert [r[0] for r in rows] == list(ARMS), rows
+    for row in rows:
+        assert re.fullmatch(r"(\d+|never)(, (\d+|never))*", row[1]), row
+        loss, chance = re.fullmatch(r"([\d.]+(?: ± [\d.]+)?) \(([\d.]+)\)", row[2]).groups()
+        assert float(chance) > 0 and _numbers(loss)
+        assert row[-1].startswith(f"{len(ARMS[row[0]])}/{len(ARMS[row[0]])} (step 4")
     numbers = json.loads((out / "results.json").read_text())
-    assert [t["kind"] for t in numbers["tables"]] == ["sts", "glue", "align"]
+    assert [t["kind"] for t in numbers["tables"]] == ["sts", "glue", "align", "training"]
 
     # Plots: the report overlays every run, each PNG has content.
     from matplotlib.image import imread

@@ -91,7 +91,7 @@ def test_sample_contents(tokenizer):
     ds = PretrainDataset(src, tokenizer, cfg, seed=5)
     for index in range(len(ds)):
         s = ds[(2, index)]
-        text = np.concatenate([src[i] for i in range(ds.first_N[index], ds.end_N[index])]).astype(np.int64)[:22]
+        text = np.concatenate([src[i] for i in range(*ds.index.range(index))]).astype(np.int64)[:22]
         inp, lab = s["input_ids"], s["mlm_labels"]
         assert inp[0] == tokenizer.cls_id and inp[-1] == tokenizer.sep_id and len(inp) == len(text) + 2 <= 24
         body, lab_body = inp[1:-1], lab[1:-1]
@@ -189,24 +189,26 @@ def test_c_sample_index_equals_python_packing_on_random_corpora():
         got = build_sample_index(sizes, doc, budget)
         want = build_sample_index_py(sizes, doc, budget)
         assert got[0].dtype == np.int64 and all(np.array_equal(a, b) for a, b in zip(got, want)), (trial, budget)
-        # count + fill (how the cache file is written): the same samples, shifted by the offset, in place.
-        n_samples = _index.count(sizes, doc, budget)
-        out = np.full((2, n_samples), -1, dtype=np.int64)
-        assert _index.fill(sizes, doc, budget, out[0], out[1], 1000 + trial) == n_samples == len(want[0])
-        assert np.array_equal(out[0], want[0] + 1000 + trial) and np.array_equal(out[1], want[1] + 1000 + trial)
+        # starts (how the cache file is written): the first sentences, shifted by the offset, in place, in one
+        # pass into a worst-case buffer, and the last sample's end.
+        out = np.full(n + 3, -1, dtype=np.int64)
+        count, last = _index.starts(sizes, doc, budget, out[1:n + 2], 1000 + trial)
+        assert count == len(want[0]) and np.array_equal(out[1:count + 1], want[0] + 1000 + trial), (trial, budget)
+        assert last == (want[1][-1] if count else 0) + 1000 + trial
+        assert out[0] == -1 and (out[count + 1:] == -1).all()  # nothing written outside the samples
     with pytest.raises(ValueError, match="doc_idx"):
         _index.pack(np.zeros(3, dtype=np.int64), np.array([0, 5], dtype=np.int64), 4)
+    with pytest.raises(ValueError, match="doc_idx"):
+        _index.starts(np.zeros(3, dtype=np.int64), np.array([0, 5], dtype=np.int64), 4, np.zeros(3, np.int64), 0)
     sizes, doc = np.array([3, 3, 3, 3], dtype=np.int32), np.array([0, 4], dtype=np.int64)
-    assert _index.count(sizes, doc, 6) == 2
-    for wrong in (1, 3):  # the output must be exactly the count: never written past, never left half-empty
-        out = np.zeros((2, wrong), dtype=np.int64)
-        with pytest.raises(ValueError, match="packs into (more|fewer)"):
-            _index.fill(sizes, doc, 6, out[0], out[1], 0)
-    out = np.zeros((2, 4), dtype=np.int64)
+    assert _index.starts(sizes, doc, 6, np.zeros(2, np.int64), 0) == (2, 4)
+    out = np.zeros(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="more than the 1 samples"):  # never written past the buffer
+        _index.starts(sizes, doc, 6, out[:1], 0)
     with pytest.raises(TypeError, match="read-write bytes-like"):  # a strided view is refused by the parser
-        _index.fill(sizes, doc, 6, out[0, ::2], out[1, ::2], 0)
+        _index.starts(sizes, doc, 6, out[::2], 0)
     with pytest.raises(ValueError, match="contiguous int64"):
-        _index.fill(sizes, doc, 6, out[0, :2], out[1, :3], 0)
+        _index.starts(sizes, doc, 6, np.zeros(4, np.int32), 0)
 
 
 def test_a_batch_is_its_samples_built_one_by_one(tokenizer, tmp_path):

@@ -20,6 +20,18 @@ from pretrain.data.shards import ShardedDataset
 from pretrain.data.tokenizer import load_tokenizer
 
 
+def assert_same_samples(index, src, want) -> None:
+    """The SampleIndex holds the packer's samples: the same first sentences, and ranges that give the same
+    tokens (an end may run on over empty sentences only) without leaving the sample's shard."""
+    first, end = index.ranges(np.arange(len(index)))
+    assert len(index) == len(want[0]) and np.array_equal(first, want[0])
+    cum = np.concatenate([[0], np.cumsum(np.asarray(src.sizes, dtype=np.int64))])
+    assert (end >= want[1]).all() and np.array_equal(cum[end], cum[want[1]])
+    bounds = getattr(src, "starts", np.array([0, len(src)]))
+    shard = np.searchsorted(bounds, first, side="right")
+    assert (end <= bounds[shard]).all()
+
+
 @pytest.fixture
 def dataset_dir(tiny_corpus, tmp_path):
     d = tmp_path / "train"
@@ -31,13 +43,13 @@ def test_cache_is_written_once_then_memory_mapped(dataset_dir):
     src = ShardedDataset(str(dataset_dir))
     path = index_cache_path(src, 62)
     assert not path.exists()
-    first, end, used = load_or_build_sample_index(src, 62)
-    assert used == path and path.is_file() and isinstance(first, np.memmap)
-    want = build_sample_index(src.sizes, src.doc_idx, 62)
-    assert np.array_equal(first, want[0]) and np.array_equal(end, want[1])
+    index = load_or_build_sample_index(src, 62)
+    assert index.path == path and path.is_file() and isinstance(index.starts, np.memmap)
+    assert_same_samples(index, src, build_sample_index(src.sizes, src.doc_idx, 62))
+    assert path.stat().st_size == 128 + 8 * (len(index) + 1)  # N + 1 starts, cut to size after the sparse worst case
     stamp = path.stat().st_mtime_ns
-    first2, _, _ = load_or_build_sample_index(ShardedDataset(str(dataset_dir)), 62)
-    assert path.stat().st_mtime_ns == stamp and isinstance(first2, np.memmap)  # reused, not rebuilt
+    index2 = load_or_build_sample_index(ShardedDataset(str(dataset_dir)), 62)
+    assert path.stat().st_mtime_ns == stamp and isinstance(index2.starts, np.memmap)  # reused, not rebuilt
     assert not list(path.parent.glob(".*tmp*"))  # no temporary left behind
 
 
@@ -52,16 +64,17 @@ def test_another_budget_or_dataset_gets_its_own_cache(dataset_dir, tiny_corpus):
 def test_damaged_or_foreign_cache_is_rebuilt_not_used(dataset_dir, damage):
     src = ShardedDataset(str(dataset_dir))
     want = build_sample_index(src.sizes, src.doc_idx, 62)
-    path = load_or_build_sample_index(src, 62)[2]
+    path = load_or_build_sample_index(src, 62).path
     raw = path.read_bytes()
     if damage == "truncate":
         path.write_bytes(raw[: len(raw) // 2])
     elif damage == "garbage":
         path.write_bytes(b"not an npy file" * 10)
     else:  # a well-formed index that points past this dataset
-        np.save(path, np.stack([want[0] + 10**9, want[1] + 10**9]))
-    first, end, used = load_or_build_sample_index(ShardedDataset(str(dataset_dir)), 62)
-    assert used == path and np.array_equal(first, want[0]) and np.array_equal(end, want[1])
+        np.save(path, np.append(want[0], want[1][-1]) + 10**9)
+    index = load_or_build_sample_index(ShardedDataset(str(dataset_dir)), 62)
+    assert index.path == path
+    assert_same_samples(index, src, want)
 
 
 def test_read_only_dataset_falls_back_to_memory(dataset_dir, monkeypatch):
@@ -72,9 +85,10 @@ def test_read_only_dataset_falls_back_to_memory(dataset_dir, monkeypatch):
         raise PermissionError(13, "Permission denied", str(b))
 
     monkeypatch.setattr("pretrain.data.datasets.os.replace", refuse)
-    first, end, used = load_or_build_sample_index(src, 62)
+    index = load_or_build_sample_index(src, 62)
     monkeypatch.setattr("pretrain.data.datasets.os.replace", real_replace)
-    assert used is None and not isinstance(first, np.memmap) and len(first) > 0
+    assert index.path is None and not isinstance(index.starts, np.memmap) and len(index) > 0
+    assert_same_samples(index, src, build_sample_index(src.sizes, src.doc_idx, 62))
     assert not list(index_cache_path(src, 62).parent.glob(".*tmp*"))
 
 
@@ -84,9 +98,9 @@ def test_workers_receive_the_index_by_path_not_by_copy(dataset_dir, tiny_corpus)
                      max_len=64, view_max_len=32)
     ds = PretrainDataset(ShardedDataset(str(dataset_dir)), tok, cfg, seed=1)
     blob = pickle.dumps(ds)
-    assert len(blob) < ds.first_N.nbytes  # the arrays did not travel
+    assert len(blob) < ds.index.starts.nbytes  # the arrays did not travel
     clone = pickle.loads(blob)
-    assert isinstance(clone.first_N, np.memmap) and len(clone) == len(ds)
+    assert isinstance(clone.index.starts, np.memmap) and len(clone) == len(ds)
     a, b = ds[(0, 5)], clone[(0, 5)]
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
@@ -104,10 +118,9 @@ def test_shard_by_shard_index_equals_the_global_one(tiny_corpus, tmp_path):
     src = ShardedDataset(str(tmp_path / "many"))
     assert len(src.shards) > 3
     got = load_or_build_sample_index(src, 62)
-    assert got[2] is not None and got[2].is_file()  # cached
+    assert got.path is not None and got.path.is_file()  # cached
     assert "sizes" not in vars(src)  # the global copy was never made
-    want = build_sample_index(src.sizes, src.doc_idx, 62)
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert_same_samples(got, src, build_sample_index(src.sizes, src.doc_idx, 62))
 
 
 def test_structural_check_runs_once_per_set_of_files(tiny_corpus, tmp_path, monkeypatch):
@@ -131,3 +144,41 @@ def test_structural_check_runs_once_per_set_of_files(tiny_corpus, tmp_path, monk
     idx.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="corrupt"):
         ShardedDataset(str(tmp_path / "ds"))
+
+
+def test_starts_layout_on_shards_with_empty_sentences(tmp_path):
+    """Shards whose documents start or end with empty sentences, an all-empty shard, a shard of one empty
+    document: the cache file (one pass into a sparse worst-case file, then cut) and the in-memory index give
+    the packer's samples, and no range runs into the next shard."""
+    from types import SimpleNamespace
+
+    from pretrain.data.datasets import _write_index
+
+    rng = np.random.default_rng(7)
+    shards = []
+    for k in range(6):
+        lens = rng.integers(1, 9, size=int(rng.integers(1, 6)))
+        n = int(lens.sum())
+        sizes = rng.integers(1, 30, size=n) * (rng.random(n) > 0.35)
+        if k == 2:
+            sizes[:] = 0  # all empty
+        sizes[0] = 0  # leading empty sentence
+        shards.append(SimpleNamespace(sizes=sizes.astype(np.int32),
+                                      doc_idx=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)))
+    shards.append(SimpleNamespace(sizes=np.zeros(1, np.int32), doc_idx=np.array([0, 1], np.int64)))
+    starts = np.concatenate([[0], np.cumsum([len(s.sizes) for s in shards])]).astype(np.int64)
+
+    class Src(SimpleNamespace):  # what the index reads of a ShardedDataset, without a manifest
+        def __len__(self):
+            return int(starts[-1])
+
+    src = Src(shards=shards, starts=starts, sizes=np.concatenate([s.sizes for s in shards]))
+    doc = np.concatenate([s.doc_idx[:-1] + o for s, o in zip(shards, starts)] + [starts[-1:]])
+    want = build_sample_index(src.sizes, doc, 40)
+    memory = load_or_build_sample_index(src, 40)  # no manifest: in memory
+    assert memory.path is None
+    assert_same_samples(memory, src, want)
+    path = tmp_path / "index.npy"
+    _write_index(path, src, 40)
+    on_disk = np.load(path, mmap_mode="r")
+    assert np.array_equal(on_disk, memory.starts) and path.stat().st_size == 128 + 8 * len(on_disk)
