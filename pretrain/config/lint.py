@@ -55,6 +55,10 @@ def inert_settings(cfg) -> list[str]:
             masking = _changed(d.masking, MaskingConfig(), [f.name for f in dataclasses.fields(MaskingConfig)])
             if masking:
                 out.append(f"data.masking.{', data.masking.'.join(masking)} do nothing: objective.mlm is off")
+    nt = cfg.objective.nt_xent
+    if nt is not None and nt.mean_pool_warmup_steps and cfg.model.pooling == "mean":
+        out.append(f"objective.nt_xent.mean_pool_warmup_steps={nt.mean_pool_warmup_steps} does nothing: "
+                   f"model.pooling is already mean (the warm-up blends mean pooling into [CLS]-style pooling)")
     if not cfg.eval.stsb_every:
         ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
         if ev:

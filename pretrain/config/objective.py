@@ -21,10 +21,19 @@ class NTXentConfig:
     """CLEAR's tau (paper: 0.1)."""
     gather: bool = True
     """Use negatives from all data-parallel ranks (gathered with gradient)."""
+    mean_pool_warmup_steps: int = 0
+    """Remedy for the [CLS] collapse at BERT's initialisation (README, 'When the contrastive loss sits at
+    chance'): for the first K steps the views' embedding blends mean pooling into model.pooling, with weight
+    1 - step/K on the mean, so the contrastive gradient is not near zero while [CLS] is still input-independent;
+    from step K on it is model.pooling alone (evaluation and exported models always use model.pooling).
+    0 = off (CLEAR's recipe)."""
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
             raise ValueError(f"objective.nt_xent.temperature must be > 0, got {self.temperature}")
+        if self.mean_pool_warmup_steps < 0:
+            raise ValueError(f"objective.nt_xent.mean_pool_warmup_steps must be >= 0 (0 = off), got "
+                             f"{self.mean_pool_warmup_steps}")
 
 
 @dataclass(kw_only=True)

@@ -25,6 +25,14 @@ class Context:
     pooling: str
     stage: Literal["pretrain", "sentences"] = "pretrain"
     """data.stage: which batch keys hold the embedding pair (CLEAR views, or one sentence twice)."""
+    view_mean_mix: float = 0.0
+    """Weight of mean pooling blended into ``pooling`` for CLEAR's views (objective.nt_xent.
+    mean_pool_warmup_steps; the trainer sets it each step, see mean_pool_mix)."""
+
+
+def mean_pool_mix(step: int, warmup_steps: int) -> float:
+    """The weight of mean pooling in the views' embedding at ``step`` (steps done): 1 - step/K while step < K."""
+    return max(0.0, 1.0 - step / warmup_steps) if warmup_steps > 0 else 0.0
 
 
 class Forward:
@@ -44,9 +52,12 @@ class Forward:
             self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"])
         return self._cache["mlm"]
 
-    def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-        """Training-time sentence embedding: pool -> projection MLP."""
-        return self.model.projection(self.model.pool(h_BTD, mask_BT, self.ctx.pooling))
+    def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor, mean_mix: float = 0.0) -> torch.Tensor:
+        """Training-time sentence embedding: pool (blended with ``mean_mix`` of mean pooling) -> projection MLP."""
+        e_BD = self.model.pool(h_BTD, mask_BT, self.ctx.pooling)
+        if mean_mix > 0.0 and self.ctx.pooling != "mean":
+            e_BD = (1.0 - mean_mix) * e_BD + mean_mix * self.model.pool(h_BTD, mask_BT, "mean")
+        return self.model.projection(e_BD)
 
     def pair_hidden(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(h_2BTD, mask_2BT, ids_2BT, B): both halves of the pair through one encoder pass."""
@@ -69,7 +80,7 @@ class Forward:
                 raise ValueError("objective.nt_xent needs CLEAR views (data.stage=pretrain); the sentence stage "
                                  "has none: use info_nce or arccon there")
             h, mask, _, n = self.pair_hidden()
-            z = self.embed(h, mask)
+            z = self.embed(h, mask, self.ctx.view_mean_mix)
             self._cache["views"] = (z[:n], z[n:])
         return self._cache["views"]
 

@@ -17,6 +17,7 @@ from pretrain.checkpoint import store
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data.datasets import build_dataset
 from pretrain.data.loader import build_loader
+from pretrain.objective.forward import mean_pool_mix
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Engine
 from pretrain.distributed.peers import PeerWatch
@@ -296,6 +297,7 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches: forward -> loss -> backward -> step -> metrics."""
         c, env = self.cfg, self.env
         loss_ok, n_samples, n_tokens = True, 0, 0
+        self._set_view_mean_mix()
         # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
         with dropout_rng(c.seed, self.step, env.rank, self.engine.device):
             for _ in range(c.train.grad_accum):
@@ -329,11 +331,18 @@ class Trainer:
         self.data_wait_s += time.perf_counter() - t_wait
         return batch
 
+    def _set_view_mean_mix(self) -> None:
+        """objective.nt_xent.mean_pool_warmup_steps: the views' share of mean pooling at this step."""
+        nt = self.cfg.objective.nt_xent
+        if nt is not None and nt.mean_pool_warmup_steps:
+            self.module.objective.ctx.view_mean_mix = mean_pool_mix(self.step, nt.mean_pool_warmup_steps)
+
     @torch.no_grad()
     def validate(self) -> dict:
         if self.valid_set is None or self.cfg.train.eval_batches == 0:
             return {}
         self.engine.eval()
+        self._set_view_mean_mix()
         sums = MetricSums()
         loader = iter(self._loader(self.valid_set, 0))
         for _ in range(self.cfg.train.eval_batches):

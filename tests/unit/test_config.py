@@ -139,6 +139,9 @@ def test_settings_that_cannot_act_are_named():
                for ln in lines(["data.stage=sentences", "data.sentences=/s.txt", "data.sources=[{name: a, path: /x}]",
                                 "objective.mlm=null", "objective.nt_xent=null", "objective.info_nce={}"]))
     assert any("warming up" in ln for ln in lines(["optim.warmup_steps=50", "train.max_steps=20"]))
+    assert any("mean_pool_warmup_steps=50 does nothing" in ln for ln in
+               lines(["model.pooling=mean", "objective.nt_xent.mean_pool_warmup_steps=50", "optim.warmup_steps=100"]))
+    assert lines(["objective.nt_xent.mean_pool_warmup_steps=50", "optim.warmup_steps=100"]) == []
     for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")) + [CONFIGS / "wiki_books_mini.yaml",
                                                                   CONFIGS / "sentence_stage_quick.yaml"]:
         assert lines([], recipe) == [], recipe.name

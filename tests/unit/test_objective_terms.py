@@ -371,3 +371,31 @@ def test_spread_metrics_against_a_pairwise_loop_and_on_collapse():
     collapsed = spread_metrics(same, same.clone())
     assert collapsed["emb_cos"][0] / collapsed["emb_cos"][1] > 0.9999 and collapsed["uniform"][0] > -1e-4
     assert spread_metrics(z_a[:1], z_b[:1]) == {}
+
+
+def test_mean_pool_warmup_blends_the_views_embedding_and_ends_at_model_pooling():
+    """objective.nt_xent.mean_pool_warmup_steps: the views' embedding before projection is
+    (1 - w) [CLS] + w mean with w = 1 - step/K, against a float64 reference; w = 0 is plain [CLS]."""
+    from pretrain.config.objective import NTXentConfig
+    from pretrain.objective import Forward
+    from pretrain.objective.forward import mean_pool_mix
+
+    assert [mean_pool_mix(s, 4) for s in (0, 1, 2, 4, 9)] == [1.0, 0.75, 0.5, 0.0, 0.0]
+    assert mean_pool_mix(0, 0) == 0.0
+    with pytest.raises(ValueError, match="mean_pool_warmup_steps"):
+        NTXentConfig(mean_pool_warmup_steps=-1)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, ffn_size=32, max_position=64,
+                      dropout=0.0, attention_dropout=0.0, pooling="cls", pooler=False)
+    model = build_model(cfg, seed=3).double().eval()
+    b = _batch()
+    views = {"view_a_ids": b["input_ids"], "view_a_mask": b["attention_mask"],
+             "view_b_ids": b["input_ids"].flip(0), "view_b_mask": b["attention_mask"].flip(0)}
+    h = model.encode(torch.cat([views["view_a_ids"], views["view_b_ids"]]),
+                     torch.cat([views["view_a_mask"], views["view_b_mask"]]))
+    mask = torch.cat([views["view_a_mask"], views["view_b_mask"]]).double()
+    cls_e, mean_e = h[:, 0], (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    for w in (0.0, 0.25, 1.0):
+        ctx = Context(env=ENV, ops=OpsConfig(), pooling="cls", view_mean_mix=w)
+        z_a, z_b = Forward(model, views, ctx).view_projections()
+        want = model.projection((1 - w) * cls_e + w * mean_e)
+        torch.testing.assert_close(torch.cat([z_a, z_b]), want, rtol=1e-10, atol=1e-12)
