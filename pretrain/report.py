@@ -35,6 +35,8 @@ class Plot:
 PLOTS = (
     Plot("train_loss.png", "train", "loss", "Training loss (weighted sum of the terms)"),
     *(Plot(f"train_{t}.png", "train", t, f"Training loss term: {t}") for t in LOSS_TERMS),
+    *(Plot(f"train_{k}.png", "train", k, f"Collapse watch: mean cosine between different sentences' embeddings ({k})")
+      for k in ("cl_emb_cos", "info_nce_emb_cos", "arccon_emb_cos")),
     Plot("lr.png", "train", "lr", "Learning rate"),
     Plot("grad_norm.png", "train", "grad_norm", "Gradient norm"),
     Plot("loss_scale.png", "train", "loss_scale", "Loss scale (fp16 dynamic scaling; 1 otherwise)", log_y=True),

@@ -14,7 +14,7 @@ from pretrain.report import LOSS_TERMS, main, read_metrics
 pytest.importorskip("matplotlib")
 
 RUN_COLOURS = ("#1f77b4", "#ff7f0e")  # matplotlib's C0, C1: run 0 and run 1 in every plot
-EXPECTED_PNGS = {"train_loss.png", "train_mlm.png", "train_nt_xent.png", "lr.png", "grad_norm.png", "loss_scale.png",
+EXPECTED_PNGS = {"train_loss.png", "train_mlm.png", "train_nt_xent.png", "train_cl_emb_cos.png", "lr.png", "grad_norm.png", "loss_scale.png",
                  "tokens_per_s.png", "valid_mlm.png", "valid_mlm_acc.png", "valid_cl_acc.png", "stsb_dev.png"}
 
 
