@@ -12,8 +12,9 @@
 Index: synthetic datasets of N sentences (sizes 5-40 tokens, documents of 1-60 sentences, shards of 5e7
 sentences): real ``.idx`` files and a sparse ``.bin`` (no token data is written), so 1e8 sentences cost
 ~1.3 GB of index on disk. Each measurement runs in a fresh process: open the dataset, build or load the
-sample index (``load_or_build_sample_index``), report wall time and the growth of anonymous RSS (not counting the page cache of the
-memory-mapped files) over an empty dataset;
+sample index (``load_or_build_sample_index``), report wall time and the growth of anonymous RSS (not counting
+the page cache of the memory-mapped files) over an empty dataset; then, warm, the time and RSS to the first
+training batch of the dataset blended 3:1 with itself through the sample order and ``build_loader``;
 the same row also times the pure-Python packer on the first 1e7 sentences for the per-sentence ratio.
 
     python tools/bench_data.py [--parts augment loader index preprocess] [--sentences 1e6 1e7 1e8]
@@ -78,8 +79,10 @@ def write_synthetic(directory: Path, num_sentences: int, seed: int = 0) -> None:
                                "num_sequences": num_sentences})
 
 
-def measure_one(directory: str, budget: int) -> dict:
-    """In this (fresh) process: open the dataset and its sample index; seconds and RSS growth."""
+def measure_one(directory: str, budget: int, tokenizer: str = "") -> dict:
+    """In this (fresh) process: open the dataset and its sample index; seconds and RSS growth. With a
+    tokenizer, then on to the first training batch as the trainer gets it: the dataset blended 3:1 with
+    itself (two sources, like wiki + books), the sample order, ``build_loader`` (no workers), one batch."""
     sys.path.insert(0, str(ROOT))
     from pretrain.data.datasets import load_or_build_sample_index
     from pretrain.data.shards import ShardedDataset
@@ -91,8 +94,37 @@ def measure_one(directory: str, budget: int) -> dict:
     index = load_or_build_sample_index(src, budget)
     n_samples = len(index)
     _ = index.ranges(np.array([n_samples // 2, n_samples - 1]))  # touch it, as a first batch would
-    return {"seconds": time.perf_counter() - t0, "open_s": t_open, "rss_mib": _rss_mib() - base,
-            "samples": n_samples, "cached": index.path is not None}
+    out = {"seconds": time.perf_counter() - t0, "open_s": t_open, "rss_mib": _rss_mib() - base,
+           "samples": n_samples, "cached": index.path is not None}
+    if tokenizer:
+        from pretrain.config.data import DataConfig
+        from pretrain.data.datasets import BlendedDataset, PretrainDataset
+        from pretrain.data.loader import build_loader
+        from pretrain.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        cfg = DataConfig(max_len=budget + 2, view_max_len=64)
+        parts = [PretrainDataset(ShardedDataset(directory), tok, cfg, seed=1) for _ in range(2)]
+        blend = BlendedDataset(parts, [3.0, 1.0], seed=1)
+        loader = build_loader(blend, seed=1, rank=0, world_size=1, micro_batch_size=32, start_sample=0,
+                              num_workers=0, pad_id=tok.pad_id)
+        batch = next(iter(loader))
+        assert batch["input_ids"].shape[0] == 32
+        out.update(first_batch_s=time.perf_counter() - t0, first_batch_rss_mib=_rss_mib() - base)
+    return out
+
+
+def _bench_tokenizer(root: Path) -> str:
+    """A small WordPiece for the first-batch measurement (the synthetic shards hold token 0 only)."""
+    sys.path.insert(0, str(ROOT))
+    from pretrain.data.tokenizer import train_tokenizer
+
+    path = root / "first-batch-tokenizer.json"
+    if not path.is_file():
+        text = root / "first-batch-text.txt"
+        text.write_text("the quick brown fox jumps over the lazy dog . a sentence of words .\n" * 200)
+        train_tokenizer([str(text)], str(path), kind="wordpiece", vocab_size=120, min_frequency=1)
+    return str(path)
 
 
 def python_ns_per_sentence(directory: str, budget: int, limit: int = 10_000_000) -> float:
@@ -207,12 +239,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="", help="also write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the synthetic datasets")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", default="", help=argparse.SUPPRESS)
     p.add_argument("--python-ns", help=argparse.SUPPRESS)
     p.add_argument("--cell", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     budget = args.max_len - 2
     if args.one:
-        print(json.dumps(measure_one(args.one, budget)))
+        print(json.dumps(measure_one(args.one, budget, args.tokenizer)))
         return 0
     if args.python_ns:
         print(json.dumps({"ns": python_ns_per_sentence(args.python_ns, budget)}))
@@ -328,30 +361,37 @@ def bench_preprocess_rss(args, work: Path) -> list[dict]:
 def bench_index(args, budget: int) -> list[dict]:
     print(f"\nsample index: budget {budget} tokens")
     rows = []
+    tok = _bench_tokenizer(Path(args.dir))
     for n in map(int, args.sentences):
         d = Path(args.dir) / f"n{n:.0e}".replace("+", "")
         shutil.rmtree(d, ignore_errors=True)
         write_synthetic(d, n)
-        empty = _child(["--one", str(_empty_dataset(Path(args.dir)))])
+        empty = _child(["--one", str(_empty_dataset(Path(args.dir))), "--tokenizer", tok])
         cold = _child(["--one", str(d)])
         warm = _child(["--one", str(d)])
+        first = _child(["--one", str(d), "--tokenizer", tok])
         py_ns = _child(["--python-ns", str(d)])["ns"]
         rows.append({"sentences": n, "cold_s": cold["seconds"], "warm_s": warm["seconds"],
                      "open_s": warm["open_s"], "rss_mib": warm["rss_mib"] - empty["rss_mib"],
                      "cold_rss_mib": cold["rss_mib"] - empty["rss_mib"], "samples": cold["samples"],
+                     "first_batch_s": first["first_batch_s"],
+                     "first_batch_rss_mib": first["first_batch_rss_mib"] - empty["first_batch_rss_mib"],
                      "cold_ns_per_sentence": cold["seconds"] / n * 1e9, "python_ns_per_sentence": py_ns})
         r = rows[-1]
         print(f"{n:>12,} sentences: cold {r['cold_s']:.2f}s ({r['cold_ns_per_sentence']:.1f} ns/sentence; "
               f"Python packer {py_ns:.0f} ns/sentence), warm {r['warm_s']:.2f}s (of which dataset open "
-              f"{r['open_s']:.2f}s), RSS +{r['rss_mib']:.0f} MiB warm / +{r['cold_rss_mib']:.0f} MiB cold",
+              f"{r['open_s']:.2f}s), RSS +{r['rss_mib']:.0f} MiB warm / +{r['cold_rss_mib']:.0f} MiB cold; "
+              f"first batch of a 3:1 blend {r['first_batch_s']:.2f}s, RSS +{r['first_batch_rss_mib']:.0f} MiB",
               flush=True)
         if not args.keep:
             shutil.rmtree(d, ignore_errors=True)
-    print("\n| sentences | cold build s | ns/sentence (C) | ns/sentence (Python) | warm start s | RSS MiB (warm) |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("\n| sentences | cold build s | ns/sentence (C) | ns/sentence (Python) | warm start s | RSS MiB (warm) "
+          "| first batch s (warm, blend) | RSS MiB (first batch) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['sentences']:.0e} | {r['cold_s']:.2f} | {r['cold_ns_per_sentence']:.1f} | "
-              f"{r['python_ns_per_sentence']:.0f} | {r['warm_s']:.2f} | {r['rss_mib']:.0f} |")
+              f"{r['python_ns_per_sentence']:.0f} | {r['warm_s']:.2f} | {r['rss_mib']:.0f} | "
+              f"{r['first_batch_s']:.2f} | {r['first_batch_rss_mib']:.0f} |")
     return rows
 
 
