@@ -162,9 +162,6 @@ def test_corruption_detected(shard, what, match):
 def test_index_written_in_slices_is_the_format_byte_for_byte(tmp_path, monkeypatch, slice_):
     """finalize writes and hashes the .idx slice by slice (bounded memory); the bytes are FORMAT.md's layout
     (header, offsets, doc_idx, sizes) as built in one piece, whatever the slice size."""
-
-
-
     from pretrain.data import indexed
 
     monkeypatch.setattr(indexed, "_SLICE", slice_)
