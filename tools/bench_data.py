@@ -159,8 +159,18 @@ def prepare_corpus(work: Path, corpus: str, vocab_size: int) -> tuple[str, str]:
     return str(tok), str(ds)
 
 
-def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: int, micro_batch: int) -> float:
-    """Samples per second (wall) through build_loader, after a warm-up that absorbs worker start-up."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: int, micro_batch: int) -> dict:
+    """Samples per second (wall) through build_loader, after a warm-up that absorbs worker start-up, and the CPU
+    seconds per sample of the process(es) that build the batches (the workers; the main process without) and of
+    the main process: CPU time does not depend on what else shares the cores, so it prices the hand-off
+    (packing + pickling in the worker, unpacking in the main process) where wall rates are noisy."""
     import itertools
 
     import torch
@@ -180,10 +190,14 @@ def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: 
     it = iter(loader)
     for _ in itertools.islice(it, 16):
         pass
-    t0 = time.perf_counter()
+    pids = [w.pid for w in getattr(loader.loader._iterator, "_workers", [])]
+    cpu0, main0, t0 = [_cpu_s(p) for p in pids], time.process_time(), time.perf_counter()
     for _ in itertools.islice(it, batches):
         pass
-    return batches * micro_batch / (time.perf_counter() - t0)
+    wall, main_cpu = time.perf_counter() - t0, time.process_time() - main0
+    n = batches * micro_batch
+    build_cpu = sum(_cpu_s(p) - c for p, c in zip(pids, cpu0)) if pids else main_cpu
+    return {"rate": n / wall, "build_cpu_us": build_cpu / n * 1e6, "main_cpu_us": main_cpu / n * 1e6}
 
 
 def preprocess_rate(tok_path: str, files: list[str], cores: int, out: str) -> dict:
@@ -274,8 +288,8 @@ def main(argv=None) -> int:
 def _cell(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     if spec["kind"] == "loader":
-        return {"rate": loader_rate(spec["tok"], spec["ds"], spec["method"], spec["workers"], spec["batches"],
-                                    spec["micro_batch"])}
+        return loader_rate(spec["tok"], spec["ds"], spec["method"], spec["workers"], spec["batches"],
+                           spec["micro_batch"])
     if spec["kind"] == "preprocess":
         return preprocess_rate(spec["tok"], spec["files"], spec["cores"], spec["out"])
     return {"rate": tokenizers_rate(spec["tok"], spec["files"])}
@@ -287,16 +301,28 @@ def bench_pipeline(args, work: Path) -> dict:
     augment, loader = {}, {}
     print(f"\nsample pipeline: {Path(args.corpus).name}, vocab {args.vocab_size}, max_len 128, view_max_len 64, "
           f"micro-batch {args.micro_batch}; samples/s per core")
-    print("| method | 1 process | 1 worker | 2 workers (per worker core) | hand-off cost |\n|---|---:|---:|---:|---:|")
+    print("| method | 1 process | 1 worker | 2 workers (per worker core) | hand-off cost (wall) | CPU µs/sample: "
+          "1 process | worker | main with 1 worker | hand-off cost (CPU) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for method in args.methods:
-        def run(w: int) -> float:
+        def run(w: int) -> dict:
             cell = ["--cell", json.dumps({**base, "method": method, "workers": w})]
-            return float(np.median([_child(cell)["rate"] for _ in range(args.repeats)]))
+            cells = [_child(cell) for _ in range(args.repeats)]
+            return {k: float(np.median([c[k] for c in cells])) for k in cells[0]}
 
-        augment[method] = run(0)
-        w1, w2 = (run(1), run(2) / 2) if "loader" in args.parts else (float("nan"), float("nan"))
-        loader[method] = {"workers_1": w1, "workers_2": w2}
-        print(f"| {method} | {augment[method]:,.0f} | {w1:,.0f} | {w2:,.0f} | {1 - w1 / augment[method]:.0%} |",
+        alone = run(0)
+        augment[method] = alone["rate"]
+        if "loader" in args.parts:
+            one, two = run(1), run(2)
+            w1, w2 = one["rate"], two["rate"] / 2
+            cpu_cost = one["build_cpu_us"] / alone["build_cpu_us"] - 1
+            loader[method] = {"workers_1": w1, "workers_2": w2, "cpu_us_1_process": alone["build_cpu_us"],
+                              "cpu_us_worker": one["build_cpu_us"], "cpu_us_main": one["main_cpu_us"],
+                              "handoff_cpu": cpu_cost}
+        else:
+            w1 = w2 = cpu_cost = float("nan")
+            one = {"build_cpu_us": float("nan"), "main_cpu_us": float("nan")}
+        print(f"| {method} | {augment[method]:,.0f} | {w1:,.0f} | {w2:,.0f} | {1 - w1 / augment[method]:.0%} | "
+              f"{alone['build_cpu_us']:.0f} | {one['build_cpu_us']:.0f} | {one['main_cpu_us']:.0f} | {cpu_cost:.0%} |",
               flush=True)
     return {"augment": augment, **({"loader": loader} if "loader" in args.parts else {})}
 

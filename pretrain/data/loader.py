@@ -91,20 +91,26 @@ class SampleOrder:
         """Epoch ``epoch``'s whole order, int64[N] (tests and small datasets; training reads positions)."""
         return self.indices(epoch, np.arange(self.num_samples))
 
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(epoch, index) int64 arrays of global stream positions (any order, any epochs), one vectorised
+        permutation call per epoch present."""
+        positions = np.asarray(positions, dtype=np.int64)
+        epoch, offset = np.divmod(positions, self.num_samples)
+        index = np.empty_like(offset)
+        for e in np.unique(epoch).tolist():
+            rows = epoch == e
+            index[rows] = self.indices(e, offset[rows])
+        return epoch, index
+
     def keys(self, start: int, count: int) -> list[tuple[int, int]]:
         """(epoch, index) of global positions start .. start + count - 1 (may span epochs)."""
-        out = []
-        pos, end = start, start + count
-        while pos < end:
-            epoch, offset = divmod(pos, self.num_samples)
-            take = min(end - pos, self.num_samples - offset)
-            out.extend((epoch, i) for i in self.indices(epoch, np.arange(offset, offset + take)).tolist())
-            pos += take
-        return out
+        epoch, index = self.locate(np.arange(start, start + count, dtype=np.int64))
+        return list(zip(epoch.tolist(), index.tolist()))
 
-    def rank_keys(self, step_start: int, micro_batch_size: int, rank: int, world_size: int) -> list[tuple[int, int]]:
-        """This rank's micro-batch of the micro-step that begins at global position ``step_start``."""
-        return self.keys(step_start + rank * micro_batch_size, micro_batch_size)
+
+LOOKAHEAD_SAMPLES = 4096
+"""Keys a sampler computes per call to the order (at least one chunk): the permutation's numpy calls are paid
+once per few thousand samples, not per micro-batch."""
 
 
 class RankBatchSampler:
@@ -119,14 +125,18 @@ class RankBatchSampler:
         self.chunk = chunk
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        step = self.micro_batch_size * self.world_size
+        M, step = self.micro_batch_size, self.micro_batch_size * self.world_size
+        chunks = max(1, LOOKAHEAD_SAMPLES // (M * self.chunk))  # chunks located per call to the order
+        offsets = np.arange(M, dtype=np.int64) + self.rank * M
         pos = self.start
         while True:
-            keys = []
-            for _ in range(self.chunk):
-                keys += self.order.rank_keys(pos, self.micro_batch_size, self.rank, self.world_size)
-                pos += step
-            yield keys
+            n_steps = chunks * self.chunk
+            positions = pos + np.arange(n_steps, dtype=np.int64)[:, None] * step + offsets
+            epoch, index = self.order.locate(positions.ravel())
+            keys = list(zip(epoch.tolist(), index.tolist()))
+            for c in range(chunks):
+                yield keys[c * self.chunk * M:(c + 1) * self.chunk * M]
+            pos += n_steps * step
 
 
 CHUNK_SAMPLES = 128

@@ -135,6 +135,24 @@ def test_start_position_gives_tail_of_stream(world):
             assert tail[r] == full[r][p_steps:]
 
 
+@pytest.mark.parametrize("rule", ["feistel-v1", "permutation-v1"])
+def test_sampler_keys_are_each_ranks_blocks_of_the_stream_in_chunks(rule, monkeypatch):
+    """The sampler locates thousands of positions per call (LOOKAHEAD_SAMPLES, here shrunk so that calls
+    span epochs); its lists are this rank's micro-batch blocks of the global stream, ``chunk`` at a time."""
+    from pretrain.data import loader as loader_mod
+
+    monkeypatch.setattr(loader_mod, "LOOKAHEAD_SAMPLES", 40)
+    order, mb, world = SampleOrder(29, seed=6, rule=rule), 3, 2
+    stream = order.keys(7 * mb * world, 200 * mb * world)
+    for rank in range(world):
+        for chunk in (1, 3):
+            sampler = RankBatchSampler(order, rank=rank, world_size=world, micro_batch_size=mb,
+                                       start=7 * mb * world, chunk=chunk)
+            got = list(itertools.islice(iter(sampler), 60 // chunk))
+            want = [stream[s * mb * world + rank * mb:s * mb * world + (rank + 1) * mb] for s in range(60)]
+            assert got == [sum(want[c * chunk:(c + 1) * chunk], []) for c in range(60 // chunk)]
+
+
 def test_global_batches_do_not_depend_on_world_size():
     order = SampleOrder(50, seed=2)
     one = rank_stream(order, rank=0, world=1, mb=8, start=0, steps=10)  # global batch 8, 1 rank
