@@ -12,8 +12,9 @@
 Index: synthetic datasets of N sentences (sizes 5-40 tokens, documents of 1-60 sentences, shards of 5e7
 sentences): real ``.idx`` files and a sparse ``.bin`` (no token data is written), so 1e8 sentences cost
 ~1.3 GB of index on disk. Each measurement runs in a fresh process: open the dataset, build or load the
-sample index (``load_or_build_sample_index``), report wall time and the growth of anonymous RSS (not counting the page cache of the
-memory-mapped files) over an empty dataset;
+sample index (``load_or_build_sample_index``), report wall time and the growth of anonymous RSS (not counting
+the page cache of the memory-mapped files) over an empty dataset; then, warm, the time and RSS to the first
+training batch of the dataset blended 3:1 with itself through the sample order and ``build_loader``;
 the same row also times the pure-Python packer on the first 1e7 sentences for the per-sentence ratio.
 
     python tools/bench_data.py [--parts augment loader index preprocess] [--sentences 1e6 1e7 1e8]
@@ -78,8 +79,10 @@ def write_synthetic(directory: Path, num_sentences: int, seed: int = 0) -> None:
                                "num_sequences": num_sentences})
 
 
-def measure_one(directory: str, budget: int) -> dict:
-    """In this (fresh) process: open the dataset and its sample index; seconds and RSS growth."""
+def measure_one(directory: str, budget: int, tokenizer: str = "") -> dict:
+    """In this (fresh) process: open the dataset and its sample index; seconds and RSS growth. With a
+    tokenizer, then on to the first training batch as the trainer gets it: the dataset blended 3:1 with
+    itself (two sources, like wiki + books), the sample order, ``build_loader`` (no workers), one batch."""
     sys.path.insert(0, str(ROOT))
     from pretrain.data.datasets import load_or_build_sample_index
     from pretrain.data.shards import ShardedDataset
@@ -91,8 +94,37 @@ def measure_one(directory: str, budget: int) -> dict:
     index = load_or_build_sample_index(src, budget)
     n_samples = len(index)
     _ = index.ranges(np.array([n_samples // 2, n_samples - 1]))  # touch it, as a first batch would
-    return {"seconds": time.perf_counter() - t0, "open_s": t_open, "rss_mib": _rss_mib() - base,
-            "samples": n_samples, "cached": index.path is not None}
+    out = {"seconds": time.perf_counter() - t0, "open_s": t_open, "rss_mib": _rss_mib() - base,
+           "samples": n_samples, "cached": index.path is not None}
+    if tokenizer:
+        from pretrain.config.data import DataConfig
+        from pretrain.data.datasets import BlendedDataset, PretrainDataset
+        from pretrain.data.loader import build_loader
+        from pretrain.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        cfg = DataConfig(max_len=budget + 2, view_max_len=64)
+        parts = [PretrainDataset(ShardedDataset(directory), tok, cfg, seed=1) for _ in range(2)]
+        blend = BlendedDataset(parts, [3.0, 1.0], seed=1)
+        loader = build_loader(blend, seed=1, rank=0, world_size=1, micro_batch_size=32, start_sample=0,
+                              num_workers=0, pad_id=tok.pad_id)
+        batch = next(iter(loader))
+        assert batch["input_ids"].shape[0] == 32
+        out.update(first_batch_s=time.perf_counter() - t0, first_batch_rss_mib=_rss_mib() - base)
+    return out
+
+
+def _bench_tokenizer(root: Path) -> str:
+    """A small WordPiece for the first-batch measurement (the synthetic shards hold token 0 only)."""
+    sys.path.insert(0, str(ROOT))
+    from pretrain.data.tokenizer import train_tokenizer
+
+    path = root / "first-batch-tokenizer.json"
+    if not path.is_file():
+        text = root / "first-batch-text.txt"
+        text.write_text("the quick brown fox jumps over the lazy dog . a sentence of words .\n" * 200)
+        train_tokenizer([str(text)], str(path), kind="wordpiece", vocab_size=120, min_frequency=1)
+    return str(path)
 
 
 def python_ns_per_sentence(directory: str, budget: int, limit: int = 10_000_000) -> float:
@@ -127,8 +159,18 @@ def prepare_corpus(work: Path, corpus: str, vocab_size: int) -> tuple[str, str]:
     return str(tok), str(ds)
 
 
-def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: int, micro_batch: int) -> float:
-    """Samples per second (wall) through build_loader, after a warm-up that absorbs worker start-up."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: int, micro_batch: int) -> dict:
+    """Samples per second (wall) through build_loader, after a warm-up that absorbs worker start-up, and the CPU
+    seconds per sample of the process(es) that build the batches (the workers; the main process without) and of
+    the main process: CPU time does not depend on what else shares the cores, so it prices the hand-off
+    (packing + pickling in the worker, unpacking in the main process) where wall rates are noisy."""
     import itertools
 
     import torch
@@ -148,10 +190,14 @@ def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: 
     it = iter(loader)
     for _ in itertools.islice(it, 16):
         pass
-    t0 = time.perf_counter()
+    pids = [w.pid for w in getattr(loader.loader._iterator, "_workers", [])]
+    cpu0, main0, t0 = [_cpu_s(p) for p in pids], time.process_time(), time.perf_counter()
     for _ in itertools.islice(it, batches):
         pass
-    return batches * micro_batch / (time.perf_counter() - t0)
+    wall, main_cpu = time.perf_counter() - t0, time.process_time() - main0
+    n = batches * micro_batch
+    build_cpu = sum(_cpu_s(p) - c for p, c in zip(pids, cpu0)) if pids else main_cpu
+    return {"rate": n / wall, "build_cpu_us": build_cpu / n * 1e6, "main_cpu_us": main_cpu / n * 1e6}
 
 
 def preprocess_rate(tok_path: str, files: list[str], cores: int, out: str) -> dict:
@@ -207,12 +253,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="", help="also write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the synthetic datasets")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", default="", help=argparse.SUPPRESS)
     p.add_argument("--python-ns", help=argparse.SUPPRESS)
     p.add_argument("--cell", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     budget = args.max_len - 2
     if args.one:
-        print(json.dumps(measure_one(args.one, budget)))
+        print(json.dumps(measure_one(args.one, budget, args.tokenizer)))
         return 0
     if args.python_ns:
         print(json.dumps({"ns": python_ns_per_sentence(args.python_ns, budget)}))
@@ -241,8 +288,8 @@ def main(argv=None) -> int:
 def _cell(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     if spec["kind"] == "loader":
-        return {"rate": loader_rate(spec["tok"], spec["ds"], spec["method"], spec["workers"], spec["batches"],
-                                    spec["micro_batch"])}
+        return loader_rate(spec["tok"], spec["ds"], spec["method"], spec["workers"], spec["batches"],
+                           spec["micro_batch"])
     if spec["kind"] == "preprocess":
         return preprocess_rate(spec["tok"], spec["files"], spec["cores"], spec["out"])
     return {"rate": tokenizers_rate(spec["tok"], spec["files"])}
@@ -254,16 +301,28 @@ def bench_pipeline(args, work: Path) -> dict:
     augment, loader = {}, {}
     print(f"\nsample pipeline: {Path(args.corpus).name}, vocab {args.vocab_size}, max_len 128, view_max_len 64, "
           f"micro-batch {args.micro_batch}; samples/s per core")
-    print("| method | 1 process | 1 worker | 2 workers (per worker core) | hand-off cost |\n|---|---:|---:|---:|---:|")
+    print("| method | 1 process | 1 worker | 2 workers (per worker core) | hand-off cost (wall) | CPU µs/sample: "
+          "1 process | worker | main with 1 worker | hand-off cost (CPU) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for method in args.methods:
-        def run(w: int) -> float:
+        def run(w: int) -> dict:
             cell = ["--cell", json.dumps({**base, "method": method, "workers": w})]
-            return float(np.median([_child(cell)["rate"] for _ in range(args.repeats)]))
+            cells = [_child(cell) for _ in range(args.repeats)]
+            return {k: float(np.median([c[k] for c in cells])) for k in cells[0]}
 
-        augment[method] = run(0)
-        w1, w2 = (run(1), run(2) / 2) if "loader" in args.parts else (float("nan"), float("nan"))
-        loader[method] = {"workers_1": w1, "workers_2": w2}
-        print(f"| {method} | {augment[method]:,.0f} | {w1:,.0f} | {w2:,.0f} | {1 - w1 / augment[method]:.0%} |",
+        alone = run(0)
+        augment[method] = alone["rate"]
+        if "loader" in args.parts:
+            one, two = run(1), run(2)
+            w1, w2 = one["rate"], two["rate"] / 2
+            cpu_cost = one["build_cpu_us"] / alone["build_cpu_us"] - 1
+            loader[method] = {"workers_1": w1, "workers_2": w2, "cpu_us_1_process": alone["build_cpu_us"],
+                              "cpu_us_worker": one["build_cpu_us"], "cpu_us_main": one["main_cpu_us"],
+                              "handoff_cpu": cpu_cost}
+        else:
+            w1 = w2 = cpu_cost = float("nan")
+            one = {"build_cpu_us": float("nan"), "main_cpu_us": float("nan")}
+        print(f"| {method} | {augment[method]:,.0f} | {w1:,.0f} | {w2:,.0f} | {1 - w1 / augment[method]:.0%} | "
+              f"{alone['build_cpu_us']:.0f} | {one['build_cpu_us']:.0f} | {one['main_cpu_us']:.0f} | {cpu_cost:.0%} |",
               flush=True)
     return {"augment": augment, **({"loader": loader} if "loader" in args.parts else {})}
 
@@ -328,30 +387,37 @@ def bench_preprocess_rss(args, work: Path) -> list[dict]:
 def bench_index(args, budget: int) -> list[dict]:
     print(f"\nsample index: budget {budget} tokens")
     rows = []
+    tok = _bench_tokenizer(Path(args.dir))
     for n in map(int, args.sentences):
         d = Path(args.dir) / f"n{n:.0e}".replace("+", "")
         shutil.rmtree(d, ignore_errors=True)
         write_synthetic(d, n)
-        empty = _child(["--one", str(_empty_dataset(Path(args.dir)))])
+        empty = _child(["--one", str(_empty_dataset(Path(args.dir))), "--tokenizer", tok])
         cold = _child(["--one", str(d)])
         warm = _child(["--one", str(d)])
+        first = _child(["--one", str(d), "--tokenizer", tok])
         py_ns = _child(["--python-ns", str(d)])["ns"]
         rows.append({"sentences": n, "cold_s": cold["seconds"], "warm_s": warm["seconds"],
                      "open_s": warm["open_s"], "rss_mib": warm["rss_mib"] - empty["rss_mib"],
                      "cold_rss_mib": cold["rss_mib"] - empty["rss_mib"], "samples": cold["samples"],
+                     "first_batch_s": first["first_batch_s"],
+                     "first_batch_rss_mib": first["first_batch_rss_mib"] - empty["first_batch_rss_mib"],
                      "cold_ns_per_sentence": cold["seconds"] / n * 1e9, "python_ns_per_sentence": py_ns})
         r = rows[-1]
         print(f"{n:>12,} sentences: cold {r['cold_s']:.2f}s ({r['cold_ns_per_sentence']:.1f} ns/sentence; "
               f"Python packer {py_ns:.0f} ns/sentence), warm {r['warm_s']:.2f}s (of which dataset open "
-              f"{r['open_s']:.2f}s), RSS +{r['rss_mib']:.0f} MiB warm / +{r['cold_rss_mib']:.0f} MiB cold",
+              f"{r['open_s']:.2f}s), RSS +{r['rss_mib']:.0f} MiB warm / +{r['cold_rss_mib']:.0f} MiB cold; "
+              f"first batch of a 3:1 blend {r['first_batch_s']:.2f}s, RSS +{r['first_batch_rss_mib']:.0f} MiB",
               flush=True)
         if not args.keep:
             shutil.rmtree(d, ignore_errors=True)
-    print("\n| sentences | cold build s | ns/sentence (C) | ns/sentence (Python) | warm start s | RSS MiB (warm) |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("\n| sentences | cold build s | ns/sentence (C) | ns/sentence (Python) | warm start s | RSS MiB (warm) "
+          "| first batch s (warm, blend) | RSS MiB (first batch) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['sentences']:.0e} | {r['cold_s']:.2f} | {r['cold_ns_per_sentence']:.1f} | "
-              f"{r['python_ns_per_sentence']:.0f} | {r['warm_s']:.2f} | {r['rss_mib']:.0f} |")
+              f"{r['python_ns_per_sentence']:.0f} | {r['warm_s']:.2f} | {r['rss_mib']:.0f} | "
+              f"{r['first_batch_s']:.2f} | {r['first_batch_rss_mib']:.0f} |")
     return rows
 
 

@@ -376,10 +376,12 @@ class BlendedDataset(torch.utils.data.Dataset):
     """Several sources interleaved by weight; len = total samples of all sources.
 
     Source s gets ``apportion(len, weights)[s]`` slots per epoch, spread evenly (slot c of
-    source s sits at time (c + 0.5) / count_s; a stable sort merges them). Within a source the
-    window of samples rotates by one epoch's count each epoch, from a seed-chosen offset, so a
+    source s sits at time (c + 0.5) / count_s; a stable sort merges them: ties go to the lower source). Within
+    a source the window of samples rotates by one epoch's count each epoch, from a seed-chosen offset, so a
     down-weighted source still cycles through all its samples over epochs.
-    """
+
+    The merged order is computed where it is read (``slots``: a binary search per source over exact integer
+    comparisons of the times), never materialised: at 1e9 sentences it would be ~2 GB on every rank."""
 
     def __init__(self, datasets: list, weights: list[float], *, seed: int):
         if not datasets or len(datasets) != len(weights):
@@ -389,38 +391,77 @@ class BlendedDataset(torch.utils.data.Dataset):
         sizes = [len(d) for d in datasets]
         if any(n == 0 for n in sizes):
             raise ValueError(f"a blended source has no samples (sizes {sizes}); check the dataset directories")
+        if sum(sizes) >= 2**31:
+            raise ValueError(f"a blend of {sum(sizes)} samples is over the 2**31 this blend's exact integer "
+                             f"arithmetic allows; split the corpus into several runs' data or fewer samples")
         self.datasets = datasets
         self.weights = [float(w) for w in weights]
         self.counts_S = apportion(sum(sizes), weights)
-        times = [(np.arange(c) + 0.5) / c for c in self.counts_S.tolist()]
-        sources = [np.full(c, s, dtype=np.int16) for s, c in enumerate(self.counts_S.tolist())]
-        order_N = np.argsort(np.concatenate(times), kind="stable")
-        self.source_N = np.concatenate(sources)[order_N]
-        draws = np.concatenate([np.arange(c, dtype=np.int64) for c in self.counts_S.tolist()])
-        self.draw_N = draws[order_N]
         self.offset_S = np.array(
             [np.random.default_rng([seed, s]).integers(n) for s, n in enumerate(sizes)], dtype=np.int64
         )
 
     def __len__(self) -> int:
-        return len(self.source_N)
+        return int(self.counts_S.sum())
+
+    def _rank(self, s: int, c_B: np.ndarray) -> np.ndarray:
+        """Position in the merged order of slot ``c_B`` of source ``s``: c plus, for every other source t, its
+        slots whose time (2d + 1) / (2 n_t) is before (2c + 1) / (2 n_s) (or equal, for t < s)."""
+        n_s = int(self.counts_S[s])
+        rank_B = c_B.copy()
+        for t, n_t in enumerate(self.counts_S.tolist()):
+            if t == s or n_t == 0:
+                continue
+            num_B = (2 * c_B + 1) * n_t  # slot d of t is before iff (2d + 1) n_s < num (<= num for t < s)
+            if t < s:
+                before_B = (num_B // n_s + 1) // 2
+            else:
+                before_B = (-(-num_B // n_s)) // 2
+            rank_B += np.clip(before_B, 0, n_t)
+        return rank_B
+
+    def slots(self, index_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source_B, slot_B) int64 of blended positions ``index_B`` (each in [0, len))."""
+        index_B = np.asarray(index_B, dtype=np.int64)
+        source_B = np.full(len(index_B), -1, dtype=np.int64)
+        slot_B = np.zeros(len(index_B), dtype=np.int64)
+        total, S = len(self), len(self.counts_S)
+        for s, n_s in enumerate(self.counts_S.tolist()):
+            if n_s == 0:
+                continue
+            # rank(s, c) is within S of (2c + 1) N / (2 n_s) (each other source's count is within 1 of its
+            # share), so a slot of s at position i is within S + 1 of i n_s / N: bisect that window only.
+            guess_B = index_B * n_s // total
+            lo, hi = np.clip(guess_B - S - 2, 0, n_s - 1), np.clip(guess_B + S + 3, 1, n_s)
+            while (hi - lo > 1).any():  # the last slot of s in the window at or before each index
+                mid = (lo + hi) // 2
+                ok = self._rank(s, mid) <= index_B
+                lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
+            hit = self._rank(s, lo) == index_B
+            source_B[hit], slot_B[hit] = s, lo[hit]
+        if (source_B < 0).any():
+            raise IndexError(f"blended positions {index_B[source_B < 0][:5].tolist()} are outside [0, {len(self)})")
+        return source_B, slot_B
 
     def locate(self, epoch: int, index: int) -> tuple[int, int]:
         """(source, position in that source) of blended sample ``index`` in ``epoch``."""
-        s = int(self.source_N[index])
-        return s, int(self.offset_S[s] + epoch * self.counts_S[s] + self.draw_N[index])
+        source, slot = self.slots(np.array([index]))
+        s = int(source[0])
+        return s, int(self.offset_S[s] + epoch * self.counts_S[s] + slot[0])
 
     @property
     def sample_stream(self) -> str:
         return self.datasets[0].sample_stream
 
     def __getitems__(self, keys) -> SampleBatch:
-        located = [(e, *self.locate(e, i)) for e, i in (parse_key(k) for k in keys)]
-        source_B = np.array([s for _, s, _ in located], dtype=np.int64)
+        epoch_B, index_B = np.array([parse_key(k) for k in keys], dtype=np.int64).reshape(-1, 2).T
+        source_B, slot_B = self.slots(index_B)
+        pos_B = self.offset_S[source_B] + epoch_B * self.counts_S[source_B] + slot_B
         parts, rows = [], []
         for s in np.unique(source_B).tolist():
             rows.append(np.flatnonzero(source_B == s))
-            parts.append(self.datasets[s].__getitems__([(located[b][0], located[b][2]) for b in rows[-1]]))
+            parts.append(self.datasets[s].__getitems__(list(zip(epoch_B[rows[-1]].tolist(),
+                                                                pos_B[rows[-1]].tolist()))))
         return SampleBatch.merge(parts, rows, source_B)
 
     def __getitem__(self, key) -> dict:

@@ -136,6 +136,10 @@ class IndexedDataset:
         self.__init__(state["prefix"])
 
 
+_SLICE = 1 << 18
+"""Sentences per slice when a builder writes its index."""
+
+
 class IndexedDatasetBuilder:
     """Streams sequences into ``<prefix>.bin``; ``finalize`` publishes .bin then .idx atomically."""
 
@@ -197,23 +201,38 @@ class IndexedDatasetBuilder:
         os.fsync(self._bin.fileno())
         self._bin.close()
         sizes = np.frombuffer(self._sizes, dtype=np.int32) if len(self._sizes) else np.zeros(0, np.int32)
-        offsets = np.zeros(len(sizes), dtype="<i8")
-        if len(sizes):
-            np.cumsum(sizes[:-1], out=offsets[1:])
         doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
         header = _HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(sizes), len(doc_idx) - 1, self.num_tokens)
-        body = header + offsets.tobytes() + doc_idx.astype("<i8").tobytes() + sizes.astype("<i4").tobytes()
         idx_tmp = self.prefix + ".idx.tmp"
+        idx_hash, idx_bytes = hashlib.sha256(), 0
         with open(idx_tmp, "wb") as f:
-            f.write(body)
+            # Written and hashed slice by slice: the finalize peak stays a few MB over the shard's sizes,
+            # however many sentences the shard holds.
+            def put(data: bytes) -> None:
+                nonlocal idx_bytes
+                f.write(data)
+                idx_hash.update(data)
+                idx_bytes += len(data)
+
+            put(header)
+            start = 0
+            for a in range(0, len(sizes), _SLICE):
+                part = sizes[a:a + _SLICE].astype("<i8")
+                offsets = np.cumsum(part) - part + start  # exclusive prefix sums, continued across slices
+                start += int(part.sum())
+                put(offsets.tobytes())
+            for a in range(0, len(doc_idx), _SLICE):
+                put(doc_idx[a:a + _SLICE].astype("<i8").tobytes())
+            for a in range(0, len(sizes), _SLICE):
+                put(sizes[a:a + _SLICE].astype("<i4").tobytes())
             f.flush()
             os.fsync(f.fileno())
         os.replace(self._bin_tmp, self.prefix + ".bin")
         os.replace(idx_tmp, self.prefix + ".idx")
         return {"num_sequences": len(sizes), "num_documents": len(doc_idx) - 1, "num_tokens": self.num_tokens,
                 "dtype": self.dtype.name, "bin_bytes": self.num_tokens * self.dtype.itemsize,
-                "idx_bytes": len(body), "bin_sha256": self._bin_hash.hexdigest(),
-                "idx_sha256": hashlib.sha256(body).hexdigest()}
+                "idx_bytes": idx_bytes, "bin_sha256": self._bin_hash.hexdigest(),
+                "idx_sha256": idx_hash.hexdigest()}
 
     def abort(self) -> None:
         """Drop the partial shard (temporary files only; nothing was published)."""

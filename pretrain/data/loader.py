@@ -2,9 +2,10 @@
 
 Shape legend: N = samples per epoch, M = micro-batch size per rank, W = world size.
 
-The global sample stream is the concatenation of epoch permutations (epoch e is
-``default_rng([seed, e]).permutation(N)``); global position p is sample
-``perm_{p // N}[p % N]`` of epoch ``p // N``. Each micro-step consumes M * W consecutive
+The global sample stream is the concatenation of epoch permutations; global position p is sample
+``perm_{p // N}(p % N)`` of epoch ``p // N``. A permutation is computed where it is read (``SampleOrder``: a
+keyed Feistel network, O(1) memory), not materialised: at 1e9 sentences an epoch has ~2e8 samples, whose
+array would be 1.6 GB on every rank and seconds of start-up at every epoch. Each micro-step consumes M * W consecutive
 positions and rank r takes the r-th contiguous block of M. A global batch is a run of
 consecutive micro-steps, so the set of samples in each global batch depends only on the
 position, never on how it is split over ranks and accumulation steps: resuming at
@@ -26,38 +27,90 @@ import torch
 from pretrain.data.collate import collate
 
 
-class SampleOrder:
-    """The global (epoch, index) order of a dataset of ``num_samples``, independent of world size."""
+ORDER_RULE = "feistel-v1"
+"""The rule new runs order their samples by; checkpoints record it (``sample_order``) and a resume keeps the
+checkpoint's rule. "permutation-v1": ``default_rng([seed, epoch]).permutation(N)`` (runs before feistel-v1)."""
+ORDER_RULES = ("feistel-v1", "permutation-v1")
+FEISTEL_ROUNDS = 6
 
-    def __init__(self, num_samples: int, *, seed: int):
+
+class SampleOrder:
+    """The global (epoch, index) order of a dataset of ``num_samples``, independent of world size.
+
+    feistel-v1: epoch e's order maps position p to ``E(p)``, with E a balanced Feistel network of
+    FEISTEL_ROUNDS rounds over the smallest even-bit domain 2**(2h) >= N (< 4N), each round a SplitMix64 hash
+    of (seed, epoch, round, half) keeping h bits, and cycle-walking (E applied again while the result is >= N,
+    which ends because E is a permutation of the domain and p < N lies on a cycle through [0, N)). A bijection
+    of [0, N) for every key; pseudo-random by Luby-Rackoff; no memory; any position of any epoch at once."""
+
+    def __init__(self, num_samples: int, *, seed: int, rule: str = ORDER_RULE):
         if num_samples <= 0:
             raise ValueError(f"cannot iterate a dataset with {num_samples} samples; check data.sources")
+        if rule not in ORDER_RULES:
+            raise ValueError(f"unknown sample order rule {rule!r}: this pretrain version knows {', '.join(ORDER_RULES)}")
         self.num_samples = int(num_samples)
         self.seed = int(seed)
+        self.rule = rule
         self._epoch = -1
         self._perm_N = np.zeros(0, dtype=np.int64)
+        self._half = max(1, (max(self.num_samples - 1, 1).bit_length() + 1) // 2)
+
+    def indices(self, epoch: int, pos: np.ndarray) -> np.ndarray:
+        """int64: the samples at positions ``pos`` (each in [0, N)) of epoch ``epoch``'s order."""
+        pos = np.asarray(pos, dtype=np.int64)
+        if self.rule == "permutation-v1":
+            if epoch != self._epoch:
+                self._perm_N = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+                self._epoch = epoch
+            return self._perm_N[pos]
+        keys_R = self._round_keys(epoch)
+        x = pos.astype(np.uint64)
+        walk = np.ones(len(x), dtype=bool)
+        while walk.any():
+            x[walk] = self._feistel(x[walk], keys_R)
+            walk = x >= np.uint64(self.num_samples)
+        return x.astype(np.int64)
+
+    def _round_keys(self, epoch: int) -> np.ndarray:
+        from pretrain.data.counter_rng import sample_keys
+
+        return sample_keys(self.seed, np.full(FEISTEL_ROUNDS, epoch), np.arange(FEISTEL_ROUNDS) + (1 << 40))
+
+    def _feistel(self, x: np.ndarray, keys_R: np.ndarray) -> np.ndarray:
+        from pretrain.data.counter_rng import _GOLDEN, mix64
+
+        h = np.uint64(self._half)
+        mask = np.uint64((1 << self._half) - 1)
+        left, right = x >> h, x & mask
+        with np.errstate(over="ignore"):
+            for key in keys_R:
+                left, right = right, left ^ (mix64(key + (right + np.uint64(1)) * _GOLDEN) & mask)
+        return (left << h) | right
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """Epoch ``epoch``'s order, int64[N] (the latest one is cached)."""
-        if epoch != self._epoch:
-            self._perm_N = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            self._epoch = epoch
-        return self._perm_N
+        """Epoch ``epoch``'s whole order, int64[N] (tests and small datasets; training reads positions)."""
+        return self.indices(epoch, np.arange(self.num_samples))
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(epoch, index) int64 arrays of global stream positions (any order, any epochs), one vectorised
+        permutation call per epoch present."""
+        positions = np.asarray(positions, dtype=np.int64)
+        epoch, offset = np.divmod(positions, self.num_samples)
+        index = np.empty_like(offset)
+        for e in np.unique(epoch).tolist():
+            rows = epoch == e
+            index[rows] = self.indices(e, offset[rows])
+        return epoch, index
 
     def keys(self, start: int, count: int) -> list[tuple[int, int]]:
         """(epoch, index) of global positions start .. start + count - 1 (may span epochs)."""
-        out = []
-        pos, end = start, start + count
-        while pos < end:
-            epoch, offset = divmod(pos, self.num_samples)
-            take = min(end - pos, self.num_samples - offset)
-            out.extend((epoch, int(i)) for i in self.permutation(epoch)[offset : offset + take])
-            pos += take
-        return out
+        epoch, index = self.locate(np.arange(start, start + count, dtype=np.int64))
+        return list(zip(epoch.tolist(), index.tolist()))
 
-    def rank_keys(self, step_start: int, micro_batch_size: int, rank: int, world_size: int) -> list[tuple[int, int]]:
-        """This rank's micro-batch of the micro-step that begins at global position ``step_start``."""
-        return self.keys(step_start + rank * micro_batch_size, micro_batch_size)
+
+LOOKAHEAD_SAMPLES = 4096
+"""Keys a sampler computes per call to the order (at least one chunk): the permutation's numpy calls are paid
+once per few thousand samples, not per micro-batch."""
 
 
 class RankBatchSampler:
@@ -72,14 +125,18 @@ class RankBatchSampler:
         self.chunk = chunk
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        step = self.micro_batch_size * self.world_size
+        M, step = self.micro_batch_size, self.micro_batch_size * self.world_size
+        chunks = max(1, LOOKAHEAD_SAMPLES // (M * self.chunk))  # chunks located per call to the order
+        offsets = np.arange(M, dtype=np.int64) + self.rank * M
         pos = self.start
         while True:
-            keys = []
-            for _ in range(self.chunk):
-                keys += self.order.rank_keys(pos, self.micro_batch_size, self.rank, self.world_size)
-                pos += step
-            yield keys
+            n_steps = chunks * self.chunk
+            positions = pos + np.arange(n_steps, dtype=np.int64)[:, None] * step + offsets
+            epoch, index = self.order.locate(positions.ravel())
+            keys = list(zip(epoch.tolist(), index.tolist()))
+            for c in range(chunks):
+                yield keys[c * self.chunk * M:(c + 1) * self.chunk * M]
+            pos += n_steps * step
 
 
 CHUNK_SAMPLES = 128
@@ -190,6 +247,7 @@ def build_loader(
     prefetch_factor: int = 4,
     collate_fn=collate,
     chunk: int | None = None,
+    order_rule: str = ORDER_RULE,
 ) -> ResumableLoader:
     """Infinite loader of this rank's micro-batches from global position ``start_sample``.
 
@@ -197,6 +255,7 @@ def build_loader(
     ``collate_fn(samples, pad_id)`` builds the batch (pretraining samples by default). A worker builds
     ``chunk`` micro-batches per task (default: enough for 128 samples): the per-task costs of the DataLoader
     and the numpy calls of a batched ``__getitems__`` are paid once per chunk; the batches are the same.
+    ``order_rule``: the SampleOrder rule (a resumed run passes its checkpoint's).
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
@@ -210,7 +269,7 @@ def build_loader(
         )
     if chunk is None:
         chunk = max(1, -(-CHUNK_SAMPLES // micro_batch_size))
-    order = SampleOrder(len(dataset), seed=seed)
+    order = SampleOrder(len(dataset), seed=seed, rule=order_rule)
     sampler = RankBatchSampler(order, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size,
                                start=start_sample, chunk=chunk)
     extra = {}

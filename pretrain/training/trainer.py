@@ -16,13 +16,13 @@ import torch
 from pretrain.checkpoint import store
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data.datasets import build_dataset
-from pretrain.data.loader import build_loader
-from pretrain.objective.forward import mean_pool_mix
+from pretrain.data.loader import ORDER_RULE, ORDER_RULES, build_loader
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Engine
 from pretrain.distributed.peers import PeerWatch
 from pretrain.metrics.accumulate import MetricSums
 from pretrain.metrics.writer import MetricsWriter, format_progress, print_progress
+from pretrain.objective.forward import mean_pool_mix
 from pretrain.training.banner import banner_lines
 from pretrain.training.build import build_train_module, model_config, open_init_weights, preflight, stage_parts
 from pretrain.training.optim import build_param_groups, lr_lambda
@@ -108,6 +108,8 @@ class Trainer:
         self._warned_starved = False
         self.tokens_seen = 0
         self.bad_steps_total = 0
+        self.order_rule = ORDER_RULE
+        """How the training samples are ordered (data/loader.py: SampleOrder); a resume keeps its checkpoint's."""
         self._resume_or_start(resume_dir, universal, saved)
         self.writer = MetricsWriter(self.run_dir, enabled=env.is_main, resume_step=self.step)
 
@@ -150,9 +152,13 @@ class Trainer:
             old_world = state.get("world_size", self.env.world_size)
             self.tokens_seen = state.get("tokens_seen", 0) * old_world // self.env.world_size  # counted per rank
             self.bad_steps_total = state.get("bad_steps_total", 0)
+            self.order_rule = state.get("sample_order", "permutation-v1")  # checkpoints before feistel-v1
             if self.env.is_main:
                 ranks = f" (written by {n_ranks(old_world)})" if old_world != self.env.world_size else ""
                 print_progress(f"resumed from {tag_dir} at step {self.step}{ranks}")
+                if self.order_rule != ORDER_RULE:
+                    print_progress(f"the checkpoint orders its samples by {self.order_rule!r}: this run continues "
+                                   f"that order (new runs use {ORDER_RULE!r})")
                 note = schedule_change(saved, self.cfg, self.step)
                 if note:
                     print_progress(note)
@@ -193,6 +199,11 @@ class Trainer:
                 f"checkpoint's settings, or start a new run_dir (with checkpoint.init_from={tag_dir} to start "
                 f"from its weights where their shapes fit)."
             )
+        order = state.get("sample_order", "permutation-v1")
+        if order not in ORDER_RULES:
+            raise ValueError(
+                f"checkpoint {tag_dir} orders its samples by {order!r}, which this pretrain version does not know "
+                f"(it knows {', '.join(ORDER_RULES)}): finish the run with the pretrain version that wrote it.")
         stream = getattr(self.train_set, "sample_stream", None)
         if stream is not None and state.get("sample_stream") != stream:
             raise ValueError(
@@ -205,11 +216,12 @@ class Trainer:
 
     def _loader(self, dataset, start_sample: int):
         c = self.cfg
-        build = self._build_train_loader if dataset is self.train_set else build_loader
+        train = dataset is self.train_set
+        build = self._build_train_loader if train else build_loader
         return build(dataset, seed=c.seed, rank=self.env.rank, world_size=self.env.world_size,
-                            micro_batch_size=c.train.micro_batch_size, start_sample=start_sample,
-                            num_workers=c.data.num_workers, pad_id=self.tokenizer.pad_id,
-                            prefetch_factor=c.data.prefetch_factor)
+                     micro_batch_size=c.train.micro_batch_size, start_sample=start_sample,
+                     num_workers=c.data.num_workers, pad_id=self.tokenizer.pad_id,
+                     prefetch_factor=c.data.prefetch_factor, order_rule=self.order_rule if train else ORDER_RULE)
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> int:
@@ -376,6 +388,7 @@ class Trainer:
             "bad_steps_total": self.bad_steps_total,
             "seed": self.cfg.seed,
             "sample_stream": getattr(self.train_set, "sample_stream", None),
+            "sample_order": self.order_rule,
         }
         path = store.save_checkpoint(self.engine, self.env, self.run_dir, step=self.step, trainer_state=state,
                                      config_yaml=to_yaml(self.cfg), tokenizer_path=self.cfg.data.tokenizer,

@@ -525,9 +525,21 @@ def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_
     assert code == 2 and "is not the tokenizer the checkpoint was trained with" in out, out[-2000:]
     assert "model.vocab_size: 2000 in the checkpoint" in out
 
+    # A sample order this version does not know is refused; a checkpoint from before orders were recorded
+    # (numpy permutations per epoch) resumes in that order, says so, and keeps recording it.
+    state = json.loads(original)
+    assert state["sample_order"] == "feistel-v1"
+    state_file.write_text(json.dumps(dict(state, sample_order="shuffled-v9")))
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4), capsys)
+    assert code == 2 and "orders its samples by 'shuffled-v9'" in out and "Traceback" not in out, out[-2000:]
+    del state["sample_order"]
+    state_file.write_text(json.dumps(state))
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, train__log_every=2,
                                      checkpoint__every=4), capsys)
     assert code == 0 and "resumed from" in out, out[-2000:]
+    assert "the checkpoint orders its samples by 'permutation-v1'" in out, out[-2000:]
+    last = store.checkpoints_dir(run_dir) / store.find_latest(store.checkpoints_dir(run_dir)) / "trainer_state.json"
+    assert json.loads(last.read_text())["sample_order"] == "permutation-v1"
 
 
 # ------------------------------------------------------------------------------ signals to the whole job

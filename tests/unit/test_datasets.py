@@ -136,13 +136,14 @@ def test_apportion_and_blended_interleave(tokenizer):
     assert len(blend) == total
     counts = apportion(total, weights)
     # Every prefix holds each source in proportion to its weight, within one sample or two.
+    source_N = blend.slots(np.arange(total))[0]
     seen = np.zeros(2)
     for i in range(total):
-        seen[blend.source_N[i]] += 1
+        seen[source_N[i]] += 1
         assert np.abs(seen - (i + 1) * counts / total).max() <= 1.0 + 1e-9
     # Over consecutive epochs a source's positions form consecutive windows covering all its samples.
     for s in (0, 1):
-        positions = [blend.locate(e, i)[1] for e in range(4) for i in range(total) if blend.source_N[i] == s]
+        positions = [blend.locate(e, i)[1] for e in range(4) for i in range(total) if source_N[i] == s]
         start = blend.offset_S[s]
         assert positions == list(range(start, start + 4 * counts[s]))
     sample = blend[(0, 3)]
@@ -154,6 +155,45 @@ def test_apportion_and_blended_interleave(tokenizer):
     again = parts[s][(0, pos + n)]
     assert np.array_equal(np.where(again["mlm_labels"] != -100, again["mlm_labels"], again["input_ids"]),
                           np.where(sample["mlm_labels"] != -100, sample["mlm_labels"], sample["input_ids"]))
+
+
+class _Sized:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def _merged_order_reference(counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The blend's order materialised, as the rule states it: slot c of source s at time (c + 0.5) / n_s,
+    merged by a stable sort (ties to the lower source), times compared as exact fractions."""
+    from fractions import Fraction
+
+    slots = sorted(((Fraction(2 * c + 1, 2 * n), s, c) for s, n in enumerate(counts) for c in range(n)))
+    return np.array([s for _, s, _ in slots]), np.array([c for _, _, c in slots])
+
+
+def test_blend_order_is_computed_exactly_without_materialising_it():
+    rng = np.random.default_rng(3)
+    cases = [([3, 6, 9], [1, 2, 3]), ([1, 1], [1, 1]), ([5, 5, 5], [1, 1, 1]), ([1, 100], [1, 1]),
+             ([4, 8], [1, 1e-3]), ([2000, 700, 5], [3, 1, 1])]
+    cases += [(rng.integers(1, 80, s).tolist(), rng.integers(1, 9, s).tolist()) for s in rng.integers(1, 7, 150)]
+    for sizes, weights in cases:
+        blend = BlendedDataset([_Sized(n) for n in sizes], weights, seed=1)
+        want = _merged_order_reference(blend.counts_S.tolist())
+        got = blend.slots(np.arange(len(blend)))
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (sizes, weights)
+        with pytest.raises(IndexError, match="outside"):
+            blend.slots(np.array([len(blend)]))
+    # Corpus scale: positions are located one batch at a time, no per-sample array (3:1 of 2e8 samples).
+    big = BlendedDataset([_Sized(15 * 10**7), _Sized(5 * 10**7)], [3, 1], seed=1)
+    assert not any(isinstance(v, np.ndarray) and v.size > 10 for v in vars(big).values())
+    # Slot d of source 1 (time (2d + 1) / 1e8) ties with slot 3d + 1 of source 0 and follows it: position 4d + 2.
+    index = np.array([0, 1, 2, 3, 4, 4 * 12345 + 2, 2 * 10**8 - 2, 2 * 10**8 - 1])
+    source, slot = big.slots(index)
+    assert source.tolist() == [0, 0, 1, 0, 0, 1, 1, 0]
+    assert slot.tolist() == [0, 1, 0, 2, 3, 12345, 5 * 10**7 - 1, 15 * 10**7 - 1]
 
 
 def test_build_dataset_from_preprocessed_shards(tmp_path, tokenizer):

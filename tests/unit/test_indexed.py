@@ -156,3 +156,32 @@ def test_corruption_detected(shard, what, match):
         _damage(idx, lambda d: (struct.pack_into("<q", d, HEADER_BYTES + 8 * n + 8, 0), d)[1])
     with pytest.raises(ValueError, match=match):
         IndexedDataset(str(shard))
+
+
+@pytest.mark.parametrize("slice_", [1, 7, 1 << 18])
+def test_index_written_in_slices_is_the_format_byte_for_byte(tmp_path, monkeypatch, slice_):
+    """finalize writes and hashes the .idx slice by slice (bounded memory); the bytes are FORMAT.md's layout
+    (header, offsets, doc_idx, sizes) as built in one piece, whatever the slice size."""
+    from pretrain.data import indexed
+
+    monkeypatch.setattr(indexed, "_SLICE", slice_)
+    rng = np.random.default_rng(slice_)
+    b = IndexedDatasetBuilder(str(tmp_path / "s"), 30000)
+    sizes, docs = [], [0]
+    for _ in range(40):
+        for _ in range(int(rng.integers(0, 9))):
+            n = int(rng.integers(0, 40))
+            b.add_item(rng.integers(0, 30000, n))
+            sizes.append(n)
+        b.end_document()
+        if len(sizes) > docs[-1]:
+            docs.append(len(sizes))
+    info = b.finalize()
+    sizes_a = np.array(sizes, dtype="<i4")
+    offsets = np.concatenate([[0], np.cumsum(sizes_a, dtype=np.int64)[:-1]]).astype("<i8")
+    want = (struct.pack("<8sIIQQQ", b"PTIDX\x00\x00\x00", 1, indexed._CODE_OF[np.dtype(np.uint16)], len(sizes),
+                        len(docs) - 1, int(sizes_a.sum()))
+            + offsets.tobytes() + np.array(docs, dtype="<i8").tobytes() + sizes_a.tobytes())
+    raw = (tmp_path / "s.idx").read_bytes()
+    assert raw == want
+    assert info["idx_bytes"] == len(raw) and info["idx_sha256"] == hashlib.sha256(raw).hexdigest()

@@ -58,8 +58,70 @@ def test_every_sample_once_per_epoch_across_ranks(world, mb):
         keys = stream[epoch * n : (epoch + 1) * n]
         assert all(e == epoch for e, _ in keys)
         assert sorted(i for _, i in keys) == list(range(n))
-    expected0 = np.random.default_rng([1, 0]).permutation(n).tolist()
+    expected0 = SampleOrder(n, seed=1).permutation(0).tolist()
     assert [i for _, i in stream[:n]] == expected0
+    old = SampleOrder(n, seed=1, rule="permutation-v1")  # the rule of checkpoints before feistel-v1
+    assert old.keys(0, n) == [(0, i) for i in np.random.default_rng([1, 0]).permutation(n).tolist()]
+
+
+def _feistel_slow(n: int, seed: int, epoch: int, p: int) -> int:
+    """feistel-v1 with Python integers, one position at a time (the reference for the vectorised rule)."""
+    from pretrain.data.counter_rng import sample_keys
+    from pretrain.data.loader import FEISTEL_ROUNDS
+
+    half = max(1, ((n - 1).bit_length() + 1) // 2) if n > 1 else 1
+    mask = (1 << half) - 1
+    keys = [int(k) for k in sample_keys(seed, np.full(FEISTEL_ROUNDS, epoch), np.arange(FEISTEL_ROUNDS) + (1 << 40))]
+
+    def mix(x):
+        x &= (1 << 64) - 1
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)
+        return x ^ (x >> 31)
+
+    x = p
+    while True:
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ (mix(k + (right + 1) * 0x9E3779B97F4A7C15) & mask)
+        x = (left << half) | right
+        if x < n:
+            return x
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 63, 64, 65, 1000, 4097])
+def test_feistel_order_is_a_bijection_equal_to_its_slow_reference(n):
+    order = SampleOrder(n, seed=11)
+    for epoch in (0, 3):
+        perm = order.permutation(epoch)
+        assert sorted(perm.tolist()) == list(range(n))
+        some = np.unique(np.linspace(0, n - 1, 40).astype(int))
+        assert order.indices(epoch, some).tolist() == [_feistel_slow(n, 11, epoch, int(p)) for p in some]
+
+
+def test_feistel_order_looks_shuffled_and_differs_by_epoch_and_seed():
+    n = 100_000
+    order = SampleOrder(n, seed=5)
+    perm, pos = order.permutation(0).astype(np.float64), np.arange(n, dtype=np.float64)
+    assert abs(np.corrcoef(pos, perm)[0, 1]) < 0.02  # no trend
+    assert abs(np.corrcoef(perm[:-1], perm[1:])[0, 1]) < 0.02  # neighbours unrelated
+    assert np.mean(np.abs(np.diff(perm)) < 10) < 0.001  # consecutive positions are not clustered
+    assert np.count_nonzero(perm == pos) < 10  # about one fixed point expected
+    # Each tenth of the positions draws from every tenth of the samples about equally.
+    counts = np.histogram2d(pos, perm, bins=10)[0]
+    assert counts.min() > 0.9 * n / 100 and counts.max() < 1.1 * n / 100
+    for other in (order.permutation(1), SampleOrder(n, seed=6).permutation(0)):
+        assert np.count_nonzero(other == perm) < 10
+
+
+def test_order_needs_no_memory_at_corpus_scale():
+    order = SampleOrder(2 * 10**9, seed=1)  # ~1e10 sentences: no array of this length is made
+    got = order.keys(3 * 2 * 10**9 - 2, 4)  # spans the end of epoch 2 and the start of epoch 3
+    assert [e for e, _ in got] == [2, 2, 3, 3] and all(0 <= i < 2 * 10**9 for _, i in got)
+    with pytest.raises(ValueError, match="unknown sample order rule"):
+        SampleOrder(5, seed=1, rule="shuffled-v9")
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -71,6 +133,24 @@ def test_start_position_gives_tail_of_stream(world):
         tail = [rank_stream(order, rank=r, world=world, mb=mb, start=start, steps=30 - p_steps) for r in range(world)]
         for r in range(world):
             assert tail[r] == full[r][p_steps:]
+
+
+@pytest.mark.parametrize("rule", ["feistel-v1", "permutation-v1"])
+def test_sampler_keys_are_each_ranks_blocks_of_the_stream_in_chunks(rule, monkeypatch):
+    """The sampler locates thousands of positions per call (LOOKAHEAD_SAMPLES, here shrunk so that calls
+    span epochs); its lists are this rank's micro-batch blocks of the global stream, ``chunk`` at a time."""
+    from pretrain.data import loader as loader_mod
+
+    monkeypatch.setattr(loader_mod, "LOOKAHEAD_SAMPLES", 40)
+    order, mb, world = SampleOrder(29, seed=6, rule=rule), 3, 2
+    stream = order.keys(7 * mb * world, 200 * mb * world)
+    for rank in range(world):
+        for chunk in (1, 3):
+            sampler = RankBatchSampler(order, rank=rank, world_size=world, micro_batch_size=mb,
+                                       start=7 * mb * world, chunk=chunk)
+            got = list(itertools.islice(iter(sampler), 60 // chunk))
+            want = [stream[s * mb * world + rank * mb:s * mb * world + (rank + 1) * mb] for s in range(60)]
+            assert got == [sum(want[c * chunk:(c + 1) * chunk], []) for c in range(60 // chunk)]
 
 
 def test_global_batches_do_not_depend_on_world_size():
