@@ -83,8 +83,10 @@ class CollapseWatch:
                     f"yet, so the contrastive gradient is near zero. With model.pooling={self.pooling}"
                     + (" and BERT's initialisation the [CLS] output is nearly input-independent until MLM mixes "
                        "context into it" if self.pooling.startswith("cls") else "")
-                    + ". Try model.pooling=mean, a larger model.init_std, model.norm=pre, or a longer "
-                      "optim.warmup_steps (README, 'When the contrastive loss sits at chance').")
+                    + (". Try objective.nt_xent.mean_pool_warmup_steps=200 (mean pooling blended into the views' "
+                       "embedding while [CLS] learns context: in docs/results.md it removed the delay and raised "
+                       "[CLS] STS) or model.pooling=mean" if name == "nt_xent" else ". Try model.pooling=mean")
+                    + " (README, 'When the contrastive loss sits at chance').")
         return out
 
 

@@ -59,6 +59,7 @@ def test_chance_losses_and_the_collapse_warning():
     warned = watch.update(370, at_chance)
     assert len(warned) == 1 and "since step 170 (200 steps)" in warned[0] and "0.9999" in warned[0]
     assert "model.pooling=mean" in warned[0] and "[CLS]" in warned[0]
+    assert "objective.nt_xent.mean_pool_warmup_steps=200" in warned[0]
     assert watch.update(380, at_chance) == []  # once
 
 
