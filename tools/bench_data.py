@@ -392,8 +392,10 @@ def bench_index(args, budget: int) -> list[dict]:
         d = Path(args.dir) / f"n{n:.0e}".replace("+", "")
         shutil.rmtree(d, ignore_errors=True)
         write_synthetic(d, n)
+        os.sync()  # the synthetic files' writeback would otherwise slow the reads measured below
         empty = _child(["--one", str(_empty_dataset(Path(args.dir))), "--tokenizer", tok])
         cold = _child(["--one", str(d)])
+        os.sync()
         warm = _child(["--one", str(d)])
         first = _child(["--one", str(d), "--tokenizer", tok])
         py_ns = _child(["--python-ns", str(d)])["ns"]
