@@ -24,8 +24,20 @@ def inspect_samples(cfg, n: int, start: int = 0) -> tuple[object, list[tuple[tup
     load_tok, build_train_set, _ = stage_parts(cfg)
     tokenizer = load_tok(cfg.data.tokenizer)
     dataset = build_train_set(cfg, tokenizer)
-    keys = SampleOrder(len(dataset), seed=cfg.seed).keys(start, n)
+    keys = SampleOrder(len(dataset), seed=cfg.seed, rule=order_rule(cfg)).keys(start, n)
     return tokenizer, [(key, dataset[key]) for key in keys]
+
+
+def order_rule(cfg) -> str:
+    """The sample order rule the config's run continues with: its latest checkpoint's (``permutation-v1`` for
+    checkpoints from before rules were recorded), else the rule new runs use."""
+    from pretrain.checkpoint import store
+    from pretrain.data.loader import ORDER_RULE
+
+    tag = store.find_latest(store.checkpoints_dir(cfg.run_dir)) if cfg.run_dir else None
+    if tag is None:
+        return ORDER_RULE
+    return store.read_trainer_state(store.checkpoints_dir(cfg.run_dir) / tag).get("sample_order", "permutation-v1")
 
 
 def _tokens(tokenizer, ids) -> str:

@@ -38,3 +38,28 @@ def test_inspect_shows_the_samples_the_loader_builds(tiny_corpus, tiny_overrides
     resolved.write_text(to_yaml(cfg))
     assert main([str(resolved), "-n", "1", "data.augment.methods=subs"]) == 0
     assert "view_a" in capsys.readouterr().out
+
+
+def test_inspect_follows_the_runs_sample_order_rule(tiny_overrides, tmp_path):
+    """A run whose checkpoint predates recorded order rules continues in permutation-v1: inspect shows that
+    order for it, and the current rule for a run without checkpoints."""
+    import json
+
+    import numpy as np
+
+    from pretrain.data.loader import ORDER_RULE
+    from pretrain.inspect import order_rule
+
+    cfg = load_run_config(None, tiny_overrides(tmp_path / "run"))
+    assert order_rule(cfg) == ORDER_RULE
+    tag = tmp_path / "run" / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    (tag / "trainer_state.json").write_text(json.dumps({"step": 4, "format_version": 2}))
+    assert order_rule(cfg) == "permutation-v1"
+    _, samples = inspect_samples(cfg, 3, start=0)
+    from pretrain.training.build import stage_parts
+
+    tok, build_train_set, _ = stage_parts(cfg)
+    dataset = build_train_set(cfg, tok(cfg.data.tokenizer))
+    want = np.random.default_rng([cfg.seed, 0]).permutation(len(dataset))[:3].tolist()
+    assert [key for key, _ in samples] == [(0, i) for i in want]
