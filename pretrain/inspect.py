@@ -37,7 +37,7 @@ def order_rule(cfg) -> str:
     tag = store.find_latest(store.checkpoints_dir(cfg.run_dir)) if cfg.run_dir else None
     if tag is None:
         return ORDER_RULE
-    return store.read_trainer_state(store.checkpoints_dir(cfg.run_dir) / tag).get("sample_order", "permutation-v1")
+    return store.read_trainer_state(store.checkpoints_dir(cfg.run_dir) / tag)["sample_order"]
 
 
 def _tokens(tokenizer, ids) -> str:

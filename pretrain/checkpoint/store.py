@@ -33,9 +33,12 @@ import torch
 
 from pretrain.checkpoint.files import atomic_write_text
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """2: trainer_state.json names the sample stream (``sample_stream``); a version-1 pretraining state is read as
-stream 'generator-v1' (numpy Generators per sample), which this version does not resume into."""
+stream 'generator-v1' (numpy Generators per sample), which this version does not resume into.
+3: it names the sample order (``sample_order``, data/loader.py: ORDER_RULES); a version-2 state is read as order
+'permutation-v1' (a numpy permutation per epoch), which a resume continues. A pretrain version that knows only
+version 2 refuses a version-3 checkpoint instead of resuming it in another order."""
 STATE_FILE = "trainer_state.json"
 FILES_FILE = "files.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -288,6 +291,8 @@ def upgrade_state(state: dict) -> dict:
         )
     if version == 1:  # written before the sample stream was recorded: the Generator-per-sample stream
         state = dict(state, format_version=2, sample_stream=state.get("sample_stream", "generator-v1"))
+    if state["format_version"] == 2:  # written before the sample order was recorded: a permutation per epoch
+        state = dict(state, format_version=3, sample_order=state.get("sample_order", "permutation-v1"))
     return state
 
 

@@ -152,7 +152,7 @@ class Trainer:
             old_world = state.get("world_size", self.env.world_size)
             self.tokens_seen = state.get("tokens_seen", 0) * old_world // self.env.world_size  # counted per rank
             self.bad_steps_total = state.get("bad_steps_total", 0)
-            self.order_rule = state.get("sample_order", "permutation-v1")  # checkpoints before feistel-v1
+            self.order_rule = state["sample_order"]  # permutation-v1 for checkpoints before feistel-v1 (store)
             if self.env.is_main:
                 ranks = f" (written by {n_ranks(old_world)})" if old_world != self.env.world_size else ""
                 print_progress(f"resumed from {tag_dir} at step {self.step}{ranks}")
@@ -199,7 +199,7 @@ class Trainer:
                 f"checkpoint's settings, or start a new run_dir (with checkpoint.init_from={tag_dir} to start "
                 f"from its weights where their shapes fit)."
             )
-        order = state.get("sample_order", "permutation-v1")
+        order = state.get("sample_order")
         if order not in ORDER_RULES:
             raise ValueError(
                 f"checkpoint {tag_dir} orders its samples by {order!r}, which this pretrain version does not know "

@@ -499,7 +499,7 @@ def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_
     state_file = store.checkpoints_dir(run_dir) / store.find_latest(store.checkpoints_dir(run_dir)) / "trainer_state.json"
     original = state_file.read_text()
     state = json.loads(original)
-    assert state["format_version"] == 2 and state["sample_stream"] == "counter-v2"
+    assert state["format_version"] == 3 and state["sample_stream"] == "counter-v2"
     del state["sample_stream"]
     state_file.write_text(json.dumps(dict(state, format_version=1)))
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4), capsys)
@@ -533,7 +533,7 @@ def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4), capsys)
     assert code == 2 and "orders its samples by 'shuffled-v9'" in out and "Traceback" not in out, out[-2000:]
     del state["sample_order"]
-    state_file.write_text(json.dumps(state))
+    state_file.write_text(json.dumps(dict(state, format_version=2)))
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, train__log_every=2,
                                      checkpoint__every=4), capsys)
     assert code == 0 and "resumed from" in out, out[-2000:]

@@ -197,3 +197,27 @@ def test_planted_pickle_in_rng_state_runs_no_code(tmp_path):
     good = tmp_path / "rng_ok.pt"
     torch.save({"torch": torch.get_rng_state(), "cuda": None}, good)
     assert torch.equal(store.load_rng_state(good)["torch"], torch.get_rng_state())
+
+
+def test_trainer_state_versions_are_upgraded_and_newer_ones_refused(tmp_path):
+    """Version 1 lacks the sample stream, version 2 the sample order: both are read with what they were
+    trained on; a state from a newer pretrain is refused rather than resumed in an unknown order."""
+    import json
+
+    from pretrain.checkpoint import store
+
+    tag = tmp_path / "step_00000004"
+    tag.mkdir()
+    for version, want in ((1, ("generator-v1", "permutation-v1")), (2, ("counter-v2", "permutation-v1")),
+                          (3, ("counter-v2", "feistel-v1"))):
+        state = {"format_version": version, "step": 4, "sample_stream": "counter-v2", "sample_order": "feistel-v1"}
+        if version < 3:
+            del state["sample_order"]
+        if version < 2:
+            del state["sample_stream"]
+        (tag / store.STATE_FILE).write_text(json.dumps(state))
+        got = store.read_trainer_state(tag)
+        assert (got["format_version"], got["sample_stream"], got["sample_order"]) == (3, *want)
+    (tag / store.STATE_FILE).write_text(json.dumps({"format_version": store.FORMAT_VERSION + 1, "step": 4}))
+    with pytest.raises(store.CheckpointError, match="upgrade pretrain"):
+        store.read_trainer_state(tag)
