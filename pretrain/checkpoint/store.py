@@ -12,8 +12,8 @@ Layout under ``<run_dir>/checkpoints/``::
                               trainer_state.json): what ``verify_checkpoint`` checks
     latest                    the tag of the newest complete checkpoint
     universal/step_00001000/  derived, only after a resume on another number of ranks under ZeRO 1-3: the
-                              tag's optimizer state in DeepSpeed's universal layout (``universal.py``);
-                              removed with its tag
+                              tag's optimizer state in DeepSpeed's universal layout (``universal.py``, which
+                              builds on this module; its ``prune`` removes a copy with its tag)
 
 A save writes into ``.tmp-step_…`` and is published by one ``os.replace`` of the directory,
 then ``latest`` is replaced atomically. ``trainer_state.json`` is written last inside the tag,
@@ -254,17 +254,13 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
             f"the previous checkpoint ({previous or 'none'}) is intact. Free disk space in {ckpt_dir} and resume."
         )
     if env.is_main:
-        from pretrain.checkpoint import universal  # (it imports this module)
-
         final_dir = ckpt_dir / tag
         if final_dir.exists():  # an older copy of this step (e.g. a redone step after resume): replace it
-            shutil.rmtree(universal.universal_dir(final_dir), ignore_errors=True)
             shutil.rmtree(final_dir)
         os.replace(tmp_dir, final_dir)
         atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
         for old in list_complete(ckpt_dir)[:-keep_last]:
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-        universal.prune(ckpt_dir)
     _barrier(env)
     return ckpt_dir / tag
 
@@ -296,18 +292,13 @@ def upgrade_state(state: dict) -> dict:
     return state
 
 
-def load_checkpoint(engine, env, tag_dir: Path, *, universal: bool = False, say=print) -> dict:
-    """Collective load of engine state + this rank's RNG; returns trainer_state. ``universal``: the engine state
-    comes from the checkpoint's universal copy (``universal.prepare``; the engine was built to load one), which
-    re-splits ZeRO's optimizer partitions over this run's ranks. A rank the checkpoint did not have keeps its RNG
-    (nothing in training draws from it: data noise and dropout are keyed)."""
+def load_checkpoint(engine, env, tag_dir: Path, *, engine_dir: Path | None = None) -> dict:
+    """Collective load of engine state + this rank's RNG; returns trainer_state. ``engine_dir``: where the engine
+    state comes from instead of ``tag_dir`` — the checkpoint's universal copy (``universal.prepare``; the engine
+    was built to load one), which re-splits ZeRO's optimizer partitions over this run's ranks. A rank the
+    checkpoint did not have keeps its RNG (nothing in training draws from it: data noise and dropout are keyed)."""
     state = read_trainer_state(tag_dir)
-    if universal:
-        from pretrain.checkpoint import universal as universal_copy
-
-        source = universal_copy.prepare(env, tag_dir, say=say)
-    else:
-        source = tag_dir
+    source = engine_dir or tag_dir
     engine.load(str(source.parent), source.name)
     rng = load_rng_state(tag_dir / f"rng_rank{env.rank}.pt")
     if rng is not None:

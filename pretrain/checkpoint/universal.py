@@ -4,7 +4,7 @@ parameter's fp32 weights and Adam moments whole), converted once for resuming it
 ``checkpoints/universal/<tag>/`` is derived from ``checkpoints/<tag>/``, never the other way: made by rank 0 in a
 temporary directory, published by one rename with ``source.json`` (the checkpoint it was made from and its own
 files' digests) written last; a copy that is absent, partial, damaged or stale is rebuilt, never used; it is
-removed with its checkpoint.
+removed with its checkpoint (``prune``, after each save). This module builds on ``store``, never the reverse.
 """
 
 from __future__ import annotations
@@ -112,14 +112,22 @@ def _convert_universal(tag_dir: Path, out: Path) -> None:
 
 
 def prune(ckpt_dir: Path) -> None:
-    """Removes universal copies whose checkpoint is gone (retention), and leftovers of interrupted conversions."""
+    """Removes universal copies whose checkpoint is gone (retention) or was replaced (a redone step: the copy
+    was made from other contents), and leftovers of interrupted conversions."""
     root = ckpt_dir / UNIVERSAL_DIR
     if not root.is_dir():
         return
     keep = set(list_complete(ckpt_dir))
     for p in root.iterdir():
-        if p.name not in keep:
+        if p.name not in keep or not _made_from(p, ckpt_dir / p.name):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _made_from(out: Path, tag_dir: Path) -> bool:
+    try:
+        return json.loads((out / UNIVERSAL_SOURCE).read_text(encoding="utf-8"))["checkpoint"] == _source_id(tag_dir)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _on_main_rank(env, fn) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint import store
+from pretrain.checkpoint import universal as universal_copy
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data.datasets import build_dataset
 from pretrain.data.loader import ORDER_RULE, ORDER_RULES, build_loader
@@ -144,7 +145,8 @@ class Trainer:
 
     def _resume_or_start(self, tag_dir: Path | None, universal: bool, saved: dict) -> None:
         if tag_dir is not None:
-            state = store.load_checkpoint(self.engine, self.env, tag_dir, universal=universal, say=print_progress)
+            engine_dir = universal_copy.prepare(self.env, tag_dir, say=print_progress) if universal else None
+            state = store.load_checkpoint(self.engine, self.env, tag_dir, engine_dir=engine_dir)
             self.step = state["step"]
             # The data position is global: every rank reads its slice of each global batch from here on, however
             # many ranks wrote the checkpoint.
@@ -394,6 +396,7 @@ class Trainer:
                                      config_yaml=to_yaml(self.cfg), tokenizer_path=self.cfg.data.tokenizer,
                                      keep_last=self.cfg.checkpoint.keep_last)
         if self.env.is_main:
+            universal_copy.prune(path.parent)
             print_progress(f"checkpoint {path}")
         return path
 

@@ -221,3 +221,27 @@ def test_trainer_state_versions_are_upgraded_and_newer_ones_refused(tmp_path):
     (tag / store.STATE_FILE).write_text(json.dumps({"format_version": store.FORMAT_VERSION + 1, "step": 4}))
     with pytest.raises(store.CheckpointError, match="upgrade pretrain"):
         store.read_trainer_state(tag)
+
+
+def test_universal_copies_go_with_their_checkpoint(tmp_path):
+    """After a save, universal.prune keeps the copy of a checkpoint that is still there with the contents it was
+    made from, and removes copies of removed or replaced (redone-step) checkpoints and interrupted conversions."""
+    import json
+
+    from pretrain.checkpoint import store, universal
+
+    ckpt = tmp_path / "checkpoints"
+    for step in (2, 4):
+        tag = ckpt / f"step_{step:08d}"
+        tag.mkdir(parents=True)
+        (tag / store.FILES_FILE).write_text(json.dumps({"files": {}, "step": step}))
+        (tag / store.STATE_FILE).write_text(json.dumps({"format_version": 3, "step": step}))
+    root = ckpt / universal.UNIVERSAL_DIR
+    for name, source in (("step_00000002", ckpt / "step_00000002"), ("step_00000004", ckpt / "step_00000002"),
+                         ("step_00000001", ckpt / "step_00000002"), (".tmp-step_00000004", None)):
+        (root / name).mkdir(parents=True)
+        if source is not None:
+            (root / name / universal.UNIVERSAL_SOURCE).write_text(
+                json.dumps({"checkpoint": universal._source_id(source), "files": {}}))
+    universal.prune(ckpt)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]
