@@ -47,6 +47,11 @@ def _rows(planner, table) -> list[tuple[str, object, str]]:
     return [(arm.name if len(table.evals) == 1 else f"{arm.name} · {e}", arm, e) for arm in arms for e in table.evals]
 
 
+def sts_average(sts: dict, tasks, convention: str) -> float:
+    """The STS average of one evaluation (``eval.json``'s ``sts``) over ``tasks``: Spearman ×100, ``convention``."""
+    return statistics.fmean(sts[t]["spearman"][convention] for t in tasks)
+
+
 def sts_table(planner, table) -> tuple[list[str], list[dict]]:
     """Rows per arm (× evaluation): each STS task and the average over the tasks, mean ± std over seeds."""
     from pretrain.eval.sts import TABLE_NAMES, TASKS
@@ -60,7 +65,7 @@ def sts_table(planner, table) -> tuple[list[str], list[dict]]:
     for label, arm, seeds in per_row:
         done = [s for s in seeds if s and all(t in s for t in tasks)]
         cells = {t: _stats([s[t]["spearman"][table.convention] for s in done]) for t in tasks}
-        cells["Avg."] = _stats([statistics.fmean(s[t]["spearman"][table.convention] for t in tasks) for s in done])
+        cells["Avg."] = _stats([sts_average(s, tasks, table.convention) for s in done])
         rows.append(f"| {label} | " + " | ".join(_fmt(cells[t]) for t in tasks) + f" | {_fmt(cells['Avg.'])} | "
                     f"{len(done)}/{len(arm.seeds)} |")
         data.append({"label": label, "cells": cells})
@@ -152,6 +157,7 @@ def run_dynamics(run_dir: Path) -> dict | None:
     """What a run's metrics.jsonl says about its training: per contrastive term the chance value ln(2m-1) or
     ln(m), the step it escaped chance (see escape_step), its final training loss and the embeddings' final mean
     cosine; the final held-out MLM loss; the last step. None when the run has no metrics yet."""
+    from pretrain.checkpoint import store
     from pretrain.config import RunConfig
     from pretrain.config.loader import from_dict, read_yaml
     from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
@@ -168,10 +174,8 @@ def run_dynamics(run_dir: Path) -> dict | None:
     if not records:
         return None
     cfg = from_dict(RunConfig, read_yaml(config))
-    world = 1
-    states = sorted((run_dir / "checkpoints").glob("step_*/trainer_state.json"))
-    if states:
-        world = json.loads(states[-1].read_text()).get("world_size", 1)
+    tag = store.find_latest(store.checkpoints_dir(run_dir))
+    world = store.read_trainer_state(store.checkpoints_dir(run_dir) / tag).get("world_size", 1) if tag else 1
     train = [r for r in records if r.get("split") == "train"]
     valid = [r for r in records if r.get("split") not in ("train", None)]
     out = {"last_step": max(r["step"] for r in records), "terms": {},
@@ -216,7 +220,7 @@ def training_table(planner, table) -> tuple[list[str], list[dict]]:
             for r in _results(planner, arm, e):
                 s = (r or {}).get("sts") or {}
                 if s and all(t in s for t in TASKS):
-                    avgs.append(statistics.fmean(s[t]["spearman"]["all"] for t in TASKS))
+                    avgs.append(sts_average(s, TASKS, "all"))
             cells[f"sts_{e}"] = _stats(avgs)
         last = ", ".join(str(d["last_step"]) for d in done) or "–"
         rows.append(f"| {arm.name} | {escape} | {loss} | {cos} | {_fmt(cells['heldout_mlm'], 3)} | "

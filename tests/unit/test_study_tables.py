@@ -32,7 +32,7 @@ def test_run_dynamics_reads_chance_from_the_config_and_world_size(tmp_path):
     assert run_dynamics(tmp_path) is None  # no metrics yet
     state = tmp_path / "checkpoints" / "step_00000050"
     state.mkdir(parents=True)
-    (state / "trainer_state.json").write_text(json.dumps({"world_size": 2}))
+    (state / "trainer_state.json").write_text(json.dumps({"format_version": 3, "step": 50, "world_size": 2}))
     chance = math.log(2 * 16 * 2 - 1) if cfg.objective.nt_xent.gather else math.log(2 * 16 - 1)
     lines = [_rec(0, 3.0, split="valid", mlm=9.5), _rec(10, chance, cl_emb_cos=0.999),
              _rec(20, chance * 0.5, cl_emb_cos=0.4), _rec(50, 1.25, split="valid", mlm=7.25)]
