@@ -5,11 +5,11 @@ Shape legend: N = samples per epoch, M = micro-batch size per rank, W = world si
 The global sample stream is the concatenation of epoch permutations; global position p is sample
 ``perm_{p // N}(p % N)`` of epoch ``p // N``. A permutation is computed where it is read (``SampleOrder``: a
 keyed Feistel network, O(1) memory), not materialised: at 1e9 sentences an epoch has ~2e8 samples, whose
-array would be 1.6 GB on every rank and seconds of start-up at every epoch. Each micro-step consumes M * W consecutive
-positions and rank r takes the r-th contiguous block of M. A global batch is a run of
-consecutive micro-steps, so the set of samples in each global batch depends only on the
-position, never on how it is split over ranks and accumulation steps: resuming at
-``consumed = steps * global_batch`` works for any world size with the same global batch.
+array would be 1.6 GB on every rank and seconds of start-up at every epoch. Each micro-step consumes M * W
+consecutive positions and rank r takes the r-th contiguous block of M. A global batch is a run of consecutive
+micro-steps, so the set of samples in each global batch depends only on the position, never on how it is split
+over ranks and accumulation steps: resuming at ``consumed = steps * global_batch`` works for any world size with
+the same global batch.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pretrain.data.collate import collate
+from pretrain.data.counter_rng import _GOLDEN, mix64, sample_keys
 
 
 ORDER_RULE = "feistel-v1"
@@ -47,7 +48,8 @@ class SampleOrder:
         if num_samples <= 0:
             raise ValueError(f"cannot iterate a dataset with {num_samples} samples; check data.sources")
         if rule not in ORDER_RULES:
-            raise ValueError(f"unknown sample order rule {rule!r}: this pretrain version knows {', '.join(ORDER_RULES)}")
+            raise ValueError(f"unknown sample order rule {rule!r}: this pretrain version knows "
+                             f"{', '.join(ORDER_RULES)}")
         self.num_samples = int(num_samples)
         self.seed = int(seed)
         self.rule = rule
@@ -72,13 +74,9 @@ class SampleOrder:
         return x.astype(np.int64)
 
     def _round_keys(self, epoch: int) -> np.ndarray:
-        from pretrain.data.counter_rng import sample_keys
-
         return sample_keys(self.seed, np.full(FEISTEL_ROUNDS, epoch), np.arange(FEISTEL_ROUNDS) + (1 << 40))
 
     def _feistel(self, x: np.ndarray, keys_R: np.ndarray) -> np.ndarray:
-        from pretrain.data.counter_rng import _GOLDEN, mix64
-
         h = np.uint64(self._half)
         mask = np.uint64((1 << self._half) - 1)
         left, right = x >> h, x & mask
