@@ -142,46 +142,58 @@ def _bounds(source) -> np.ndarray:
     return np.asarray(starts if starts is not None else [0, len(source)], dtype=np.int64)
 
 
-def _open_cached_index(path: Path, num_sentences: int) -> np.ndarray | None:
-    """The cached starts (N + 1), memory-mapped; None when absent or damaged (a damaged one is never used)."""
+def _open_cached(path: Path, what: str, check) -> np.ndarray | None:
+    """A cached int64 .npy, memory-mapped; None when absent or damaged (a damaged one is never used). ``check``
+    looks at the array cheaply (its ends: a full scan would cost seconds at 1e9 sentences)."""
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
         return None
     except (ValueError, OSError) as e:  # truncated or not an .npy: rebuild
-        print(f"[data] sample index cache {path} is damaged ({e}); rebuilding it", flush=True)
+        print(f"[data] {what} cache {path} is damaged ({e}); rebuilding it", flush=True)
         return None
-    ok = arr.ndim == 1 and arr.dtype == np.int64 and len(arr) >= 1
-    if ok and len(arr) > 1:  # cheap structural checks on the ends (a full scan would cost seconds at 1e9)
-        ok = 0 <= int(arr[0]) < int(arr[1]) and int(arr[-2]) < int(arr[-1]) <= num_sentences
-    if not ok:
-        print(f"[data] sample index cache {path} does not fit its dataset; rebuilding it", flush=True)
+    if not (arr.ndim == 1 and arr.dtype == np.int64 and check(arr)):
+        print(f"[data] {what} cache {path} does not fit its dataset; rebuilding it", flush=True)
         return None
     return arr
 
 
+def _open_cached_index(path: Path, num_sentences: int) -> np.ndarray | None:
+    """The cached starts (N + 1), memory-mapped; None when absent or damaged."""
+    return _open_cached(path, "sample index", lambda arr: len(arr) == 1 or len(arr) > 1 and (
+        0 <= int(arr[0]) < int(arr[1]) and int(arr[-2]) < int(arr[-1]) <= num_sentences))
+
+
+def _cached_or_built(path: Path | None, what: str, opened, write) -> np.ndarray | None:
+    """``opened()`` (the memory-mapped cache at ``path``) or, when it is absent or damaged, ``write(tmp)`` into a
+    temporary file renamed to ``path`` (atomic: a file appears complete under its name or not at all; concurrent
+    builders write identical bytes and the last rename wins), then opened; None when there is no cache path or
+    it cannot be written (a read-only or full dataset directory: the caller builds in memory)."""
+    if path is None:
+        return None
+    cached = opened()
+    if cached is not None:
+        return cached
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"[data] could not cache the {what} in {path.parent} ({e}); using it from memory", flush=True)
+        tmp.unlink(missing_ok=True)
+        return None
+    return opened()
+
+
 def load_or_build_sample_index(source, budget: int) -> SampleIndex:
-    """The source's SampleIndex: memory-mapped from the dataset's index cache, or built (and cached,
-    atomically: a file appears complete under its name or not at all; concurrent builders write identical
-    bytes and the last rename wins). A read-only dataset directory is built in memory."""
+    """The source's SampleIndex: memory-mapped from the dataset's index cache, or built and cached
+    (``_cached_or_built``). A read-only dataset directory is built in memory."""
     path, bounds = index_cache_path(source, budget), _bounds(source)
-    if path is not None:
-        cached = _open_cached_index(path, len(source))
-        if cached is not None:
-            return SampleIndex(cached, bounds, path)
-    if path is not None:
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            path.parent.mkdir(exist_ok=True)
-            _write_index(tmp, source, budget)
-            os.replace(tmp, path)
-        except OSError as e:  # read-only or full: train from the in-memory index
-            print(f"[data] could not cache the sample index in {path.parent} ({e}); using it from memory", flush=True)
-            tmp.unlink(missing_ok=True)
-        else:
-            cached = _open_cached_index(path, len(source))
-            if cached is not None:
-                return SampleIndex(cached, bounds, path)
+    cached = _cached_or_built(path, "sample index", lambda: _open_cached_index(path, len(source)),
+                              lambda tmp: _write_index(tmp, source, budget))
+    if cached is not None:
+        return SampleIndex(cached, bounds, path)
     firsts, last = [np.zeros(0, np.int64)], 0
     for sizes, doc_idx, start in _pieces(source):
         first, end = build_sample_index(sizes, doc_idx, budget)
@@ -197,39 +209,107 @@ def _npy_header(length: int) -> bytes:
     return b"\x93NUMPY\x01\x00" + (_HEADER_BYTES - 10).to_bytes(2, "little") + body.ljust(_HEADER_BYTES - 11) + b"\n"
 
 
+def _write_int64_npy(tmp: Path, worst: int, fill) -> None:
+    """An int64 .npy of at most ``worst`` values without holding them in RAM: the file is sized (sparse) for
+    ``worst``, ``fill(out)`` writes into its memory map and returns how many it wrote, then the file is cut to
+    that, its header rewritten and fsynced."""
+    with open(tmp, "wb") as fh:
+        fh.write(_npy_header(worst))
+        fh.truncate(_HEADER_BYTES + 8 * worst)
+    out = np.memmap(tmp, dtype=np.int64, mode="r+", offset=_HEADER_BYTES, shape=(worst,)) if worst else None
+    count = fill(out) if worst else 0
+    if out is not None:
+        out.flush()
+        del out
+    with open(tmp, "rb+") as fh:
+        fh.write(_npy_header(count))
+        fh.truncate(_HEADER_BYTES + 8 * count)
+        os.fsync(fh.fileno())
+
+
 def _write_index(tmp: Path, source, budget: int) -> None:
-    """The .npy of the N + 1 starts, in one pass over the shards' sizes: the file is first sized (sparse) for
-    the worst case of one sample per sentence, each shard's samples are packed straight into its memory map
-    (the C helper; the Python packer's output is copied in without it), then the file is cut to N + 1, its
-    header rewritten with N, and fsynced. No corpus-sized array is held in RAM."""
+    """The .npy of the N + 1 starts, in one pass over the shards' sizes: sized for the worst case of one sample
+    per sentence, each shard's samples packed straight into its memory map (the C helper; the Python packer's
+    output is copied in without it), then cut to N + 1. No corpus-sized array is held in RAM."""
     try:
         from pretrain.data import _index
     except ImportError:
         _index = None
     pieces = _pieces(source)
-    total = sum(len(sizes) for sizes, _, _ in pieces)
-    with open(tmp, "wb") as fh:
-        fh.write(_npy_header(total + 1))
-        fh.truncate(_HEADER_BYTES + 8 * (total + 1))
-    out = np.memmap(tmp, dtype=np.int64, mode="r+", offset=_HEADER_BYTES, shape=(total + 1,))
-    at, last = 0, 0
-    for sizes, doc_idx, start in pieces:
-        if _index is not None:
-            n, end = _index.starts(*_packer_inputs(sizes, doc_idx), budget, out[at:at + len(sizes)], start)
-        else:
-            first, ends = build_sample_index(sizes, doc_idx, budget)
-            n, end = len(first), (int(ends[-1]) + start if len(first) else start)
-            np.add(first, start, out=out[at:at + n])
-        if n:
-            last = end
-        at += n
-    out[at] = last
-    out.flush()
-    del out
-    with open(tmp, "rb+") as fh:
-        fh.write(_npy_header(at + 1))
-        fh.truncate(_HEADER_BYTES + 8 * (at + 1))
-        os.fsync(fh.fileno())
+
+    def fill(out: np.ndarray) -> int:
+        at, last = 0, 0
+        for sizes, doc_idx, start in pieces:
+            if _index is not None:
+                n, end = _index.starts(*_packer_inputs(sizes, doc_idx), budget, out[at:at + len(sizes)], start)
+            else:
+                first, ends = build_sample_index(sizes, doc_idx, budget)
+                n, end = len(first), (int(ends[-1]) + start if len(first) else start)
+                np.add(first, start, out=out[at:at + n])
+            if n:
+                last = end
+            at += n
+        out[at] = last
+        return at + 1
+
+    _write_int64_npy(tmp, sum(len(sizes) for sizes, _, _ in pieces) + 1, fill)
+
+
+NONEMPTY_RULE = "nonempty-v1"
+_SCAN = 1 << 22  # sentences whose sizes are compared per numpy call (32 MiB of positions at most)
+
+
+class SentenceIndex:
+    """The non-empty sentences of a source, in order (int64 positions; the sentence stage's samples), memory-mapped
+    from ``<dataset>/index-cache/sentences-<manifest sha256>-nonempty-v1.npy`` when the dataset has a manifest.
+    Pickling (DataLoader workers) sends only the path; the receiver maps the file again."""
+
+    def __init__(self, positions: np.ndarray, path: Path | None = None):
+        self.positions, self.path = positions, path
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, index):
+        return self.positions[index]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.path is not None:
+            state["positions"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.positions is None:
+            self.positions = np.load(self.path, mmap_mode="r", allow_pickle=False)
+
+
+def load_or_build_sentence_index(source) -> SentenceIndex:
+    """The source's non-empty sentences, cached like the sample index (built once in a pass over the shards'
+    memory-mapped sizes, in slices: no corpus-sized array in RAM; a damaged or foreign cache is rebuilt)."""
+    digest, total = getattr(source, "manifest_digest", None), len(source)
+    path = (Path(source.directory) / INDEX_CACHE_DIR / f"sentences-{digest}-{NONEMPTY_RULE}.npy"
+            if digest is not None else None)
+
+    def fill(out: np.ndarray) -> int:
+        at = 0
+        for sizes, _, start in _pieces(source):
+            for a in range(0, len(sizes), _SCAN):
+                rows = np.flatnonzero(np.asarray(sizes[a:a + _SCAN]) > 0)
+                np.add(rows, start + a, out=out[at:at + len(rows)])
+                at += len(rows)
+        return at
+
+    def opened():
+        return _open_cached(path, "sentence index", lambda arr: len(arr) == 0 or (
+            0 <= int(arr[0]) and int(arr[-1]) < total and (len(arr) == 1 or int(arr[-2]) < int(arr[-1]))))
+
+    cached = _cached_or_built(path, "sentence index", opened, lambda tmp: _write_int64_npy(tmp, total, fill))
+    if cached is not None:
+        return SentenceIndex(cached, path)
+    out = np.empty(total, dtype=np.int64)
+    return SentenceIndex(out[:fill(out)].copy())
 
 
 def _pieces(source) -> list[tuple[np.ndarray, np.ndarray, int]]:

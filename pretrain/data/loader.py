@@ -142,7 +142,8 @@ CHUNK_SAMPLES = 128
 
 
 class PackedBatch:
-    """A batch (dict of CPU tensors) as one byte buffer and its layout, for the worker -> trainer hand-off.
+    """A batch (dict of CPU tensors) as one byte buffer and its layout, for the worker -> trainer hand-off when
+    no SlotRing slot is free (and for batches of a collate that returns no dict).
 
     Through the DataLoader's queue, torch moves every tensor into its own shared-memory file and passes its
     descriptor (~0.5 ms per tensor, more than building the batch); one pickled buffer costs one copy through
@@ -171,16 +172,113 @@ class PackedBatch:
         return out
 
 
-def _collate_chunk(samples, *, collate_fn, pad_id: int, micro_batch_size: int) -> list:
+class SlotRing:
+    """Shared-memory slots for the worker -> main hand-off: a task's micro-batches are written straight into one
+    of its worker's slots and only (worker, slot, layout) goes through the DataLoader's queue.
+
+    Each worker owns ``slots`` buffers (shared memory it allocates on first use and regrows when a task needs
+    more); a buffer's handle travels with the first message that uses it in a generation, later messages name
+    it. ``state[w, s]`` (shared, created before the workers) is 0 for a free slot, or the generation that holds
+    it: the worker takes a slot whose state is not the current generation, the main process copies the batches
+    out as the message arrives and frees the slot. Every ``ResumableLoader.__iter__`` starts a new generation,
+    so slots held by messages a restarted DataLoader discarded are free again. With no free slot (more tasks in
+    flight than slots) a task travels as pickled PackedBatch buffers: slower, never blocked, the same batches."""
+
+    def __init__(self, num_workers: int, slots: int):
+        self.state = torch.zeros((num_workers, slots), dtype=torch.int64).share_memory_()
+        self.generation = torch.ones(1, dtype=torch.int64).share_memory_()
+        self._own: dict[int, tuple[torch.Tensor, int]] = {}  # worker side: slot -> (buffer, generation sent in)
+        self._mapped: dict[tuple[int, int], torch.Tensor] = {}  # main side: (worker, slot) -> buffer
+        self._no_shm = False
+
+    def __getstate__(self) -> dict:  # spawn start method: the shared tensors travel, the caches do not
+        return {"state": self.state, "generation": self.generation, "_own": {}, "_mapped": {}, "_no_shm": False}
+
+    def new_generation(self) -> None:
+        self.generation += 1
+
+    def pack(self, batches: list[dict[str, torch.Tensor]], worker: int):
+        """In a worker: a ``SlotChunk`` of ``batches`` (dicts of CPU tensors), or None when no slot is free."""
+        gen = int(self.generation[0])
+        state_S = self.state[worker].numpy()
+        free = np.flatnonzero(state_S != gen)
+        if not len(free):
+            return None
+        slot = int(free[0])
+        layouts, total = [], 0
+        for batch in batches:
+            fields = []
+            for name, t in batch.items():
+                nbytes = t.numel() * t.element_size()
+                fields.append((name, t.dtype, tuple(t.shape), total, nbytes))
+                total += -(-nbytes // 64) * 64  # 64-byte aligned fields: viewed in place, copied with memcpy
+            layouts.append(fields)
+        buffer, sent = self._own.get(slot, (None, 0))
+        if buffer is None or buffer.numel() < total:
+            if self._no_shm:
+                return None
+            try:
+                buffer, sent = torch.empty(max(total + total // 4, 1 << 16), dtype=torch.uint8).share_memory_(), 0
+            except RuntimeError as e:  # /dev/shm full (a container's 64 MB default): the pipe still works
+                self._no_shm = True
+                print(f"[data] worker {worker}: no shared memory for the batch hand-off ({e}); its batches go "
+                      "through the pipe instead (slower; give the job a larger /dev/shm)", flush=True)
+                return None
+        state_S[slot] = gen
+        raw = buffer.numpy()
+        for batch, fields in zip(batches, layouts):
+            for (name, dtype, shape, offset, nbytes), t in zip(fields, batch.values()):
+                if nbytes:
+                    raw[offset:offset + nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy()
+        self._own[slot] = (buffer, gen)
+        return SlotChunk(worker, slot, gen, buffer if sent != gen else None, layouts)
+
+    def unpack(self, chunk: "SlotChunk") -> list[dict[str, torch.Tensor]]:
+        """In the main process: the chunk's batches, copied out of the slot, which is then free again."""
+        key = (chunk.worker, chunk.slot)
+        if chunk.buffer is not None:
+            self._mapped[key] = chunk.buffer
+        buffer = self._mapped.get(key)
+        if buffer is None:
+            raise RuntimeError(f"data loader hand-off: worker {chunk.worker} named slot {chunk.slot} before sending "
+                               "it; this is a bug in pretrain.data.loader")
+        out = []
+        for fields in chunk.layouts:
+            out.append({name: buffer[offset:offset + nbytes].view(dtype).view(shape).clone()
+                        for name, dtype, shape, offset, nbytes in fields})
+        if int(self.state[chunk.worker, chunk.slot]) == chunk.generation:
+            self.state[chunk.worker, chunk.slot] = 0
+        return out
+
+
+class SlotChunk:
+    """One task's micro-batches in a SlotRing slot: what goes through the queue (the buffer only on first use)."""
+
+    __slots__ = ("worker", "slot", "generation", "buffer", "layouts")
+
+    def __init__(self, worker: int, slot: int, generation: int, buffer, layouts: list):
+        self.worker, self.slot, self.generation, self.buffer, self.layouts = worker, slot, generation, buffer, layouts
+
+    def __getstate__(self):
+        return (self.worker, self.slot, self.generation, self.buffer, self.layouts)
+
+    def __setstate__(self, state):
+        self.worker, self.slot, self.generation, self.buffer, self.layouts = state
+
+
+def _collate_chunk(samples, *, collate_fn, pad_id: int, micro_batch_size: int, ring: SlotRing | None = None):
     """The micro-batches of one sampler chunk (``samples``: a list, or a SampleBatch, of chunk x M samples),
     each collated on its own (padded to its own longest row: the same tensors as without chunks); in a worker
-    process each is packed for the hand-off."""
-    in_worker = torch.utils.data.get_worker_info() is not None
-    out = []
-    for a in range(0, len(samples), micro_batch_size):
-        batch = collate_fn(samples[a : a + micro_batch_size], pad_id)
-        out.append(PackedBatch(batch) if in_worker and isinstance(batch, dict) else batch)
-    return out
+    process they are handed over through the ring's shared memory (or packed, when no slot is free)."""
+    info = torch.utils.data.get_worker_info()
+    out = [collate_fn(samples[a : a + micro_batch_size], pad_id) for a in range(0, len(samples), micro_batch_size)]
+    if info is None or not all(isinstance(b, dict) for b in out):
+        return out
+    if ring is not None:
+        chunk = ring.pack(out, info.id)
+        if chunk is not None:
+            return chunk
+    return [PackedBatch(b) for b in out]
 
 
 def _worker_init(worker_id: int) -> None:
@@ -194,16 +292,22 @@ class ResumableLoader:
     """Iterable over this rank's collated micro-batches; ``consumed_samples`` counts global
     samples handed to the caller (all ranks), which is the position to checkpoint."""
 
-    def __init__(self, loader: torch.utils.data.DataLoader, sampler: RankBatchSampler, start_sample: int):
+    def __init__(self, loader: torch.utils.data.DataLoader, sampler: RankBatchSampler, start_sample: int,
+                 ring: SlotRing | None = None):
         self.loader = loader
         self.sampler = sampler
         self.consumed_samples = start_sample
+        self.ring = ring
 
     def __iter__(self) -> Iterator[dict]:
         # A new iterator restarts at the current position (persistent workers are reused).
         self.sampler.start = self.consumed_samples
         step = self.sampler.micro_batch_size * self.sampler.world_size
+        if self.ring is not None:
+            self.ring.new_generation()
         for chunk in self.loader:
+            if isinstance(chunk, SlotChunk):
+                chunk = self.ring.unpack(chunk)
             for batch in chunk:
                 self.consumed_samples += step
                 yield batch.unpack() if isinstance(batch, PackedBatch) else batch
@@ -270,20 +374,22 @@ def build_loader(
     order = SampleOrder(len(dataset), seed=seed, rule=order_rule)
     sampler = RankBatchSampler(order, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size,
                                start=start_sample, chunk=chunk)
-    extra = {}
+    extra, ring = {}, None
     if num_workers > 0:
         extra = dict(persistent_workers=True, prefetch_factor=prefetch_factor, worker_init_fn=_worker_init)
+        # A worker has at most prefetch_factor tasks queued; one more is being built while one is copied out.
+        ring = SlotRing(num_workers, prefetch_factor + 2)
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
         collate_fn=functools.partial(_collate_chunk, collate_fn=collate_fn, pad_id=pad_id,
-                                     micro_batch_size=micro_batch_size),
+                                     micro_batch_size=micro_batch_size, ring=ring),
         # A private generator: creating iterators must not consume the trainer's global torch RNG.
         generator=torch.Generator().manual_seed(int(seed)),
         **extra,
     )
-    resumable = ResumableLoader(loader, sampler, start_sample)
+    resumable = ResumableLoader(loader, sampler, start_sample, ring)
     if num_workers > 0:  # runs before multiprocessing's exit handler, which would wait forever on the workers
         atexit.register(_close_at_exit, weakref.ref(resumable))
     return resumable

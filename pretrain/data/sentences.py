@@ -54,11 +54,13 @@ class SentenceDataset(torch.utils.data.Dataset):
         self.lines: list[str] | None = None
         self.source = None
         if p.is_dir():
+            from pretrain.data.datasets import load_or_build_sentence_index
             from pretrain.data.shards import ShardedDataset
 
             self.source = ShardedDataset(str(p), tokenizer_sha256=getattr(tokenizer, "sha256", None))
-            self.index_N = np.flatnonzero(np.asarray(self.source.sizes) > 0).astype(np.int64)
-        elif p.is_file():
+            # Memory-mapped from the dataset's index cache: no per-rank array that grows with the corpus.
+            self.index_N = load_or_build_sentence_index(self.source)
+        elif p.is_file():  # a small corpus (wiki1m: 1e6 lines); a large one is preprocessed into shards first
             with open(p, encoding="utf-8", errors="replace") as f:
                 self.lines = [s for s in (line.strip() for line in f) if s]
             self.index_N = np.arange(len(self.lines), dtype=np.int64)

@@ -182,3 +182,61 @@ def test_starts_layout_on_shards_with_empty_sentences(tmp_path):
     _write_index(path, src, 40)
     on_disk = np.load(path, mmap_mode="r")
     assert np.array_equal(on_disk, memory.starts) and path.stat().st_size == 128 + 8 * len(on_disk)
+
+
+def test_sentence_index_is_cached_sliced_and_sent_by_path(tmp_path, monkeypatch):
+    """The sentence stage's index of non-empty sentences: the positions flatnonzero(sizes > 0) gives, built shard
+    by shard in slices into the cache file (no corpus-sized array), memory-mapped after, sent to workers by path;
+    a damaged or foreign cache is rebuilt; an all-empty source is an empty index; without a manifest, in memory."""
+    from types import SimpleNamespace
+
+    from pretrain.data import datasets
+    from pretrain.data.datasets import load_or_build_sentence_index
+
+    monkeypatch.setattr(datasets, "_SCAN", 5)  # several slices per shard
+    rng = np.random.default_rng(3)
+    shards = [SimpleNamespace(sizes=(rng.integers(1, 9, size=n) * (rng.random(n) > 0.3)).astype(np.int32),
+                              doc_idx=None) for n in (17, 1, 0, 23, 6)]
+    starts = np.concatenate([[0], np.cumsum([len(s.sizes) for s in shards])]).astype(np.int64)
+
+    class Src(SimpleNamespace):
+        def __len__(self):
+            return int(starts[-1])
+
+    (tmp_path / "index-cache").mkdir()
+    src = Src(shards=shards, starts=starts, directory=str(tmp_path), manifest_digest="d1")
+    want = np.flatnonzero(np.concatenate([s.sizes for s in shards]) > 0)
+    index = load_or_build_sentence_index(src)
+    assert isinstance(index.positions, np.memmap) and index.path.name == "sentences-d1-nonempty-v1.npy"
+    assert np.array_equal(index.positions, want) and len(index) == len(want) and index[3] == want[3]
+    assert index.path.stat().st_size == 128 + 8 * len(want) and not list(index.path.parent.glob(".*tmp*"))
+    blob = pickle.dumps(index)
+    assert len(blob) < want.nbytes and np.array_equal(pickle.loads(blob).positions, want)
+    stamp = index.path.stat().st_mtime_ns
+    assert load_or_build_sentence_index(src).path.stat().st_mtime_ns == stamp  # reused
+    for damage in (b"junk" * 3, None):
+        if damage is None:
+            np.save(index.path, want + len(src))  # well-formed, but past this dataset's end
+        else:
+            index.path.write_bytes(damage)
+        assert np.array_equal(load_or_build_sentence_index(src).positions, want)
+    assert np.array_equal(load_or_build_sentence_index(Src(shards=shards, starts=starts)).positions, want)
+    all_empty = Src(shards=[SimpleNamespace(sizes=np.zeros(len(src), np.int32), doc_idx=None)],
+                    starts=starts[[0, -1]], directory=str(tmp_path), manifest_digest="d2")
+    assert len(load_or_build_sentence_index(all_empty)) == 0
+
+
+def test_sentence_dataset_reads_a_preprocessed_directory_through_the_cached_index(dataset_dir, tiny_corpus):
+    from pretrain.config.objective import ObjectiveConfig
+    from pretrain.data.sentences import SentenceDataset
+
+    tok = load_tokenizer(tiny_corpus["tokenizer"])
+    cfg = DataConfig(tokenizer=tiny_corpus["tokenizer"], max_len=64, view_max_len=32)
+    ds = SentenceDataset(str(dataset_dir), tok, cfg, ObjectiveConfig(), seed=1)
+    src = ShardedDataset(str(dataset_dir))
+    nonempty = np.flatnonzero(np.asarray(src.sizes) > 0)
+    assert len(ds) == len(nonempty) and isinstance(ds.index_N.positions, np.memmap)
+    for i in (0, len(ds) // 2, len(ds) - 1):
+        assert np.array_equal(ds.tokens(i), np.asarray(src[int(nonempty[i])]))
+    clone = pickle.loads(pickle.dumps(ds))
+    assert all(np.array_equal(a, b) for a, b in zip(clone[(0, 3)].values(), ds[(0, 3)].values()))

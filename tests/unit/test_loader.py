@@ -257,3 +257,54 @@ def test_a_script_that_ends_with_workers_running_exits(tmp_path):
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(eval(p.stdout.strip())) == 2
+
+
+def test_slot_ring_round_trip_reuse_growth_and_fallback():
+    """The shared-memory hand-off gives back the batches it was given (dtypes, shapes, values, empty fields) as
+    copies; a slot is reused once the main process has copied it out, its buffer travels only on first use in a
+    generation (again after it grows or a new generation starts), and with every slot held pack() declines."""
+    import pickle
+
+    from pretrain.data.loader import SlotChunk, SlotRing
+
+    def batch(rows: int, seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"ids": torch.randint(-2**40, 2**40, (rows, 7), generator=g), "mask": torch.rand(rows, 7, generator=g) < 0.5,
+                "w": torch.rand(rows, generator=g, dtype=torch.float64), "none": torch.zeros(0, 5, dtype=torch.int64)}
+
+    def same(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+    ring = SlotRing(num_workers=2, slots=2)
+    first = [batch(3, 0), batch(2, 1)]
+    chunk = ring.pack(first, worker=1)
+    assert isinstance(chunk, SlotChunk) and chunk.buffer is not None and int(ring.state[1, chunk.slot]) == 1
+    chunk = pickle.loads(pickle.dumps(chunk))  # what crosses the queue (here without torch's storage sharing)
+    ring._mapped[(1, chunk.slot)] = ring._own[chunk.slot][0]  # the main process would map the shared buffer
+    chunk.buffer = None
+    got = ring.unpack(chunk)
+    assert all(same(g, w) for g, w in zip(got, first)) and int(ring.state[1, chunk.slot]) == 0
+    again = ring.pack([batch(3, 2)], worker=1)  # the freed slot again: no buffer resent
+    assert again.slot == chunk.slot and again.buffer is None
+    assert same(ring.unpack(again)[0], batch(3, 2)) and all(same(g, w) for g, w in zip(got, first))  # copies
+    grown = ring.pack([batch(5000, 3)], worker=1)
+    assert grown.buffer is not None and same(ring.unpack(grown)[0], batch(5000, 3))
+    held = [ring.pack([batch(1, 4)], worker=1), ring.pack([batch(1, 5)], worker=1)]
+    assert all(isinstance(h, SlotChunk) for h in held) and ring.pack([batch(1, 6)], worker=1) is None
+    assert isinstance(ring.pack([batch(1, 6)], worker=0), SlotChunk)  # another worker's slots are its own
+    ring.new_generation()  # a restarted DataLoader discards what was in flight: its slots are free again
+    fresh = ring.pack([batch(2, 7)], worker=1)
+    assert fresh is not None and fresh.buffer is not None and same(ring.unpack(fresh)[0], batch(2, 7))
+    stale = SlotChunk(0, 1, 9, None, [])
+    with pytest.raises(RuntimeError, match="before sending"):
+        ring.unpack(stale)
+
+
+def test_loader_workers_fall_back_to_packed_buffers_when_slots_run_out(dataset):
+    """With every slot of the ring held, the workers' batches travel pickled and are still the same batches."""
+    kw = dict(seed=5, rank=0, world_size=1, micro_batch_size=3, pad_id=0, start_sample=0, chunk=2)
+    ref = as_lists(itertools.islice(iter(build_loader(dataset, num_workers=0, **kw)), 8))
+    loader = build_loader(dataset, num_workers=1, **kw)
+    loader.ring.state.fill_(2)  # the generation the first iteration will use: every slot looks held
+    assert as_lists(itertools.islice(iter(loader), 8)) == ref
+    assert int(loader.ring.generation[0]) == 2 and not loader.ring._mapped  # nothing went through the ring

@@ -6,6 +6,7 @@ Legend: N rows, M columns, D embedding size.
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -42,8 +43,11 @@ def _unit(n, d, dtype, gen):
     return F.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1).to(dtype)
 
 
-def _rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+def _rel_err(a, b, scale=None):
+    """max |a - b| / max |scale| (scale defaults to b). A loss lse - s_pos is compared on the scale of
+    lse: the difference of two ~1/temperature terms can be ~1e-2, and its rounding error is set by the terms."""
+    scale = b if scale is None else scale
+    return ((a.double() - b.double()).abs().max() / scale.double().abs().max().clamp_min(1e-12)).item()
 
 
 def _loss_and_grads(fn, q, k, w_N, v_N):
@@ -69,7 +73,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_info_nce_rows_matches_float64(impl, dtype, margin, case):
     num_rows, num_cols, dim, chunk, with_self = case
-    gen = torch.Generator().manual_seed(hash((num_rows, num_cols, dim, str(dtype), margin)) % 2**31)
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, so hash() drew new inputs in every process.
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((num_rows, num_cols, dim, str(dtype), margin)).encode()))
     q, k = _unit(num_rows, dim, dtype, gen), _unit(num_cols, dim, dtype, gen)
     pos = torch.randint(0, num_cols, (num_rows,), generator=gen)
     self_idx = (pos + 1 + torch.randint(0, num_cols - 1, (num_rows,), generator=gen)) % num_cols if with_self else None
@@ -79,8 +84,9 @@ def test_info_nce_rows_matches_float64(impl, dtype, margin, case):
                                    impl=impl, chunk_size=chunk, return_lse=True), q, k, w, v)
     ref = _loss_and_grads(lambda a, b: reference_rows(a, b, pos, 0.07, margin, self_idx), q.double(), k.double(), w, v)
     assert got[2].dtype == dtype and got[3].dtype == dtype
-    for name, a, b in zip(("loss", "lse", "dq", "dk"), got, ref):
-        assert _rel_err(a, b) < REL_TOL[dtype], (name, _rel_err(a, b))
+    scales = (ref[1], ref[1], ref[2], ref[3])
+    for name, a, b, scale in zip(("loss", "lse", "dq", "dk"), got, ref, scales):
+        assert _rel_err(a, b, scale) < REL_TOL[dtype], (name, _rel_err(a, b, scale))
 
 
 def test_single_row_single_column_has_zero_loss_and_gradient():
