@@ -4,6 +4,8 @@
               micro-batch 32, a 30522 WordPiece trained on the corpus), through ``build_loader`` in one process
   loader      the same through ``build_loader`` with 1 and 2 worker processes, per worker core, and the
               hand-off cost (1 - one worker / one process)
+  handoff     (not by default) µs per task of the hand-off's own work in one process: shared-memory slots
+              (``SlotRing``) beside pickled buffers (``PackedBatch``)
   index       the sample index (below)
   preprocess  ``pretrain-preprocess`` MB/s on 1 and on 2 cores beside raw ``tokenizers`` ``encode_batch``
               on the same lines and the same number of threads (each in a fresh process, interleaved)
@@ -237,7 +239,7 @@ def _child(args: list[str], env: dict | None = None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", nargs="+", default=["augment", "loader", "index", "preprocess"],
-                   choices=["augment", "loader", "index", "preprocess", "preprocess-rss"])
+                   choices=["augment", "loader", "handoff", "index", "preprocess", "preprocess-rss"])
     p.add_argument("--corpus", default=str(SHARED / "books"), help="text for the augment/loader parts")
     p.add_argument("--vocab-size", type=int, default=30522)
     p.add_argument("--methods", nargs="+", default=list(AUGMENT_METHODS))
@@ -273,6 +275,8 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if "augment" in args.parts or "loader" in args.parts:
         results.update(bench_pipeline(args, work))
+    if "handoff" in args.parts:
+        results["handoff"] = bench_handoff(args.micro_batch)
     if "preprocess" in args.parts:
         results["preprocess"] = bench_preprocess(args, work)
     if "preprocess-rss" in args.parts:
@@ -325,6 +329,53 @@ def bench_pipeline(args, work: Path) -> dict:
               f"{alone['build_cpu_us']:.0f} | {one['build_cpu_us']:.0f} | {one['main_cpu_us']:.0f} | {cpu_cost:.0%} |",
               flush=True)
     return {"augment": augment, **({"loader": loader} if "loader" in args.parts else {})}
+
+
+def bench_handoff(micro_batch: int, tasks: int = 300) -> dict:
+    """In one process, µs per task (CHUNK_SAMPLES samples of a max_len 128 / view 64 batch) of the worker's and
+    the main process's shares of the hand-off: the shared-memory slot path (pack; copy out) beside the pickled
+    PackedBatch path (pack + pickle; unpickle + unpack), without the queue itself."""
+    import pickle
+
+    import torch
+
+    from pretrain.data.loader import CHUNK_SAMPLES, PackedBatch, SlotRing
+
+    g = torch.Generator().manual_seed(0)
+
+    def ids(t: int) -> torch.Tensor:
+        return torch.randint(0, 30522, (micro_batch, t), generator=g)
+
+    def batch() -> dict:
+        return {"input_ids": ids(128), "attention_mask": torch.ones(micro_batch, 128, dtype=torch.bool),
+                "mlm_labels": ids(128), "view_a_ids": ids(64), "view_a_mask": torch.ones(micro_batch, 64, dtype=torch.bool),
+                "view_b_ids": ids(64), "view_b_mask": torch.ones(micro_batch, 64, dtype=torch.bool),
+                "source": torch.zeros(micro_batch, dtype=torch.int64)}
+
+    batches = [batch() for _ in range(max(1, CHUNK_SAMPLES // micro_batch))]
+    ring = SlotRing(1, 2)
+    first = ring.pack(batches, 0)
+    ring.unpack(first)
+    timings = {"slot_worker": 0.0, "slot_main": 0.0, "packed_worker": 0.0, "packed_main": 0.0}
+    for _ in range(tasks):
+        t0 = time.perf_counter()
+        chunk = pickle.loads(pickle.dumps(ring.pack(batches, 0)))  # what the queue carries: slot and layout
+        t1 = time.perf_counter()
+        ring.unpack(chunk)
+        t2 = time.perf_counter()
+        blob = pickle.dumps([PackedBatch(b) for b in batches])
+        t3 = time.perf_counter()
+        [p.unpack() for p in pickle.loads(blob)]
+        t4 = time.perf_counter()
+        for key, dt in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            timings[key] += dt / tasks * 1e6
+    n = len(batches) * micro_batch
+    print(f"\nhand-off work per task of {n} samples, one process (µs; the queue's pipe not included)")
+    print("| path | worker: pack | main: receive | total | µs/sample |\n|---|---:|---:|---:|---:|")
+    for name, key in (("shared-memory slot (SlotRing)", "slot"), ("pickled buffer (PackedBatch)", "packed")):
+        w, m = timings[f"{key}_worker"], timings[f"{key}_main"]
+        print(f"| {name} | {w:.0f} | {m:.0f} | {w + m:.0f} | {(w + m) / n:.2f} |")
+    return timings
 
 
 def _wiki_files(mb: float) -> tuple[list[str], int]:

@@ -84,7 +84,26 @@ _HEADER_BYTES = 128
 """The cache's .npy header, padded to a fixed size so that it can be rewritten in place once N is known."""
 
 
-class SampleIndex:
+class _MappedByPath:
+    """An index whose array (attribute ``_array``) is memory-mapped from ``path`` when it has one: pickling (to
+    DataLoader workers) sends the path only, and the receiver maps the file again."""
+
+    _array = ""
+    path: Path | None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.path is not None:
+            state[self._array] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if getattr(self, self._array) is None:
+            setattr(self, self._array, np.load(self.path, mmap_mode="r", allow_pickle=False))
+
+
+class SampleIndex(_MappedByPath):
     """The samples of a source as N + 1 sentence starts: sample k is sentences ``starts[k] ..
     min(starts[k + 1], end of the shard holding starts[k]) - 1``, and ``starts[N]`` ends the last sample.
 
@@ -92,7 +111,9 @@ class SampleIndex:
     skipped (a document's leading ones), which hold no tokens: both ranges give the same tokens, so half of
     the (first, end) pairs is enough. A range never runs past its shard (``bounds``, the shards' first
     sentences and the total), as the shards' token gather requires. Memory-mapped from the cache file when
-    there is one; pickling (DataLoader workers) sends only the path, and the receiver maps the file again."""
+    there is one (pickled as its path)."""
+
+    _array = "starts"
 
     def __init__(self, starts: np.ndarray, bounds: np.ndarray, path: Path | None = None):
         self.starts, self.bounds, self.path = starts, np.asarray(bounds, dtype=np.int64), path
@@ -111,16 +132,6 @@ class SampleIndex:
         first, end = self.ranges(np.array([index]))
         return int(first[0]), int(end[0])
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        if self.path is not None:
-            state["starts"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if self.starts is None:
-            self.starts = np.load(self.path, mmap_mode="r", allow_pickle=False)
 
 
 def index_cache_path(source, budget: int) -> Path | None:
@@ -259,10 +270,12 @@ NONEMPTY_RULE = "nonempty-v1"
 _SCAN = 1 << 22  # sentences whose sizes are compared per numpy call (32 MiB of positions at most)
 
 
-class SentenceIndex:
+class SentenceIndex(_MappedByPath):
     """The non-empty sentences of a source, in order (int64 positions; the sentence stage's samples), memory-mapped
     from ``<dataset>/index-cache/sentences-<manifest sha256>-nonempty-v1.npy`` when the dataset has a manifest.
-    Pickling (DataLoader workers) sends only the path; the receiver maps the file again."""
+    Pickled as its path when it has one."""
+
+    _array = "positions"
 
     def __init__(self, positions: np.ndarray, path: Path | None = None):
         self.positions, self.path = positions, path
@@ -273,16 +286,6 @@ class SentenceIndex:
     def __getitem__(self, index):
         return self.positions[index]
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        if self.path is not None:
-            state["positions"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if self.positions is None:
-            self.positions = np.load(self.path, mmap_mode="r", allow_pickle=False)
 
 
 def load_or_build_sentence_index(source) -> SentenceIndex:

@@ -242,10 +242,10 @@ class SlotRing:
         if buffer is None:
             raise RuntimeError(f"data loader hand-off: worker {chunk.worker} named slot {chunk.slot} before sending "
                                "it; this is a bug in pretrain.data.loader")
-        out = []
-        for fields in chunk.layouts:
-            out.append({name: buffer[offset:offset + nbytes].view(dtype).view(shape).clone()
-                        for name, dtype, shape, offset, nbytes in fields})
+        end = max((offset + nbytes for fields in chunk.layouts for _, _, _, offset, nbytes in fields), default=0)
+        block = buffer[:end].clone()  # one copy of the task; its batches are views of it
+        out = [{name: block[offset:offset + nbytes].view(dtype).view(shape)
+                for name, dtype, shape, offset, nbytes in fields} for fields in chunk.layouts]
         if int(self.state[chunk.worker, chunk.slot]) == chunk.generation:
             self.state[chunk.worker, chunk.slot] = 0
         return out
