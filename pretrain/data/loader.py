@@ -172,6 +172,9 @@ class PackedBatch:
         return out
 
 
+_PAD = torch.zeros(64, dtype=torch.uint8)
+
+
 class SlotRing:
     """Shared-memory slots for the worker -> main hand-off: a task's micro-batches are written straight into one
     of its worker's slots and only (worker, slot, layout) goes through the DataLoader's queue.
@@ -205,13 +208,16 @@ class SlotRing:
         if not len(free):
             return None
         slot = int(free[0])
-        layouts, total = [], 0
+        layouts, parts, total = [], [], 0
         for batch in batches:
             fields = []
             for name, t in batch.items():
-                nbytes = t.numel() * t.element_size()
+                raw = t.contiguous().view(-1).view(torch.uint8)
+                nbytes = raw.numel()
                 fields.append((name, t.dtype, tuple(t.shape), total, nbytes))
-                total += -(-nbytes // 64) * 64  # 64-byte aligned fields: viewed in place, copied with memcpy
+                pad = -nbytes % 64  # 64-byte aligned fields: each is viewed in place as its dtype
+                parts += [raw, _PAD[:pad]] if pad else [raw]
+                total += nbytes + pad
             layouts.append(fields)
         buffer, sent = self._own.get(slot, (None, 0))
         if buffer is None or buffer.numel() < total:
@@ -225,11 +231,8 @@ class SlotRing:
                       "through the pipe instead (slower; give the job a larger /dev/shm)", flush=True)
                 return None
         state_S[slot] = gen
-        raw = buffer.numpy()
-        for batch, fields in zip(batches, layouts):
-            for (name, dtype, shape, offset, nbytes), t in zip(fields, batch.values()):
-                if nbytes:
-                    raw[offset:offset + nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy()
+        if parts:
+            torch.cat(parts, out=buffer[:total])  # one call writes every field and its padding
         self._own[slot] = (buffer, gen)
         return SlotChunk(worker, slot, gen, buffer if sent != gen else None, layouts)
 
