@@ -347,9 +347,11 @@ def bench_handoff(micro_batch: int, tasks: int = 300) -> dict:
         return torch.randint(0, 30522, (micro_batch, t), generator=g)
 
     def batch() -> dict:
-        return {"input_ids": ids(128), "attention_mask": torch.ones(micro_batch, 128, dtype=torch.bool),
-                "mlm_labels": ids(128), "view_a_ids": ids(64), "view_a_mask": torch.ones(micro_batch, 64, dtype=torch.bool),
-                "view_b_ids": ids(64), "view_b_mask": torch.ones(micro_batch, 64, dtype=torch.bool),
+        def mask(t: int) -> torch.Tensor:
+            return torch.ones(micro_batch, t, dtype=torch.bool)
+
+        return {"input_ids": ids(128), "attention_mask": mask(128), "mlm_labels": ids(128),
+                "view_a_ids": ids(64), "view_a_mask": mask(64), "view_b_ids": ids(64), "view_b_mask": mask(64),
                 "source": torch.zeros(micro_batch, dtype=torch.int64)}
 
     batches = [batch() for _ in range(max(1, CHUNK_SAMPLES // micro_batch))]

@@ -183,8 +183,9 @@ class SlotRing:
     more); a buffer's handle travels with the first message that uses it in a generation, later messages name
     it. ``state[w, s]`` (shared, created before the workers) is 0 for a free slot, or the generation that holds
     it: the worker takes a slot whose state is not the current generation, the main process copies the batches
-    out as the message arrives and frees the slot. Every ``ResumableLoader.__iter__`` starts a new generation,
-    so slots held by messages a restarted DataLoader discarded are free again. With no free slot (more tasks in
+    out as the message arrives and frees the slot. Every ``ResumableLoader.__iter__`` starts a new generation
+    before the DataLoader restarts, so slots held by messages it discards are free again (a task being built
+    across the change may keep its slot until the next one: slower, never wrong). With no free slot (more tasks in
     flight than slots) a task travels as pickled PackedBatch buffers: slower, never blocked, the same batches."""
 
     def __init__(self, num_workers: int, slots: int):

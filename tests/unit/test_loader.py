@@ -269,7 +269,8 @@ def test_slot_ring_round_trip_reuse_growth_and_fallback():
 
     def batch(rows: int, seed: int) -> dict:
         g = torch.Generator().manual_seed(seed)
-        return {"ids": torch.randint(-2**40, 2**40, (rows, 7), generator=g), "mask": torch.rand(rows, 7, generator=g) < 0.5,
+        return {"ids": torch.randint(-2**40, 2**40, (rows, 7), generator=g),
+                "mask": torch.rand(rows, 7, generator=g) < 0.5,
                 "w": torch.rand(rows, generator=g, dtype=torch.float64), "none": torch.zeros(0, 5, dtype=torch.int64)}
 
     def same(a: dict, b: dict) -> bool:
