@@ -34,10 +34,8 @@ def order_rule(cfg) -> str:
     from pretrain.checkpoint import store
     from pretrain.data.loader import ORDER_RULE
 
-    tag = store.find_latest(store.checkpoints_dir(cfg.run_dir)) if cfg.run_dir else None
-    if tag is None:
-        return ORDER_RULE
-    return store.read_trainer_state(store.checkpoints_dir(cfg.run_dir) / tag)["sample_order"]
+    state = store.latest_trainer_state(cfg.run_dir) if cfg.run_dir else None
+    return state["sample_order"] if state is not None else ORDER_RULE
 
 
 def _tokens(tokenizer, ids) -> str:

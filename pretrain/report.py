@@ -148,12 +148,8 @@ def load_run(run_dir: str | Path, name: str) -> Run:
 def _newest_trainer_state(run_dir: Path, notes: list[str]) -> dict | None:
     from pretrain.checkpoint import store
 
-    ckpt_dir = store.checkpoints_dir(run_dir)
-    tag = store.find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
-    if tag is None:
-        return None
     try:
-        return store.read_trainer_state(ckpt_dir / tag)
+        return store.latest_trainer_state(run_dir)
     except store.CheckpointError as e:
         notes.append(f"{run_dir}: {e}")
         return None

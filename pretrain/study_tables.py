@@ -174,8 +174,8 @@ def run_dynamics(run_dir: Path) -> dict | None:
     if not records:
         return None
     cfg = from_dict(RunConfig, read_yaml(config))
-    tag = store.find_latest(store.checkpoints_dir(run_dir))
-    world = store.read_trainer_state(store.checkpoints_dir(run_dir) / tag).get("world_size", 1) if tag else 1
+    state = store.latest_trainer_state(run_dir)
+    world = state.get("world_size", 1) if state is not None else 1
     train = [r for r in records if r.get("split") == "train"]
     valid = [r for r in records if r.get("split") not in ("train", None)]
     out = {"last_step": max(r["step"] for r in records), "terms": {},

@@ -86,7 +86,7 @@ def measure_one(directory: str, budget: int, tokenizer: str = "") -> dict:
     tokenizer, then on to the first training batch as the trainer gets it: the dataset blended 3:1 with
     itself (two sources, like wiki + books), the sample order, ``build_loader`` (no workers), one batch."""
     sys.path.insert(0, str(ROOT))
-    from pretrain.data.datasets import load_or_build_sample_index
+    from pretrain.data.sample_index import load_or_build_sample_index
     from pretrain.data.shards import ShardedDataset
 
     base = _rss_mib()
@@ -131,7 +131,7 @@ def _bench_tokenizer(root: Path) -> str:
 
 def python_ns_per_sentence(directory: str, budget: int, limit: int = 10_000_000) -> float:
     sys.path.insert(0, str(ROOT))
-    from pretrain.data.datasets import build_sample_index_py
+    from pretrain.data.sample_index import build_sample_index_py
     from pretrain.data.shards import ShardedDataset
 
     shard = ShardedDataset(directory).shards[0]

@@ -1,4 +1,4 @@
-/* Greedy sample packing for pretrain.data.datasets (module pretrain.data._index).
+/* Greedy sample packing for pretrain.data.sample_index (module pretrain.data._index).
  *
  * pack(sizes, doc_idx, budget) -> (first_bytes, end_bytes): int64 arrays (as bytes) of each sample's first
  * sentence and end sentence (exclusive). Sentences join the current sample while its token total stays

@@ -265,6 +265,14 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
     return ckpt_dir / tag
 
 
+def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
+    """The (upgraded) trainer_state of a run directory's newest complete checkpoint; None when it has none.
+    Raises CheckpointError when that state is unreadable."""
+    ckpt_dir = checkpoints_dir(run_dir)
+    tag = find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    return read_trainer_state(ckpt_dir / tag) if tag is not None else None
+
+
 def read_trainer_state(tag_dir: Path) -> dict:
     try:
         state = json.loads((tag_dir / STATE_FILE).read_text(encoding="utf-8"))

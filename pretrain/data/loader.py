@@ -15,6 +15,7 @@ the same global batch.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import signal
@@ -255,19 +256,15 @@ class SlotRing:
         return out
 
 
+@dataclasses.dataclass(slots=True)
 class SlotChunk:
     """One task's micro-batches in a SlotRing slot: what goes through the queue (the buffer only on first use)."""
 
-    __slots__ = ("worker", "slot", "generation", "buffer", "layouts")
-
-    def __init__(self, worker: int, slot: int, generation: int, buffer, layouts: list):
-        self.worker, self.slot, self.generation, self.buffer, self.layouts = worker, slot, generation, buffer, layouts
-
-    def __getstate__(self):
-        return (self.worker, self.slot, self.generation, self.buffer, self.layouts)
-
-    def __setstate__(self, state):
-        self.worker, self.slot, self.generation, self.buffer, self.layouts = state
+    worker: int
+    slot: int
+    generation: int
+    buffer: torch.Tensor | None
+    layouts: list
 
 
 def _collate_chunk(samples, *, collate_fn, pad_id: int, micro_batch_size: int, ring: SlotRing | None = None):

@@ -54,7 +54,7 @@ class SentenceDataset(torch.utils.data.Dataset):
         self.lines: list[str] | None = None
         self.source = None
         if p.is_dir():
-            from pretrain.data.datasets import load_or_build_sentence_index
+            from pretrain.data.sample_index import load_or_build_sentence_index
             from pretrain.data.shards import ShardedDataset
 
             self.source = ShardedDataset(str(p), tokenizer_sha256=getattr(tokenizer, "sha256", None))

@@ -70,7 +70,7 @@ class Trainer:
 
         # The datasets open before the model and DeepSpeed (a bad dataset fails fast, and SARCSE's frequencies
         # come from the training set). Rank 0 first, building and caching the sample indexes; the others wait,
-        # then memory-map the cached files (data/datasets.py: load_or_build_sample_index).
+        # then memory-map the cached files (data/sample_index.py: load_or_build_sample_index).
         with _main_rank_first(env):
             self.train_set = build_train_set(cfg, self.tokenizer)
             self.valid_set = build_dataset(cfg.data, self.tokenizer, seed=cfg.seed, split="valid") \

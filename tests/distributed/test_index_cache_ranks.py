@@ -20,7 +20,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, directory: str, out: str) -> None:
-    from pretrain.data.datasets import index_cache_path, load_or_build_sample_index
+    from pretrain.data.sample_index import index_cache_path, load_or_build_sample_index
     from pretrain.data.shards import ShardedDataset
     from pretrain.distributed.env import DistEnv
     from pretrain.training.trainer import _main_rank_first

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pretrain.config.data import AugmentConfig, DataConfig, SourceConfig
-from pretrain.data.datasets import BlendedDataset, PretrainDataset, apportion, build_dataset, build_sample_index
+from pretrain.data.datasets import BlendedDataset, PretrainDataset, apportion, build_dataset
+from pretrain.data.sample_index import build_sample_index
 
 
 class FakeShards:
@@ -216,7 +217,7 @@ def test_build_dataset_from_preprocessed_shards(tmp_path, tokenizer):
 
 def test_c_sample_index_equals_python_packing_on_random_corpora():
     """The C helper (built by pip install) against the pure-Python rule, sample for sample."""
-    from pretrain.data.datasets import build_sample_index_py
+    from pretrain.data.sample_index import build_sample_index_py
 
     _index = pytest.importorskip("pretrain.data._index", reason="C helper not built (pip install -e . builds it)")
     rng = np.random.default_rng(0)

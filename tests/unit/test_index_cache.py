@@ -10,12 +10,8 @@ import numpy as np
 import pytest
 
 from pretrain.config.data import DataConfig, SourceConfig
-from pretrain.data.datasets import (
-    PretrainDataset,
-    build_sample_index,
-    index_cache_path,
-    load_or_build_sample_index,
-)
+from pretrain.data.datasets import PretrainDataset
+from pretrain.data.sample_index import build_sample_index, index_cache_path, load_or_build_sample_index
 from pretrain.data.shards import ShardedDataset
 from pretrain.data.tokenizer import load_tokenizer
 
@@ -84,9 +80,9 @@ def test_read_only_dataset_falls_back_to_memory(dataset_dir, monkeypatch):
     def refuse(a, b):
         raise PermissionError(13, "Permission denied", str(b))
 
-    monkeypatch.setattr("pretrain.data.datasets.os.replace", refuse)
+    monkeypatch.setattr("pretrain.data.sample_index.os.replace", refuse)
     index = load_or_build_sample_index(src, 62)
-    monkeypatch.setattr("pretrain.data.datasets.os.replace", real_replace)
+    monkeypatch.setattr("pretrain.data.sample_index.os.replace", real_replace)
     assert index.path is None and not isinstance(index.starts, np.memmap) and len(index) > 0
     assert_same_samples(index, src, build_sample_index(src.sizes, src.doc_idx, 62))
     assert not list(index_cache_path(src, 62).parent.glob(".*tmp*"))
@@ -108,7 +104,7 @@ def test_workers_receive_the_index_by_path_not_by_copy(dataset_dir, tiny_corpus)
 def test_shard_by_shard_index_equals_the_global_one(tiny_corpus, tmp_path):
     """Built from each shard's memory-mapped sizes (no corpus-sized copy) and written part by part into the
     cache file, the index is the global packing."""
-    from pretrain.data.datasets import load_or_build_sample_index
+    from pretrain.data.sample_index import load_or_build_sample_index
     from pretrain.data.preprocess import preprocess
 
     text = tmp_path / "text.txt"
@@ -152,7 +148,7 @@ def test_starts_layout_on_shards_with_empty_sentences(tmp_path):
     the packer's samples, and no range runs into the next shard."""
     from types import SimpleNamespace
 
-    from pretrain.data.datasets import _write_index
+    from pretrain.data.sample_index import _write_index
 
     rng = np.random.default_rng(7)
     shards = []
@@ -190,10 +186,10 @@ def test_sentence_index_is_cached_sliced_and_sent_by_path(tmp_path, monkeypatch)
     a damaged or foreign cache is rebuilt; an all-empty source is an empty index; without a manifest, in memory."""
     from types import SimpleNamespace
 
-    from pretrain.data import datasets
-    from pretrain.data.datasets import load_or_build_sentence_index
+    from pretrain.data import sample_index
+    from pretrain.data.sample_index import load_or_build_sentence_index
 
-    monkeypatch.setattr(datasets, "_SCAN", 5)  # several slices per shard
+    monkeypatch.setattr(sample_index, "_SCAN", 5)  # several slices per shard
     rng = np.random.default_rng(3)
     shards = [SimpleNamespace(sizes=(rng.integers(1, 9, size=n) * (rng.random(n) > 0.3)).astype(np.int32),
                               doc_idx=None) for n in (17, 1, 0, 23, 6)]
