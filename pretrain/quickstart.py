@@ -2,7 +2,7 @@
 
     python -m pretrain.quickstart [RUN_DIR] [key=value ...]
 
-Everything it needs ships with Python and this package (see ``pretrain.data.embedded``);
+Everything it needs ships with Python and this package (see ``pretrain.prep.embedded``);
 steps already done in RUN_DIR are reused.
 """
 
@@ -13,15 +13,16 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.prep.embedded import write_embedded_corpus
+from pretrain.prep.preprocess import preprocess
+from pretrain.prep.tokenizer import train_tokenizer
+from pretrain.train import main as train_main
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 def prepare(run_dir: Path, *, vocab_size: int = 8192, num_workers: int = 2) -> dict:
     """Corpus, tokenizer and datasets under run_dir; returns their paths."""
-    from pretrain.data.embedded import write_embedded_corpus
-    from pretrain.data.preprocess import preprocess
-    from pretrain.data.tokenizer import train_tokenizer
-
     corpus = run_dir / "corpus"
     train_txt, valid_txt = corpus / "train.txt", corpus / "valid.txt"
     if not (train_txt.is_file() and valid_txt.is_file()):
@@ -51,7 +52,6 @@ def main(argv=None) -> int:
         f"data.sources=[{{name: python_docs, path: {paths['train']}}}]",
         f"data.valid=[{{name: python_docs, path: {paths['valid']}}}]",
     ] + argv
-    from pretrain.train import main as train_main
 
     code = train_main([str(DEFAULT_CONFIG)] + overrides)
     if code != 0:

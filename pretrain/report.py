@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrain.checkpoint import store
+
 LOSS_TERMS = ("mlm", "nt_xent", "info_nce", "arccon", "triplet", "consistency", "rank_distill", "reconstruction")
 """The loss terms a run can log, as named in ``objective.terms.OBJECTIVES`` (a test keeps the two equal)."""
 
@@ -146,8 +148,6 @@ def load_run(run_dir: str | Path, name: str) -> Run:
 
 
 def _newest_trainer_state(run_dir: Path, notes: list[str]) -> dict | None:
-    from pretrain.checkpoint import store
-
     try:
         return store.latest_trainer_state(run_dir)
     except store.CheckpointError as e:

@@ -69,7 +69,13 @@ def dry_run(cfg, env, ranks: int = 0) -> int:
 
     from pretrain.data.datasets import build_dataset
     from pretrain.training.banner import banner_lines
-    from pretrain.training.build import build_train_module, model_config, open_init_weights, preflight, stage_parts
+    from pretrain.training.build import (
+        build_train_module,
+        model_config,
+        open_init_weights,
+        preflight,
+        stage_parts,
+    )
 
     preflight(cfg)
     load_tok, build_train_set, _ = stage_parts(cfg)
@@ -96,8 +102,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from pretrain.checkpoint.store import CheckpointError
     from pretrain.config import load_run_config
-    from pretrain.distributed.env import destroy_process_group, detect_env, init_process_group
-    from pretrain.training.signals import StopSignal
+    from pretrain.distributed.env import (
+        destroy_process_group,
+        detect_env,
+        init_process_group,
+    )
+    from pretrain.distributed.signals import StopSignal
     from pretrain.training.trainer import Trainer, TrainingDiverged
 
     try:

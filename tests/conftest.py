@@ -51,9 +51,9 @@ def tiny_corpus(tmp_path_factory) -> dict:
 
     Returns {"tokenizer": path, "train": dataset dir, "valid": dataset dir, "dir": root}.
     """
-    from pretrain.data.embedded import write_embedded_corpus
-    from pretrain.data.preprocess import preprocess
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.prep.embedded import write_embedded_corpus
+    from pretrain.prep.preprocess import preprocess
+    from pretrain.prep.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_corpus")
     train_txt, valid_txt = write_embedded_corpus(root / "text", valid_every=10)

@@ -102,7 +102,7 @@ def measure_one(directory: str, budget: int, tokenizer: str = "") -> dict:
         from pretrain.config.data import DataConfig
         from pretrain.data.datasets import BlendedDataset, PretrainDataset
         from pretrain.data.loader import build_loader
-        from pretrain.data.tokenizer import load_tokenizer
+        from pretrain.prep.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer)
         cfg = DataConfig(max_len=budget + 2, view_max_len=64)
@@ -119,7 +119,7 @@ def measure_one(directory: str, budget: int, tokenizer: str = "") -> dict:
 def _bench_tokenizer(root: Path) -> str:
     """A small WordPiece for the first-batch measurement (the synthetic shards hold token 0 only)."""
     sys.path.insert(0, str(ROOT))
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.prep.tokenizer import train_tokenizer
 
     path = root / "first-batch-tokenizer.json"
     if not path.is_file():
@@ -150,8 +150,8 @@ SHARED = ROOT.parent / "shared" / "data" / "corpus"
 def prepare_corpus(work: Path, corpus: str, vocab_size: int) -> tuple[str, str]:
     """(tokenizer path, dataset dir) for the augment/loader parts, built once under ``work``."""
     sys.path.insert(0, str(ROOT))
-    from pretrain.data.preprocess import preprocess
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.prep.preprocess import preprocess
+    from pretrain.prep.tokenizer import train_tokenizer
 
     tok, ds = work / f"tokenizer-{vocab_size}.json", work / f"dataset-{vocab_size}"
     if not tok.is_file():  # enough wiki text for the full vocabulary
@@ -180,7 +180,7 @@ def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: 
     from pretrain.config.data import AugmentConfig, DataConfig, SourceConfig
     from pretrain.data.datasets import build_dataset
     from pretrain.data.loader import build_loader
-    from pretrain.data.tokenizer import load_tokenizer
+    from pretrain.prep.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(tok_path)
@@ -207,7 +207,7 @@ def preprocess_rate(tok_path: str, files: list[str], cores: int, out: str) -> di
     of the main process and of the largest worker."""
     import resource
 
-    from pretrain.data.preprocess import preprocess
+    from pretrain.prep.preprocess import preprocess
 
     mb = sum(os.path.getsize(f) for f in files) / 1e6
     t0 = time.perf_counter()

@@ -72,7 +72,14 @@ def make_batch(batch: int, seq: int, view_len: int, vocab: int, gen: torch.Gener
 
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False):
-    from pretrain.config import DistributedConfig, ModelConfig, ObjectiveConfig, OpsConfig, OptimConfig, TrainConfig
+    from pretrain.config import (
+        DistributedConfig,
+        ModelConfig,
+        ObjectiveConfig,
+        OpsConfig,
+        OptimConfig,
+        TrainConfig,
+    )
     from pretrain.distributed.engine import Engine
     from pretrain.distributed.env import detect_env, init_process_group
     from pretrain.model import build_model

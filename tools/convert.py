@@ -1,8 +1,8 @@
-"""Thin CLI: see pretrain.checkpoint.convert (also installed as `pretrain-convert`)."""
+"""Thin CLI: see pretrain.export.convert (also installed as `pretrain-convert`)."""
 
 import sys
 
-from pretrain.checkpoint.convert import main
+from pretrain.export.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

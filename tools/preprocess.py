@@ -1,8 +1,8 @@
-"""Thin CLI: raw text → sharded binary dataset, or --verify DIR (see pretrain.data.preprocess.main)."""
+"""Thin CLI: raw text → sharded binary dataset, or --verify DIR (see pretrain.prep.preprocess.main)."""
 
 import sys
 
-from pretrain.data.preprocess import main
+from pretrain.prep.preprocess import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,8 +1,8 @@
-"""Thin CLI: train a WordPiece/BPE/unigram tokenizer (see pretrain.data.tokenizer.main)."""
+"""Thin CLI: train a WordPiece/BPE/unigram tokenizer (see pretrain.prep.tokenizer.main)."""
 
 import sys
 
-from pretrain.data.tokenizer import main
+from pretrain.prep.tokenizer import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import atomic_write_text
+from pretrain.checkpoint.files import atomic_write_text, save_safetensors
+from pretrain.distributed.comm import all_reduce_host
+from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
 
 FORMAT_VERSION = 3
 """2: trainer_state.json names the sample stream (``sample_stream``); a version-1 pretraining state is read as
@@ -117,9 +119,6 @@ def file_digests(path: Path, *, full: bool = True) -> dict:
 def _write_weights(tmp_dir: Path, step: int) -> None:
     """model.safetensors: the PretrainModel's fp32 weights consolidated from the DeepSpeed files just written
     (any ZeRO stage; our own files, read back once), so that no reader of the weights has to unpickle."""
-    from pretrain.checkpoint.files import save_safetensors
-    from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
-
     full = fp32_state_dict_from_checkpoint(str(tmp_dir))
     state = {k[len("model."):]: v.detach().clone().contiguous() for k, v in full.items() if k.startswith("model.")}
     tmp = tmp_dir / (WEIGHTS_FILE + ".tmp")
@@ -356,7 +355,6 @@ def load_model_state(path: str | os.PathLike, *, trust: bool = False) -> tuple[d
     """
     import yaml
 
-    from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
 
     tag_dir = resolve_tag_dir(path)
     problems = verify_checkpoint(tag_dir)
@@ -394,6 +392,5 @@ def _barrier(env) -> None:
 def _any_rank(env, flag: bool) -> bool:
     if not env.is_distributed:
         return flag
-    from pretrain.distributed.comm import all_reduce_host
 
     return bool(all_reduce_host(torch.tensor([1 if flag else 0], dtype=torch.int64)).item())

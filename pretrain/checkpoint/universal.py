@@ -19,7 +19,16 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint.files import atomic_write_text
-from pretrain.checkpoint.store import FILES_FILE, STATE_FILE, CheckpointError, check_files, file_digests, list_complete
+from pretrain.checkpoint.store import (
+    FILES_FILE,
+    STATE_FILE,
+    CheckpointError,
+    check_files,
+    file_digests,
+    list_complete,
+)
+from pretrain.distributed.comm import all_reduce_host
+from pretrain.distributed.engine import convert_to_universal
 
 UNIVERSAL_DIR = "universal"
 """``checkpoints/universal/<tag>``: the universal form of a checkpoint, converted once for resuming it on another
@@ -87,8 +96,6 @@ def _universal_problems(out: Path, tag_dir: Path) -> list[str]:
 
 def _convert_universal(tag_dir: Path, out: Path) -> None:
     """Rank 0: ds_to_universal into ``universal/.tmp-<tag>/<tag>``, digests recorded, published by os.replace."""
-    from pretrain.distributed.engine import convert_to_universal
-
     tmp_root = out.parent / (".tmp-" + out.name)
     shutil.rmtree(tmp_root, ignore_errors=True)  # what a conversion that died half-way left
     tmp_root.mkdir(parents=True)
@@ -145,7 +152,6 @@ def _on_main_rank(env, fn) -> str | None:
     if not env.is_distributed:
         call()
         return box.get("error")
-    from pretrain.distributed.comm import all_reduce_host
 
     worker = threading.Thread(target=call, name="universal-checkpoint", daemon=True) if env.is_main else None
     if worker is not None:

@@ -31,7 +31,16 @@ import numpy as np
 
 from pretrain.config.data import AugmentConfig
 from pretrain.data.counter_rng import draw_keys, draws
-from pretrain.data.ragged import Ragged, Words, assemble, compact, rows_of, smallest_k, span_cover, words
+from pretrain.data.ragged import (
+    Ragged,
+    Words,
+    assemble,
+    compact,
+    rows_of,
+    smallest_k,
+    span_cover,
+    words,
+)
 from pretrain.data.wordnet import check_wordnet_dir, load_synonyms
 
 METHODS = ("del-word", "del-span", "reorder", "subs", "none")

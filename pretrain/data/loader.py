@@ -27,7 +27,7 @@ import torch
 
 from pretrain.data.collate import collate
 from pretrain.data.counter_rng import _GOLDEN, mix64, sample_keys
-
+from pretrain.distributed.signals import ignore_in_worker
 
 ORDER_RULE = "feistel-v1"
 """The rule new runs order their samples by; checkpoints record it (``sample_order``) and a resume keeps the
@@ -283,8 +283,6 @@ def _collate_chunk(samples, *, collate_fn, pad_id: int, micro_batch_size: int, r
 
 
 def _worker_init(worker_id: int) -> None:
-    from pretrain.training.signals import ignore_in_worker
-
     torch.set_num_threads(1)
     ignore_in_worker()  # SIGTERM/SIGINT/SIGUSR1 to the process group (or cgroup): the main process decides
 

@@ -28,7 +28,7 @@ def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -> t
     Runs in the C helper ``pretrain.data._index`` (csrc/cpu/sample_index.c) when it is built, else in
     ``build_sample_index_py`` (the same rule, ~10x slower).
     """
-    try:
+    try:  # the compiled helper is optional (built by setup.py when a C compiler is there)
         from pretrain.data import _index
     except ImportError:
         return build_sample_index_py(sizes, doc_idx, budget)
@@ -236,7 +236,7 @@ def _write_index(tmp: Path, source, budget: int) -> None:
     """The .npy of the N + 1 starts, in one pass over the shards' sizes: sized for the worst case of one sample
     per sentence, each shard's samples packed straight into its memory map (the C helper; the Python packer's
     output is copied in without it), then cut to N + 1. No corpus-sized array is held in RAM."""
-    try:
+    try:  # the compiled helper is optional (built by setup.py when a C compiler is there)
         from pretrain.data import _index
     except ImportError:
         _index = None

@@ -29,8 +29,11 @@ import torch
 from pretrain.config.data import DataConfig
 from pretrain.config.objective import ObjectiveConfig
 from pretrain.data.collate import pad_stack
+from pretrain.data.datasets import parse_key
 from pretrain.data.loader import ResumableLoader, build_loader
 from pretrain.data.masking import IGNORE_INDEX, mask_tokens, with_cls_sep
+from pretrain.data.sample_index import load_or_build_sentence_index
+from pretrain.data.shards import ShardedDataset
 from pretrain.data.triplet_masks import build_triplet_views
 
 TRIPLET_KEYS = ("triplet_anchor", "triplet_low", "triplet_high")
@@ -54,8 +57,6 @@ class SentenceDataset(torch.utils.data.Dataset):
         self.lines: list[str] | None = None
         self.source = None
         if p.is_dir():
-            from pretrain.data.sample_index import load_or_build_sentence_index
-            from pretrain.data.shards import ShardedDataset
 
             self.source = ShardedDataset(str(p), tokenizer_sha256=getattr(tokenizer, "sha256", None))
             # Memory-mapped from the dataset's index cache: no per-rank array that grows with the corpus.
@@ -83,8 +84,6 @@ class SentenceDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key) -> dict:
         """key = (epoch, index) or index; index >= len reuses sentence index % len with fresh noise."""
-        from pretrain.data.datasets import parse_key
-
         epoch, index = parse_key(key)
         n = len(self)
         if index < 0:

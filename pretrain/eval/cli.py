@@ -11,7 +11,16 @@ import json
 import time
 from pathlib import Path
 
+from pretrain.checkpoint.store import CheckpointError
 from pretrain.eval import default_data_dir, fail, sts
+from pretrain.eval.alignment_uniformity import stsb_alignment_uniformity
+from pretrain.eval.encoder import load_sentence_encoder
+from pretrain.eval.ranking import ranking_markdown_table, ranking_metrics
+from pretrain.eval.senteval import (
+    ClassifierConfig,
+    evaluate_transfer,
+    transfer_markdown_table,
+)
 
 SUITES = ("sts", "transfer", "align", "ranking")
 
@@ -48,8 +57,6 @@ def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks
              classifier_cfg=None, log=print, transfer_results=None, resume_key=None) -> dict:
     """All requested suites for one encode_fn -> results dict (JSON-serialisable). ``transfer_results``: a JSON
     file each finished transfer task is written to, and resumed from (for the same ``resume_key``)."""
-    from pretrain.eval.ranking import ranking_metrics
-
     res: dict = {"variant": variant}
     timings = {}
     if "sts" in suites or "ranking" in suites:
@@ -64,12 +71,10 @@ def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks
         if "ranking" in suites:
             res["ranking"] = {t: ranking_metrics(task, s) for t, (task, s) in sims.items()}
     if "align" in suites:
-        from pretrain.eval.alignment_uniformity import stsb_alignment_uniformity
 
         res["align_uniform"] = stsb_alignment_uniformity(encode_fn, data_dir, variant)
         log(f"[align] {res['align_uniform']}")
     if "transfer" in suites:
-        from pretrain.eval.senteval import evaluate_transfer
 
         t0 = time.time()
         res["transfer"] = evaluate_transfer(encode_fn, data_dir, transfer_tasks, classifier_cfg, log=log,
@@ -80,9 +85,6 @@ def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks
 
 
 def markdown_report(name: str, res: dict) -> str:
-    from pretrain.eval.ranking import ranking_markdown_table
-    from pretrain.eval.senteval import transfer_markdown_table
-
     parts = []
     if "sts" in res:
         parts += [f"### STS (Spearman ×100, cosine; {res['variant']} copy)", "",
@@ -104,8 +106,6 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     import torch
 
-    from pretrain.eval.encoder import load_sentence_encoder
-    from pretrain.eval.senteval import ClassifierConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,7 +113,6 @@ def main(argv: list[str] | None = None) -> None:
     for s in suites:
         if s not in SUITES:
             fail("pretrain-eval", f"unknown suite {s!r}; choose from {SUITES} or 'all'")
-    from pretrain.checkpoint.store import CheckpointError
 
     try:
         enc = load_sentence_encoder(args.model, args.pooling, backend=args.backend, max_len=args.max_len,

@@ -15,6 +15,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from pretrain.eval.hf_backend import load_hf_backbone
+from pretrain.export.resolve import detect_kind, open_weights
+
 EncodeFn = Callable[[list[str]], np.ndarray]
 BACKENDS = ("auto", "pretrain", "transformers")
 
@@ -128,8 +131,6 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", 
     backend "pretrain"/"auto": our PretrainModel; "transformers": transformers.AutoModel, the reference
     path (HF dirs only).
     """
-    from pretrain.checkpoint.resolve import detect_kind, open_weights
-
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     p = Path(path)
@@ -138,8 +139,6 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", 
     if backend == "transformers":
         if detect_kind(p) not in ("hf", "sentence_transformers"):
             raise ValueError(f"{p} is not a HF model dir (no config.json); use backend 'pretrain'")
-        from pretrain.eval.hf_backend import load_hf_backbone
-
         model, tok = load_hf_backbone(p)
     else:
         w = open_weights(p, trust=trust)

@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from pretrain.eval.encoder import add_specials, pad_batch, run_encode, tokenize_all
-from pretrain.eval.glue_data import GlueSplit, TaskSpec, compute_metrics, get_task, read_split
+from pretrain.eval.glue_data import (
+    GlueSplit,
+    TaskSpec,
+    compute_metrics,
+    get_task,
+    read_split,
+)
 
 
 @dataclass(kw_only=True)

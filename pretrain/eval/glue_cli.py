@@ -15,7 +15,10 @@ import os
 import statistics
 from pathlib import Path
 
+from pretrain.checkpoint.store import CheckpointError
 from pretrain.eval import default_data_dir, fail
+from pretrain.eval.encoder import load_backbone
+from pretrain.eval.glue import FinetuneConfig, finetune
 from pretrain.eval.glue_data import TABLE_ORDER, TASKS, get_task
 
 DEFAULT_EPOCHS_LARGE = 3
@@ -24,7 +27,6 @@ DEFAULT_EPOCHS_LARGE = 3
 def build_parser() -> argparse.ArgumentParser:
     import dataclasses
 
-    from pretrain.eval.glue import FinetuneConfig
 
     # One source of truth for the hyperparameters' defaults: FinetuneConfig.
     d = {f.name: f.default for f in dataclasses.fields(FinetuneConfig) if f.default is not dataclasses.MISSING}
@@ -75,8 +77,6 @@ def run_path(out: Path, task: str, lr: float, seed: int) -> Path:
 def run_one(args, task: str, lr: float, seed: int) -> dict:
     import torch
 
-    from pretrain.eval.encoder import load_backbone
-    from pretrain.eval.glue import FinetuneConfig, finetune
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -87,7 +87,6 @@ def run_one(args, task: str, lr: float, seed: int) -> dict:
         weight_decay=args.weight_decay, max_train_examples=args.max_train_examples,
         eval_every=args.eval_every, device=args.device, bf16=args.bf16,
     )
-    from pretrain.checkpoint.store import CheckpointError
 
     try:
         backbone, tok = load_backbone(args.model, backend=args.backend, device=args.device,

@@ -14,7 +14,7 @@ from collections import defaultdict
 import numpy as np
 from scipy.stats import kendalltau
 
-from pretrain.eval.sts import StsTask
+from pretrain.eval.sts import TABLE_NAMES, TASKS, StsTask
 
 
 def ranking_samples(task: StsTask, sims: list[np.ndarray], min_pairs: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -58,8 +58,6 @@ def ranking_metrics(task: StsTask, sims: list[np.ndarray], min_pairs: int = 4) -
 
 def ranking_markdown_table(rows: dict[str, dict]) -> str:
     """RankCSE Table 13 layout: one KCC and one NDCG line per model over the STS tasks + avg."""
-    from pretrain.eval.sts import TABLE_NAMES, TASKS
-
     lines = ["| Metric | Model | " + " | ".join(TABLE_NAMES[t] for t in TASKS) + " | avg. |",
              "|" + "---|" * (len(TASKS) + 3)]
     for metric in ("kcc", "ndcg"):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.checkpoint.files import atomic_write_text
 from pretrain.eval.encoder import EncodeFn
 
 TASKS = ("MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC")
@@ -229,7 +230,6 @@ def evaluate_transfer(encode_fn: EncodeFn, data_dir: str | Path, tasks=TASKS,
     import json
     import time
 
-    from pretrain.checkpoint.files import atomic_write_text
 
     cfg = cfg or ClassifierConfig()
     say = log or (lambda _: None)

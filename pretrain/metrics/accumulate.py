@@ -6,6 +6,8 @@ from collections import defaultdict
 
 import torch
 
+from pretrain.distributed.comm import all_reduce_host
+
 
 class MetricSums:
     """Accumulates name -> (sum, count); ``reduce`` sums both over ranks and returns the means."""
@@ -26,7 +28,6 @@ class MetricSums:
         names = sorted(self._sums)
         if env is not None and env.is_distributed and names:
             t = torch.tensor([[self._sums[n], self._counts[n]] for n in names], dtype=torch.float64)
-            from pretrain.distributed.comm import all_reduce_host
 
             t = all_reduce_host(t)
             sums = {n: t[i, 0].item() for i, n in enumerate(names)}

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 
 from pretrain.config.objective import ObjectiveConfig
+from pretrain.distributed.comm import all_reduce_host
+from pretrain.model.autoencoder import TextCNNAutoencoder
 from pretrain.objective.forward import Context, Forward
 from pretrain.objective.terms import OBJECTIVES, SELF_WEIGHTED, Teachers
 
@@ -60,7 +62,6 @@ class Objective:
         heads = torch.nn.ModuleDict()
         rc = self.cfg.reconstruction
         if rc is not None:
-            from pretrain.model.autoencoder import TextCNNAutoencoder
 
             heads["autoencoder"] = TextCNNAutoencoder(model.cfg.hidden_size, tuple(rc.kernel_sizes), rc.channels,
                                                       rc.integrate_channels)
@@ -90,7 +91,6 @@ class Objective:
 def _reduce_counts(counts: list, env) -> list[float]:
     if not env.is_distributed:
         return [float(c) for c in counts]
-    from pretrain.distributed.comm import all_reduce_host
 
     return all_reduce_host(torch.tensor(counts, dtype=torch.float64)).tolist()
 

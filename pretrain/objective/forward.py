@@ -15,6 +15,7 @@ import torch
 
 from pretrain.config.train import OpsConfig
 from pretrain.distributed.comm import all_gather_with_grad
+from pretrain.model.autoencoder import content_tokens
 
 
 @dataclass
@@ -129,6 +130,4 @@ def _stack_padded(ids_list, mask_list):
 
 def _content_tokens(h_BTD, mask_BT, ids_BT):
     """Drop [CLS] (position 0) and [SEP] (last real token) -> (x_B(T-2)D, mask, ids), SARCSE sec. 2.1."""
-    from pretrain.model.autoencoder import content_tokens
-
     return content_tokens(h_BTD, mask_BT, ids_BT)

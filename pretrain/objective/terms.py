@@ -1,7 +1,7 @@
 """The loss terms: ``fn(fwd, cfg, ctx) -> (loss_sum, count, metrics)``, one per configured objective.
 
-Each term takes what it needs from the forward cache and calls a pure loss in ``objectives/``. Adding an
-objective = a pure loss in ``objectives/`` + a term function here + one line in ``OBJECTIVES``. RankCSE's
+Each term takes what it needs from the forward cache and calls a pure loss in ``losses/``. Adding an
+objective = a pure loss in ``losses/`` + a term function here + one line in ``OBJECTIVES``. RankCSE's
 frozen teachers (``Teachers``) are built by the caller from loaded models: this module opens no files.
 """
 
@@ -10,14 +10,20 @@ from __future__ import annotations
 import torch
 
 from pretrain.distributed.comm import all_gather_with_grad
+from pretrain.losses.arccon import arccon
+from pretrain.losses.info_nce import info_nce
+from pretrain.losses.mlm import mlm_loss
+from pretrain.losses.nt_xent import nt_xent
+from pretrain.losses.ranking import (
+    cosine_matrix,
+    js_consistency,
+    listmle,
+    listnet,
+    mix_teacher_sims,
+)
+from pretrain.losses.reconstruction import frequency_weights, reconstruction_loss
+from pretrain.losses.triplet import dropout_off, triplet_entailment
 from pretrain.objective.forward import Context, Forward
-from pretrain.objectives.arccon import arccon
-from pretrain.objectives.info_nce import info_nce
-from pretrain.objectives.mlm import mlm_loss
-from pretrain.objectives.nt_xent import nt_xent
-from pretrain.objectives.ranking import cosine_matrix, js_consistency, listmle, listnet, mix_teacher_sims
-from pretrain.objectives.reconstruction import frequency_weights, reconstruction_loss
-from pretrain.objectives.triplet import dropout_off, triplet_entailment
 
 
 def _prefixed(prefix: str, metrics: dict) -> dict:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+from pretrain.config.lint import inert_settings
+
 GIB = 1024 ** 3
 
 
@@ -79,8 +81,6 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str
     """The start-up banner (``cfg.model`` as built: its vocab_size resolved): model and parameters per part, batch
     and tokens per step, precision and ZeRO, data sizes and the epochs max_steps implies, the objectives, the
     per-rank memory estimate, and a warning line for each setting that cannot act (config/lint.py)."""
-    from pretrain.config.lint import inert_settings
-
     m, t = cfg.model, cfg.train
     vocab_size = m.vocab_size
     parts = parameter_counts(module)

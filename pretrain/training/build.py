@@ -10,12 +10,17 @@ import dataclasses
 import torch
 
 from pretrain.config import RunConfig
+from pretrain.data import sentences
 from pretrain.data.datasets import build_dataset
 from pretrain.data.loader import build_loader
-from pretrain.data.tokenizer import load_tokenizer
+from pretrain.export.resolve import open_weights, run_model_config
 from pretrain.metrics.writer import print_progress
 from pretrain.model import build_model
 from pretrain.objective import Context, Objective, TrainModule
+from pretrain.prep.tokenizer import load_tokenizer
+from pretrain.training import resources
+from pretrain.training.evaluation import stsb_data_dir
+from pretrain.training.resources import check_teacher_paths
 
 HEAD_PREFIXES = ("projection.",)
 """Training-only heads that init_from re-initialises when the checkpoint's shape does not fit."""
@@ -23,8 +28,6 @@ HEAD_PREFIXES = ("projection.",)
 
 def objective_resources(cfg: RunConfig, tokenizer, train_set) -> dict:
     """What the configured objective needs from outside the batch: RankCSE's teachers, SARCSE's frequencies."""
-    from pretrain.training import resources
-
     out = {}
     if cfg.objective.rank_distill is not None:
         out["teachers"] = resources.load_teachers(cfg.objective.rank_distill, trust=cfg.checkpoint.trust)
@@ -38,11 +41,9 @@ def preflight(cfg: RunConfig) -> None:
     """Config-only checks of paths later steps open (after the tokenizer, data and model): a wrong one fails in
     the first seconds."""
     if cfg.eval.stsb_every:
-        from pretrain.training.evaluation import stsb_data_dir
 
         stsb_data_dir(cfg.eval, cfg.distributed.zero_stage)
     if cfg.objective.rank_distill is not None:
-        from pretrain.training.resources import check_teacher_paths
 
         check_teacher_paths(cfg.objective.rank_distill.teachers)
 
@@ -50,7 +51,6 @@ def preflight(cfg: RunConfig) -> None:
 def stage_parts(cfg: RunConfig):
     """(load tokenizer, build train set, build loader) for data.stage: pretraining documents or sentences."""
     if cfg.data.stage == "sentences":  # seed objectives on single sentences
-        from pretrain.data import sentences
 
         return (load_tokenizer,
                 lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
@@ -62,7 +62,6 @@ def open_init_weights(cfg: RunConfig):
     """checkpoint.init_from opened (``resolve.open_weights``), or None without one."""
     if not cfg.checkpoint.init_from:
         return None
-    from pretrain.checkpoint.resolve import open_weights
 
     return open_weights(cfg.checkpoint.init_from, trust=cfg.checkpoint.trust)
 
@@ -71,8 +70,6 @@ def model_config(cfg: RunConfig, tokenizer, init):
     """The model a run builds: cfg.model with the architecture of the init_from weights ``init`` where the config
     does not set it (a contradicting setting is a ValueError naming both), and the tokenizer's vocabulary size
     when model.vocab_size is 0."""
-    from pretrain.checkpoint.resolve import run_model_config
-
     model_cfg = run_model_config(cfg, init)
     if model_cfg.vocab_size == 0:
         return dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)

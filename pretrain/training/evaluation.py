@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from pretrain.config.train import EvalConfig
+from pretrain.eval.encoder import SentenceEncoder
+from pretrain.export.hf import write_init_dir
 
 
 def stsb_data_dir(cfg: EvalConfig, zero_stage: int) -> str:
@@ -33,6 +35,8 @@ def stsb_data_dir(cfg: EvalConfig, zero_stage: int) -> str:
 class StsbKeepBest:
     def __init__(self, cfg: EvalConfig, *, run_dir: Path, tokenizer, tokenizer_path: str, model_pooling: str,
                  zero_stage: int):
+        # Imported here, not at the top: it brings scipy.stats, ~2 s of start-up on every rank (measured with
+        # python -X importtime) that only runs with eval.stsb_every.
         from pretrain.eval.sts import StsbDevEvaluator
 
         data_dir = stsb_data_dir(cfg, zero_stage)
@@ -47,8 +51,6 @@ class StsbKeepBest:
 
     @torch.no_grad()
     def __call__(self, model, *, step: int, config_yaml: str, is_main: bool) -> dict:
-        from pretrain.eval.encoder import SentenceEncoder
-
         encode = SentenceEncoder(model, self.tokenizer, pooling=self.pooling, max_len=self.cfg.max_len,
                                  device=str(next(model.parameters()).device))
         score = self.evaluator(encode)
@@ -60,8 +62,6 @@ class StsbKeepBest:
         return {"stsb_dev_spearman": score, "stsb_dev_best": self.best}
 
     def _write_best(self, model, step: int, score: float, config_yaml: str) -> None:
-        from pretrain.checkpoint.hf import write_init_dir
-
         final = self.run_dir / "best"
         write_init_dir(model, self.tokenizer_path, str(final), overwrite=True)
         (final / "run_config.yaml").write_text(config_yaml, encoding="utf-8")

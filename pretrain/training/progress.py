@@ -7,7 +7,9 @@ import math
 import time
 from pathlib import Path
 
+from pretrain.config import OptimConfig, from_dict
 from pretrain.metrics.writer import format_duration
+from pretrain.training.optim import lr_lambda
 
 COLLAPSE_TOLERANCE = 0.02
 """A contrastive loss within this fraction of its chance value counts as "at chance"."""
@@ -93,9 +95,6 @@ class CollapseWatch:
 def schedule_change(saved_cfg: dict, cfg, step: int) -> str | None:
     """A line saying how the LR schedule changes when a run resumes at ``step`` with other train.max_steps or
     optim.* schedule settings than the checkpoint's, with the lr at that step under both; None when equal."""
-    from pretrain.config import OptimConfig, from_dict
-    from pretrain.training.optim import lr_lambda
-
     old_optim_d, old_max = saved_cfg.get("optim"), (saved_cfg.get("train") or {}).get("max_steps")
     if not old_optim_d or old_max is None:
         return None

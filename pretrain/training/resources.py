@@ -8,13 +8,16 @@ data's stored ``token_freq.npy``, or counted over the sentence corpus). The loss
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from pretrain.config.data import DataConfig
 from pretrain.config.objective import ObjectiveConfig
+from pretrain.data.sentences import build_sentence_dataset
+from pretrain.export.resolve import open_weights
 from pretrain.objective.terms import Teachers
-from pretrain.objectives.reconstruction import load_token_freq
 
 
 def load_teachers(cfg, *, trust: bool = False) -> Teachers:
@@ -25,8 +28,6 @@ def load_teachers(cfg, *, trust: bool = False) -> Teachers:
 def load_teacher(path: str, *, trust: bool = False):
     """A frozen teacher PretrainModel from anything ``open_weights`` recognises (our checkpoint, a from-hf
     init dir, a HF or sentence-transformers BERT dir)."""
-    from pretrain.checkpoint.resolve import open_weights
-
     check_teacher_paths([path])
     return open_weights(path, trust=trust).build_model()
 
@@ -49,7 +50,6 @@ def resolve_token_freq(cfg: ObjectiveConfig, data: DataConfig | None, tokenizer=
         return load_token_freq(rc.token_freq)
     if data is not None and data.stage == "sentences":
         if sentence_dataset is None:
-            from pretrain.data.sentences import build_sentence_dataset
 
             if tokenizer is None:
                 raise ValueError("the sentence stage's token frequencies need the tokenizer")
@@ -59,3 +59,27 @@ def resolve_token_freq(cfg: ObjectiveConfig, data: DataConfig | None, tokenizer=
         return load_token_freq(data.sources[0].path)
     raise ValueError("objective.reconstruction needs token frequencies: set objective.reconstruction.token_freq "
                      "to a token_freq.npy (pretrain-preprocess writes one) or configure data.sources/data.sentences")
+
+
+TOKEN_FREQ_FILE = "token_freq.npy"
+
+
+def load_token_freq(path: str | Path, *, vocab_size: int | None = None) -> torch.Tensor:
+    """token_freq.npy (float64 [V], >= 0, sums to 1) -> float64 tensor; a directory means <dir>/token_freq.npy."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKEN_FREQ_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"token frequency file {path} not found; run pretrain-preprocess on the training data "
+            f"(it writes {TOKEN_FREQ_FILE}) or set objective.reconstruction.token_freq"
+        )
+    freq_V = np.load(path, allow_pickle=False)
+    if freq_V.ndim != 1 or not np.issubdtype(freq_V.dtype, np.floating):
+        raise ValueError(f"{path}: expected a 1-D float array, got {freq_V.dtype} {freq_V.shape}")
+    if (freq_V < 0).any() or not np.isfinite(freq_V).all() or abs(float(freq_V.sum()) - 1.0) > 1e-6:
+        raise ValueError(f"{path}: frequencies must be finite, >= 0 and sum to 1 (sum={float(freq_V.sum())})")
+    if vocab_size is not None and freq_V.shape[0] != vocab_size:
+        raise ValueError(f"{path}: {freq_V.shape[0]} entries but the vocabulary has {vocab_size}; "
+                         "recompute it with the tokenizer used for training")
+    return torch.from_numpy(freq_V.astype(np.float64))

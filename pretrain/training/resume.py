@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pretrain.checkpoint import store
 from pretrain.config import RunConfig
+from pretrain.config.loader import to_dict
+from pretrain.data.indexed import file_sha256
 
 
 def resume_batch_split(*, tag_dir: Path, global_batch: int, saved: tuple[int, int, int],
@@ -87,9 +89,6 @@ def changed_architecture(old: dict, tag_dir: Path, cfg: RunConfig, tokenizer_sha
     checkpoint's saved config ``old`` (``saved_config``; {} for an old checkpoint without one: the shape check at
     load time applies) + its tokenizer copy and this run. Settings safe to change on resume (steps, logging,
     evaluation and checkpoint cadence, LR schedule, data workers) are not compared."""
-    from pretrain.config.loader import to_dict
-    from pretrain.data.indexed import file_sha256
-
     now_model, old_model = to_dict(cfg.model), old.get("model") or {}
     changed = [f"model.{k}: {old_model[k]!r} in the checkpoint, {now_model[k]!r} now"
                for k in sorted(now_model) if k in old_model and old_model[k] != now_model[k]]

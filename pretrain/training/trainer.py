@@ -21,17 +21,29 @@ from pretrain.data.loader import ORDER_RULE, ORDER_RULES, build_loader
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Engine
 from pretrain.distributed.peers import PeerWatch
+from pretrain.distributed.signals import StopSignal
 from pretrain.metrics.accumulate import MetricSums
 from pretrain.metrics.writer import MetricsWriter, format_progress, print_progress
 from pretrain.objective.forward import mean_pool_mix
 from pretrain.training.banner import banner_lines
-from pretrain.training.build import build_train_module, model_config, open_init_weights, preflight, stage_parts
+from pretrain.training.build import (
+    build_train_module,
+    model_config,
+    open_init_weights,
+    preflight,
+    stage_parts,
+)
+from pretrain.training.evaluation import StsbKeepBest
 from pretrain.training.optim import build_param_groups, lr_lambda
 from pretrain.training.progress import CollapseWatch, Eta, end_summary, schedule_change
-from pretrain.training.resume import (changed_architecture, last_good_checkpoint, n_ranks, resume_batch_split,
-                                      saved_config)
+from pretrain.training.resume import (
+    changed_architecture,
+    last_good_checkpoint,
+    n_ranks,
+    resume_batch_split,
+    saved_config,
+)
 from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, RunLock
-from pretrain.training.signals import StopSignal
 
 DATA_WAIT_WARN = 0.10
 """Warn (once) when the step spends more than this fraction of its time waiting for the next batch."""
@@ -78,7 +90,6 @@ class Trainer:
         # STS-B dev evaluation opens its data now too: a missing directory fails before DeepSpeed starts.
         self.stsb = None
         if cfg.eval.stsb_every:
-            from pretrain.training.evaluation import StsbKeepBest
 
             self.stsb = StsbKeepBest(cfg.eval, run_dir=self.run_dir, tokenizer=self.tokenizer,
                                      tokenizer_path=cfg.data.tokenizer, model_pooling=cfg.model.pooling,

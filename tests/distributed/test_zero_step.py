@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pretrain.config import DistributedConfig, ModelConfig, ObjectiveConfig, OpsConfig, OptimConfig, TrainConfig
+from pretrain.config import (
+    DistributedConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    OpsConfig,
+    OptimConfig,
+    TrainConfig,
+)
 from pretrain.distributed.env import DistEnv
 
 B, T, TV, V = 8, 24, 12, 300

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.ops import SIN_FLOOR, cuda_available, info_nce_rows, nt_xent_rows
-from pretrain.ops import library
+from pretrain.ops import SIN_FLOOR, cuda_available, info_nce_rows, library, nt_xent_rows
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 
 @pytest.mark.parametrize("cmd, code, words", [
     (["-m", "pretrain.train", "optim.lrr=1"], 2, ["unknown config key(s) optim.lrr"]),
-    (["-m", "pretrain.data.preprocess", "--verify", "/nonexistent/ds"], 1, ["/nonexistent/ds does not exist"]),
+    (["-m", "pretrain.prep.preprocess", "--verify", "/nonexistent/ds"], 1, ["/nonexistent/ds does not exist"]),
 ])
 def test_real_cli_subprocess(cmd, code, words):
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}

@@ -35,7 +35,9 @@ def test_minilm_stsb_matches_published_and_sentence_transformers(data_dir, minil
     # sentence-transformers' own evaluator on a slice of the same pairs (full set: see the eval note)
     from sentence_transformers import SentenceTransformer
     try:
-        from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
+        from sentence_transformers.sentence_transformer.evaluation import (
+            EmbeddingSimilarityEvaluator,
+        )
     except ImportError:  # sentence-transformers < 6
         from sentence_transformers.evaluation import EmbeddingSimilarityEvaluator
 

@@ -27,7 +27,7 @@ def poisoned_env(tmp_path_factory):
 
 
 def _other_tokenizer(tmp_path: Path) -> str:
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.prep.tokenizer import train_tokenizer
 
     text = tmp_path / "other.txt"
     text.write_text("\n\n".join(f"Another corpus line number {i} with words." for i in range(200)))

@@ -100,7 +100,11 @@ def _copy_dataset(src: str, dst: Path) -> Path:
 def test_nan_loss_or_gradient_step_is_skipped_parameters_unchanged(zero_stage, tmp_path, tiny_overrides,
                                                                    clean_env, monkeypatch):
     from pretrain.config import load_run_config
-    from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+    from pretrain.distributed.env import (
+        destroy_process_group,
+        init_process_group,
+        single_process_env,
+    )
     from pretrain.training.trainer import Trainer
 
     _poison_mlm(monkeypatch, {2}, "loss")  # step 2: NaN loss; step 3: finite loss, NaN gradients
@@ -298,7 +302,7 @@ def test_truncated_shard_detected_on_open_and_training_refuses(tmp_path, tiny_co
 
 
 def test_flipped_bytes_detected_by_verify_or_on_open(tmp_path, tiny_corpus, capsys):
-    from pretrain.data.preprocess import main as preprocess_main
+    from pretrain.prep.preprocess import main as preprocess_main
 
     ds = _copy_dataset(tiny_corpus["train"], tmp_path / "bin")
     bin_path = ds / "shard-00000.bin"
@@ -513,9 +517,8 @@ def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_
     assert "start a new run_dir" in out and "checkpoint.init_from=" in out and "Traceback" not in out
 
     other_tok = tmp_path / "other_tokenizer.json"
-    from pretrain.data.tokenizer import train_tokenizer
-
-    from pretrain.data.preprocess import preprocess
+    from pretrain.prep.preprocess import preprocess
+    from pretrain.prep.tokenizer import train_tokenizer
 
     text = f"{tiny_corpus['dir']}/text/valid.txt"
     train_tokenizer([text], str(other_tok), kind="wordpiece", vocab_size=500)
@@ -617,7 +620,7 @@ def test_damaged_newest_checkpoint_falls_back_and_is_refused_by_weight_readers(t
                                                                                capsys):
     """Really truncated and bit-flipped files: ``--check`` names them, resume falls back to the newest intact
     checkpoint with a warning naming both, and convert/init_from refuse the damaged one with the same reason."""
-    from pretrain.checkpoint.convert import main as convert_main
+    from pretrain.export.convert import main as convert_main
     from pretrain.train import main as train_main
 
     run_dir = tmp_path / "run"
@@ -686,7 +689,7 @@ def test_weight_readers_never_unpickle_a_foreign_checkpoint(tmp_path, tiny_overr
     and run nothing; without model.safetensors they refuse (naming --trust-checkpoint) and still run nothing."""
     import pickle
 
-    from pretrain.checkpoint.convert import main as convert_main
+    from pretrain.export.convert import main as convert_main
 
     run_dir = tmp_path / "run"
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=2, checkpoint__every=2), capsys)

@@ -51,7 +51,7 @@ def _corpus(path: Path) -> list[str]:
 def _tokenizer(words: list[str], path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    from pretrain.data.tokenizer import SPECIAL_TOKENS, _post_processor
+    from pretrain.prep.tokenizer import SPECIAL_TOKENS, _post_processor
 
     vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, ".", *words])}
     tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
@@ -65,7 +65,7 @@ def _tokenizer(words: list[str], path: Path) -> None:
 
 
 def _run(tmp_path: Path) -> dict[int, dict]:
-    from pretrain.data.preprocess import preprocess
+    from pretrain.prep.preprocess import preprocess
     from pretrain.train import main
 
     words = _corpus(tmp_path / "corpus.txt")

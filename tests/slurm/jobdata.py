@@ -8,7 +8,7 @@ from pathlib import Path
 
 def prepare(root: Path) -> dict:
     """A small corpus -> tokenizer -> train/valid shards under ``root`` (paths of each)."""
-    from pretrain.data.embedded import write_embedded_corpus
+    from pretrain.prep.embedded import write_embedded_corpus
     from pretrain.quickstart import prepare as quickstart_prepare
 
     train_txt, _ = write_embedded_corpus(root / "corpus", valid_every=10)

@@ -22,7 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.distributed.env import destroy_process_group, detect_env, init_process_group
+from pretrain.distributed.env import (
+    destroy_process_group,
+    detect_env,
+    init_process_group,
+)
 
 REQUEUE_EXIT = 3
 

@@ -9,6 +9,7 @@ import zlib
 from itertools import combinations
 from pathlib import Path
 
+import augment_reference as R
 import numpy as np
 import pytest
 
@@ -17,8 +18,6 @@ from pretrain.data import augment as A
 from pretrain.data.counter_rng import sample_keys
 from pretrain.data.ragged import Ragged
 from pretrain.data.wordnet import load_synonyms, read_synonyms
-
-import augment_reference as R
 
 DEL = 5
 VOCAB = 100
@@ -201,7 +200,7 @@ def test_unknown_method_and_bad_rate():
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.prep.tokenizer import train_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     text = ("The quick brown fox jumps over the lazy dog. A big car drove fast down the happy road. "

@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def inputs(tiny_corpus, tmp_path_factory) -> dict:
     """Broken files next to the good tiny corpus, built once."""
-    from pretrain.checkpoint.hf import write_init_dir
     from pretrain.config.model import ModelConfig
-    from pretrain.data.tokenizer import load_tokenizer, train_tokenizer
+    from pretrain.export.hf import write_init_dir
     from pretrain.model import build_model
+    from pretrain.prep.tokenizer import load_tokenizer, train_tokenizer
 
     d = tmp_path_factory.mktemp("bad_inputs")
     (d / "typo.yaml").write_text("optim:\n  lr: 1e-3\n  warmup_stepz: 5\n")
@@ -118,11 +118,11 @@ def _cli(name: str):
     if name == "train":
         from pretrain.train import main
     elif name == "preprocess":
-        from pretrain.data.preprocess import main
+        from pretrain.prep.preprocess import main
     elif name == "tokenizer":
-        from pretrain.data.tokenizer import main
+        from pretrain.prep.tokenizer import main
     else:
-        from pretrain.checkpoint.convert import main
+        from pretrain.export.convert import main
     return main
 
 
@@ -141,8 +141,8 @@ def test_bad_input_fails_with_named_problem(case, inputs, tmp_path, capsys, clea
 
 
 def test_giant_line_is_skipped_and_reported(inputs, tmp_path, capsys):
-    from pretrain.data.preprocess import main
     from pretrain.data.shards import ShardedDataset
+    from pretrain.prep.preprocess import main
 
     assert main([str(inputs["dir"] / "giant.txt"), "--tokenizer", inputs["tok"], "--out", str(tmp_path / "g"),
                  "--workers", "1", "--no-progress"]) == 0
@@ -151,8 +151,8 @@ def test_giant_line_is_skipped_and_reported(inputs, tmp_path, capsys):
 
 
 def test_crlf_and_bom_give_the_same_dataset_as_lf(inputs, tmp_path, capsys):
-    from pretrain.data.preprocess import main
     from pretrain.data.shards import ShardedDataset
+    from pretrain.prep.preprocess import main
 
     for name in ("lf", "crlf_bom"):
         assert main([str(inputs["dir"] / f"{name}.txt"), "--tokenizer", inputs["tok"], "--out", str(tmp_path / name),

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from pretrain.config.data import AugmentConfig, DataConfig, SourceConfig
-from pretrain.data.datasets import BlendedDataset, PretrainDataset, apportion, build_dataset
+from pretrain.data.datasets import (
+    BlendedDataset,
+    PretrainDataset,
+    apportion,
+    build_dataset,
+)
 from pretrain.data.sample_index import build_sample_index
 
 
@@ -36,7 +41,7 @@ def random_docs(rng, num_docs, vocab_lo, vocab_hi, max_sent=12):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.prep.tokenizer import train_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     text = ("The quick brown fox jumps over the lazy dog. A big car drove fast down the happy road. "
@@ -198,7 +203,7 @@ def test_blend_order_is_computed_exactly_without_materialising_it():
 
 
 def test_build_dataset_from_preprocessed_shards(tmp_path, tokenizer):
-    from pretrain.data.preprocess import preprocess
+    from pretrain.prep.preprocess import preprocess
 
     lines = ["The quick brown fox jumps over the lazy dog. A big car drove fast down the road.",
              "", "She was glad to see the large house. The small garden was near the river."]
@@ -256,7 +261,7 @@ def test_a_batch_is_its_samples_built_one_by_one(tokenizer, tmp_path):
     """``__getitems__`` (what the DataLoader calls) gives, row for row, the samples ``dataset[key]`` builds
     alone: from a preprocessed ShardedDataset (the vectorised token gather) and through a blend."""
     from pretrain.data.collate import collate
-    from pretrain.data.preprocess import preprocess
+    from pretrain.prep.preprocess import preprocess
 
     text = ("The quick brown fox jumps over the lazy dog. A big car drove fast down the happy road.\n"
             "She was glad to see the large house and the small garden near the river.\n\n") * 40

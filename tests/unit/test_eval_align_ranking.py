@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.eval.alignment_uniformity import alignment, alignment_uniformity, uniformity
+from pretrain.eval.alignment_uniformity import (
+    alignment,
+    alignment_uniformity,
+    uniformity,
+)
 from pretrain.eval.ranking import ndcg, ranking_metrics, ranking_samples
 from pretrain.eval.sts import StsSubset, StsTask
 

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.eval.encoder import SentenceEncoder, add_specials, length_sorted_batches, load_backbone
+from pretrain.eval.encoder import (
+    SentenceEncoder,
+    add_specials,
+    length_sorted_batches,
+    load_backbone,
+)
 
 
 class WordTokenizer:

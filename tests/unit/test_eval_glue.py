@@ -73,8 +73,8 @@ def test_readers_published_formats(glue_fixture):
 
 
 def test_metrics_match_sklearn():
-    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
     from scipy.stats import pearsonr, spearmanr
+    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
     rng = np.random.default_rng(0)
     y, p = rng.integers(0, 2, 200), rng.integers(0, 2, 200)

@@ -9,7 +9,6 @@ import pytest
 
 from pretrain.eval import sts
 
-
 _WORD_VECS: dict[str, np.ndarray] = {}
 
 

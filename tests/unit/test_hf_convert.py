@@ -21,10 +21,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from pretrain.checkpoint import hf as hfmod  # noqa: E402
-from pretrain.checkpoint import resolve  # noqa: E402
-from pretrain.checkpoint.convert import main as convert_main  # noqa: E402
 from pretrain.config.model import ModelConfig  # noqa: E402
+from pretrain.export import hf as hfmod  # noqa: E402
+from pretrain.export import resolve  # noqa: E402
+from pretrain.export.convert import main as convert_main  # noqa: E402
 from pretrain.model import TIED_KEYS, PretrainModel, build_model  # noqa: E402
 
 SENTENCES = [
@@ -59,7 +59,7 @@ def _local_tokenizer(path: Path) -> None:
 
 
 class _StandInTokenizer:
-    """Test-only stand-in for pretrain.data.tokenizer.Tokenizer that reads special ids by token string
+    """Test-only stand-in for pretrain.prep.tokenizer.Tokenizer that reads special ids by token string
     (the real one requires [PAD] [UNK] [CLS] [SEP] [MASK] [DEL] at ids 0..5, which BERT vocabularies lack)."""
 
     def __init__(self, path: str) -> None:
@@ -79,7 +79,7 @@ class _StandInTokenizer:
 
 def _load_hf_with_any_tokenizer(hf_dir, tmp_path, monkeypatch):
     """load_hf through the real tokenizer loader when it accepts the vocabulary, else the stand-in."""
-    import pretrain.data.tokenizer as data_tok
+    import pretrain.prep.tokenizer as data_tok
 
     try:
         return resolve.load_hf(str(hf_dir), tokenizer_out=str(tmp_path / "tok" / "tokenizer.json"))
@@ -350,7 +350,7 @@ def test_export_import_export_is_identical(exported, tmp_path):
 
 
 def test_to_hf_cli_from_init_dir(exported, tmp_path):
-    from pretrain.checkpoint.resolve import open_weights
+    from pretrain.export.resolve import open_weights
 
     model, tok_path, out = exported
     init = tmp_path / "init"
@@ -499,7 +499,7 @@ def test_artifacts_get_the_users_file_mode(exported, tmp_path, umask):
     """Exports, init directories, trained tokenizers and checkpoint weights follow the umask (no 0600 files
     from safetensors' or mkstemp's temporary files, no 0700 directories from mkdtemp)."""
     from pretrain.checkpoint.files import save_safetensors
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.prep.tokenizer import train_tokenizer
 
     model, tok_path, _ = exported
     old = os.umask(umask)

@@ -11,9 +11,13 @@ import pytest
 
 from pretrain.config.data import DataConfig, SourceConfig
 from pretrain.data.datasets import PretrainDataset
-from pretrain.data.sample_index import build_sample_index, index_cache_path, load_or_build_sample_index
+from pretrain.data.sample_index import (
+    build_sample_index,
+    index_cache_path,
+    load_or_build_sample_index,
+)
 from pretrain.data.shards import ShardedDataset
-from pretrain.data.tokenizer import load_tokenizer
+from pretrain.prep.tokenizer import load_tokenizer
 
 
 def assert_same_samples(index, src, want) -> None:
@@ -105,7 +109,7 @@ def test_shard_by_shard_index_equals_the_global_one(tiny_corpus, tmp_path):
     """Built from each shard's memory-mapped sizes (no corpus-sized copy) and written part by part into the
     cache file, the index is the global packing."""
     from pretrain.data.sample_index import load_or_build_sample_index
-    from pretrain.data.preprocess import preprocess
+    from pretrain.prep.preprocess import preprocess
 
     text = tmp_path / "text.txt"
     shutil.copyfile(f"{tiny_corpus['dir']}/text/train.txt", text)

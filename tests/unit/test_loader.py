@@ -33,7 +33,7 @@ class FakeShards:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.prep.tokenizer import train_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     (d / "c.txt").write_text("The quick brown fox jumps over the lazy dog near the river bank.\n" * 20)

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from pretrain.checkpoint.hf import hf_config_from_model_config, to_hf_state_dict
 from pretrain.config.model import ModelConfig
+from pretrain.export.hf import hf_config_from_model_config, to_hf_state_dict
 from pretrain.model import TIED_KEYS, build_model
 
 TINY = ModelConfig(vocab_size=101, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=40)

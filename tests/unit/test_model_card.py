@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.checkpoint.convert import main as convert_main
 from pretrain.config import load_run_config, to_yaml
+from pretrain.export.convert import main as convert_main
 from pretrain.model import TIED_KEYS, build_model
 
 EVAL_MD = ("| Model | STS12 | STS13 | STS14 | STS15 | STS16 | STS-B | SICK-R | Avg. |\n"
@@ -90,8 +90,8 @@ def test_card_of_a_runs_best_weights(run_dir, tmp_path):
     """<run_dir>/best/ (eval.stsb_every's keep-best, an init directory plus best.json and the run's config)."""
     import yaml
 
-    from pretrain.checkpoint.hf import write_init_dir
-    from pretrain.checkpoint.resolve import open_weights
+    from pretrain.export.hf import write_init_dir
+    from pretrain.export.resolve import open_weights
 
     w = open_weights(run_dir)
     best = run_dir / "best"

@@ -1,7 +1,7 @@
 """Seed-objective terms through the composer (pretrain.objective) on a tiny model.
 
 Each term's normalised loss must equal a float64 reference written here from the embeddings
-(not via pretrain.objectives); gradients must reach the model and the SARCSE autoencoder but
+(not via pretrain.losses); gradients must reach the model and the SARCSE autoencoder but
 never the RankCSE teachers; the triplet branch must run with dropout off.
 Legend: B sentences, T tokens, P embedding dim, Bt triplets.
 """

@@ -12,8 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.ops import SIN_FLOOR, arc_margin, cuda_available, info_nce_rows, nt_xent_rows, resolve_impl
-from pretrain.ops import library
+from pretrain.ops import (
+    SIN_FLOOR,
+    arc_margin,
+    cuda_available,
+    info_nce_rows,
+    library,
+    nt_xent_rows,
+    resolve_impl,
+)
 
 DEG10 = math.radians(10.0)
 # max |a - b| / max |b| allowed per input dtype (outputs of half inputs are rounded to that dtype)

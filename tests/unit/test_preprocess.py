@@ -10,10 +10,10 @@ import warnings
 import numpy as np
 import pytest
 
-from pretrain.data.preprocess import main, preprocess, split_sentences
-from pretrain.data.readers import ReadStats, read_file
 from pretrain.data.shards import ShardedDataset, verify_dataset
-from pretrain.data.tokenizer import train_tokenizer
+from pretrain.prep.preprocess import main, preprocess, split_sentences
+from pretrain.prep.readers import ReadStats, read_file
+from pretrain.prep.tokenizer import train_tokenizer
 
 WORDS = ("alpha beta gamma delta river mountain forest city music science history language people "
          "government war king church island ocean planet").split()
@@ -138,7 +138,7 @@ def test_empty_and_missing_files(tmp_path):
 
 def _expected(inputs, tokenizer, min_chars):
     """Independent path: reader → split → filter → encode, one list of id-lists per document."""
-    from pretrain.data.readers import iter_documents
+    from pretrain.prep.readers import iter_documents
 
     docs = []
     for doc in iter_documents(inputs):
@@ -264,7 +264,12 @@ def test_real_books_and_wiki(data_dir, tmp_path):
 
 def _reference_split(text: str) -> list[str]:
     """The splitting rule written plainly (strip every piece), as before sentence_spans existed."""
-    from pretrain.data.sentence_split import _ABBREV_BEFORE_NUMBER, _ABBREVIATIONS, _ACRONYM, _BOUNDARY
+    from pretrain.prep.sentence_split import (
+        _ABBREV_BEFORE_NUMBER,
+        _ABBREVIATIONS,
+        _ACRONYM,
+        _BOUNDARY,
+    )
 
     out, start = [], 0
     for m in _BOUNDARY.finditer(text):
@@ -287,7 +292,7 @@ def _reference_split(text: str) -> list[str]:
 def test_sentence_spans_match_the_plain_rule_on_real_and_random_text(data_dir):
     """The fast span finder cuts exactly where the plainly written rule does: real Wikipedia paragraphs and
     random strings dense in dots, quotes, abbreviations, digits and odd whitespace."""
-    from pretrain.data.sentence_split import sentence_spans
+    from pretrain.prep.sentence_split import sentence_spans
 
     wiki = sorted((data_dir / "corpus" / "wiki").rglob("wiki_*"))[0]
     texts = [p for doc in read_file(str(wiki), ReadStats()) for p in doc.paragraphs][:4000]
@@ -331,7 +336,7 @@ def _edge_case_files(d):
 def test_reading_a_file_in_planned_ranges_gives_exactly_its_documents_and_counts(tmp_path, target):
     """Workers read byte ranges of a file: cut only where the reader starts afresh, the ranges read one after
     another give read_file's documents and skipped-line counts, for every format and any range size."""
-    from pretrain.data.readers import plan_ranges, read_range, sniff_format
+    from pretrain.prep.readers import plan_ranges, read_range, sniff_format
 
     for path in _edge_case_files(tmp_path / "in"):
         whole_stats = ReadStats()
@@ -351,7 +356,7 @@ def test_reading_a_file_in_planned_ranges_gives_exactly_its_documents_and_counts
 
 
 def test_sniffed_formats_of_the_edge_case_files(tmp_path):
-    from pretrain.data.readers import sniff_format
+    from pretrain.prep.readers import sniff_format
 
     kinds = {p.name: sniff_format(str(p)) for p in _edge_case_files(tmp_path)}
     assert kinds == {"a.txt": "text", "book.txt": "gutenberg", "c.jsonl": "jsonl", "wiki_00": "wikiextractor"}

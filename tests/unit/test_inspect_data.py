@@ -6,7 +6,7 @@ import torch
 
 from pretrain.config import load_run_config
 from pretrain.data.loader import build_loader
-from pretrain.inspect import inspect_samples, main
+from pretrain.inspect_data import inspect_samples, main
 
 
 def test_inspect_shows_the_samples_the_loader_builds(tiny_corpus, tiny_overrides, tmp_path, capsys):
@@ -48,7 +48,7 @@ def test_inspect_follows_the_runs_sample_order_rule(tiny_overrides, tmp_path):
     import numpy as np
 
     from pretrain.data.loader import ORDER_RULE
-    from pretrain.inspect import order_rule
+    from pretrain.inspect_data import order_rule
 
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run"))
     assert order_rule(cfg) == ORDER_RULE

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.objectives.info_nce import Metrics
+from pretrain.losses.info_nce import Metrics
 
 
 def triplet_entailment(

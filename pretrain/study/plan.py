@@ -34,11 +34,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrain.config import load_run_config, to_dict
+
 TOOLS = {
-    "pretrain-tokenizer": "pretrain.data.tokenizer",
-    "pretrain-preprocess": "pretrain.data.preprocess",
+    "pretrain-tokenizer": "pretrain.prep.tokenizer",
+    "pretrain-preprocess": "pretrain.prep.preprocess",
     "pretrain-train": "pretrain.train",
-    "pretrain-convert": "pretrain.checkpoint.convert",
+    "pretrain-convert": "pretrain.export.convert",
     "pretrain-eval": "pretrain.eval.cli",
     "pretrain-finetune-glue": "pretrain.eval.glue_cli",
     "pretrain-report": "pretrain.report",
@@ -398,8 +400,6 @@ class Planner:
 
     def configs(self) -> dict[str, dict]:
         """Each arm's resolved config (first seed) as a dict; the config errors of every run, before any runs."""
-        from pretrain.config import load_run_config, to_dict
-
         out = {}
         for arm in self.study.arms:
             for seed in arm.seeds:

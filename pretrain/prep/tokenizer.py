@@ -19,12 +19,20 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from tokenizers import Tokenizer as HFTokenizer
 
 from pretrain.data.indexed import file_sha256
-from pretrain.data.readers import ReadStats, iter_documents
-from pretrain.data.sentence_split import split_sentences
+from pretrain.prep.readers import ReadStats, iter_documents
+from pretrain.prep.sentence_split import split_sentences
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEL]")
 KINDS = ("wordpiece", "bpe", "unigram")

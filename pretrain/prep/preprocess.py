@@ -25,11 +25,25 @@ from typing import Iterator
 import numpy as np
 
 from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
-from pretrain.data.readers import ReadStats, expand_inputs, open_input, plan_ranges, read_range, sniff_format
-from pretrain.data.shards import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, TOKEN_FREQ, file_sha256, verify_dataset,
-                                  write_manifest)
-from pretrain.data.sentence_split import sentence_spans, split_sentences  # noqa: F401 (re-exported)
-from pretrain.data.tokenizer import Tokenizer, load_tokenizer
+from pretrain.data.shards import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    TOKEN_FREQ,
+    file_sha256,
+    verify_dataset,
+    write_manifest,
+)
+from pretrain.prep.readers import (
+    ReadStats,
+    expand_inputs,
+    open_input,
+    plan_ranges,
+    read_range,
+    sniff_format,
+)
+from pretrain.prep.sentence_split import sentence_spans, split_sentences  # noqa: F401 (re-exported)
+from pretrain.prep.tokenizer import Tokenizer, load_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------
 # Worker side: chunk of documents → flat token ids + per-sentence sizes + per-document sentence counts

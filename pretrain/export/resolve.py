@@ -29,7 +29,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from pretrain.checkpoint.store import is_complete, load_model_state, resolve_tag_dir
+from pretrain.config.loader import from_dict
 from pretrain.config.model import ModelConfig
+from pretrain.export.hf import (
+    CONFIG_JSON_FIELDS,
+    INIT_CONFIG,
+    INIT_TOKENIZER,
+    INIT_WEIGHTS,
+    PROJECTION_FILE,
+    from_hf_state_dict,
+    load_init_weights,
+    model_config_from_hf_config,
+    model_with_state,
+    read_hf_weights,
+    write_clean_tokenizer,
+)
+from pretrain.export.st_modules import SENTENCE_FIELDS, read_st_modules
+from pretrain.prep.tokenizer import load_tokenizer
 
 Kind = Literal["sentence_transformers", "hf", "init_dir", "checkpoint"]
 
@@ -62,8 +79,6 @@ class Weights:
 
     def build_model(self, *, warn_fresh_head: bool = True):
         """A PretrainModel holding these weights (encoder weights required, heads filled in when absent)."""
-        from pretrain.checkpoint.hf import model_with_state
-
         required = ("",) if self.kind == "checkpoint" else ("encoder.",)
         return model_with_state(self.model_cfg, self.state, source=str(self.path), required_prefixes=required,
                                 warn_fresh_head=warn_fresh_head)
@@ -71,10 +86,7 @@ class Weights:
     def load_tokenizer(self, out_path: str | None = None):
         """Our Tokenizer for these weights. HF directories: their tokenizer re-saved as a clean tokenizer.json at
         ``out_path`` (default: in a new temporary directory, kept: the Tokenizer re-opens its file by path)."""
-        from pretrain.data.tokenizer import load_tokenizer
-
         if self.kind in ("hf", "sentence_transformers"):
-            from pretrain.checkpoint.hf import write_clean_tokenizer
 
             if out_path is None:
                 return load_tokenizer(_cached_clean_tokenizer(self.path))
@@ -94,7 +106,6 @@ def _cached_clean_tokenizer(hf_dir: Path) -> str:
     directory behind). Falls back to a temporary directory when the cache is not writable."""
     import hashlib
 
-    from pretrain.checkpoint.hf import write_clean_tokenizer
 
     digest = hashlib.sha256()
     for name in TOKENIZER_FILES:
@@ -121,9 +132,6 @@ def _cached_clean_tokenizer(hf_dir: Path) -> str:
 
 def detect_kind(path: str | os.PathLike) -> Kind:
     """What ``path`` is (see the module docstring), or FileNotFoundError/ValueError naming what was looked for."""
-    from pretrain.checkpoint.hf import INIT_CONFIG, INIT_WEIGHTS
-    from pretrain.checkpoint.store import is_complete, resolve_tag_dir
-
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist; expected {LOOKED_FOR}")
@@ -154,8 +162,6 @@ def open_weights(path: str | os.PathLike, *, trust: bool = False) -> Weights:
 
 def _model_cfg(model_dict: dict, state: dict, where: Path) -> tuple[ModelConfig, frozenset]:
     """(ModelConfig, the fields stated) from a config.yaml's model: block and the weights."""
-    from pretrain.config.loader import from_dict
-
     cfg = from_dict(ModelConfig, dict(model_dict or {}), "model")
     word = state.get("encoder.embeddings.word.weight")
     if word is None:
@@ -165,8 +171,6 @@ def _model_cfg(model_dict: dict, state: dict, where: Path) -> tuple[ModelConfig,
 
 
 def _open_checkpoint(p: Path, trust: bool) -> Weights:
-    from pretrain.checkpoint.store import load_model_state
-
     state, config = load_model_state(p, trust=trust)
     cfg, recorded = _model_cfg(config.get("model"), state, p)
     return Weights("checkpoint", p, state, cfg, tokenizer_path=(config.get("data") or {}).get("tokenizer") or None,
@@ -176,7 +180,6 @@ def _open_checkpoint(p: Path, trust: bool) -> Weights:
 def _open_init_dir(p: Path) -> Weights:
     import yaml
 
-    from pretrain.checkpoint.hf import INIT_CONFIG, INIT_TOKENIZER, load_init_weights
 
     config = yaml.safe_load((p / INIT_CONFIG).read_text(encoding="utf-8")) or {}
     state = load_init_weights(str(p))
@@ -204,9 +207,6 @@ def _own_tokenizer(directory: Path, named: str | None, default: str) -> str:
 def _open_hf(p: Path, kind: Kind) -> Weights:
     from safetensors.torch import load_file
 
-    from pretrain.checkpoint.hf import (CONFIG_JSON_FIELDS, PROJECTION_FILE, from_hf_state_dict,
-                                        model_config_from_hf_config, read_hf_weights)
-    from pretrain.checkpoint.st_modules import SENTENCE_FIELDS, read_st_modules
 
     config = json.loads((p / "config.json").read_text(encoding="utf-8"))
     extra = config.get("pretrain") or {}  # our own exports: the settings BERT's config.json has no place for

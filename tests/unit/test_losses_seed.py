@@ -1,6 +1,6 @@
 """Seed objectives (InfoNCE, ArcCon, triplet, RankCSE ranking, SARCSE reconstruction) vs float64 references.
 
-Every reference below is written independently of pretrain.objectives: plain Python loops
+Every reference below is written independently of pretrain.losses: plain Python loops
 over rows with math.* or per-row float64 tensors, differentiated by autograd.
 """
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain.objectives.arccon import arccon
-from pretrain.objectives.info_nce import info_nce
-from pretrain.objectives.ranking import (
+from pretrain.losses.arccon import arccon
+from pretrain.losses.info_nce import info_nce
+from pretrain.losses.ranking import (
     cosine_matrix,
     drop_positive,
     js_consistency,
@@ -24,8 +24,9 @@ from pretrain.objectives.ranking import (
     listnet,
     mix_teacher_sims,
 )
-from pretrain.objectives.reconstruction import frequency_weights, load_token_freq, reconstruction_loss
-from pretrain.objectives.triplet import dropout_off, triplet_entailment
+from pretrain.losses.reconstruction import frequency_weights, reconstruction_loss
+from pretrain.losses.triplet import dropout_off, triplet_entailment
+from pretrain.training.resources import load_token_freq
 
 F64 = torch.float64
 

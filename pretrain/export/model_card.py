@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pretrain.checkpoint import store
+
 EVAL_FILES = {"eval.md": "STS and sentence-embedding evaluation (`pretrain-eval`)",
               "results.md": "GLUE fine-tuning (`pretrain-finetune-glue`)"}
 
@@ -18,8 +20,6 @@ EVAL_FILES = {"eval.md": "STS and sentence-embedding evaluation (`pretrain-eval`
 def run_record(w) -> dict:
     """{"run_dir", "step", "config" (the full run config when known), "what"} of the weights behind an export
     (Weights of ours): a checkpoint's run, a run's best/ (best.json + run_config.yaml), or nothing known."""
-    from pretrain.checkpoint import store
-
     info: dict = {"run_dir": None, "step": None, "config": w.run_config, "what": None}
     if w.kind == "checkpoint":
         tag = store.resolve_tag_dir(w.path)

@@ -15,12 +15,14 @@ import sys
 
 import numpy as np
 
+from pretrain.checkpoint import store
+from pretrain.config import load_run_config
+from pretrain.data.loader import ORDER_RULE, SampleOrder
+from pretrain.training.build import stage_parts
+
 
 def inspect_samples(cfg, n: int, start: int = 0) -> tuple[object, list[tuple[tuple[int, int], dict]]]:
     """(tokenizer, [(key, sample)]) for global stream positions start .. start + n - 1 of ``cfg``'s training set."""
-    from pretrain.data.loader import SampleOrder
-    from pretrain.training.build import stage_parts
-
     load_tok, build_train_set, _ = stage_parts(cfg)
     tokenizer = load_tok(cfg.data.tokenizer)
     dataset = build_train_set(cfg, tokenizer)
@@ -31,9 +33,6 @@ def inspect_samples(cfg, n: int, start: int = 0) -> tuple[object, list[tuple[tup
 def order_rule(cfg) -> str:
     """The sample order rule the config's run continues with: its latest checkpoint's (``permutation-v1`` for
     checkpoints from before rules were recorded), else the rule new runs use."""
-    from pretrain.checkpoint import store
-    from pretrain.data.loader import ORDER_RULE
-
     state = store.latest_trainer_state(cfg.run_dir) if cfg.run_dir else None
     return state["sample_order"] if state is not None else ORDER_RULE
 
@@ -73,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.config and "=" in args.config:
         args.overrides.insert(0, args.config)
         args.config = None
-    from pretrain.config import load_run_config
 
     try:
         cfg = load_run_config(args.config, args.overrides)

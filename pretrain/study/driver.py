@@ -11,7 +11,7 @@ pretrain.train``, ``pretrain-eval``, ``pretrain-finetune-glue``, ``pretrain-repo
 write theirs atomically). An interrupted run is relaunched with the same ``run_dir`` and resumes from its newest
 checkpoint. ``OUT/status.json`` records every step (done, skipped, failed), its wall and CPU seconds
 (``getrusage(RUSAGE_CHILDREN)``) and the study's total, so the compute a study used can be reported.
-The study file and the plan: ``study_plan.py``; the tables: ``study_tables.py``.
+The study file and the plan: ``plan.py``; the tables: ``tables.py``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,18 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.checkpoint import store
 from pretrain.checkpoint.files import atomic_write_text
-from pretrain.study_plan import EVAL_RESULTS, Planner, Step, Study, StudyError, load_study
+from pretrain.eval import default_data_dir
+from pretrain.study.plan import (
+    EVAL_RESULTS,
+    Planner,
+    Step,
+    Study,
+    StudyError,
+    load_study,
+)
+from pretrain.study.tables import write_results
 
 # ------------------------------------------------------------------------------------------------ done, stamps
 
@@ -37,7 +47,6 @@ def final_step(run_dir: Path) -> tuple[int, int]:
     """(newest complete checkpoint's step, the run's train.max_steps); (-1, 0) without them."""
     import yaml
 
-    from pretrain.checkpoint import store
 
     config = run_dir / "config.yaml"
     ckpt_dir = store.checkpoints_dir(run_dir)
@@ -84,7 +93,6 @@ def stamp(step: Step, cache: dict | None = None) -> str:
     preparation step's output. A step whose inputs' stamps changed since it ran is out of date."""
     h = hashlib.sha256()
     if step.kind == "train":
-        from pretrain.checkpoint import store
 
         ckpt_dir = store.checkpoints_dir(step.output)
         tag = store.find_latest(ckpt_dir)
@@ -324,8 +332,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_study(args) -> int:
-    from pretrain.eval import default_data_dir
-
     study = load_study(args.study)
     out = Path(args.out or study.out or f"runs/studies/{study.name}").resolve()
     given = dict(u.split("=", 1) for u in args.use if "=" in u)
@@ -353,7 +359,6 @@ def run_study(args) -> int:
     try:
         runner.execute(steps, invocation)
         close("writing tables")  # the tables' compute line includes this invocation
-        from pretrain.study_tables import write_results
 
         results = write_results(study, planner, configs, status.data)
     except StudyError as e:

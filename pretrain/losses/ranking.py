@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from pretrain.objectives.info_nce import Metrics
+from pretrain.losses.info_nce import Metrics
 
 
 def cosine_matrix(a_ND: torch.Tensor, b_MD: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from pretrain.objectives.info_nce import Metrics, info_nce
+from pretrain.losses.info_nce import Metrics, info_nce
 
 
 def arccon(

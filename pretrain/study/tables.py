@@ -14,6 +14,14 @@ import statistics
 import time
 from pathlib import Path
 
+from pretrain.checkpoint import store
+from pretrain.config import RunConfig
+from pretrain.config.loader import from_dict, read_yaml
+from pretrain.eval import glue_data
+from pretrain.eval.sts import TABLE_NAMES, TASKS
+from pretrain.study.plan import EVAL_RESULTS, run_name
+from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
+
 
 def _stats(values: list[float]) -> dict | None:
     values = [v for v in values if v is not None and math.isfinite(v)]
@@ -32,8 +40,6 @@ def _fmt(cell: dict | None, digits: int = 2) -> str:
 
 def _results(planner, arm, eval_name: str) -> list[dict | None]:
     """The evaluation's result file of each of the arm's seeds (None where absent)."""
-    from pretrain.study_plan import EVAL_RESULTS, run_name
-
     tool = next(e.tool for e in planner.study.evals if e.name == eval_name)
     out = []
     for seed in arm.seeds:
@@ -54,8 +60,6 @@ def sts_average(sts: dict, tasks, convention: str) -> float:
 
 def sts_table(planner, table) -> tuple[list[str], list[dict]]:
     """Rows per arm (× evaluation): each STS task and the average over the tasks, mean ± std over seeds."""
-    from pretrain.eval.sts import TABLE_NAMES, TASKS
-
     per_row = [(label, arm, [r.get("sts") if r else None for r in _results(planner, arm, e)])
                for label, arm, e in _rows(planner, table)]
     tasks = [t for t in TASKS if any(s and t in s for _, _, seeds in per_row for s in seeds)]
@@ -77,10 +81,9 @@ def sts_table(planner, table) -> tuple[list[str], list[dict]]:
 
 def glue_table(planner, table) -> tuple[list[str], list[dict]]:
     """Rows per arm: each GLUE task's dev score at the best lr (pretrain-finetune-glue's summary) and Avg."""
-    from pretrain.eval.glue_data import TABLE_ORDER, TASKS
-
     per_row = [(label, arm, _results(planner, arm, e)) for label, arm, e in _rows(planner, table)]
-    names = [TASKS[k].name for k in TABLE_ORDER if any(r and TASKS[k].name in r for _, _, rs in per_row for r in rs)]
+    names = [glue_data.TASKS[k].name for k in glue_data.TABLE_ORDER
+             if any(r and glue_data.TASKS[k].name in r for _, _, rs in per_row for r in rs)]
     head = ["| Method | " + " | ".join("STS" if n == "STS-B" else n for n in names) + " | Avg | seeds |",
             "|---|" + "---:|" * (len(names) + 2)]
     rows, data = [], []
@@ -157,11 +160,6 @@ def run_dynamics(run_dir: Path) -> dict | None:
     """What a run's metrics.jsonl says about its training: per contrastive term the chance value ln(2m-1) or
     ln(m), the step it escaped chance (see escape_step), its final training loss and the embeddings' final mean
     cosine; the final held-out MLM loss; the last step. None when the run has no metrics yet."""
-    from pretrain.checkpoint import store
-    from pretrain.config import RunConfig
-    from pretrain.config.loader import from_dict, read_yaml
-    from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
-
     metrics, config = run_dir / "metrics.jsonl", run_dir / "config.yaml"
     if not metrics.is_file() or not config.is_file():
         return None
@@ -193,9 +191,6 @@ def run_dynamics(run_dir: Path) -> dict | None:
 def training_table(planner, table) -> tuple[list[str], list[dict]]:
     """Rows per arm: steps to escape chance of the contrastive term, its final loss and embedding cosine, the
     held-out MLM loss, and the STS average of each evaluation named (mean ± std over seeds)."""
-    from pretrain.eval.sts import TASKS
-    from pretrain.study_plan import run_name
-
     arms = [planner.study.arm(a) for a in table.arms] if table.arms else planner.study.arms
     head = ["| Model | escaped chance at step | contrastive loss (chance) | emb. cos | held-out MLM | "
             + "".join(f"STS avg {e} | " for e in table.evals) + "seeds |",

@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint.files import publish_dir, save_safetensors, write_json
+from pretrain.config.loader import to_dict
 from pretrain.config.model import ModelConfig
+from pretrain.export.st_modules import ST_POOLING, write_st_modules
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
 from pretrain.model.init import init_bert_weights
 
@@ -255,7 +257,6 @@ def export_hf(
     """
     import tokenizers
 
-    from pretrain.checkpoint.st_modules import ST_POOLING, write_st_modules
 
     cfg = model.cfg
     pooling = pooling or cfg.pooling
@@ -409,7 +410,6 @@ def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, o
     source states (e.g. max_len); ``source``: where the weights came from (for the model card)."""
     import yaml
 
-    from pretrain.config.loader import to_dict
 
     out = Path(out_dir)
     if out.exists() and not overwrite:

@@ -1,0 +1,1 @@
+"""``pretrain-study``: runs a study YAML (runs x seeds x evaluations, resumable) and tabulates its results."""

@@ -1,0 +1,5 @@
+import sys
+
+from pretrain.study.driver import main
+
+sys.exit(main())
