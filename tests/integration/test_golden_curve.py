@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "golden_tiny.json"
+OLD_RUN_DIR = ASSET.parent / "run_dir_format3"
 STEPS = 20
 REL_TOL = {"loss": 1e-4, "mlm": 1e-4, "nt_xent": 1e-4, "grad_norm": 1e-3}
 
@@ -64,14 +66,13 @@ def _tokenizer(words: list[str], path: Path) -> None:
     tok.save(str(path))
 
 
-def _run(tmp_path: Path) -> dict[int, dict]:
+def _overrides(tmp_path: Path, run_dir: Path) -> list[str]:
+    """The golden run's data (made here, identical on every machine) and settings."""
     from pretrain.prep.preprocess import preprocess
-    from pretrain.train import main
 
     words = _corpus(tmp_path / "corpus.txt")
     _tokenizer(words, tmp_path / "tokenizer.json")
     preprocess([str(tmp_path / "corpus.txt")], str(tmp_path / "data"), str(tmp_path / "tokenizer.json"), num_workers=1)
-    run_dir = tmp_path / "run"
     overrides = {
         "run_dir": run_dir, "seed": 7, "data.tokenizer": tmp_path / "tokenizer.json",
         "data.sources": f"[{{name: golden, path: {tmp_path / 'data'}}}]", "data.valid": "[]",
@@ -83,9 +84,30 @@ def _run(tmp_path: Path) -> dict[int, dict]:
         "optim.lr": 1e-3, "optim.warmup_steps": 5, "checkpoint.every": 0, "distributed.zero_stage": 0,
     }
     config = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
-    assert main([str(config), *(f"{k}={v}" for k, v in overrides.items())]) == 0
+    return [str(config), *(f"{k}={v}" for k, v in overrides.items())]
+
+
+def _train_rows(run_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: {k: r[k] for k in REL_TOL} for r in rows if r.get("split", "train") == "train" and "loss" in r}
+
+
+def _run(tmp_path: Path) -> dict[int, dict]:
+    from pretrain.train import main
+
+    run_dir = tmp_path / "run"
+    assert main(_overrides(tmp_path, run_dir)) == 0
+    return _train_rows(run_dir)
+
+
+def _assert_golden(got: dict[int, dict], steps) -> None:
+    want = {int(s): v for s, v in json.loads(ASSET.read_text()).items()}
+    for step in steps:
+        for key, tol in REL_TOL.items():
+            a, b = got[step][key], want[step][key]
+            assert math.isclose(a, b, rel_tol=tol), (
+                f"step {step} {key}: {a!r} != golden {b!r}. If training is meant to change, regenerate "
+                f"with PRETRAIN_UPDATE_GOLDEN=1 and say why in the commit.")
 
 
 def test_golden_curve(tmp_path, clean_env):
@@ -95,11 +117,19 @@ def test_golden_curve(tmp_path, clean_env):
         ASSET.parent.mkdir(parents=True, exist_ok=True)
         ASSET.write_text(json.dumps({str(s): v for s, v in sorted(got.items())}, indent=1) + "\n")
         pytest.skip(f"golden curve rewritten: {ASSET}")
-    want = {int(s): v for s, v in json.loads(ASSET.read_text()).items()}
-    assert sorted(want) == sorted(got)
-    for step in sorted(want):
-        for key, tol in REL_TOL.items():
-            a, b = got[step][key], want[step][key]
-            assert math.isclose(a, b, rel_tol=tol), (
-                f"step {step} {key}: {a!r} != golden {b!r}. If training is meant to change, regenerate "
-                f"with PRETRAIN_UPDATE_GOLDEN=1 and say why in the commit.")
+    assert sorted(json.loads(ASSET.read_text()), key=int) == [str(s) for s in sorted(got)]
+    _assert_golden(got, sorted(got))
+
+
+def test_run_dir_from_before_the_trainer_house_resumes_on_the_curve(tmp_path, clean_env):
+    """A run directory written by pretrain 15d45cf (trainer_state format 3; the golden run with checkpoint.every=10,
+    kept at its step-10 checkpoint) resumes with today's code and continues the golden curve: steps 11-20 equal
+    the uninterrupted run's."""
+    from pretrain.train import main
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(OLD_RUN_DIR, run_dir)
+    assert main([*_overrides(tmp_path, run_dir), "checkpoint.every=10"]) == 0
+    got = _train_rows(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))  # steps 1-10 from the old run's metrics.jsonl, 11-20 new
+    _assert_golden(got, range(11, STEPS + 1))
