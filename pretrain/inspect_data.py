@@ -18,13 +18,13 @@ import numpy as np
 from pretrain.checkpoint import store
 from pretrain.config import load_run_config
 from pretrain.data.loader import ORDER_RULE, SampleOrder
-from pretrain.training.build import stage_parts
+from pretrain.prep.tokenizer import load_tokenizer
+from pretrain.training.build import build_train_set
 
 
 def inspect_samples(cfg, n: int, start: int = 0) -> tuple[object, list[tuple[tuple[int, int], dict]]]:
     """(tokenizer, [(key, sample)]) for global stream positions start .. start + n - 1 of ``cfg``'s training set."""
-    load_tok, build_train_set, _ = stage_parts(cfg)
-    tokenizer = load_tok(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
     dataset = build_train_set(cfg, tokenizer)
     keys = SampleOrder(len(dataset), seed=cfg.seed, rule=order_rule(cfg)).keys(start, n)
     return tokenizer, [(key, dataset[key]) for key in keys]

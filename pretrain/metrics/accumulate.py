@@ -28,7 +28,6 @@ class MetricSums:
         names = sorted(self._sums)
         if env is not None and env.is_distributed and names:
             t = torch.tensor([[self._sums[n], self._counts[n]] for n in names], dtype=torch.float64)
-
             t = all_reduce_host(t)
             sums = {n: t[i, 0].item() for i, n in enumerate(names)}
             counts = {n: t[i, 1].item() for i, n in enumerate(names)}

@@ -1,11 +1,13 @@
-"""What a run builds before DeepSpeed starts, shared by the trainer and ``pretrain-train --dry-run``: the
-config-only preflight, the stage's tokenizer/dataset/loader builders, the model config (init_from's architecture,
-the tokenizer's vocabulary) and the module with its objective (init_from's weights, RankCSE's teachers, SARCSE's
-frequencies)."""
+"""What a run builds before DeepSpeed starts, in one function shared by the trainer and ``pretrain-train
+--dry-run`` (``prepare_run`` -> ``RunParts``): the config-only preflight, the tokenizer, the stage's training set
+and loader, the model config (init_from's architecture, the tokenizer's vocabulary) and the module with its
+objective (init_from's weights, RankCSE's teachers, SARCSE's frequencies)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -48,14 +50,59 @@ def preflight(cfg: RunConfig) -> None:
         check_teacher_paths(cfg.objective.rank_distill.teachers)
 
 
-def stage_parts(cfg: RunConfig):
-    """(load tokenizer, build train set, build loader) for data.stage: pretraining documents or sentences."""
-    if cfg.data.stage == "sentences":  # seed objectives on single sentences
+def build_train_set(cfg: RunConfig, tokenizer):
+    """The training set of data.stage: documents (pretraining) or single sentences (the SimCSE family)."""
+    if cfg.data.stage == "sentences":
+        return sentences.build_sentence_dataset(cfg.data, cfg.objective, tokenizer, seed=cfg.seed)
+    return build_dataset(cfg.data, tokenizer, seed=cfg.seed, split="train")
 
-        return (load_tokenizer,
-                lambda c, tok: sentences.build_sentence_dataset(c.data, c.objective, tok, seed=c.seed),
-                sentences.build_sentence_loader)
-    return load_tokenizer, lambda c, tok: build_dataset(c.data, tok, seed=c.seed, split="train"), build_loader
+
+def train_loader_builder(cfg: RunConfig):
+    """``build_loader`` or the sentence stage's (same arguments) for data.stage."""
+    return sentences.build_sentence_loader if cfg.data.stage == "sentences" else build_loader
+
+
+@dataclass
+class RunParts:
+    """What a run is built from before DeepSpeed starts (``prepare_run``)."""
+
+    cfg: RunConfig
+    """The run config with the model config resolved (init_from's architecture, the tokenizer's vocabulary)."""
+    tokenizer: object
+    train_set: object
+    valid_set: object | None
+    module: TrainModule
+
+
+def prepare_run(cfg: RunConfig, env) -> RunParts:
+    """Checks and builds everything before DeepSpeed, in the order that fails fastest: config-only paths, the
+    tokenizer, init_from's weights, the datasets (rank 0 first, building and caching the sample indexes; the
+    others then memory-map them), the module with its objective. ``pretrain-train --dry-run`` and the trainer
+    both start here."""
+    preflight(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    init = open_init_weights(cfg)  # opened (and verified) once: its architecture now, its weights below
+    cfg = dataclasses.replace(cfg, model=model_config(cfg, tokenizer, init))
+    with main_rank_first(env):
+        train_set = build_train_set(cfg, tokenizer)
+        valid_set = build_dataset(cfg.data, tokenizer, seed=cfg.seed, split="valid") if cfg.data.valid else None
+    if cfg.train.compile and cfg.distributed.zero_stage == 3:
+        raise ValueError("train.compile=true is not supported with distributed.zero_stage=3 (ZeRO-3 "
+                         "gathers parameters in module hooks); use ZeRO 0-2 or train.compile=false")
+    module = build_train_module(cfg, env, tokenizer, train_set, init)
+    return RunParts(cfg=cfg, tokenizer=tokenizer, train_set=train_set, valid_set=valid_set, module=module)
+
+
+@contextlib.contextmanager
+def main_rank_first(env):
+    """Run the block on rank 0 first, then on the other ranks (which wait at a barrier meanwhile)."""
+    if env.is_distributed and not env.is_main:
+        torch.distributed.barrier()
+    try:
+        yield
+    finally:
+        if env.is_distributed and env.is_main:
+            torch.distributed.barrier()
 
 
 def open_init_weights(cfg: RunConfig):

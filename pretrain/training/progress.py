@@ -8,13 +8,65 @@ import time
 from pathlib import Path
 
 from pretrain.config import OptimConfig, from_dict
+from pretrain.metrics.accumulate import MetricSums
 from pretrain.metrics.writer import format_duration
 from pretrain.training.optim import lr_lambda
 
+DATA_WAIT_WARN = 0.10
+"""Warn (once) when the step spends more than this fraction of its time waiting for the next batch."""
 COLLAPSE_TOLERANCE = 0.02
 """A contrastive loss within this fraction of its chance value counts as "at chance"."""
 COLLAPSE_PATIENCE = 200
 """Steps at chance before the warning."""
+
+
+def every(n: int, step: int, *, last: bool = False) -> bool:
+    """The one rule for "every N steps": step is a multiple of n > 0 (n = 0 is off), or it is the ``last`` step
+    of the run where the caller asks for that too."""
+    return last or (n > 0 and step % n == 0)
+
+
+class LogWindow:
+    """What happened since the last log line: metric sums, samples and real tokens (this rank's), the time spent
+    waiting for data. ``scalars`` turns it into the logged figures (rates over all ranks)."""
+
+    def __init__(self) -> None:
+        self.sums = MetricSums()
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums.reset()
+        self.t0, self.samples, self.tokens, self.data_wait_s = time.perf_counter(), 0, 0, 0.0
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+
+    def scalars(self, env, info, *, bad_steps: int, tokens_seen: int) -> dict[str, float]:
+        """The window's means reduced over ranks, plus the step's lr/grad norm/loss scale and the rates."""
+        elapsed = time.perf_counter() - self.t0
+        out = self.sums.reduce(env)
+        out.update(lr=info.lr, grad_norm=info.grad_norm, loss_scale=info.loss_scale, bad_steps=bad_steps,
+                   samples_per_s=self.samples * env.world_size / elapsed,
+                   tokens_per_s=self.tokens * env.world_size / elapsed,
+                   tokens_seen=tokens_seen * env.world_size, data_wait_frac=self.data_wait_s / elapsed)
+        return out
+
+
+class StarvationWatch:
+    """Once per run, after the first log window (worker start-up): a warning when the step waited for its data more
+    than DATA_WAIT_WARN of the time."""
+
+    def __init__(self, log_every: int, num_workers: int) -> None:
+        self.log_every, self.num_workers, self.warned = log_every, num_workers, False
+
+    def update(self, step: int, wait_frac: float) -> str | None:
+        if wait_frac <= DATA_WAIT_WARN or self.warned or step <= self.log_every:
+            return None
+        self.warned = True
+        return (f"warning: step {step} waited for data {wait_frac:.0%} of the time (> {DATA_WAIT_WARN:.0%}): the data "
+                f"pipeline is the bottleneck; raise data.num_workers (now {self.num_workers}) or use lighter "
+                f"augmentations")
 
 
 class Eta:

@@ -1,15 +1,125 @@
-"""What a resumed run continues with: the batch split on another number of ranks, the checkpoint's saved config and
-what may not change, and the checkpoint a lost node's message names. Pure functions over a checkpoint directory;
-the trainer decides and prints."""
+"""Every decision about resuming, made once before DeepSpeed starts: ``plan_resume`` -> ``ResumePlan`` (which
+checkpoint, whether it loads through a universal copy, the batch split on this rank count, what may not change and
+what is refused). It reads checkpoints and returns a plan; it changes no config. Also the checkpoint a lost node's
+message names."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from pretrain.checkpoint import store
-from pretrain.config import RunConfig
+from pretrain.config import RunConfig, TrainConfig
 from pretrain.config.loader import to_dict
 from pretrain.data.indexed import file_sha256
+from pretrain.data.loader import ORDER_RULE, ORDER_RULES
+from pretrain.metrics.writer import print_progress
+from pretrain.training.progress import schedule_change
+from pretrain.training.state import TrainState
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    train: TrainConfig
+    """This launch's train config: the run config's, with the batch split that continues the checkpoint."""
+    tag_dir: Path | None = None
+    """The checkpoint to resume; None starts the run."""
+    state: TrainState | None = None
+    """The checkpoint's run state, continued on this launch's ranks (None when starting)."""
+    universal: bool = False
+    """The engine loads the checkpoint's universal copy (ZeRO 1-3 on another rank count re-splits the optimizer)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines for rank 0 to print."""
+
+
+def plan_resume(cfg: RunConfig, env, *, tokenizer_sha256: str, sample_stream: str | None) -> ResumePlan:
+    """What this launch does about the run directory's checkpoints (checkpoint.resume=auto: the newest that
+    verifies). ValueError when the checkpoint does not fit this run, naming what differs and what to do.
+    Collective: rank 0 verifies the checkpoints, every rank takes its choice."""
+    tag = resumable_tag(cfg.run_dir, env) if cfg.checkpoint.resume == "auto" else None
+    if tag is None:
+        return ResumePlan(train=cfg.train)
+    tag_dir = store.checkpoints_dir(cfg.run_dir) / tag
+    saved = saved_config(tag_dir)
+    old = TrainState.from_state_dict(store.read_trainer_state(tag_dir), saved_train=saved.get("train") or {},
+                                     world_size=env.world_size)
+    refuse_incompatible(old, tag_dir, saved, cfg, env.world_size, tokenizer_sha256=tokenizer_sha256,
+                        sample_stream=sample_stream)
+    micro, accum, note = resume_batch_split(
+        tag_dir=tag_dir, global_batch=old.global_batch, saved=(old.world_size, old.micro_batch_size, old.grad_accum),
+        requested=old.requested_batch, config=(cfg.train.micro_batch_size, cfg.train.grad_accum),
+        world=env.world_size)
+    state = old.continued(world_size=env.world_size, micro_batch_size=micro, grad_accum=accum)
+    ranks = f" (written by {n_ranks(old.world_size)})" if old.world_size != env.world_size else ""
+    notes = [note, f"resumed from {tag_dir} at step {old.step}{ranks}"]
+    if old.sample_order != ORDER_RULE:
+        notes.append(f"the checkpoint orders its samples by {old.sample_order!r}: this run continues that order "
+                     f"(new runs use {ORDER_RULE!r})")
+    notes.append(schedule_change(saved, cfg, old.step))
+    # ZeRO 1-3 keep the optimizer state in one partition per rank: another rank count re-splits it through
+    # DeepSpeed's universal checkpoint. ZeRO-0 keeps it whole and loads as it is.
+    universal = old.world_size != env.world_size and cfg.distributed.zero_stage > 0
+    return ResumePlan(train=dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum=accum),
+                      tag_dir=tag_dir, state=state, universal=universal, notes=[n for n in notes if n])
+
+
+def resumable_tag(run_dir, env) -> str | None:
+    """Rank 0 picks the newest checkpoint that verifies (naming each damaged one), every rank takes it."""
+    ckpt_dir = store.checkpoints_dir(run_dir)
+    tag = store.find_resumable(ckpt_dir, say=print_progress) if env.is_main else None
+    if env.is_distributed:
+        box = [tag]
+        torch.distributed.broadcast_object_list(box, src=0)
+        tag = box[0]
+    if tag is None and store.list_complete(ckpt_dir):
+        raise store.CheckpointError(
+            f"every checkpoint in {ckpt_dir} is damaged (pretrain-train --check {run_dir} says how); "
+            f"refusing to start this run over on top of them. Move {ckpt_dir} away to start from scratch.")
+    if env.is_main and tag is not None and tag != store.find_latest(ckpt_dir):
+        print_progress(f"warning: resuming from {ckpt_dir / tag}, the newest checkpoint that is intact")
+    return tag
+
+
+def refuse_incompatible(old: TrainState, tag_dir: Path, saved: dict, cfg: RunConfig, world_size: int, *,
+                        tokenizer_sha256: str, sample_stream: str | None) -> None:
+    """ValueError when the checkpoint cannot continue as this run: the rank count and the ZeRO stage both
+    changed, another model or tokenizer, another precision, a sample order or stream this version lacks."""
+    old_stage = (saved.get("distributed") or {}).get("zero_stage", cfg.distributed.zero_stage)
+    if old.world_size != world_size and old_stage != cfg.distributed.zero_stage:
+        raise ValueError(
+            f"checkpoint {tag_dir} was written by {old.world_size} ranks under ZeRO-{old_stage}; this run has "
+            f"{world_size} ranks and distributed.zero_stage={cfg.distributed.zero_stage}. Change "
+            f"the rank count or the ZeRO stage, not both in one resume: relaunch with "
+            f"distributed.zero_stage={old_stage}.")
+    changed = changed_architecture(saved, tag_dir, cfg, tokenizer_sha256)
+    if changed:
+        raise ValueError(
+            f"checkpoint {tag_dir} was trained with another model or tokenizer than this run's config: "
+            + "; ".join(changed) + ". Resuming would load weights that do not fit. Either keep the "
+            f"checkpoint's settings, or start a new run_dir (with checkpoint.init_from={tag_dir} to start "
+            f"from its weights where their shapes fit).")
+    old_precision = (saved.get("train") or {}).get("precision", cfg.train.precision)
+    if old_precision != cfg.train.precision:
+        raise ValueError(
+            f"checkpoint {tag_dir} was trained with train.precision={old_precision}; this run has "
+            f"train.precision={cfg.train.precision}. DeepSpeed keeps the optimizer state in another layout per "
+            f"precision, so it cannot be loaded across them: resume with train.precision={old_precision}, or start "
+            f"a new run_dir with checkpoint.init_from={tag_dir} (weights only) to train on in "
+            f"{cfg.train.precision}.")
+    if old.sample_order not in ORDER_RULES:
+        raise ValueError(
+            f"checkpoint {tag_dir} orders its samples by {old.sample_order!r}, which this pretrain version does not "
+            f"know (it knows {', '.join(ORDER_RULES)}): finish the run with the pretrain version that wrote it.")
+    if sample_stream is not None and old.sample_stream != sample_stream:
+        raise ValueError(
+            f"checkpoint {tag_dir} was trained on the sample stream {old.sample_stream!r} (how each "
+            f"sample's masking and views are drawn), this pretrain version draws {sample_stream!r}: resuming would "
+            f"silently give every remaining sample different noise than the run it continues. Finish the run "
+            f"with the pretrain version that wrote it, or start a new run_dir with "
+            f"checkpoint.init_from={tag_dir} (weights only).")
 
 
 def resume_batch_split(*, tag_dir: Path, global_batch: int, saved: tuple[int, int, int],

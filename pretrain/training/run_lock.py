@@ -18,6 +18,11 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
+from pretrain.distributed.comm import all_reduce_host
+from pretrain.metrics.writer import print_progress
+
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
@@ -145,3 +150,23 @@ class RunLock:
         holder = self._read()
         if holder is not None and holder.get("token") == self.token:
             self.path.unlink(missing_ok=True)
+
+
+def lock_run_dir(run_dir: Path, env) -> RunLock | None:
+    """Rank 0 takes ``run_dir/run.lock``; every rank stops (RunDirLocked) when it cannot be had."""
+    lock, error = None, ""
+    if env.is_main:
+        lock = RunLock(run_dir)
+        try:
+            warning = lock.acquire()
+        except RunDirLocked as e:
+            lock, error = None, str(e)
+        else:
+            if warning:
+                print_progress(warning)
+    failed = bool(error)
+    if env.is_distributed:
+        failed = bool(all_reduce_host(torch.tensor([int(failed)])).item())
+    if failed:
+        raise RunDirLocked(error or f"rank 0 could not lock the run directory {run_dir} (see its message)")
+    return lock

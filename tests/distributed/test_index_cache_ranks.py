@@ -23,13 +23,13 @@ def _worker(rank: int, port: int, directory: str, out: str) -> None:
     from pretrain.data.sample_index import index_cache_path, load_or_build_sample_index
     from pretrain.data.shards import ShardedDataset
     from pretrain.distributed.env import DistEnv
-    from pretrain.training.trainer import _main_rank_first
+    from pretrain.training.build import main_rank_first
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         env = DistEnv(rank=rank, world_size=WORLD, local_rank=rank, local_world_size=WORLD, node_rank=0,
                       master_addr="127.0.0.1", master_port=port, launcher="torchrun")
-        with _main_rank_first(env):
+        with main_rank_first(env):
             src = ShardedDataset(directory)
             existed = index_cache_path(src, 62).exists()
             index = load_or_build_sample_index(src, 62)

@@ -13,9 +13,8 @@ def test_inspect_shows_the_samples_the_loader_builds(tiny_corpus, tiny_overrides
     overrides = tiny_overrides(tmp_path / "run", data__augment__methods="del-span+reorder")
     cfg = load_run_config(None, overrides)
     tokenizer, samples = inspect_samples(cfg, 6, start=12)
-    from pretrain.training.build import stage_parts
+    from pretrain.training.build import build_train_set
 
-    _, build_train_set, _ = stage_parts(cfg)
     dataset = build_train_set(cfg, tokenizer)
     loader = build_loader(dataset, seed=cfg.seed, rank=0, world_size=1, micro_batch_size=6, start_sample=12,
                           num_workers=0, pad_id=tokenizer.pad_id)
@@ -57,9 +56,9 @@ def test_inspect_follows_the_runs_sample_order_rule(tiny_overrides, tmp_path):
     (tag / "trainer_state.json").write_text(json.dumps({"step": 4, "format_version": 2}))
     assert order_rule(cfg) == "permutation-v1"
     _, samples = inspect_samples(cfg, 3, start=0)
-    from pretrain.training.build import stage_parts
+    from pretrain.prep.tokenizer import load_tokenizer
+    from pretrain.training.build import build_train_set
 
-    tok, build_train_set, _ = stage_parts(cfg)
-    dataset = build_train_set(cfg, tok(cfg.data.tokenizer))
+    dataset = build_train_set(cfg, load_tokenizer(cfg.data.tokenizer))
     want = np.random.default_rng([cfg.seed, 0]).permutation(len(dataset))[:3].tolist()
     assert [key for key, _ in samples] == [(0, i) for i in want]

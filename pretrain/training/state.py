@@ -1,0 +1,67 @@
+"""The run's own state: what a checkpoint records about the run beside the engine's tensors.
+
+``TrainState`` is written as ``trainer_state.json`` (checkpoint/store.py adds ``format_version``, ``step`` and
+``tag``, and upgrades older versions on read) and read back through ``from_state_dict`` — the one place that
+knows the keys and what a checkpoint written before a key existed means by its absence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    step: int = 0
+    consumed_samples: int = 0
+    """Global samples consumed so far (all ranks): where the data resumes."""
+    tokens_seen: int = 0
+    """Real tokens this rank has trained on (x world_size = the run's total)."""
+    bad_steps_total: int = 0
+    """Steps skipped for a non-finite loss or gradient (fp16 loss-scale overflows excluded)."""
+    world_size: int
+    micro_batch_size: int
+    grad_accum: int
+    requested_batch: tuple[int, int]
+    """The config's (micro_batch_size, grad_accum) before a resume on another rank count adjusted them."""
+    seed: int
+    sample_stream: str | None
+    """How each sample's masking and views are drawn (the dataset's ``sample_stream``); None for the sentence stage."""
+    sample_order: str
+    """How the samples are ordered (data/loader.py: ORDER_RULES)."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+    def state_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["requested_batch"] = list(self.requested_batch)
+        out["global_batch"] = self.global_batch
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict, *, saved_train: dict, world_size: int) -> TrainState:
+        """A checkpoint's (upgraded) trainer_state. Keys older checkpoints lack are filled from what they mean:
+        the batch split from the checkpoint's config.yaml (``saved_train``: its ``train`` section), the rank
+        count from this launch, the data position from the step."""
+        world = state.get("world_size", world_size)
+        micro = state.get("micro_batch_size", saved_train.get("micro_batch_size"))
+        accum = state.get("grad_accum", saved_train.get("grad_accum"))
+        if micro is None or accum is None:
+            raise ValueError("the checkpoint records no batch split (trainer_state.json and config.yaml lack "
+                             "micro_batch_size / grad_accum); it cannot be resumed, only used as init_from")
+        step = state["step"]
+        return cls(step=step, consumed_samples=state.get("consumed_samples", step * micro * accum * world),
+                   tokens_seen=state.get("tokens_seen", 0), bad_steps_total=state.get("bad_steps_total", 0),
+                   world_size=world, micro_batch_size=micro, grad_accum=accum,
+                   requested_batch=tuple(state.get("requested_batch", (micro, accum))),
+                   seed=state.get("seed", 0), sample_stream=state.get("sample_stream"),
+                   sample_order=state["sample_order"])
+
+    def continued(self, *, world_size: int, micro_batch_size: int, grad_accum: int) -> TrainState:
+        """This state continued on ``world_size`` ranks with the given split: the data position is global, the
+        per-rank token count is re-divided, the requested batch stays what the run was launched with."""
+        return dataclasses.replace(self, world_size=world_size, micro_batch_size=micro_batch_size,
+                                   grad_accum=grad_accum, tokens_seen=self.tokens_seen * self.world_size // world_size)
