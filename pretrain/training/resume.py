@@ -44,8 +44,7 @@ def plan_resume(cfg: RunConfig, env, *, tokenizer_sha256: str, sample_stream: st
         return ResumePlan(train=cfg.train)
     tag_dir = store.checkpoints_dir(cfg.run_dir) / tag
     saved = saved_config(tag_dir)
-    old = TrainState.from_state_dict(store.read_trainer_state(tag_dir), saved_train=saved.get("train") or {},
-                                     world_size=env.world_size)
+    old = TrainState.from_state_dict(store.read_trainer_state(tag_dir), saved=saved, world_size=env.world_size)
     refuse_incompatible(old, tag_dir, saved, cfg, env.world_size, tokenizer_sha256=tokenizer_sha256,
                         sample_stream=sample_stream)
     micro, accum, note = resume_batch_split(
@@ -86,7 +85,8 @@ def resumable_tag(run_dir, env) -> str | None:
 def refuse_incompatible(old: TrainState, tag_dir: Path, saved: dict, cfg: RunConfig, world_size: int, *,
                         tokenizer_sha256: str, sample_stream: str | None) -> None:
     """ValueError when the checkpoint cannot continue as this run: the rank count and the ZeRO stage both
-    changed, another model or tokenizer, another precision, a sample order or stream this version lacks."""
+    changed, another model or tokenizer, another precision, another seed, a sample order or stream this version
+    lacks."""
     old_stage = (saved.get("distributed") or {}).get("zero_stage", cfg.distributed.zero_stage)
     if old.world_size != world_size and old_stage != cfg.distributed.zero_stage:
         raise ValueError(
@@ -109,6 +109,11 @@ def refuse_incompatible(old: TrainState, tag_dir: Path, saved: dict, cfg: RunCon
             f"precision, so it cannot be loaded across them: resume with train.precision={old_precision}, or start "
             f"a new run_dir with checkpoint.init_from={tag_dir} (weights only) to train on in "
             f"{cfg.train.precision}.")
+    if old.seed is not None and old.seed != cfg.seed:
+        raise ValueError(
+            f"checkpoint {tag_dir} was trained with seed={old.seed}; this run has seed={cfg.seed}. The sample order and "
+            f"every sample's noise follow from the seed, so the rest of the run would repeat some samples and skip "
+            f"others: resume with seed={old.seed}, or start a new run_dir with checkpoint.init_from={tag_dir}.")
     if old.sample_order not in ORDER_RULES:
         raise ValueError(
             f"checkpoint {tag_dir} orders its samples by {old.sample_order!r}, which this pretrain version does not "

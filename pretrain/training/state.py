@@ -25,7 +25,8 @@ class TrainState:
     grad_accum: int
     requested_batch: tuple[int, int]
     """The config's (micro_batch_size, grad_accum) before a resume on another rank count adjusted them."""
-    seed: int
+    seed: int | None
+    """The run's seed (the sample order and every sample's noise follow from it); None if never recorded."""
     sample_stream: str | None
     """How each sample's masking and views are drawn (the dataset's ``sample_stream``); None for the sentence stage."""
     sample_order: str
@@ -42,10 +43,11 @@ class TrainState:
         return out
 
     @classmethod
-    def from_state_dict(cls, state: dict, *, saved_train: dict, world_size: int) -> TrainState:
+    def from_state_dict(cls, state: dict, *, saved: dict, world_size: int) -> TrainState:
         """A checkpoint's (upgraded) trainer_state. Keys older checkpoints lack are filled from what they mean:
-        the batch split from the checkpoint's config.yaml (``saved_train``: its ``train`` section), the rank
-        count from this launch, the data position from the step."""
+        the batch split and the seed from the checkpoint's config.yaml (``saved``, as a dict), the rank count from
+        this launch, the data position from the step."""
+        saved_train = saved.get("train") or {}
         world = state.get("world_size", world_size)
         micro = state.get("micro_batch_size", saved_train.get("micro_batch_size"))
         accum = state.get("grad_accum", saved_train.get("grad_accum"))
@@ -57,7 +59,7 @@ class TrainState:
                    tokens_seen=state.get("tokens_seen", 0), bad_steps_total=state.get("bad_steps_total", 0),
                    world_size=world, micro_batch_size=micro, grad_accum=accum,
                    requested_batch=tuple(state.get("requested_batch", (micro, accum))),
-                   seed=state.get("seed", 0), sample_stream=state.get("sample_stream"),
+                   seed=state.get("seed", saved.get("seed")), sample_stream=state.get("sample_stream"),
                    sample_order=state["sample_order"])
 
     def continued(self, *, world_size: int, micro_batch_size: int, grad_accum: int) -> TrainState:

@@ -38,7 +38,7 @@ from pretrain.training.progress import (
 from pretrain.training.resume import last_good_checkpoint, plan_resume
 from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, lock_run_dir
 from pretrain.training.state import TrainState
-from pretrain.training.step import all_finite, count_tokens, dropout_rng, to_device
+from pretrain.training.step import optimizer_step, to_device
 
 REQUEUE_EXIT_CODE = 75
 """Exit status after a signal-triggered checkpoint (EX_TEMPFAIL): the launcher requeues the job."""
@@ -143,32 +143,17 @@ class Trainer:
         return self._finish(start_step, eta)
 
     def train_step(self, loader):
-        """One optimizer step over grad_accum micro-batches: forward -> loss -> backward -> step -> metrics.
-        Returns (StepInfo, whether the step was bad)."""
-        c, env, st = self.cfg, self.env, self.state
-        loss_ok, n_samples, n_tokens = True, 0, 0
+        """One optimizer step (``step.optimizer_step``) and its bookkeeping. Returns (StepInfo, whether it was bad)."""
+        st = self.state
         self._set_view_mean_mix()
-        # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
-        with dropout_rng(c.seed, st.step, env.rank, self.engine.device):
-            for _ in range(c.train.grad_accum):
-                batch = self._next_batch(loader)  # counted on the host, then moved: no device sync
-                n_samples += batch["input_ids"].shape[0]
-                n_tokens += count_tokens(batch)
-                batch = to_device(batch, self.engine.device)
-                loss, metrics = self.engine.forward(batch)
-                finite = all_finite(loss, env)  # all ranks agree: a bad micro-batch anywhere skips the step
-                if finite:
-                    self.window.sums.update(metrics)
-                    self.window.sums.add("loss", loss.detach().item(), 1)  # x world size: the rank mean is global
-                loss_ok &= finite
-                self.engine.micro_step(loss, finite=finite)
-        info = self.engine.step()  # skipped when the gradients are non-finite
+        result = optimizer_step(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
+                                grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
+                                precision=self.cfg.train.precision)
         st.step += 1
         st.consumed_samples += st.global_batch
-        st.tokens_seen += n_tokens
-        self.window.add(n_samples, n_tokens)
-        # fp16's loss-scale overflows are routine skips, not bad steps.
-        return info, not loss_ok or (info.skipped and c.train.precision != "fp16")
+        st.tokens_seen += result.tokens
+        self.window.add(result.samples, result.tokens)
+        return result.info, result.bad
 
     def _count_bad(self, bad: bool, consecutive: int) -> int:
         """Consecutive bad steps so far; TrainingDiverged at train.max_bad_steps of them."""

@@ -120,7 +120,7 @@ def test_nan_loss_or_gradient_step_is_skipped_parameters_unchanged(zero_stage, t
         for step in range(1, 5):
             before = [p.detach().clone() for p in trainer.module.parameters()]
             opt_before, lr_before = _optimizer_snapshot(trainer.engine), _schedule_snapshot(trainer.engine)
-            _, bad, _, _ = _step_with_grad_poison(trainer, loader, step == 3)
+            _, bad = _step_with_grad_poison(trainer, loader, step == 3)
             after = [p.detach().clone() for p in trainer.module.parameters()]
             unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
             assert all(torch.isfinite(a).all() for a in after), f"step {step} wrote non-finite parameters"
@@ -156,14 +156,12 @@ def _schedule_snapshot(engine) -> tuple:
 
 def _step_with_grad_poison(trainer, loader, poison: bool):
     """One train_step; with ``poison`` every gradient reaching the parameters is NaN (the loss stays finite)."""
-    from pretrain.metrics.accumulate import MetricSums
-
     handles = []
     if poison:
         handles = [p.register_hook(lambda g: g * float("nan")) for p in trainer.module.parameters()
                    if p.requires_grad]
     try:
-        return trainer.train_step(loader, MetricSums())
+        return trainer.train_step(loader)
     finally:
         for h in handles:
             h.remove()
@@ -527,6 +525,14 @@ def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_
                                      data__sources=f"[{{name: d, path: {tmp_path / 'other_data'}}}]"), capsys)
     assert code == 2 and "is not the tokenizer the checkpoint was trained with" in out, out[-2000:]
     assert "model.vocab_size: 2000 in the checkpoint" in out
+
+    # Another precision (DeepSpeed's optimizer files differ) or another seed (the sample order follows from it) is
+    # refused before anything loads, naming the key.
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, train__precision="bf16"), capsys)
+    assert code == 2 and "train.precision=fp32; this run has train.precision=bf16" in out, out[-2000:]
+    assert "Traceback" not in out and "No such file" not in out
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4, seed=99), capsys)
+    assert code == 2 and "seed=1234; this run has seed=99" in out, out[-2000:]
 
     # A sample order this version does not know is refused; a checkpoint from before orders were recorded
     # (numpy permutations per epoch) resumes in that order, says so, and keeps recording it.

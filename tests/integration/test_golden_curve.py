@@ -124,12 +124,16 @@ def test_golden_curve(tmp_path, clean_env):
 def test_run_dir_from_before_the_trainer_house_resumes_on_the_curve(tmp_path, clean_env):
     """A run directory written by pretrain 15d45cf (trainer_state format 3; the golden run with checkpoint.every=10,
     kept at its step-10 checkpoint) resumes with today's code and continues the golden curve: steps 11-20 equal
-    the uninterrupted run's."""
+    the uninterrupted run's — with every setting docs/operations.md calls free changed at the resume."""
     from pretrain.train import main
 
     run_dir = tmp_path / "run"
     shutil.copytree(OLD_RUN_DIR, run_dir)
-    assert main([*_overrides(tmp_path, run_dir), "checkpoint.every=10"]) == 0
+    free = ["train.eval_every=5", "train.eval_batches=3", "train.max_bad_steps=7", "checkpoint.every=3",
+            "checkpoint.keep_last=2", "checkpoint.trust=true", "checkpoint.resume=auto", "data.num_workers=1",
+            "data.prefetch_factor=3", "distributed.timeout_s=300", "distributed.peer_timeout_s=100",
+            "ops.similarity=eager", "ops.chunk_size=5", "eval.max_len=64", "eval.keep_best=false"]
+    assert main([*_overrides(tmp_path, run_dir), *free]) == 0
     got = _train_rows(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))  # steps 1-10 from the old run's metrics.jsonl, 11-20 new
     _assert_golden(got, range(11, STEPS + 1))
