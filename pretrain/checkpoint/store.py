@@ -221,7 +221,7 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
             if tokenizer_path:
                 shutil.copyfile(tokenizer_path, tmp_dir / "tokenizer.json")
     except (OSError, RuntimeError) as e:  # disk full, permissions, ... (torch.save reports ENOSPC as RuntimeError)
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+        error = _describe(e)
         if isinstance(e, RuntimeError) and not shutil.disk_usage(ckpt_dir).free:
             error += " (no space left on device)"
     failed = _any_rank(env, error is not None)
@@ -229,7 +229,7 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
         try:
             _write_weights(tmp_dir, step)
         except (OSError, RuntimeError) as e:
-            error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+            error = _describe(e)
     failed = _any_rank(env, error is not None)
     if not failed:
         try:
@@ -253,15 +253,26 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
             f"the previous checkpoint ({previous or 'none'}) is intact. Free disk space in {ckpt_dir} and resume."
         )
     if env.is_main:
-        final_dir = ckpt_dir / tag
-        if final_dir.exists():  # an older copy of this step (e.g. a redone step after resume): replace it
-            shutil.rmtree(final_dir)
-        os.replace(tmp_dir, final_dir)
-        atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
-        for old in list_complete(ckpt_dir)[:-keep_last]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+        _publish(ckpt_dir, tmp_dir, tag, keep_last)
     _barrier(env)
     return ckpt_dir / tag
+
+
+def _publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
+    """The complete ``tmp_dir`` becomes ``tag`` and ``latest`` (each by an atomic rename); the oldest checkpoints
+    beyond ``keep_last`` go."""
+    final_dir = ckpt_dir / tag
+    if final_dir.exists():  # an older copy of this step (e.g. a redone step after resume): replace it
+        shutil.rmtree(final_dir)
+    os.replace(tmp_dir, final_dir)
+    atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
+    for old in list_complete(ckpt_dir)[:-keep_last]:
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+
+
+def _describe(e: BaseException) -> str:
+    """An exception as one line: its type and the last line of its message."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
 
 
 def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:

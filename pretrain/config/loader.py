@@ -116,23 +116,12 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
+    """``value`` read from YAML as the field type ``tp`` (ValueError naming the dotted ``path`` when it is not)."""
     origin = get_origin(tp)
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:  # Optional[X]: X's own error (with its dotted path) is the useful one
-            return _convert(options[0], value, path)
-        errors = []
-        for arg in options:
-            try:
-                return _convert(arg, value, path)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(f"config {path}: {value!r} does not match {_type_name(tp)} ({'; '.join(errors)})")
+        return _convert_union(tp, value, path)
     if origin is typing.Literal:
         choices = get_args(tp)
         if value not in choices:
@@ -141,21 +130,46 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
     if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"config {path}: expected a list ({_type_name(tp)}), got {type(value).__name__} {value!r}")
-        args = get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise ValueError(f"config {path}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-        item_t = args[0] if args else Any
-        items = [_convert(item_t, v, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
+        return _convert_sequence(tp, value, path)
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"config {path}: expected a mapping, got {type(value).__name__} {value!r}")
         kt, vt = get_args(tp) or (Any, Any)
         return {_convert(kt, k, f"{path}.{k}"): _convert(vt, v, f"{path}.{k}") for k, v in value.items()}
+    return _convert_scalar(tp, value, path)
+
+
+def _convert_union(tp: Any, value: Any, path: str) -> Any:
+    args = get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:  # Optional[X]: X's own error (with its dotted path) is the useful one
+        return _convert(options[0], value, path)
+    errors = []
+    for arg in options:
+        try:
+            return _convert(arg, value, path)
+        except ValueError as e:
+            errors.append(str(e))
+    raise ValueError(f"config {path}: {value!r} does not match {_type_name(tp)} ({'; '.join(errors)})")
+
+
+def _convert_sequence(tp: Any, value: Any, path: str) -> list | tuple:
+    origin = get_origin(tp)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"config {path}: expected a list ({_type_name(tp)}), got {type(value).__name__} {value!r}")
+    args = get_args(tp)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(args) != len(value):
+            raise ValueError(f"config {path}: expected {len(args)} items, got {len(value)}")
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    item_t = args[0] if args else Any
+    items = [_convert(item_t, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value

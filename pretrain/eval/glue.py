@@ -142,22 +142,40 @@ def linear_warmup_decay(step: int, total: int, warmup: int) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
+def _encoded_splits(task, glue_dir, tokenizer, cfg: FinetuneConfig, gen: torch.Generator) -> tuple[list, dict]:
+    """The training examples encoded, in a seeded order (cut to cfg.max_train_examples), as (encoding, label)
+    pairs, and each dev split as (encodings, labels)."""
+    train = read_split(task, glue_dir, "train")
+    perm = torch.randperm(len(train), generator=gen).numpy()
+    if cfg.max_train_examples:
+        perm = perm[: cfg.max_train_examples]
+    train_enc = encode_split(train, tokenizer, cfg.max_len)
+    dev_sets = {}
+    for s in task.dev_splits:
+        d = read_split(task, glue_dir, s)
+        dev_sets[s] = (encode_split(d, tokenizer, cfg.max_len), d.label)
+    return [(train_enc[i], train.label[i]) for i in perm], dev_sets
+
+
+def _optimizer(model: nn.Module, cfg: FinetuneConfig, total_steps: int):
+    """AdamW (no decay on biases and norms) and the linear warm-up/decay schedule over ``total_steps``."""
+    no_decay = lambda n: n.endswith("bias") or "norm" in n.lower()  # noqa: E731
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not no_decay(n)], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    warmup = int(cfg.warmup_ratio * total_steps)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup_decay(s, total_steps, warmup))
+
+
 def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str | Path,
              save_dir: str | Path | None = None, log=print) -> dict:
     """Fine-tune `backbone` on one task; returns {config, best dev metrics, history, wall_s}."""
     task = get_task(cfg.task)
     t0 = time.time()
     gen = torch.Generator().manual_seed(cfg.seed)
-    train = read_split(task, glue_dir, "train")
-    perm = torch.randperm(len(train), generator=gen).numpy()
-    if cfg.max_train_examples:
-        perm = perm[: cfg.max_train_examples]
-    train_enc = encode_split(train, tokenizer, cfg.max_len)
-    train_enc = [(train_enc[i], train.label[i]) for i in perm]
-    dev_sets = {}
-    for s in task.dev_splits:
-        d = read_split(task, glue_dir, s)
-        dev_sets[s] = (encode_split(d, tokenizer, cfg.max_len), d.label)
+    train_enc, dev_sets = _encoded_splits(task, glue_dir, tokenizer, cfg, gen)
 
     best, best_state, history, step = None, None, [], 0
     # nn.Linear init and dropout draw from torch's global generator: fork it so the caller's RNG
@@ -165,16 +183,8 @@ def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = GlueModel(backbone, hidden_size_of(backbone), task.num_labels, cfg.dropout, gen).to(cfg.device)
-        no_decay = lambda n: n.endswith("bias") or "norm" in n.lower()  # noqa: E731
-        groups = [
-            {"params": [p for n, p in model.named_parameters() if not no_decay(n)], "weight_decay": cfg.weight_decay},
-            {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0},
-        ]
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         steps_per_epoch = (len(train_enc) + cfg.batch_size - 1) // cfg.batch_size
-        total = steps_per_epoch * cfg.epochs
-        warmup = int(cfg.warmup_ratio * total)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup_decay(s, total, warmup))
+        opt, sched = _optimizer(model, cfg, steps_per_epoch * cfg.epochs)
         loss_fn = nn.MSELoss() if task.labels is None else nn.CrossEntropyLoss()
         label_dtype = torch.float32 if task.labels is None else torch.long
         model.train()

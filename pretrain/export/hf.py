@@ -25,6 +25,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import tokenizers
 import torch
 
 from pretrain.checkpoint.files import publish_dir, save_safetensors, write_json
@@ -255,42 +256,16 @@ def export_hf(
     ``model_card`` becomes README.md.
     Returns the sentence-transformers module chain, e.g. ['Transformer', 'Pooling', 'Normalize'].
     """
-    import tokenizers
-
-
     cfg = model.cfg
     pooling = pooling or cfg.pooling
-    if cfg.norm != "post":
-        raise ValueError("only post-LN models (model.norm=post) export to the HF BERT format; pre-LN has no BERT twin")
-    if pooling not in ST_POOLING:
-        raise ValueError(
-            f"pooling {pooling!r} cannot be expressed in sentence-transformers here; "
-            f"export with one of {', '.join(ST_POOLING)}"
-        )
-    if not os.path.isfile(tokenizer_path):
-        raise FileNotFoundError(f"tokenizer file {tokenizer_path} not found; pass the run's data.tokenizer path")
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise ValueError(f"{out} already exists; remove it or pass overwrite=True (--overwrite)")
-    tok = clean_tokenizer(tokenizers.Tokenizer.from_file(tokenizer_path))
-    if tok.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
-        raise ValueError(
-            f"tokenizer {tokenizer_path} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the model's "
-            f"vocab_size is {cfg.vocab_size}; pass the tokenizer the model was trained with"
-        )
+    tok = _exportable_tokenizer(cfg, pooling, tokenizer_path, out, overwrite)
     max_len = min(max_seq_length or cfg.max_position, cfg.max_position)
-    ours = {k: _cpu_copy(v) for k, v in model.state_dict().items() if k not in TIED_KEYS}
-    hf = to_hf_state_dict(ours, cfg.num_layers)
-    if "bert.pooler.dense.weight" not in hf:
-        # BertModel always has a pooler (a missing one is reported): zeros, which our import drops again since
-        # config.json says "pretrain": {"pooler": false}.
-        hf["bert.pooler.dense.weight"] = torch.zeros(cfg.hidden_size, cfg.hidden_size)
-        hf["bert.pooler.dense.bias"] = torch.zeros(cfg.hidden_size)
+    ours, hf = _hf_weights(model)
     base = {k.removeprefix("bert."): v for k, v in hf.items() if k.startswith("bert.")}  # BertModel's own names
     heads = {k: v for k, v in ours.items() if k.startswith(OURS_ONLY_PREFIXES)} if projection else {}
-    dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
     hf_config = hf_config_from_model_config(cfg, tok, architecture="BertModel")
-    hf_config["dtype"] = dtype
+    hf_config["dtype"] = str(next(iter(hf.values())).dtype).removeprefix("torch.")
     if mlm_head:
         hf_config["pretrain"]["mlm_head"] = MLM_SUBDIR
 
@@ -311,17 +286,59 @@ def export_hf(
         if model_card is not None:
             (tmp / "README.md").write_text(model_card, encoding="utf-8")
         publish_dir(tmp)
-        if out.exists():  # overwrite: move the old one aside first, so out_dir is never half-written
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return chain
+
+
+def _hf_weights(model: PretrainModel) -> tuple[dict, dict]:
+    """(our state dict on the CPU without tied copies, the same as a BertForMaskedLM state dict)."""
+    cfg = model.cfg
+    ours = {k: _cpu_copy(v) for k, v in model.state_dict().items() if k not in TIED_KEYS}
+    hf = to_hf_state_dict(ours, cfg.num_layers)
+    if "bert.pooler.dense.weight" not in hf:
+        # BertModel always has a pooler (a missing one is reported): zeros, which our import drops again since
+        # config.json says "pretrain": {"pooler": false}.
+        hf["bert.pooler.dense.weight"] = torch.zeros(cfg.hidden_size, cfg.hidden_size)
+        hf["bert.pooler.dense.bias"] = torch.zeros(cfg.hidden_size)
+    return ours, hf
+
+
+def _exportable_tokenizer(cfg: ModelConfig, pooling: str, tokenizer_path: str, out: Path, overwrite: bool):
+    """The cleaned tokenizer to export with, after the checks that the model, pooling, tokenizer and output
+    directory allow an export (ValueError / FileNotFoundError saying what to change)."""
+    if cfg.norm != "post":
+        raise ValueError("only post-LN models (model.norm=post) export to the HF BERT format; pre-LN has no BERT twin")
+    if pooling not in ST_POOLING:
+        raise ValueError(
+            f"pooling {pooling!r} cannot be expressed in sentence-transformers here; "
+            f"export with one of {', '.join(ST_POOLING)}"
+        )
+    if not os.path.isfile(tokenizer_path):
+        raise FileNotFoundError(f"tokenizer file {tokenizer_path} not found; pass the run's data.tokenizer path")
+    if out.exists() and not overwrite:
+        raise ValueError(f"{out} already exists; remove it or pass overwrite=True (--overwrite)")
+    tok = clean_tokenizer(tokenizers.Tokenizer.from_file(tokenizer_path))
+    if tok.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer_path} has {tok.get_vocab_size(with_added_tokens=True)} tokens but the model's "
+            f"vocab_size is {cfg.vocab_size}; pass the tokenizer the model was trained with"
+        )
+    return tok
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Renames the finished ``tmp`` to ``out``; an existing ``out`` is moved aside first, so that ``out`` is
+    never half-written (it is the old directory or the new one)."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
 
 
 # ----------------------------------------------------------------------------- import
@@ -377,8 +394,6 @@ def model_with_state(
 
 def write_clean_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike) -> str:
     """Write the HF directory's tokenizer as a plain tokenizer.json (no padding/truncation) to out_path."""
-    import tokenizers
-
     d = Path(hf_dir)
     if (d / "tokenizer.json").is_file():
         tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))

@@ -15,7 +15,7 @@ our checkpoints from their model.safetensors (``store.load_model_state``, after 
 checkpoint's files.json: a damaged one is refused); an old checkpoint without it only with ``trust``. Used by
 ``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so that they all accept the
 same inputs with the same errors. ``run_model_config`` gives ``checkpoint.init_from`` the architecture of what it
-starts from. This module depends on ``checkpoint.hf`` (key maps, readers), never the other way round.
+starts from. This module depends on ``export.hf`` (key maps, readers), never the other way round.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def _recording(self, loader):
     rows = [hashlib.sha1(ids[mask.bool()].to(torch.int64).numpy().tobytes()).hexdigest()[:16]
             for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
     with open(self.run_dir / f"samples-rank{self.env.rank}.jsonl", "a") as f:
-        f.write(json.dumps({"step": self.step + 1, "samples": rows}) + "\\n")
+        f.write(json.dumps({"step": self.state.step + 1, "samples": rows}) + "\\n")
     return batch
 
 
