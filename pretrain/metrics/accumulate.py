@@ -2,39 +2,57 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from pretrain.distributed.comm import all_reduce_host
 
 
 class MetricSums:
-    """Accumulates name -> (sum, count); ``reduce`` sums both over ranks and returns the means."""
+    """Accumulates name -> (sum, count) without a host sync: tensors stay on their device (detached, in float64),
+    Python numbers stay numbers; ``reduce`` sums both over ranks and fetches them in one transfer, once per log
+    interval, and returns the means (NaN for a count of 0)."""
 
     def __init__(self) -> None:
-        self._sums: dict[str, float] = defaultdict(float)
-        self._counts: dict[str, float] = defaultdict(float)
+        self._sums: dict[str, object] = {}
+        self._counts: dict[str, object] = {}
 
-    def add(self, name: str, value_sum, count) -> None:
-        self._sums[name] += float(value_sum)
-        self._counts[name] += float(count)
+    def add(self, name: str, value_sum, count, *, keep: torch.Tensor | None = None) -> None:
+        """``keep``: a 0-dim bool tensor; where it is False this addition counts as nothing (decided on the
+        device: a non-finite micro-batch's figures are dropped without the host looking at them)."""
+        value_sum, count = _f64(value_sum), _f64(count)
+        if keep is not None:
+            value_sum = torch.where(keep, _on(value_sum, keep.device), 0.0)
+            count = torch.where(keep, _on(count, keep.device), 0.0)
+        self._sums[name] = self._sums.get(name, 0.0) + value_sum
+        self._counts[name] = self._counts.get(name, 0.0) + count
 
-    def update(self, metrics: dict[str, tuple]) -> None:
+    def update(self, metrics: dict[str, tuple], *, keep: torch.Tensor | None = None) -> None:
         for name, (value_sum, count) in metrics.items():
-            self.add(name, value_sum, count)
+            self.add(name, value_sum, count, keep=keep)
 
     def reduce(self, env=None) -> dict[str, float]:
         names = sorted(self._sums)
-        if env is not None and env.is_distributed and names:
-            t = torch.tensor([[self._sums[n], self._counts[n]] for n in names], dtype=torch.float64)
-            t = all_reduce_host(t)
-            sums = {n: t[i, 0].item() for i, n in enumerate(names)}
-            counts = {n: t[i, 1].item() for i, n in enumerate(names)}
-        else:
-            sums, counts = dict(self._sums), dict(self._counts)
-        return {n: (sums[n] / counts[n] if counts[n] else float("nan")) for n in names}
+        if not names:
+            return {}
+        device = next((v.device for v in [*self._sums.values(), *self._counts.values()] if torch.is_tensor(v)),
+                      torch.device("cpu"))
+        t = torch.stack([torch.stack([_on(self._sums[n], device), _on(self._counts[n], device)]) for n in names])
+        if env is not None and env.is_distributed:
+            t = all_reduce_host(t.cpu())
+        rows = t.tolist()  # the one device -> host transfer
+        return {n: (s / c if c else float("nan")) for n, (s, c) in zip(names, rows)}
 
     def reset(self) -> None:
         self._sums.clear()
         self._counts.clear()
+
+
+def _f64(x):
+    return x.detach().to(torch.float64) if torch.is_tensor(x) else float(x)
+
+
+def _on(x, device) -> torch.Tensor:
+    """A 0-dim float64 tensor on ``device``; a Python number is filled in there (a kernel, not a copy)."""
+    if torch.is_tensor(x):
+        return x.to(device).reshape(())
+    return torch.full((), x, dtype=torch.float64, device=device)

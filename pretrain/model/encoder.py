@@ -24,15 +24,19 @@ class Encoder(nn.Module):
 
     def forward(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, all_layers: bool = False,
-        token_type_ids_BT: torch.Tensor | None = None,
+        token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Last hidden states h_BTD, or with ``all_layers`` the list [embeddings, layer 1, ..., layer L]
-        (L+1 tensors, as HF's ``hidden_states``; for pre-LN the last one is after the final LayerNorm)."""
+        (L+1 tensors, as HF's ``hidden_states``; for pre-LN the last one is after the final LayerNorm).
+        ``padded``: whether the mask has padding, when the caller knows it from the host; None looks on the device
+        (a host sync)."""
         # The padding mask is built once and shared by every layer (True = real key token). A batch without
         # padding passes no mask, so SDPA may pick its flash kernel (a mask rules it out on CUDA).
         keep_B11T = None
         if attention_mask_BT is not None:
-            if torch.compiler.is_compiling() or not bool(attention_mask_BT.all()):
+            if padded is None:
+                padded = torch.compiler.is_compiling() or not bool(attention_mask_BT.all())
+            if padded:
                 keep_B11T = attention_mask_BT.bool()[:, None, None, :]
         x_BTD = self.embeddings(input_ids_BT, token_type_ids_BT)
         states = [x_BTD] if all_layers else None

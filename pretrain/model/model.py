@@ -42,21 +42,28 @@ class PretrainModel(nn.Module):
 
     def encode(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, all_layers: bool = False,
-        token_type_ids_BT: torch.Tensor | None = None,
+        token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """h_BTD of the last layer, or with ``all_layers`` [embeddings, layer 1, ..., layer L].
 
-        ``token_type_ids_BT`` (segment ids, sentence pairs) defaults to all zeros."""
+        ``token_type_ids_BT`` (segment ids, sentence pairs) defaults to all zeros; ``padded`` as in
+        ``Encoder.forward``."""
         return self.encoder(input_ids_BT, attention_mask_BT, all_layers=all_layers,
-                            token_type_ids_BT=token_type_ids_BT)
+                            token_type_ids_BT=token_type_ids_BT, padded=padded)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.encoder(input_ids, attention_mask)
 
-    def mlm_logits(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits_MV, labels_M) for the M positions whose label is not -100 (the head runs on those only)."""
-        keep_BT = labels_BT != IGNORE_INDEX
-        return self.mlm_head(h_BTD[keep_BT]), labels_BT[keep_BT]
+    def mlm_logits(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor,
+                   positions_M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits_MV, labels_M) for the M positions whose label is not -100 (the head runs on those only).
+        ``positions_M``: those positions as flat indices into B*T, when the host already knows them; without
+        them the boolean mask is applied on the device (M is then a host sync)."""
+        if positions_M is None:
+            keep_BT = labels_BT != IGNORE_INDEX
+            return self.mlm_head(h_BTD[keep_BT]), labels_BT[keep_BT]
+        h_MD = h_BTD.flatten(0, 1).index_select(0, positions_M)
+        return self.mlm_head(h_MD), labels_BT.flatten().index_select(0, positions_M)
 
     def pool(
         self,

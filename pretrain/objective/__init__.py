@@ -62,7 +62,6 @@ class Objective:
         heads = torch.nn.ModuleDict()
         rc = self.cfg.reconstruction
         if rc is not None:
-
             heads["autoencoder"] = TextCNNAutoencoder(model.cfg.hidden_size, tuple(rc.kernel_sizes), rc.channels,
                                                       rc.integrate_channels)
         return heads
@@ -82,7 +81,7 @@ class Objective:
             weight = 1.0 if name in SELF_WEIGHTED else term_cfg.weight
             if total > 0:
                 loss = loss + weight * sums[name] * (world / total)
-            metrics[name] = (sums[name].detach().item(), counts[name])
+            metrics[name] = (sums[name].detach(), counts[name])  # a tensor: no host sync mid-step
         if not torch.is_tensor(loss):
             loss = sum(s for s in sums.values()) * 0.0
         return loss, metrics
@@ -91,7 +90,6 @@ class Objective:
 def _reduce_counts(counts: list, env) -> list[float]:
     if not env.is_distributed:
         return [float(c) for c in counts]
-
     return all_reduce_host(torch.tensor(counts, dtype=torch.float64)).tolist()
 
 

@@ -50,8 +50,15 @@ class Forward:
 
     def mlm_hidden(self) -> torch.Tensor:
         if "mlm" not in self._cache:
-            self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"])
+            self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"],
+                                                   padded=self._padded("attention_mask"))
         return self._cache["mlm"]
+
+    def _padded(self, mask_key: str) -> bool | None:
+        """Whether the batch's ``mask_key`` has padding, as the host recorded it (training/step.py: host_facts);
+        None when it did not (the encoder then looks on the device)."""
+        full = self.batch.get("full_masks")
+        return None if full is None else mask_key not in full
 
     def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor, mean_mix: float = 0.0) -> torch.Tensor:
         """Training-time sentence embedding: pool (blended with ``mean_mix`` of mean pooling) -> projection MLP."""
@@ -68,10 +75,14 @@ class Forward:
                 ids = torch.cat([b["sentence_ids"], b["sentence_ids"]])
                 mask = torch.cat([b["sentence_mask"], b["sentence_mask"]])
                 n = b["sentence_ids"].shape[0]
+                padded = self._padded("sentence_mask")
             else:  # pretraining: CLEAR's two augmented views
                 ids, mask = _stack_padded([b["view_a_ids"], b["view_b_ids"]], [b["view_a_mask"], b["view_b_mask"]])
                 n = b["view_a_ids"].shape[0]
-            self._cache["pair_h"] = (self.model.encode(ids, mask), mask, ids, n)
+                a, z = self._padded("view_a_mask"), self._padded("view_b_mask")
+                same_len = b["view_a_ids"].shape[1] == b["view_b_ids"].shape[1]
+                padded = None if a is None or z is None else (a or z or not same_len)
+            self._cache["pair_h"] = (self.model.encode(ids, mask, padded=padded), mask, ids, n)
         return self._cache["pair_h"]
 
     def view_projections(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,14 +43,15 @@ def spread_metrics(z_a: torch.Tensor, z_b: torch.Tensor) -> dict:
     cos = z @ z.T
     idx = torch.arange(2 * n, device=z.device)
     other = (idx[:, None] % n) != (idx[None, :] % n)  # different sentences (not itself, not its twin view)
-    pairs = int(other.sum())
+    pairs = 4 * n * (n - 1)  # other.sum(), known from the shape: no host sync
+    # Masked by multiplication, not by boolean indexing (which needs the count on the host).
     sq_dist = (2 - 2 * cos).clamp_min(0)
-    uniform = torch.log(torch.exp(-2 * sq_dist)[other].mean())
-    return {"emb_cos": (float(cos[other].sum()), pairs), "uniform": (float(uniform), 1)}
+    uniform = torch.log((torch.exp(-2 * sq_dist) * other).sum() / pairs)
+    return {"emb_cos": ((cos * other).sum(), pairs), "uniform": (uniform, 1)}
 
 
 def mlm_term(fwd: Forward, cfg, ctx: Context):
-    logits, labels = fwd.model.mlm_logits(fwd.mlm_hidden(), fwd.batch["mlm_labels"])
+    logits, labels = fwd.model.mlm_logits(fwd.mlm_hidden(), fwd.batch["mlm_labels"], fwd.batch.get("mlm_positions"))
     return mlm_loss(logits, labels)
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from pretrain.config.data import IGNORE_INDEX
 from pretrain.distributed.comm import all_reduce_host
 
 
@@ -27,23 +29,27 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
                    precision: str) -> StepResult:
     """grad_accum micro-batches from ``next_batch()`` through forward -> loss -> backward, then the update (or its
     skip when any rank saw a non-finite loss or gradient); finite micro-batches' metrics are added to ``sums``."""
-    loss_ok, n_samples, n_tokens = True, 0, 0
+    n_samples, n_tokens, all_finite_t = 0, 0, None
     # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
     with dropout_rng(seed, step, env.rank, engine.device):
         for _ in range(grad_accum):
             batch = next_batch()  # counted on the host, then moved: no device sync
             n_samples += batch["input_ids"].shape[0]
             n_tokens += count_tokens(batch)
-            loss, metrics = engine.forward(to_device(batch, engine.device))
-            finite = all_finite(loss, env)  # all ranks agree: a bad micro-batch anywhere skips the step
-            if finite:
-                sums.update(metrics)
-                sums.add("loss", loss.detach().item(), 1)  # x world size: the rank mean is the global loss
-            loss_ok &= finite
+            loss, metrics = engine.forward(to_device(host_facts(batch), engine.device))
+            # Decided on the device, no host sync: a non-finite micro-batch's figures are dropped, and its
+            # gradients become NaN (micro_step), so the update is skipped on every rank (the NaN reaches every
+            # rank's gradients through their reduction, and every optimizer DeepSpeed runs refuses them).
+            finite = torch.isfinite(loss.detach())
+            sums.update(metrics, keep=finite)
+            sums.add("loss", loss.detach(), 1, keep=finite)  # x world size: the rank mean is the global loss
+            all_finite_t = finite if all_finite_t is None else all_finite_t & finite
             engine.micro_step(loss, finite=finite)
-    info = engine.step()  # skipped when the gradients are non-finite
-    return StepResult(info=info, bad=not loss_ok or (info.skipped and precision != "fp16"), samples=n_samples,
-                      tokens=n_tokens)
+    info = engine.step()  # skipped when the gradients are non-finite (DeepSpeed has looked at them on the host)
+    # A non-finite loss always skips the step, so outside fp16 "skipped" says it; fp16's loss-scale overflows are
+    # routine skips, so there the loss itself decides (one host sync, fp16 only).
+    bad = info.skipped if precision != "fp16" else not all_finite(all_finite_t, env)
+    return StepResult(info=info, bad=bad, samples=n_samples, tokens=n_tokens)
 
 
 @contextlib.contextmanager
@@ -58,18 +64,30 @@ def dropout_rng(seed: int, step: int, rank: int, device):
 
 
 def count_tokens(batch: dict) -> int:
-    """Real (non-padding) tokens of a batch: the sequence and both views."""
-    return int(sum(batch[k].sum() for k in ("attention_mask", "view_a_mask", "view_b_mask") if k in batch))
+    """Real (non-padding) tokens of a batch (host tensors): the sequence and both views."""
+    return int(sum(batch[k].numpy().sum() for k in ("attention_mask", "view_a_mask", "view_b_mask") if k in batch))
+
+
+def host_facts(batch: dict) -> dict:
+    """The batch (host tensors, from the loader) with what the device would otherwise be asked for, read here
+    with numpy before it moves: ``mlm_positions`` (flat indices of the MLM-labelled tokens: the MLM head's
+    rows, a shape the device cannot know without a sync) and ``full_masks`` (the attention masks without
+    padding: the encoder then passes no mask)."""
+    out = dict(batch)
+    if "mlm_labels" in batch:
+        labels = batch["mlm_labels"].numpy().reshape(-1)
+        out["mlm_positions"] = torch.from_numpy(np.flatnonzero(labels != IGNORE_INDEX))
+    out["full_masks"] = frozenset(k for k, v in batch.items() if k.endswith("_mask") and v.numpy().all())
+    return out
 
 
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def all_finite(loss: torch.Tensor, env) -> bool:
-    ok = torch.tensor([1 if bool(torch.isfinite(loss.detach()).all()) else 0])
+def all_finite(finite: torch.Tensor, env) -> bool:
+    """Whether ``finite`` (a device bool) holds on every rank: one host sync and, distributed, a MIN all-reduce."""
+    ok = torch.tensor([1 if bool(finite) else 0])
     if env.is_distributed:
         ok = all_reduce_host(ok, torch.distributed.ReduceOp.MIN)
     return bool(ok.item())
-
-

@@ -1,0 +1,71 @@
+"""The trainer's own step forces no host-device sync (pretrain/training/syncs.py counts the ops that would on
+CUDA): a step that does not log runs forward, loss, backward and metrics without the host waiting for the
+device. DeepSpeed's optimizer step (``Engine.step``: its gradient checks and norm) is counted apart: it is
+DeepSpeed's, and what it syncs is reported, not asserted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from pretrain.config import load_run_config
+from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+from pretrain.training.syncs import OpCounter
+from pretrain.training.trainer import Trainer
+
+
+def _count_steps(trainer, steps: int) -> tuple[OpCounter, OpCounter]:
+    """(ops of the trainer's steps outside Engine.step, ops of Engine.step) over ``steps`` steps after a warm-up."""
+    loader = iter(trainer._loader(trainer.train_set, 0))
+    trainer.engine.train()
+    trainer.train_step(loader)  # warm-up: first-call work (allocations, DeepSpeed's lazy set-up) is not a step
+    ds_step, inner = trainer.engine.step, OpCounter()
+
+    def step_counted_apart():
+        with _disable_current_modes(), inner:
+            return ds_step()
+
+    trainer.engine.step = step_counted_apart
+    with OpCounter() as outer:
+        for _ in range(steps):
+            trainer.train_step(loader)
+    trainer.engine.step = ds_step
+    return outer, inner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage, grad_accum", [(0, 1), (0, 2), (2, 1), (2, 2)])
+def test_a_step_that_does_not_log_forces_no_sync(zero_stage, grad_accum, tmp_path, tiny_overrides, clean_env,
+                                                  capsys):
+    cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
+                                               train__grad_accum=grad_accum))
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=60)
+    try:
+        trainer = Trainer(cfg, env)
+        outer, inner = _count_steps(trainer, steps=2)
+        with capsys.disabled():
+            print(f"\nZeRO-{zero_stage} grad_accum {grad_accum}, per step: trainer {outer.num_ops / 2:.0f} aten ops, "
+                  f"{outer.num_syncs / 2:g} syncs {dict(outer.syncs)}; Engine.step {inner.num_ops / 2:.0f} ops, "
+                  f"{inner.num_syncs / 2:g} syncs {dict(inner.syncs)}")
+        assert outer.num_ops > 100  # the counter saw the step
+        assert outer.num_syncs == 0, dict(outer.where)
+        # The metrics the step accumulated are still there, fetched in one go at the log step.
+        scalars = trainer.window.sums.reduce(env)
+        assert torch.isfinite(torch.tensor(scalars["loss"])) and "mlm" in scalars
+    finally:
+        trainer.close()
+        destroy_process_group()
+
+
+def test_the_counter_counts_syncs():
+    x = torch.arange(6.0)
+    with OpCounter() as c:
+        y = (x * 2).sum()
+        assert c.num_syncs == 0
+        y.item()
+        x[x > 2].sum()
+        torch.nonzero(x)
+    assert dict(c.syncs) == {"aten::_local_scalar_dense": 1, "aten::index": 1, "aten::nonzero": 1}
+    assert c.ops["aten::mul"] == 1 and c.num_ops >= 6
