@@ -1,7 +1,8 @@
 """Raw text → sharded binary dataset (``pretrain-preprocess``).
 
-The main process cuts every input file into byte ranges of about ``chunk_chars`` bytes, only where its reader
-starts afresh (``readers.plan_ranges``), and hands them to a ``multiprocessing`` pool (bounded window, results
+The main process cuts every input file into parts of about ``chunk_chars`` bytes, only where its reader starts
+afresh (``readers.plan_parts``: byte ranges of text, runs of parquet row groups or Arrow record batches, a whole
+compressed stream), and hands them to a ``multiprocessing`` pool (bounded window, results
 consumed in submission order) whose workers read, parse, split sentences and tokenize their ranges themselves.
 The main process writes shards in order, so the output is byte-identical for any worker count (and to reading
 each file whole).
@@ -25,7 +26,7 @@ from typing import Iterator
 import numpy as np
 
 from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
-from pretrain.data.readers import ReadStats, expand_inputs, open_input, plan_ranges, read_range, sniff_format
+from pretrain.data.readers import FORMATS, Part, ReadStats, expand_inputs, open_input, plan_parts, read_part
 from pretrain.data.shards import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, TOKEN_FREQ, file_sha256, verify_dataset,
                                   write_manifest)
 from pretrain.data.sentence_split import sentence_spans, split_sentences  # noqa: F401 (re-exported)
@@ -69,23 +70,14 @@ class ChunkProcessor:
                            int((long_enough & (sizes == 0)).sum()))
 
 
-@dataclass(frozen=True)
-class RangeTask:
-    """Bytes ``start .. end`` of one input file, read as ``kind`` (``readers.plan_ranges``): what a worker reads,
-    splits and tokenizes by itself."""
-
-    path: str
-    start: int
-    end: int
-    kind: str
-    ends_before_doc: bool
+RangeTask = Part
+"""What a worker reads, splits and tokenizes by itself (``readers.plan_parts``)."""
 
 
 def _run_task(task: RangeTask, processor: ChunkProcessor, read_kwargs: dict) -> tuple[ChunkResult, dict]:
     """Read, split and tokenize one range: (its result, the lines it skipped by reason)."""
     stats = ReadStats()
-    docs = read_range(task.path, task.start, task.end, task.kind, stats, ends_before_doc=task.ends_before_doc,
-                      **read_kwargs)
+    docs = read_part(task, stats, **read_kwargs)
     return processor([d.paragraphs for d in docs]), stats.skipped
 
 
@@ -179,15 +171,14 @@ class _ShardWriter:
 
 
 def _tasks(files: list[str], stats: ReadStats, chunk_bytes: int, *, fmt: str, max_line_bytes: int,
-           errors: str) -> Iterator[RangeTask]:
-    """The byte ranges of every input file (about chunk_bytes each, cut where the reader starts afresh); files are
+           errors: str, text_field: str) -> Iterator[RangeTask]:
+    """The parts of every input file (about chunk_bytes each, cut where the reader starts afresh); files are
     counted in ``stats`` here, their lines by the workers."""
     for path in files:
         if not open_input(path, stats):
             continue
-        kind = sniff_format(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
-        for start, end, before_doc in plan_ranges(path, kind, chunk_bytes, max_line_bytes=max_line_bytes):
-            yield RangeTask(path, start, end, kind, before_doc)
+        yield from plan_parts(path, chunk_bytes, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors,
+                              text_field=text_field)
 
 
 def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
@@ -240,7 +231,8 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
                disable=not progress, mininterval=1.0, smoothing=0.1)
     try:
-        tasks = _tasks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
+        tasks = _tasks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors,
+                       text_field=text_field)
         read_kwargs = {"max_line_bytes": max_line_bytes, "errors": errors, "text_field": text_field}
         done_bytes = 0
         for r, skipped, task in _map_ordered(tasks, ChunkProcessor(tok, min_sentence_chars), num_workers,
@@ -248,7 +240,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
             for reason, n in skipped.items():
                 stats.count(reason, n)
             writer.add(r)
-            done_bytes += task.end - task.start
+            done_bytes += task.input_bytes
             bar.update(max(0, done_bytes - bar.n))
             counts += np.bincount(r.flat_ids, minlength=tok.vocab_size)
             report["documents"] += int((r.doc_sentences > 0).sum())
@@ -312,7 +304,9 @@ def format_report(manifest: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Console script ``pretrain-preprocess``; ``--verify DIR`` re-checks a dataset and exits 1 on problems."""
     ap = argparse.ArgumentParser(prog="pretrain-preprocess", description=__doc__.splitlines()[0])
-    ap.add_argument("inputs", nargs="*", help="files or directories (.txt, .jsonl, WikiExtractor output, books)")
+    ap.add_argument("inputs", nargs="*", help="files or directories (.txt, .jsonl, WikiExtractor output, books, "
+                                              ".parquet, datasets save_to_disk directories; text formats also "
+                                              "as .gz/.zst/.bz2/.xz)")
     ap.add_argument("--tokenizer", help="tokenizer.json written by pretrain-tokenizer")
     ap.add_argument("--out", help="output dataset directory")
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
@@ -323,9 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-line-bytes", type=int, default=1_000_000)
     ap.add_argument("--errors", choices=("strict", "replace", "skip"), default="strict",
                     help="invalid UTF-8: stop with the file and byte offset (strict), replace bad bytes, or skip the line")
-    ap.add_argument("--format", dest="fmt", choices=("auto", "text", "gutenberg", "wikiextractor", "jsonl"),
-                    default="auto")
-    ap.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
+    ap.add_argument("--format", dest="fmt", choices=FORMATS, default="auto",
+                    help="input format (auto: parquet/arrow and compression by magic number, text formats by "
+                         "extension and first line)")
+    ap.add_argument("--text-field", default="text",
+                    help="JSON field (.jsonl) or column (parquet, arrow/datasets) holding the text")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verify", metavar="DIR", help="re-check checksums and structure of a dataset and exit")
