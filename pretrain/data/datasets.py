@@ -55,6 +55,8 @@ class PretrainDataset(torch.utils.data.Dataset):
         self.vocab_size = tokenizer.vocab_size
         self.special_ids = tuple(sorted(tokenizer.special_ids))
         self.special_V, self.allowed_A = special_table(self.vocab_size, self.special_ids)
+        self.word_start_V = tokenizer.word_start_mask() if cfg.masking.scheme != "token" else None
+        """bool [V] for whole-word and span masking."""
         self.cls_id, self.sep_id, self.mask_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id
         self.augmenter = build_augmenter(cfg.augment, tokenizer) if with_views else None
         self.index = load_or_build_sample_index(source, cfg.max_len - 2)
@@ -86,7 +88,8 @@ class PretrainDataset(torch.utils.data.Dataset):
         text = self.texts(index_B % n)
         seq = text.wrap(self.cls_id, self.sep_id)
         input_BT, labels_BT = mask_batch(seq, keys_B, self.cfg.masking, special_V=self.special_V,
-                                         allowed_A=self.allowed_A, mask_id=self.mask_id)
+                                         allowed_A=self.allowed_A, mask_id=self.mask_id,
+                                         word_start_V=self.word_start_V)
         fields = {"input_ids": Ragged(input_BT, seq.len), "mlm_labels": Ragged(labels_BT, seq.len)}
         if self.augmenter is not None:  # both views in one call: rows 0..B-1 are view a, B..2B-1 view b
             B = len(keys_B)

@@ -99,10 +99,11 @@ def rows_of(a: np.ndarray) -> np.ndarray:
     return np.arange(len(a))[:, None]
 
 
-def words(r: Ragged, word_start_V: np.ndarray) -> Words:
-    """Words of every row; position 0 of a non-empty row always starts a word."""
+def words(r: Ragged, word_start_V: np.ndarray, *, also_BT: np.ndarray | None = None) -> Words:
+    """Words of every row; position 0 of a non-empty row always starts a word, and so does every position where
+    ``also_BT`` (bool [B, T]) is True."""
     valid = r.valid()
-    start_BT = word_start_V[r.ids] & valid
+    start_BT = (word_start_V[r.ids] if also_BT is None else word_start_V[r.ids] | also_BT) & valid
     if start_BT.shape[1]:
         start_BT[:, 0] = valid[:, 0]
     index_BT = np.maximum(np.cumsum(start_BT, axis=1) - 1, 0)

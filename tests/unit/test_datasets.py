@@ -281,3 +281,32 @@ def test_a_batch_is_its_samples_built_one_by_one(tokenizer, tmp_path):
                 assert batch[field][b, :n].tolist() == one[name].tolist(), (key, name)
                 assert (batch[field][b, n:] == (-100 if name == "mlm_labels" else tokenizer.pad_id)).all()
         assert batch["view_a_mask"].sum(1).tolist() == [len(dataset[k]["view_a"]) for k in keys]
+
+
+@pytest.mark.parametrize("scheme", ["whole_word", "span"])
+def test_word_masking_schemes_use_the_tokenizers_word_starts(tokenizer, scheme):
+    """Each sample's MLM input equals the row-by-row reference on the tokenizer's own word starts, drawn from the
+    sample's key; a batch's rows equal the samples built one by one."""
+    import augment_reference as R
+
+    from pretrain.config.data import MaskingConfig
+    from pretrain.data.counter_rng import sample_keys
+
+    docs = [[tokenizer.encode("She was glad to see the large house and the small garden near the river."),
+             tokenizer.encode("The quick brown fox jumps over the lazy dog.")] for _ in range(6)]
+    cfg = DataConfig(max_len=64, view_max_len=32, masking=MaskingConfig(scheme=scheme, prob=0.3))
+    ds = PretrainDataset(FakeShards(docs), tokenizer, cfg, seed=2, with_views=False)
+    starts = tokenizer.word_start_mask()
+    assert not starts.all()  # the tokenizer splits some words into pieces
+    reference = R.mask_whole_words if scheme == "whole_word" else R.mask_spans
+    batch = ds.__getitems__([(0, i) for i in range(len(ds))])
+    for i in range(len(ds)):
+        s = ds[(0, i)]
+        text = np.concatenate([ds.source[j] for j in range(*ds.index.range(i))]).astype(np.int64)
+        seq = np.concatenate([[tokenizer.cls_id], text, [tokenizer.sep_id]])
+        key = int(sample_keys(2, 0, [i])[0])
+        inp, labels = reference(seq, key, cfg.masking, sorted(tokenizer.special_ids), tokenizer.mask_id,
+                                tokenizer.vocab_size, starts)
+        assert s["input_ids"].tolist() == inp and s["mlm_labels"].tolist() == labels
+        assert np.array_equal(batch.sample(i)["input_ids"], s["input_ids"])
+        assert (s["mlm_labels"] != -100).sum() > 0
