@@ -322,3 +322,12 @@ def test_a_stray_nul_byte_keeps_a_text_file_text(tmp_path):
     stats = ReadStats()
     assert [d.paragraphs for d in read_file(str(path), stats)] == [["Fine line one.", "Last line."]]
     assert stats.skipped == {"nul_bytes": 1}
+
+
+def test_write_parquet_round_trips_documents(corpus, tmp_path):
+    from pretrain.data.columnar import write_parquet
+
+    docs = [d.paragraphs for d in read_file(str(corpus["root"] / "plain.txt"), ReadStats())]
+    assert write_parquet(iter(docs), str(tmp_path / "w.parquet"), row_group_rows=8) == len(docs)
+    assert pq.ParquetFile(tmp_path / "w.parquet").metadata.num_row_groups == -(-len(docs) // 8)
+    assert [d.paragraphs for d in read_file(str(tmp_path / "w.parquet"), ReadStats())] == docs
