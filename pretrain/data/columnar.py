@@ -124,27 +124,39 @@ def _group(sizes: list[int], target_bytes: int, file_bytes: int) -> list[tuple[i
 # ---------------------------------------------------------------------------------------------------- reading
 
 
-def _texts(path: str, column, stats, errors: str) -> Iterator[str]:
-    """The values of one text column chunk as str; nulls counted, binary values decoded by ``errors``."""
+def _texts(path: str, column, stats, errors: str, row0: int, text_field: str) -> Iterator[str]:
+    """The values of one text column chunk (rows ``row0 ..`` of the file) as str; nulls counted; invalid UTF-8
+    (in a binary column, or in a string column written without validation) handled by ``errors`` as in text."""
     import pyarrow as pa
 
-    binary = pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
-    for value in column.to_pylist():
+    values = None
+    if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+        try:
+            values = column.to_pylist()
+        except UnicodeDecodeError:  # a string column with invalid bytes: decode value by value below
+            column = column.view(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+    if values is not None:
+        for value in values:
+            if value is None:
+                stats.count("null_text")
+            else:
+                yield value
+        return
+    for row, value in enumerate(column.to_pylist(), start=row0):
         if value is None:
             stats.count("null_text")
             continue
-        if binary:
-            try:
-                value = value.decode("utf-8")
-            except UnicodeDecodeError as e:
-                if errors == "strict":
-                    raise ValueError(f"{path}: invalid UTF-8 in column value at byte {e.start}; fix the file or "
-                                     f"re-run with --errors replace or --errors skip") from None
-                if errors == "skip":
-                    stats.count("invalid_utf8")
-                    continue
-                value = value.decode("utf-8", errors="replace")
-                stats.count("replaced_utf8")
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if errors == "strict":
+                raise ValueError(f"{path}: invalid UTF-8 in row {row} of column {text_field!r} at byte {e.start}; "
+                                 f"fix the file or re-run with --errors replace or --errors skip") from None
+            if errors == "skip":
+                stats.count("invalid_utf8")
+                continue
+            value = value.decode("utf-8", errors="replace")
+            stats.count("replaced_utf8")
         yield value
 
 
@@ -175,11 +187,13 @@ def read_parquet(path: str, start: int, end: int, stats, *, text_field: str, err
     _text_column(path, pf.schema_arrow, text_field)
     if end <= start:
         return
+    row = sum(pf.metadata.row_group(i).num_rows for i in range(start))
     for batch in pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=list(range(start, end)), columns=[text_field]):
-        for text in _texts(path, batch.column(0), stats, errors):
+        for text in _texts(path, batch.column(0), stats, errors, row, text_field):
             paragraphs = paragraphs_of(text, stats, max_line_bytes)
             if paragraphs:
                 yield paragraphs
+        row += batch.num_rows
 
 
 def read_arrow(path: str, start: int, end: int, stats, *, text_field: str, errors: str,
@@ -187,15 +201,16 @@ def read_arrow(path: str, start: int, end: int, stats, *, text_field: str, error
     """Paragraphs of each non-empty row of record batches ``start .. end`` of a memory-mapped Arrow file."""
     schema, batches = _open_arrow(path)
     _text_column(path, schema, text_field)
+    row = 0
     for i, batch in enumerate(batches):
         if i >= end:
             break
-        if i < start:
-            continue
-        for text in _texts(path, batch.column(text_field), stats, errors):
-            paragraphs = paragraphs_of(text, stats, max_line_bytes)
-            if paragraphs:
-                yield paragraphs
+        if i >= start:
+            for text in _texts(path, batch.column(text_field), stats, errors, row, text_field):
+                paragraphs = paragraphs_of(text, stats, max_line_bytes)
+                if paragraphs:
+                    yield paragraphs
+        row += batch.num_rows
 
 
 # ---------------------------------------------------------------------------------------------------- writing

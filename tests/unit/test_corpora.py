@@ -331,3 +331,32 @@ def test_write_parquet_round_trips_documents(corpus, tmp_path):
     assert write_parquet(iter(docs), str(tmp_path / "w.parquet"), row_group_rows=8) == len(docs)
     assert pq.ParquetFile(tmp_path / "w.parquet").metadata.num_row_groups == -(-len(docs) // 8)
     assert [d.paragraphs for d in read_file(str(tmp_path / "w.parquet"), ReadStats())] == docs
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_invalid_utf8_in_parquet_is_named_or_counted_as_in_text(tmp_path, binary):
+    raw = [b"A fine first row of text.", b"Then \xff\xfe broken bytes appear.", None, b"And a last row."]
+    column = pa.array(raw, pa.binary())
+    pq.write_table(pa.table({"text": column if binary else column.view(pa.string())}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet: invalid UTF-8 in row 1 of column 'text' at byte 5"):
+        list(read_file(str(tmp_path / "bad.parquet"), ReadStats()))
+    (tmp_path / "bad.txt").write_bytes(b"\n\n".join(r for r in raw if r is not None) + b"\n")
+    for errors in ("replace", "skip"):
+        a, b = ReadStats(), ReadStats()
+        docs_pq = [d.paragraphs for d in read_file(str(tmp_path / "bad.parquet"), a, errors=errors)]
+        docs_txt = [d.paragraphs for d in read_file(str(tmp_path / "bad.txt"), b, errors=errors)]
+        assert docs_pq == docs_txt and a.skipped == {**b.skipped, "null_text": 1}
+
+
+def test_tokenizer_trains_on_parquet_and_compressed_text_as_on_the_txt(corpus, tmp_path):
+    """The tokenizer trainer reads the same text from each form (its training itself breaks ties run by run)."""
+    from pretrain.data.tokenizer import _text_batches, load_tokenizer
+
+    _write_parquet(tmp_path / "docs.parquet", corpus["docs"])
+    (tmp_path / "docs.txt.zst").write_bytes(_compress("zst", _txt(corpus["docs"]).encode()))
+    want = list(_text_batches([str(corpus["root"] / "plain.txt")], None, sentences=False))
+    assert sum(map(len, want)) > 100
+    for name in ("docs.parquet", "docs.txt.zst"):
+        assert list(_text_batches([str(tmp_path / name)], None, sentences=False)) == want, name
+        tok = train_tokenizer([str(tmp_path / name)], str(tmp_path / f"{name}.json"), vocab_size=200, min_frequency=1)
+        assert tok.vocab_size == load_tokenizer(corpus["tok"]).vocab_size > 100
