@@ -93,6 +93,10 @@ class DataConfig:
     num_workers: int = 1
     """DataLoader worker processes building samples (masking + augmentation)."""
     prefetch_factor: int = 4
+    packing: Literal["document", "full"] = "document"
+    """Which sentences make an MLM sample: contiguous sentences of one document up to max_len (document), or
+    contiguous sentences across documents filling max_len, a [SEP] between two documents (full: RoBERTa's
+    FULL-SENTENCES; more real tokens per step). The CLEAR views are built from the same packed text."""
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     stage: Literal["pretrain", "sentences"] = "pretrain"

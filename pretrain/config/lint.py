@@ -38,6 +38,8 @@ def inert_settings(cfg) -> list[str]:
         if aug:
             out.append(f"data.augment.{', data.augment.'.join(aug)} do nothing in data.stage=sentences (its two "
                        f"views differ by dropout only)")
+        if d.packing != "document":
+            out.append(f"data.packing={d.packing} does nothing in data.stage=sentences (a sample is one sentence)")
         spans = _changed(d.masking, MaskingConfig(), ("scheme", "span_p", "span_max"))
         if spans:
             out.append(f"data.masking.{', data.masking.'.join(spans)} do nothing in data.stage=sentences (its MLM "

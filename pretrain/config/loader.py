@@ -102,7 +102,9 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.metadata.get(INTERNAL)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        dotted = (lambda k: f"{path}.{k}" if path else k)  # noqa: E731
+        def dotted(k: str) -> str:
+            return f"{path}.{k}" if path else k
+
         full = [dotted(k) for k in unknown]
         close = {k: difflib.get_close_matches(str(k), list(fields), n=1, cutoff=0.6) for k in unknown}
         guesses = "; ".join(f"{dotted(k)}: did you mean {dotted(m[0])}?" for k, m in close.items() if m)

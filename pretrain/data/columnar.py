@@ -10,8 +10,8 @@ record batch (memory-mapped): never a whole file in memory. A worker's part is a
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 STATE_FILE = "state.json"
 """Written by ``Dataset.save_to_disk`` beside its ``data-0000x-of-0000n.arrow`` files (their order)."""

@@ -81,7 +81,7 @@ def _columnar_of(path: str, head: bytes) -> str:
     return ""
 
 
-_CONTROL = bytes(range(0, 9)) + bytes(range(14, 27)) + bytes(range(28, 32)) + b"\x7f"
+_CONTROL = bytes(range(9)) + bytes(range(14, 27)) + bytes(range(28, 32)) + b"\x7f"
 """Bytes that text does not contain (tab, newlines, form feed and escape are allowed)."""
 
 

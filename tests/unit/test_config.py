@@ -148,6 +148,10 @@ def test_settings_that_cannot_act_are_named():
     assert any("data.masking.scheme do nothing in data.stage=sentences" in ln
                for ln in lines(["data.stage=sentences", "data.sentences=/s.txt", "data.sources=[]",
                                 "data.masking.scheme=span", "optim.warmup_steps=100"]))
+    assert any("data.packing=full does nothing in data.stage=sentences" in ln
+               for ln in lines(["data.stage=sentences", "data.sentences=/s.txt", "data.sources=[]",
+                                "data.packing=full", "optim.warmup_steps=100"]))
+    assert lines(["data.packing=full", "optim.warmup_steps=100"]) == []
     for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")) + [CONFIGS / "wiki_books_mini.yaml",
                                                                   CONFIGS / "sentence_stage_quick.yaml"]:
         assert lines([], recipe) == [], recipe.name

@@ -210,7 +210,7 @@ def _word_ids(row: np.ndarray) -> np.ndarray:
 
 
 def test_whole_word_masking_takes_whole_words_and_keeps_15_percent_and_80_10_10():
-    cfg, batch, inp, labels, special_V = _batch("whole_word")
+    _, batch, inp, labels, special_V = _batch("whole_word")
     chosen = labels != IGNORE_INDEX
     maskable = batch.valid() & ~special_V[batch.ids]
     assert not (chosen & ~maskable).any()
@@ -226,7 +226,7 @@ def test_whole_word_masking_takes_whole_words_and_keeps_15_percent_and_80_10_10(
 
 
 def test_span_masking_selects_exactly_k_tokens_in_word_spans_with_one_action_per_span():
-    cfg, batch, inp, labels, special_V = _batch("span")
+    _, batch, inp, labels, special_V = _batch("span")
     chosen = labels != IGNORE_INDEX
     maskable = batch.valid() & ~special_V[batch.ids]
     assert not (chosen & ~maskable).any()
@@ -272,7 +272,7 @@ def test_word_schemes_need_the_word_starts_and_check_their_options():
     with pytest.raises(ValueError, match="word_start_V"):
         mask_batch(Ragged.from_rows([sequence(np.random.default_rng(0), 5)]), np.zeros(1, np.uint64),
                    MaskingConfig(scheme="span"), special_V=special_V, allowed_A=allowed_A, mask_id=MASK_ID)
-    for kw, words in ((dict(scheme="words"), "data.masking.scheme"), (dict(span_p=0.0), "data.masking.span_p"),
-                      (dict(span_max=0), "data.masking.span_max")):
+    for kw, words in (({"scheme": "words"}, "data.masking.scheme"), ({"span_p": 0.0}, "data.masking.span_p"),
+                      ({"span_max": 0}, "data.masking.span_max")):
         with pytest.raises(ValueError, match=words):
             MaskingConfig(**kw)
