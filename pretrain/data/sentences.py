@@ -61,8 +61,7 @@ class SentenceDataset(torch.utils.data.Dataset):
             # Memory-mapped from the dataset's index cache: no per-rank array that grows with the corpus.
             self.index_N = load_or_build_sentence_index(self.source)
         elif p.is_file():  # a small corpus (wiki1m: 1e6 lines); a large one is preprocessed into shards first
-            with open(p, encoding="utf-8", errors="replace") as f:
-                self.lines = [s for s in (line.strip() for line in f) if s]
+            self.lines = _read_lines(str(p))
             self.index_N = np.arange(len(self.lines), dtype=np.int64)
         else:
             raise FileNotFoundError(f"data.sentences={path} does not exist; give a one-sentence-per-line text file "
@@ -174,3 +173,22 @@ def build_sentence_loader(dataset, **kwargs) -> ResumableLoader:
     return build_loader(dataset, collate_fn=collate_sentences, **kwargs)
 
 
+def _read_lines(path: str) -> list[str]:
+    """The non-empty stripped lines of a text file, plain or compressed (gzip, zstd, bzip2, xz); ValueError for a
+    binary, columnar or truncated file, saying what it is."""
+    import io
+
+    from pretrain.data.containers import STREAM_ERRORS, identify, open_stream, stream_error
+
+    try:
+        container = identify(path)
+    except ValueError as e:
+        raise ValueError(f"data.sentences: {e}") from None
+    if container.columnar:
+        raise ValueError(f"data.sentences={path} is a {container.columnar} file; preprocess it first "
+                         f"(pretrain-preprocess {path} --tokenizer ... --out DIR) and give DIR")
+    with io.TextIOWrapper(open_stream(path, container.compression), encoding="utf-8", errors="replace") as f:
+        try:
+            return [s for s in (line.strip() for line in f) if s]
+        except STREAM_ERRORS as e:
+            raise stream_error(path, container.compression, e) from None

@@ -360,3 +360,28 @@ def test_tokenizer_trains_on_parquet_and_compressed_text_as_on_the_txt(corpus, t
         assert list(_text_batches([str(tmp_path / name)], None, sentences=False)) == want, name
         tok = train_tokenizer([str(tmp_path / name)], str(tmp_path / f"{name}.json"), vocab_size=200, min_frequency=1)
         assert tok.vocab_size == load_tokenizer(corpus["tok"]).vocab_size > 100
+
+
+def test_sentence_stage_file_may_be_compressed_and_binary_ones_are_named(corpus, tmp_path):
+    """data.sentences (one sentence per line) read plain or compressed alike; a binary, parquet or truncated file
+    is refused by what it is, not read as junk."""
+    from pretrain.config.data import DataConfig
+    from pretrain.config.objective import ObjectiveConfig
+    from pretrain.data.sentences import SentenceDataset
+    from pretrain.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(corpus["tok"])
+    cfg = DataConfig(tokenizer=corpus["tok"], max_len=32, view_max_len=32, stage="sentences", sentences="x")
+    lines = "".join(f"Sentence number {i} is about the river and the city.\n\n" for i in range(50)).encode()
+    (tmp_path / "s.txt").write_bytes(lines)
+    (tmp_path / "s.txt.gz").write_bytes(gzip.compress(lines))
+    plain = SentenceDataset(str(tmp_path / "s.txt"), tok, cfg, ObjectiveConfig(), seed=1)
+    packed = SentenceDataset(str(tmp_path / "s.txt.gz"), tok, cfg, ObjectiveConfig(), seed=1)
+    assert plain.lines == packed.lines and len(plain) == 50
+    (tmp_path / "prog").write_bytes(_elf())
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(lines * 50)[:500])
+    _write_parquet(tmp_path / "s.parquet", ["One sentence here."])
+    for name, words in (("prog", "data.sentences: " + str(tmp_path / "prog") + " is an ELF executable"),
+                        ("cut.txt.gz", "gzip stream is truncated"), ("s.parquet", "is a parquet file; preprocess")):
+        with pytest.raises(ValueError, match=words.replace(".", r"\.").replace("(", r"\(")):
+            SentenceDataset(str(tmp_path / name), tok, cfg, ObjectiveConfig(), seed=1)
