@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,29 +75,75 @@ RangeTask = Part
 """What a worker reads, splits and tokenizes by itself (``readers.plan_parts``)."""
 
 
-def _run_task(task: RangeTask, processor: ChunkProcessor, read_kwargs: dict) -> tuple[ChunkResult, dict]:
-    """Read, split and tokenize one range: (its result, the lines it skipped by reason)."""
+@dataclass
+class Spilled:
+    """The result of a whole compressed stream, tokenized chunk by chunk: ``.npz`` files of ChunkResults, in order,
+    in the output's temporary directory (read back and deleted one at a time by the main process)."""
+
+    pieces: list[str]
+
+
+def _run_task(task: RangeTask, processor: ChunkProcessor, read_kwargs: dict,
+              spill: dict | None = None) -> tuple[ChunkResult | Spilled, dict]:
+    """Read, split and tokenize one part: (its result, the lines it skipped by reason). A compressed stream (a
+    part of any size) is tokenized in chunks of about ``spill["chunk_chars"]`` characters, each written to
+    ``spill["dir"]``, so that neither this process nor the main one holds a whole stream's tokens."""
     stats = ReadStats()
     docs = read_part(task, stats, **read_kwargs)
-    return processor([d.paragraphs for d in docs]), stats.skipped
+    if not task.compression or spill is None:
+        return processor([d.paragraphs for d in docs]), stats.skipped
+    pieces: list[str] = []
+    batch: list[list[str]] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc.paragraphs)
+        size += sum(map(len, doc.paragraphs))
+        if size >= spill["chunk_chars"]:
+            pieces.append(_spill(processor(batch), spill["dir"]))
+            batch, size = [], 0
+    if batch or not pieces:
+        pieces.append(_spill(processor(batch), spill["dir"]))
+    return Spilled(pieces), stats.skipped
+
+
+def _spill(r: ChunkResult, directory: str) -> str:
+    path = os.path.join(directory, f"spill-{os.getpid()}-{uuid.uuid4().hex}.npz")
+    np.savez(path, flat_ids=r.flat_ids, sizes=r.sizes, doc_sentences=r.doc_sentences,
+             counters=np.array([r.num_chars, r.short_sentences, r.empty_sentences], dtype=np.int64))
+    return path
+
+
+def _unspill(result: ChunkResult | Spilled) -> Iterator[ChunkResult]:
+    """The ChunkResults of a result, a spilled one read back piece by piece (each file deleted once read)."""
+    if isinstance(result, ChunkResult):
+        yield result
+        return
+    for path in result.pieces:
+        with np.load(path) as z:
+            num_chars, short, empty = (int(x) for x in z["counters"])
+            r = ChunkResult(z["flat_ids"], z["sizes"], z["doc_sentences"], num_chars, short, empty)
+        os.unlink(path)
+        yield r
 
 
 _WORKER: dict = {}
 """Per-worker-process handle set by the pool initializer (the only process-level state here)."""
 
 
-def _init_worker(tokenizer_path: str, sha256: str, min_sentence_chars: int, read_kwargs: dict) -> None:
+def _init_worker(tokenizer_path: str, sha256: str, min_sentence_chars: int, read_kwargs: dict,
+                 spill: dict | None = None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; avoid oversubscription
     _WORKER["processor"] = ChunkProcessor(Tokenizer(tokenizer_path, expected_sha256=sha256), min_sentence_chars)
     _WORKER["read_kwargs"] = read_kwargs
+    _WORKER["spill"] = spill
 
 
-def _run_in_worker(task: RangeTask) -> tuple[ChunkResult, dict]:
-    return _run_task(task, _WORKER["processor"], _WORKER["read_kwargs"])
+def _run_in_worker(task: RangeTask) -> tuple[ChunkResult | Spilled, dict]:
+    return _run_task(task, _WORKER["processor"], _WORKER["read_kwargs"], _WORKER["spill"])
 
 
-def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_workers: int,
-                 read_kwargs: dict) -> Iterator[tuple[ChunkResult, dict, RangeTask]]:
+def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_workers: int, read_kwargs: dict,
+                 spill: dict | None = None) -> Iterator[tuple[ChunkResult | Spilled, dict, RangeTask]]:
     """(result, skipped lines, task) in input order; at most 4 tasks per worker in flight (bounded memory). The
     workers read their ranges themselves: the main process only plans the cuts and writes the shards."""
     if num_workers <= 1:  # one core: the tokenizer's own thread pool would make it two
@@ -104,7 +151,7 @@ def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_work
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         try:
             for task in tasks:
-                yield (*_run_task(task, processor, read_kwargs), task)
+                yield (*_run_task(task, processor, read_kwargs, spill), task)
         finally:
             if saved is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -113,7 +160,8 @@ def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_work
         return
     tok = processor.tokenizer
     with mp.get_context().Pool(num_workers, initializer=_init_worker,
-                               initargs=(tok.path, tok.sha256, processor.min_sentence_chars, read_kwargs)) as pool:
+                               initargs=(tok.path, tok.sha256, processor.min_sentence_chars, read_kwargs,
+                                         spill)) as pool:
         window: deque = deque()
         for task in tasks:
             window.append((pool.apply_async(_run_in_worker, (task,)), task))
@@ -234,21 +282,23 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
         tasks = _tasks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors,
                        text_field=text_field)
         read_kwargs = {"max_line_bytes": max_line_bytes, "errors": errors, "text_field": text_field}
+        spill = {"dir": str(tmp), "chunk_chars": chunk_chars}
         done_bytes = 0
-        for r, skipped, task in _map_ordered(tasks, ChunkProcessor(tok, min_sentence_chars), num_workers,
-                                             read_kwargs):
+        for result, skipped, task in _map_ordered(tasks, ChunkProcessor(tok, min_sentence_chars), num_workers,
+                                                  read_kwargs, spill):
             for reason, n in skipped.items():
                 stats.count(reason, n)
-            writer.add(r)
+            for r in _unspill(result):
+                writer.add(r)
+                counts += np.bincount(r.flat_ids, minlength=tok.vocab_size)
+                report["documents"] += int((r.doc_sentences > 0).sum())
+                report["sentences"] += len(r.sizes)
+                report["tokens"] += len(r.flat_ids)
+                report["characters"] += r.num_chars
+                report["short_sentences"] += r.short_sentences
+                report["empty_sentences"] += r.empty_sentences
             done_bytes += task.input_bytes
             bar.update(max(0, done_bytes - bar.n))
-            counts += np.bincount(r.flat_ids, minlength=tok.vocab_size)
-            report["documents"] += int((r.doc_sentences > 0).sum())
-            report["sentences"] += len(r.sizes)
-            report["tokens"] += len(r.flat_ids)
-            report["characters"] += r.num_chars
-            report["short_sentences"] += r.short_sentences
-            report["empty_sentences"] += r.empty_sentences
         bar.update(max(0, total_bytes - bar.n))
         bar.close()
         shards = writer.close()

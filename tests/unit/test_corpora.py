@@ -385,3 +385,24 @@ def test_sentence_stage_file_may_be_compressed_and_binary_ones_are_named(corpus,
                         ("cut.txt.gz", "gzip stream is truncated"), ("s.parquet", "is a parquet file; preprocess")):
         with pytest.raises(ValueError, match=words.replace(".", r"\.").replace("(", r"\(")):
             SentenceDataset(str(tmp_path / name), tok, cfg, ObjectiveConfig(), seed=1)
+
+
+def test_a_compressed_stream_is_tokenized_in_chunks_spilled_and_read_back_once(corpus, tmp_path):
+    """One worker reads a whole stream, but holds only a chunk of its tokens at a time: the chunks go to files in
+    the output's temporary directory, which the main process reads back in order and deletes."""
+    from pretrain.data.preprocess import ChunkProcessor, Spilled, _run_task, _unspill
+    from pretrain.data.tokenizer import load_tokenizer
+
+    (tmp_path / "big.txt.gz").write_bytes(gzip.compress(_txt(corpus["docs"] * 5).encode()))
+    (part,) = plan_parts(str(tmp_path / "big.txt.gz"), 1000)
+    processor = ChunkProcessor(load_tokenizer(corpus["tok"]), 8)
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    result, skipped = _run_task(part, processor, {}, {"dir": str(spill_dir), "chunk_chars": 2000})
+    assert isinstance(result, Spilled) and len(result.pieces) > 10 and skipped == {}
+    whole, _ = _run_task(part, processor, {})
+    chunks = list(_unspill(result))
+    assert np.array_equal(np.concatenate([c.flat_ids for c in chunks]), whole.flat_ids)
+    assert np.array_equal(np.concatenate([c.doc_sentences for c in chunks]), whole.doc_sentences)
+    assert sum(c.num_chars for c in chunks) == whole.num_chars and not os.listdir(spill_dir)
+    assert max(len(c.flat_ids) for c in chunks) < len(whole.flat_ids) / 5
