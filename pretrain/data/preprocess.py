@@ -27,7 +27,8 @@ from typing import Iterator
 import numpy as np
 
 from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
-from pretrain.data.readers import FORMATS, Part, ReadStats, expand_inputs, open_input, plan_parts, read_part
+from pretrain.data.readers import (COLUMNAR, FORMATS, Part, ReadStats, expand_inputs, open_input, plan_parts,
+                                   read_part)
 from pretrain.data.shards import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, TOKEN_FREQ, file_sha256, verify_dataset,
                                   write_manifest)
 from pretrain.data.sentence_split import sentence_spans, split_sentences  # noqa: F401 (re-exported)
@@ -77,8 +78,9 @@ RangeTask = Part
 
 @dataclass
 class Spilled:
-    """The result of a whole compressed stream, tokenized chunk by chunk: ``.npz`` files of ChunkResults, in order,
-    in the output's temporary directory (read back and deleted one at a time by the main process)."""
+    """The result of a part larger than a chunk (a compressed stream, a big row group), tokenized chunk by chunk:
+    ``.npz`` files of ChunkResults, in order, in the output's temporary directory (read back and deleted one at a
+    time by the main process)."""
 
     pieces: list[str]
 
@@ -86,23 +88,25 @@ class Spilled:
 def _run_task(task: RangeTask, processor: ChunkProcessor, read_kwargs: dict,
               spill: dict | None = None) -> tuple[ChunkResult | Spilled, dict]:
     """Read, split and tokenize one part: (its result, the lines it skipped by reason). A compressed stream (a
-    part of any size) is tokenized in chunks of about ``spill["chunk_chars"]`` characters, each written to
+    part of any size) or a columnar part larger than a chunk (a big row group) is tokenized in chunks of about
+    ``spill["chunk_chars"]`` characters, each but the last of a part that needs more than one written to
     ``spill["dir"]``, so that neither this process nor the main one holds a whole stream's tokens."""
     stats = ReadStats()
     docs = read_part(task, stats, **read_kwargs)
-    if not task.compression or spill is None:
+    if not (task.compression or task.kind in COLUMNAR) or spill is None:  # a byte range: about a chunk by itself
         return processor([d.paragraphs for d in docs]), stats.skipped
     pieces: list[str] = []
     batch: list[list[str]] = []
     size = 0
     for doc in docs:
-        batch.append(doc.paragraphs)
-        size += sum(map(len, doc.paragraphs))
-        if size >= spill["chunk_chars"]:
+        if size >= spill["chunk_chars"]:  # more follows: this chunk goes to disk
             pieces.append(_spill(processor(batch), spill["dir"]))
             batch, size = [], 0
-    if batch or not pieces:
-        pieces.append(_spill(processor(batch), spill["dir"]))
+        batch.append(doc.paragraphs)
+        size += sum(map(len, doc.paragraphs))
+    if not pieces:  # the part was one chunk (a parquet part of small row groups): no spill
+        return processor(batch), stats.skipped
+    pieces.append(_spill(processor(batch), spill["dir"]))
     return Spilled(pieces), stats.skipped
 
 

@@ -406,3 +406,12 @@ def test_a_compressed_stream_is_tokenized_in_chunks_spilled_and_read_back_once(c
     assert np.array_equal(np.concatenate([c.doc_sentences for c in chunks]), whole.doc_sentences)
     assert sum(c.num_chars for c in chunks) == whole.num_chars and not os.listdir(spill_dir)
     assert max(len(c.flat_ids) for c in chunks) < len(whole.flat_ids) / 5
+    # A parquet part of one big row group spills too; one that fits a chunk does not.
+    _write_parquet(tmp_path / "one_group.parquet", corpus["docs"] * 5, row_group_size=10_000)
+    (big,) = plan_parts(str(tmp_path / "one_group.parquet"), 1000)
+    result, _ = _run_task(big, processor, {}, {"dir": str(spill_dir), "chunk_chars": 2000})
+    assert isinstance(result, Spilled) and len(result.pieces) > 10
+    assert np.array_equal(np.concatenate([c.flat_ids for c in _unspill(result)]), whole.flat_ids)
+    result, _ = _run_task(big, processor, {}, {"dir": str(spill_dir), "chunk_chars": 10**9})
+    assert not isinstance(result, Spilled) and np.array_equal(result.flat_ids, whole.flat_ids)
+    assert not os.listdir(spill_dir)
