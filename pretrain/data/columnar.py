@@ -9,6 +9,7 @@ record batch (memory-mapped): never a whole file in memory. A worker's part is a
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,18 @@ def saved_dataset_files(directory: Path) -> list[str] | None:
     return [str(directory / n) for n in names]
 
 
+@contextlib.contextmanager
+def _named(path: str, what: str):
+    """pyarrow's errors on a damaged file (truncated download, not really parquet/Arrow) as a ValueError naming
+    the file and what to do."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path} is not a readable {what} file ({e}); re-download or re-write it") from None
+
+
 def _text_column(path: str, schema, text_field: str) -> None:
     """ValueError unless ``schema`` has a string (or binary) column ``text_field``."""
     import pyarrow as pa
@@ -69,7 +82,8 @@ def plan_parquet(path: str, text_field: str, target_bytes: int) -> list[tuple[in
     uncompressed text column; the attributed bytes sum to the file size (for progress)."""
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    with _named(path, "parquet"):
+        pf = pq.ParquetFile(path)
     _text_column(path, pf.schema_arrow, text_field)
     col = pf.schema_arrow.get_field_index(text_field)
     sizes = []
@@ -95,12 +109,10 @@ def _open_arrow(path: str):
 
 def plan_arrow(path: str, text_field: str, target_bytes: int) -> list[tuple[int, int, int]]:
     """(first record batch, end record batch, input bytes attributed), as ``plan_parquet``."""
-    try:
+    with _named(path, "Arrow"):
         schema, batches = _open_arrow(path)
         _text_column(path, schema, text_field)
         sizes = [b.column(text_field).nbytes for b in batches]  # memory-mapped: no copy, no decoding
-    except OSError as e:  # pyarrow.ArrowInvalid is an OSError-free ValueError subclass; both name the problem
-        raise ValueError(f"{path} is not a readable Arrow file ({e})") from None
     return _group(sizes, target_bytes, Path(path).stat().st_size)
 
 
@@ -183,12 +195,18 @@ def read_parquet(path: str, start: int, end: int, stats, *, text_field: str, err
     """Paragraphs of each non-empty row of row groups ``start .. end``, streamed in batches of rows."""
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    with _named(path, "parquet"):
+        pf = pq.ParquetFile(path)
     _text_column(path, pf.schema_arrow, text_field)
     if end <= start:
         return
     row = sum(pf.metadata.row_group(i).num_rows for i in range(start))
-    for batch in pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=list(range(start, end)), columns=[text_field]):
+    batches = pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=list(range(start, end)), columns=[text_field])
+    while True:
+        with _named(path, "parquet"):  # a damaged page shows only when its row group is read
+            batch = next(batches, None)
+        if batch is None:
+            return
         for text in _texts(path, batch.column(0), stats, errors, row, text_field):
             paragraphs = paragraphs_of(text, stats, max_line_bytes)
             if paragraphs:
@@ -199,7 +217,8 @@ def read_parquet(path: str, start: int, end: int, stats, *, text_field: str, err
 def read_arrow(path: str, start: int, end: int, stats, *, text_field: str, errors: str,
                max_line_bytes: int) -> Iterator[list[str]]:
     """Paragraphs of each non-empty row of record batches ``start .. end`` of a memory-mapped Arrow file."""
-    schema, batches = _open_arrow(path)
+    with _named(path, "Arrow"):
+        schema, batches = _open_arrow(path)
     _text_column(path, schema, text_field)
     row = 0
     for i, batch in enumerate(batches):

@@ -415,3 +415,18 @@ def test_a_compressed_stream_is_tokenized_in_chunks_spilled_and_read_back_once(c
     result, _ = _run_task(big, processor, {}, {"dir": str(spill_dir), "chunk_chars": 10**9})
     assert not isinstance(result, Spilled) and np.array_equal(result.flat_ids, whole.flat_ids)
     assert not os.listdir(spill_dir)
+
+
+def test_truncated_parquet_and_arrow_files_are_named(corpus, tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    _write_parquet(tmp_path / "ok.parquet", corpus["docs"])
+    blob = (tmp_path / "ok.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(blob[:len(blob) // 2])
+    code, text = _run([tmp_path / "cut.parquet", "--tokenizer", corpus["tok"]], tmp_path, capsys)
+    assert code == 2 and "cut.parquet is not a readable parquet file" in text and "re-download" in text
+    datasets.Dataset.from_dict({"text": corpus["docs"]}).save_to_disk(str(tmp_path / "hf"))
+    (arrow,) = (tmp_path / "hf").glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:3000])
+    code, text = _run([tmp_path / "hf", "--tokenizer", corpus["tok"]], tmp_path, capsys)
+    assert code == 2 and f"{arrow.name} is not a readable Arrow file" in text, text
+    assert not (tmp_path / "out").exists()
