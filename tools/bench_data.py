@@ -11,7 +11,8 @@
               on the same lines and the same number of threads (each in a fresh process, interleaved); and the
               parquet column: the same wiki articles as one parquet file (one row per article, 1000 rows per row
               group), MB/s of its text beside raw ``encode_batch`` on the same rows' lines
-  preprocess-rss  (not by default) peak RSS of ``pretrain-preprocess`` as the input grows (--rss-mb)
+  preprocess-rss  (not by default) peak RSS of ``pretrain-preprocess`` as the input grows (--rss-mb), for the
+              wiki files as they are and, with --rss-formats, the same articles as parquet or one gzip stream
 
 Index: synthetic datasets of N sentences (sizes 5-40 tokens, documents of 1-60 sentences, shards of 5e7
 sentences): real ``.idx`` files and a sparse ``.bin`` (no token data is written), so 1e8 sentences cost
@@ -257,9 +258,34 @@ def write_wiki_parquet(files: list[str], path: Path) -> float:
     from pretrain.data.columnar import write_parquet
     from pretrain.data.readers import ReadStats, read_file
 
-    docs = [d.paragraphs for f in files for d in read_file(f, ReadStats())]
-    write_parquet(iter(docs), str(path), row_group_rows=1000)
-    return sum(len("\n".join(d).encode("utf-8")) for d in docs) / 1e6
+    total = 0
+
+    def docs():  # streamed: 2 GB of input never sits in this process
+        nonlocal total
+        for f in files:
+            for d in read_file(f, ReadStats()):
+                total += len("\n".join(d.paragraphs).encode("utf-8"))
+                yield d.paragraphs
+
+    write_parquet(docs(), str(path), row_group_rows=1000)
+    return total / 1e6
+
+
+def write_wiki_gzip(files: list[str], path: Path) -> float:
+    """The wiki articles of ``files`` as one gzip-compressed .txt stream (blank lines between articles, streamed);
+    returns its MB of text."""
+    import gzip
+
+    from pretrain.data.readers import ReadStats, read_file
+
+    total = 0
+    with gzip.open(path, "wb", compresslevel=6) as f:
+        for name in files:
+            for d in read_file(name, ReadStats()):
+                data = ("\n".join(d.paragraphs) + "\n\n").encode("utf-8")
+                total += len(data)
+                f.write(data)
+    return total / 1e6
 
 
 def _child(args: list[str], env: dict | None = None) -> dict:
@@ -281,6 +307,8 @@ def main(argv=None) -> int:
     p.add_argument("--preprocess-mb", type=float, default=20, help="MB of wiki text for the preprocess part")
     p.add_argument("--rss-mb", nargs="+", type=float, default=[100, 2000],
                    help="input sizes (MB) for the preprocess-rss part (not run by default: 2 GB take ~10 min)")
+    p.add_argument("--rss-formats", nargs="+", default=["wiki"], choices=["wiki", "parquet", "gzip"],
+                   help="inputs of the preprocess-rss part: the wiki files, one parquet file, one .txt.gz stream")
     p.add_argument("--sentences", nargs="+", type=float, default=[1e6, 1e7, 1e8])
     p.add_argument("--dir", default="/tmp/pretrain-bench-data")
     p.add_argument("--max-len", type=int, default=128)
@@ -475,15 +503,25 @@ def bench_preprocess_rss(args, work: Path) -> list[dict]:
     tok, _ = prepare_corpus(work, args.corpus, args.vocab_size)
     out = str(work / "preprocessed-rss")
     rows = []
-    print("\npreprocess memory: 2 workers; peak RSS in MiB\n| input MB | MB/s | main process | largest worker |\n"
-          "|---:|---:|---:|---:|")
-    for mb in args.rss_mb:
-        files, total = _wiki_files(mb)
-        cell = _child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": files, "cores": 2,
-                                             "out": out})])
-        rows.append({"input_mb": round(total / 1e6, 1), **cell})
-        print(f"| {total / 1e6:,.0f} | {cell['rate']:.2f} | {cell['rss_main_mib']:.0f} | "
-              f"{cell['rss_worker_mib']:.0f} |", flush=True)
+    print("\npreprocess memory: 2 workers; peak RSS in MiB\n| input | input MB | MB/s | main process | "
+          "largest worker |\n|---|---:|---:|---:|---:|")
+    for fmt in args.rss_formats:
+        for mb in args.rss_mb:
+            files, total = _wiki_files(mb)
+            text_mb = None
+            if fmt == "parquet":
+                text_mb = write_wiki_parquet(files, work / "rss.parquet")
+                files = [str(work / "rss.parquet")]
+            elif fmt == "gzip":
+                text_mb = write_wiki_gzip(files, work / "rss.txt.gz")
+                files = [str(work / "rss.txt.gz")]
+            cell = _child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": files, "cores": 2,
+                                                 "out": out, "mb": text_mb})])
+            rows.append({"format": fmt, "input_mb": round(total / 1e6, 1), **cell})
+            print(f"| {fmt} | {total / 1e6:,.0f} | {cell['rate']:.2f} | {cell['rss_main_mib']:.0f} | "
+                  f"{cell['rss_worker_mib']:.0f} |", flush=True)
+    for name in ("rss.parquet", "rss.txt.gz"):
+        (work / name).unlink(missing_ok=True)
     shutil.rmtree(out, ignore_errors=True)
     return rows
 
