@@ -8,8 +8,11 @@
               (``SlotRing``) beside pickled buffers (``PackedBatch``)
   index       the sample index (below)
   preprocess  ``pretrain-preprocess`` MB/s on 1 and on 2 cores beside raw ``tokenizers`` ``encode_batch``
-              on the same lines and the same number of threads (each in a fresh process, interleaved)
-  preprocess-rss  (not by default) peak RSS of ``pretrain-preprocess`` as the input grows (--rss-mb)
+              on the same lines and the same number of threads (each in a fresh process, interleaved); and the
+              parquet column: the same wiki articles as one parquet file (one row per article, 1000 rows per row
+              group), MB/s of its text beside raw ``encode_batch`` on the same rows' lines
+  preprocess-rss  (not by default) peak RSS of ``pretrain-preprocess`` as the input grows (--rss-mb), for the
+              wiki files as they are and, with --rss-formats, the same articles as parquet or one gzip stream
 
 Index: synthetic datasets of N sentences (sizes 5-40 tokens, documents of 1-60 sentences, shards of 5e7
 sentences): real ``.idx`` files and a sparse ``.bin`` (no token data is written), so 1e8 sentences cost
@@ -202,14 +205,15 @@ def loader_rate(tok_path: str, ds_dir: str, method: str, workers: int, batches: 
     return {"rate": n / wall, "build_cpu_us": build_cpu / n * 1e6, "main_cpu_us": main_cpu / n * 1e6}
 
 
-def preprocess_rate(tok_path: str, files: list[str], cores: int, out: str) -> dict:
+def preprocess_rate(tok_path: str, files: list[str], cores: int, out: str, mb: float | None = None) -> dict:
     """MB/s of ``pretrain-preprocess`` with ``cores`` workers (its own accounting of threads) and peak RSS (MiB)
-    of the main process and of the largest worker."""
+    of the main process and of the largest worker. ``mb``: the input's MB of text when not its file sizes
+    (parquet compresses)."""
     import resource
 
     from pretrain.prep.preprocess import preprocess
 
-    mb = sum(os.path.getsize(f) for f in files) / 1e6
+    mb = mb if mb is not None else sum(os.path.getsize(f) for f in files) / 1e6
     t0 = time.perf_counter()
     preprocess(files, out, tok_path, num_workers=cores, progress=False, overwrite=True)
     rate = mb / (time.perf_counter() - t0)
@@ -228,6 +232,60 @@ def tokenizers_rate(tok_path: str, files: list[str]) -> float:
     for a in range(0, len(lines), 10_000):
         tok.encode_batch(lines[a:a + 10_000], add_special_tokens=False)
     return mb / (time.perf_counter() - t0)
+
+
+def parquet_lines(path: str) -> list[str]:
+    """The non-empty lines of the parquet file's text column (what raw ``tokenizers`` is timed on)."""
+    import pyarrow.parquet as pq
+
+    column = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    return [ln for text in column for ln in text.split("\n") if ln.strip()]
+
+
+def tokenizers_rate_lines(tok_path: str, lines: list[str], mb: float) -> float:
+    """MB/s of raw ``tokenizers`` encode_batch over ``lines`` (``mb`` MB of text)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tok_path)
+    t0 = time.perf_counter()
+    for a in range(0, len(lines), 10_000):
+        tok.encode_batch(lines[a:a + 10_000], add_special_tokens=False)
+    return mb / (time.perf_counter() - t0)
+
+
+def write_wiki_parquet(files: list[str], path: Path) -> float:
+    """The wiki articles of ``files`` as one parquet file (``columnar.write_parquet``); returns its MB of text."""
+    from pretrain.prep.columnar import write_parquet
+    from pretrain.prep.readers import ReadStats, read_file
+
+    total = 0
+
+    def docs():  # streamed: 2 GB of input never sits in this process
+        nonlocal total
+        for f in files:
+            for d in read_file(f, ReadStats()):
+                total += len("\n".join(d.paragraphs).encode("utf-8"))
+                yield d.paragraphs
+
+    write_parquet(docs(), str(path), row_group_rows=1000)
+    return total / 1e6
+
+
+def write_wiki_gzip(files: list[str], path: Path) -> float:
+    """The wiki articles of ``files`` as one gzip-compressed .txt stream (blank lines between articles, streamed);
+    returns its MB of text."""
+    import gzip
+
+    from pretrain.prep.readers import ReadStats, read_file
+
+    total = 0
+    with gzip.open(path, "wb", compresslevel=6) as f:
+        for name in files:
+            for d in read_file(name, ReadStats()):
+                data = ("\n".join(d.paragraphs) + "\n\n").encode("utf-8")
+                total += len(data)
+                f.write(data)
+    return total / 1e6
 
 
 def _child(args: list[str], env: dict | None = None) -> dict:
@@ -249,6 +307,8 @@ def main(argv=None) -> int:
     p.add_argument("--preprocess-mb", type=float, default=20, help="MB of wiki text for the preprocess part")
     p.add_argument("--rss-mb", nargs="+", type=float, default=[100, 2000],
                    help="input sizes (MB) for the preprocess-rss part (not run by default: 2 GB take ~10 min)")
+    p.add_argument("--rss-formats", nargs="+", default=["wiki"], choices=["wiki", "parquet", "gzip"],
+                   help="inputs of the preprocess-rss part: the wiki files, one parquet file, one .txt.gz stream")
     p.add_argument("--sentences", nargs="+", type=float, default=[1e6, 1e7, 1e8])
     p.add_argument("--dir", default="/tmp/pretrain-bench-data")
     p.add_argument("--max-len", type=int, default=128)
@@ -295,7 +355,9 @@ def _cell(spec: dict) -> dict:
         return loader_rate(spec["tok"], spec["ds"], spec["method"], spec["workers"], spec["batches"],
                            spec["micro_batch"])
     if spec["kind"] == "preprocess":
-        return preprocess_rate(spec["tok"], spec["files"], spec["cores"], spec["out"])
+        return preprocess_rate(spec["tok"], spec["files"], spec["cores"], spec["out"], spec.get("mb"))
+    if spec["kind"] == "tokenizers-parquet":
+        return {"rate": tokenizers_rate_lines(spec["tok"], parquet_lines(spec["files"][0]), spec["mb"])}
     return {"rate": tokenizers_rate(spec["tok"], spec["files"])}
 
 
@@ -396,18 +458,27 @@ def bench_preprocess(args, work: Path) -> dict:
     tok, _ = prepare_corpus(work, args.corpus, args.vocab_size)
     files, total = _wiki_files(args.preprocess_mb)
     out = str(work / "preprocessed")
-    row = {}
+    parquet = work / "wiki.parquet"
+    parquet_mb = write_wiki_parquet(files, parquet)
+    row = {"parquet_text_mb": round(parquet_mb, 2)}
     for cores in (1, 2):
         env = {"RAYON_NUM_THREADS": str(cores), "TOKENIZERS_PARALLELISM": "true" if cores > 1 else "false"}
-        ours, raw = [], []
+        ours, raw, ours_pq, raw_pq = [], [], [], []
         for _ in range(args.repeats):
             ours.append(_child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": files,
                                                       "cores": cores, "out": out})])["rate"])
             raw.append(_child(["--cell", json.dumps({"kind": "tokenizers", "tok": tok, "files": files})],
                               env=env)["rate"])
+            ours_pq.append(_child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": [str(parquet)],
+                                                         "cores": cores, "out": out, "mb": parquet_mb})])["rate"])
+            raw_pq.append(_child(["--cell", json.dumps({"kind": "tokenizers-parquet", "tok": tok,
+                                                        "files": [str(parquet)], "mb": parquet_mb})], env=env)["rate"])
         row[f"cores_{cores}"], row[f"tokenizers_{cores}"] = float(np.median(ours)), float(np.median(raw))
         row[f"ratios_{cores}"] = [round(a / b, 3) for a, b in zip(ours, raw)]
+        row[f"parquet_{cores}"], row[f"tokenizers_parquet_{cores}"] = float(np.median(ours_pq)), float(np.median(raw_pq))
+        row[f"parquet_ratios_{cores}"] = [round(a / b, 3) for a, b in zip(ours_pq, raw_pq)]
     shutil.rmtree(out, ignore_errors=True)
+    parquet.unlink(missing_ok=True)
     print(f"\npreprocess: {total / 1e6:.1f} MB of wiki, vocab {args.vocab_size}; MB/s, median of {args.repeats} "
           f"interleaved fresh processes")
     print("| cores | pretrain-preprocess | raw tokenizers encode_batch | ratio of medians | ratio per pair |\n"
@@ -416,6 +487,14 @@ def bench_preprocess(args, work: Path) -> dict:
         print(f"| {c} | {row[f'cores_{c}']:.2f} | {row[f'tokenizers_{c}']:.2f} | "
               f"{row[f'cores_{c}'] / row[f'tokenizers_{c}']:.0%} | "
               f"{', '.join(f'{r:.0%}' for r in row[f'ratios_{c}'])} |", flush=True)
+    print(f"\npreprocess, parquet: the same articles, {parquet_mb:.1f} MB of text in one parquet file (1000 rows a "
+          f"row group); MB of text/s\n"
+          "| cores | pretrain-preprocess (parquet) | raw tokenizers on its lines | ratio of medians | ratio per pair |\n"
+          "|---:|---:|---:|---:|---|")
+    for c in (1, 2):
+        print(f"| {c} | {row[f'parquet_{c}']:.2f} | {row[f'tokenizers_parquet_{c}']:.2f} | "
+              f"{row[f'parquet_{c}'] / row[f'tokenizers_parquet_{c}']:.0%} | "
+              f"{', '.join(f'{r:.0%}' for r in row[f'parquet_ratios_{c}'])} |", flush=True)
     return row
 
 
@@ -424,15 +503,25 @@ def bench_preprocess_rss(args, work: Path) -> list[dict]:
     tok, _ = prepare_corpus(work, args.corpus, args.vocab_size)
     out = str(work / "preprocessed-rss")
     rows = []
-    print("\npreprocess memory: 2 workers; peak RSS in MiB\n| input MB | MB/s | main process | largest worker |\n"
-          "|---:|---:|---:|---:|")
-    for mb in args.rss_mb:
-        files, total = _wiki_files(mb)
-        cell = _child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": files, "cores": 2,
-                                             "out": out})])
-        rows.append({"input_mb": round(total / 1e6, 1), **cell})
-        print(f"| {total / 1e6:,.0f} | {cell['rate']:.2f} | {cell['rss_main_mib']:.0f} | "
-              f"{cell['rss_worker_mib']:.0f} |", flush=True)
+    print("\npreprocess memory: 2 workers; peak RSS in MiB\n| input | input MB | MB/s | main process | "
+          "largest worker |\n|---|---:|---:|---:|---:|")
+    for fmt in args.rss_formats:
+        for mb in args.rss_mb:
+            files, total = _wiki_files(mb)
+            text_mb = None
+            if fmt == "parquet":
+                text_mb = write_wiki_parquet(files, work / "rss.parquet")
+                files = [str(work / "rss.parquet")]
+            elif fmt == "gzip":
+                text_mb = write_wiki_gzip(files, work / "rss.txt.gz")
+                files = [str(work / "rss.txt.gz")]
+            cell = _child(["--cell", json.dumps({"kind": "preprocess", "tok": tok, "files": files, "cores": 2,
+                                                 "out": out, "mb": text_mb})])
+            rows.append({"format": fmt, "input_mb": round(total / 1e6, 1), **cell})
+            print(f"| {fmt} | {total / 1e6:,.0f} | {cell['rate']:.2f} | {cell['rss_main_mib']:.0f} | "
+                  f"{cell['rss_worker_mib']:.0f} |", flush=True)
+    for name in ("rss.parquet", "rss.txt.gz"):
+        (work / name).unlink(missing_ok=True)
     shutil.rmtree(out, ignore_errors=True)
     return rows
 

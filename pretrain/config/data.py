@@ -31,10 +31,24 @@ class MaskingConfig:
     """Of the selected tokens: replaced by [MASK]."""
     random_frac: float = 0.1
     """Of the selected tokens: replaced by a random token (the rest stay unchanged)."""
+    scheme: Literal["token", "whole_word", "span"] = "token"
+    """What is selected: single tokens (BERT); whole words, prob of the words with all their sub-tokens (BERT's
+    whole-word masking; 80/10/10 per token); or spans of whole words of geometric length until prob of the
+    tokens are selected, the 80/10/10 choice made once per span (SpanBERT)."""
+    span_p: float = 0.2
+    """scheme=span: span lengths in words follow Geometric(span_p) truncated to 1..span_max (SpanBERT: 0.2)."""
+    span_max: int = 10
+    """scheme=span: the longest span in words (SpanBERT: 10; mean length 3.8 with span_p=0.2)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.prob < 1.0:
             raise ValueError(f"data.masking.prob must be in (0, 1), got {self.prob}")
+        if self.scheme not in ("token", "whole_word", "span"):
+            raise ValueError(f"data.masking.scheme must be 'token', 'whole_word' or 'span', got {self.scheme!r}")
+        if not 0.0 < self.span_p <= 1.0:
+            raise ValueError(f"data.masking.span_p must be in (0, 1], got {self.span_p}")
+        if self.span_max < 1:
+            raise ValueError(f"data.masking.span_max must be >= 1, got {self.span_max}")
         if self.mask_frac < 0 or self.random_frac < 0 or self.mask_frac + self.random_frac > 1.0:
             raise ValueError(
                 f"data.masking.mask_frac + random_frac must be <= 1, got {self.mask_frac} + {self.random_frac}"
@@ -79,6 +93,10 @@ class DataConfig:
     num_workers: int = 1
     """DataLoader worker processes building samples (masking + augmentation)."""
     prefetch_factor: int = 4
+    packing: Literal["document", "full"] = "document"
+    """Which sentences make an MLM sample: contiguous sentences of one document up to max_len (document), or
+    contiguous sentences across documents filling max_len, a [SEP] between two documents (full: RoBERTa's
+    FULL-SENTENCES; more real tokens per step). The CLEAR views are built from the same packed text."""
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     stage: Literal["pretrain", "sentences"] = "pretrain"

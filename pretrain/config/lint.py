@@ -38,6 +38,12 @@ def inert_settings(cfg) -> list[str]:
         if aug:
             out.append(f"data.augment.{', data.augment.'.join(aug)} do nothing in data.stage=sentences (its two "
                        f"views differ by dropout only)")
+        if d.packing != "document":
+            out.append(f"data.packing={d.packing} does nothing in data.stage=sentences (a sample is one sentence)")
+        spans = _changed(d.masking, MaskingConfig(), ("scheme", "span_p", "span_max"))
+        if spans:
+            out.append(f"data.masking.{', data.masking.'.join(spans)} do nothing in data.stage=sentences (its MLM "
+                       f"masks single tokens); they act in data.stage=pretrain")
     else:
         if d.sentences:
             out.append(f"data.sentences={d.sentences!r} is not read by data.stage=pretrain (it reads data.sources); "
@@ -55,6 +61,11 @@ def inert_settings(cfg) -> list[str]:
             masking = _changed(d.masking, MaskingConfig(), [f.name for f in dataclasses.fields(MaskingConfig)])
             if masking:
                 out.append(f"data.masking.{', data.masking.'.join(masking)} do nothing: objective.mlm is off")
+        elif d.masking.scheme != "span":
+            spans = _changed(d.masking, MaskingConfig(), ("span_p", "span_max"))
+            if spans:
+                out.append(f"data.masking.{', data.masking.'.join(spans)} do nothing: data.masking.scheme="
+                           f"{d.masking.scheme} (they shape span masking)")
     nt = cfg.objective.nt_xent
     if nt is not None and nt.mean_pool_warmup_steps and cfg.model.pooling == "mean":
         out.append(f"objective.nt_xent.mean_pool_warmup_steps={nt.mean_pool_warmup_steps} does nothing: "

@@ -11,6 +11,7 @@ included files are merged first, in order, and the including file wins.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -101,9 +102,15 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.metadata.get(INTERNAL)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        full = [f"{path}.{k}" if path else k for k in unknown]
+        def dotted(k: str) -> str:
+            return f"{path}.{k}" if path else k
+
+        full = [dotted(k) for k in unknown]
+        close = {k: difflib.get_close_matches(str(k), list(fields), n=1, cutoff=0.6) for k in unknown}
+        guesses = "; ".join(f"{dotted(k)}: did you mean {dotted(m[0])}?" for k, m in close.items() if m)
         raise ValueError(
-            f"unknown config key(s) {', '.join(full)}; valid keys under {where}: {', '.join(sorted(fields))}"
+            f"unknown config key(s) {', '.join(full)}{f' ({guesses})' if guesses else ''}; "
+            f"valid keys under {where}: {', '.join(sorted(fields))}"
         )
     kwargs = {}
     for name, value in data.items():

@@ -4,7 +4,8 @@ Shape legend: T = MLM sequence length (<= max_len), Ta/Tb = view lengths (<= vie
 N = samples, D = documents.
 
 A sample is a run of contiguous sentences of one document whose tokens fit in
-``max_len - 2`` (a single longer sentence is truncated). Its noise comes from counter-based draws keyed
+``max_len - 2`` (a single longer sentence is truncated); with ``data.packing=full`` the run goes on across
+documents, a [SEP] before each document that starts inside it (separators count in the budget). Its noise comes from counter-based draws keyed
 by ``(seed, epoch, index)`` (``counter_rng``), in separate streams for the masking and each view, so a sample
 depends only on its key, never on the batch it is built in or the worker that builds it. Which sentences make
 each sample: ``sample_index.py`` (packing and the cached, memory-mapped index).
@@ -19,8 +20,8 @@ from pretrain.config.data import DataConfig
 from pretrain.data.augment import build_augmenter
 from pretrain.data.counter_rng import derive, sample_keys
 from pretrain.data.masking import mask_batch, special_table
-from pretrain.data.ragged import Ragged
-from pretrain.data.sample_index import load_or_build_sample_index
+from pretrain.data.ragged import Ragged, insert_before
+from pretrain.data.sample_index import load_or_build_sample_index, separators
 from pretrain.data.shards import ShardedDataset
 
 
@@ -55,9 +56,11 @@ class PretrainDataset(torch.utils.data.Dataset):
         self.vocab_size = tokenizer.vocab_size
         self.special_ids = tuple(sorted(tokenizer.special_ids))
         self.special_V, self.allowed_A = special_table(self.vocab_size, self.special_ids)
+        self.word_start_V = tokenizer.word_start_mask() if cfg.masking.scheme != "token" else None
+        """bool [V] for whole-word and span masking."""
         self.cls_id, self.sep_id, self.mask_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id
         self.augmenter = build_augmenter(cfg.augment, tokenizer) if with_views else None
-        self.index = load_or_build_sample_index(source, cfg.max_len - 2)
+        self.index = load_or_build_sample_index(source, cfg.max_len - 2, cfg.packing)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -69,11 +72,18 @@ class PretrainDataset(torch.utils.data.Dataset):
         return np.concatenate([np.asarray(self.source[i]) for i in range(first, end)])[:self.cfg.max_len - 2]
 
     def texts(self, index_B: np.ndarray) -> Ragged:
-        """``text`` of many samples, gathered at once from a ShardedDataset (one sample at a time otherwise)."""
+        """``text`` of many samples, gathered at once from a ShardedDataset (one sample at a time otherwise); with
+        packing "full", a [SEP] before each document that starts inside a sample."""
+        budget = self.cfg.max_len - 2
         if not hasattr(self.source, "token_batch"):
-            return Ragged.from_rows([self.text(i) for i in index_B.tolist()])
-        first_B, end_B = self.index.ranges(index_B)
-        return Ragged(*self.source.token_batch(first_B, end_B, self.cfg.max_len - 2))
+            text = Ragged.from_rows([self.text(i) for i in index_B.tolist()])
+        else:
+            text = Ragged(*self.source.token_batch(*self.index.ranges(index_B), budget))
+        if self.cfg.packing != "full":
+            return text
+        rows_K, pos_K = separators(self.source, *self.index.ranges(index_B))
+        keep = pos_K < text.len[rows_K]
+        return insert_before(text, rows_K[keep], pos_K[keep], self.sep_id).truncate(budget)
 
     def __getitems__(self, keys) -> "SampleBatch":
         """The samples of ``keys`` ((epoch, index) pairs; index >= len reuses the text of index % len with
@@ -86,7 +96,8 @@ class PretrainDataset(torch.utils.data.Dataset):
         text = self.texts(index_B % n)
         seq = text.wrap(self.cls_id, self.sep_id)
         input_BT, labels_BT = mask_batch(seq, keys_B, self.cfg.masking, special_V=self.special_V,
-                                         allowed_A=self.allowed_A, mask_id=self.mask_id)
+                                         allowed_A=self.allowed_A, mask_id=self.mask_id,
+                                         word_start_V=self.word_start_V)
         fields = {"input_ids": Ragged(input_BT, seq.len), "mlm_labels": Ragged(labels_BT, seq.len)}
         if self.augmenter is not None:  # both views in one call: rows 0..B-1 are view a, B..2B-1 view b
             B = len(keys_B)

@@ -99,10 +99,11 @@ def rows_of(a: np.ndarray) -> np.ndarray:
     return np.arange(len(a))[:, None]
 
 
-def words(r: Ragged, word_start_V: np.ndarray) -> Words:
-    """Words of every row; position 0 of a non-empty row always starts a word."""
+def words(r: Ragged, word_start_V: np.ndarray, *, also_BT: np.ndarray | None = None) -> Words:
+    """Words of every row; position 0 of a non-empty row always starts a word, and so does every position where
+    ``also_BT`` (bool [B, T]) is True."""
     valid = r.valid()
-    start_BT = word_start_V[r.ids] & valid
+    start_BT = (word_start_V[r.ids] if also_BT is None else word_start_V[r.ids] | also_BT) & valid
     if start_BT.shape[1]:
         start_BT[:, 0] = valid[:, 0]
     index_BT = np.maximum(np.cumsum(start_BT, axis=1) - 1, 0)
@@ -158,3 +159,24 @@ def assemble(r: Ragged, w: Words, source_BW: np.ndarray, pool_P: np.ndarray | No
         from_pool_BT = from_pool_BW[R, q_BT]
         out = np.where(from_pool_BT, pool_P[np.clip(pool_BT, 0, len(pool_P) - 1)], out)
     return Ragged(np.where(valid, out, 0), len_B)
+
+
+def insert_before(r: Ragged, rows_K: np.ndarray, pos_K: np.ndarray, token: int) -> Ragged:
+    """``token`` inserted before position ``pos_K[k]`` of row ``rows_K[k]`` for each k (pairs distinct, each
+    ``0 <= pos < len``), vectorised: every other token moves right by the insertions at or before it."""
+    B, T = r.ids.shape
+    rows_K, pos_K = np.asarray(rows_K, dtype=np.int64), np.asarray(pos_K, dtype=np.int64)
+    if not len(rows_K):
+        return r
+    order = np.lexsort((pos_K, rows_K))
+    rows_K, pos_K = rows_K[order], pos_K[order]
+    marks = np.zeros((B, T + 1), dtype=np.int64)
+    np.add.at(marks, (rows_K, pos_K), 1)
+    shift_BT = np.cumsum(marks[:, :T], axis=1)
+    len_B = r.len + np.bincount(rows_K, minlength=B)
+    out = np.zeros((B, int(len_B.max(initial=0))), dtype=r.ids.dtype)
+    b, t = np.nonzero(r.valid())
+    out[b, t + shift_BT[b, t]] = r.ids[b, t]
+    first_of_row = np.searchsorted(rows_K, rows_K, side="left")
+    out[rows_K, pos_K + np.arange(len(rows_K)) - first_of_row] = token
+    return Ragged(out, len_B)

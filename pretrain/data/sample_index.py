@@ -3,7 +3,8 @@
 Shape legend: N = samples, S = sentences.
 
 Greedy packing (``build_sample_index``, in C when the helper is built) turns a source's sentence sizes and
-document boundaries into samples; the result is cached as ``<dataset>/index-cache/samples-...npy`` (the N + 1
+document boundaries into samples — within one document (``data.packing=document``), or across documents with a
+separator token at each boundary (``full``: RoBERTa's FULL-SENTENCES; ``separators`` says where they go); the result is cached as ``<dataset>/index-cache/samples-...npy`` (the N + 1
 sample starts, ``SampleIndex``) and the sentence stage's non-empty sentences as ``sentences-...npy``
 (``SentenceIndex``). Both are written once in a pass over the shards' memory-mapped sizes into a sparse file
 (no corpus-sized array in RAM), published by one rename, checked cheaply when opened (a damaged or foreign cache
@@ -19,21 +20,36 @@ import numpy as np
 
 from pretrain.data.shards import INDEX_CACHE_DIR
 
+PACKINGS = ("document", "full")
 
-def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+
+def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, budget: int,
+                       full: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Greedy packing: (first_sentence_N, end_sentence_N) int64 of each sample, end exclusive.
 
-    Sentences are added to the current sample while the token total stays <= budget;
-    samples never cross a document boundary; empty sentences never start a sample.
+    Sentences are added to the current sample while the token total stays <= budget; empty sentences never
+    start a sample. Samples never cross a document boundary, or, with ``full``, run on across them, each
+    boundary between two non-empty sentences of a sample counting one separator token in the budget.
     Runs in the C helper ``pretrain.data._index`` (csrc/cpu/sample_index.c) when it is built, else in
     ``build_sample_index_py`` (the same rule, ~10x slower).
     """
-    try:  # the compiled helper is optional (built by setup.py when a C compiler is there)
+    _index = _helper(full)
+    if _index is None:
+        return build_sample_index_py(sizes, doc_idx, budget, full)
+    first, end = _index.pack(*_packer_inputs(sizes, doc_idx), int(budget), *([True] if full else []))
+    return np.frombuffer(first, dtype=np.int64), np.frombuffer(end, dtype=np.int64)
+
+
+def _helper(full: bool):
+    """The C helper, or None when it is not built (or, for ``full``, built from sources older than it: rebuild
+    with ``pip install -e .`` or ``python setup.py build_ext --inplace``)."""
+    try:
         from pretrain.data import _index
     except ImportError:
-        return build_sample_index_py(sizes, doc_idx, budget)
-    first, end = _index.pack(*_packer_inputs(sizes, doc_idx), int(budget))
-    return np.frombuffer(first, dtype=np.int64), np.frombuffer(end, dtype=np.int64)
+        return None
+    if full and "full" not in (_index.pack.__doc__ or ""):
+        return None
+    return _index
 
 
 def _packer_inputs(sizes, doc_idx) -> tuple[np.ndarray, np.ndarray]:
@@ -44,26 +60,31 @@ def _packer_inputs(sizes, doc_idx) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(sizes), np.ascontiguousarray(doc_idx, dtype=np.int64)
 
 
-def build_sample_index_py(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+def build_sample_index_py(sizes: np.ndarray, doc_idx: np.ndarray, budget: int,
+                          full: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``build_sample_index`` in pure Python (the fallback, and the reference its C helper is tested against)."""
     sizes_l = np.asarray(sizes, dtype=np.int64).tolist()
     doc_l = np.asarray(doc_idx, dtype=np.int64).tolist()
     firsts: list[int] = []
     ends: list[int] = []
+    first, used = -1, 0
     for d in range(len(doc_l) - 1):
-        first, used = -1, 0
+        if not full:
+            used = 0
+        sep = 1 if used else 0  # full: a non-empty sentence of this document after others costs a separator
         for i in range(doc_l[d], doc_l[d + 1]):
             n = sizes_l[i]
             if n == 0:
                 continue
-            if used and used + n > budget:
+            if used and used + sep + n > budget:
                 firsts.append(first)
                 ends.append(i)
-                used = 0
+                used, sep = 0, 0
             if not used:
                 first = i
-            used += n
-        if used:
+            used += sep + n
+            sep = 0
+        if used and (not full or d == len(doc_l) - 2):
             firsts.append(first)
             ends.append(doc_l[d + 1])
     return np.asarray(firsts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
@@ -71,6 +92,8 @@ def build_sample_index_py(sizes: np.ndarray, doc_idx: np.ndarray, budget: int) -
 
 INDEX_RULE = "greedy1"
 """Name of the packing rule in cache file names: change it when build_sample_index's output changes."""
+INDEX_RULES = {"document": INDEX_RULE, "full": "full1"}
+"""The rule name of each ``data.packing``."""
 
 
 INDEX_LAYOUT = "starts"
@@ -128,9 +151,9 @@ class SampleIndex(_MappedByPath):
         return int(first[0]), int(end[0])
 
 
-def index_cache_path(source, budget: int) -> Path | None:
+def index_cache_path(source, budget: int, packing: str = "document") -> Path | None:
     """<dataset>/index-cache/samples-<manifest sha256>-b<budget>-<rule>-<layout>.npy for a ShardedDataset; None
-    otherwise.
+    otherwise (the rule names the packing: greedy1 within documents, full1 across them).
 
     The key names exactly what the index depends on: the dataset (its manifest, which checksums every
     shard), the token budget (max_len - 2), the packing rule and the file layout; a cache of anything else is
@@ -138,7 +161,8 @@ def index_cache_path(source, budget: int) -> Path | None:
     digest = getattr(source, "manifest_digest", None)
     if digest is None:
         return None
-    return Path(source.directory) / INDEX_CACHE_DIR / f"samples-{digest}-b{budget}-{INDEX_RULE}-{INDEX_LAYOUT}.npy"
+    rule = INDEX_RULES[packing]
+    return Path(source.directory) / INDEX_CACHE_DIR / f"samples-{digest}-b{budget}-{rule}-{INDEX_LAYOUT}.npy"
 
 
 def _bounds(source) -> np.ndarray:
@@ -191,17 +215,21 @@ def _cached_or_built(path: Path | None, what: str, opened, write) -> np.ndarray 
     return opened()
 
 
-def load_or_build_sample_index(source, budget: int) -> SampleIndex:
+def load_or_build_sample_index(source, budget: int, packing: str = "document") -> SampleIndex:
     """The source's SampleIndex: memory-mapped from the dataset's index cache, or built and cached
-    (``_cached_or_built``). A read-only dataset directory is built in memory."""
-    path, bounds = index_cache_path(source, budget), _bounds(source)
+    (``_cached_or_built``). A read-only dataset directory is built in memory. ``packing``: "document" (samples
+    within one document) or "full" (across documents; a shard still ends a sample)."""
+    if packing not in PACKINGS:
+        raise ValueError(f"data.packing must be one of {PACKINGS}, got {packing!r}")
+    full = packing == "full"
+    path, bounds = index_cache_path(source, budget, packing), _bounds(source)
     cached = _cached_or_built(path, "sample index", lambda: _open_cached_index(path, len(source)),
-                              lambda tmp: _write_index(tmp, source, budget))
+                              lambda tmp: _write_index(tmp, source, budget, full))
     if cached is not None:
         return SampleIndex(cached, bounds, path)
     firsts, last = [np.zeros(0, np.int64)], 0
     for sizes, doc_idx, start in _pieces(source):
-        first, end = build_sample_index(sizes, doc_idx, budget)
+        first, end = build_sample_index(sizes, doc_idx, budget, full)
         if len(first):
             firsts.append(first + start)
             last = int(end[-1]) + start
@@ -232,23 +260,21 @@ def _write_int64_npy(tmp: Path, worst: int, fill) -> None:
         os.fsync(fh.fileno())
 
 
-def _write_index(tmp: Path, source, budget: int) -> None:
+def _write_index(tmp: Path, source, budget: int, full: bool = False) -> None:
     """The .npy of the N + 1 starts, in one pass over the shards' sizes: sized for the worst case of one sample
     per sentence, each shard's samples packed straight into its memory map (the C helper; the Python packer's
     output is copied in without it), then cut to N + 1. No corpus-sized array is held in RAM."""
-    try:  # the compiled helper is optional (built by setup.py when a C compiler is there)
-        from pretrain.data import _index
-    except ImportError:
-        _index = None
+    _index = _helper(full)
     pieces = _pieces(source)
 
     def fill(out: np.ndarray) -> int:
         at, last = 0, 0
         for sizes, doc_idx, start in pieces:
             if _index is not None:
-                n, end = _index.starts(*_packer_inputs(sizes, doc_idx), budget, out[at:at + len(sizes)], start)
+                n, end = _index.starts(*_packer_inputs(sizes, doc_idx), budget, out[at:at + len(sizes)], start,
+                                       *([True] if full else []))
             else:
-                first, ends = build_sample_index(sizes, doc_idx, budget)
+                first, ends = build_sample_index(sizes, doc_idx, budget, full)
                 n, end = len(first), (int(ends[-1]) + start if len(first) else start)
                 np.add(first, start, out=out[at:at + n])
             if n:
@@ -306,6 +332,45 @@ def load_or_build_sentence_index(source) -> SentenceIndex:
         return SentenceIndex(cached, path)
     out = np.empty(total, dtype=np.int64)
     return SentenceIndex(out[:fill(out)].copy())
+
+
+def separators(source, first_B: np.ndarray, end_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows_K, pos_K): where packing "full" puts a separator in samples of sentences ``first_B .. end_B - 1``
+    (each inside one shard): before the first token of every document that starts inside the range, as a token
+    position from the range's first token; one per position (documents of empty sentences between two others
+    share it) and never at 0 (a sample starts with a non-empty sentence). Past-the-end positions are left for the
+    caller to drop (a document of empty sentences ending a range). Reads the shards' memory-mapped document and
+    offset tables only."""
+    first_B, end_B = np.asarray(first_B, dtype=np.int64), np.asarray(end_B, dtype=np.int64)
+    rows, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for doc_idx, offsets, start in _doc_tables(source):
+        inside = np.flatnonzero((first_B >= start) & (first_B < start + len(offsets)))
+        if not len(inside):
+            continue
+        f, e = first_B[inside] - start, end_B[inside] - start
+        lo = np.searchsorted(doc_idx, f, side="right")
+        hi = np.searchsorted(doc_idx, e, side="left")
+        count = np.maximum(hi - lo, 0)
+        row_K = np.repeat(inside, count)
+        doc_K = np.repeat(lo, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
+        base_K = np.repeat(np.asarray(offsets[f]), count)
+        rows.append(row_K)
+        pos.append(np.asarray(offsets[np.asarray(doc_idx[doc_K])]) - base_K)
+    rows_K, pos_K = np.concatenate(rows), np.concatenate(pos)
+    if not len(rows_K):
+        return rows_K, pos_K
+    pairs = np.unique(np.stack([rows_K, pos_K], axis=1), axis=0)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def _doc_tables(source) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """(doc_idx, token offset of each sentence, first sentence) per shard of a ShardedDataset, else the whole
+    source's (offsets computed from its sizes: small test sources)."""
+    shards = getattr(source, "shards", None)
+    if shards is None:
+        sizes = np.asarray(source.sizes, dtype=np.int64)
+        return [(np.asarray(source.doc_idx), np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64), 0)]
+    return [(shard.doc_idx, shard.offsets, start) for shard, start in zip(shards, source.starts.tolist())]
 
 
 def _pieces(source) -> list[tuple[np.ndarray, np.ndarray, int]]:

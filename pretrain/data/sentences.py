@@ -29,6 +29,7 @@ import torch
 from pretrain.config.data import DataConfig
 from pretrain.config.objective import ObjectiveConfig
 from pretrain.data.collate import pad_stack
+from pretrain.data.containers import STREAM_ERRORS, identify, open_stream, stream_error
 from pretrain.data.datasets import parse_key
 from pretrain.data.loader import ResumableLoader, build_loader
 from pretrain.data.masking import IGNORE_INDEX, mask_tokens, with_cls_sep
@@ -62,8 +63,7 @@ class SentenceDataset(torch.utils.data.Dataset):
             # Memory-mapped from the dataset's index cache: no per-rank array that grows with the corpus.
             self.index_N = load_or_build_sentence_index(self.source)
         elif p.is_file():  # a small corpus (wiki1m: 1e6 lines); a large one is preprocessed into shards first
-            with open(p, encoding="utf-8", errors="replace") as f:
-                self.lines = [s for s in (line.strip() for line in f) if s]
+            self.lines = _read_lines(str(p))
             self.index_N = np.arange(len(self.lines), dtype=np.int64)
         else:
             raise FileNotFoundError(f"data.sentences={path} does not exist; give a one-sentence-per-line text file "
@@ -173,3 +173,21 @@ def build_sentence_loader(dataset, **kwargs) -> ResumableLoader:
     return build_loader(dataset, collate_fn=collate_sentences, **kwargs)
 
 
+def _read_lines(path: str) -> list[str]:
+    """The non-empty stripped lines of a text file, plain or compressed (gzip, zstd, bzip2, xz); ValueError for a
+    binary, columnar or truncated file, saying what it is."""
+    import io
+
+
+    try:
+        container = identify(path)
+    except ValueError as e:
+        raise ValueError(f"data.sentences: {e}") from None
+    if container.columnar:
+        raise ValueError(f"data.sentences={path} is a {container.columnar} file; preprocess it first "
+                         f"(pretrain-preprocess {path} --tokenizer ... --out DIR) and give DIR")
+    with io.TextIOWrapper(open_stream(path, container.compression), encoding="utf-8", errors="replace") as f:
+        try:
+            return [s for s in (line.strip() for line in f) if s]
+        except STREAM_ERRORS as e:
+            raise stream_error(path, container.compression, e) from None

@@ -43,6 +43,13 @@ def read_manifest(directory: str) -> dict:
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"dataset directory {directory} does not exist; run pretrain-preprocess first")
     if not path.is_file():
+        raw = _raw_inputs(Path(directory))
+        if raw:
+            out = str(directory).rstrip("/") + "-data"
+            raise FileNotFoundError(
+                f"{directory} holds raw input files ({', '.join(raw)}), not a preprocessed dataset (it has no "
+                f"{MANIFEST} and no shards); preprocess it first:\n  pretrain-preprocess {directory} --tokenizer "
+                f"<the data.tokenizer of this run> --out {out}\nthen give {out} as the data source")
         raise FileNotFoundError(f"{directory} has no {MANIFEST}: the dataset is incomplete (preprocessing did not "
                                 f"finish); re-run pretrain-preprocess")
     try:
@@ -53,6 +60,20 @@ def read_manifest(directory: str) -> dict:
         raise ValueError(f"{path}: unsupported format {manifest.get('format')!r} version "
                          f"{manifest.get('format_version')!r}; expected {FORMAT_NAME} v{FORMAT_VERSION}")
     return manifest
+
+
+def _raw_inputs(directory: Path, limit: int = 3) -> list[str]:
+    """Up to ``limit`` names of the files below ``directory`` when it holds no shard (a corpus given where a
+    dataset belongs); [] when it has shards (an interrupted run) or no files."""
+    if any(p.name.startswith("shard-") for p in directory.glob("shard-*")):
+        return []
+    names: list[str] = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != INDEX_CACHE_DIR)
+        names += [os.path.relpath(os.path.join(root, f), directory) for f in sorted(files) if not f.startswith(".")]
+        if len(names) >= limit:
+            break
+    return names[:limit]
 
 
 class ShardedDataset:

@@ -1,7 +1,8 @@
 """Raw text → sharded binary dataset (``pretrain-preprocess``).
 
-The main process cuts every input file into byte ranges of about ``chunk_chars`` bytes, only where its reader
-starts afresh (``readers.plan_ranges``), and hands them to a ``multiprocessing`` pool (bounded window, results
+The main process cuts every input file into parts of about ``chunk_chars`` bytes, only where its reader starts
+afresh (``readers.plan_parts``: byte ranges of text, runs of parquet row groups or Arrow record batches, a whole
+compressed stream), and hands them to a ``multiprocessing`` pool (bounded window, results
 consumed in submission order) whose workers read, parse, split sentences and tokenize their ranges themselves.
 The main process writes shards in order, so the output is byte-identical for any worker count (and to reading
 each file whole).
@@ -17,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +37,14 @@ from pretrain.data.shards import (
     write_manifest,
 )
 from pretrain.prep.readers import (
+    COLUMNAR,
+    FORMATS,
+    Part,
     ReadStats,
     expand_inputs,
     open_input,
-    plan_ranges,
-    read_range,
-    sniff_format,
+    plan_parts,
+    read_part,
 )
 from pretrain.prep.sentence_split import sentence_spans, split_sentences  # noqa: F401 (re-exported)
 from pretrain.prep.tokenizer import Tokenizer, load_tokenizer
@@ -83,42 +87,82 @@ class ChunkProcessor:
                            int((long_enough & (sizes == 0)).sum()))
 
 
-@dataclass(frozen=True)
-class RangeTask:
-    """Bytes ``start .. end`` of one input file, read as ``kind`` (``readers.plan_ranges``): what a worker reads,
-    splits and tokenizes by itself."""
-
-    path: str
-    start: int
-    end: int
-    kind: str
-    ends_before_doc: bool
+RangeTask = Part
+"""What a worker reads, splits and tokenizes by itself (``readers.plan_parts``)."""
 
 
-def _run_task(task: RangeTask, processor: ChunkProcessor, read_kwargs: dict) -> tuple[ChunkResult, dict]:
-    """Read, split and tokenize one range: (its result, the lines it skipped by reason)."""
+@dataclass
+class Spilled:
+    """The result of a part larger than a chunk (a compressed stream, a big row group), tokenized chunk by chunk:
+    ``.npz`` files of ChunkResults, in order, in the output's temporary directory (read back and deleted one at a
+    time by the main process)."""
+
+    pieces: list[str]
+
+
+def _run_task(task: RangeTask, processor: ChunkProcessor, read_kwargs: dict,
+              spill: dict | None = None) -> tuple[ChunkResult | Spilled, dict]:
+    """Read, split and tokenize one part: (its result, the lines it skipped by reason). A compressed stream (a
+    part of any size) or a columnar part larger than a chunk (a big row group) is tokenized in chunks of about
+    ``spill["chunk_chars"]`` characters, each but the last of a part that needs more than one written to
+    ``spill["dir"]``, so that neither this process nor the main one holds a whole stream's tokens."""
     stats = ReadStats()
-    docs = read_range(task.path, task.start, task.end, task.kind, stats, ends_before_doc=task.ends_before_doc,
-                      **read_kwargs)
-    return processor([d.paragraphs for d in docs]), stats.skipped
+    docs = read_part(task, stats, **read_kwargs)
+    if not (task.compression or task.kind in COLUMNAR) or spill is None:  # a byte range: about a chunk by itself
+        return processor([d.paragraphs for d in docs]), stats.skipped
+    pieces: list[str] = []
+    batch: list[list[str]] = []
+    size = 0
+    for doc in docs:
+        if size >= spill["chunk_chars"]:  # more follows: this chunk goes to disk
+            pieces.append(_spill(processor(batch), spill["dir"]))
+            batch, size = [], 0
+        batch.append(doc.paragraphs)
+        size += sum(map(len, doc.paragraphs))
+    if not pieces:  # the part was one chunk (a parquet part of small row groups): no spill
+        return processor(batch), stats.skipped
+    pieces.append(_spill(processor(batch), spill["dir"]))
+    return Spilled(pieces), stats.skipped
+
+
+def _spill(r: ChunkResult, directory: str) -> str:
+    path = os.path.join(directory, f"spill-{os.getpid()}-{uuid.uuid4().hex}.npz")
+    np.savez(path, flat_ids=r.flat_ids, sizes=r.sizes, doc_sentences=r.doc_sentences,
+             counters=np.array([r.num_chars, r.short_sentences, r.empty_sentences], dtype=np.int64))
+    return path
+
+
+def _unspill(result: ChunkResult | Spilled) -> Iterator[ChunkResult]:
+    """The ChunkResults of a result, a spilled one read back piece by piece (each file deleted once read)."""
+    if isinstance(result, ChunkResult):
+        yield result
+        return
+    for path in result.pieces:
+        with np.load(path) as z:
+            num_chars, short, empty = (int(x) for x in z["counters"])
+            r = ChunkResult(z["flat_ids"], z["sizes"], z["doc_sentences"], num_chars, short, empty)
+        os.unlink(path)
+        yield r
 
 
 _WORKER: dict = {}
 """Per-worker-process handle set by the pool initializer (the only process-level state here)."""
 
 
-def _init_worker(tokenizer_path: str, sha256: str, min_sentence_chars: int, read_kwargs: dict) -> None:
+def _init_worker(tokenizer_path: str, sha256: str, min_sentence_chars: int, read_kwargs: dict,
+                 spill: dict | None = None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; avoid oversubscription
     _WORKER["processor"] = ChunkProcessor(Tokenizer(tokenizer_path, expected_sha256=sha256), min_sentence_chars)
     _WORKER["read_kwargs"] = read_kwargs
+    _WORKER["spill"] = spill
 
 
-def _run_in_worker(task: RangeTask) -> tuple[ChunkResult, dict]:
-    return _run_task(task, _WORKER["processor"], _WORKER["read_kwargs"])
+def _run_in_worker(task: RangeTask) -> tuple[ChunkResult | Spilled, dict]:
+    return _run_task(task, _WORKER["processor"], _WORKER["read_kwargs"], _WORKER["spill"])
 
 
-def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_workers: int,
-                 read_kwargs: dict) -> Iterator[tuple[ChunkResult, dict, RangeTask]]:
+def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_workers: int, read_kwargs: dict,
+                 spill: dict | None = None) -> Iterator[tuple[ChunkResult | Spilled, dict, RangeTask]]:
     """(result, skipped lines, task) in input order; at most 4 tasks per worker in flight (bounded memory). The
     workers read their ranges themselves: the main process only plans the cuts and writes the shards."""
     if num_workers <= 1:  # one core: the tokenizer's own thread pool would make it two
@@ -126,7 +170,7 @@ def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_work
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         try:
             for task in tasks:
-                yield (*_run_task(task, processor, read_kwargs), task)
+                yield (*_run_task(task, processor, read_kwargs, spill), task)
         finally:
             if saved is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -135,7 +179,8 @@ def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_work
         return
     tok = processor.tokenizer
     with mp.get_context().Pool(num_workers, initializer=_init_worker,
-                               initargs=(tok.path, tok.sha256, processor.min_sentence_chars, read_kwargs)) as pool:
+                               initargs=(tok.path, tok.sha256, processor.min_sentence_chars, read_kwargs,
+                                         spill)) as pool:
         window: deque = deque()
         for task in tasks:
             window.append((pool.apply_async(_run_in_worker, (task,)), task))
@@ -193,15 +238,14 @@ class _ShardWriter:
 
 
 def _tasks(files: list[str], stats: ReadStats, chunk_bytes: int, *, fmt: str, max_line_bytes: int,
-           errors: str) -> Iterator[RangeTask]:
-    """The byte ranges of every input file (about chunk_bytes each, cut where the reader starts afresh); files are
+           errors: str, text_field: str) -> Iterator[RangeTask]:
+    """The parts of every input file (about chunk_bytes each, cut where the reader starts afresh); files are
     counted in ``stats`` here, their lines by the workers."""
     for path in files:
         if not open_input(path, stats):
             continue
-        kind = sniff_format(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
-        for start, end, before_doc in plan_ranges(path, kind, chunk_bytes, max_line_bytes=max_line_bytes):
-            yield RangeTask(path, start, end, kind, before_doc)
+        yield from plan_parts(path, chunk_bytes, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors,
+                              text_field=text_field)
 
 
 def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
@@ -254,23 +298,26 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
                disable=not progress, mininterval=1.0, smoothing=0.1)
     try:
-        tasks = _tasks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
+        tasks = _tasks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors,
+                       text_field=text_field)
         read_kwargs = {"max_line_bytes": max_line_bytes, "errors": errors, "text_field": text_field}
+        spill = {"dir": str(tmp), "chunk_chars": chunk_chars}
         done_bytes = 0
-        for r, skipped, task in _map_ordered(tasks, ChunkProcessor(tok, min_sentence_chars), num_workers,
-                                             read_kwargs):
+        for result, skipped, task in _map_ordered(tasks, ChunkProcessor(tok, min_sentence_chars), num_workers,
+                                                  read_kwargs, spill):
             for reason, n in skipped.items():
                 stats.count(reason, n)
-            writer.add(r)
-            done_bytes += task.end - task.start
+            for r in _unspill(result):
+                writer.add(r)
+                counts += np.bincount(r.flat_ids, minlength=tok.vocab_size)
+                report["documents"] += int((r.doc_sentences > 0).sum())
+                report["sentences"] += len(r.sizes)
+                report["tokens"] += len(r.flat_ids)
+                report["characters"] += r.num_chars
+                report["short_sentences"] += r.short_sentences
+                report["empty_sentences"] += r.empty_sentences
+            done_bytes += task.input_bytes
             bar.update(max(0, done_bytes - bar.n))
-            counts += np.bincount(r.flat_ids, minlength=tok.vocab_size)
-            report["documents"] += int((r.doc_sentences > 0).sum())
-            report["sentences"] += len(r.sizes)
-            report["tokens"] += len(r.flat_ids)
-            report["characters"] += r.num_chars
-            report["short_sentences"] += r.short_sentences
-            report["empty_sentences"] += r.empty_sentences
         bar.update(max(0, total_bytes - bar.n))
         bar.close()
         shards = writer.close()
@@ -326,7 +373,9 @@ def format_report(manifest: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Console script ``pretrain-preprocess``; ``--verify DIR`` re-checks a dataset and exits 1 on problems."""
     ap = argparse.ArgumentParser(prog="pretrain-preprocess", description=__doc__.splitlines()[0])
-    ap.add_argument("inputs", nargs="*", help="files or directories (.txt, .jsonl, WikiExtractor output, books)")
+    ap.add_argument("inputs", nargs="*", help="files or directories (.txt, .jsonl, WikiExtractor output, books, "
+                                              ".parquet, datasets save_to_disk directories; text formats also "
+                                              "as .gz/.zst/.bz2/.xz)")
     ap.add_argument("--tokenizer", help="tokenizer.json written by pretrain-tokenizer")
     ap.add_argument("--out", help="output dataset directory")
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
@@ -337,9 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-line-bytes", type=int, default=1_000_000)
     ap.add_argument("--errors", choices=("strict", "replace", "skip"), default="strict",
                     help="invalid UTF-8: stop with the file and byte offset (strict), replace bad bytes, or skip the line")
-    ap.add_argument("--format", dest="fmt", choices=("auto", "text", "gutenberg", "wikiextractor", "jsonl"),
-                    default="auto")
-    ap.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
+    ap.add_argument("--format", dest="fmt", choices=FORMATS, default="auto",
+                    help="input format (auto: parquet/arrow and compression by magic number, text formats by "
+                         "extension and first line)")
+    ap.add_argument("--text-field", default="text",
+                    help="JSON field (.jsonl) or column (parquet, arrow/datasets) holding the text")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verify", metavar="DIR", help="re-check checksums and structure of a dataset and exit")

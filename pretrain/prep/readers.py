@@ -8,6 +8,10 @@ Formats (auto-detected per file, or forced with ``fmt``):
                  right after ``<doc>`` is dropped (it repeats the ``title`` attribute) and so are section headings
                  (short lines ending in the only ``.`` of the line, e.g. ``History.``).
   jsonl          one JSON object per line; its ``text`` field is one document, newlines separate paragraphs.
+  parquet        a parquet file (``columnar.py``): each row's ``text`` column is one document, its lines paragraphs.
+  arrow          an Arrow file, e.g. of a ``datasets`` ``save_to_disk`` directory (given as the directory), as parquet.
+Any text format may come compressed (gzip, zstd, bzip2, xz: ``containers.py``, by magic number); the format inside is
+named by the file name without its ``.gz``/``.zst``/``.bz2``/``.xz``. Binary files are refused by what they are.
 Bad input never crashes the stream silently: every skipped line is counted by reason in a ``ReadStats``.
 """
 
@@ -21,7 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-FORMATS = ("auto", "text", "gutenberg", "wikiextractor", "jsonl")
+from pretrain.data.containers import STREAM_ERRORS, identify, open_stream, stream_error
+from pretrain.prep import columnar
+
+FORMATS = ("auto", "text", "gutenberg", "wikiextractor", "jsonl", "parquet", "arrow")
+COLUMNAR = ("parquet", "arrow")
 _BOM = b"\xef\xbb\xbf"
 _GUTENBERG_END_NOTE = re.compile(r"end of (the )?project gutenberg", re.IGNORECASE)
 _GUTENBERG_SCAN_LINES = 400
@@ -57,7 +65,8 @@ class ReadStats:
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:
-    """Files and directories (recursed, sorted, hidden files skipped) → sorted list of files."""
+    """Files and directories (recursed, sorted, hidden files skipped) → sorted list of files. A ``datasets``
+    ``save_to_disk`` directory (anywhere below) stands for its Arrow files, in its own order."""
     files: list[str] = []
     for item in inputs:
         p = Path(item)
@@ -66,7 +75,7 @@ def expand_inputs(inputs: list[str]) -> list[str]:
                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
             if not found:
                 raise FileNotFoundError(f"input directory {item} contains no files")
-            files.extend(found)
+            files.extend(_saved_datasets_expanded(p, found))
         elif p.is_file():
             files.append(str(p))
         else:
@@ -74,10 +83,32 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return files
 
 
+def _saved_datasets_expanded(root: Path, found: list[str]) -> list[str]:
+    """``found`` (the sorted files under ``root``) with the files of each ``save_to_disk`` directory among them
+    replaced, where the first of them was, by that directory's Arrow files (its JSON files are not text)."""
+    known: dict[Path, list[str] | None] = {}
+    out: list[str] = []
+    for f in found:
+        d = Path(f).parent
+        while True:
+            if d not in known:
+                known[d] = columnar.saved_dataset_files(d)
+            if known[d] is not None or d == root or root not in d.parents:
+                break
+            d = d.parent
+        if known[d] is None:
+            out.append(f)
+        else:
+            out.extend(known[d])
+            known[d] = []  # listed once, at its first file
+    return out
+
+
 def _iter_lines(f: BinaryIO, path: str, stats: ReadStats, *, max_line_bytes: int,
-                errors: str, base: int = 0) -> Iterator[tuple[str, int]]:
+                errors: str, base: int = 0, where: str = "") -> Iterator[tuple[str, int]]:
     """Decoded lines (without EOL) and the byte position after each; bad lines are skipped and counted. ``base``:
-    where ``f`` starts in the file (a range read by a worker); only a file's first line may start with a BOM."""
+    where ``f`` starts in the file (a range read by a worker); only a file's first line may start with a BOM.
+    ``where`` qualifies byte offsets in messages (" of the decompressed stream")."""
     pos = base
     first = base == 0
     while True:
@@ -106,7 +137,7 @@ def _iter_lines(f: BinaryIO, path: str, stats: ReadStats, *, max_line_bytes: int
         except UnicodeDecodeError as e:
             if errors == "strict":
                 raise ValueError(
-                    f"{path}: invalid UTF-8 at byte offset {start + e.start}; fix the file or re-run with "
+                    f"{path}: invalid UTF-8 at byte offset {start + e.start}{where}; fix the file or re-run with "
                     f"errors='replace' (--errors replace) or 'skip' (--errors skip)") from None
             if errors == "skip":
                 stats.count("invalid_utf8")
@@ -252,28 +283,136 @@ def _check_options(fmt: str, errors: str) -> None:
         raise ValueError(f"errors must be 'strict', 'replace' or 'skip', got {errors!r}")
 
 
-def sniff_format(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000, errors: str = "strict") -> str:
-    """The format ``read_file`` reads ``path`` as: ``fmt`` unless "auto", else from the extension and the first
-    valid non-empty line (a ``.txt`` with a ``*** START OF`` marker in its first lines is gutenberg)."""
+def sniff(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
+          errors: str = "strict") -> tuple[str, str]:
+    """(format, compression) ``read_file`` reads ``path`` with. Columnar files (parquet, Arrow) and compression
+    are told by magic number; a text format is ``fmt`` unless "auto", else from the extension (without a
+    compression suffix) and the first valid non-empty line (a ``.txt`` with a ``*** START OF`` marker in its
+    first lines is gutenberg). ValueError for binary files and archives, saying what they are."""
+    container = identify(path)
+    if container.columnar:
+        if fmt not in ("auto", container.columnar):
+            raise ValueError(f"{path} is a {container.columnar} file, not --format {fmt}; drop --format or pass "
+                             f"--format {container.columnar}")
+        return container.columnar, ""
+    if fmt in COLUMNAR:
+        raise ValueError(f"{path} is not a {fmt} file (its first bytes are not a {fmt} magic number)")
+    comp = container.compression
+    where = " of the decompressed stream" if comp else ""
     head: list[str] = []
-    with open(path, "rb") as f:  # bad lines are counted when the file is read, not here
-        for line, _ in _iter_lines(f, path, ReadStats(), max_line_bytes=max_line_bytes, errors=errors):
-            head.append(line)
-            if line.strip() or len(head) >= _GUTENBERG_SCAN_LINES:
-                break
-        first = next((x for x in head if x.strip()), "")
-        kind = detect_format(path, first) if fmt == "auto" else fmt
-        if kind == "text" and fmt == "auto" and head:  # a marker in the lines after the first non-empty one
-            seen = len(head)
-            for line, _ in _iter_lines(f, path, ReadStats(), max_line_bytes=max_line_bytes, errors=errors,
-                                       base=f.tell()):
-                seen += 1
-                x = line.lstrip()
-                if x.startswith("*** START OF") or x.startswith("***START OF"):
-                    return "gutenberg"
-                if seen >= _GUTENBERG_SCAN_LINES:
+    with open_stream(path, comp) as f:  # bad lines are counted when the file is read, not here
+        try:
+            pos = 0
+            for line, pos in _iter_lines(f, path, ReadStats(), max_line_bytes=max_line_bytes, errors=errors,
+                                         where=where):
+                head.append(line)
+                if line.strip() or len(head) >= _GUTENBERG_SCAN_LINES:
                     break
-    return kind
+            first = next((x for x in head if x.strip()), "")
+            kind = detect_format(container.inner_name, first) if fmt == "auto" else fmt
+            if kind == "text" and fmt == "auto" and head:  # a marker in the lines after the first non-empty one
+                seen = len(head)
+                for line, _ in _iter_lines(f, path, ReadStats(), max_line_bytes=max_line_bytes, errors=errors,
+                                           base=pos, where=where):
+                    seen += 1
+                    x = line.lstrip()
+                    if x.startswith("*** START OF") or x.startswith("***START OF"):
+                        return "gutenberg", comp
+                    if seen >= _GUTENBERG_SCAN_LINES:
+                        break
+        except STREAM_ERRORS as e:
+            raise stream_error(path, comp, e) from None
+    return kind, comp
+
+
+def sniff_format(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000, errors: str = "strict") -> str:
+    """The format ``read_file`` reads ``path`` as (see ``sniff``)."""
+    return sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)[0]
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one worker reads by itself: bytes ``start .. end`` of a plain text file, row groups (parquet) or record
+    batches (arrow) ``start .. end``, or a whole compressed stream (``compression``: read front to back)."""
+
+    path: str
+    start: int
+    end: int
+    kind: str
+    ends_before_doc: bool = False
+    compression: str = ""
+    num_bytes: int = -1
+    """Input file bytes this part accounts for (progress); -1: ``end - start``."""
+
+    @property
+    def input_bytes(self) -> int:
+        return self.end - self.start if self.num_bytes < 0 else self.num_bytes
+
+
+def plan_parts(path: str, target_bytes: int, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
+               errors: str = "strict", text_field: str = "text") -> list[Part]:
+    """The parts of one file, each about ``target_bytes``, that read one after another give exactly
+    ``read_file``'s documents: byte ranges of a plain text file (``plan_ranges``), runs of row groups or record
+    batches of a columnar file, the whole stream of a compressed one."""
+    kind, comp = sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
+    if kind == "parquet":
+        return [Part(path, a, b, kind, num_bytes=n) for a, b, n in columnar.plan_parquet(path, text_field, target_bytes)]
+    if kind == "arrow":
+        return [Part(path, a, b, kind, num_bytes=n) for a, b, n in columnar.plan_arrow(path, text_field, target_bytes)]
+    size = os.path.getsize(path)
+    if comp:
+        return [Part(path, 0, size, kind, compression=comp)]
+    return [Part(path, a, b, kind, before) for a, b, before in
+            plan_ranges(path, kind, target_bytes, max_line_bytes=max_line_bytes)]
+
+
+def read_part(part: Part, stats: ReadStats, *, max_line_bytes: int = 1_000_000, errors: str = "strict",
+              text_field: str = "text", max_document_chars: int = 64_000_000) -> Iterator[Document]:
+    """The documents of one part of ``plan_parts``; bad lines are counted in ``stats``."""
+    if part.kind in COLUMNAR:
+        read = columnar.read_parquet if part.kind == "parquet" else columnar.read_arrow
+        rows = read(part.path, part.start, part.end, stats, text_field=text_field, errors=errors,
+                    max_line_bytes=max_line_bytes)
+        for doc in _split_oversized((Document(p, part.path, 0) for p in rows), stats, max_document_chars):
+            doc.num_bytes = part.input_bytes
+            yield doc
+    elif part.compression:
+        yield from _read_stream(part.path, part.kind, part.compression, stats, max_line_bytes=max_line_bytes,
+                                errors=errors, text_field=text_field, max_document_chars=max_document_chars)
+    else:
+        yield from read_range(part.path, part.start, part.end, part.kind, stats, ends_before_doc=part.ends_before_doc,
+                              max_line_bytes=max_line_bytes, errors=errors, text_field=text_field,
+                              max_document_chars=max_document_chars)
+
+
+def _read_stream(path: str, kind: str, compression: str, stats: ReadStats, **kwargs) -> Iterator[Document]:
+    """A compressed text file's documents, decompressed front to back; a truncated or corrupt stream raises
+    ``stream_error`` (the caller has not written anything of it: preprocessing aborts, leaving no dataset)."""
+    with open_stream(path, compression) as f:
+        try:
+            yield from _documents(f, path, kind, stats, base=0, where=" of the decompressed stream", **kwargs)
+        except STREAM_ERRORS as e:
+            raise stream_error(path, compression, e) from None
+
+
+def _documents(f, path: str, kind: str, stats: ReadStats, *, base: int, end: int = 0, ends_before_doc: bool = False,
+               where: str = "", max_line_bytes: int = 1_000_000, errors: str = "strict", text_field: str = "text",
+               max_document_chars: int = 64_000_000) -> Iterator[Document]:
+    """The documents of the lines of ``f`` read as ``kind``; ``Document.num_bytes`` is the position after the
+    document (``end`` for the last one of a range)."""
+    lines = _iter_lines(f, path, stats, max_line_bytes=max_line_bytes, errors=errors, base=base, where=where)
+    if kind == "wikiextractor":
+        docs = _read_wikiextractor(lines, path, stats, ends_before_doc=ends_before_doc)
+    elif kind == "gutenberg":
+        docs = _read_gutenberg(lines, path)
+    elif kind == "jsonl":
+        docs = _read_jsonl(lines, path, stats, text_field)
+    else:
+        docs = _read_text(lines, path)
+    for doc in _split_oversized(docs, stats, max_document_chars):
+        if doc.num_bytes == 0:
+            doc.num_bytes = end
+        yield doc
 
 
 class _Range:
@@ -337,23 +476,14 @@ def _next_cut(f: BinaryIO, at: int, size: int, kind: str, max_line_bytes: int) -
 def read_range(path: str, start: int, end: int, kind: str, stats: ReadStats, *, ends_before_doc: bool = False,
                max_line_bytes: int = 1_000_000, errors: str = "strict", text_field: str = "text",
                max_document_chars: int = 64_000_000) -> Iterator[Document]:
-    """The documents of bytes ``start .. end`` of ``path`` read as ``kind`` (a range of ``plan_ranges``); bad lines
-    are counted in ``stats``. ``Document.num_bytes`` is the file position after the document."""
+    """The documents of bytes ``start .. end`` of a plain text file ``path`` read as ``kind`` (a range of
+    ``plan_ranges``); bad lines are counted in ``stats``. ``Document.num_bytes`` is the file position after the
+    document."""
     with open(path, "rb") as f:
         f.seek(start)
-        lines = _iter_lines(_Range(f, end), path, stats, max_line_bytes=max_line_bytes, errors=errors, base=start)
-        if kind == "wikiextractor":
-            docs = _read_wikiextractor(lines, path, stats, ends_before_doc=ends_before_doc)
-        elif kind == "gutenberg":
-            docs = _read_gutenberg(lines, path)
-        elif kind == "jsonl":
-            docs = _read_jsonl(lines, path, stats, text_field)
-        else:
-            docs = _read_text(lines, path)
-        for doc in _split_oversized(docs, stats, max_document_chars):
-            if doc.num_bytes == 0:
-                doc.num_bytes = end
-            yield doc
+        yield from _documents(_Range(f, end), path, kind, stats, base=start, end=end, ends_before_doc=ends_before_doc,
+                              max_line_bytes=max_line_bytes, errors=errors, text_field=text_field,
+                              max_document_chars=max_document_chars)
 
 
 def read_file(path: str, stats: ReadStats, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
@@ -363,9 +493,16 @@ def read_file(path: str, stats: ReadStats, *, fmt: str = "auto", max_line_bytes:
     _check_options(fmt, errors)
     if not open_input(path, stats):
         return
-    kind = sniff_format(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
-    yield from read_range(path, 0, os.path.getsize(path), kind, stats, max_line_bytes=max_line_bytes,
-                          errors=errors, text_field=text_field, max_document_chars=max_document_chars)
+    kind, comp = sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
+    kwargs = {"max_line_bytes": max_line_bytes, "errors": errors, "text_field": text_field,
+              "max_document_chars": max_document_chars}
+    if kind in COLUMNAR:  # the whole file as one part
+        for part in plan_parts(path, 1 << 62, fmt=kind, text_field=text_field):
+            yield from read_part(part, stats, **kwargs)
+    elif comp:
+        yield from _read_stream(path, kind, comp, stats, **kwargs)
+    else:
+        yield from read_range(path, 0, os.path.getsize(path), kind, stats, **kwargs)
 
 
 def open_input(path: str, stats: ReadStats) -> bool:

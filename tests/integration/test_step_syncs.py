@@ -10,7 +10,11 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from pretrain.config import load_run_config
-from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+from pretrain.distributed.env import (
+    destroy_process_group,
+    init_process_group,
+    single_process_env,
+)
 from pretrain.training.syncs import OpCounter
 from pretrain.training.trainer import Trainer
 
@@ -49,6 +53,7 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, grad_accum, tmp_pat
             print(f"\nZeRO-{zero_stage} grad_accum {grad_accum}, per step: trainer {outer.num_ops / 2:.0f} aten ops, "
                   f"{outer.num_syncs / 2:g} syncs {dict(outer.syncs)}; Engine.step {inner.num_ops / 2:.0f} ops, "
                   f"{inner.num_syncs / 2:g} syncs {dict(inner.syncs)}")
+            print(sorted(inner.where.items(), key=lambda x: -x[1])[:8])
         assert outer.num_ops > 100  # the counter saw the step
         assert outer.num_syncs == 0, dict(outer.where)
         # The metrics the step accumulated are still there, fetched in one go at the log step.

@@ -136,3 +136,71 @@ def mask(seq, key, cfg, special_ids, mask_id, vocab_size):
         elif action[j] < cfg.mask_frac + cfg.random_frac:
             inp[j] = allowed[min(math.floor(rand[j] * len(allowed)), len(allowed) - 1)]
     return inp, labels
+
+
+def _word_bounds(seq: list[int], word_start, specials) -> tuple[list[int], list[int]]:
+    """First token and end of every word (a word-start token and the continuation tokens after it; a special token
+    is a word by itself)."""
+    starts = [j for j, t in enumerate(seq) if j == 0 or word_start[t] or t in specials or seq[j - 1] in specials]
+    return starts, starts[1:] + [len(seq)]
+
+
+def _replace(seq, chosen: dict[int, int], key, cfg, specials, mask_id, vocab_size):
+    """80/10/10 for the chosen positions; ``chosen[j]`` is the position whose action draw decides for j."""
+    action, rand = u(key, 2, len(seq)), u(key, 3, len(seq))
+    allowed = [t for t in range(vocab_size) if t not in specials]
+    inp, labels = list(seq), [-100] * len(seq)
+    for j, by in chosen.items():
+        labels[j] = seq[j]
+        if action[by] < cfg.mask_frac:
+            inp[j] = mask_id
+        elif action[by] < cfg.mask_frac + cfg.random_frac:
+            inp[j] = allowed[min(math.floor(rand[j] * len(allowed)), len(allowed) - 1)]
+    return inp, labels
+
+
+def mask_whole_words(seq, key, cfg, special_ids, mask_id, vocab_size, word_start):
+    """scheme=whole_word for one row: floor(prob * words + u) candidate words by smallest key, all their tokens."""
+    seq = [int(t) for t in seq]
+    specials = set(special_ids)
+    starts, ends = _word_bounds(seq, word_start, specials)
+    cand = [q for q, s in enumerate(starts) if seq[s] not in specials]
+    count = math.floor(cfg.prob * len(cand) + u(key, 0, 1)[0])
+    keys = order_keys(key, 1, len(seq))
+    picked = sorted(cand, key=lambda q: keys[starts[q]])[:count]
+    chosen = {j: j for q in picked for j in range(starts[q], ends[q]) if seq[j] not in specials}
+    return _replace(seq, chosen, key, cfg, specials, mask_id, vocab_size)
+
+
+def truncated_geometric(x: float, p: float, max_len: int) -> int:
+    """Inverse CDF by table: the smallest k in 1..max_len with x < P(L <= k), L ~ Geometric(p) given L <= max_len."""
+    pmf = [p * (1 - p) ** (k - 1) for k in range(1, max_len + 1)]
+    total, acc = sum(pmf), 0.0
+    for k, m in enumerate(pmf, start=1):
+        acc += m / total
+        if x < acc:
+            return k
+    return max_len
+
+
+def mask_spans(seq, key, cfg, special_ids, mask_id, vocab_size, word_start):
+    """scheme=span for one row: anchor words by smallest key; each covers its word and the next length - 1 words
+    (maskable tokens not yet chosen), token by token, until K tokens are chosen."""
+    seq = [int(t) for t in seq]
+    specials = set(special_ids)
+    starts, ends = _word_bounds(seq, word_start, specials)
+    cand = [q for q, s in enumerate(starts) if seq[s] not in specials]
+    budget = math.floor(cfg.prob * sum(t not in specials for t in seq) + u(key, 0, 1)[0])
+    keys = order_keys(key, 1, len(seq))
+    length_draw = u(key, 4, len(seq))
+    chosen: dict[int, int] = {}
+    for q in sorted(cand, key=lambda q: keys[starts[q]]):
+        if len(chosen) >= budget:
+            break
+        last = min(q + truncated_geometric(length_draw[starts[q]], cfg.span_p, cfg.span_max), len(starts)) - 1
+        for j in range(starts[q], ends[last]):
+            if len(chosen) >= budget:
+                break
+            if seq[j] not in specials and j not in chosen:
+                chosen[j] = starts[q]
+    return _replace(seq, chosen, key, cfg, specials, mask_id, vocab_size)

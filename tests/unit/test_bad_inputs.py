@@ -32,6 +32,18 @@ def inputs(tiny_corpus, tmp_path_factory) -> dict:
     (d / "crlf_bom.txt").write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
     (d / "giant.txt").write_bytes(b"A normal sentence before it.\n" + b"x" * (10 << 20) + b"\nAnd a normal one after.\n")
     (d / "not_a_dataset").mkdir()
+    (d / "raw_corpus").mkdir()
+    (d / "raw_corpus" / "a.txt").write_bytes(text.encode())
+    (d / "prog").write_bytes(b"\x7fELF\x02\x01\x01" + bytes(9) + bytes(range(256)) * 4)
+    import gzip
+
+    blob = gzip.compress((text * 2000).encode())
+    (d / "cut.txt.gz").write_bytes(blob[:len(blob) // 2])
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [1, 2], "content": ["A first row of text.", "A second one."]}),
+                   d / "no_text.parquet")
     (d / "no_ckpt").mkdir()
     other = d / "other_tok.json"  # a tokenizer the tiny datasets were not made with
     train_tokenizer([str(d / "lf.txt")], str(other), kind="wordpiece", vocab_size=200, min_frequency=1)
@@ -61,9 +73,10 @@ def _argv(inp, run_dir, **changes) -> list[str]:
 CASES = {
     # --- configs (pretrain-train) ---------------------------------------------------------------------
     "config_key_typo": ("train", lambda i, t: _argv(i, t) + ["optim.lrr=1e-3"], 2,
-                        ["unknown config key(s) optim.lrr", "valid keys under optim"]),
+                        ["unknown config key(s) optim.lrr (optim.lrr: did you mean optim.lr?)",
+                         "valid keys under optim"]),
     "config_file_key_typo": ("train", lambda i, t: [str(i["dir"] / "typo.yaml")] + _argv(i, t), 2,
-                             ["optim.warmup_stepz"]),
+                             ["optim.warmup_stepz", "did you mean optim.warmup_steps?"]),
     "config_wrong_type": ("train", lambda i, t: _argv(i, t, train__max_steps="ten"), 2,
                           ["train.max_steps", "expected an integer", "'ten'"]),
     "config_negative_lr": ("train", lambda i, t: _argv(i, t, optim__lr="-3e-4"), 2, ["optim.lr must be > 0", "-0.0003"]),
@@ -88,6 +101,9 @@ CASES = {
                             ["gone does not exist", "pretrain-preprocess"]),
     "dataset_without_manifest": ("train", lambda i, t: _argv(
         i, t, data__sources="[{{name: d, path: {dir}/not_a_dataset}}]"), 2, ["no manifest.json", "incomplete"]),
+    "dataset_is_raw_text": ("train", lambda i, t: _argv(i, t, data__sources="[{{name: d, path: {dir}/raw_corpus}}]"),
+                            2, ["raw_corpus holds raw input files (a.txt), not a preprocessed dataset",
+                                "pretrain-preprocess", "raw_corpus --tokenizer", "raw_corpus-data"]),
     "no_data_sources": ("train", lambda i, t: _argv(i, t, data__sources="[]"), 2, ["data.sources is empty"]),
     "init_from_other_model_size": ("train", lambda i, t: _argv(i, t, checkpoint__init_from="{dir}/init_h48"), 2,
                                    ["init_h48 does not fit this model", "another model size"]),
@@ -100,6 +116,16 @@ CASES = {
     "invalid_utf8": ("preprocess", lambda i, t: [str(i["dir"] / "bad_utf8.txt"), "--tokenizer", i["tok"], "--out",
                                                  str(t / "out"), "--workers", "1", "--no-progress"], 2,
                      ["bad_utf8.txt: invalid UTF-8 at byte offset 33", "--errors replace"]),
+    "binary_input": ("preprocess", lambda i, t: [str(i["dir"] / "prog"), "--tokenizer", i["tok"], "--out",
+                                                 str(t / "out"), "--errors", "replace", "--no-progress"], 2,
+                     ["prog is an ELF executable or library, not UTF-8 text"]),
+    "truncated_gzip": ("preprocess", lambda i, t: [str(i["dir"] / "cut.txt.gz"), "--tokenizer", i["tok"], "--out",
+                                                   str(t / "out"), "--workers", "1", "--no-progress"], 2,
+                       ["cut.txt.gz: the gzip stream is truncated or corrupt"]),
+    "parquet_without_text_column": ("preprocess", lambda i, t: [str(i["dir"] / "no_text.parquet"), "--tokenizer",
+                                                                i["tok"], "--out", str(t / "out"), "--no-progress"], 2,
+                                    ["no_text.parquet has no column 'text'; its columns are id, content",
+                                     "--text-field"]),
     "input_missing": ("preprocess", lambda i, t: [str(i["dir"] / "nowhere.txt"), "--tokenizer", i["tok"], "--out",
                                                   str(t / "out"), "--no-progress"], 2, ["nowhere.txt does not exist"]),
     "verify_not_a_dataset": ("preprocess", lambda i, t: ["--verify", str(i["dir"] / "not_a_dataset")], 1,
@@ -107,6 +133,8 @@ CASES = {
     # --- tokenizer training / conversion ------------------------------------------------------------------
     "tokenizer_empty_corpus": ("tokenizer", lambda i, t: [str(i["dir"] / "empty.txt"), "--out", str(t / "t.json")], 2,
                                ["no text found", "empty.txt"]),
+    "tokenizer_binary_input": ("tokenizer", lambda i, t: [str(i["dir"] / "prog"), "--out", str(t / "t.json")], 2,
+                               ["prog is an ELF executable or library, not UTF-8 text"]),
     "convert_no_checkpoint": ("convert", lambda i, t: ["to-hf", str(i["dir"] / "no_ckpt"), str(t / "hf")], 2,
                               ["no_ckpt is not a model directory pretrain can open", "trainer_state.json"]),
     "convert_missing_path": ("convert", lambda i, t: ["to-hf", str(i["dir"] / "nothing"), str(t / "hf")], 2,

@@ -142,6 +142,16 @@ def test_settings_that_cannot_act_are_named():
     assert any("mean_pool_warmup_steps=50 does nothing" in ln for ln in
                lines(["model.pooling=mean", "objective.nt_xent.mean_pool_warmup_steps=50", "optim.warmup_steps=100"]))
     assert lines(["objective.nt_xent.mean_pool_warmup_steps=50", "optim.warmup_steps=100"]) == []
+    assert any("data.masking.span_p do nothing: data.masking.scheme=whole_word" in ln for ln in
+               lines(["data.masking.scheme=whole_word", "data.masking.span_p=0.3", "optim.warmup_steps=100"]))
+    assert lines(["data.masking.scheme=span", "data.masking.span_p=0.3", "optim.warmup_steps=100"]) == []
+    assert any("data.masking.scheme do nothing in data.stage=sentences" in ln
+               for ln in lines(["data.stage=sentences", "data.sentences=/s.txt", "data.sources=[]",
+                                "data.masking.scheme=span", "optim.warmup_steps=100"]))
+    assert any("data.packing=full does nothing in data.stage=sentences" in ln
+               for ln in lines(["data.stage=sentences", "data.sentences=/s.txt", "data.sources=[]",
+                                "data.packing=full", "optim.warmup_steps=100"]))
+    assert lines(["data.packing=full", "optim.warmup_steps=100"]) == []
     for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")) + [CONFIGS / "wiki_books_mini.yaml",
                                                                   CONFIGS / "sentence_stage_quick.yaml"]:
         assert lines([], recipe) == [], recipe.name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -286,3 +288,153 @@ def test_a_batch_is_its_samples_built_one_by_one(tokenizer, tmp_path):
                 assert batch[field][b, :n].tolist() == one[name].tolist(), (key, name)
                 assert (batch[field][b, n:] == (-100 if name == "mlm_labels" else tokenizer.pad_id)).all()
         assert batch["view_a_mask"].sum(1).tolist() == [len(dataset[k]["view_a"]) for k in keys]
+
+
+@pytest.mark.parametrize("scheme", ["whole_word", "span"])
+def test_word_masking_schemes_use_the_tokenizers_word_starts(tokenizer, scheme):
+    """Each sample's MLM input equals the row-by-row reference on the tokenizer's own word starts, drawn from the
+    sample's key; a batch's rows equal the samples built one by one."""
+    import augment_reference as R
+
+    from pretrain.config.data import MaskingConfig
+    from pretrain.data.counter_rng import sample_keys
+
+    docs = [[tokenizer.encode("She was glad to see the large house and the small garden near the river."),
+             tokenizer.encode("The quick brown fox jumps over the lazy dog.")] for _ in range(6)]
+    cfg = DataConfig(max_len=64, view_max_len=32, masking=MaskingConfig(scheme=scheme, prob=0.3))
+    ds = PretrainDataset(FakeShards(docs), tokenizer, cfg, seed=2, with_views=False)
+    starts = tokenizer.word_start_mask()
+    assert not starts.all()  # the tokenizer splits some words into pieces
+    reference = R.mask_whole_words if scheme == "whole_word" else R.mask_spans
+    batch = ds.__getitems__([(0, i) for i in range(len(ds))])
+    for i in range(len(ds)):
+        s = ds[(0, i)]
+        text = np.concatenate([ds.source[j] for j in range(*ds.index.range(i))]).astype(np.int64)
+        seq = np.concatenate([[tokenizer.cls_id], text, [tokenizer.sep_id]])
+        key = int(sample_keys(2, 0, [i])[0])
+        inp, labels = reference(seq, key, cfg.masking, sorted(tokenizer.special_ids), tokenizer.mask_id,
+                                tokenizer.vocab_size, starts)
+        assert s["input_ids"].tolist() == inp and s["mlm_labels"].tolist() == labels
+        assert np.array_equal(batch.sample(i)["input_ids"], s["input_ids"])
+        assert (s["mlm_labels"] != -100).sum() > 0
+
+
+# ------------------------------------------------------------------------------------------ packing "full"
+
+
+def reference_full_packing(sizes, doc_idx, budget):
+    """Independent formulation of packing "full": the non-empty sentences in order, each tagged with its document;
+    a sample takes them while its tokens plus one separator per change of document stay within budget."""
+    doc_of = np.searchsorted(doc_idx, np.arange(len(sizes)), side="right") - 1
+    groups, cur = [], []
+    for i in (i for i in range(len(sizes)) if sizes[i] > 0):
+        trial = cur + [i]
+        cost = sum(int(sizes[j]) for j in trial) + sum(doc_of[a] != doc_of[b] for a, b in itertools.pairwise(trial))
+        if cur and cost > budget:
+            groups.append(cur)
+            trial = [i]
+        cur = trial
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+@pytest.mark.parametrize("budget", [1, 5, 20, 126])
+def test_full_packing_matches_the_reference_in_python_and_c(budget):
+    from pretrain.data.sample_index import build_sample_index_py
+
+    rng = np.random.default_rng(budget)
+    fewer = 0
+    for trial in range(40):
+        src = FakeShards(random_docs(rng, int(rng.integers(0, 30)), 6, 50))
+        want = reference_full_packing(src.sizes, src.doc_idx, budget)
+        for build in (build_sample_index, build_sample_index_py):
+            first, end = build(src.sizes, src.doc_idx, budget, True)
+            got = [[i for i in range(a, b) if src.sizes[i]] for a, b in zip(first.tolist(), end.tolist())]
+            assert got == want, (trial, build.__name__)
+            assert all(src.sizes[a] > 0 for a in first.tolist())  # a sample starts with a non-empty sentence
+            if len(end):
+                assert end[-1] == len(src)  # the last sample runs to the data's end
+        within = len(build_sample_index(src.sizes, src.doc_idx, budget)[0])
+        assert len(want) <= within
+        fewer += len(want) < within
+    assert fewer >= (10 if budget >= 5 else 0)  # across documents: fewer samples than packing within them
+
+
+def test_c_helper_full_starts_equal_python():
+    from pretrain.data.sample_index import build_sample_index_py
+
+    _index = pytest.importorskip("pretrain.data._index", reason="C helper not built (pip install -e . builds it)")
+    rng = np.random.default_rng(7)
+    for trial in range(100):
+        src = FakeShards(random_docs(rng, int(rng.integers(1, 40)), 6, 60))
+        budget = int(rng.choice([3, 30, 126]))
+        first, end = build_sample_index_py(src.sizes, src.doc_idx, budget, True)
+        out = np.full(len(src) + 1, -1, dtype=np.int64)
+        count, last = _index.starts(src.sizes.astype(np.int64), src.doc_idx, budget, out, 10, True)
+        assert count == len(first) and np.array_equal(out[:count], first + 10)
+        assert last == (end[-1] if count else 0) + 10
+
+
+def _full_reference_text(src, first, end, sep_id, budget):
+    """The sentences first .. end - 1 concatenated, [SEP] before each non-empty sentence of another document
+    than the previous non-empty one."""
+    doc_of = np.searchsorted(src.doc_idx, np.arange(len(src)), side="right") - 1
+    out, prev = [], None
+    for i in range(first, end):
+        if not src.sizes[i]:
+            continue
+        if prev is not None and doc_of[i] != doc_of[prev]:
+            out.append(sep_id)
+        out.extend(int(t) for t in src[i])
+        prev = i
+    return out[:budget]
+
+
+def test_full_packing_samples_hold_their_sentences_with_a_separator_between_documents(tokenizer, tmp_path):
+    """From FakeShards (one sample at a time) and from a preprocessed ShardedDataset (the vectorised gather):
+    every sample is its sentences with [SEP] between documents, fills max_len - 2 but for the last token budget,
+    and the samples cover every token once, in order."""
+    from pretrain.data.shards import ShardedDataset
+    from pretrain.prep.preprocess import preprocess
+
+    docs = random_docs(np.random.default_rng(11), 60, 6, tokenizer.vocab_size, max_sent=15)
+    text = "\n\n".join(" ".join(f"The word{d} number{k} is here." for k in range(int(n)))
+                       for d, n in enumerate(np.random.default_rng(2).integers(1, 6, size=50))) + "\n"
+    (tmp_path / "a.txt").write_text(text)
+    preprocess([str(tmp_path / "a.txt")], str(tmp_path / "ds"), tokenizer.path, shard_size_tokens=300,
+               progress=False)
+    real = ShardedDataset(str(tmp_path / "ds"))
+    assert len(real.shards) > 2
+    for source in (FakeShards(docs), real):
+        cfg = DataConfig(max_len=24, view_max_len=16, packing="full")
+        ds = PretrainDataset(source, tokenizer, cfg, seed=5, with_views=False)
+        doc_cfg = DataConfig(max_len=24, view_max_len=16)
+        assert len(ds) < len(PretrainDataset(source, tokenizer, doc_cfg, seed=5, with_views=False))
+        batch = ds.__getitems__([(0, i) for i in range(len(ds))])
+        seen, separators = [], 0
+        for i in range(len(ds)):
+            s = batch.sample(i)
+            first, end = ds.index.range(i)
+            want = _full_reference_text(source, first, end, tokenizer.sep_id, 22)
+            inp, lab = s["input_ids"][1:-1], s["mlm_labels"][1:-1]
+            got = np.where(lab != -100, lab, inp).tolist()
+            assert got == want, i
+            assert len(s["input_ids"]) <= 24 and s["input_ids"][-1] == tokenizer.sep_id
+            separators += got.count(tokenizer.sep_id)
+            seen += [t for t in got if t != tokenizer.sep_id]
+            shard_starts = np.asarray(getattr(source, "starts", [0])).tolist()
+            if i + 1 < len(ds) and ds.index.range(i + 1)[0] not in shard_starts:  # the next sentence did not fit
+                nxt = ds.index.range(i + 1)[0]
+                last = max(j for j in range(first, end) if source.sizes[j])
+                doc_nxt, doc_last = (int(np.searchsorted(source.doc_idx, j, side="right")) - 1 for j in (nxt, last))
+                assert len(got) + (doc_nxt != doc_last) + int(source.sizes[nxt]) > 22
+        flat = [int(t) for j in range(len(source)) for t in source[j]]
+        assert seen == flat and separators > 0
+    cfg = DataConfig(max_len=24, view_max_len=16, packing="full")
+    from pretrain.data.sample_index import index_cache_path
+
+    assert "-full1-" in index_cache_path(real, 22, "full").name and "-greedy1-" in index_cache_path(real, 22).name
+    again = PretrainDataset(ShardedDataset(str(tmp_path / "ds")), tokenizer, cfg, seed=5, with_views=False)
+    assert again.index.path == index_cache_path(real, 22, "full") and again.index.path.is_file()
+    assert np.array_equal(np.asarray(again.index.starts), np.asarray(ds.index.starts))

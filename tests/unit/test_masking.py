@@ -143,3 +143,136 @@ def test_mask_batch_statistics():
     kept = (inp == batch.ids) & chosen
     assert abs(kept.sum() / n - 0.1) < 0.02  # random replacements may hit the original id (1 in 44)
     assert not special_V[inp[chosen & (inp != MASK_ID)]].any()
+
+
+# ---------------------------------------------------------------------------------- whole-word and span masking
+
+WORD_START = np.array([True] * 6 + [True] * 24 + [False] * 20)
+"""ids 6..29 start a word, 30..49 continue one (like ``##`` pieces); specials start words."""
+
+
+def _worded(rng: np.random.Generator, n: int) -> np.ndarray:
+    """``sequence`` whose first word token is a word start (a row may still begin with a continuation)."""
+    ids = sequence(rng, n)
+    if n and rng.random() < 0.8:
+        ids[1] = 6 + ids[1] % 24
+    return ids
+
+
+@pytest.mark.parametrize("scheme", ["whole_word", "span"])
+def test_word_schemes_equal_the_row_by_row_reference(scheme):
+    import augment_reference as R
+
+    from pretrain.data.counter_rng import sample_keys
+    from pretrain.data.masking import mask_batch, special_table
+    from pretrain.data.ragged import Ragged
+
+    reference = R.mask_whole_words if scheme == "whole_word" else R.mask_spans
+    special_V, allowed_A = special_table(VOCAB, SPECIALS)
+    rng = np.random.default_rng(5)
+    rows_checked = chosen_total = 0
+    for trial in range(60):
+        cfg = MaskingConfig(scheme=scheme, prob=float(rng.choice([0.15, 0.4])), span_p=float(rng.choice([0.2, 0.5])),
+                            span_max=int(rng.choice([1, 3, 10])))
+        rows = [_worded(rng, int(rng.choice([0, 1, 3, 20, 126]))) for _ in range(int(rng.integers(1, 9)))]
+        keys = sample_keys(trial, 1, np.arange(len(rows)))
+        inp_BT, labels_BT = mask_batch(Ragged.from_rows(rows), keys, cfg, special_V=special_V, allowed_A=allowed_A,
+                                       mask_id=MASK_ID, word_start_V=WORD_START)
+        for b, (row, key) in enumerate(zip(rows, keys.tolist())):
+            inp, labels = reference(row, key, cfg, SPECIALS, MASK_ID, VOCAB, WORD_START)
+            assert inp_BT[b, : len(row)].tolist() == inp and labels_BT[b, : len(row)].tolist() == labels
+            assert (labels_BT[b, len(row):] == IGNORE_INDEX).all()
+            rows_checked += 1
+            chosen_total += sum(x != IGNORE_INDEX for x in labels)
+    assert rows_checked > 200 and chosen_total > 500
+
+
+def _batch(scheme, n_rows=400, length=120, **kw):
+    from pretrain.data.counter_rng import sample_keys
+    from pretrain.data.masking import mask_batch, special_table
+    from pretrain.data.ragged import Ragged
+
+    cfg = MaskingConfig(scheme=scheme, **kw)
+    special_V, allowed_A = special_table(VOCAB, SPECIALS)
+    batch = Ragged.from_rows([_worded(np.random.default_rng(i), length) for i in range(n_rows)])
+    inp, labels = mask_batch(batch, sample_keys(3, 0, np.arange(n_rows)), cfg, special_V=special_V,
+                             allowed_A=allowed_A, mask_id=MASK_ID, word_start_V=WORD_START)
+    return cfg, batch, inp, labels, special_V
+
+
+def _starts_word(row: list[int], j: int) -> bool:
+    """Position j of ``row`` begins a word: a word-start id, or a special, or right after a special."""
+    return j == 0 or WORD_START[row[j]] or row[j] in SPECIALS or row[j - 1] in SPECIALS
+
+
+def _word_ids(row: np.ndarray) -> np.ndarray:
+    return np.cumsum([_starts_word(row.tolist(), j) for j in range(len(row))]) - 1
+
+
+def test_whole_word_masking_takes_whole_words_and_keeps_15_percent_and_80_10_10():
+    _, batch, inp, labels, special_V = _batch("whole_word")
+    chosen = labels != IGNORE_INDEX
+    maskable = batch.valid() & ~special_V[batch.ids]
+    assert not (chosen & ~maskable).any()
+    for b, row in enumerate(batch.rows()):
+        wid = _word_ids(row)
+        for q in np.unique(wid[chosen[b, : len(row)]]):  # every token of a chosen word is chosen
+            assert chosen[b, : len(row)][(wid == q) & maskable[b, : len(row)]].all()
+    assert abs(chosen.sum() / maskable.sum() - 0.15) < 0.006
+    n = chosen.sum()
+    assert abs((inp[chosen] == MASK_ID).sum() / n - 0.8) < 0.02
+    assert abs(((inp == batch.ids) & chosen).sum() / n - 0.1) < 0.02
+    assert not special_V[inp[chosen & (inp != MASK_ID)]].any()
+
+
+def test_span_masking_selects_exactly_k_tokens_in_word_spans_with_one_action_per_span():
+    _, batch, inp, labels, special_V = _batch("span")
+    chosen = labels != IGNORE_INDEX
+    maskable = batch.valid() & ~special_V[batch.ids]
+    assert not (chosen & ~maskable).any()
+    # K = floor(0.15 N + u): within one of 0.15 N, and 15% over the batch.
+    assert (np.abs(chosen.sum(axis=1) - 0.15 * maskable.sum(axis=1)) < 1).all()
+    assert abs(chosen.sum() / maskable.sum() - 0.15) < 0.003
+    all_masked = mixed = runs = 0
+    for b, row in enumerate(batch.rows()):
+        c = chosen[b, : len(row)]
+        starts = np.flatnonzero(c & ~np.concatenate([[False], c[:-1]]))
+        for s in starts:
+            assert _starts_word(row.tolist(), s), "a span starts inside a word"
+            e = s
+            while e < len(row) and c[e]:
+                e += 1
+            runs += 1
+            got = inp[b, s:e]
+            all_masked += (got == MASK_ID).all()
+            mixed += (got == MASK_ID).any() and not (got == MASK_ID).all()
+    # Span-level 80/10/10: a run is all [MASK] or none (touching spans may merge into one run of mixed actions).
+    assert mixed / runs < 0.1 and abs(all_masked / runs - 0.8) < 0.06
+
+
+def test_span_lengths_follow_spanberts_truncated_geometric():
+    from pretrain.data.masking import span_lengths
+
+    u = np.random.default_rng(0).random(400_000)
+    lengths = span_lengths(u, 0.2, 10)
+    assert lengths.min() == 1 and lengths.max() == 10
+    pmf = np.array([0.2 * 0.8 ** (k - 1) for k in range(1, 11)])
+    pmf /= pmf.sum()
+    got = np.bincount(lengths, minlength=11)[1:] / len(u)
+    assert np.abs(got - pmf).max() < 0.003
+    assert abs(lengths.mean() - 3.8) < 0.05  # SpanBERT: mean span length 3.8 words
+    assert (span_lengths(u[:100], 1.0, 10) == 1).all() and (span_lengths(u[:100], 0.2, 1) == 1).all()
+
+
+def test_word_schemes_need_the_word_starts_and_check_their_options():
+    from pretrain.data.masking import mask_batch, special_table
+    from pretrain.data.ragged import Ragged
+
+    special_V, allowed_A = special_table(VOCAB, SPECIALS)
+    with pytest.raises(ValueError, match="word_start_V"):
+        mask_batch(Ragged.from_rows([sequence(np.random.default_rng(0), 5)]), np.zeros(1, np.uint64),
+                   MaskingConfig(scheme="span"), special_V=special_V, allowed_A=allowed_A, mask_id=MASK_ID)
+    for kw, words in (({"scheme": "words"}, "data.masking.scheme"), ({"span_p": 0.0}, "data.masking.span_p"),
+                      ({"span_max": 0}, "data.masking.span_max")):
+        with pytest.raises(ValueError, match=words):
+            MaskingConfig(**kw)
