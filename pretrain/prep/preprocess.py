@@ -309,13 +309,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
                 stats.count(reason, n)
             for r in _unspill(result):
                 writer.add(r)
-                counts += np.bincount(r.flat_ids, minlength=tok.vocab_size)
-                report["documents"] += int((r.doc_sentences > 0).sum())
-                report["sentences"] += len(r.sizes)
-                report["tokens"] += len(r.flat_ids)
-                report["characters"] += r.num_chars
-                report["short_sentences"] += r.short_sentences
-                report["empty_sentences"] += r.empty_sentences
+                _tally(report, counts, r)
             done_bytes += task.input_bytes
             bar.update(max(0, done_bytes - bar.n))
         bar.update(max(0, total_bytes - bar.n))
@@ -328,24 +322,11 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
         report.update(stats.as_dict())
         report["elapsed_s"] = round(elapsed, 3)
         report["mb_per_s"] = round(stats.bytes / 1e6 / max(elapsed, 1e-9), 3)
-        freq = counts.astype(np.float64) / counts.sum()
-        np.save(tmp / TOKEN_FREQ, freq, allow_pickle=False)
-        manifest = {
-            "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
-            "tokenizer": {"path": os.path.abspath(tok.path), "sha256": tok.sha256, "kind": tok.kind,
-                          "vocab_size": tok.vocab_size, "lowercase": tok.lowercase},
-            "dtype": best_dtype(tok.vocab_size).name,
-            "num_sequences": sum(s["num_sequences"] for s in shards),
-            "num_documents": sum(s["num_documents"] for s in shards),
-            "num_tokens": sum(s["num_tokens"] for s in shards),
-            "shards": shards,
-            "token_freq": {"file": TOKEN_FREQ, "sha256": file_sha256(str(tmp / TOKEN_FREQ))},
-            "settings": {"fmt": fmt, "min_sentence_chars": min_sentence_chars, "max_line_bytes": max_line_bytes,
-                         "errors": errors, "text_field": text_field, "shard_size_tokens": shard_size_tokens,
-                         "chunk_chars": chunk_chars, "num_workers": num_workers},
-            "inputs": [{"path": os.path.abspath(f), "bytes": os.path.getsize(f)} for f in files],
-            "report": report,
-        }
+        np.save(tmp / TOKEN_FREQ, counts.astype(np.float64) / counts.sum(), allow_pickle=False)
+        settings = {"fmt": fmt, "min_sentence_chars": min_sentence_chars, "max_line_bytes": max_line_bytes,
+                    "errors": errors, "text_field": text_field, "shard_size_tokens": shard_size_tokens,
+                    "chunk_chars": chunk_chars, "num_workers": num_workers}
+        manifest = _manifest(tok, tmp, shards, files, settings, report)
         write_manifest(tmp, manifest)
         _publish(tmp, out)
     except BaseException:
@@ -354,6 +335,36 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _tally(report: dict, counts: np.ndarray, r: ChunkResult) -> None:
+    """Adds one chunk's documents, sentences, tokens, characters and skipped sentences to ``report`` and its
+    token ids to the frequency ``counts``."""
+    counts += np.bincount(r.flat_ids, minlength=len(counts))
+    report["documents"] += int((r.doc_sentences > 0).sum())
+    report["sentences"] += len(r.sizes)
+    report["tokens"] += len(r.flat_ids)
+    report["characters"] += r.num_chars
+    report["short_sentences"] += r.short_sentences
+    report["empty_sentences"] += r.empty_sentences
+
+
+def _manifest(tok, tmp: Path, shards: list[dict], files: list[str], settings: dict, report: dict) -> dict:
+    """manifest.json's content (pretrain/data/FORMAT.md) for the shards written to ``tmp``."""
+    return {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+        "tokenizer": {"path": os.path.abspath(tok.path), "sha256": tok.sha256, "kind": tok.kind,
+                      "vocab_size": tok.vocab_size, "lowercase": tok.lowercase},
+        "dtype": best_dtype(tok.vocab_size).name,
+        "num_sequences": sum(s["num_sequences"] for s in shards),
+        "num_documents": sum(s["num_documents"] for s in shards),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "shards": shards,
+        "token_freq": {"file": TOKEN_FREQ, "sha256": file_sha256(str(tmp / TOKEN_FREQ))},
+        "settings": settings,
+        "inputs": [{"path": os.path.abspath(f), "bytes": os.path.getsize(f)} for f in files],
+        "report": report,
+    }
 
 
 def format_report(manifest: dict) -> str:
