@@ -277,6 +277,7 @@ def measure_host_cost(args) -> dict:
         times["hf"].append(time_one(hf, batch))
     for arm, t in times.items():
         res[arm].update(s=statistics.median(t), all_s=t, adamw_fused=fused)
+    res["threads"] = torch.get_num_threads()  # still 1 after DeepSpeed and HF were built
     return res
 
 

@@ -65,7 +65,7 @@ def test_bench_step_host_cost_runs_both_arms(tmp_path, clean_env):
     assert "| ZeRO | precision | ours host ms | HF host ms | ours / HF |" in proc.stdout
     assert "| 2 | bf16 |" in proc.stdout and "Goal: ours <= 0.5x HF" in proc.stdout
     (row,) = json.loads(out.read_text())["rows"]
-    assert (row["zero_stage"], row["precision"]) == (2, "bf16")
+    assert (row["zero_stage"], row["precision"], row["threads"]) == (2, "bf16", 1)
     for arm in ("ours", "hf"):
         a = row[arm]
         assert a["s"] > 0 and len(a["all_s"]) == 2
