@@ -46,7 +46,7 @@ SIZES = {  # configs/models/*.yaml
     "mini": dict(hidden_size=256, num_layers=4, num_heads=4, ffn_size=1024),
     "small": dict(hidden_size=512, num_layers=4, num_heads=8, ffn_size=2048),
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072),
-    "host": {"hidden_size": 32, "num_layers": 12, "num_heads": 2, "ffn_size": 64},  # --host-cost: base's depth, no width
+    "host": dict(hidden_size=32, num_layers=12, num_heads=2, ffn_size=64),  # --host-cost: base's depth, no width
 }
 MASK_FRAC = 0.15
 HOST_COST = {"size": "host", "seq": 16, "view_len": 8, "batch": 4, "vocab": 128}
