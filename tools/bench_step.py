@@ -1,7 +1,8 @@
 """Full training step (MLM + CLEAR NT-Xent: forward, backward, optimizer) — ours vs Hugging Face.
 
-Ours: PretrainModel + Objective through the DeepSpeed Engine, exactly as the trainer runs it
-(MLM head on masked rows only, SDPA, fused/chunked NT-Xent). HF: ``transformers.BertForMaskedLM``
+Ours: PretrainModel + Objective through the DeepSpeed Engine, the trainer's own step
+(``pretrain.training.step.optimizer_step``: dropout keyed by step, finite check, metrics; MLM head on masked rows
+only, SDPA, fused/chunked NT-Xent). HF: ``transformers.BertForMaskedLM``
 (SDPA attention, full-sequence MLM head, as ``labels=`` computes it) plus the same CLEAR loss written
 the usual way (projection MLP, 2N x 2N similarity, cross-entropy), with ``torch.optim.AdamW`` (fused
 on CUDA); in bf16 HF runs under ``torch.autocast`` (fp32 weights), the usual way to train it in bf16.
@@ -13,28 +14,44 @@ device's dense bf16 peak (``--peak-tflops``, default 989 = H100 SXM) and against
 
     python tools/bench_step.py --sizes tiny mini --seq 128 --batch 32 --steps 10          # CPU
     python tools/bench_step.py --device cuda --precision bf16 --sizes base --batch 64 128 256 512
+
+``--host-cost`` (CPU): the host's cost of a step. BERT-base depth (12 layers) at a width, length and batch so small
+that arithmetic is negligible (``HOST_COST``), one thread, so wall time is host time; ZeRO 0 and 2 x fp32 and bf16,
+one process each, ours and HF alternating in it. Per arm: median host ms per step, and over one step after
+warm-up the aten ops dispatched and those that would force a host-device sync on CUDA (``metrics.op_count``).
+
+    python tools/bench_step.py --host-cost --steps 50 --json-out host_cost.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pretrain, not an installed one
+from pretrain.metrics.op_count import OpCounter
 
 SIZES = {  # configs/models/*.yaml
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=2, ffn_size=512),
     "mini": dict(hidden_size=256, num_layers=4, num_heads=4, ffn_size=1024),
     "small": dict(hidden_size=512, num_layers=4, num_heads=8, ffn_size=2048),
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072),
+    "host": dict(hidden_size=32, num_layers=12, num_heads=2, ffn_size=64),  # --host-cost: base's depth, no width
 }
 MASK_FRAC = 0.15
+HOST_COST = {"size": "host", "seq": 16, "view_len": 8, "batch": 4, "vocab": 128}
+"""--host-cost's step: SIZES["host"] (12 layers of width 32) on 4 sequences of 16 tokens + views of 8."""
+HOST_COST_GOAL = "ours <= 0.5x HF's host ms per step and no more aten ops than HF, at ZeRO-2 bf16 (issue 24)"
 
 
 def train_flops_per_sample(size: str, seq: int, view_len: int, vocab: int, mask_frac: float = MASK_FRAC) -> float:
@@ -71,7 +88,10 @@ def make_batch(batch: int, seq: int, view_len: int, vocab: int, gen: torch.Gener
                 view_b_ids=vb, view_b_mask=vmask)
 
 
-def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False):
+def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
+               micro_batch: int = 1):
+    """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
+    (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update)."""
     from pretrain.config import (
         DistributedConfig,
         ModelConfig,
@@ -82,9 +102,11 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     )
     from pretrain.distributed.engine import Engine
     from pretrain.distributed.env import detect_env, init_process_group
+    from pretrain.metrics.accumulate import MetricSums
     from pretrain.model import build_model
     from pretrain.objective import Context, Objective, TrainModule
     from pretrain.training.optim import build_param_groups, lr_lambda
+    from pretrain.training.step import optimizer_step
 
     env = detect_env()
     init_process_group(env, backend="auto", timeout_s=600)
@@ -95,21 +117,24 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     module = TrainModule(model, Objective(ObjectiveConfig(), Context(env=env, ops=OpsConfig(), pooling="mean")))
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
     engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
-                    train=TrainConfig(micro_batch_size=1, precision=precision),
+                    train=TrainConfig(micro_batch_size=micro_batch, precision=precision),
                     dist=DistributedConfig(zero_stage=zero_stage), env=env, lr_lambda=lr_lambda(optim, 1000))
     engine.train()
+    sums, done = MetricSums(), [0]
 
-    def step(batch):
-        loss, _ = engine.forward(batch)
-        engine.micro_step(loss)
-        engine.step()
-        return loss.item()
+    def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
+        result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
+                                precision=precision)
+        done[0] += 1
+        return result
 
+    step.engine = engine
     return step
 
 
 def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp32", compile_: bool = False,
-             temperature: float = 0.1):
+             temperature: float = 0.1, fused: bool | None = None):
+    """HF's step; ``fused``: fused AdamW (default: on CUDA, as the Engine chooses)."""
     from transformers import BertConfig, BertForMaskedLM
 
     s = SIZES[size]
@@ -125,7 +150,7 @@ def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp3
     proj = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)).to(device)
     params = list(model.parameters()) + list(proj.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01,
-                            **({"fused": True} if device == "cuda" else {}))
+                            **({"fused": True} if (device == "cuda" if fused is None else fused) else {}))
     model.train()
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -152,9 +177,12 @@ def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp3
     return step
 
 
-def time_one(step, batch) -> float:
+def time_one(step, batch, cuda: bool = False) -> float:
+    """Seconds of one step; on CUDA up to the end of its device work (the trainer's step ends without a sync)."""
     t0 = time.perf_counter()
     step(batch)
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -168,7 +196,7 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        times = [time_one(step, batch) for _ in range(steps)]
+        times = [time_one(step, batch, cuda=device == "cuda") for _ in range(steps)]
         if profile_out:
             from torch.profiler import ProfilerActivity, profile
 
@@ -193,16 +221,16 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
 def measure(args, size: str) -> dict:
     """Median seconds per step of ours and HF for one size and micro-batch."""
     gen = torch.Generator().manual_seed(0)
-    batch = make_batch(args.batch[0], args.seq, args.view_len, args.vocab, gen)
-    batch = {k: v.to(args.device) for k, v in batch.items()}
+    host_batch = make_batch(args.batch[0], args.seq, args.view_len, args.vocab, gen)
+    batch = {k: v.to(args.device) for k, v in host_batch.items()}  # HF's; ours moves the host batch in its step
     torch.manual_seed(0)
     res = {}
     # One arm after the other (not interleaved): on a GPU both models' activations would otherwise have
     # to fit at once, which would lower the largest batch. The CPU keeps the alternating trials.
     if args.device == "cuda":
         res["ours"] = _timed_arm("ours", lambda: build_ours(size, args.vocab, args.seq, args.zero_stage,
-                                                            args.precision, args.compile),
-                                 batch, args.steps, "cuda", args.profile_out)
+                                                            args.precision, args.compile, args.batch[0]),
+                                 host_batch, args.steps, "cuda", args.profile_out)
         import gc
 
         gc.collect()
@@ -210,7 +238,7 @@ def measure(args, size: str) -> dict:
         res["hf"] = _timed_arm("hf", lambda: build_hf(size, args.vocab, args.seq, "cuda", args.precision,
                                                       args.compile), batch, args.steps, "cuda", args.profile_out)
         return res
-    ours = build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile)
+    ours = build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0])
     hf = build_hf(size, args.vocab, args.seq, "cpu", args.precision, args.compile)
     ours(batch), hf(batch)  # warm-up
     t_ours, t_hf = [], []
@@ -218,6 +246,112 @@ def measure(args, size: str) -> dict:
         t_ours.append(time_one(ours, batch))
         t_hf.append(time_one(hf, batch))
     return {"ours": {"s": statistics.median(t_ours)}, "hf": {"s": statistics.median(t_hf)}}
+
+
+def count_ops(step, batch) -> dict:
+    """The ops one step dispatches (run it after warm-up): aten ops, sync-forcing ops, and each op by name."""
+    with OpCounter() as counter:
+        step(batch)
+    return {"aten_ops": counter.num_aten, "sync_ops": counter.num_sync, "syncs": dict(counter.syncs.most_common()),
+            "ops": dict(counter.ops.most_common())}
+
+
+def measure_host_cost(args) -> dict:
+    """One (ZeRO stage, precision) of --host-cost: both arms built, warmed up (3 steps), their ops counted over one
+    step, then ``args.steps`` alternating timed steps on one thread."""
+    torch.set_num_threads(1)
+    hc = HOST_COST
+    batch = make_batch(hc["batch"], hc["seq"], hc["view_len"], hc["vocab"], torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    ours = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision, micro_batch=hc["batch"])
+    # HF gets the AdamW implementation the Engine chose (fused on CUDA; on the CPU today torch's per-parameter one,
+    # whose step count .item() per parameter would otherwise count as syncs in one arm only).
+    fused = bool(ours.engine._adamw.defaults.get("fused"))
+    hf = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, fused=fused)
+    for _ in range(3):
+        ours(batch), hf(batch)
+    res = {"ours": count_ops(ours, batch), "hf": count_ops(hf, batch)}
+    times: dict = {"ours": [], "hf": []}
+    for _ in range(args.steps):  # alternate so drifting machine load hits both alike
+        times["ours"].append(time_one(ours, batch))
+        times["hf"].append(time_one(hf, batch))
+    for arm, t in times.items():
+        res[arm].update(s=statistics.median(t), all_s=t, adamw_fused=fused)
+    res["threads"] = torch.get_num_threads()  # still 1 after DeepSpeed and HF were built
+    return res
+
+
+def host_cost_table(rows: list[dict]) -> list[str]:
+    """Markdown table of --host-cost rows (zero, precision, ours, hf) and the issue's goal line."""
+    header = ("| ZeRO | precision | ours host ms | HF host ms | ours / HF | ours aten ops | HF aten ops | ours / HF "
+              "| ours sync ops | HF sync ops |")
+    lines = [header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    goal = None
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['zero_stage']} | {r['precision']} | failed: {r['error'][:60]} | | | | | | | |")
+            continue
+        o, h = r["ours"], r["hf"]
+        t_ratio, op_ratio = o["s"] / h["s"], o["aten_ops"] / h["aten_ops"]
+        lines.append(f"| {r['zero_stage']} | {r['precision']} | {o['s'] * 1e3:.1f} | {h['s'] * 1e3:.1f} | "
+                     f"{t_ratio:.2f}x | {o['aten_ops']:,} | {h['aten_ops']:,} | {op_ratio:.2f}x | "
+                     f"{o['sync_ops']:,} | {h['sync_ops']:,} |")
+        if (r["zero_stage"], r["precision"]) == (2, "bf16"):
+            goal = (f"host {t_ratio:.2f}x ({'met' if t_ratio <= 0.5 else 'not met'}), aten ops {op_ratio:.2f}x "
+                    f"({'met' if o['aten_ops'] <= h['aten_ops'] else 'not met'})")
+    lines += ["", f"Goal: {HOST_COST_GOAL}: " + (goal or "ZeRO-2 bf16 not measured"), "",
+              "Sync-forcing ops per step, by name (metrics.op_count.SYNC_OPS):"]
+    done = [r for r in rows if "error" not in r]
+    for r in done:
+        for arm in ("ours", "hf"):
+            named = ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in r[arm]["syncs"].items())
+            lines.append(f"- ZeRO {r['zero_stage']} {r['precision']} {arm}: {named or 'none'}")
+    if done:
+        lines.append("AdamW in both arms: " + ("fused" if done[0]["hf"]["adamw_fused"] else
+                     "torch's per-parameter one (the Engine's choice without CUDA; CUDA runs fused): its .item() of "
+                     "each parameter's step count is one sync per parameter tensor it updates"))
+    return lines
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def run_host_cost(args) -> int:
+    """--host-cost: one process per (ZeRO stage, precision); prints the table, writes --json-out."""
+    hc = HOST_COST
+    load_start = os.getloadavg()
+    print(f"host cost: torch {torch.__version__}, deepspeed {_version('deepspeed')}, transformers "
+          f"{_version('transformers')}, 1 thread, {SIZES[hc['size']]}, batch {hc['batch']} x seq "
+          f"{hc['seq']} (+2 views x {hc['view_len']}), vocab {hc['vocab']}, median of {args.steps} alternating "
+          f"steps; ops over 1 step after 3 warm-up; load average {load_start[0]:.2f}")
+    rows = []
+    for zero in args.zero_stages:
+        for precision in args.precisions:
+            cmd = [sys.executable, __file__, "--json", "--host-cost", "--zero-stage", str(zero), "--precision",
+                   precision, "--steps", str(args.steps)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                print(f"ZeRO {zero} {precision}: failed ({tail})", file=sys.stderr)
+                rows.append({"zero_stage": zero, "precision": precision, "error": tail})
+                continue
+            rows.append({"zero_stage": zero, "precision": precision, **json.loads(lines[0][7:])})
+    load_end = os.getloadavg()
+    print()
+    print("\n".join(host_cost_table(rows)))
+    print(f"load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"mode": "host-cost", "torch": torch.__version__, "deepspeed": _version("deepspeed"),
+                       "transformers": _version("transformers"), "threads": 1, "model": SIZES[hc["size"]],
+                       **hc, "steps": args.steps, "load_avg_start": load_start, "load_avg_end": load_end,
+                       "goal": HOST_COST_GOAL, "rows": rows}, f, indent=1)
+    return 0 if all("error" not in r for r in rows) else 1
 
 
 def matmul_tflops(size: int = 8192) -> float:
@@ -253,12 +387,21 @@ def main(argv=None) -> int:
                    help="dense bf16 peak for MFU (H100 SXM 989, H200 989, A100 312)")
     p.add_argument("--json-out", default="", help="also write every figure to this JSON file")
     p.add_argument("--profile-out", default="", help="CUDA: append each arm's kernel table (torch.profiler) here")
+    p.add_argument("--host-cost", action="store_true",
+                   help="CPU: host ms, aten ops and sync-forcing ops per step at BERT-base depth and no width")
+    p.add_argument("--zero-stages", type=int, nargs="+", default=[0, 2], help="--host-cost: ZeRO stages")
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                   help="--host-cost: precisions")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one (size, batch) as JSON (internal)
     args = p.parse_args(argv)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    if args.host_cost and args.device != "cpu":
+        p.error("--host-cost measures the host on the CPU (wall time = host time there); leave out --device")
     if args.json:
-        print("RESULT " + json.dumps(measure(args, args.sizes[0])))
+        print("RESULT " + json.dumps(measure_host_cost(args) if args.host_cost else measure(args, args.sizes[0])))
         return 0
+    if args.host_cost:
+        return run_host_cost(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     mm = matmul_tflops() if args.device == "cuda" else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

@@ -1,5 +1,6 @@
 """The GPU pass's own logic, dry-run on the CPU: `tools/gpu_smoke.py` (train, resume a copy from the
-half-way checkpoint, compare the losses) and `tools/bench_step.py`'s FLOP count and table.
+half-way checkpoint, compare the losses) and `tools/bench_step.py`'s FLOP count and table; and
+`bench_step.py --host-cost`, the CPU measure of a step's host cost (issue 24).
 
 The GPU pass runs only where a GPU is lent (tools/gpu_check.sh); these keep its scripts working in
 between, so that the next lent GPU is not spent on a broken script.
@@ -36,13 +37,59 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path, clean_env):  # clean_env: no launche
 
 
 def test_bench_step_flop_count_matches_hand_count():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import bench_step
-    finally:
-        sys.path.pop(0)
+    bench_step = _bench_step()
     d, f, layers, vocab = 768, 3072, 12, 30522
     per_token = lambda t: layers * (24 * d * d + 4 * t * d)  # noqa: E731 - f = 4d: 8d^2 + 4df = 24d^2
     fwd = 128 * per_token(128) + 2 * 64 * per_token(64) + 0.15 * 128 * (2 * d * d + 2 * d * vocab)
     assert f == 4 * d
     assert bench_step.train_flops_per_sample("base", 128, 64, vocab) == pytest.approx(3 * fwd, rel=1e-12)
+
+
+def _bench_step():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import bench_step
+    finally:
+        sys.path.pop(0)
+    return bench_step
+
+
+def test_bench_step_host_cost_runs_both_arms(tmp_path, clean_env):
+    out = tmp_path / "host_cost.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_step.py"), "--host-cost", "--steps", "2", "--zero-stages", "2",
+         "--precisions", "bf16", "--json-out", str(out)],
+        check=False, capture_output=True, text=True, cwd=REPO, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| ZeRO | precision | ours host ms | HF host ms | ours / HF |" in proc.stdout
+    assert "| 2 | bf16 |" in proc.stdout and "Goal: ours <= 0.5x HF" in proc.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["zero_stage"], row["precision"], row["threads"]) == (2, "bf16", 1)
+    for arm in ("ours", "hf"):
+        a = row[arm]
+        assert a["s"] > 0 and len(a["all_s"]) == 2
+        assert a["aten_ops"] > 1000 and a["aten_ops"] == sum(n for k, n in a["ops"].items() if k.startswith("aten."))
+        assert a["sync_ops"] == sum(a["syncs"].values())
+        # The mode saw the whole step: the backward, and the optimizer's update (ours: inside DeepSpeed's step).
+        assert a["ops"]["aten.native_layer_norm_backward"] >= 12
+        assert any(a["ops"].get(op, 0) for op in ("aten.addcdiv_", "aten._foreach_addcdiv_", "aten._fused_adamw_"))
+    assert row["hf"]["syncs"].get("aten._local_scalar_dense", 0) >= 1  # its loss.item()
+
+
+def test_host_cost_table_ratios_and_goal():
+    bench_step = _bench_step()
+
+    def arm(ms, ops, syncs):
+        return {"s": ms / 1e3, "aten_ops": ops, "sync_ops": syncs, "syncs": {"aten.nonzero": syncs} if syncs else {},
+                "adamw_fused": False}
+
+    rows = [{"zero_stage": 0, "precision": "fp32", "ours": arm(66, 12000, 3), "hf": arm(55, 8000, 1)},
+            {"zero_stage": 2, "precision": "bf16", "ours": arm(25, 7000, 0), "hf": arm(50, 7000, 1)}]
+    text = "\n".join(bench_step.host_cost_table(rows))
+    assert "| 0 | fp32 | 66.0 | 55.0 | 1.20x | 12,000 | 8,000 | 1.50x | 3 | 1 |" in text
+    assert "| 2 | bf16 | 25.0 | 50.0 | 0.50x | 7,000 | 7,000 | 1.00x | 0 | 1 |" in text
+    assert "host 0.50x (met), aten ops 1.00x (met)" in text
+    assert "- ZeRO 2 bf16 ours: none" in text and "- ZeRO 0 fp32 ours: nonzero 3" in text
+    rows[1]["ours"] = arm(26, 7001, 0)
+    assert "host 0.52x (not met), aten ops 1.00x (not met)" in "\n".join(bench_step.host_cost_table(rows))
