@@ -7,6 +7,7 @@ syncs, but the same calls would on CUDA; ``SYNC_OPS`` names them so that a CPU r
 
 from __future__ import annotations
 
+import traceback
 from collections import Counter
 
 import torch
@@ -48,15 +49,22 @@ def is_sync(func, args, kwargs) -> bool:
     return False
 
 
+def _caller() -> str:
+    frames = [f for f in traceback.extract_stack()[:-3] if "/torch/" not in f.filename]
+    return " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in frames[-2:][::-1])
+
+
 class OpCounter(TorchDispatchMode):
     """Counts every op dispatched inside ``with OpCounter() as c:`` (all namespaces: aten, c10d, ...).
 
-    ``c.ops``: name -> calls; ``c.syncs``: name -> sync-forcing calls; ``c.num_aten`` / ``c.num_sync`` the totals."""
+    ``c.ops``: name -> calls; ``c.syncs``: name -> sync-forcing calls; ``c.num_aten`` / ``c.num_sync`` the totals;
+    ``c.where``: (sync op, the two innermost calling frames outside torch) -> calls, i.e. where to look."""
 
     def __init__(self):
         super().__init__()
         self.ops: Counter = Counter()
         self.syncs: Counter = Counter()
+        self.where: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -64,6 +72,7 @@ class OpCounter(TorchDispatchMode):
         self.ops[name] += 1
         if is_sync(func, args, kwargs):
             self.syncs[name] += 1
+            self.where[(name, _caller())] += 1
         return func(*args, **kwargs)
 
     @property
