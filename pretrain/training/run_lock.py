@@ -1,11 +1,18 @@
 """One trainer per run directory: ``<run_dir>/run.lock``, held by rank 0 for the whole run.
 
-The lock is a small JSON file (host, pid, start time, heartbeat, a random token) created with
-``O_CREAT | O_EXCL`` and refreshed by a heartbeat thread, because ``flock`` is not honoured reliably
-on the shared filesystems runs live on (NFS). A second trainer finds a live holder and stops at once
-with a message naming it. A holder that is gone — no heartbeat for ``stale_after_s``, or a dead pid on
-this very host — is taken over with a warning (atomic rename, then a re-read confirms the token: of
-two trainers taking over at once exactly one keeps the lock).
+The lock is a small JSON file (host, pid, job, start time, a heartbeat counter, a random token) created with
+``O_CREAT | O_EXCL`` and rewritten by a heartbeat thread, because ``flock`` is not honoured reliably on the
+shared filesystems runs live on (NFS). Who may take it:
+
+- the same job (its Slurm job id, with the array task where there is one): at once, from any host — a
+  requeued job whose previous run was SIGKILLed (a checkpoint longer than KillWait) continues;
+- anyone, from a holder on this very host whose pid is gone, or from an unreadable lock file: at once;
+- anyone else, from a holder whose heartbeat does not change for ``stale_after_s`` *as this reader watches
+  it* (its own monotonic clock: clocks of different hosts are never compared);
+- otherwise the trainer stops with a message naming the holder.
+
+Every takeover is an atomic rename followed by a re-read that confirms the token (of two trainers taking
+over at once exactly one keeps the lock), and says so in a warning.
 """
 
 from __future__ import annotations
@@ -32,6 +39,16 @@ class RunDirLocked(ValueError):
     """Another live trainer holds the run directory."""
 
 
+def job_id(environ=os.environ) -> str:
+    """This process's job: Slurm's ``<array job>_<task>`` or job id, else ``PRETRAIN_JOB_ID`` (other schedulers
+    set it to an id that a restart of the same job keeps); '' when none is known."""
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"slurm:{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    if environ.get("SLURM_JOB_ID"):
+        return f"slurm:{environ['SLURM_JOB_ID']}"
+    return environ.get("PRETRAIN_JOB_ID", "")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -52,7 +69,9 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_NAME
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.token = secrets.token_hex(8)
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "token": self.token}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "since": time.time(),
+                   "token": self.token}
+        self.beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = False
@@ -60,25 +79,23 @@ class RunLock:
 
     # -- acquiring ----------------------------------------------------------------------------------
     def acquire(self) -> str | None:
-        """Take the lock; returns a warning line when a stale lock was taken over, raises RunDirLocked when
-        a live trainer holds it."""
+        """Take the lock; returns a warning line when another's lock was taken over, raises RunDirLocked when a
+        live trainer of another job holds it (after watching its heartbeat for up to ``stale_after_s``)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self._create():
             self._start_heartbeat()
             return None
         holder = self._read()
-        if holder is not None:
-            reason = self._stale_reason(holder)
-            if reason is None:
-                age = time.time() - float(holder.get("heartbeat", holder.get("since", 0)))
-                raise RunDirLocked(
-                    f"run directory {self.path.parent} is in use by another trainer: host {holder.get('host')}, "
-                    f"pid {holder.get('pid')}, running since {_fmt_time(float(holder.get('since', 0)))}, last "
-                    f"heartbeat {age:.0f}s ago (lock file {self.path}). Wait for it to finish or stop it (scancel), "
-                    f"or use another run_dir; a holder that died is taken over after {self.stale_after_s:.0f}s "
-                    f"without heartbeat.")
-        else:
-            reason = "its lock file is unreadable"
+        reason = "its lock file is unreadable" if holder is None else self._takeover_reason(holder)
+        if reason is None:
+            age = time.time() - float(holder.get("heartbeat", holder.get("since", 0)))
+            raise RunDirLocked(
+                f"run directory {self.path.parent} is in use by another trainer: host {holder.get('host')}, "
+                f"pid {holder.get('pid')}, job {holder.get('job') or 'unknown'}, running since "
+                f"{_fmt_time(float(holder.get('since', 0)))}, its heartbeat changed while this trainer watched "
+                f"(last written {age:.0f}s ago by its clock; lock file {self.path}). Wait for it to finish or stop "
+                f"it (scancel), or use another run_dir; a holder that died is taken over once its heartbeat has "
+                f"not changed for {self.stale_after_s:.0f}s, and a requeue of the same job takes over at once.")
         self._replace()
         time.sleep(min(0.2, self.heartbeat_s))  # let a concurrent taker's rename land, then see who won
         now = self._read()
@@ -86,23 +103,35 @@ class RunLock:
             raise RunDirLocked(f"run directory {self.path.parent}: another trainer took over its stale lock at the "
                                f"same moment ({now}); use another run_dir or retry")
         self._start_heartbeat()
-        prev = f"host {holder.get('host')}, pid {holder.get('pid')}" if holder else "unknown"
+        prev = (f"host {holder.get('host')}, pid {holder.get('pid')}, job {holder.get('job') or 'unknown'}"
+                if holder else "unknown")
         return f"warning: took over the lock of run directory {self.path.parent} from {prev} ({reason})"
 
-    def _stale_reason(self, holder: dict) -> str | None:
-        beat = float(holder.get("heartbeat", holder.get("since", 0)))
-        if time.time() - beat > self.stale_after_s:
-            return f"no heartbeat for {time.time() - beat:.0f}s"
-        if holder.get("host") == self.me["host"]:
+    def _takeover_reason(self, holder: dict) -> str | None:
+        """Why ``holder``'s lock may be taken over now, or None when it is held by a live trainer."""
+        if self.me["job"] and holder.get("job") == self.me["job"]:
+            return f"the same job {self.me['job']}: a requeue or restart of it"
+        if holder.get("host") == self.me["host"]:  # this host can look at the pid itself
             pid = int(holder.get("pid", -1))
             if pid == os.getpid():
                 return "held by this same process: a trainer that was never closed"
-            if not _pid_alive(pid):
-                return f"pid {pid} is no longer running on this host"
-        return None
+            return None if _pid_alive(pid) else f"pid {pid} is no longer running on this host"
+        return self._watch(holder)
+
+    def _watch(self, holder: dict) -> str | None:
+        """Re-reads the lock until its heartbeat changes (live: None) or ``stale_after_s`` pass on this reader's
+        own clock without a change (gone: the reason)."""
+        seen = (holder.get("token"), holder.get("beats"), holder.get("heartbeat"))
+        start = time.monotonic()
+        while time.monotonic() - start < self.stale_after_s:
+            time.sleep(min(self.heartbeat_s / 4, self.stale_after_s / 10, 5.0))
+            now = self._read()
+            if now is not None and (now.get("token"), now.get("beats"), now.get("heartbeat")) != seen:
+                return None
+        return f"its heartbeat did not change for {self.stale_after_s:.0f}s"
 
     def _payload(self) -> bytes:
-        return json.dumps(dict(self.me, heartbeat=time.time())).encode()
+        return json.dumps(dict(self.me, heartbeat=time.time(), beats=self.beats)).encode()
 
     def _create(self) -> bool:
         try:
@@ -138,6 +167,7 @@ class RunLock:
             if holder is None or holder.get("token") != self.token:
                 self.lost = True
                 return
+            self.beats += 1
             try:
                 self._replace()
             except OSError:

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -28,32 +29,104 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_live_holder_elsewhere_is_refused_with_its_name(tmp_path):
-    _plant(tmp_path, host="node-7", pid=4242)
-    with pytest.raises(RunDirLocked, match="in use by another trainer: host node-7, pid 4242, running since .* "
-                                           "last heartbeat 0s ago"):
-        RunLock(tmp_path).acquire()
+def _beating(run_dir, stop: threading.Event, **holder) -> threading.Thread:
+    """A holder on another host that keeps rewriting its lock (its clock far behind ours: never compared)."""
+    def beat():  # as RunLock._beat does: rewrite atomically, stop once someone else's token is in the file
+        n = 0
+        while not stop.wait(0.05):
+            try:
+                if json.loads((run_dir / LOCK_NAME).read_text())["token"] != "someone":
+                    return
+            except (OSError, ValueError):
+                pass
+            n += 1
+            tmp = run_dir / ".beat"
+            tmp.write_text(json.dumps({"host": holder["host"], "pid": holder["pid"], "job": holder.get("job", ""),
+                                       "since": 0, "token": "someone", "beats": n,
+                                       "heartbeat": time.time() - 1000}))
+            os.replace(tmp, run_dir / LOCK_NAME)
+    _plant(run_dir, beats=0, heartbeat=time.time() - 1000, **holder)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_live_holder_elsewhere_is_refused_with_its_name(tmp_path, monkeypatch):
+    # Its heartbeat time is 1000 s old by our clock, but the lock changes while we watch: it is alive.
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    stop = threading.Event()
+    thread = _beating(tmp_path, stop, host="node-7", pid=4242, job="slurm:11")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RunDirLocked, match="in use by another trainer: host node-7, pid 4242, job slurm:11, "
+                                               "running since .* its heartbeat changed while this trainer watched"):
+            RunLock(tmp_path, heartbeat_s=0.2, stale_after_s=5).acquire()
+        assert time.monotonic() - t0 < 2  # refused as soon as a change was seen
+    finally:
+        stop.set()
+        thread.join()
     assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == "someone"  # untouched
 
 
-@pytest.mark.parametrize("case", ["dead_pid_here", "no_heartbeat", "unreadable"])
-def test_stale_lock_is_taken_over_with_a_warning(tmp_path, case):
+def test_live_holder_on_this_host_is_refused_at_once(tmp_path):
+    _plant(tmp_path, pid=os.getppid())
+    t0 = time.monotonic()
+    with pytest.raises(RunDirLocked, match="in use by another trainer"):
+        RunLock(tmp_path, stale_after_s=30).acquire()
+    assert time.monotonic() - t0 < 1
+
+
+@pytest.mark.parametrize("case", ["dead_pid_here", "no_heartbeat_change", "unreadable"])
+def test_stale_lock_is_taken_over_with_a_warning(tmp_path, case, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     if case == "dead_pid_here":
         _plant(tmp_path, pid=_dead_pid())
         why = "is no longer running on this host"
-    elif case == "no_heartbeat":
-        _plant(tmp_path, host="node-7", pid=4242, heartbeat=time.time() - 1000)
-        why = "no heartbeat for"
+    elif case == "no_heartbeat_change":  # its heartbeat time is *now* by its clock, but it never changes
+        _plant(tmp_path, host="node-7", pid=4242, heartbeat=time.time() + 1000)
+        why = "its heartbeat did not change for 1s"
     else:
         tmp_path.mkdir(exist_ok=True)
         (tmp_path / LOCK_NAME).write_text("{torn")
         why = "unreadable"
-    lock = RunLock(tmp_path, heartbeat_s=0.05)
+    lock = RunLock(tmp_path, heartbeat_s=0.05, stale_after_s=1.0)
     warning = lock.acquire()
     assert warning.startswith("warning: took over the lock") and why in warning
     assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == lock.token
     lock.release()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("env, holder_job", [({"SLURM_JOB_ID": "77"}, "slurm:77"),
+                                             ({"SLURM_JOB_ID": "90", "SLURM_ARRAY_JOB_ID": "88",
+                                               "SLURM_ARRAY_TASK_ID": "3"}, "slurm:88_3"),
+                                             ({"PRETRAIN_JOB_ID": "k8s-run-5"}, "k8s-run-5")])
+def test_a_requeue_of_the_same_job_takes_its_lock_over_at_once_from_any_host(tmp_path, monkeypatch, env,
+                                                                             holder_job):
+    for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "PRETRAIN_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    stop = threading.Event()
+    thread = _beating(tmp_path, stop, host="node-7", pid=4242, job=holder_job)  # even while it still beats
+    try:
+        t0 = time.monotonic()
+        lock = RunLock(tmp_path, heartbeat_s=0.05, stale_after_s=300)
+        warning = lock.acquire()
+        assert time.monotonic() - t0 < 2
+    finally:
+        stop.set()
+        thread.join()
+    assert f"job {holder_job}" in warning and "a requeue or restart of it" in warning
+    lock.release()
+
+
+def test_another_job_of_the_same_array_is_not_the_same_job(monkeypatch):
+    from pretrain.training.run_lock import job_id
+
+    assert job_id({"SLURM_JOB_ID": "90", "SLURM_ARRAY_JOB_ID": "88", "SLURM_ARRAY_TASK_ID": "3"}) == "slurm:88_3"
+    assert job_id({"SLURM_JOB_ID": "91", "SLURM_ARRAY_JOB_ID": "88", "SLURM_ARRAY_TASK_ID": "4"}) == "slurm:88_4"
+    assert job_id({}) == ""
 
 
 def test_heartbeat_refreshes_and_notices_a_takeover(tmp_path):
