@@ -278,10 +278,8 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
                errors: str = "strict", fmt: str = "auto", text_field: str = "text", chunk_chars: int = 1 << 20,
                overwrite: bool = False, progress: bool = True) -> dict:
     """Tokenize ``inputs`` (files/dirs) into ``out_dir``; returns the manifest (its ``report`` has the counts)."""
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-    if shard_size_tokens < 1:
-        raise ValueError(f"shard_size_tokens must be >= 1, got {shard_size_tokens}")
+    if num_workers < 1 or shard_size_tokens < 1:
+        raise ValueError(f"num_workers and shard_size_tokens must be >= 1, got {num_workers} and {shard_size_tokens}")
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer_path)
     out = Path(out_dir)
@@ -292,8 +290,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     stats = ReadStats()
     writer = _ShardWriter(tmp, tok.vocab_size, shard_size_tokens)
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
-    report = {"documents": 0, "sentences": 0, "tokens": 0, "characters": 0, "short_sentences": 0,
-              "empty_sentences": 0}
+    report = dict.fromkeys(REPORT_COUNTS, 0)
     t0 = time.perf_counter()
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
                disable=not progress, mininterval=1.0, smoothing=0.1)
@@ -335,6 +332,10 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+REPORT_COUNTS = ("documents", "sentences", "tokens", "characters", "short_sentences", "empty_sentences")
+"""What ``preprocess`` counts over the chunks (manifest.json's ``report``, with the readers' counts)."""
 
 
 def _tally(report: dict, counts: np.ndarray, r: ChunkResult) -> None:
