@@ -68,7 +68,7 @@ def dry_run(cfg, env, ranks: int = 0) -> int:
     import dataclasses
 
     from pretrain.data.datasets import build_dataset
-    from pretrain.training.banner import banner_lines
+    from pretrain.training.banner import banner_lines, check_plan_fits
     from pretrain.training.build import build_train_module, model_config, open_init_weights, preflight, stage_parts
 
     preflight(cfg)
@@ -81,6 +81,7 @@ def dry_run(cfg, env, ranks: int = 0) -> int:
     module = build_train_module(cfg, env, tok, train_set, init)
     for line in banner_lines(cfg, ranks or env.world_size, module, train_set, valid_set):
         print(line)
+    check_plan_fits(cfg, module, ranks or env.world_size, env)  # ValueError naming the estimate and what to change
     print(f"dry run: config, tokenizer, data and model are fine; nothing was trained or written to {cfg.run_dir}. "
           f"Drop --dry-run to train.")
     return 0

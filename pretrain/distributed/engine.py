@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.config.train import DistributedConfig, OptimConfig, TrainConfig
+from pretrain.config.train import DistributedConfig, OptimConfig, TrainConfig, resolve_precision
 
 
 def _import_deepspeed():
@@ -53,9 +53,10 @@ def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedCon
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": load_universal},
     }
-    if train.precision == "bf16":
+    precision = resolve_precision(train.precision)  # a TrainConfig built in code may still say "auto"
+    if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
-    elif train.precision == "fp16":
+    elif precision == "fp16":
         # Dynamic loss scaling: loss_scale 0 means "dynamic" in DeepSpeed.
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                        "hysteresis": 2, "min_loss_scale": 1}
@@ -102,7 +103,7 @@ class Engine:
         # DeepSpeed reads the launcher's variables even when the process group already exists.
         for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", world_size)):
             os.environ.setdefault(key, str(value))
-        self.precision = train.precision
+        self.precision = resolve_precision(train.precision)
         self.zero_stage = dist.zero_stage
         self.grad_accum = train.grad_accum
         use_fused = torch.cuda.is_available()
