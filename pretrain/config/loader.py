@@ -35,7 +35,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return _read_yaml(Path(path), seen=())
 
 
-def _read_yaml(path: Path, seen: tuple) -> dict:
+def _read_yaml(path: Path, seen: tuple, keep_bounds: bool = False) -> dict:
     path = path.resolve()
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist; pass the path to a YAML file under configs/")
@@ -52,9 +52,9 @@ def _read_yaml(path: Path, seen: tuple) -> dict:
         includes = [includes]
     merged: dict = {}
     for inc in includes:
-        included = _read_yaml(path.parent / inc, seen + (path,))
-        included.pop(BOUNDS_KEY, None)  # a size preset's bounds act through model=NAME only
-        merged = deep_merge(merged, included)
+        merged = deep_merge(merged, _read_yaml(path.parent / inc, seen + (path,)))
+    if not keep_bounds:
+        data.pop(BOUNDS_KEY, None)  # a size preset's bounds act through model=NAME only
     return deep_merge(merged, data)
 
 
@@ -248,7 +248,7 @@ def load(cls: type[T], path: str | os.PathLike | None = None, overrides: list[st
             for inc in files or []:
                 data = deep_merge(data, read_yaml(str(inc).strip()))
         elif key == "model" and raw.strip() and not raw.strip().startswith("{"):
-            preset = read_yaml(_preset_path(raw.strip()))
+            preset = _read_yaml(_preset_path(raw.strip()), seen=(), keep_bounds=True)
             bounds = preset.pop(BOUNDS_KEY, None) or {}
             data = deep_merge(data, preset)
         else:
