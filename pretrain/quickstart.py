@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     print("[quickstart] next:")
     print(f"  tensorboard --logdir {run_dir}/tb")
     print(f"  pretrain-convert to-hf {run_dir} {run_dir}/hf")
-    print(f"  pretrain-eval --model {run_dir} --pooling mean --suites sts --data-dir ../shared/data "
+    print(f"  pretrain-eval --model {run_dir} --pooling mean --suites sts "
           f"--out {run_dir}/eval")
     return 0
 

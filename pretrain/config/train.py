@@ -137,7 +137,8 @@ class EvalConfig:
     stsb_every: int = 0
     """STS-B dev Spearman every N steps during training (the seed papers use 125); 0 = off."""
     data_dir: str = ""
-    """Directory holding sts/STSBenchmark (the shared data dir); empty = $PRETRAIN_DATA_DIR."""
+    """Directory holding sts/STSBenchmark (the shared data dir); empty = $PRETRAIN_DATA_DIR, else ../shared/data
+    (from the working directory, then beside the repository): the rule every tool follows."""
     pooling: str = ""
     """Pooling for evaluation (cls, cls_before_pooler, mean, first_last_avg); empty = model.pooling."""
     max_len: int = 128

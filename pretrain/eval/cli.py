@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from pretrain.eval import default_data_dir, fail, sts
+from pretrain.eval import fail, find_data_dir, sts
 
 SUITES = ("sts", "transfer", "align", "ranking")
 
@@ -23,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["cls", "cls_before_pooler", "mean", "first_last_avg"])
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
-    p.add_argument("--data-dir", default=default_data_dir(),
-                   help="STS/SentEval data root (default: $PRETRAIN_DATA_DIR, else ../shared/data)")
+    p.add_argument("--data-dir", default="",
+                   help="STS/SentEval data root (default: $PRETRAIN_DATA_DIR, else ../shared/data from here, then "
+                        "beside the repository)")
     p.add_argument("--suites", default="sts,align,ranking", help=f"comma list of {SUITES} or 'all'")
     p.add_argument("--sts-tasks", default=",".join(sts.TASKS))
     p.add_argument("--transfer-tasks", default="MR,CR,SUBJ,MPQA,SST2,TREC,MRPC")
@@ -115,6 +116,12 @@ def main(argv: list[str] | None = None) -> None:
             fail("pretrain-eval", f"unknown suite {s!r}; choose from {SUITES} or 'all'")
     from pretrain.checkpoint.store import CheckpointError
 
+    need = "sts" if {"sts", "align", "ranking"} & set(suites) else "senteval" if "transfer" in suites else ""
+    try:
+        args.data_dir = find_data_dir(args.data_dir, need=need, what=f"{need or 'shared'} data for --suites",
+                                      flag="--data-dir")
+    except FileNotFoundError as e:
+        fail("pretrain-eval", e)
     try:
         enc = load_sentence_encoder(args.model, args.pooling, backend=args.backend, max_len=args.max_len,
                                     batch_size=args.batch_size, device=args.device, progress=not args.no_progress,

@@ -15,7 +15,7 @@ import os
 import statistics
 from pathlib import Path
 
-from pretrain.eval import default_data_dir, fail
+from pretrain.eval import fail, find_data_dir
 from pretrain.eval.glue_data import TABLE_ORDER, TASKS, get_task
 
 DEFAULT_EPOCHS_LARGE = 3
@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="our checkpoint, a pretrain-convert output dir or any HF BERT dir")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
-    p.add_argument("--glue-dir", default=os.path.join(default_data_dir(), "glue"),
-                   help="GLUE root with one folder per task (default: $PRETRAIN_DATA_DIR/glue, else ../shared/data/glue)")
+    p.add_argument("--glue-dir", default="",
+                   help="GLUE root with one folder per task (default: glue/ under $PRETRAIN_DATA_DIR, else under "
+                        "../shared/data from here, then beside the repository)")
     p.add_argument("--tasks", default="rte,mrpc,cola,stsb,sst2", help="comma list or 'all'")
     p.add_argument("--lrs", default="1e-5,2e-5,3e-5")
     p.add_argument("--seeds", default="1")
@@ -161,6 +162,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.model:
         fail("pretrain-finetune-glue", "--model is required (a checkpoint or a HF model directory)")
+    if not args.glue_dir:
+        try:
+            args.glue_dir = os.path.join(find_data_dir(need="glue", what="GLUE data", flag="--glue-dir"), "glue")
+        except FileNotFoundError as e:
+            fail("pretrain-finetune-glue", e)
     if args.run_index is not None:
         if not 0 <= args.run_index < len(entries):
             raise SystemExit(f"--run-index {args.run_index} out of range: the grid has {len(entries)} runs")
