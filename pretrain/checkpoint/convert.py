@@ -93,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pretrain-convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", help="our checkpoint -> HF BERT (+ sentence-transformers) directory")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="a run directory, one of its checkpoints, or its best/")
     p.add_argument("out_dir")
+    p.add_argument("--checkpoint", dest="which", default="latest", metavar="latest|best|step_N",
+                   help="with a run directory: its newest checkpoint (default), best/ (best STS-B dev) or "
+                        "checkpoints/step_N")
     p.add_argument("--pooling", choices=list(POOLINGS), default=None,
                    help="sentence-transformers pooling (default: the run's model.pooling)")  # fmt: skip
     p.add_argument("--max-seq-length", type=int, default=None, help="default: the run's data.max_len")
@@ -109,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "to-hf":
-            to_hf(args.checkpoint, args.out_dir, pooling=args.pooling, max_seq_length=args.max_seq_length,
+            from pretrain.checkpoint.resolve import select_checkpoint
+
+            source, reading = select_checkpoint(args.checkpoint, args.which)
+            print(reading, flush=True)
+            to_hf(str(source), args.out_dir, pooling=args.pooling, max_seq_length=args.max_seq_length,
                   overwrite=args.overwrite, trust=args.trust_checkpoint, mlm_head=not args.no_mlm_head)  # fmt: skip
             print(f"wrote {args.out_dir} (HF BERT + sentence-transformers)")
         else:

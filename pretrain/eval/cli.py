@@ -19,6 +19,9 @@ SUITES = ("sts", "transfer", "align", "ranking")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain-eval", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="our checkpoint, a pretrain-convert dir, or a HF BERT dir")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|step_N",
+                   help="with a run directory as --model: its newest checkpoint (default), best/ (best STS-B dev, "
+                        "from eval.stsb_every) or checkpoints/step_N")
     p.add_argument("--pooling", default="cls_before_pooler",
                    choices=["cls", "cls_before_pooler", "mean", "first_last_avg"])
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
@@ -122,8 +125,15 @@ def main(argv: list[str] | None = None) -> None:
                                       flag="--data-dir")
     except FileNotFoundError as e:
         fail("pretrain-eval", e)
+    from pretrain.checkpoint.resolve import select_checkpoint
+
     try:
-        enc = load_sentence_encoder(args.model, args.pooling, backend=args.backend, max_len=args.max_len,
+        model_path, reading = select_checkpoint(args.model, args.checkpoint)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        fail("pretrain-eval", e)
+    print(reading, flush=True)
+    try:
+        enc = load_sentence_encoder(model_path, args.pooling, backend=args.backend, max_len=args.max_len,
                                     batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
                                     trust=args.trust_checkpoint)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
@@ -135,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     # With --out, each finished transfer task is kept in OUT/transfer_partial.json: a rerun of the same command
     # (same model, pooling, length and classifier settings) continues after the last finished task.
     partial = Path(args.out) / "transfer_partial.json" if args.out else None
-    key = {"model": str(Path(args.model).resolve()), "pooling": args.pooling, "backend": args.backend,
+    key = {"model": str(Path(model_path).resolve()), "pooling": args.pooling, "backend": args.backend,
            "max_len": args.max_len}
     try:
         res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
@@ -145,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         fail("pretrain-eval", f"{e} (data root {args.data_dir}: pass --data-dir or set PRETRAIN_DATA_DIR to the "
                               f"directory holding sts/ and senteval/)")
     res["args"] = vars(args)
+    res["checkpoint"] = {"path": str(model_path), "line": reading}
     name = args.name or str(args.model)
     report = markdown_report(name, res)
     print(report)

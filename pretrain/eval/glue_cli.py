@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = {f.name: f.default for f in dataclasses.fields(FinetuneConfig) if f.default is not dataclasses.MISSING}
     p = argparse.ArgumentParser(prog="pretrain-finetune-glue", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="our checkpoint, a pretrain-convert output dir or any HF BERT dir")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|step_N",
+                   help="with a run directory as --model: its newest checkpoint (default), best/ (best STS-B dev) or "
+                        "checkpoints/step_N")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
     p.add_argument("--glue-dir", default="",
@@ -50,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave)")
     p.add_argument("--run-index", type=int, default=None, help="run only this grid entry (Slurm array id)")
-    p.add_argument("--list-runs", action="store_true", help="print the number of grid entries and exit")
+    p.add_argument("--list-runs", action="store_true",
+                   help="print the grid: one line per run (its --run-index, task, lr, seed), then the count, and exit")
+    p.add_argument("--count-runs", action="store_true", help="print only the number of runs (for sbatch --array)")
     p.add_argument("--save-best", action="store_true", help="save the best dev head+backbone state")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--name", default="model", help="row label in the markdown table")
@@ -157,11 +162,25 @@ def main(argv: list[str] | None = None) -> None:
         print(markdown_table({args.name: summarize(out, args.name)}))
         return
     entries = grid(args)
-    if args.list_runs:
+    if args.count_runs:
         print(len(entries))
+        return
+    if args.list_runs:
+        for i, (task, lr, seed) in enumerate(entries):
+            print(f"{i}\t{task}\tlr {lr:g}\tseed {seed}\t-> {run_path(out, task, lr, seed)}")
+        print(f"{len(entries)} runs (sbatch --array=0-{len(entries) - 1}; --count-runs prints the number alone)")
         return
     if not args.model:
         fail("pretrain-finetune-glue", "--model is required (a checkpoint or a HF model directory)")
+    from pretrain.checkpoint.resolve import select_checkpoint
+    from pretrain.checkpoint.store import CheckpointError
+
+    try:
+        model_path, reading = select_checkpoint(args.model, args.checkpoint)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        fail("pretrain-finetune-glue", e)
+    print(reading, flush=True)
+    args.model = str(model_path)
     if not args.glue_dir:
         try:
             args.glue_dir = os.path.join(find_data_dir(need="glue", what="GLUE data", flag="--glue-dir"), "glue")

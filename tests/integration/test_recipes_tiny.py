@@ -99,3 +99,23 @@ def test_continued_training_recipe_trains_from_a_tiny_checkpoint(name, tiny_corp
     recs = _records(run_dir)
     assert [r["step"] for r in recs if r.get("split", "train") == "train" and "loss" in r][-1] == STEPS
     assert any(r.get("split") == "eval" for r in recs), out[-2000:]  # STS-B dev at the last step
+    clear_runs["done"][name] = run_dir
+
+
+def test_readers_name_the_checkpoint_they_read(clear_runs, data_dir, tmp_path, capsys, monkeypatch):
+    """pretrain-convert to-hf and pretrain-eval print the tag and step they read, take --checkpoint, and point
+    at best/ (the SimCSE run above keeps it through eval.stsb_every)."""
+    from pretrain.checkpoint.convert import main as convert
+    from pretrain.eval.cli import main as evaluate
+
+    run = clear_runs["done"].get("simcse_unsup_bert_base")
+    if run is None:
+        pytest.skip("needs the SimCSE run of test_continued_training_recipe_trains_from_a_tiny_checkpoint")
+    assert (run / "best" / "best.json").is_file()
+    assert convert(["to-hf", str(run), str(tmp_path / "hf"), "--checkpoint", "best"]) == 0
+    out = capsys.readouterr().out
+    assert f"reading {run}/best (step {STEPS}, STS-B dev" in out
+    monkeypatch.setenv("PRETRAIN_DATA_DIR", str(data_dir))
+    evaluate(["--model", str(run), "--checkpoint", f"step_{STEPS}", "--suites", "align", "--no-progress"])
+    out = capsys.readouterr().out
+    assert f"reading checkpoint step_{STEPS:08d} (step {STEPS}, as asked) of {run}" in out

@@ -164,8 +164,12 @@ def test_cli_grid_and_run_index(capsys):
                                                "--out", "x"])
     entries = glue_cli.grid(args)
     assert len(entries) == 8 and entries[0] == ("rte", 1e-5, 1) and entries[-1] == ("mrpc", 2e-5, 2)
-    glue_cli.main(["--tasks", "all", "--out", "x", "--list-runs"])
+    glue_cli.main(["--tasks", "all", "--out", "x", "--count-runs"])
     assert capsys.readouterr().out.strip() == str(len(TASKS) * 3)
+    glue_cli.main(["--tasks", "rte,mrpc", "--lrs", "1e-5,2e-5", "--out", "x", "--list-runs"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 5 and lines[0].startswith("0\trte\tlr 1e-05\tseed 1") and "RTE" in lines[0]
+    assert lines[-1].startswith("4 runs (sbatch --array=0-3")
 
 
 # Labelled rows per split in ../shared/data/glue (MANIFEST §3; quoting disabled).
