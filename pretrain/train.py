@@ -106,6 +106,11 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"pretrain-train: error: {e}", file=sys.stderr)
         return 2
+    from pretrain.config.lint import missing_paths
+
+    if missing_paths(cfg):
+        print(f"pretrain-train: error: {'; '.join(missing_paths(cfg))}", file=sys.stderr)
+        return 2
     env = detect_env()
     if args.dry_run:
         try:

@@ -46,6 +46,9 @@ class Tokenizer:
     """A loaded tokenizer.json with the project's special tokens; pickles by path."""
 
     def __init__(self, path: str, *, expected_sha256: str | None = None) -> None:
+        if not path:
+            raise FileNotFoundError("no tokenizer file given (an empty path; for training: data.tokenizer); "
+                                    "train one with pretrain-tokenizer")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file {path} not found; train one with pretrain-tokenizer")
         self.path = str(path)

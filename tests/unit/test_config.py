@@ -185,3 +185,14 @@ def test_precision_auto_is_bf16_only_where_the_device_computes_it_fast():
     assert cfg.train.precision == ("bf16" if torch.cuda.is_available() and
                                    torch.cuda.get_device_capability()[0] >= 8 else "fp32")
     assert "precision: auto" in (CONFIGS / "recipes" / "simcse_unsup_bert_base.yaml").read_text()
+
+
+def test_an_empty_data_path_names_its_key(capsys):
+    """configs/quickstart.yaml without the quickstart's data: the error names data.tokenizer and data.sources and
+    says how to get them, before anything is built (exit 2)."""
+    from pretrain.train import main
+
+    assert main([str(CONFIGS / "quickstart.yaml"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain-train: error: data.tokenizer is empty") and "data.sources is empty" in err
+    assert "--prepare-only" in err and err.count("\n") == 1
