@@ -24,6 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="resolve the config, build the model and the data, print the banner and the per-rank "
                         "memory estimate, and exit without training or writing a checkpoint")
+    p.add_argument("--verbose", action="store_true",
+                   help="let DeepSpeed's and other libraries' messages through to the console (off by default)")
     p.add_argument("--ranks", type=int, default=0,
                    help="with --dry-run: the number of data-parallel ranks to plan for (default: this launch's)")
     args = p.parse_intermixed_args(argv)
@@ -95,6 +97,9 @@ def main(argv=None) -> int:
             return 2
         return check(argv[1])
     args = parse_args(argv)
+    from pretrain.metrics.writer import set_verbose
+
+    set_verbose(args.verbose)
     from pretrain.checkpoint.store import CheckpointError
     from pretrain.config import load_run_config
     from pretrain.distributed.env import destroy_process_group, detect_env, init_process_group

@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("hf_dir")
     p.add_argument("out")
     p.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="let DeepSpeed's and transformers' messages through")
     args = parser.parse_args(argv)
+    from pretrain.metrics.writer import set_verbose
+
+    set_verbose(args.verbose)
     try:
         if args.command == "to-hf":
             from pretrain.checkpoint.resolve import select_checkpoint

@@ -230,6 +230,8 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     tmp = _prepare_out_dir(out, overwrite)
     from tqdm import tqdm
 
+    from pretrain.metrics.writer import show_progress
+
     total_bytes = sum(os.path.getsize(f) for f in files)
     stats = ReadStats()
     writer = _ShardWriter(tmp, tok.vocab_size, shard_size_tokens)
@@ -238,7 +240,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
               "empty_sentences": 0}
     t0 = time.perf_counter()
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
-               disable=not progress, mininterval=1.0, smoothing=0.1)
+               disable=not show_progress(progress), mininterval=1.0, smoothing=0.1)
     try:
         tasks = _tasks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
         read_kwargs = {"max_line_bytes": max_line_bytes, "errors": errors, "text_field": text_field}

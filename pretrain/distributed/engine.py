@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pretrain.config.train import DistributedConfig, OptimConfig, TrainConfig, resolve_precision
+from pretrain.metrics.writer import quiet_third_party
 
 
 def _import_deepspeed():
@@ -116,10 +117,11 @@ class Engine:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         self.ds_config = build_ds_config(optim, train, dist, world_size, load_universal=load_universal)
         self.load_universal = load_universal
-        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
-            dist_init_required=False,
-        )
+        with quiet_third_party():  # "DeepSpeed ... shm_comm_op built successfully" and the like
+            self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+                dist_init_required=False,
+            )
         self.device = self.ds.device
 
     @property
@@ -250,7 +252,8 @@ def fp32_state_dict_from_checkpoint(tag_dir: str) -> dict:
     parent, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
     has_zero = any(f.endswith("optim_states.pt") and "zero_pp_rank" in f for f in os.listdir(tag_dir))
     if has_zero:
-        sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+        with quiet_third_party():  # five lines and a "Loading checkpoint shards" bar per checkpoint
+            sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
         return {k: v.float() for k, v in sd.items()}
     model_files = sorted(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt"))
     if not model_files:

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave)")
     p.add_argument("--name", default=None, help="row label in the tables (default: model path)")
     p.add_argument("--out", default=None, help="output directory (default: print only)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no encode bar (there is none off a terminal)")
+    p.add_argument("--verbose", action="store_true",
+                   help="let transformers' and scikit-learn's messages (ConvergenceWarning) through")
     return p
 
 
@@ -106,6 +108,9 @@ def markdown_report(name: str, res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from pretrain.metrics.writer import set_verbose
+
+    set_verbose(args.verbose)
     import torch
 
     from pretrain.eval.encoder import load_sentence_encoder

@@ -101,7 +101,9 @@ class SentenceEncoder:
         self.model.eval()
         out: np.ndarray | None = None
         it = batches
-        if self.progress:
+        from pretrain.metrics.writer import show_progress
+
+        if show_progress(self.progress):  # a bar only on a terminal, never into a log file
             from tqdm import tqdm
 
             it = tqdm(batches, desc="encode", unit="batch", leave=False)

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-best", action="store_true", help="save the best dev head+backbone state")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--name", default="model", help="row label in the markdown table")
+    p.add_argument("--verbose", action="store_true", help="let transformers' messages through to the console")
     p.add_argument("--summarize", action="store_true", help="only rebuild results.{json,md} from run files")
     return p
 
@@ -157,6 +158,9 @@ def markdown_table(rows: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from pretrain.metrics.writer import set_verbose
+
+    set_verbose(args.verbose)
     out = Path(args.out)
     if args.summarize:
         print(markdown_table({args.name: summarize(out, args.name)}))

@@ -76,6 +76,8 @@ def test_clear_recipe_trains_with_model_tiny(name, tiny_corpus, clear_runs, clea
     valid = [r for r in recs if r.get("split") == "valid"]
     assert train and train[-1]["step"] == STEPS and valid, out[-2000:]  # held-out figures from data.valid
     assert (run_dir / "checkpoints" / "latest").exists()
+    for chatter in ("built successfully", "Loading checkpoint shards", "Processing zero checkpoint"):
+        assert chatter not in out, chatter  # DeepSpeed's, kept off the console without --verbose
     clear_runs["done"][name] = run_dir
     print(f"{name}: {time.perf_counter() - t0:.1f} s")
 
@@ -116,6 +118,7 @@ def test_readers_name_the_checkpoint_they_read(clear_runs, data_dir, tmp_path, c
     out = capsys.readouterr().out
     assert f"reading {run}/best (step {STEPS}, STS-B dev" in out
     monkeypatch.setenv("PRETRAIN_DATA_DIR", str(data_dir))
-    evaluate(["--model", str(run), "--checkpoint", f"step_{STEPS}", "--suites", "align", "--no-progress"])
-    out = capsys.readouterr().out
-    assert f"reading checkpoint step_{STEPS:08d} (step {STEPS}, as asked) of {run}" in out
+    evaluate(["--model", str(run), "--checkpoint", f"step_{STEPS}", "--suites", "align"])
+    got = capsys.readouterr()
+    assert f"reading checkpoint step_{STEPS:08d} (step {STEPS}, as asked) of {run}" in got.out
+    assert "encode" not in got.err  # progress bars only on a terminal
