@@ -181,3 +181,22 @@ GLUE_COUNTS = {("cola", "train"): 8551, ("cola", "dev"): 1043, ("sst2", "train")
 def test_real_glue_counts(data_dir):
     for (task, split), n in GLUE_COUNTS.items():
         assert len(read_split(get_task(task), data_dir / "glue", split)) == n, (task, split)
+
+
+def test_cli_names_the_checkpoint_and_takes_checkpoint_best(tmp_path, capsys):
+    """Given a run directory, pretrain-finetune-glue resolves --checkpoint before anything slow: a run without
+    best/ gets a one-line error listing what it has."""
+    import json
+
+    import pytest
+
+    from pretrain.checkpoint import store
+
+    tag = tmp_path / "run" / "checkpoints" / store.tag_for_step(5)
+    tag.mkdir(parents=True)
+    (tag / store.STATE_FILE).write_text(json.dumps({"format_version": store.FORMAT_VERSION, "step": 5}))
+    with pytest.raises(SystemExit) as e:
+        glue_cli.main(["--model", str(tmp_path / "run"), "--checkpoint", "best", "--tasks", "rte",
+                       "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "has no best/" in err and "its checkpoints: step_00000005" in err
