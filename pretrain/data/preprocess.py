@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verify", metavar="DIR", help="re-check checksums and structure of a dataset and exit")
     args = ap.parse_args(argv)
+    from pretrain.metrics.writer import one_line_warnings
+
+    one_line_warnings("pretrain-preprocess")
     if args.verify:
         problems = verify_dataset(args.verify)
         for p in problems:

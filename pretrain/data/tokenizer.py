@@ -335,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-bytes", type=float, default=None, help="train on about the first N characters only")
     ap.add_argument("--no-progress", action="store_true", help="no progress lines while reading")
     args = ap.parse_args(argv)
+    from pretrain.metrics.writer import one_line_warnings
+
+    one_line_warnings("pretrain-tokenizer")
     t0 = time.perf_counter()
     try:
         tok = train_tokenizer(args.inputs, args.out, kind=args.kind, vocab_size=args.vocab_size,

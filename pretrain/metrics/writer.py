@@ -165,3 +165,14 @@ class quiet_third_party:
         if exc_type is not None and not verbose() and self._buf.getvalue():
             sys.stderr.write(self._buf.getvalue())
         return False
+
+
+def one_line_warnings(prog: str) -> None:
+    """Warnings of this process as one line each, ``prog: warning: message`` on stderr, instead of Python's
+    "file:line: UserWarning: ..." plus a source line (for the command-line tools)."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"{prog}: warning: {message}", file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show
