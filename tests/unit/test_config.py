@@ -113,7 +113,7 @@ def test_model_tiny_bounds_a_base_recipe_and_what_is_typed_wins(tmp_path):
     cfg = tiny("clear_del_span_reorder")
     assert (cfg.data.max_len, cfg.data.view_max_len, cfg.optim.warmup_steps) == (128, 64, 40)
     assert (cfg.train.micro_batch_size, cfg.train.eval_every, cfg.checkpoint.every) == (32, 100, 5000)
-    assert cfg.objective.nt_xent.mean_pool_warmup_steps == 200 and cfg.train.max_steps == 500000
+    assert cfg.objective.nt_xent.mean_pool_warmup_steps == 80 and cfg.train.max_steps == 500000
     assert {"data.max_len", "optim.warmup_steps"} <= cfg.given
     arc = tiny("arccse_bert_base")
     assert (arc.train.grad_accum, arc.checkpoint.every, arc.eval.stsb_every, arc.objective.triplet.max_len) == (
