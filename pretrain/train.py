@@ -113,8 +113,9 @@ def main(argv=None) -> int:
         return 2
     from pretrain.config.lint import missing_paths
 
-    if missing_paths(cfg):
-        print(f"pretrain-train: error: {'; '.join(missing_paths(cfg))}", file=sys.stderr)
+    missing = missing_paths(cfg)  # an empty data path named by its key, before anything is built
+    if missing:
+        print(f"pretrain-train: error: {'; '.join(missing)}", file=sys.stderr)
         return 2
     env = detect_env()
     if args.dry_run:
