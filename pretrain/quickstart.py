@@ -1,6 +1,8 @@
 """Quickstart: embedded corpus -> tokenizer -> sharded dataset -> a tiny MLM + CLEAR run.
 
     python -m pretrain.quickstart [RUN_DIR] [key=value ...]
+    python -m pretrain.quickstart RUN_DIR --prepare-only   (data only, and RUN_DIR/data.yaml naming it: add
+                                                             include=RUN_DIR/data.yaml to configs/quickstart.yaml)
 
 Everything it needs ships with Python and this package (see ``pretrain.prep.embedded``);
 steps already done in RUN_DIR are reused.
@@ -41,11 +43,32 @@ def prepare(run_dir: Path, *, vocab_size: int = 8192, num_workers: int = 2) -> d
     return paths
 
 
+def write_data_yaml(run_dir: Path, paths: dict) -> Path:
+    """RUN_DIR/data.yaml: the data keys of the prepared corpus, for ``include=RUN_DIR/data.yaml`` (e.g. under
+    Slurm, where the quickstart's own launcher does not run)."""
+    import yaml
+
+    data = {"tokenizer": str(paths["tokenizer"]),
+            "sources": [{"name": "python_docs", "path": str(paths["train"])}],
+            "valid": [{"name": "python_docs", "path": str(paths["valid"])}]}
+    out = run_dir / "data.yaml"
+    out.write_text("# written by python -m pretrain.quickstart --prepare-only\n"
+                   + yaml.safe_dump({"data": data}, sort_keys=False), encoding="utf-8")
+    return out
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    prepare_only = "--prepare-only" in argv
+    argv = [a for a in argv if a != "--prepare-only"]
     run_dir = Path(argv.pop(0) if argv and "=" not in argv[0] else "runs/quickstart")
     t0 = time.perf_counter()
     paths = prepare(run_dir)
+    if prepare_only:
+        data_yaml = write_data_yaml(run_dir, paths)
+        print(f"[quickstart] data ready in {run_dir}; train with: pretrain-train configs/quickstart.yaml "
+              f"include={data_yaml} run_dir={run_dir}")
+        return 0
     overrides = [
         f"run_dir={run_dir}",
         f"data.tokenizer={paths['tokenizer']}",
@@ -67,7 +90,7 @@ def main(argv=None) -> int:
     print("[quickstart] next:")
     print(f"  tensorboard --logdir {run_dir}/tb")
     print(f"  pretrain-convert to-hf {run_dir} {run_dir}/hf")
-    print(f"  pretrain-eval --model {run_dir} --pooling mean --suites sts --data-dir ../shared/data "
+    print(f"  pretrain-eval --model {run_dir} --pooling mean --suites sts "
           f"--out {run_dir}/eval")
     return 0
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.checkpoint import store
+from pretrain.checkpoint.store import CheckpointError, checkpoints_dir, find_latest
+from pretrain.export.resolve import best_record, format_best_score, select_checkpoint
 
 LOSS_TERMS = ("mlm", "nt_xent", "info_nce", "arccon", "triplet", "consistency", "rank_distill", "reconstruction")
 """The loss terms a run can log, as named in ``objective.terms.OBJECTIVES`` (a test keeps the two equal)."""
@@ -60,6 +62,8 @@ class Run:
     config: dict | None = None
     state: dict | None = None
     notes: list[str] = field(default_factory=list)
+    checkpoint: str = ""
+    """The line a reader of this run prints (``select_checkpoint``): the latest tag and step, best/ if it differs."""
 
     def series(self, split: str, metric: str) -> tuple[list[int], list[float]]:
         rows = [r for r in self.records.get(split, []) if isinstance(r.get(metric), (int, float))]
@@ -144,7 +148,29 @@ def load_run(run_dir: str | Path, name: str) -> Run:
     else:
         run.notes.append(f"{path}: no config.yaml; no config highlights")
     run.state = _newest_trainer_state(path, run.notes)
+    run.checkpoint = _checkpoint_line(path)
     return run
+
+
+def _checkpoint_cell(run: Run) -> str:
+    """The newest checkpoint's tag and step, and best/ (step, STS-B dev) when it is another step."""
+
+    tag = find_latest(checkpoints_dir(run.path)) if checkpoints_dir(run.path).is_dir() else None
+    cell = f"{tag} (step {(run.state or {}).get('step', '?')})" if tag else "none"
+    best = best_record(run.path)
+    if best is not None and best.get("step") != (run.state or {}).get("step"):
+        cell += f"; best/ step {best.get('step')} (STS-B dev {format_best_score(best)})"
+    return cell
+
+
+def _checkpoint_line(run_dir: Path) -> str:
+    """select_checkpoint's line for the run's newest checkpoint ("" when it has none yet)."""
+
+    try:
+        _, line = select_checkpoint(run_dir)
+    except (CheckpointError, FileNotFoundError, ValueError):
+        return ""
+    return line.replace("reading ", "", 1)
 
 
 def _newest_trainer_state(run_dir: Path, notes: list[str]) -> dict | None:
@@ -240,6 +266,7 @@ def results(run: Run) -> dict[str, str]:
     last_train = run.last("train")
     step = last_train["step"] if last_train else 0
     rows = {"steps": f"{step}" + (f" / {max_steps}" if max_steps else "")}
+    rows["checkpoint"] = _checkpoint_cell(run)
     tokens = run.last("train", "tokens_seen")
     rows["tokens seen"] = _count(tokens["tokens_seen"]) if tokens else "—"
     times = [r["time"] for rs in run.records.values() for r in rs if isinstance(r.get("time"), (int, float))]
@@ -296,6 +323,8 @@ class Report:
     images: list[Path]
     absent: list[Plot]
     notes: list[str]
+    checkpoints: dict[str, str] = field(default_factory=dict)
+    """run directory -> the checkpoint line a reader of it prints."""
 
 
 def write_report(run_dirs: list[str], out_dir: str | Path) -> Report:
@@ -328,7 +357,8 @@ def write_report(run_dirs: list[str], out_dir: str | Path) -> Report:
         md += ["## Notes", "", *(f"- {_cell(n)}" for n in notes), ""]
     markdown = out / "report.md"
     markdown.write_text("\n".join(md), encoding="utf-8")
-    return Report(markdown=markdown, images=images, absent=absent, notes=notes)
+    return Report(markdown=markdown, images=images, absent=absent, notes=notes,
+                  checkpoints={str(r.path): r.checkpoint for r in runs})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # FileNotFoundError is an OSError
         print(f"pretrain-report: error: {e}", file=sys.stderr)
         return 2
+    for run_dir, line in report.checkpoints.items():
+        print(f"{run_dir}: {line or 'no checkpoint yet (figures from metrics.jsonl)'}")
     for note in report.notes:
         print(f"note: {note}")
     absent = ", ".join(f"{plot.split}/{plot.metric}" for plot in report.absent)

@@ -27,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="resolve the config, build the model and the data, print the banner and the per-rank "
                         "memory estimate, and exit without training or writing a checkpoint")
+    p.add_argument("--verbose", action="store_true",
+                   help="let DeepSpeed's and other libraries' messages through to the console (off by default)")
     p.add_argument("--ranks", type=int, default=0,
                    help="with --dry-run: the number of data-parallel ranks to plan for (default: this launch's)")
     args = p.parse_intermixed_args(argv)
@@ -68,12 +70,13 @@ def check(run_dir: str, *, full: bool = True) -> int:
 
 def dry_run(cfg, env, ranks: int = 0) -> int:
     """``--dry-run``: everything the trainer checks and builds before DeepSpeed starts, then the banner."""
-    from pretrain.training.banner import banner_lines
+    from pretrain.training.banner import banner_lines, check_plan_fits
     from pretrain.training.build import prepare_run
 
     parts = prepare_run(cfg, env)
     for line in banner_lines(parts.cfg, ranks or env.world_size, parts.module, parts.train_set, parts.valid_set):
         print(line)
+    check_plan_fits(parts.cfg, parts.module, ranks or env.world_size, env)  # ValueError naming the estimate and what to change
     print(f"dry run: config, tokenizer, data and model are fine; nothing was trained or written to {cfg.run_dir}. "
           f"Drop --dry-run to train.")
     return 0
@@ -87,20 +90,20 @@ def main(argv=None) -> int:
             return 2
         return check(argv[1])
     args = parse_args(argv)
-    from pretrain.checkpoint.store import CheckpointError
     from pretrain.config import load_run_config
-    from pretrain.distributed.env import (
-        destroy_process_group,
-        detect_env,
-        init_process_group,
-    )
-    from pretrain.distributed.signals import StopSignal
-    from pretrain.training.trainer import Trainer, TrainingDiverged
+    from pretrain.config.lint import missing_paths
+    from pretrain.console import set_verbose
+    from pretrain.distributed.env import detect_env
 
+    set_verbose(args.verbose)
     try:
         cfg = load_run_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as e:
         print(f"pretrain-train: error: {e}", file=sys.stderr)
+        return 2
+    missing = missing_paths(cfg)  # an empty data path named by its key, before anything is built
+    if missing:
+        print(f"pretrain-train: error: {'; '.join(missing)}", file=sys.stderr)
         return 2
     env = detect_env()
     if args.dry_run:
@@ -109,12 +112,23 @@ def main(argv=None) -> int:
         except (ValueError, FileNotFoundError) as e:
             print(f"pretrain-train: error: {e}", file=sys.stderr)
             return 2
+    return train(cfg, env)
+
+
+def train(cfg, env) -> int:
+    """Trains ``cfg`` in this process (one rank of ``env``); the exit code: 0 done, 2 bad config or input,
+    3 diverged, 4 checkpoint not writable/readable, 75 stopped for a requeue, 130 Ctrl-C."""
+    from pretrain.checkpoint.store import CheckpointError
+    from pretrain.distributed.env import destroy_process_group, init_process_group
+    from pretrain.distributed.signals import StopSignal
+    from pretrain.training.trainer import Trainer, TrainingDiverged
+
     init_process_group(env, backend=cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s)
     stop = StopSignal()
     trainer = None
     try:
         trainer = Trainer(cfg, env, stop_signal=stop)
-        code = trainer.train()
+        return trainer.train()
     except (ValueError, FileNotFoundError) as e:
         print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)
         return 2
@@ -133,8 +147,6 @@ def main(argv=None) -> int:
             trainer.close()
         stop.uninstall()
         destroy_process_group()
-    return code
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -147,7 +147,16 @@ def python_ns_per_sentence(directory: str, budget: int, limit: int = 10_000_000)
 
 
 AUGMENT_METHODS = ("del-word", "del-span", "reorder", "del-span+reorder", "subs", "subs+del-span")
-SHARED = ROOT.parent / "shared" / "data" / "corpus"
+def _shared_corpus() -> Path:
+    """corpus/ of the shared data, found by the rule every tool follows (pretrain.eval.find_data_dir:
+    $PRETRAIN_DATA_DIR, else ../shared/data from here, then beside the repository)."""
+    sys.path.insert(0, str(ROOT))
+    from pretrain.eval import default_data_dir
+
+    return Path(default_data_dir()) / "corpus"
+
+
+SHARED = _shared_corpus()
 
 
 def prepare_corpus(work: Path, corpus: str, vocab_size: int) -> tuple[str, str]:

@@ -19,12 +19,20 @@ from pretrain.config.train import (
     OpsConfig,
     OptimConfig,
     TrainConfig,
+    resolve_precision,
 )
 
 
 def load_run_config(path=None, overrides=None) -> RunConfig:
-    """configs/*.yaml + ['optim.lr=3e-4', ...] -> RunConfig (strict)."""
-    return load(RunConfig, path, overrides)
+    """configs/*.yaml + ['optim.lr=3e-4', ...] -> RunConfig (strict), with ``train.precision=auto`` resolved for
+    this machine's device (bf16 on a GPU that computes it fast, else fp32)."""
+    import dataclasses
+
+
+    cfg = load(RunConfig, path, overrides)
+    if cfg.train.precision == "auto":
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=resolve_precision("auto")))
+    return cfg
 
 
 __all__ = [

@@ -78,3 +78,21 @@ def inert_settings(cfg) -> list[str]:
         out.append(f"optim.warmup_steps={cfg.optim.warmup_steps} >= train.max_steps={t.max_steps}: the run ends "
                    f"while the learning rate is still warming up (peak optim.lr={cfg.optim.lr:g} is never reached)")
     return out
+
+
+def missing_paths(cfg) -> list[str]:
+    """One line per data path a run cannot start without that ``cfg`` leaves empty, naming its key (what an empty
+    path would otherwise fail on is a file called '')."""
+    d = cfg.data
+    out = []
+    if not d.tokenizer:
+        out.append("data.tokenizer is empty: set it to the tokenizer.json pretrain-tokenizer wrote (e.g. "
+                   "data.tokenizer=runs/tokenizer/tokenizer.json)")
+    if d.stage == "pretrain" and not d.sources:
+        out.append("data.sources is empty: list the datasets pretrain-preprocess wrote (e.g. "
+                   "'data.sources=[{name: wiki, path: data/wiki}]')")
+    if not d.sources and not d.tokenizer:
+        out.append("configs/quickstart.yaml leaves both to `python -m pretrain.quickstart`; `python -m "
+                   "pretrain.quickstart RUN_DIR --prepare-only` writes them and RUN_DIR/data.yaml to add with "
+                   "include=RUN_DIR/data.yaml")
+    return out

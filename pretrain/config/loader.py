@@ -23,6 +23,10 @@ import yaml
 T = TypeVar("T")
 
 INCLUDE_KEY = "include"
+BOUNDS_KEY = "bounds"
+"""Size presets only: ``bounds: {at_most: {dotted.key: N}, at_least: {...}}`` are the run settings ``model=NAME`` on
+the command line brings within the preset's scale (see ``apply_bounds``); a file that includes the preset gets its
+model keys only."""
 INTERNAL = "internal"
 """Field metadata flag: filled by the loader, not a config key (never read from YAML, never written)."""
 
@@ -32,7 +36,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return _read_yaml(Path(path), seen=())
 
 
-def _read_yaml(path: Path, seen: tuple) -> dict:
+def _read_yaml(path: Path, seen: tuple, keep_bounds: bool = False) -> dict:
     path = path.resolve()
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist; pass the path to a YAML file under configs/")
@@ -50,6 +54,8 @@ def _read_yaml(path: Path, seen: tuple) -> dict:
     merged: dict = {}
     for inc in includes:
         merged = deep_merge(merged, _read_yaml(path.parent / inc, seen + (path,)))
+    if not keep_bounds:
+        data.pop(BOUNDS_KEY, None)  # a size preset's bounds act through model=NAME only
     return deep_merge(merged, data)
 
 
@@ -243,26 +249,67 @@ def load(cls: type[T], path: str | os.PathLike | None = None, overrides: list[st
 
     Overrides apply left to right: ``a.b=value`` sets one key; ``include=FILE[,FILE...]`` merges YAML files over
     what is there so far (paths relative to the working directory); ``model=NAME`` merges the size preset
-    ``configs/models/NAME.yaml`` (the recipe's other model keys — pooling, dropout, ... — stay).
+    ``configs/models/NAME.yaml`` (the recipe's other model keys — pooling, dropout, ... — stay) and, after every
+    override, brings the run settings its ``bounds:`` name within them unless the command line sets them
+    (``model=tiny``: lengths, warm-up, batch, evaluation and checkpoint intervals of a base-size recipe; see
+    configs/models/tiny.yaml).
 
     A config class with an internal ``given`` field (RunConfig) gets the dotted keys the files and overrides
     set, so that defaults can be told from choices (``checkpoint.init_from`` fills only the defaults)."""
     data = read_yaml(path) if path is not None else {}
+    bounds: dict = {}
+    typed: set[str] = set()
     for item in overrides or []:
         key, _, raw = item.partition("=")
         key = key.strip()
+        if key not in (INCLUDE_KEY, "model"):
+            typed.add(key)
         if key == INCLUDE_KEY:
             files = yaml.safe_load(raw) if raw.strip().startswith("[") else raw.split(",")
             for inc in files or []:
                 data = deep_merge(data, read_yaml(str(inc).strip()))
         elif key == "model" and raw.strip() and not raw.strip().startswith("{"):
-            data = deep_merge(data, read_yaml(_preset_path(raw.strip())))
+            preset = _read_yaml(_preset_path(raw.strip()), seen=(), keep_bounds=True)
+            bounds = preset.pop(BOUNDS_KEY, None) or {}
+            data = deep_merge(data, preset)
         else:
             data = apply_overrides(data, [item])
     cfg = from_dict(cls, data)
+    bounded: frozenset[str] = frozenset()
+    if bounds:
+        cfg, bounded = apply_bounds(cls, cfg, bounds, keep=typed)
     if any(f.name == "given" and f.metadata.get(INTERNAL) for f in dataclasses.fields(cls)):
-        cfg = dataclasses.replace(cfg, given=given_keys(data))
+        cfg = dataclasses.replace(cfg, given=given_keys(data) | bounded)
     return cfg
+
+
+def apply_bounds(cls: type[T], cfg: T, bounds: dict, keep=frozenset()) -> tuple[T, frozenset[str]]:
+    """``cfg`` with each ``at_most`` key lowered to its bound and each ``at_least`` key raised to its bound, and the
+    dotted keys that changed. Keys in ``keep`` (typed on the command line) and under a section that is off
+    (``objective.triplet: null``) are left alone; ``at_least`` leaves 0 alone (0 means "off" for the every-N
+    settings it is for)."""
+    unknown = set(bounds) - {"at_most", "at_least"}
+    if unknown:
+        raise ValueError(f"size preset bounds: unknown key(s) {', '.join(sorted(unknown))}; use at_most / at_least")
+    tree = to_dict(cfg)
+    changed = set()
+    for kind, table in bounds.items():
+        for dotted, bound in (table or {}).items():
+            *parents, leaf = dotted.split(".")
+            node = tree
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict):
+                continue  # the section is off in this config
+            if leaf not in node:
+                raise ValueError(f"size preset bounds: {dotted} is not a config key")
+            value = node[leaf]
+            if dotted in keep or any(dotted.startswith(k + ".") for k in keep):
+                continue
+            if kind == "at_most" and value > bound or kind == "at_least" and 0 < value < bound:
+                node[leaf] = bound
+                changed.add(dotted)
+    return (from_dict(cls, tree) if changed else cfg), frozenset(changed)
 
 
 def given_keys(data: dict, prefix: str = "") -> frozenset[str]:

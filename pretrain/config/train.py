@@ -38,7 +38,10 @@ class TrainConfig:
     micro_batch_size: int = 32
     """Sequences per rank per forward pass."""
     grad_accum: int = 1
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    """auto: bf16 where the device computes it fast (a CUDA GPU of compute capability >= 8.0, or ROCm with bf16),
+    fp32 elsewhere (CPUs: bf16 ran 14x slower than fp32 at tiny size on a 2-core x86 CPU). Resolved when the config
+    is loaded (``load_run_config``), so config.yaml and checkpoints record what ran."""
     log_every: int = 10
     eval_every: int = 0
     """Validation every N steps on data.valid (0 = only at the end)."""
@@ -55,6 +58,28 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         if self.eval_every < 0 or self.eval_batches < 0:
             raise ValueError("train.eval_every and train.eval_batches must be >= 0")
+
+
+def device_computes_bf16_fast() -> bool:
+    """A CUDA GPU with bf16 tensor cores (compute capability >= 8.0: A100, H100, RTX 30xx on) or a ROCm GPU with bf16;
+    not a CPU, where PyTorch's bf16 matmuls are emulated on most x86 cores."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    if getattr(torch.version, "hip", None):
+        return torch.cuda.is_bf16_supported()
+    return torch.cuda.get_device_capability()[0] >= 8
+
+
+def resolve_precision(precision: str, fast_bf16: bool | None = None) -> str:
+    """train.precision as it will run: "auto" -> "bf16" if ``fast_bf16`` (default: this machine's device, see
+    ``device_computes_bf16_fast``) else "fp32"; any other value unchanged."""
+    if precision != "auto":
+        return precision
+    if fast_bf16 is None:
+        fast_bf16 = device_computes_bf16_fast()
+    return "bf16" if fast_bf16 else "fp32"
 
 
 @dataclass(kw_only=True)
@@ -112,7 +137,8 @@ class EvalConfig:
     stsb_every: int = 0
     """STS-B dev Spearman every N steps during training (the seed papers use 125); 0 = off."""
     data_dir: str = ""
-    """Directory holding sts/STSBenchmark (the shared data dir); empty = $PRETRAIN_DATA_DIR."""
+    """Directory holding sts/STSBenchmark (the shared data dir); empty = $PRETRAIN_DATA_DIR, else ../shared/data
+    (from the working directory, then beside the repository): the rule every tool follows."""
     pooling: str = ""
     """Pooling for evaluation (cls, cls_before_pooler, mean, first_last_avg); empty = model.pooling."""
     max_len: int = 128

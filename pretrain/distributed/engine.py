@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.config.train import DistributedConfig, OptimConfig, TrainConfig
+from pretrain.config.train import (
+    DistributedConfig,
+    OptimConfig,
+    TrainConfig,
+    resolve_precision,
+)
+from pretrain.console import quiet_third_party
 
 
 def _import_deepspeed():
@@ -53,9 +59,10 @@ def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedCon
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": load_universal},
     }
-    if train.precision == "bf16":
+    precision = resolve_precision(train.precision)  # a TrainConfig built in code may still say "auto"
+    if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
-    elif train.precision == "fp16":
+    elif precision == "fp16":
         # Dynamic loss scaling: loss_scale 0 means "dynamic" in DeepSpeed.
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                        "hysteresis": 2, "min_loss_scale": 1}
@@ -102,7 +109,7 @@ class Engine:
         # DeepSpeed reads the launcher's variables even when the process group already exists.
         for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", world_size)):
             os.environ.setdefault(key, str(value))
-        self.precision = train.precision
+        self.precision = resolve_precision(train.precision)
         self.zero_stage = dist.zero_stage
         self.grad_accum = train.grad_accum
         use_fused = torch.cuda.is_available()
@@ -115,10 +122,11 @@ class Engine:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         self.ds_config = build_ds_config(optim, train, dist, world_size, load_universal=load_universal)
         self.load_universal = load_universal
-        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
-            dist_init_required=False,
-        )
+        with quiet_third_party():  # "DeepSpeed ... shm_comm_op built successfully" and the like
+            self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+                dist_init_required=False,
+            )
         self.device = self.ds.device
 
     @property
@@ -253,7 +261,8 @@ def fp32_state_dict_from_checkpoint(tag_dir: str) -> dict:
     parent, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
     has_zero = any(f.endswith("optim_states.pt") and "zero_pp_rank" in f for f in os.listdir(tag_dir))
     if has_zero:
-        sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+        with quiet_third_party():  # five lines and a "Loading checkpoint shards" bar per checkpoint
+            sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
         return {k: v.float() for k, v in sd.items()}
     model_files = sorted(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt"))
     if not model_files:

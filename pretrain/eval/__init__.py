@@ -1,11 +1,47 @@
+DATA_DIR_ENV = "PRETRAIN_DATA_DIR"
+DEFAULT_DATA_DIR = "../shared/data"
+"""The documented default, tried from the working directory, then beside the repository."""
 
+
+def data_dir_candidates(explicit: str = "") -> list[tuple[str, str]]:
+    """(directory, where the name came from) in the order the one rule tries them: an explicit setting (a
+    --data-dir flag, eval.data_dir) alone when given; else $PRETRAIN_DATA_DIR alone when set; else the default
+    ../shared/data from the working directory, then from the repository root."""
+    import os
+    from pathlib import Path
+
+    if explicit:
+        return [(explicit, "as given")]
+    if os.environ.get(DATA_DIR_ENV):
+        return [(os.environ[DATA_DIR_ENV], f"${DATA_DIR_ENV}")]
+    repo = Path(__file__).resolve().parents[2]
+    return [(DEFAULT_DATA_DIR, "the default, from the working directory"),
+            (str(repo.parent / "shared" / "data"), "the default, beside the repository")]
+
+
+def find_data_dir(explicit: str = "", *, need: str = "", what: str = "shared data", flag: str = "") -> str:
+    """The shared data root every tool and ``eval.*`` read, by one rule (``data_dir_candidates``): the first
+    candidate holding ``need`` (a relative path, e.g. "sts/STSBenchmark"; "" = the directory itself).
+    FileNotFoundError naming every place looked at and how to point at the data (``flag``: the tool's option)."""
+    import os
+
+    tried = []
+    for path, origin in data_dir_candidates(explicit):
+        if os.path.isdir(os.path.join(path, need) if need else path):
+            return path
+        tried.append(f"{os.path.join(path, need) if need else path} ({origin})")
+    raise FileNotFoundError(
+        f"{what} not found; looked in: {'; '.join(tried)}. Set {DATA_DIR_ENV}"
+        f"{f' or pass {flag}' if flag else ''} to the directory holding {need or 'sts/, senteval/ and glue/'} (the shared data, see its MANIFEST.md)")
 
 
 def default_data_dir() -> str:
-    """The shared data root the eval tools read: $PRETRAIN_DATA_DIR (as the trainer and tests), else ../shared/data."""
-    import os
-
-    return os.environ.get("PRETRAIN_DATA_DIR") or "../shared/data"
+    """The shared data root by the one rule (``find_data_dir``), or the first candidate when none exists (the
+    error then comes from the reader, naming the path)."""
+    try:
+        return find_data_dir()
+    except FileNotFoundError:
+        return data_dir_candidates()[0][0]
 
 
 def fail(prog: str, error) -> None:

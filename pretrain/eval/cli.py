@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from pretrain.checkpoint.store import CheckpointError
-from pretrain.eval import default_data_dir, fail, sts
+from pretrain.console import set_verbose
+from pretrain.eval import fail, find_data_dir, sts
 from pretrain.eval.alignment_uniformity import stsb_alignment_uniformity
 from pretrain.eval.encoder import load_sentence_encoder
 from pretrain.eval.ranking import ranking_markdown_table, ranking_metrics
@@ -21,6 +22,7 @@ from pretrain.eval.senteval import (
     evaluate_transfer,
     transfer_markdown_table,
 )
+from pretrain.export.resolve import select_checkpoint
 
 SUITES = ("sts", "transfer", "align", "ranking")
 
@@ -28,12 +30,16 @@ SUITES = ("sts", "transfer", "align", "ranking")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain-eval", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="our checkpoint, a pretrain-convert dir, or a HF BERT dir")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|step_N",
+                   help="with a run directory as --model: its newest checkpoint (default), best/ (best STS-B dev, "
+                        "from eval.stsb_every) or checkpoints/step_N")
     p.add_argument("--pooling", default="cls_before_pooler",
                    choices=["cls", "cls_before_pooler", "mean", "first_last_avg"])
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
-    p.add_argument("--data-dir", default=default_data_dir(),
-                   help="STS/SentEval data root (default: $PRETRAIN_DATA_DIR, else ../shared/data)")
+    p.add_argument("--data-dir", default="",
+                   help="STS/SentEval data root (default: $PRETRAIN_DATA_DIR, else ../shared/data from here, then "
+                        "beside the repository)")
     p.add_argument("--suites", default="sts,align,ranking", help=f"comma list of {SUITES} or 'all'")
     p.add_argument("--sts-tasks", default=",".join(sts.TASKS))
     p.add_argument("--transfer-tasks", default="MR,CR,SUBJ,MPQA,SST2,TREC,MRPC")
@@ -49,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave)")
     p.add_argument("--name", default=None, help="row label in the tables (default: model path)")
     p.add_argument("--out", default=None, help="output directory (default: print only)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no encode bar (there is none off a terminal)")
+    p.add_argument("--verbose", action="store_true",
+                   help="let transformers' and scikit-learn's messages (ConvergenceWarning) through")
     return p
 
 
@@ -104,6 +112,8 @@ def markdown_report(name: str, res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+
+    set_verbose(args.verbose)
     import torch
 
 
@@ -114,8 +124,20 @@ def main(argv: list[str] | None = None) -> None:
         if s not in SUITES:
             fail("pretrain-eval", f"unknown suite {s!r}; choose from {SUITES} or 'all'")
 
+    need = "sts" if {"sts", "align", "ranking"} & set(suites) else "senteval" if "transfer" in suites else ""
     try:
-        enc = load_sentence_encoder(args.model, args.pooling, backend=args.backend, max_len=args.max_len,
+        args.data_dir = find_data_dir(args.data_dir, need=need, what=f"{need or 'shared'} data for --suites",
+                                      flag="--data-dir")
+    except FileNotFoundError as e:
+        fail("pretrain-eval", e)
+
+    try:
+        model_path, reading = select_checkpoint(args.model, args.checkpoint)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        fail("pretrain-eval", e)
+    print(reading, flush=True)
+    try:
+        enc = load_sentence_encoder(model_path, args.pooling, backend=args.backend, max_len=args.max_len,
                                     batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
                                     trust=args.trust_checkpoint)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
@@ -127,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     # With --out, each finished transfer task is kept in OUT/transfer_partial.json: a rerun of the same command
     # (same model, pooling, length and classifier settings) continues after the last finished task.
     partial = Path(args.out) / "transfer_partial.json" if args.out else None
-    key = {"model": str(Path(args.model).resolve()), "pooling": args.pooling, "backend": args.backend,
+    key = {"model": str(Path(model_path).resolve()), "pooling": args.pooling, "backend": args.backend,
            "max_len": args.max_len}
     try:
         res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
@@ -137,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         fail("pretrain-eval", f"{e} (data root {args.data_dir}: pass --data-dir or set PRETRAIN_DATA_DIR to the "
                               f"directory holding sts/ and senteval/)")
     res["args"] = vars(args)
+    res["checkpoint"] = {"path": str(model_path), "line": reading}
     name = args.name or str(args.model)
     report = markdown_report(name, res)
     print(report)

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from pretrain.console import show_progress
 from pretrain.eval.hf_backend import load_hf_backbone
 from pretrain.export.resolve import detect_kind, open_weights
 
@@ -104,7 +105,8 @@ class SentenceEncoder:
         self.model.eval()
         out: np.ndarray | None = None
         it = batches
-        if self.progress:
+
+        if show_progress(self.progress):  # a bar only on a terminal, never into a log file
             from tqdm import tqdm
 
             it = tqdm(batches, desc="encode", unit="batch", leave=False)

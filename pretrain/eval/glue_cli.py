@@ -16,10 +16,12 @@ import statistics
 from pathlib import Path
 
 from pretrain.checkpoint.store import CheckpointError
-from pretrain.eval import default_data_dir, fail
+from pretrain.console import set_verbose
+from pretrain.eval import fail, find_data_dir
 from pretrain.eval.encoder import load_backbone
 from pretrain.eval.glue import FinetuneConfig, finetune
 from pretrain.eval.glue_data import TABLE_ORDER, TASKS, get_task
+from pretrain.export.resolve import select_checkpoint
 
 DEFAULT_EPOCHS_LARGE = 3
 
@@ -32,10 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = {f.name: f.default for f in dataclasses.fields(FinetuneConfig) if f.default is not dataclasses.MISSING}
     p = argparse.ArgumentParser(prog="pretrain-finetune-glue", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="our checkpoint, a pretrain-convert output dir or any HF BERT dir")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|step_N",
+                   help="with a run directory as --model: its newest checkpoint (default), best/ (best STS-B dev) or "
+                        "checkpoints/step_N")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
-    p.add_argument("--glue-dir", default=os.path.join(default_data_dir(), "glue"),
-                   help="GLUE root with one folder per task (default: $PRETRAIN_DATA_DIR/glue, else ../shared/data/glue)")
+    p.add_argument("--glue-dir", default="",
+                   help="GLUE root with one folder per task (default: glue/ under $PRETRAIN_DATA_DIR, else under "
+                        "../shared/data from here, then beside the repository)")
     p.add_argument("--tasks", default="rte,mrpc,cola,stsb,sst2", help="comma list or 'all'")
     p.add_argument("--lrs", default="1e-5,2e-5,3e-5")
     p.add_argument("--seeds", default="1")
@@ -51,10 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave)")
     p.add_argument("--run-index", type=int, default=None, help="run only this grid entry (Slurm array id)")
-    p.add_argument("--list-runs", action="store_true", help="print the number of grid entries and exit")
+    p.add_argument("--list-runs", action="store_true",
+                   help="print the grid: one line per run (its --run-index, task, lr, seed), then the count, and exit")
+    p.add_argument("--count-runs", action="store_true", help="print only the number of runs (for sbatch --array)")
     p.add_argument("--save-best", action="store_true", help="save the best dev head+backbone state")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--name", default="model", help="row label in the markdown table")
+    p.add_argument("--verbose", action="store_true", help="let transformers' messages through to the console")
     p.add_argument("--summarize", action="store_true", help="only rebuild results.{json,md} from run files")
     return p
 
@@ -150,16 +159,35 @@ def markdown_table(rows: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+
+    set_verbose(args.verbose)
     out = Path(args.out)
     if args.summarize:
         print(markdown_table({args.name: summarize(out, args.name)}))
         return
     entries = grid(args)
-    if args.list_runs:
+    if args.count_runs:
         print(len(entries))
+        return
+    if args.list_runs:
+        for i, (task, lr, seed) in enumerate(entries):
+            print(f"{i}\t{task}\tlr {lr:g}\tseed {seed}\t-> {run_path(out, task, lr, seed)}")
+        print(f"{len(entries)} runs (sbatch --array=0-{len(entries) - 1}; --count-runs prints the number alone)")
         return
     if not args.model:
         fail("pretrain-finetune-glue", "--model is required (a checkpoint or a HF model directory)")
+
+    try:
+        model_path, reading = select_checkpoint(args.model, args.checkpoint)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        fail("pretrain-finetune-glue", e)
+    print(reading, flush=True)
+    args.model = str(model_path)
+    if not args.glue_dir:
+        try:
+            args.glue_dir = os.path.join(find_data_dir(need="glue", what="GLUE data", flag="--glue-dir"), "glue")
+        except FileNotFoundError as e:
+            fail("pretrain-finetune-glue", e)
     if args.run_index is not None:
         if not 0 <= args.run_index < len(entries):
             raise SystemExit(f"--run-index {args.run_index} out of range: the grid has {len(entries)} runs")

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pretrain.console import verbose
+
 POOLINGS = ("cls", "cls_before_pooler", "mean", "first_last_avg")
 
 
@@ -22,12 +24,23 @@ def masked_mean(h_BTD: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.T
     return (h_BTD * m_BT1).sum(1) / m_BT1.sum(1).clamp(min=1e-9)
 
 
+def quiet_transformers() -> None:
+    """transformers' info/warning logging and progress bars off the console unless PRETRAIN_VERBOSE=1."""
+    from transformers.utils import logging as hf_logging
+
+
+    if not verbose():
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+
 class HFTokenizer:
     """Wraps a `transformers` tokenizer: `encode(text) -> ids` without special tokens."""
 
     def __init__(self, path: str | Path):
         from transformers import AutoTokenizer
 
+        quiet_transformers()
         self.tok = AutoTokenizer.from_pretrained(str(path))
         self.cls_id = self.tok.cls_token_id
         self.sep_id = self.tok.sep_token_id
@@ -48,6 +61,7 @@ class HFBackbone(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
+        quiet_transformers()
         self.hf = AutoModel.from_pretrained(str(path))
         self.hidden_size = self.hf.config.hidden_size
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrain.checkpoint.files import atomic_write_text
+from pretrain.console import verbose
 from pretrain.eval.encoder import EncodeFn
 
 TASKS = ("MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC")
@@ -118,11 +119,24 @@ def pair_features(u_ND: np.ndarray, v_ND: np.ndarray, kind: str) -> np.ndarray:
 
 
 def _fit_score(x_tr, y_tr, x_te, y_te, c: float, cfg: ClassifierConfig) -> float:
+    clf = _fit(x_tr, y_tr, c, cfg)
+    return float(clf.score(x_te, y_te))
+
+
+def _fit(x_tr, y_tr, c: float, cfg: ClassifierConfig):
+    """LogisticRegression fitted at C=c. scikit-learn's ConvergenceWarning (lbfgs stopping at max_iter, which
+    SentEval's grid hits for most C on small embeddings) is kept off the console unless PRETRAIN_VERBOSE=1: it
+    runs in every worker process, 69 times (~400 lines) for --suites transfer, and changes nothing reported."""
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
 
-    clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=cfg.seed)
-    clf.fit(x_tr, y_tr)
-    return float(clf.score(x_te, y_te))
+
+    with warnings.catch_warnings():
+        if not verbose():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+        return LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=cfg.seed).fit(x_tr, y_tr)
 
 
 def _jobs(cfg: ClassifierConfig) -> int:
@@ -180,9 +194,7 @@ def train_test_accuracy(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig, x_dev=Non
         c, dev = cfg.c_grid[int(np.argmax(scores))], max(scores)
     else:
         c, dev = select_c(x_tr, y_tr, cfg, cfg.kfold, n_jobs=_jobs(cfg))
-    from sklearn.linear_model import LogisticRegression
-
-    clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=cfg.seed).fit(x_tr, y_tr)
+    clf = _fit(x_tr, y_tr, c, cfg)
     pred = clf.predict(x_te)
     out = {"acc": 100 * float(np.mean(pred == y_te)), "devacc": 100 * dev, "C": c, "n": int(len(y_te))}
     if len(np.unique(y_tr)) == 2:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from pretrain.checkpoint.store import CheckpointError
+from pretrain.console import set_verbose
 from pretrain.export.hf import (
     export_hf,
     load_init_weights,
@@ -22,7 +23,12 @@ from pretrain.export.hf import (
     write_init_dir,
 )
 from pretrain.export.model_card import build_model_card, run_record
-from pretrain.export.resolve import load_hf_model, open_hf_dir, open_weights
+from pretrain.export.resolve import (
+    load_hf_model,
+    open_hf_dir,
+    open_weights,
+    select_checkpoint,
+)
 from pretrain.model import POOLINGS, PretrainModel
 
 __all__ = ["from_hf", "load_checkpoint_model", "load_hf_model", "load_init_weights", "main", "to_hf"]
@@ -96,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pretrain-convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", help="our checkpoint -> HF BERT (+ sentence-transformers) directory")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="a run directory, one of its checkpoints, or its best/")
     p.add_argument("out_dir")
+    p.add_argument("--checkpoint", dest="which", default="latest", metavar="latest|best|step_N",
+                   help="with a run directory: its newest checkpoint (default), best/ (best STS-B dev) or "
+                        "checkpoints/step_N")
     p.add_argument("--pooling", choices=list(POOLINGS), default=None,
                    help="sentence-transformers pooling (default: the run's model.pooling)")  # fmt: skip
     p.add_argument("--max-seq-length", type=int, default=None, help="default: the run's data.max_len")
@@ -109,10 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("hf_dir")
     p.add_argument("out")
     p.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="let DeepSpeed's and transformers' messages through")
     args = parser.parse_args(argv)
+
+    set_verbose(args.verbose)
     try:
         if args.command == "to-hf":
-            to_hf(args.checkpoint, args.out_dir, pooling=args.pooling, max_seq_length=args.max_seq_length,
+
+            source, reading = select_checkpoint(args.checkpoint, args.which)
+            print(reading, flush=True)
+            to_hf(str(source), args.out_dir, pooling=args.pooling, max_seq_length=args.max_seq_length,
                   overwrite=args.overwrite, trust=args.trust_checkpoint, mlm_head=not args.no_mlm_head)  # fmt: skip
             print(f"wrote {args.out_dir} (HF BERT + sentence-transformers)")
         else:

@@ -91,15 +91,25 @@ def _evaluations(run_dir: Path | None, out_dir: Path) -> list[str]:
     return found
 
 
+def card_title(info: dict, source: Path, out_dir: Path) -> str:
+    """The card's title: the run's name (its directory's) with the step, e.g. "quickstart (step 600)"; for an import
+    without a run, the source directory's name; never the export folder's own name ("hf")."""
+    run_dir = info.get("run_dir")
+    name = Path(run_dir).resolve().name if run_dir is not None else Path(source).resolve().name
+    if not name or name in (out_dir.name, "checkpoints"):
+        name = Path(source).resolve().parent.name or out_dir.name
+    return f"{name} (step {info['step']})" if info.get("step") is not None else name
+
+
 def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projection: bool) -> str:
     """README.md text for the export of ``w`` (Weights of one of our checkpoints or init directories)."""
     cfg = w.model_cfg
-    name = Path(out_dir).name
     info = run_record(w)
+    title, name = card_title(info, w.path, Path(out_dir)), Path(out_dir).name  # name: the folder the snippets load
     config = info["config"] or {}
     lines = ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
              "tags: [sentence-transformers, feature-extraction, sentence-similarity, pretrain]", "---", "",
-             f"# {name}", ""]
+             f"# {title}", ""]
     num_params = sum(v.numel() for k, v in w.state.items() if not k.startswith(("projection.", "mlm_head.")))
     lines += [f"A BERT encoder ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_heads} heads, "
               f"feed-forward {cfg.ffn_size}, vocabulary {cfg.vocab_size}; {num_params / 1e6:.1f}M parameters "

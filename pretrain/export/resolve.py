@@ -23,13 +23,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pretrain.checkpoint.store import is_complete, load_model_state, resolve_tag_dir
+from pretrain.checkpoint.store import (
+    checkpoints_dir,
+    is_complete,
+    list_complete,
+    load_model_state,
+    read_trainer_state,
+    resolve_tag_dir,
+    tag_for_step,
+)
 from pretrain.config.loader import from_dict
 from pretrain.config.model import ModelConfig
 from pretrain.export.hf import (
@@ -303,3 +312,84 @@ def run_model_config(cfg, weights: Weights | None = None) -> ModelConfig:
         return cfg.model
     w = weights or open_weights(cfg.checkpoint.init_from, trust=cfg.checkpoint.trust)
     return init_model_config(cfg.model, w, given=cfg.given, source=cfg.checkpoint.init_from)
+
+
+# ----------------------------------------------------------------------------- which checkpoint a reader uses
+
+CHECKPOINT_CHOICES = "latest|best|step_N"
+
+
+def select_checkpoint(path: str | os.PathLike, which: str = "latest") -> tuple[Path, str]:
+    """(the directory to open, one line naming it) for a reader's ``--checkpoint latest|best|step_N``.
+
+    A run directory: ``latest`` = its newest complete checkpoint, ``best`` = ``<run>/best/`` (the best STS-B dev
+    weights, kept by eval.stsb_every), ``step_N`` = ``checkpoints/step_N`` (N as a number or the tag). The line
+    gives the tag and step, and mentions best/ when it exists and is another step. Any other directory (a tag, an
+    init or HF directory) is read as it is, with ``latest`` only. FileNotFoundError/ValueError say what exists."""
+
+    p = Path(path)
+    which = (which or "latest").strip()
+    if which not in ("latest", "best") and not _STEP_RE.match(which):
+        raise ValueError(f"--checkpoint {which!r}: expected {CHECKPOINT_CHOICES} (e.g. step_600)")
+    is_run = p.is_dir() and (checkpoints_dir(p).is_dir() or (p / "best").is_dir()) and not is_complete(p)
+    if not is_run:
+        if which != "latest":
+            raise ValueError(f"--checkpoint {which} needs a run directory (holding checkpoints/ or best/); {p} is "
+                             f"not one: pass the run directory, or drop --checkpoint to read {p} itself")
+        if p.exists() and is_complete(p):
+            return p, f"reading checkpoint {p.name} (step {read_trainer_state(p).get('step')}) at {p}"
+        return p, f"reading {p} ({describe_weights_dir(p)})"
+    best = best_record(p)
+    tags = list_complete(checkpoints_dir(p))
+    if which == "best":
+        if best is None:
+            raise FileNotFoundError(f"{p} has no best/ (it is written by eval.stsb_every with eval.keep_best); "
+                                    f"its checkpoints: {', '.join(tags) or 'none'}")
+        return p / "best", f"reading {p}/best (step {best.get('step')}, STS-B dev {format_best_score(best)})"
+    if which == "latest":
+        tag_dir = resolve_tag_dir(p)
+        label = "the latest"
+    else:
+        tag = tag_for_step(int(_STEP_RE.match(which).group(1)))
+        tag_dir = checkpoints_dir(p) / tag
+        if not is_complete(tag_dir):
+            raise FileNotFoundError(f"{p} has no complete checkpoint {tag}; it has: {', '.join(tags) or 'none'}"
+                                    + (" and best/" if best else ""))
+        label = "as asked"
+    step = read_trainer_state(tag_dir).get("step")
+    line = f"reading checkpoint {tag_dir.name} (step {step}, {label}) of {p}"
+    if best is not None and best.get("step") != step:
+        line += (f"; best/ is step {best.get('step')} (STS-B dev {format_best_score(best)}): --checkpoint best reads it")
+    return tag_dir, line
+
+
+_STEP_RE = re.compile(r"^(?:step_)?(\d+)$")
+
+
+def best_record(run_dir: Path) -> dict | None:
+    """<run_dir>/best/best.json ({"step", "stsb_dev_spearman", "pooling"}), or None without best/."""
+    best_json = run_dir / "best" / "best.json"
+    if not best_json.is_file():
+        return None
+    try:
+        return json.loads(best_json.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {"step": "?"}
+
+
+def format_best_score(best: dict) -> str:
+    score = best.get("stsb_dev_spearman")
+    return f"{score:.2f}" if isinstance(score, (int, float)) else "?"
+
+
+def describe_weights_dir(p: Path) -> str:
+    """What a non-run directory is, for the reader's line: an init dir (best/, from-hf) with its step if known,
+    or a Hugging Face / sentence-transformers model."""
+    try:
+        kind = detect_kind(p)
+    except (FileNotFoundError, ValueError):
+        return "unrecognised"
+    if kind == "init_dir":
+        best = json.loads((p / "best.json").read_text()) if (p / "best.json").is_file() else None
+        return f"weights directory, step {best.get('step')}" if best else "weights directory"
+    return {"hf": "a Hugging Face model", "sentence_transformers": "a sentence-transformers model"}.get(kind, kind)

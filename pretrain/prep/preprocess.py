@@ -26,6 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
+from pretrain.console import one_line_warnings, show_progress
 from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
 from pretrain.data.shards import (
     FORMAT_NAME,
@@ -286,6 +287,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     tmp = _prepare_out_dir(out, overwrite)
     from tqdm import tqdm
 
+
     total_bytes = sum(os.path.getsize(f) for f in files)
     stats = ReadStats()
     writer = _ShardWriter(tmp, tok.vocab_size, shard_size_tokens)
@@ -293,7 +295,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     report = dict.fromkeys(REPORT_COUNTS, 0)
     t0 = time.perf_counter()
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
-               disable=not progress, mininterval=1.0, smoothing=0.1)
+               disable=not show_progress(progress), mininterval=1.0, smoothing=0.1)
     try:
         tasks = _tasks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors,
                        text_field=text_field)
@@ -407,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--verify", metavar="DIR", help="re-check checksums and structure of a dataset and exit")
     args = ap.parse_args(argv)
+
+    one_line_warnings("pretrain-preprocess")
     if args.verify:
         problems = verify_dataset(args.verify)
         for p in problems:

@@ -30,6 +30,7 @@ from tokenizers import (
 )
 from tokenizers import Tokenizer as HFTokenizer
 
+from pretrain.console import one_line_warnings, show_progress
 from pretrain.data.indexed import file_sha256
 from pretrain.prep.readers import ReadStats, iter_documents
 from pretrain.prep.sentence_split import split_sentences
@@ -54,6 +55,9 @@ class Tokenizer:
     """A loaded tokenizer.json with the project's special tokens; pickles by path."""
 
     def __init__(self, path: str, *, expected_sha256: str | None = None) -> None:
+        if not path:
+            raise FileNotFoundError("no tokenizer file given (an empty path; for training: data.tokenizer); "
+                                    "train one with pretrain-tokenizer")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file {path} not found; train one with pretrain-tokenizer")
         self.path = str(path)
@@ -204,22 +208,30 @@ def load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer(path)
 
 
-def _text_batches(files: list[str], max_bytes: int | None, *, sentences: bool) -> Iterator[list[str]]:
-    """Paragraphs (or sentences) from the project readers, in batches, stopping after ~max_bytes."""
+def _text_batches(files: list[str], max_bytes: int | None, *, sentences: bool,
+                  say=None) -> Iterator[list[str]]:
+    """Paragraphs (or sentences) from the project readers, in batches, stopping after ~max_bytes; ``say(line)``
+    hears how far reading has got every few seconds and once at the end."""
     stats = ReadStats()
-    seen = 0
+    seen, docs, last = 0, 0, time.perf_counter()
     batch: list[str] = []
     for doc in iter_documents(files, stats, errors="replace"):
+        docs += 1
         for p in doc.paragraphs:
             batch.extend(split_sentences(p) if sentences else [p])
             seen += len(p)
         if len(batch) >= 1000:
             yield batch
             batch = []
+        if say is not None and time.perf_counter() - last >= 5:
+            say(f"read {seen / 1e6:.1f} M characters ({docs:,} documents)")
+            last = time.perf_counter()
         if max_bytes is not None and seen >= max_bytes:
             break
     if batch:
         yield batch
+    if say is not None:
+        say(f"read {seen / 1e6:.1f} M characters ({docs:,} documents); building the vocabulary")
 
 
 def _post_processor() -> processors.TemplateProcessing:
@@ -263,17 +275,24 @@ def _train_unigram(batches: Iterable[list[str]], out_path: str, vocab_size: int,
 
 
 def train_tokenizer(files: list[str], out_path: str, *, kind: str = "wordpiece", vocab_size: int = 30522,
-                    lowercase: bool = True, min_frequency: int = 2, max_bytes: int | None = None) -> Tokenizer:
+                    lowercase: bool = True, min_frequency: int = 2, max_bytes: int | None = None,
+                    progress: bool = False) -> Tokenizer:
     """Train on files/directories (read with the preprocessing readers), save ``out_path``, return it loaded.
 
-    ``max_bytes`` limits training to roughly the first that many characters of text.
+    ``max_bytes`` limits training to roughly the first that many characters of text. ``progress``: a line on
+    stderr every few seconds while reading, and the trainer's own bar on a terminal.
     """
     if kind not in KINDS:
         raise ValueError(f"tokenizer kind must be one of {KINDS}, got {kind!r}")
     if vocab_size <= len(SPECIAL_TOKENS) + 1:
         raise ValueError(f"vocab_size must be > {len(SPECIAL_TOKENS) + 1}, got {vocab_size}")
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    batches = _text_batches(files, max_bytes, sentences=(kind == "unigram"))
+
+    def say(line: str) -> None:
+        print(f"pretrain-tokenizer: {line}", file=sys.stderr, flush=True)
+
+    batches = _text_batches(files, max_bytes, sentences=(kind == "unigram"), say=say if progress else None)
+    bar = show_progress(progress)
     if kind == "unigram":
         tok = _train_unigram(batches, out_path, vocab_size, lowercase)
     else:
@@ -285,7 +304,7 @@ def train_tokenizer(files: list[str], out_path: str, *, kind: str = "wordpiece",
             tok.decoder = decoders.WordPiece(prefix="##")
             trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                                 special_tokens=list(SPECIAL_TOKENS),
-                                                continuing_subword_prefix="##", show_progress=False)
+                                                continuing_subword_prefix="##", show_progress=bar)
         else:
             tok = HFTokenizer(models.BPE(unk_token="[UNK]"))
             steps = [normalizers.NFC()] + ([normalizers.Lowercase()] if lowercase else [])
@@ -293,7 +312,7 @@ def train_tokenizer(files: list[str], out_path: str, *, kind: str = "wordpiece",
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
             tok.decoder = decoders.ByteLevel()
             trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                          special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                          special_tokens=list(SPECIAL_TOKENS), show_progress=bar,
                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(batches, trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
@@ -322,12 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-frequency", type=int, default=2)
     ap.add_argument("--cased", action="store_true", help="keep case (default: lowercase)")
     ap.add_argument("--max-bytes", type=float, default=None, help="train on about the first N characters only")
+    ap.add_argument("--no-progress", action="store_true", help="no progress lines while reading")
     args = ap.parse_args(argv)
+
+    one_line_warnings("pretrain-tokenizer")
     t0 = time.perf_counter()
     try:
         tok = train_tokenizer(args.inputs, args.out, kind=args.kind, vocab_size=args.vocab_size,
                               lowercase=not args.cased, min_frequency=args.min_frequency,
-                              max_bytes=int(args.max_bytes) if args.max_bytes else None)
+                              max_bytes=int(args.max_bytes) if args.max_bytes else None,
+                              progress=not args.no_progress)
     except (FileNotFoundError, ValueError) as e:
         print(f"pretrain-tokenizer: error: {e}", file=sys.stderr)
         return 2

@@ -9,27 +9,26 @@ to-hf`` and ``checkpoint.init_from`` all take it.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from pretrain.config.train import EvalConfig
+from pretrain.eval import find_data_dir
 from pretrain.eval.encoder import SentenceEncoder
 from pretrain.export.hf import write_init_dir
 
 
 def stsb_data_dir(cfg: EvalConfig, zero_stage: int) -> str:
-    """The STS data root eval.stsb_every will read (ValueError when none is known or ZeRO-3 makes it impossible);
-    config-only and import-free, so the trainer runs it before anything slow."""
-    data_dir = cfg.data_dir or os.environ.get("PRETRAIN_DATA_DIR", "")
-    if not data_dir:
-        raise ValueError("eval.stsb_every is set but no STS data directory is known: set eval.data_dir "
-                         "(the directory holding sts/STSBenchmark) or PRETRAIN_DATA_DIR")
+    """The STS data root eval.stsb_every will read: eval.data_dir, else $PRETRAIN_DATA_DIR, else ../shared/data
+    (``pretrain.eval.find_data_dir``, the rule every tool follows); FileNotFoundError naming where it looked,
+    ValueError when ZeRO-3 makes it impossible. Config-only and import-free: the trainer runs it first."""
+
     if zero_stage == 3:
         raise ValueError("eval.stsb_every needs whole parameters on each rank; use distributed.zero_stage <= 2 "
                          "for sentence-stage training (the models are small) or evaluate checkpoints offline")
-    return data_dir
+    return find_data_dir(cfg.data_dir, need="sts/STSBenchmark", what="eval.stsb_every: STS-B dev",
+                         flag="eval.data_dir=DIR")
 
 
 class StsbKeepBest:

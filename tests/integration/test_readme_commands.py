@@ -35,8 +35,12 @@ SMALL: dict[str, dict] = {
     "data/wiki --workers 8": {"append": ["--workers", "2", "--no-progress"]},
     "pretrain-preprocess ../shared/data/corpus/books --tokenizer runs/tokenizer/tokenizer.json --out "
     "data/books --workers 8": {"append": ["--workers", "2", "--no-progress"]},
+    "pretrain-preprocess ../shared/data/corpus/wikitext-2/valid.txt --tokenizer runs/tokenizer/tokenizer.json --out "
+    "data/valid": {"append": ["--workers", "2", "--no-progress"]},
     "pretrain-preprocess --verify data/wiki": {},
     "pretrain-train configs/recipes/clear_del_span_reorder.yaml run_dir=runs/clear train.max_steps=1000": {
+        "append": TINY_TRAIN},
+    "pretrain-train configs/recipes/clear_del_span_reorder.yaml model=tiny run_dir=runs/clear_tiny train.max_steps=250": {
         "append": TINY_TRAIN},
     "torchrun --nproc-per-node 8 -m pretrain.train configs/recipes/clear_del_span_reorder.yaml run_dir=runs/clear": {
         "replace": {"8": "2"}, "append": ["run_dir=runs/clear-2ranks", *TINY_TRAIN]},
@@ -82,6 +86,8 @@ def _sandbox(tmp_path: Path, data_dir: Path) -> Path:
     (corpus / "books").mkdir(parents=True)
     (corpus / "wiki" / "text" / "wiki_00").symlink_to(data_dir / "corpus" / "wiki" / "text" / "AA" / "wiki_00")
     (corpus / "books" / "11-0.txt").symlink_to(data_dir / "corpus" / "books" / "11-0.txt")
+    (corpus / "wikitext-2").mkdir()
+    (corpus / "wikitext-2" / "valid.txt").symlink_to(data_dir / "corpus" / "wikitext-2" / "valid.txt")
     return clone
 
 
@@ -120,7 +126,7 @@ def test_readme_commands_run_as_written(tmp_path, data_dir):
             assert how["expect"] in proc.stdout + proc.stderr, shown
     # What the commands promise to leave behind.
     for path in ("runs/tokenizer/tokenizer.json", "data/wiki/manifest.json", "data/books/manifest.json",
-                 "runs/clear/checkpoints/latest", "runs/clear-2ranks/checkpoints/latest",
+                 "data/valid/manifest.json", "runs/clear/checkpoints/latest", "runs/clear_tiny/checkpoints/latest", "runs/clear-2ranks/checkpoints/latest",
                  "runs/quickstart/hf/config.json", "runs/init_bert/model.safetensors",
                  "runs/quickstart/eval/eval.json", "runs/glue", "runs/quickstart/report/train_loss.png"):
         assert (clone / path).exists(), path

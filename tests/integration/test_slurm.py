@@ -242,3 +242,51 @@ def test_usr1_during_worker_startup_is_resent_until_heard(jobs):
     got, want = _train_losses(run), _payload_reference(EARLY_STEPS, 2)
     assert sorted(got) == sorted(want)
     assert all(got[s] == pytest.approx(want[s], rel=1e-9) for s in want)
+
+
+def _readme_cpu_example() -> list[str]:
+    """The two commands of slurm/README.md's CPU example, as written there."""
+    text = (REPO / "slurm" / "README.md").read_text(encoding="utf-8")
+    prep = next(ln for ln in text.splitlines() if ln.startswith("python -m pretrain.quickstart runs/tiny"))
+    submit = next(ln for ln in text.splitlines() if ln.startswith("GPUS_PER_NODE=2 sbatch slurm/pretrain.sbatch"))
+    return [prep, submit]
+
+
+def test_readme_cpu_example_runs_as_written_and_errors_end_in_one_line(cluster, tmp_path):
+    """slurm/README.md's CPU example, run from the repository root with runs/tiny -> a temporary directory (and 4
+    steps): it completes, its output lands in the run directory (none in the submit directory), and the same job
+    without the data paths fails with the trainer's one line naming data.tokenizer, the launcher's one line and
+    the script's "failed (exit 2)" -- no torchrun traceback."""
+    import shlex
+
+    run = tmp_path / "tiny"
+    prep, submit = (ln.replace("runs/tiny", str(run)) for ln in _readme_cpu_example())
+    env = cluster.env(_base_env())
+    assert prep.startswith("python -m ")
+    done = subprocess.run([sys.executable, *shlex.split(prep)[1:]], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    variable, *args = shlex.split(submit)  # GPUS_PER_NODE=2 sbatch slurm/pretrain.sbatch RUN_DIR CONFIG ...
+    job_env = dict(env, **dict([variable.split("=", 1)]))
+    assert args[0] == "sbatch" and args[1] == "slurm/pretrain.sbatch"
+    fast = ["train.max_steps=4", "train.eval_every=0", "checkpoint.every=0"]
+    bad_run = tmp_path / "no-data"
+    ids = {}
+    for name, argv in (("ok", [*args[1:], *fast]),
+                       ("bad", [args[1], str(bad_run), args[3], "distributed.backend=gloo", *fast])):
+        proc = subprocess.run(["sbatch", "--parsable", *argv], cwd=REPO, env=job_env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        ids[name] = proc.stdout.strip().split(";")[0]
+    infos = {name: _wait(cluster, job_id, 300) for name, job_id in ids.items()}
+    logs = {}
+    for name, run_dir in (("ok", run), ("bad", bad_run)):
+        out = run_dir / f"slurm-pretrain-{ids[name]}.out"
+        assert out.is_file(), sorted(p.name for p in run_dir.iterdir())
+        assert not (REPO / f"slurm-pretrain-{ids[name]}.out").exists()
+        logs[name] = out.read_text()
+    assert infos["ok"]["JobState"] == "COMPLETED", logs["ok"][-3000:]
+    assert "training step finished (exit 0)" in logs["ok"] and (run / "checkpoints" / "step_00000004").is_dir()
+    bad = logs["bad"]
+    assert infos["bad"]["JobState"] == "FAILED" and infos["bad"]["ExitCode"].startswith("2:"), bad[-3000:]
+    assert "pretrain-train: error: data.tokenizer is empty" in bad and "[launch] workers stopped: rank 0 exit 2" in bad
+    assert "training step failed (exit 2)" in bad
+    assert "Traceback" not in bad and "ChildFailedError" not in bad, bad[-3000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -59,3 +60,48 @@ def test_dry_run_prints_the_banner_and_writes_nothing(tmp_path, tiny_overrides, 
     assert main([*tiny_overrides(run_dir), "--dry-run", "data.sources=[{name: x, path: /nonexistent}]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "/nonexistent" in err[0] and not run_dir.exists()
+
+
+def test_memory_check_names_the_estimate_the_free_memory_and_what_to_change():
+    from pretrain.training.banner import check_memory_fits
+
+    mem = {"weights": 0.5, "gradients": 0.5, "optimizer": 2.0, "activations": 30.0, "total": 33.0}
+    check_memory_fits(mem, "cpu", free_bytes=34 * GIB)  # fits: no error
+    with pytest.raises(ValueError) as e:
+        check_memory_fits(mem, "cpu", free_bytes=24 * GIB)
+    msg = str(e.value)
+    assert "33.00 GiB" in msg and "24.00 GiB free RAM" in msg
+    assert msg.index("activations 30.00") < msg.index("optimizer 2.00")  # largest part first
+    assert "train.micro_batch_size" in msg and "model=tiny" in msg
+    # The ranks of a node share its RAM.
+    with pytest.raises(ValueError, match=r"2 ranks x 20.00 GiB = 40.00 GiB"):
+        check_memory_fits(dict(mem, activations=17.0, total=20.0), "cpu", ranks_per_device=2, free_bytes=34 * GIB)
+
+
+def test_free_memory_on_this_host_is_positive_and_below_the_total():
+    from pretrain.training.banner import free_memory_bytes
+
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < free_memory_bytes("cpu") <= total
+
+
+def test_dry_run_of_a_base_recipe_refuses_a_plan_larger_than_this_machine(tmp_path, tiny_overrides, capsys):
+    """A base-size model with 512-token batches of 4,096 needs terabytes: more than this host has free is
+    refused with exit 2 instead of "dry run: ... fine" (the tiny dry runs above pass the same check)."""
+    big = [*tiny_overrides(tmp_path / "run"), "model=base", "data.max_len=512", "data.view_max_len=512",
+           "train.micro_batch_size=4096", "model.max_position=512"]
+    assert main([*big, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "the plan does not fit" in err and "GiB free RAM" in err and "train.micro_batch_size" in err
+    assert "dry run: config" not in capsys.readouterr().out
+
+
+def test_bf16_on_a_cpu_warns_with_its_cost(tmp_path, tiny_overrides, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the warning is for CPUs")
+    assert main([*tiny_overrides(tmp_path / "run"), "train.precision=bf16", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("warning: train.precision=bf16 on a CPU") == 1 and "14x slower" in out
+    assert main([*tiny_overrides(tmp_path / "run"), "train.precision=auto", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "precision fp32" in out and "bf16 on a CPU" not in out

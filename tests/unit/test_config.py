@@ -99,7 +99,33 @@ def test_model_size_preset_on_the_command_line_resizes_any_recipe(preset):
         for key, value in want.items():
             assert getattr(cfg.model, key) == value, (recipe.name, key)
         assert cfg.model.pooling == base.model.pooling and cfg.model.dropout == base.model.dropout
-        assert cfg.train.max_steps == 7 and cfg.objective == base.objective
+        assert cfg.train.max_steps == 7
+        if preset != "tiny":  # only tiny has bounds (next test)
+            assert cfg.objective == base.objective and cfg.data == base.data and cfg.optim == base.optim
+
+
+def test_model_tiny_bounds_a_base_recipe_and_what_is_typed_wins(tmp_path):
+    """model=tiny lowers lengths, warm-up and batch to tiny scale and raises ArcCSE's every-2-steps intervals;
+    values already within the bounds, sections that are off and keys typed on the command line stay."""
+    def tiny(name, *more):
+        return load_run_config(str(CONFIGS / "recipes" / f"{name}.yaml"), ["model=tiny", *more])
+
+    cfg = tiny("clear_del_span_reorder")
+    assert (cfg.data.max_len, cfg.data.view_max_len, cfg.optim.warmup_steps) == (128, 64, 40)
+    assert (cfg.train.micro_batch_size, cfg.train.eval_every, cfg.checkpoint.every) == (32, 100, 5000)
+    assert cfg.objective.nt_xent.mean_pool_warmup_steps == 80 and cfg.train.max_steps == 500000
+    assert {"data.max_len", "optim.warmup_steps"} <= cfg.given
+    arc = tiny("arccse_bert_base")
+    assert (arc.train.grad_accum, arc.checkpoint.every, arc.eval.stsb_every, arc.objective.triplet.max_len) == (
+        1, 100, 100, 64)
+    simcse = tiny("simcse_unsup_bert_base")
+    assert (simcse.data.view_max_len, simcse.optim.warmup_steps) == (32, 0)  # within the bounds already
+    assert simcse.objective.triplet is None
+    typed = tiny("clear_del_span", "data.max_len=256", "checkpoint.every=2")
+    assert (typed.data.max_len, typed.checkpoint.every, typed.data.view_max_len) == (256, 2, 64)
+    # Including the preset from a file takes its model keys, not its bounds.
+    (tmp_path / "run.yaml").write_text(f"include: [{CONFIGS / 'models' / 'tiny.yaml'}]\ndata: {{max_len: 512}}\n")
+    assert load_run_config(tmp_path / "run.yaml").data.max_len == 512
 
 
 def test_include_on_the_command_line_merges_in_order(tmp_path):
@@ -155,3 +181,28 @@ def test_settings_that_cannot_act_are_named():
     for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")) + [CONFIGS / "wiki_books_mini.yaml",
                                                                   CONFIGS / "sentence_stage_quick.yaml"]:
         assert lines([], recipe) == [], recipe.name
+
+
+def test_precision_auto_is_bf16_only_where_the_device_computes_it_fast():
+    import torch
+
+    from pretrain.config.train import resolve_precision
+
+    assert resolve_precision("auto", fast_bf16=True) == "bf16"
+    assert resolve_precision("auto", fast_bf16=False) == "fp32"
+    assert [resolve_precision(p, fast_bf16=True) for p in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
+    cfg = load_run_config(str(CONFIGS / "recipes" / "clear_del_span.yaml"))  # the recipes say auto
+    assert cfg.train.precision == ("bf16" if torch.cuda.is_available() and
+                                   torch.cuda.get_device_capability()[0] >= 8 else "fp32")
+    assert "precision: auto" in (CONFIGS / "recipes" / "simcse_unsup_bert_base.yaml").read_text()
+
+
+def test_an_empty_data_path_names_its_key(capsys):
+    """configs/quickstart.yaml without the quickstart's data: the error names data.tokenizer and data.sources and
+    says how to get them, before anything is built (exit 2)."""
+    from pretrain.train import main
+
+    assert main([str(CONFIGS / "quickstart.yaml"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain-train: error: data.tokenizer is empty") and "data.sources is empty" in err
+    assert "--prepare-only" in err and err.count("\n") == 1

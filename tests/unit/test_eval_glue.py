@@ -164,8 +164,12 @@ def test_cli_grid_and_run_index(capsys):
                                                "--out", "x"])
     entries = glue_cli.grid(args)
     assert len(entries) == 8 and entries[0] == ("rte", 1e-5, 1) and entries[-1] == ("mrpc", 2e-5, 2)
-    glue_cli.main(["--tasks", "all", "--out", "x", "--list-runs"])
+    glue_cli.main(["--tasks", "all", "--out", "x", "--count-runs"])
     assert capsys.readouterr().out.strip() == str(len(TASKS) * 3)
+    glue_cli.main(["--tasks", "rte,mrpc", "--lrs", "1e-5,2e-5", "--out", "x", "--list-runs"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 5 and lines[0].startswith("0\trte\tlr 1e-05\tseed 1") and "RTE" in lines[0]
+    assert lines[-1].startswith("4 runs (sbatch --array=0-3")
 
 
 # Labelled rows per split in ../shared/data/glue (MANIFEST §3; quoting disabled).
@@ -177,3 +181,22 @@ GLUE_COUNTS = {("cola", "train"): 8551, ("cola", "dev"): 1043, ("sst2", "train")
 def test_real_glue_counts(data_dir):
     for (task, split), n in GLUE_COUNTS.items():
         assert len(read_split(get_task(task), data_dir / "glue", split)) == n, (task, split)
+
+
+def test_cli_names_the_checkpoint_and_takes_checkpoint_best(tmp_path, capsys):
+    """Given a run directory, pretrain-finetune-glue resolves --checkpoint before anything slow: a run without
+    best/ gets a one-line error listing what it has."""
+    import json
+
+    import pytest
+
+    from pretrain.checkpoint import store
+
+    tag = tmp_path / "run" / "checkpoints" / store.tag_for_step(5)
+    tag.mkdir(parents=True)
+    (tag / store.STATE_FILE).write_text(json.dumps({"format_version": store.FORMAT_VERSION, "step": 5}))
+    with pytest.raises(SystemExit) as e:
+        glue_cli.main(["--model", str(tmp_path / "run"), "--checkpoint", "best", "--tasks", "rte",
+                       "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "has no best/" in err and "its checkpoints: step_00000005" in err

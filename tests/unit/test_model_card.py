@@ -54,6 +54,7 @@ def test_to_hf_writes_a_model_card(run_dir, tmp_path):
     assert convert_main(["to-hf", str(run_dir), str(out)]) == 0
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: sentence-transformers\n")
+    assert f"\n# {run_dir.name} (step 7)\n" in card and "\n# export\n" not in card  # titled by the run
     assert "2 layers, hidden size 32, 2 heads" in card and "checkpoint `step_00000007`" in card
     assert "the mean of the token states" in card  # the sentence embedding the export computes
     assert "- steps: 7 (train.max_steps 9), global batch 4, 4,321 tokens seen" in card  # how long

@@ -360,3 +360,18 @@ def test_sniffed_formats_of_the_edge_case_files(tmp_path):
 
     kinds = {p.name: sniff_format(str(p)) for p in _edge_case_files(tmp_path)}
     assert kinds == {"a.txt": "text", "book.txt": "gutenberg", "c.jsonl": "jsonl", "wiki_00": "wikiextractor"}
+
+
+def test_cli_warnings_are_one_line(tmp_path, tiny_corpus):
+    """An empty input file: one 'pretrain-preprocess: warning: ...' line before the error, no Python
+    'UserWarning' with its source line."""
+    import subprocess
+    import sys
+
+    (tmp_path / "empty.txt").write_bytes(b"")
+    proc = subprocess.run([sys.executable, "-m", "pretrain.prep.preprocess", str(tmp_path / "empty.txt"),
+                           "--tokenizer", tiny_corpus["tokenizer"], "--out", str(tmp_path / "ds"), "--workers", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"pretrain-preprocess: warning: skipping empty input file {tmp_path / 'empty.txt'}" in proc.stderr
+    assert "UserWarning" not in proc.stderr and proc.stderr.count("\n") == 2, proc.stderr

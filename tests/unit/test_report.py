@@ -88,6 +88,11 @@ def test_report_of_two_real_runs(tiny_overrides, tmp_path, clean_env, capsys):
     assert "| augmentation | del-span+reorder | del-word |" in md
     assert "| global batch | 4 (1 rank × 4 × 1 accum) |" in md and "| ZeRO stage | 2 | 2 |" in md
     assert "| steps | 6 / 6 | 6 / 6 |" in md
+    best_json = json.loads((a / "best" / "best.json").read_text())
+    best_cell = "" if best_json["step"] == 6 else (f"; best/ step {best_json['step']} "
+                                                  f"(STS-B dev {best_json['stsb_dev_spearman']:.2f})")
+    assert f"| checkpoint | step_00000006 (step 6){best_cell} | step_00000006 (step 6) |" in md
+    assert f"{a}: checkpoint step_00000006 (step 6, the latest) of {a}" in stdout
     assert "0.0005, linear" in md and "| precision | fp32 | fp32 |" in md
     scores = {r["step"]: r["stsb_dev_spearman"] for r in map(json.loads, (a / "metrics.jsonl").read_text().splitlines())
               if r["split"] == "eval"}

@@ -93,3 +93,49 @@ def test_hf_tokenizer_is_cached_once_not_left_in_tmp(tmp_path, monkeypatch):
     assert first.encode("hello world") == second.encode("hello world") and first.vocab_size == 30522
     assert list((tmp_path / "tmp").iterdir()) == []  # nothing left behind
     assert [p.name for p in (tmp_path / "cache" / "pretrain" / "hf-tokenizers").iterdir()] == [Path(first.path).parent.name]
+
+
+def _fake_run(root, steps, best_step=None, score=17.56):
+    """A run directory's layout as select_checkpoint reads it: complete tags, 'latest', best/best.json."""
+    import json
+
+    from pretrain.checkpoint import store
+
+    ckpt = root / "checkpoints"
+    for step in steps:
+        tag = ckpt / store.tag_for_step(step)
+        tag.mkdir(parents=True)
+        (tag / store.STATE_FILE).write_text(json.dumps({"format_version": store.FORMAT_VERSION, "step": step}))
+    (ckpt / store.LATEST_FILE).write_text(store.tag_for_step(steps[-1]))
+    if best_step is not None:
+        (root / "best").mkdir()
+        (root / "best" / "best.json").write_text(json.dumps({"step": best_step, "stsb_dev_spearman": score}))
+    return root
+
+
+def test_select_checkpoint_names_tag_and_step_and_mentions_a_better_best(tmp_path):
+    from pretrain.export.resolve import select_checkpoint
+
+    run = _fake_run(tmp_path / "run", [200, 400], best_step=200)
+    path, line = select_checkpoint(run)
+    assert path == run / "checkpoints" / "step_00000400"
+    assert "step_00000400 (step 400, the latest)" in line and "best/ is step 200 (STS-B dev 17.56)" in line
+    path, line = select_checkpoint(run, "best")
+    assert path == run / "best" and "step 200, STS-B dev 17.56" in line
+    for which in ("step_200", "200", "step_00000200"):
+        path, line = select_checkpoint(run, which)
+        assert path == run / "checkpoints" / "step_00000200" and "(step 200, as asked)" in line
+        assert "best/" not in line  # best is this step
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint step_00000300; it has: step_00000200, "
+                                                "step_00000400 and best/"):
+        select_checkpoint(run, "step_300")
+    with pytest.raises(ValueError, match="expected latest|best|step_N"):
+        select_checkpoint(run, "newest")
+    # best/ missing: said so, with what there is; a tag directory is read as it is, --checkpoint refused.
+    plain = _fake_run(tmp_path / "plain", [10])
+    with pytest.raises(FileNotFoundError, match="has no best/.*its checkpoints: step_00000010"):
+        select_checkpoint(plain, "best")
+    _, line = select_checkpoint(plain / "checkpoints" / "step_00000010")
+    assert "checkpoint step_00000010 (step 10)" in line
+    with pytest.raises(ValueError, match="needs a run directory"):
+        select_checkpoint(plain / "checkpoints" / "step_00000010", "best")
