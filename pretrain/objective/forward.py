@@ -51,7 +51,7 @@ class Forward:
     def mlm_hidden(self) -> torch.Tensor:
         if "mlm" not in self._cache:
             self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"],
-                                                   padded=self._padded("attention_mask"))
+                                                   **_known(padded=self._padded("attention_mask")))
         return self._cache["mlm"]
 
     def _padded(self, mask_key: str) -> bool | None:
@@ -82,7 +82,7 @@ class Forward:
                 a, z = self._padded("view_a_mask"), self._padded("view_b_mask")
                 same_len = b["view_a_ids"].shape[1] == b["view_b_ids"].shape[1]
                 padded = None if a is None or z is None else (a or z or not same_len)
-            self._cache["pair_h"] = (self.model.encode(ids, mask, padded=padded), mask, ids, n)
+            self._cache["pair_h"] = (self.model.encode(ids, mask, **_known(padded=padded)), mask, ids, n)
         return self._cache["pair_h"]
 
     def view_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,3 +142,8 @@ def _stack_padded(ids_list, mask_list):
 def _content_tokens(h_BTD, mask_BT, ids_BT):
     """Drop [CLS] (position 0) and [SEP] (last real token) -> (x_B(T-2)D, mask, ids), SARCSE sec. 2.1."""
     return content_tokens(h_BTD, mask_BT, ids_BT)
+
+
+def _known(**kwargs) -> dict:
+    """The keyword arguments whose value is known (not None): models that do not take them still work."""
+    return {k: v for k, v in kwargs.items() if v is not None}
