@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,12 @@ def _restore_launcher_env():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def fresh_deepspeed():
+    """DeepSpeed caches sub-groups of the first process group it saw; drop them, so that a Trainer built in this
+    test process (after another test's process group was destroyed) gets groups of its own."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and hasattr(groups, "_release_process_group_references"):
+        groups._release_process_group_references(None)

@@ -41,11 +41,12 @@ def _count_steps(trainer, steps: int) -> tuple[OpCounter, OpCounter]:
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage, grad_accum", [(0, 1), (0, 2), (2, 1), (2, 2)])
 def test_a_step_that_does_not_log_forces_no_sync(zero_stage, grad_accum, tmp_path, tiny_overrides, clean_env,
-                                                  capsys):
+                                                  fresh_deepspeed, capsys):
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
                                                train__grad_accum=grad_accum))
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
+    trainer = None
     try:
         trainer = Trainer(cfg, env)
         outer, inner = _count_steps(trainer, steps=2)
@@ -59,5 +60,6 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, grad_accum, tmp_pat
         scalars = trainer.window.sums.reduce(env)
         assert torch.isfinite(torch.tensor(scalars["loss"])) and "mlm" in scalars
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         destroy_process_group()
