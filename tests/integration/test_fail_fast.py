@@ -40,6 +40,7 @@ CASES = {
     "dataset path": (["data.sources=[{{name: x, path: /nonexistent/dataset}}]"], "/nonexistent/dataset"),
     "augmentation name": (["data.augment.methods=del-spam"], "del-spam"),
     "tokenizer mismatch": (["data.tokenizer={other}"], "tokenizer"),
+    # $PRETRAIN_DATA_DIR (set below to a directory without sts/) is then the only place looked at.
     "stsb without data": (["eval.stsb_every=5"], "eval.data_dir"),
     "stsb data dir missing": (["eval.stsb_every=5", "eval.data_dir=/nonexistent/sts"], "/nonexistent/sts"),
     "stsb under zero-3": (["eval.stsb_every=5", "eval.data_dir={repo}", "distributed.zero_stage=3"], "zero_stage"),
@@ -60,7 +61,8 @@ def test_bad_input_fails_before_deepspeed_starts(case, tmp_path, tiny_overrides,
     argv = [sys.executable, "-m", "pretrain.train", *tiny_overrides(tmp_path / "run"),
             *[e.format(**fill) for e in extra]]
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, env=poisoned_env, capture_output=True, text=True, timeout=120)
+    env = dict(poisoned_env, PRETRAIN_DATA_DIR=str(tmp_path)) if case == "stsb without data" else poisoned_env
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     took = time.perf_counter() - t0
     err = proc.stderr.strip()
     assert POISON not in err, f"{case}: checked only after DeepSpeed was imported:\n{err[-2000:]}"
