@@ -136,19 +136,17 @@ class Engine:
     def forward(self, *args, **kwargs):
         return self.ds(*args, **kwargs)
 
-    def micro_step(self, loss: torch.Tensor, *, finite: bool | torch.Tensor = True) -> None:
+    def micro_step(self, loss: torch.Tensor, *, finite: torch.Tensor | None = None) -> None:
         """Backward of one micro-batch; between accumulation boundaries DeepSpeed's micro-step is counted too.
 
-        ``finite`` False (or a 0-dim bool tensor that is False: decided on the device, no host sync) sends NaN
-        into the gradients instead, so that whichever optimizer DeepSpeed runs refuses the whole update at the
+        ``finite``: a 0-dim bool tensor (decided on the device, no host sync); where it is False, NaN goes into
+        the gradients instead, so that whichever optimizer DeepSpeed runs refuses the whole update at the
         boundary (``step()`` then reports ``skipped``) on every rank, since the NaN reaches every rank through
         the gradients' reduction: parameters, optimizer moments, step count and the LR schedule stay as they
         were. Under fp16 this also halves the dynamic loss scale."""
-        if torch.is_tensor(finite):
+        if finite is not None:
             # loss x 1 is the loss bit for bit; loss x NaN makes every gradient it reaches NaN.
             loss = loss * torch.where(finite, 1.0, float("nan")).to(loss.dtype)
-        elif not finite:
-            loss = sum(p.sum() for p in self.ds.module.parameters() if p.requires_grad) * float("nan")
         self.ds.backward(loss)
         if not self.ds.is_gradient_accumulation_boundary():
             self.ds.step()  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
