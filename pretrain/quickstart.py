@@ -59,9 +59,16 @@ def write_data_yaml(run_dir: Path, paths: dict) -> Path:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
+    unknown = [a for a in argv if a.startswith("-") and a not in ("--prepare-only", "--verbose")]
+    if unknown:  # a run directory named "--verbose" is never what was meant
+        print(f"quickstart: unknown option {unknown[0]}; usage:\n{__doc__.strip()}", file=sys.stderr)
+        return 2
     prepare_only = "--prepare-only" in argv
     argv = [a for a in argv if a != "--prepare-only"]
-    run_dir = Path(argv.pop(0) if argv and "=" not in argv[0] else "runs/quickstart")
+    run_dir = Path(argv.pop(0) if argv and "=" not in argv[0] and not argv[0].startswith("-") else "runs/quickstart")
     t0 = time.perf_counter()
     paths = prepare(run_dir)
     if prepare_only:
