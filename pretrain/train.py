@@ -121,7 +121,8 @@ def train(cfg, env) -> int:
     from pretrain.checkpoint.store import CheckpointError
     from pretrain.distributed.env import destroy_process_group, init_process_group
     from pretrain.distributed.signals import StopSignal
-    from pretrain.training.trainer import Trainer, TrainingDiverged
+    from pretrain.training.progress import TrainingDiverged
+    from pretrain.training.trainer import Trainer
 
     init_process_group(env, backend=cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s)
     stop = StopSignal()

@@ -4,8 +4,8 @@ Ours: PretrainModel + Objective through the DeepSpeed Engine, the trainer's own 
 (``pretrain.training.step.optimizer_step``: dropout keyed by step, finite check, metrics; MLM head on masked rows
 only, SDPA, fused/chunked NT-Xent). HF: ``transformers.BertForMaskedLM``
 (SDPA attention, full-sequence MLM head, as ``labels=`` computes it) plus the same CLEAR loss written
-the usual way (projection MLP, 2N x 2N similarity, cross-entropy), with ``torch.optim.AdamW`` (fused
-on CUDA); in bf16 HF runs under ``torch.autocast`` (fp32 weights), the usual way to train it in bf16.
+the usual way (projection MLP, 2N x 2N similarity, cross-entropy), with ``torch.optim.AdamW`` (fused, as
+the Engine's); in bf16 HF runs under ``torch.autocast`` (fp32 weights), the usual way to train it in bf16.
 Same sizes, same synthetic batch, one process per (size, batch), alternating trials.
 
 MFU counts the model FLOPs of one sample (``train_flops_per_sample``: 3 x the forward matmuls, i.e.
@@ -133,8 +133,8 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
 
 def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp32", compile_: bool = False,
-             temperature: float = 0.1, fused: bool | None = None):
-    """HF's step; ``fused``: fused AdamW (default: on CUDA, as the Engine chooses)."""
+             temperature: float = 0.1, fused: bool = True):
+    """HF's step; ``fused``: fused AdamW (the Engine's on CPU and CUDA alike)."""
     from transformers import BertConfig, BertForMaskedLM
 
     s = SIZES[size]
@@ -150,7 +150,7 @@ def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp3
     proj = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)).to(device)
     params = list(model.parameters()) + list(proj.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01,
-                            **({"fused": True} if (device == "cuda" if fused is None else fused) else {}))
+                            fused=fused)
     model.train()
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -264,8 +264,8 @@ def measure_host_cost(args) -> dict:
     batch = make_batch(hc["batch"], hc["seq"], hc["view_len"], hc["vocab"], torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     ours = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision, micro_batch=hc["batch"])
-    # HF gets the AdamW implementation the Engine chose (fused on CUDA; on the CPU today torch's per-parameter one,
-    # whose step count .item() per parameter would otherwise count as syncs in one arm only).
+    # HF gets the AdamW implementation the Engine chose (fused, CPU and CUDA; before 2026-11-24 torch's per-parameter
+    # one on the CPU, whose step count .item() per parameter would otherwise count as syncs in one arm only).
     fused = bool(ours.engine._adamw.defaults.get("fused"))
     hf = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, fused=fused)
     for _ in range(3):
@@ -308,8 +308,8 @@ def host_cost_table(rows: list[dict]) -> list[str]:
             lines.append(f"- ZeRO {r['zero_stage']} {r['precision']} {arm}: {named or 'none'}")
     if done:
         lines.append("AdamW in both arms: " + ("fused" if done[0]["hf"]["adamw_fused"] else
-                     "torch's per-parameter one (the Engine's choice without CUDA; CUDA runs fused): its .item() of "
-                     "each parameter's step count is one sync per parameter tensor it updates"))
+                     "torch's per-parameter one: its .item() of each parameter's step count is one sync per "
+                     "parameter tensor it updates"))
     return lines
 
 

@@ -9,7 +9,6 @@ typed configs (``build_ds_config``) — users never write one by hand.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 
@@ -43,7 +42,11 @@ def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedCon
                     load_universal: bool = False) -> dict:
     """Typed configs -> DeepSpeed config dict. ``load_universal``: ``load`` reads a universal checkpoint
     (``convert_to_universal``), which re-splits ZeRO's optimizer partitions over this world size."""
+    precision = resolve_precision(train.precision)  # a TrainConfig built in code may still say "auto"
+    on_device = checks_on_device(precision, dist.zero_stage)
     zero: dict = {"stage": dist.zero_stage}
+    if on_device and dist.zero_stage > 0:
+        zero.update(compute_grad_norm=False)  # the Engine computes the norm (on the device) and clips
     if dist.zero_stage >= 2:
         zero.update(overlap_comm=False, contiguous_gradients=True, reduce_scatter=True)
     if dist.zero_stage == 3:
@@ -52,16 +55,16 @@ def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedCon
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.grad_accum,
         "train_batch_size": train.micro_batch_size * train.grad_accum * world_size,
-        "gradient_clipping": optim.clip_grad_norm,
+        "gradient_clipping": 0.0 if on_device else optim.clip_grad_norm,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": load_universal},
     }
-    precision = resolve_precision(train.precision)  # a TrainConfig built in code may still say "auto"
     if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+        # Where the Engine decides the skip itself, DeepSpeed's per-parameter overflow check would only repeat it.
+        cfg["bf16"] = {"enabled": True, "check_grad_overflow": not on_device}
     elif precision == "fp16":
         # Dynamic loss scaling: loss_scale 0 means "dynamic" in DeepSpeed.
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
@@ -69,34 +72,83 @@ def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedCon
     return cfg
 
 
-class GuardedAdamW(torch.optim.AdamW):
-    """AdamW whose update the Engine can veto (non-finite gradients where DeepSpeed does not check them).
+def checks_on_device(precision: str, zero_stage: int) -> bool:
+    """Whether the Engine itself (on the device, no host sync) decides a step's skip and clips the gradients, with
+    DeepSpeed's own overflow check, norm and clipping off: fp32 at ZeRO 0-2 and bf16 at ZeRO 1-2. Elsewhere
+    DeepSpeed keeps them: fp16 (its dynamic loss scale needs its overflow check), bf16 at ZeRO-0 (DeepSpeed's
+    bf16 wrapper there checks every parameter and cannot be told not to) and ZeRO-3 (its partitioned norm)."""
+    if precision == "fp16" or zero_stage == 3:
+        return False
+    return zero_stage in (1, 2) or precision == "fp32"
 
-    A vetoed ``step()`` changes nothing: parameters, ``exp_avg``/``exp_avg_sq`` and the step count stay as
-    they were, and DeepSpeed, which reads ``overflow`` after ``step()``, skips its LR-scheduler step as for
-    an fp16 overflow. (DeepSpeed's ZeRO 1-3, bf16 and fp16 optimizers check the gradients themselves and
-    then never call this step; only ZeRO-0 in fp32 hands them straight to AdamW.)
-    """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.veto = False
-        self.overflow = False
+class ScheduledAdamW(torch.optim.AdamW):
+    """Fused AdamW (CPU and CUDA) whose learning rate, gradient factor and veto are device tensors.
+
+    The learning rate is ``base_lr * lr_lambda(updates applied so far)``, computed on the device from AdamW's own
+    step count: a skipped update leaves the count, and so the schedule, where it was (as DeepSpeed's skip of its
+    LR-scheduler step did), and the host never reads it. ``found_inf`` (torch's fused-step argument, set by
+    ``Engine.step``) vetoes the update inside the kernel: parameters, moments and step count stay as they were.
+    ``grad_factor`` multiplies the gradients first (the clip). DeepSpeed calls ``step`` once per parameter group
+    under ZeRO 1-2 (its flat fp32 partitions), once under ZeRO-0; the group's ``lr`` holds the tensor only during
+    the call, so checkpoints keep a plain float (the base learning rate)."""
+
+    def __init__(self, param_groups, *, lr: float, lr_lambda, **kwargs):
+        super().__init__(param_groups, lr=lr, fused=True, **kwargs)
+        self.base_lr, self.lr_lambda = lr, lr_lambda
+        self.found_inf: torch.Tensor | None = None
+        self.grad_factor: torch.Tensor | None = None
+
+    def load_state_dict(self, state_dict) -> None:
+        """A checkpoint's param groups carry its optimizer's options: one written by torch's per-parameter AdamW
+        (pretrain before 2026-11-24) would turn ``fused`` off. Fused it stays, its step counts on the parameters'
+        device in float32 as the fused kernel keeps them."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.update(fused=True, foreach=None, capturable=False, differentiable=False)
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    def applied_steps(self) -> torch.Tensor:
+        """Updates applied so far (a device tensor: AdamW's step count, 0 before the first)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                step = self.state.get(p, {}).get("step")
+                if step is not None:
+                    return step
+                return torch.zeros((), dtype=torch.float32, device=p.device)
+        return torch.zeros(())
+
+    def current_lr(self) -> torch.Tensor:
+        """The learning rate of the next update (a float32 device tensor)."""
+        return (self.base_lr * self.lr_lambda(self.applied_steps())).to(torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
-        self.overflow, self.veto = self.veto, False
-        if self.overflow:
-            return None
-        return super().step(closure)
+        lr_t = self.current_lr()
+        if self.grad_factor is not None:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self.grad_factor.to(grads[0].device))
+        for group in self.param_groups:
+            group["lr"] = lr_t
+        try:
+            return super().step(closure)
+        finally:
+            for group in self.param_groups:
+                group["lr"] = self.base_lr
 
 
 @dataclass
 class StepInfo:
-    grad_norm: float
+    """What one optimizer step did. Where the Engine checks on the device, ``grad_norm``, ``lr`` and ``skipped`` are
+    device tensors (0-dim), read by the host only when it logs; elsewhere Python values."""
+    grad_norm: float | torch.Tensor
     loss_scale: float
-    lr: float
-    skipped: bool
+    lr: float | torch.Tensor
+    skipped: bool | torch.Tensor
 
 
 class Engine:
@@ -112,20 +164,17 @@ class Engine:
         self.precision = resolve_precision(train.precision)
         self.zero_stage = dist.zero_stage
         self.grad_accum = train.grad_accum
-        use_fused = torch.cuda.is_available()
-        # ZeRO 1-3 check the gradients themselves (and DeepSpeed accepts only AdamW itself there without
-        # an "untested optimizer" warning); ZeRO-0 gets the vetoable subclass.
-        adamw = GuardedAdamW if dist.zero_stage == 0 else torch.optim.AdamW
-        optimizer = adamw(param_groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                          weight_decay=optim.weight_decay, **({"fused": True} if use_fused else {}))
+        self.on_device = checks_on_device(self.precision, dist.zero_stage)
+        self.clip_grad_norm = optim.clip_grad_norm
+        optimizer = ScheduledAdamW(param_groups, lr=optim.lr, lr_lambda=lr_lambda, betas=tuple(optim.betas),
+                                   eps=optim.eps, weight_decay=optim.weight_decay)
         self._adamw = optimizer
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         self.ds_config = build_ds_config(optim, train, dist, world_size, load_universal=load_universal)
         self.load_universal = load_universal
         with quiet_third_party():  # "DeepSpeed ... shm_comm_op built successfully" and the like
-            self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
-                dist_init_required=False,
+            # No LR scheduler for DeepSpeed to step: the optimizer sets its own from its count of applied updates.
+            self.ds, self.optimizer, _, _ = deepspeed.initialize(
+                model=module, optimizer=optimizer, config=self.ds_config, dist_init_required=False,
             )
         self.device = self.ds.device
 
@@ -151,37 +200,43 @@ class Engine:
         if not self.ds.is_gradient_accumulation_boundary():
             self.ds.step()  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
 
-    def whole_grad_norm(self) -> float | None:
-        """L2 norm of the gradients when they are held whole in ``p.grad`` (no ZeRO, after backward at a
-        boundary, already averaged over ranks); None when ZeRO partitions them."""
-        if self.zero_stage != 0:
-            return None
-        norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in self.ds.module.parameters()
-                 if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    def _grad_norm(self) -> torch.Tensor:
+        """The L2 norm of this step's (rank-averaged) gradients, on the device: ZeRO-0 holds them whole in
+        ``p.grad``; ZeRO 1-2 hold a partition each, whose squares DeepSpeed's ``scaled_global_norm`` sums over
+        ranks (a collective, no host sync; it reports a non-finite norm as -1)."""
+        if self.zero_stage == 0:
+            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+            if not grads:
+                return torch.zeros((), device=self.device)
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, dtype=torch.float32)))
+        return self.ds.optimizer.scaled_global_norm().reshape(()).float()
 
     def step(self) -> StepInfo:
         """The optimizer step at an accumulation boundary (after the last ``micro_step``).
 
-        Non-finite gradients skip the update everywhere: DeepSpeed's own check under ZeRO 1-3, bf16 and
-        fp16, and here (a veto on AdamW) under ZeRO-0 fp32, whose reduced gradients are whole and equal on
-        every rank, so every rank decides alike without a collective."""
+        Non-finite gradients skip the update everywhere. Where ``checks_on_device`` (fp32 at ZeRO 0-2, bf16 at ZeRO
+        1-2) this is decided here without a host sync: one norm of all gradients (equal on every rank: ZeRO-0's
+        are reduced whole, ZeRO 1-2's partial norms are summed over ranks), ``found_inf`` from it for the fused
+        AdamW, the clip as a gradient factor; the returned ``grad_norm``, ``lr`` and ``skipped`` are then device
+        tensors, read when a log line needs them. Elsewhere DeepSpeed checks, clips and reports (host values)."""
         if not self.ds.is_gradient_accumulation_boundary():
             raise RuntimeError("Engine.step() between accumulation boundaries: call micro_step() once per "
                                "micro-batch (train.grad_accum of them) before step()")
-        lr = self.scheduler.get_last_lr()[0]
-        grad_norm = self.whole_grad_norm()
-        guarded = isinstance(self._adamw, GuardedAdamW)
-        if guarded:
-            self._adamw.veto = grad_norm is not None and not math.isfinite(grad_norm)
+        lr = self._adamw.current_lr()
+        if not self.on_device:
+            self.ds.step()
+            norm = self.ds.get_global_grad_norm()
+            scale = self._loss_scale() if self.precision == "fp16" else 1.0
+            return StepInfo(grad_norm=norm if norm is not None else float("nan"), loss_scale=scale, lr=lr,
+                            skipped=not self.ds.was_step_applied())  # non-finite gradients, fp16 overflow
+        norm = self._grad_norm()
+        bad = ~torch.isfinite(norm) | (norm < 0)
+        self._adamw.found_inf = bad.float()
+        if self.clip_grad_norm > 0:
+            # DeepSpeed's clip, as a factor: gradients / max(1, (norm + 1e-6) / max_norm).
+            self._adamw.grad_factor = 1.0 / torch.clamp((norm + 1e-6) / self.clip_grad_norm, min=1.0)
         self.ds.step()
-        if guarded:
-            self._adamw.veto = False  # DeepSpeed's own check may have skipped AdamW.step (bf16/fp16)
-        norm = self.ds.get_global_grad_norm()
-        norm = float(norm) if norm is not None else (grad_norm if grad_norm is not None else float("nan"))
-        scale = self._loss_scale() if self.precision == "fp16" else 1.0
-        skipped = not self.ds.was_step_applied()  # non-finite gradients (any check above), fp16 overflow
-        return StepInfo(grad_norm=norm, loss_scale=scale, lr=lr, skipped=skipped)
+        return StepInfo(grad_norm=norm, loss_scale=1.0, lr=lr, skipped=bad)
 
     def _loss_scale(self) -> float:
         """fp16's current dynamic loss scale: ZeRO's optimizers expose ``cur_scale``, DeepSpeed's ZeRO-0 fp16
@@ -211,10 +266,20 @@ class Engine:
         # (the second group's bias correction would run a step ahead). Both are undone after the load.
         groups_before = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
                          for g in self._adamw.param_groups]
-        path, client_state = self.ds.load_checkpoint(
-            directory, tag=tag, load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer,
-            load_module_strict=True,
-        )
+        zero_opt = self.ds.optimizer if self.on_device and self.zero_stage in (1, 2) else None
+        if zero_opt is not None:
+            # A checkpoint written while DeepSpeed clipped (before the Engine did, or by a run without on-device
+            # checks) records its clip value, which DeepSpeed refuses under compute_grad_norm=False and would
+            # otherwise adopt: read it as DeepSpeed wants, then hand norm and clip back to the Engine.
+            zero_opt.compute_grad_norm = True
+        try:
+            path, client_state = self.ds.load_checkpoint(
+                directory, tag=tag, load_optimizer_states=load_optimizer, load_lr_scheduler_states=False,
+                load_module_strict=True,
+            )
+        finally:
+            if zero_opt is not None:
+                zero_opt.compute_grad_norm, zero_opt.clip_grad = False, 0.0
         if path is None:
             raise FileNotFoundError(f"DeepSpeed could not load checkpoint {directory}/{tag}")
         if self.load_universal:

@@ -26,6 +26,11 @@ class MetricSums:
         self._sums[name] = self._sums.get(name, 0.0) + value_sum
         self._counts[name] = self._counts.get(name, 0.0) + count
 
+    def set(self, name: str, value) -> None:
+        """``name`` is ``value`` (a device tensor or a number), not a sum: the last one set counts, and over ranks
+        the mean of theirs, which is the value itself for a figure every rank shares (the step's lr, grad norm)."""
+        self._sums[name], self._counts[name] = _f64(value), 1.0
+
     def update(self, metrics: dict[str, tuple], *, keep: torch.Tensor | None = None) -> None:
         for name, (value_sum, count) in metrics.items():
             self.add(name, value_sum, count, keep=keep)

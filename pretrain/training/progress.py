@@ -7,6 +7,8 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
 from pretrain.config import OptimConfig, from_dict
 from pretrain.metrics.accumulate import MetricSums
 from pretrain.metrics.writer import format_duration
@@ -42,15 +44,69 @@ class LogWindow:
         self.samples += samples
         self.tokens += tokens
 
-    def scalars(self, env, info, *, bad_steps: int, tokens_seen: int) -> dict[str, float]:
-        """The window's means reduced over ranks, plus the step's lr/grad norm/loss scale and the rates."""
+    def scalars(self, env, info, *, bad_steps: "BadSteps", tokens_seen: int) -> dict[str, float]:
+        """The window's means reduced over ranks, plus the last step's lr/grad norm/loss scale, the bad-step count
+        and the rates. The device's figures (metric sums, lr, grad norm, bad-step counters) come in one transfer."""
         elapsed = time.perf_counter() - self.t0
+        self.sums.set("lr", info.lr)
+        self.sums.set("grad_norm", info.grad_norm)
+        bad_steps.stage(self.sums)
         out = self.sums.reduce(env)
-        out.update(lr=info.lr, grad_norm=info.grad_norm, loss_scale=info.loss_scale, bad_steps=bad_steps,
-                   samples_per_s=self.samples * env.world_size / elapsed,
+        total = bad_steps.settle(out)
+        out.update(loss_scale=info.loss_scale, bad_steps=total, samples_per_s=self.samples * env.world_size / elapsed,
                    tokens_per_s=self.tokens * env.world_size / elapsed,
                    tokens_seen=tokens_seen * env.world_size, data_wait_frac=self.data_wait_s / elapsed)
         return out
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class BadSteps:
+    """Steps whose update was skipped for a non-finite loss or gradient, counted where the step decided that (a
+    device tensor: no host sync) and read with the log line's one transfer: ``stage`` puts the counters among the
+    window's sums, ``settle`` takes them back out of the fetched figures (or fetches them itself, before a
+    checkpoint), adds them to ``total`` and raises ``TrainingDiverged`` at ``limit`` consecutive bad steps, so at
+    the next log line or checkpoint at the latest."""
+
+    KEYS = ("bad.count", "bad.run_max", "bad.last_step")
+
+    def __init__(self, limit: int, total: int, describe_stop) -> None:
+        self.limit, self.total, self.describe_stop = limit, total, describe_stop
+        """``describe_stop(run, last_step) -> str``: the message of the stop (names the last good checkpoint)."""
+        self.run = 0.0
+        """Consecutive bad steps up to the last one (carried across windows)."""
+        self.count, self.run_max, self.last_step = 0.0, 0.0, 0.0
+
+    def add(self, bad, step: int) -> None:
+        """``bad``: this step's verdict (a 0-dim bool device tensor, or a Python bool where the host decided)."""
+        b = torch.as_tensor(bad).to(torch.float64)
+        self.run = (self.run + 1) * b
+        self.count = self.count + b
+        self.run_max = torch.maximum(torch.as_tensor(self.run_max, dtype=torch.float64, device=b.device), self.run)
+        self.last_step = torch.where(b > 0, float(step), torch.as_tensor(self.last_step, dtype=torch.float64,
+                                                                           device=b.device))
+
+    def stage(self, sums: MetricSums) -> None:
+        for key, value in zip(self.KEYS, (self.count, self.run_max, self.last_step)):
+            sums.set(key, value)
+
+    def settle(self, fetched: dict | None = None) -> int:
+        """The counters since the last settle (from ``fetched``, the reduced figures ``stage`` went into, whose
+        keys it removes; else one transfer of its own) -> ``total``; raises TrainingDiverged at ``limit``."""
+        if fetched is None:
+            counters = (self.count, self.run_max, self.last_step)
+            device = next((v.device for v in counters if torch.is_tensor(v)), torch.device("cpu"))
+            values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in counters]).tolist()
+        else:
+            values = [fetched.pop(key) for key in self.KEYS]
+        count, run_max, last_step = (int(v) for v in values)
+        self.total += count
+        self.count, self.run_max = 0.0, self.run
+        if run_max >= self.limit:
+            raise TrainingDiverged(self.describe_stop(run_max, last_step))
+        return self.total
 
 
 class StarvationWatch:

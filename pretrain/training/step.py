@@ -18,8 +18,9 @@ from pretrain.distributed.comm import all_reduce_host
 class StepResult:
     info: object
     """The Engine's StepInfo (lr, grad norm, loss scale, skipped)."""
-    bad: bool
-    """A non-finite loss or gradient skipped the update (fp16 loss-scale overflows are routine, not bad)."""
+    bad: bool | torch.Tensor
+    """A non-finite loss or gradient skipped the update (fp16 loss-scale overflows are routine, not bad): a 0-dim
+    device tensor where the Engine decided on the device, read by the trainer's ``BadSteps`` when it logs."""
     samples: int
     tokens: int
     """This rank's samples and real (non-padding) tokens."""
@@ -45,7 +46,7 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
             sums.add("loss", loss.detach(), 1, keep=finite)  # x world size: the rank mean is the global loss
             all_finite_t = finite if all_finite_t is None else all_finite_t & finite
             engine.micro_step(loss, finite=finite)
-    info = engine.step()  # skipped when the gradients are non-finite (DeepSpeed has looked at them on the host)
+    info = engine.step()  # skipped when the gradients are non-finite (on the device, or DeepSpeed's check)
     # A non-finite loss always skips the step, so outside fp16 "skipped" says it; fp16's loss-scale overflows are
     # routine skips, so there the loss itself decides (one host sync, fp16 only).
     bad = info.skipped if precision != "fp16" else not all_finite(all_finite_t, env)

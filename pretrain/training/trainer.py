@@ -28,6 +28,7 @@ from pretrain.training.build import prepare_run, train_loader_builder
 from pretrain.training.evaluation import StsbKeepBest
 from pretrain.training.optim import build_param_groups, lr_lambda
 from pretrain.training.progress import (
+    BadSteps,
     CollapseWatch,
     Eta,
     LogWindow,
@@ -42,10 +43,6 @@ from pretrain.training.step import optimizer_step, to_device
 
 REQUEUE_EXIT_CODE = 75
 """Exit status after a signal-triggered checkpoint (EX_TEMPFAIL): the launcher requeues the job."""
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive steps with a non-finite loss."""
 
 
 class Trainer:
@@ -98,6 +95,7 @@ class Trainer:
         self._build_train_loader = train_loader_builder(cfg)
         self.starved = StarvationWatch(cfg.train.log_every, cfg.data.num_workers)
         self.window = LogWindow()
+        self.bad = BadSteps(cfg.train.max_bad_steps, self.state.bad_steps_total, self._diverged)
         self.writer = MetricsWriter(self.run_dir, enabled=env.is_main, resume_step=self.state.step)
 
     def _loader(self, dataset, start_sample: int):
@@ -121,12 +119,12 @@ class Trainer:
         if st.step == 0:
             self.validate()  # the untrained baseline, so the held-out curve starts at step 0
         self.engine.train()
-        start_step, consecutive_bad = st.step, 0
+        start_step = st.step
         eta, collapse = Eta(start_step, c.train.max_steps), CollapseWatch(c, self.env.world_size)
         self.window.reset()
         while st.step < c.train.max_steps:
             info, bad = self.train_step(loader)
-            consecutive_bad = self._count_bad(bad, consecutive_bad)
+            self.bad.add(bad, st.step)
             last = st.step == c.train.max_steps
             # The first step of a launch is shown at once; it is not a logged window (that runs on to the next
             # log step, so the logged figures are the same whether or not the run was resumed).
@@ -155,21 +153,16 @@ class Trainer:
         self.window.add(result.samples, result.tokens)
         return result.info, result.bad
 
-    def _count_bad(self, bad: bool, consecutive: int) -> int:
-        """Consecutive bad steps so far; TrainingDiverged at train.max_bad_steps of them."""
-        consecutive = consecutive + 1 if bad else 0
-        self.state.bad_steps_total += int(bad)
-        if consecutive >= self.cfg.train.max_bad_steps:
-            raise TrainingDiverged(
-                f"{consecutive} consecutive steps with a non-finite loss or gradient (last at step {self.state.step}); "
+    def _diverged(self, consecutive: int, last_step: int) -> str:
+        return (f"{consecutive} consecutive steps with a non-finite loss or gradient (last at step {last_step}); "
                 f"stopping. The last good checkpoint is {store.find_latest(store.checkpoints_dir(self.run_dir))}; "
                 f"lower optim.lr or check the data before resuming.")
-        return consecutive
 
     def log(self, info, eta: Eta, collapse: CollapseWatch, *, window_ends: bool) -> None:
         """The console line; at the end of a log window also metrics.jsonl/TensorBoard and the warnings."""
         st = self.state
-        scalars = self.window.scalars(self.env, info, bad_steps=st.bad_steps_total, tokens_seen=st.tokens_seen)
+        scalars = self.window.scalars(self.env, info, bad_steps=self.bad, tokens_seen=st.tokens_seen)
+        st.bad_steps_total = self.bad.total
         if self.env.is_main:
             print_progress(format_progress(st.step, self.cfg.train.max_steps, scalars, eta_s=eta(st.step)))
         if not window_ends:
@@ -243,6 +236,8 @@ class Trainer:
         return scores
 
     def save(self) -> Path:
+        # The skipped steps so far are part of the state; a diverged run stops here, before it writes.
+        self.state.bad_steps_total = self.bad.settle()
         path = store.save_checkpoint(self.engine, self.env, self.run_dir, step=self.state.step,
                                      trainer_state=self.state.state_dict(), config_yaml=to_yaml(self.cfg),
                                      tokenizer_path=self.cfg.data.tokenizer, keep_last=self.cfg.checkpoint.keep_last)
