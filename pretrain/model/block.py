@@ -53,7 +53,8 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None, packed: Packed | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
+                packed: Packed | None = None) -> torch.Tensor:
         if self.pre_norm:
             x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed))
             return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))

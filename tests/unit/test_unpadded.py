@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
-from pretrain.config.objective import MLMConfig, NTXentConfig
+from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
 from pretrain.distributed.env import single_process_env
 from pretrain.model import build_model
-from pretrain.model.packing import pack, padding_shares, plan_groups
+from pretrain.model.packing import MAX_GROUPS, compute_counts, pack, plan_groups
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.training.step import host_facts
 
@@ -63,22 +63,21 @@ def _loss_and_grads(module, batch, unpadded: bool):
     return loss.detach(), {k: v[0] for k, v in metrics.items()}, grads
 
 
-def _train_module(pooling="cls", mean_mix=0.0, **model_kw):
+def _train_module(pooling="cls", mean_mix=0.0, stage="pretrain", **model_kw):
     torch.manual_seed(0)
     model = build_model(_model_cfg(pooling=pooling, **model_kw), seed=0)
-    ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling=pooling, view_mean_mix=mean_mix)
-    cfg = ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False))
+    ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling=pooling, view_mean_mix=mean_mix, stage=stage)
+    if stage == "sentences":
+        cfg = ObjectiveConfig(mlm=None, nt_xent=None, info_nce=InfoNCEConfig(gather=False))
+    else:
+        cfg = ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False))
     return TrainModule(model, Objective(cfg, ctx))
 
 
-@pytest.mark.parametrize("pooling, mean_mix, norm", [("cls", 0.0, "post"), ("cls", 0.5, "pre"),
-                                                      ("mean", 0.0, "post")])
-def test_losses_and_gradients_equal_the_padded_path(pooling, mean_mix, norm):
-    module = _train_module(pooling, mean_mix, norm=norm)
-    batch = _batch()
+def _assert_same(module, batch, terms):
     loss_p, metrics_p, grads_p = _loss_and_grads(module, batch, unpadded=False)
     loss_u, metrics_u, grads_u = _loss_and_grads(module, batch, unpadded=True)
-    for term in ("mlm", "nt_xent"):
+    for term in terms:
         torch.testing.assert_close(metrics_u[term], metrics_p[term], rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(loss_u, loss_p, rtol=RTOL, atol=ATOL)
     assert grads_u.keys() == grads_p.keys() and len(grads_p) > 20
@@ -86,6 +85,20 @@ def test_losses_and_gradients_equal_the_padded_path(pooling, mean_mix, norm):
         scale = float(g.abs().max())
         torch.testing.assert_close(grads_u[name], g, rtol=0, atol=RTOL * scale + 1e-9,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("pooling, mean_mix, norm", [("cls", 0.0, "post"), ("cls", 0.5, "pre"),
+                                                      ("mean", 0.0, "post")])
+def test_losses_and_gradients_equal_the_padded_path(pooling, mean_mix, norm):
+    """MLM rows and CLEAR's two views (one pass), [CLS] and mean pooling, post- and pre-LN."""
+    _assert_same(_train_module(pooling, mean_mix, norm=norm), _batch(), ("mlm", "nt_xent"))
+
+
+def test_the_sentence_stage_pair_equals_the_padded_path():
+    """The sentence stage's pair (each sentence twice in one pass), SimCSE's InfoNCE, mean pooling."""
+    gen = torch.Generator().manual_seed(1)
+    ids, mask = _rows([12, 3, 30, 30, 7, 2], 30, gen)
+    _assert_same(_train_module("mean", stage="sentences"), dict(sentence_ids=ids, sentence_mask=mask), ("info_nce",))
 
 
 def test_hidden_states_equal_the_padded_path_at_every_real_token():
@@ -159,10 +172,12 @@ def test_plan_groups_is_the_cheapest_cut_and_keeps_padding_low():
                        for cuts in _combinations(range(1, len(lengths)), k))
             assert cost == best
     lengths = np.where(rng.random(128) < 0.7, 128, rng.integers(2, 129, 128))  # 128 rows, ~30% short
-    groups = plan_groups(lengths)
-    assert len(groups) <= 8 and padding_shares(lengths, 128, groups)["scores"] <= 0.02
-    assert padding_shares(lengths, 128)["scores"] > 0.15 and padding_shares(lengths, 128, groups)["tokens"] == 0
-
+    mask = np.arange(128) < lengths[:, None]
+    packed = pack([(np.zeros(mask.shape, dtype=np.int64), mask)])
+    counts = compute_counts(packed)
+    assert len(packed.groups) <= MAX_GROUPS and counts["real_tokens"] == lengths.sum()
+    assert 1 - counts["real_scores"] / counts["padded_scores"] > 0.15  # the padded path: > 15% of scores padding
+    assert 1 - counts["real_scores"] / counts["unpadded_scores"] <= 0.02
 
 def _combinations(items, k):
     import itertools
