@@ -56,8 +56,9 @@ class TrainConfig:
     into one token stream on the host (model/packing.py), so embeddings, linear layers, LayerNorm, FFN and the MLM
     head compute no padding and attention nearly none, each sequence attending only to itself. The same losses
     and gradients as the padded path up to float rounding (tests/unit/test_unpadded.py); dropout draws other
-    noise. On by default because real batches are padded (13% of the MLM rows' tokens on books, docs/performance.md);
-    false runs the padded path, which validation, evaluation and export always use."""
+    noise. On by default because real batches are padded (16% of the MLM rows' tokens on the shared books and wiki,
+    docs/performance.md); false runs the padded path, which validation, evaluation and export always use. Not yet
+    tried with train.compile: a block sees another attention-group layout in each batch (guards and recompiles)."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):

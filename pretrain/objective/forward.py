@@ -78,9 +78,10 @@ class Forward:
               packed=None) -> torch.Tensor:
         """Training-time sentence embedding: pool (blended with ``mean_mix`` of mean pooling) -> projection MLP.
         With ``packed`` (Packed), h is h_ND of an unpadded pass."""
-        e_BD = self.model.pool(h_BTD, mask_BT, self.ctx.pooling, **_known(packed=packed))
+        rows = _known(packed=packed)
+        e_BD = self.model.pool(h_BTD, mask_BT, self.ctx.pooling, **rows)
         if mean_mix > 0.0 and self.ctx.pooling != "mean":
-            e_BD = (1.0 - mean_mix) * e_BD + mean_mix * self.model.pool(h_BTD, mask_BT, "mean", **_known(packed=packed))
+            e_BD = (1.0 - mean_mix) * e_BD + mean_mix * self.model.pool(h_BTD, mask_BT, "mean", **rows)
         return self.model.projection(e_BD)
 
     def _pair_pass(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, object]:
@@ -120,7 +121,7 @@ class Forward:
         return self.embed(h, None if packed is not None else mask, mean_mix, packed=packed)
 
     def view_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(z_a, z_b): both views through one encoder pass (padded together), pooled, projected."""
+        """(z_a, z_b): both views through one encoder pass (padded together, or packed), pooled, projected."""
         if "views" not in self._cache:
             if self.ctx.stage == "sentences":
                 raise ValueError("objective.nt_xent needs CLEAR views (data.stage=pretrain); the sentence stage "
