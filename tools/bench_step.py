@@ -91,7 +91,8 @@ def make_batch(batch: int, seq: int, view_len: int, vocab: int, gen: torch.Gener
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
                micro_batch: int = 1):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
-    (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update)."""
+    (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
+    unpadded as train.unpadded's default)."""
     from pretrain.config import (
         DistributedConfig,
         ModelConfig,
@@ -116,15 +117,15 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
         model.encoder.compile_layers()
     module = TrainModule(model, Objective(ObjectiveConfig(), Context(env=env, ops=OpsConfig(), pooling="mean")))
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
-    engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
-                    train=TrainConfig(micro_batch_size=micro_batch, precision=precision),
+    train = TrainConfig(micro_batch_size=micro_batch, precision=precision)
+    engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim, train=train,
                     dist=DistributedConfig(zero_stage=zero_stage), env=env, lr_lambda=lr_lambda(optim, 1000))
     engine.train()
     sums, done = MetricSums(), [0]
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
         result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
-                                precision=precision)
+                                precision=precision, unpadded=train.unpadded)
         done[0] += 1
         return result
 

@@ -51,6 +51,14 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each encoder block (fuses LayerNorm, GELU, dropout and bias adds; the first steps
     compile). ZeRO 0-2 only."""
+    unpadded: bool = True
+    """The training step runs the MLM rows and the contrastive pair unpadded: each micro-batch's sequences packed
+    into one token stream on the host (model/packing.py), so embeddings, linear layers, LayerNorm, FFN and the MLM
+    head compute no padding and attention nearly none, each sequence attending only to itself. The same losses
+    and gradients as the padded path up to float rounding (tests/unit/test_unpadded.py); dropout draws other
+    noise. On by default because real batches are padded (16% of the MLM rows' tokens on the shared books and wiki,
+    docs/performance.md); false runs the padded path, which validation, evaluation and export always use. Not yet
+    tried with train.compile: a block sees another attention-group layout in each batch (guards and recompiles)."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):

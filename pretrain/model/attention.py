@@ -1,6 +1,7 @@
-"""Multi-head self-attention over SDPA with a boolean padding mask.
+"""Multi-head self-attention over SDPA: padded (a boolean padding mask) or unpadded (packed.py's groups).
 
-Shapes: B batch, T sequence length, D hidden size, H heads, K head size (D = H*K).
+Shapes: B batch, T sequence length, D hidden size, H heads, K head size (D = H*K), N packed tokens,
+n rows and t length of an attention group, P attention slots of all groups.
 Masks: keep_B11T is True where a key position is a real token (may be attended to).
 """
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
+from pretrain.model.packing import Packed
 
 
 class SelfAttention(nn.Module):
@@ -27,8 +29,11 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(d, d)
         self.attention_dropout = cfg.attention_dropout
 
-    def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None) -> torch.Tensor:
-        """x_BTD -> y_BTD (before the output dropout and residual)."""
+    def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
+                packed: Packed | None = None) -> torch.Tensor:
+        """x_BTD -> y_BTD (before the output dropout and residual); with ``packed``, x_ND -> y_ND."""
+        if packed is not None:
+            return self._forward_packed(x_BTD, packed)
         b, t, d = x_BTD.shape
         q_BHTK = self.q(x_BTD).view(b, t, self.num_heads, self.head_size).transpose(1, 2)
         k_BHTK = self.k(x_BTD).view(b, t, self.num_heads, self.head_size).transpose(1, 2)
@@ -42,3 +47,18 @@ class SelfAttention(nn.Module):
         )
         y_BTD = y_BHTK.transpose(1, 2).reshape(b, t, d)
         return self.out(y_BTD)
+
+    def _forward_packed(self, x_ND: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """Projections on the stream; each group's slots gathered into (n, H, t, K), attended to with SDPA (dropout
+        as in the padded path), laid end to end (P, D), and every token's output taken back from its slot."""
+        h, k = self.num_heads, self.head_size
+        q_ND, k_ND, v_ND = self.q(x_ND), self.k(x_ND), self.v(x_ND)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        y_parts = []
+        for g in packed.groups:
+            q_nHtK, k_nHtK, v_nHtK = (z_ND.index_select(0, g.index_P).view(g.num_rows, g.length, h, k).transpose(1, 2)
+                                      for z_ND in (q_ND, k_ND, v_ND))
+            y_nHtK = F.scaled_dot_product_attention(q_nHtK, k_nHtK, v_nHtK, attn_mask=g.keep_n11t, dropout_p=dropout_p)
+            y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
+        y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
+        return self.out(y_PD.index_select(0, packed.back_N))

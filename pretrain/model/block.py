@@ -1,6 +1,7 @@
 """One Transformer encoder layer: self-attention + feed-forward, post-LN (BERT) or pre-LN.
 
-Shapes: B batch, T sequence length, D hidden size, F feed-forward size.
+Shapes: B batch, T sequence length, D hidden size, F feed-forward size; unpadded (``packed``), x_ND of N
+packed tokens takes x_BTD's place (everything but attention is per token).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.attention import SelfAttention
+from pretrain.model.packing import Packed
 
 
 def activation_fn(name: str):
@@ -51,9 +53,10 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
+                packed: Packed | None = None) -> torch.Tensor:
         if self.pre_norm:
-            x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T))
+            x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed))
             return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))
-        x_BTD = self.attn_norm(x_BTD + self.dropout(self.attn(x_BTD, keep_B11T)))
+        x_BTD = self.attn_norm(x_BTD + self.dropout(self.attn(x_BTD, keep_B11T, packed)))
         return self.ffn_norm(x_BTD + self.dropout(self.ffn(x_BTD)))

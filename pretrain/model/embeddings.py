@@ -1,6 +1,7 @@
 """Token + learned absolute position (+ BERT token-type 0) embeddings, LayerNorm, dropout.
 
-Shapes: B batch, T sequence length, D hidden size, V vocabulary.
+Shapes: B batch, T sequence length, D hidden size, V vocabulary; unpadded, ids_N of N packed tokens with their
+position_ids_N (packing.py) take ids_BT's place.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ class Embeddings(nn.Module):
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids_BT: torch.Tensor, token_type_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids_BT: torch.Tensor, token_type_ids_BT: torch.Tensor | None = None,
+                position_ids_N: torch.Tensor | None = None) -> torch.Tensor:
+        """x_BTD, or x_ND for packed ids_N with ``position_ids_N`` (each sequence's positions restart at 0; the
+        caller checks them against max_position on the host)."""
+        if position_ids_N is not None:
+            types = self.token_type.weight[0] if token_type_ids_BT is None else self.token_type(token_type_ids_BT)
+            x_ND = self.word(input_ids_BT) + types
+            return self.dropout(self.norm(x_ND + self.position(position_ids_N)))
         num_tokens = input_ids_BT.shape[1]
         if num_tokens > self.position.num_embeddings:
             raise ValueError(

@@ -1,6 +1,6 @@
 """The Transformer encoder: embeddings, a stack of blocks, and (pre-LN only) a final LayerNorm.
 
-Shapes: B batch, T sequence length, D hidden size, L layers.
+Shapes: B batch, T sequence length, D hidden size, L layers, N packed tokens (unpadded, see packing.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.block import Block
 from pretrain.model.embeddings import Embeddings
+from pretrain.model.packing import Packed
 
 
 class Encoder(nn.Module):
@@ -24,12 +25,18 @@ class Encoder(nn.Module):
 
     def forward(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, all_layers: bool = False,
-        token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None,
+        token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None, packed: Packed | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Last hidden states h_BTD, or with ``all_layers`` the list [embeddings, layer 1, ..., layer L]
         (L+1 tensors, as HF's ``hidden_states``; for pre-LN the last one is after the final LayerNorm).
         ``padded``: whether the mask has padding, when the caller knows it from the host; None looks on the device
-        (a host sync)."""
+        (a host sync). ``packed``: the unpadded batch (its ids; the other inputs are not used) -> h_ND."""
+        if packed is not None:
+            if packed.width > self.embeddings.position.num_embeddings:
+                raise ValueError(f"sequence length {packed.width} exceeds model.max_position="
+                                 f"{self.embeddings.position.num_embeddings}; truncate inputs (data.max_len)")
+            return self._layers(self.embeddings(packed.ids_N, position_ids_N=packed.position_ids_N), None, packed,
+                                all_layers)
         # The padding mask is built once and shared by every layer (True = real key token). A batch without
         # padding passes no mask, so SDPA may pick its flash kernel (a mask rules it out on CUDA).
         keep_B11T = None
@@ -38,10 +45,14 @@ class Encoder(nn.Module):
                 padded = torch.compiler.is_compiling() or not bool(attention_mask_BT.all())
             if padded:
                 keep_B11T = attention_mask_BT.bool()[:, None, None, :]
-        x_BTD = self.embeddings(input_ids_BT, token_type_ids_BT)
+        return self._layers(self.embeddings(input_ids_BT, token_type_ids_BT), keep_B11T, None, all_layers)
+
+    def _layers(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None, packed: Packed | None,
+                all_layers: bool) -> torch.Tensor | list[torch.Tensor]:
+        """The blocks (and pre-LN's final LayerNorm) over the embeddings x_BTD, or x_ND with ``packed``."""
         states = [x_BTD] if all_layers else None
         for layer in self.layers:
-            x_BTD = layer(x_BTD, keep_B11T)
+            x_BTD = layer(x_BTD, keep_B11T, packed)
             if all_layers:
                 states.append(x_BTD)
         if self.final_norm is not None:

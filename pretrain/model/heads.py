@@ -1,7 +1,8 @@
 """Heads on top of the encoder: tied MLM head, BERT pooler, CLEAR projection, sentence pooling.
 
 Shapes: B batch, T sequence length, D hidden size, M masked (predicted) positions,
-V vocabulary, P projection size (D also stands for the sentence embedding size, dense_dim when set).
+V vocabulary, P projection size (D also stands for the sentence embedding size, dense_dim when set), N packed
+tokens of an unpadded batch (packing.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.block import activation_fn
+from pretrain.model.packing import Packed
 
 POOLINGS = ("cls", "cls_before_pooler", "mean", "first_last_avg")
 
@@ -89,26 +91,35 @@ def masked_mean(h_BTD: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.T
 
 def pool(
     h_BTD: torch.Tensor,
-    attention_mask_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor | None,
     pooling: str,
     *,
     pooler: Pooler | None = None,
     all_layers: list[torch.Tensor] | None = None,
+    packed: Packed | None = None,
 ) -> torch.Tensor:
     """Sentence embeddings e_BD.
 
     "cls": [CLS] through the pooler when there is one, else [CLS]; "cls_before_pooler": [CLS];
     "mean": masked mean of h; "first_last_avg": masked mean of (layer 1 + layer L)/2 (SimCSE's
     definition, layer 1 = first Transformer layer's output), needs ``all_layers`` from encode.
+    With ``packed`` the states are h_ND of an unpadded batch: [CLS] is each sequence's first token and the mean
+    runs over its own tokens (the mask is not used).
     """
+    def first(h):
+        return packed.first(h) if packed is not None else h[:, 0]
+
+    def mean(h):
+        return packed.mean(h) if packed is not None else masked_mean(h, attention_mask_BT)
+
     if pooling == "cls":
-        return pooler(h_BTD[:, 0]) if pooler is not None else h_BTD[:, 0]
+        return pooler(first(h_BTD)) if pooler is not None else first(h_BTD)
     if pooling == "cls_before_pooler":
-        return h_BTD[:, 0]
+        return first(h_BTD)
     if pooling == "mean":
-        return masked_mean(h_BTD, attention_mask_BT)
+        return mean(h_BTD)
     if pooling == "first_last_avg":
         if not all_layers or len(all_layers) < 2:
             raise ValueError("pooling 'first_last_avg' needs all_layers: call encode(..., all_layers=True) first")
-        return masked_mean((all_layers[1] + all_layers[-1]) * 0.5, attention_mask_BT)
+        return mean((all_layers[1] + all_layers[-1]) * 0.5)
     raise ValueError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")

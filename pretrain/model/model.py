@@ -1,6 +1,7 @@
 """PretrainModel: the encoder plus the MLM head, BERT pooler and contrastive projection.
 
-Shapes: B batch, T sequence length, D hidden size, M masked positions, V vocabulary.
+Shapes: B batch, T sequence length, D hidden size, M masked positions, V vocabulary; unpadded (packing.py), N
+packed tokens: h_ND and labels_N take the place of h_BTD and labels_BT.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pretrain.config.model import ModelConfig
 from pretrain.model.encoder import Encoder
 from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, SentenceDense, pool
 from pretrain.model.init import init_bert_weights
+from pretrain.model.packing import Packed
 
 # Parameters that are another parameter under a second name (state_dict lists both).
 TIED_KEYS = {"mlm_head.decoder.weight": "encoder.embeddings.word.weight"}
@@ -42,39 +44,44 @@ class PretrainModel(nn.Module):
 
     def encode(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, all_layers: bool = False,
-        token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None,
+        token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None, packed: Packed | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
-        """h_BTD of the last layer, or with ``all_layers`` [embeddings, layer 1, ..., layer L].
+        """h_BTD of the last layer, or with ``all_layers`` [embeddings, layer 1, ..., layer L]; with ``packed``
+        (the unpadded batch: ids and attention groups; ids and mask are then not used) h_ND.
 
         ``token_type_ids_BT`` (segment ids, sentence pairs) defaults to all zeros; ``padded`` as in
         ``Encoder.forward``."""
         return self.encoder(input_ids_BT, attention_mask_BT, all_layers=all_layers,
-                            token_type_ids_BT=token_type_ids_BT, padded=padded)
+                            token_type_ids_BT=token_type_ids_BT, padded=padded, packed=packed)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.encoder(input_ids, attention_mask)
 
     def mlm_logits(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor,
                    positions_M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits_MV, labels_M) for the M positions whose label is not -100 (the head runs on those only).
-        ``positions_M``: those positions as flat indices into B*T, when the host already knows them; without
-        them the boolean mask is applied on the device (M is then a host sync)."""
+        """(logits_MV, labels_M) for the M positions whose label is not -100 (the head runs on those only); h_ND
+        and labels_N of a packed batch work alike. ``positions_M``: those positions as flat indices into B*T (N),
+        when the host already knows them; without them the boolean mask is applied on the device (M is then a
+        host sync)."""
         if positions_M is None:
             keep_BT = labels_BT != IGNORE_INDEX
             return self.mlm_head(h_BTD[keep_BT]), labels_BT[keep_BT]
-        h_MD = h_BTD.flatten(0, 1).index_select(0, positions_M)
+        h_MD = h_BTD.flatten(0, -2).index_select(0, positions_M)
         return self.mlm_head(h_MD), labels_BT.flatten().index_select(0, positions_M)
 
     def pool(
         self,
         h_BTD: torch.Tensor,
-        attention_mask_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor | None,
         pooling: str | None = None,
         all_layers: list[torch.Tensor] | None = None,
+        packed: Packed | None = None,
     ) -> torch.Tensor:
-        """Sentence embeddings e_BD: pooling (default cfg.pooling, see heads.pool), then the Dense layer and the
-        L2 normalisation when the config has them (as sentence-transformers applies its modules in order)."""
-        e_BD = pool(h_BTD, attention_mask_BT, pooling or self.cfg.pooling, pooler=self.pooler, all_layers=all_layers)
+        """Sentence embeddings e_BD: pooling (default cfg.pooling, see heads.pool; h_ND with ``packed``), then the
+        Dense layer and the L2 normalisation when the config has them (as sentence-transformers applies its modules
+        in order)."""
+        e_BD = pool(h_BTD, attention_mask_BT, pooling or self.cfg.pooling, pooler=self.pooler, all_layers=all_layers,
+                    packed=packed)
         if self.sentence_dense is not None:
             e_BD = self.sentence_dense(e_BD)
         if self.cfg.normalize:

@@ -3,7 +3,10 @@
 ``Forward`` computes the encoder passes lazily, so terms sharing a pass (e.g. the views) run it once.
 How the embedding pair is obtained depends on the data stage (``Context.stage``): the sentence stage
 encodes the same sentence twice (independent dropout), pretraining encodes CLEAR's two augmented views.
-Legend: B local rows, M = W * B gathered rows, T tokens, D hidden, P embedding dim.
+Under ``train.unpadded`` the host has packed the MLM rows and the pair (training/step.py: host_facts): the batch
+carries ``packed_mlm`` and ``packed_views``/``packed_sentences`` (model/packing.py: Packed), the passes return
+h_ND and pooling runs on the stream; without them every pass is the padded reference.
+Legend: B local rows, M = W * B gathered rows, T tokens, D hidden, P embedding dim, N packed tokens.
 """
 
 from __future__ import annotations
@@ -49,10 +52,21 @@ class Forward:
         self._cache: dict = {}
 
     def mlm_hidden(self) -> torch.Tensor:
+        """h_BTD of the MLM rows, or h_ND when the host packed them."""
         if "mlm" not in self._cache:
-            self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"],
-                                                   **_known(padded=self._padded("attention_mask")))
+            packed = self.batch.get("packed_mlm")
+            if packed is not None:
+                self._cache["mlm"] = self.model.encode(None, None, packed=packed)
+            else:
+                self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"],
+                                                       **_known(padded=self._padded("attention_mask")))
         return self._cache["mlm"]
+
+    def mlm_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(h, labels, positions) for ``mlm_logits``: h_BTD and labels_BT, or packed h_ND and labels_N; positions_M
+        of the labelled tokens in the same layout when the host found them."""
+        labels = self.batch["mlm_labels_packed"] if "packed_mlm" in self.batch else self.batch["mlm_labels"]
+        return self.mlm_hidden(), labels, self.batch.get("mlm_positions")
 
     def _padded(self, mask_key: str) -> bool | None:
         """Whether the batch's ``mask_key`` has padding, as the host recorded it (training/step.py: host_facts);
@@ -60,15 +74,19 @@ class Forward:
         full = self.batch.get("full_masks")
         return None if full is None else mask_key not in full
 
-    def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor, mean_mix: float = 0.0) -> torch.Tensor:
-        """Training-time sentence embedding: pool (blended with ``mean_mix`` of mean pooling) -> projection MLP."""
-        e_BD = self.model.pool(h_BTD, mask_BT, self.ctx.pooling)
+    def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor | None, mean_mix: float = 0.0,
+              packed=None) -> torch.Tensor:
+        """Training-time sentence embedding: pool (blended with ``mean_mix`` of mean pooling) -> projection MLP.
+        With ``packed`` (Packed), h is h_ND of an unpadded pass."""
+        rows = _known(packed=packed)
+        e_BD = self.model.pool(h_BTD, mask_BT, self.ctx.pooling, **rows)
         if mean_mix > 0.0 and self.ctx.pooling != "mean":
-            e_BD = (1.0 - mean_mix) * e_BD + mean_mix * self.model.pool(h_BTD, mask_BT, "mean")
+            e_BD = (1.0 - mean_mix) * e_BD + mean_mix * self.model.pool(h_BTD, mask_BT, "mean", **rows)
         return self.model.projection(e_BD)
 
-    def pair_hidden(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(h_2BTD, mask_2BT, ids_2BT, B): both halves of the pair through one encoder pass."""
+    def _pair_pass(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, object]:
+        """(h, mask_2BT, ids_2BT, B, packed): both halves of the pair through one encoder pass; h is h_2BTD, or
+        h_ND when the host packed the pair (``packed`` is then its Packed, else None)."""
         if "pair_h" not in self._cache:
             b = self.batch
             if self.ctx.stage == "sentences":  # the same sentence twice, independent dropout
@@ -76,23 +94,40 @@ class Forward:
                 mask = torch.cat([b["sentence_mask"], b["sentence_mask"]])
                 n = b["sentence_ids"].shape[0]
                 padded = self._padded("sentence_mask")
+                packed = b.get("packed_sentences")
             else:  # pretraining: CLEAR's two augmented views
                 ids, mask = _stack_padded([b["view_a_ids"], b["view_b_ids"]], [b["view_a_mask"], b["view_b_mask"]])
                 n = b["view_a_ids"].shape[0]
                 a, z = self._padded("view_a_mask"), self._padded("view_b_mask")
                 same_len = b["view_a_ids"].shape[1] == b["view_b_ids"].shape[1]
                 padded = None if a is None or z is None else (a or z or not same_len)
-            self._cache["pair_h"] = (self.model.encode(ids, mask, **_known(padded=padded)), mask, ids, n)
+                packed = b.get("packed_views")
+            if packed is not None:
+                h = self.model.encode(None, None, packed=packed)
+            else:
+                h = self.model.encode(ids, mask, **_known(padded=padded))
+            self._cache["pair_h"] = (h, mask, ids, n, packed)
         return self._cache["pair_h"]
 
+    def pair_hidden(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(h_2BTD, mask_2BT, ids_2BT, B): the pair's pass in the padded layout (an unpadded pass is unpacked, zeros
+        on padding: SARCSE's autoencoder convolves over rows)."""
+        h, mask, ids, n, packed = self._pair_pass()
+        return (packed.unpack(h) if packed is not None else h), mask, ids, n
+
+    def _pair_embeddings(self, mean_mix: float = 0.0) -> torch.Tensor:
+        """z_2BP: ``embed`` of the pair's pass, padded or packed."""
+        h, mask, _, _, packed = self._pair_pass()
+        return self.embed(h, None if packed is not None else mask, mean_mix, packed=packed)
+
     def view_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(z_a, z_b): both views through one encoder pass (padded together), pooled, projected."""
+        """(z_a, z_b): both views through one encoder pass (padded together, or packed), pooled, projected."""
         if "views" not in self._cache:
             if self.ctx.stage == "sentences":
                 raise ValueError("objective.nt_xent needs CLEAR views (data.stage=pretrain); the sentence stage "
                                  "has none: use info_nce or arccon there")
-            h, mask, _, n = self.pair_hidden()
-            z = self.embed(h, mask, self.ctx.view_mean_mix)
+            n = self._pair_pass()[3]
+            z = self._pair_embeddings(self.ctx.view_mean_mix)
             self._cache["views"] = (z[:n], z[n:])
         return self._cache["views"]
 
@@ -112,8 +147,8 @@ class Forward:
                 z, *_, n = self.autoencoded()
                 self._cache["pair"] = (z[:n], z[n:])
             elif self.ctx.stage == "sentences":
-                h, mask, _, n = self.pair_hidden()
-                z = self.embed(h, mask)
+                n = self._pair_pass()[3]
+                z = self._pair_embeddings()
                 self._cache["pair"] = (z[:n], z[n:])
             else:
                 self._cache["pair"] = self.view_projections()

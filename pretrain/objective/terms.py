@@ -51,7 +51,7 @@ def spread_metrics(z_a: torch.Tensor, z_b: torch.Tensor) -> dict:
 
 
 def mlm_term(fwd: Forward, cfg, ctx: Context):
-    logits, labels = fwd.model.mlm_logits(fwd.mlm_hidden(), fwd.batch["mlm_labels"], fwd.batch.get("mlm_positions"))
+    logits, labels = fwd.model.mlm_logits(*fwd.mlm_rows())
     return mlm_loss(logits, labels)
 
 

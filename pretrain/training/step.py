@@ -12,6 +12,7 @@ import torch
 
 from pretrain.config.data import IGNORE_INDEX
 from pretrain.distributed.comm import all_reduce_host
+from pretrain.model.packing import Packed, pack
 
 
 @dataclass
@@ -27,9 +28,10 @@ class StepResult:
 
 
 def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int, step: int,
-                   precision: str) -> StepResult:
+                   precision: str, unpadded: bool = False) -> StepResult:
     """grad_accum micro-batches from ``next_batch()`` through forward -> loss -> backward, then the update (or its
-    skip when any rank saw a non-finite loss or gradient); finite micro-batches' metrics are added to ``sums``."""
+    skip when any rank saw a non-finite loss or gradient); finite micro-batches' metrics are added to ``sums``.
+    ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences (``host_facts``)."""
     n_samples, n_tokens, all_finite_t = 0, 0, None
     # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
     with dropout_rng(seed, step, env.rank, engine.device):
@@ -37,7 +39,7 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
             batch = next_batch()  # counted on the host, then moved: no device sync
             n_samples += batch["input_ids"].shape[0]
             n_tokens += count_tokens(batch)
-            loss, metrics = engine.forward(to_device(host_facts(batch), engine.device))
+            loss, metrics = engine.forward(to_device(host_facts(batch, unpadded=unpadded), engine.device))
             # Decided on the device, no host sync: a non-finite micro-batch's figures are dropped, and its
             # gradients become NaN (micro_step), so the update is skipped on every rank (the NaN reaches every
             # rank's gradients through their reduction, and every optimizer DeepSpeed runs refuses them).
@@ -69,21 +71,36 @@ def count_tokens(batch: dict) -> int:
     return int(sum(batch[k].numpy().sum() for k in ("attention_mask", "view_a_mask", "view_b_mask") if k in batch))
 
 
-def host_facts(batch: dict) -> dict:
+def host_facts(batch: dict, *, unpadded: bool = False) -> dict:
     """The batch (host tensors, from the loader) with what the device would otherwise be asked for, read here
     with numpy before it moves: ``mlm_positions`` (flat indices of the MLM-labelled tokens: the MLM head's
     rows, a shape the device cannot know without a sync) and ``full_masks`` (the attention masks without
-    padding: the encoder then passes no mask)."""
+    padding: the encoder then passes no mask).
+
+    ``unpadded``: also the sequences packed into streams (model/packing.py: ``pack``; lengths, positions and
+    attention groups are shapes too): ``packed_mlm`` (the MLM rows; ``mlm_labels_packed`` and ``mlm_positions``
+    then index the stream), ``packed_views`` (view A's rows, then view B's: the pair's one pass) and
+    ``packed_sentences`` (the sentence stage's rows twice). Triplets and RankCSE's teachers stay padded."""
     out = dict(batch)
+    if unpadded and "attention_mask" in batch:
+        out["packed_mlm"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
     if "mlm_labels" in batch:
         labels = batch["mlm_labels"].numpy().reshape(-1)
+        if "packed_mlm" in out:
+            labels = labels[out["packed_mlm"].index_N.numpy()]
+            out["mlm_labels_packed"] = torch.from_numpy(labels)
         out["mlm_positions"] = torch.from_numpy(np.flatnonzero(labels != IGNORE_INDEX))
+    if unpadded and "view_a_ids" in batch:
+        out["packed_views"] = pack([(batch[f"view_{v}_ids"].numpy(), batch[f"view_{v}_mask"].numpy()) for v in "ab"])
+    if unpadded and "sentence_ids" in batch:
+        out["packed_sentences"] = pack([(batch["sentence_ids"].numpy(), batch["sentence_mask"].numpy())] * 2)
     out["full_masks"] = frozenset(k for k, v in batch.items() if k.endswith("_mask") and v.numpy().all())
     return out
 
 
 def to_device(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) or isinstance(v, Packed) else v
+            for k, v in batch.items()}
 
 
 def all_finite(finite: torch.Tensor, env) -> bool:

@@ -146,7 +146,7 @@ class Trainer:
         self._set_view_mean_mix()
         result = optimizer_step(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
                                 grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
-                                precision=self.cfg.train.precision)
+                                precision=self.cfg.train.precision, unpadded=self.cfg.train.unpadded)
         st.step += 1
         st.consumed_samples += st.global_batch
         st.tokens_seen += result.tokens

@@ -2,7 +2,8 @@
 step that does not log runs forward, loss, backward, metrics and the optimizer step (``Engine.step``: the norm, the
 finite check, the clip and the fused AdamW update, all on the device) without the host waiting for the device.
 ``Engine.step`` is counted apart so that a failure says whose sync it is. Where DeepSpeed keeps its own checks
-(fp16, bf16 at ZeRO-0, ZeRO-3: ``engine.checks_on_device``) its syncs are reported by tools/bench_step.py."""
+(fp16, bf16 at ZeRO-0, ZeRO-3: ``engine.checks_on_device``) its syncs are reported by tools/bench_step.py. The step
+runs unpadded (train.unpadded, the default: the host packs the sequences) and, once, padded."""
 
 from __future__ import annotations
 
@@ -40,25 +41,35 @@ def _count_steps(trainer, steps: int) -> tuple[OpCounter, OpCounter]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage, precision, grad_accum",
-                         [(0, "fp32", 1), (0, "fp32", 2), (2, "fp32", 1), (2, "bf16", 2), (1, "bf16", 1)])
-def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, tmp_path, tiny_overrides,
-                                                  clean_env, fresh_deepspeed, capsys):
+@pytest.mark.parametrize("zero_stage, precision, grad_accum, unpadded",
+                         [(0, "fp32", 1, True), (0, "fp32", 2, True), (2, "fp32", 1, True), (2, "bf16", 2, True),
+                          (1, "bf16", 1, True), (0, "fp32", 1, False)])
+def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, unpadded, tmp_path,
+                                                  tiny_overrides, clean_env, fresh_deepspeed, capsys):
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
-                                               train__grad_accum=grad_accum, train__precision=precision))
+                                               train__grad_accum=grad_accum, train__precision=precision,
+                                               train__unpadded=unpadded))
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     trainer = None
     try:
         trainer = Trainer(cfg, env)
+        forward, packed = trainer.engine.forward, []
+
+        def forward_seen(batch):  # which path the trainer's step took
+            packed.append("packed_mlm" in batch and "packed_views" in batch)
+            return forward(batch)
+
+        trainer.engine.forward = forward_seen
         outer, inner = _count_steps(trainer, steps=2)
         with capsys.disabled():
-            print(f"\nZeRO-{zero_stage} {precision} grad_accum {grad_accum}, per step: trainer {outer.num_aten / 2:.0f} aten ops, "
-                  f"{outer.num_sync / 2:g} syncs {dict(outer.syncs)}; Engine.step {inner.num_aten / 2:.0f} ops, "
-                  f"{inner.num_sync / 2:g} syncs {dict(inner.syncs)}")
+            print(f"\nZeRO-{zero_stage} {precision} grad_accum {grad_accum} unpadded {unpadded}, per step: trainer "
+                  f"{outer.num_aten / 2:.0f} aten ops, {outer.num_sync / 2:g} syncs {dict(outer.syncs)}; Engine.step "
+                  f"{inner.num_aten / 2:.0f} ops, {inner.num_sync / 2:g} syncs {dict(inner.syncs)}")
         assert outer.num_aten > 100  # the counter saw the step
         assert outer.num_sync == 0, dict(outer.where)
         assert inner.num_aten > 10 and inner.num_sync == 0, dict(inner.where)
+        assert set(packed) == {unpadded}
         # The metrics the step accumulated are still there, fetched in one go at the log step.
         scalars = trainer.window.sums.reduce(env)
         assert torch.isfinite(torch.tensor(scalars["loss"])) and "mlm" in scalars

@@ -1,0 +1,183 @@
+"""Unpadded sequences: a padded batch's real tokens as one stream, with what attention and pooling need to keep
+each sequence to itself. Built on the host from the masks (numpy), so no shape the step uses is data-dependent on
+the device.
+
+Shapes: B sequences, T padded width, N real tokens (sum of lengths), D hidden, H heads, K head size,
+G attention groups, n rows and t length of a group, P = sum over groups of n * t attention slots.
+
+Embeddings, every Linear, LayerNorm, FFN and the MLM head run on the (N, D) stream: no padding there. Attention
+runs per *group*: the sequences sorted by length and cut into at most ``MAX_GROUPS`` runs, each run gathered into
+an (n, H, t, K) block and sent through SDPA (masked only where its rows differ in length). Why this and not one
+varlen kernel, in torch 2.13:
+- SDPA over nested jagged tensors reaches flash/mem-efficient varlen on CUDA, but on the CPU it takes the math
+  path, which splits the batch with ``list(lengths)`` (a ``.item()`` per sequence: the host syncs the step must
+  not force) and runs one tiny attention per sequence.
+- FlexAttention with a document block mask computes dense (N x N) scores in eager mode (16k tokens: 3e9 scores a
+  layer) unless compiled, and has no attention dropout, which CLEAR's recipe uses.
+- Groups are plain SDPA on CPU and CUDA alike: dropout, the padded path's kernels (flash for a group of equal
+  lengths, mem-efficient for a masked one) and a few calls per layer. ``plan_groups`` picks the cut that computes
+  the fewest attention scores, using more groups only while padding is above ``MAX_WASTE`` of them.
+On a GPU a varlen kernel (flash attention over cu_seqlens) would do the same in one call per layer; it waits for a
+GPU to be tested on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+MAX_GROUPS = 16
+"""At most this many attention calls per layer (each is three gathers and an SDPA). Real MLM rows spread over
+most lengths (books, max_len 128: 6.5% of rows full, median 113 tokens), so padding falls slowly with the groups:
+27% of the scores with one, 9% with 4, 4.3% with 8, 1.7% with 16 (tools/padding_share.py's data)."""
+MAX_WASTE = 0.01
+"""Padding share of the attention scores at which ``plan_groups`` stops adding groups (the goal is <= 2%)."""
+
+
+@dataclass
+class AttentionGroup:
+    """n sequences attended to as one (n, H, t, K) block."""
+
+    index_P: torch.Tensor
+    """(n * t,) stream position of each slot, row-major; a padding slot repeats its row's last token (masked)."""
+    keep_n11t: torch.Tensor | None
+    """True on real key slots; None when all n rows have length t."""
+    num_rows: int
+    length: int
+
+
+@dataclass
+class Packed:
+    """The real tokens of B right-padded sequences, row after row, and where each came from."""
+
+    ids_N: torch.Tensor
+    position_ids_N: torch.Tensor
+    """Position within its own sequence: restarts at 0 for each (the padded path's column index)."""
+    row_N: torch.Tensor
+    """Which sequence each token belongs to (mean pooling)."""
+    first_B: torch.Tensor
+    """Stream position of each sequence's first token ([CLS] pooling)."""
+    lengths_B: torch.Tensor
+    index_N: torch.Tensor
+    """Flat index of each token in the padded (B, T) layout (``unpack``; the host gathers labels with it)."""
+    back_N: torch.Tensor
+    """Each token's slot in the groups' slots laid end to end (attention output back to the stream)."""
+    groups: tuple[AttentionGroup, ...]
+    num_rows: int
+    width: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids_N.shape[0]
+
+    def to(self, device, non_blocking: bool = False) -> Packed:
+        def move(v):
+            return v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
+
+        groups = tuple(AttentionGroup(move(g.index_P), move(g.keep_n11t), g.num_rows, g.length) for g in self.groups)
+        return Packed(**{f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "groups"},
+                      groups=groups)
+
+    def first(self, h_ND: torch.Tensor) -> torch.Tensor:
+        """h_BD: each sequence's first token."""
+        return h_ND.index_select(0, self.first_B)
+
+    def mean(self, h_ND: torch.Tensor) -> torch.Tensor:
+        """h_BD: the mean over each sequence's tokens."""
+        sum_BD = h_ND.new_zeros((self.num_rows, h_ND.shape[1])).index_add(0, self.row_N, h_ND)
+        return sum_BD / self.lengths_B.to(h_ND.dtype)[:, None]
+
+    def unpack(self, h_ND: torch.Tensor) -> torch.Tensor:
+        """h_BTD in the padded layout, zeros on padding (for consumers that need rows, e.g. SARCSE's autoencoder)."""
+        out = h_ND.new_zeros((self.num_rows * self.width, h_ND.shape[1])).index_copy(0, self.index_N, h_ND)
+        return out.view(self.num_rows, self.width, h_ND.shape[1])
+
+
+def pack(parts: list[tuple[np.ndarray, np.ndarray]]) -> Packed:
+    """The rows of the padded (ids_BT, mask_BT) pairs in ``parts``, stacked (rows of the first pair, then of the
+    next, as ``torch.cat`` of the padded pairs right-padded to the widest), as one stream (host tensors)."""
+    width = max(ids.shape[1] for ids, _ in parts)
+    lengths, ids, index, base = [], [], [], 0
+    for ids_BT, mask_BT in parts:
+        mask_BT = np.asarray(mask_BT, dtype=bool)
+        lengths_B = mask_BT.sum(1)
+        if not np.array_equal(mask_BT, np.arange(mask_BT.shape[1]) < lengths_B[:, None]):
+            raise ValueError("unpadded sequences need right-padded masks (real tokens first in every row)")
+        rows, cols = np.nonzero(mask_BT)
+        index.append((rows + base) * width + cols)
+        ids.append(np.asarray(ids_BT)[rows, cols])
+        lengths.append(lengths_B)
+        base += mask_BT.shape[0]
+    lengths_B = np.concatenate(lengths).astype(np.int64)
+    if lengths_B.size and lengths_B.min() < 1:
+        raise ValueError("unpadded sequences need at least one token per row; got an empty row")
+    offsets_B = np.concatenate([[0], np.cumsum(lengths_B)[:-1]]).astype(np.int64)
+    row_N = np.repeat(np.arange(len(lengths_B)), lengths_B)
+    groups, back_N = _attention_groups(lengths_B, offsets_B)
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+    return Packed(ids_N=t(np.concatenate(ids)), position_ids_N=t(np.arange(row_N.size) - offsets_B[row_N]),
+                  row_N=t(row_N), first_B=t(offsets_B), lengths_B=t(lengths_B), index_N=t(np.concatenate(index)),
+                  back_N=t(back_N), groups=groups, num_rows=len(lengths_B), width=width)
+
+
+def _attention_groups(lengths_B: np.ndarray, offsets_B: np.ndarray) -> tuple[tuple[AttentionGroup, ...], np.ndarray]:
+    """The groups of ``plan_groups`` as gather indices and key masks, and back_N (see ``Packed``)."""
+    back_N = np.empty(int(lengths_B.sum()), dtype=np.int64)
+    groups, base = [], 0
+    for rows in plan_groups(lengths_B):
+        lens_n, t = lengths_B[rows], int(lengths_B[rows].max())
+        col_t = np.arange(t)
+        keep_nt = col_t < lens_n[:, None]
+        slot_nt = offsets_B[rows][:, None] + np.minimum(col_t, lens_n[:, None] - 1)
+        back_N[slot_nt[keep_nt]] = base + np.flatnonzero(keep_nt)
+        keep = None if keep_nt.all() else torch.from_numpy(keep_nt[:, None, None, :].copy())
+        groups.append(AttentionGroup(torch.from_numpy(slot_nt.reshape(-1)), keep, len(rows), t))
+        base += len(rows) * t
+    return tuple(groups), back_N
+
+
+def plan_groups(lengths_B: np.ndarray, max_groups: int = MAX_GROUPS, max_waste: float = MAX_WASTE) -> list[np.ndarray]:
+    """Rows of each attention group, longest first: the sequences sorted by length, cut into runs so that the
+    scores computed, sum over groups of n * t^2, are fewest for the number of groups; the fewest groups whose
+    padding share is <= ``max_waste``, else ``max_groups``. Exact dynamic programme over the U distinct lengths
+    (O(max_groups * U^2), U <= T)."""
+    order = np.argsort(-lengths_B, kind="stable")
+    sorted_B = lengths_B[order]
+    neg_u, start_U = np.unique(-sorted_B, return_index=True)  # distinct lengths, longest first
+    size_U = -neg_u.astype(np.float64)
+    end_U = np.append(start_U[1:], len(sorted_B))
+    # cost_UU[k, m]: one group from distinct length k to m (k <= m): its rows times its longest length squared.
+    cost_UU = (end_U[None, :] - start_U[:, None]) * size_U[:, None] ** 2
+    cost_UU[np.tril_indices(len(size_U), -1)] = np.inf
+    budget = float((sorted_B.astype(np.float64) ** 2).sum()) / (1.0 - max_waste)
+    best_U, starts = cost_UU[0].copy(), [np.zeros(len(size_U), dtype=np.int64)]
+    while best_U[-1] > budget and len(starts) < max_groups:
+        # The last group starts at distinct length k: k = 0 is one group for all, k >= 1 follows the best of
+        # one group fewer over lengths 0..k-1.
+        cand_UU = np.vstack([cost_UU[:1], best_U[:-1, None] + cost_UU[1:]])
+        starts.append(cand_UU.argmin(0))
+        best_U = cand_UU.min(0)
+    groups, m = [], len(size_U) - 1
+    for level in range(len(starts) - 1, -1, -1):
+        k = int(starts[level][m])
+        groups.append(order[start_U[k]:end_U[m]])
+        if k == 0:
+            break
+        m = k - 1
+    return groups[::-1]
+
+
+def compute_counts(packed: Packed) -> dict[str, int]:
+    """What each path computes for this batch, per layer (scores also per head): ``real_tokens`` (N, also what the
+    unpadded path's linear layers see), ``padded_tokens`` (B * T: every row at the padded width, the padded path),
+    ``real_scores`` (sum of L^2: each token against its own sequence), ``padded_scores`` (B * T^2) and
+    ``unpadded_scores`` (sum over attention groups of n * t^2). tools/padding_share.py sums them over real batches."""
+    lengths_B = packed.lengths_B.cpu().numpy().astype(np.int64)
+    return {"real_tokens": int(lengths_B.sum()), "padded_tokens": packed.num_rows * packed.width,
+            "real_scores": int((lengths_B**2).sum()), "padded_scores": packed.num_rows * packed.width**2,
+            "unpadded_scores": sum(g.num_rows * g.length**2 for g in packed.groups)}

@@ -1,0 +1,185 @@
+"""train.unpadded: the packed path (model/packing.py) against the padded reference.
+
+Tolerance: both paths run the same fp32 arithmetic per token; only the order of summation differs (attention over
+(n, t) blocks instead of (B, T) with masked keys whose probabilities are exactly 0, the mean pool by index_add
+instead of a masked bmm, matmul blocking over N rows instead of B*T). Each such sum is within a few ulps
+(1.2e-7 relative) times its length (<= 64 terms here) of the other; through two layers and the losses that stays
+below 1e-5 of a tensor's largest entry (measured: <= 3e-6), far below what a leak across sequences, a wrong
+position or a lost token gives (test_the_comparison_sees_a_leak). Gradients are compared at the scale of their
+largest entry, plus 1e-9 absolute: the key bias's gradient is 0 in exact arithmetic (softmax ignores a constant
+added to every score of a row), so both paths hold rounding noise of ~1e-11 there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
+from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
+from pretrain.distributed.env import single_process_env
+from pretrain.model import build_model
+from pretrain.model.packing import MAX_GROUPS, compute_counts, pack, plan_groups
+from pretrain.objective import Context, Objective, TrainModule
+from pretrain.training.step import host_facts
+
+RTOL, ATOL = 1e-5, 1e-6
+"""For hidden states and losses (entries of order 1)."""
+LENGTHS = [64, 2, 37, 64, 5, 64, 63, 17]
+"""Very different lengths in one batch: full rows, a 2-token row, rows one short of full."""
+
+
+def _model_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=64,
+                dropout=0.0, attention_dropout=0.0)
+    return ModelConfig(**{**base, **kw})
+
+
+def _rows(lengths, width, gen, vocab=50, pad_id=0):
+    ids = torch.randint(5, vocab, (len(lengths), width), generator=gen)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    return ids.masked_fill(~mask, pad_id), mask
+
+
+def _batch(seed=0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    ids, mask = _rows(LENGTHS, 64, gen)
+    labels = torch.where(mask & (torch.rand(mask.shape, generator=gen) < 0.3), ids, -100)
+    labels[:, 1] = ids[:, 1]  # every row has a label, the 2-token row too
+    view_a, mask_a = _rows([32, 3, 20, 32, 9, 31, 2, 32], 32, gen)
+    view_b, mask_b = _rows([30, 4, 32, 11, 9, 2, 25, 32], 32, gen)
+    return dict(input_ids=ids, attention_mask=mask, mlm_labels=labels, view_a_ids=view_a, view_a_mask=mask_a,
+                view_b_ids=view_b, view_b_mask=mask_b)
+
+
+def _loss_and_grads(module, batch, unpadded: bool):
+    module.zero_grad(set_to_none=True)
+    loss, metrics = module(host_facts(batch, unpadded=unpadded))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), {k: v[0] for k, v in metrics.items()}, grads
+
+
+def _train_module(pooling="cls", mean_mix=0.0, stage="pretrain", **model_kw):
+    torch.manual_seed(0)
+    model = build_model(_model_cfg(pooling=pooling, **model_kw), seed=0)
+    ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling=pooling, view_mean_mix=mean_mix, stage=stage)
+    if stage == "sentences":
+        cfg = ObjectiveConfig(mlm=None, nt_xent=None, info_nce=InfoNCEConfig(gather=False))
+    else:
+        cfg = ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False))
+    return TrainModule(model, Objective(cfg, ctx))
+
+
+def _assert_same(module, batch, terms):
+    loss_p, metrics_p, grads_p = _loss_and_grads(module, batch, unpadded=False)
+    loss_u, metrics_u, grads_u = _loss_and_grads(module, batch, unpadded=True)
+    for term in terms:
+        torch.testing.assert_close(metrics_u[term], metrics_p[term], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss_u, loss_p, rtol=RTOL, atol=ATOL)
+    assert grads_u.keys() == grads_p.keys() and len(grads_p) > 20
+    for name, g in grads_p.items():
+        scale = float(g.abs().max())
+        torch.testing.assert_close(grads_u[name], g, rtol=0, atol=RTOL * scale + 1e-9,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("pooling, mean_mix, norm", [("cls", 0.0, "post"), ("cls", 0.5, "pre"),
+                                                      ("mean", 0.0, "post")])
+def test_losses_and_gradients_equal_the_padded_path(pooling, mean_mix, norm):
+    """MLM rows and CLEAR's two views (one pass), [CLS] and mean pooling, post- and pre-LN."""
+    _assert_same(_train_module(pooling, mean_mix, norm=norm), _batch(), ("mlm", "nt_xent"))
+
+
+def test_the_sentence_stage_pair_equals_the_padded_path():
+    """The sentence stage's pair (each sentence twice in one pass), SimCSE's InfoNCE, mean pooling."""
+    gen = torch.Generator().manual_seed(1)
+    ids, mask = _rows([12, 3, 30, 30, 7, 2], 30, gen)
+    _assert_same(_train_module("mean", stage="sentences"), dict(sentence_ids=ids, sentence_mask=mask), ("info_nce",))
+
+
+def test_hidden_states_equal_the_padded_path_at_every_real_token():
+    model = build_model(_model_cfg(), seed=0).eval()
+    batch = _batch()
+    packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
+    layers_p = model.encode(batch["input_ids"], batch["attention_mask"], all_layers=True)
+    layers_u = model.encode(None, None, packed=packed, all_layers=True)
+    for h_BTD, h_ND in zip(layers_p, layers_u, strict=True):
+        torch.testing.assert_close(h_ND, h_BTD[batch["attention_mask"]], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(model.pool(layers_u[-1], None, "first_last_avg", all_layers=layers_u, packed=packed),
+                               model.pool(layers_p[-1], batch["attention_mask"], "first_last_avg",
+                                          all_layers=layers_p), rtol=RTOL, atol=ATOL)
+    h_BTD = packed.unpack(layers_u[-1])
+    torch.testing.assert_close(h_BTD[batch["attention_mask"]], layers_u[-1])
+    assert (h_BTD[~batch["attention_mask"]] == 0).all()
+
+
+def test_the_comparison_sees_a_leak():
+    """Attention not confined to each sequence (all rows in one group, no mask) is caught by the same check."""
+    model = build_model(_model_cfg(), seed=0).eval()
+    batch = _batch()
+    packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
+    reference = model.encode(batch["input_ids"], batch["attention_mask"])[batch["attention_mask"]]
+    leaky = dataclasses.replace(packed.groups[0], keep_n11t=None)
+    packed.groups = (leaky, *packed.groups[1:])
+    assert packed.groups[0].num_rows > 1 or len(packed.groups) > 1
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(model.encode(None, None, packed=packed), reference, rtol=RTOL, atol=ATOL)
+
+
+def test_attention_dropout_acts_in_the_packed_path():
+    model = build_model(_model_cfg(attention_dropout=0.5), seed=0)
+    batch = _batch()
+    packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
+    h_eval = model.eval().encode(None, None, packed=packed)
+    h_train = model.train().encode(None, None, packed=packed)
+    assert torch.isfinite(h_train).all() and not torch.allclose(h_train, h_eval)
+
+
+def test_positions_restart_and_the_host_packs_labels():
+    batch = _batch()
+    out = host_facts(batch, unpadded=True)
+    packed = out["packed_mlm"]
+    assert packed.num_tokens == sum(LENGTHS) and packed.first_B.tolist() == np.cumsum([0] + LENGTHS[:-1]).tolist()
+    assert packed.position_ids_N[:LENGTHS[0] + 2].tolist() == list(range(64)) + [0, 1]
+    labels_N = out["mlm_labels_packed"]
+    assert labels_N.tolist() == batch["mlm_labels"][batch["attention_mask"]].tolist()
+    assert (labels_N[out["mlm_positions"]] != -100).all() and int((labels_N != -100).sum()) == len(out["mlm_positions"])
+    views = out["packed_views"]
+    assert views.num_rows == 16 and views.num_tokens == int(batch["view_a_mask"].sum() + batch["view_b_mask"].sum())
+
+
+def test_pack_refuses_left_padding():
+    mask = np.array([[0, 1, 1], [1, 1, 1]], dtype=bool)
+    with pytest.raises(ValueError, match="right-padded"):
+        pack([(np.zeros((2, 3), dtype=np.int64), mask)])
+
+
+def test_plan_groups_is_the_cheapest_cut_and_keeps_padding_low():
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # exhaustive check on small batches
+        lengths = rng.integers(1, 12, rng.integers(1, 7))
+        for max_groups in (1, 2, 3):
+            groups = plan_groups(lengths, max_groups=max_groups, max_waste=0.0)
+            assert sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
+            cost = sum(len(g) * lengths[g].max() ** 2 for g in groups)
+            ordered = np.sort(lengths)[::-1]
+            best = min(sum(len(p) * p.max() ** 2 for p in np.split(ordered, list(cuts)))
+                       for k in range(min(max_groups, len(lengths)))
+                       for cuts in _combinations(range(1, len(lengths)), k))
+            assert cost == best
+    lengths = np.where(rng.random(128) < 0.7, 128, rng.integers(2, 129, 128))  # 128 rows, ~30% short
+    mask = np.arange(128) < lengths[:, None]
+    packed = pack([(np.zeros(mask.shape, dtype=np.int64), mask)])
+    counts = compute_counts(packed)
+    assert len(packed.groups) <= MAX_GROUPS and counts["real_tokens"] == lengths.sum()
+    assert 1 - counts["real_scores"] / counts["padded_scores"] > 0.15  # the padded path: > 15% of scores padding
+    assert 1 - counts["real_scores"] / counts["unpadded_scores"] <= 0.02
+
+def _combinations(items, k):
+    import itertools
+
+    return itertools.combinations(items, k)

