@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             chunks = iter(R.split_chunks(mine, list(sizes)))
             step = optimizer_step if mode.endswith(("full", "accum")) else cached_optimizer_step
             sums = MetricSums()
-            result = step(engine, lambda: next(chunks), sums, env=env, grad_accum=len(sizes), seed=R.SEED,
+            result = step(engine, chunks.__next__, sums, env=env, grad_accum=len(sizes), seed=R.SEED,
                           step=R.STEP, precision="fp32")
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
                 weights = {n: p.detach().double().clone() for n, p in module.named_parameters()}
