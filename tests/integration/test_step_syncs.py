@@ -39,11 +39,13 @@ def _count_steps(trainer, steps: int) -> tuple[OpCounter, OpCounter]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage, grad_accum", [(0, 1), (0, 2), (2, 1), (2, 2)])
-def test_a_step_that_does_not_log_forces_no_sync(zero_stage, grad_accum, tmp_path, tiny_overrides, clean_env,
+@pytest.mark.parametrize("zero_stage, grad_accum, cached", [(0, 1, False), (0, 2, False), (2, 1, False),
+                                                            (2, 2, False), (0, 2, True), (2, 2, True)])
+def test_a_step_that_does_not_log_forces_no_sync(zero_stage, grad_accum, cached, tmp_path, tiny_overrides, clean_env,
                                                   fresh_deepspeed, capsys):
+    """``cached``: objective.gradient_cache (training/cached_step.py) on the same steps."""
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
-                                               train__grad_accum=grad_accum))
+                                               train__grad_accum=grad_accum, objective__gradient_cache=cached))
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     trainer = None
@@ -51,7 +53,8 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, grad_accum, tmp_pat
         trainer = Trainer(cfg, env)
         outer, inner = _count_steps(trainer, steps=2)
         with capsys.disabled():
-            print(f"\nZeRO-{zero_stage} grad_accum {grad_accum}, per step: trainer {outer.num_aten / 2:.0f} aten ops, "
+            print(f"\nZeRO-{zero_stage} grad_accum {grad_accum}{' cached' if cached else ''}, per step: "
+                  f"trainer {outer.num_aten / 2:.0f} aten ops, "
                   f"{outer.num_sync / 2:g} syncs {dict(outer.syncs)}; Engine.step {inner.num_aten / 2:.0f} ops, "
                   f"{inner.num_sync / 2:g} syncs {dict(inner.syncs)}")
         assert outer.num_aten > 100  # the counter saw the step
