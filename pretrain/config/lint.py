@@ -70,6 +70,16 @@ def inert_settings(cfg) -> list[str]:
     if nt is not None and nt.mean_pool_warmup_steps and cfg.model.pooling == "mean":
         out.append(f"objective.nt_xent.mean_pool_warmup_steps={nt.mean_pool_warmup_steps} does nothing: "
                    f"model.pooling is already mean (the warm-up blends mean pooling into [CLS]-style pooling)")
+    if cfg.objective.gradient_cache:
+        # The terms that compare sentences (objective/grad_cache.py: CONTRASTIVE; config/ imports no objective).
+        compared = {"nt_xent", "info_nce", "arccon", "consistency", "rank_distill"} & set(cfg.objective.enabled())
+        if not compared:
+            out.append("objective.gradient_cache=true does nothing: no enabled term compares sentences with each other "
+                       "(nt_xent, info_nce, arccon, consistency, rank_distill)")
+        elif t.grad_accum == 1:
+            out.append("objective.gradient_cache=true changes nothing with train.grad_accum=1 (each rank's micro-batch "
+                       "already is its whole share of the step) and costs an extra forward pass; raise "
+                       "train.grad_accum (lowering train.micro_batch_size) to hold less in memory")
     if not cfg.eval.stsb_every:
         ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
         if ev:

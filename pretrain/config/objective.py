@@ -196,16 +196,24 @@ class ObjectiveConfig:
     """RankCSE ranking distillation."""
     reconstruction: ReconstructionConfig | None = None
     """SARCSE autoencoder reconstruction (its Z is the sentence embedding fed to info_nce)."""
+    gradient_cache: bool = False
+    """The contrastive batch is the whole optimizer step: train.micro_batch_size x train.grad_accum x ranks
+    sentences see each other as negatives, and train.micro_batch_size is only the chunk held in memory
+    (GradCache, Gao et al. 2021: every chunk embedded without a graph, the contrastive terms' gradient taken with
+    respect to the embeddings, then each chunk re-run with a graph, its dropout replayed, and the cached
+    gradient back-propagated; objective/grad_cache.py). Costs one extra forward of the pair per step. Off: each
+    micro-step's contrastive terms see only its own micro-batch (x ranks)."""
 
     def enabled(self) -> list[str]:
         """Names of the configured (non-null) loss terms, in declaration order."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+        return [f.name for f in dataclasses.fields(self)
+                if f.name not in SETTINGS and getattr(self, f.name) is not None]
 
     def __post_init__(self) -> None:
         if not self.enabled():
             raise ValueError(
                 "objective: no loss term is enabled; set at least one of "
-                + ", ".join(f"objective.{f.name}" for f in dataclasses.fields(self))
+                + ", ".join(f"objective.{f.name}" for f in dataclasses.fields(self) if f.name not in SETTINGS)
             )
         if self.rank_distill is not None and not self.rank_distill.teachers:
             raise ValueError("objective.rank_distill.teachers is empty; list one or more teacher checkpoints")
@@ -214,6 +222,10 @@ class ObjectiveConfig:
                 raise ValueError(
                     f"objective.{name} works on the two dropout views; enable objective.info_nce or objective.arccon too"
                 )
+
+
+SETTINGS = frozenset({"gradient_cache"})
+"""Fields of ObjectiveConfig that are settings of the whole objective, not loss terms."""
 
 
 def _check_positive(path: str, value: float) -> None:

@@ -29,6 +29,12 @@ from pretrain.config.objective import ObjectiveConfig
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.model.autoencoder import TextCNNAutoencoder
 from pretrain.objective.forward import Context, Forward
+from pretrain.objective.grad_cache import (
+    ChunkGrads,
+    check_terms,
+    embed_chunk,
+    replay_chunk,
+)
 from pretrain.objective.terms import OBJECTIVES, SELF_WEIGHTED, Teachers
 
 __all__ = ["OBJECTIVES", "SELF_WEIGHTED", "Context", "Forward", "Objective", "Teachers", "TrainModule"]
@@ -56,6 +62,8 @@ class Objective:
         if cfg.reconstruction is not None and token_freq_V is None:
             raise ValueError("objective.reconstruction needs token frequencies: resolve them with "
                              "pretrain.training.resources.resolve_token_freq and pass token_freq_V=")
+        if cfg.gradient_cache:
+            check_terms(cfg.enabled())
 
     def build_heads(self, model) -> torch.nn.ModuleDict:
         """Trainable modules the terms add on top of the model (SARCSE's autoencoder); empty otherwise."""
@@ -66,25 +74,39 @@ class Objective:
                                                       rc.integrate_channels)
         return heads
 
+    def forward_cache(self, model, batch: dict, heads=None, *, gather: bool | None = None) -> Forward:
+        """The forward cache of one micro-batch (``gather``: this objective's setting unless given)."""
+        return Forward(model, batch, self.ctx, heads=heads, gather=self.gather if gather is None else gather,
+                       teachers=self.teachers, token_freq_V=self.token_freq_V)
+
     def __call__(self, model, batch: dict, heads=None):
-        fwd = Forward(model, batch, self.ctx, heads=heads, gather=self.gather, teachers=self.teachers,
-                      token_freq_V=self.token_freq_V)
+        fwd = self.forward_cache(model, batch, heads)
         sums, counts, metrics = {}, {}, {}
         for name, fn, term_cfg in self.terms:
             loss_sum, count, term_metrics = fn(fwd, term_cfg, self.ctx)
             sums[name], counts[name] = loss_sum, count
             metrics.update(term_metrics)
-        global_counts = _reduce_counts([counts[n] for n, _, _ in self.terms], self.ctx.env)
-        world = self.ctx.env.world_size
-        loss = 0.0
-        for (name, _, term_cfg), total in zip(self.terms, global_counts):
-            weight = 1.0 if name in SELF_WEIGHTED else term_cfg.weight
-            if total > 0:
-                loss = loss + weight * sums[name] * (world / total)
+        loss = self.weighted(self.terms, sums, self.global_counts([counts[n] for n, _, _ in self.terms]))
+        for name, _, _ in self.terms:
             metrics[name] = (sums[name].detach(), counts[name])  # a tensor: no host sync mid-step
         if not torch.is_tensor(loss):
             loss = sum(s for s in sums.values()) * 0.0
         return loss, metrics
+
+    def global_counts(self, counts: list) -> list[float]:
+        """Host counts summed over the data-parallel ranks (one collective)."""
+        return _reduce_counts(counts, self.ctx.env)
+
+    def weighted(self, terms: list, sums: dict, totals: list):
+        """sum_t weight_t * loss_sum_t * world / total_t over ``terms`` (name, fn, cfg) with a non-zero total: the
+        world factor undoes DeepSpeed's average of the gradients over ranks. 0.0 (a float) when none counts."""
+        world = self.ctx.env.world_size
+        loss = 0.0
+        for (name, _, term_cfg), total in zip(terms, totals):
+            weight = 1.0 if name in SELF_WEIGHTED else term_cfg.weight
+            if total > 0:
+                loss = loss + weight * sums[name] * (world / total)
+        return loss
 
 
 def _reduce_counts(counts: list, env) -> list[float]:
@@ -103,5 +125,12 @@ class TrainModule(torch.nn.Module):
         self.heads = objective.build_heads(model) if hasattr(objective, "build_heads") else torch.nn.ModuleDict()
         self.objective = objective
 
-    def forward(self, batch: dict):
+    def forward(self, batch: dict, *, embed_only: bool = False, cached: ChunkGrads | None = None):
+        """The objective on a micro-batch -> (loss, metrics). Under objective.gradient_cache (every pass runs through
+        here, so that DeepSpeed's ZeRO-3 hooks gather the parameters): ``embed_only``, pass 1 of a chunk ->
+        its embeddings; ``cached``, pass 2 -> (loss for backward, per-sample loss, metrics)."""
+        if embed_only:
+            return embed_chunk(self.objective, self.model, batch, self.heads)
+        if cached is not None:
+            return replay_chunk(self.objective, self.model, batch, self.heads, cached)
         return self.objective(self.model, batch, self.heads)

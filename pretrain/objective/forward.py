@@ -43,13 +43,14 @@ class Forward:
     """Lazily computed forward passes of one micro-batch, shared by the loss terms."""
 
     def __init__(self, model, batch: dict, ctx: Context, *, heads=None, gather: bool = False,
-                 teachers=None, token_freq_V: torch.Tensor | None = None):
+                 teachers=None, token_freq_V: torch.Tensor | None = None, cached: dict | None = None):
         self.model, self.batch, self.ctx = model, batch, ctx
         self.heads = heads if heads is not None else {}
         self.teachers, self.token_freq_V = teachers, token_freq_V
         self.gather = gather and ctx.env.is_distributed
         """Gather the pair's keys from all ranks (the info_nce/arccon setting, shared by the RankCSE terms)."""
-        self._cache: dict = {}
+        self._cache: dict = dict(cached or {})
+        """Passes by name; ``cached`` presets some (the gradient cache's whole-step ``views``, ``pair``, ``teacher``)."""
 
     def mlm_hidden(self) -> torch.Tensor:
         """h_BTD of the MLM rows, or h_ND when the host packed them."""
@@ -153,6 +154,12 @@ class Forward:
             else:
                 self._cache["pair"] = self.view_projections()
         return self._cache["pair"]
+
+    def teacher_embeddings(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """RankCSE: each teacher's (t1_BE, t2_BE) of the pair's sentences (no gradient)."""
+        if "teacher" not in self._cache:
+            self._cache["teacher"] = self.teachers.embeddings(self)
+        return self._cache["teacher"]
 
     def gathered_pair(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(z1_MP, z2_MP, pos_idx_B): all ranks' embeddings (with gradient) and each local row's positive."""

@@ -30,12 +30,18 @@ def _prefixed(prefix: str, metrics: dict) -> dict:
     return {f"{prefix}_{k}": v for k, v in metrics.items()}
 
 
+SPREAD_ROWS = 1024
+"""Sentences spread_metrics looks at (a sample of the batch under objective.gradient_cache)."""
+
+
 @torch.no_grad()
 def spread_metrics(z_a: torch.Tensor, z_b: torch.Tensor) -> dict:
     """How far apart a term's embeddings are (this rank's rows of both views): ``emb_cos``, the mean cosine
     between different sentences (near 1 = collapsed: every input gets the same vector), and ``uniform``, the
     log of the mean exp(-2 |x - y|^2) over pairs of different sentences' unit vectors (Wang & Isola 2020; 0 =
-    collapsed, lower = more spread out). Pairs of a sentence with its own other view are left out."""
+    collapsed, lower = more spread out). Pairs of a sentence with its own other view are left out. Over the first
+    SPREAD_ROWS sentences at most: the cost stays O(SPREAD_ROWS^2) when a term sees a whole cached step."""
+    z_a, z_b = z_a[:SPREAD_ROWS], z_b[:SPREAD_ROWS]
     n = z_a.shape[0]
     if n < 2:
         return {}
@@ -167,13 +173,24 @@ class Teachers:
     @torch.no_grad()
     def similarities(self, fwd: Forward) -> torch.Tensor:
         """S_T = sum_k w_k cos(t_k(x_i), t_k(x_j)'), B x M, over the same sentences and column order as the student."""
+        sims = []
+        for t1, t2 in fwd.teacher_embeddings():
+            if fwd.gather:
+                t2 = all_gather_with_grad(t2.contiguous(), fwd.ctx.env)
+            sims.append(cosine_matrix(t1, t2))
+        return mix_teacher_sims(sims, self.weights)
+
+    @torch.no_grad()
+    def embeddings(self, fwd: Forward) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each teacher's (t1_BE, t2_BE): pooled embeddings of the pair's two sides (one sentence twice in the
+        sentence stage, where both are the same: teachers run without dropout)."""
         b = fwd.batch
         if fwd.ctx.stage == "sentences":
             sides = [(b["sentence_ids"], b["sentence_mask"])]
         else:
             sides = [(b["view_a_ids"], b["view_a_mask"]), (b["view_b_ids"], b["view_b_mask"])]
         vocab = fwd.model.cfg.vocab_size
-        sims = []
+        out = []
         for model in self.models:
             if model.cfg.vocab_size != vocab:
                 raise ValueError(f"a rank_distill teacher has vocabulary size {model.cfg.vocab_size}, the student "
@@ -188,11 +205,8 @@ class Teachers:
                 layers = h if isinstance(h, list) else None
                 h = h[-1] if isinstance(h, list) else h
                 embs.append(model.pool(h, mask, self.cfg.teacher_pooling, all_layers=layers))
-            t1, t2 = embs[0], embs[-1]
-            if fwd.gather:
-                t2 = all_gather_with_grad(t2.contiguous(), fwd.ctx.env)
-            sims.append(cosine_matrix(t1, t2))
-        return mix_teacher_sims(sims, self.weights)
+            out.append((embs[0], embs[-1]))
+        return out
 
 
 def _truncate(ids_BT: torch.Tensor, mask_BT: torch.Tensor, max_len: int):

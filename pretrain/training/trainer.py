@@ -25,6 +25,7 @@ from pretrain.metrics.writer import MetricsWriter, format_progress, print_progre
 from pretrain.objective.forward import mean_pool_mix
 from pretrain.training.banner import banner_lines
 from pretrain.training.build import prepare_run, train_loader_builder
+from pretrain.training.cached_step import cached_optimizer_step
 from pretrain.training.evaluation import StsbKeepBest
 from pretrain.training.optim import build_param_groups, lr_lambda
 from pretrain.training.progress import (
@@ -144,9 +145,10 @@ class Trainer:
         """One optimizer step (``step.optimizer_step``) and its bookkeeping. Returns (StepInfo, whether it was bad)."""
         st = self.state
         self._set_view_mean_mix()
-        result = optimizer_step(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
-                                grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
-                                precision=self.cfg.train.precision, unpadded=self.cfg.train.unpadded)
+        step_fn = cached_optimizer_step if self.cfg.objective.gradient_cache else optimizer_step
+        result = step_fn(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
+                         grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
+                         precision=self.cfg.train.precision, unpadded=self.cfg.train.unpadded)
         st.step += 1
         st.consumed_samples += st.global_batch
         st.tokens_seen += result.tokens

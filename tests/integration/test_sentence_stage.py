@@ -80,7 +80,11 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_simcse_rankcse_sarcse_stage_with_stsb_keep_best(stage_inputs, single_env, tmp_path):
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "gradient_cache"])
+def test_simcse_rankcse_sarcse_stage_with_stsb_keep_best(cached, stage_inputs, single_env, tmp_path):
+    """``cached``: objective.gradient_cache over 2 micro-batches of 4 (teachers embed in pass 1, the autoencoder's Z
+    is cached, its reconstruction runs in pass 2)."""
+    cache = {"objective.gradient_cache": "true", "train.micro_batch_size": 4, "train.grad_accum": 2} if cached else {}
     from pretrain.config.model import ModelConfig
     from pretrain.export.hf import write_init_dir
     from pretrain.model import build_model
@@ -93,7 +97,8 @@ def test_simcse_rankcse_sarcse_stage_with_stsb_keep_best(stage_inputs, single_en
         stage_inputs, run_dir,
         **{"objective.info_nce": "{temperature: 0.05}", "objective.consistency": "{weight: 1.0}",
            "objective.rank_distill": f"{{teachers: [{teacher_dir}], teacher_pooling: mean}}",
-           "objective.reconstruction": "{channels: 8, integrate_channels: 2, weight: 0.01, positive_weight: 0.01}"}),
+           "objective.reconstruction": "{channels: 8, integrate_channels: 2, weight: 0.01, positive_weight: 0.01}",
+           **cache}),
         single_env)
     records = _records(run_dir)
     train = [r for r in records if r["split"] == "train"]

@@ -41,14 +41,16 @@ def _count_steps(trainer, steps: int) -> tuple[OpCounter, OpCounter]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage, precision, grad_accum, unpadded",
-                         [(0, "fp32", 1, True), (0, "fp32", 2, True), (2, "fp32", 1, True), (2, "bf16", 2, True),
-                          (1, "bf16", 1, True), (0, "fp32", 1, False)])
-def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, unpadded, tmp_path,
+@pytest.mark.parametrize("zero_stage, precision, grad_accum, unpadded, cached",
+                         [(0, "fp32", 1, True, False), (0, "fp32", 2, True, False), (2, "fp32", 1, True, False),
+                          (2, "bf16", 2, True, False), (1, "bf16", 1, True, False), (0, "fp32", 1, False, False),
+                          (0, "fp32", 2, True, True), (2, "fp32", 2, True, True)])
+def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, unpadded, cached, tmp_path,
                                                   tiny_overrides, clean_env, fresh_deepspeed, capsys):
+    """``cached``: objective.gradient_cache (training/cached_step.py) on the same steps."""
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
                                                train__grad_accum=grad_accum, train__precision=precision,
-                                               train__unpadded=unpadded))
+                                               train__unpadded=unpadded, objective__gradient_cache=cached))
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     trainer = None
@@ -56,16 +58,17 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_acc
         trainer = Trainer(cfg, env)
         forward, packed = trainer.engine.forward, []
 
-        def forward_seen(batch):  # which path the trainer's step took
+        def forward_seen(batch, **kwargs):  # which path the trainer's step took
             packed.append("packed_mlm" in batch and "packed_views" in batch)
-            return forward(batch)
+            return forward(batch, **kwargs)
 
         trainer.engine.forward = forward_seen
         outer, inner = _count_steps(trainer, steps=2)
         with capsys.disabled():
-            print(f"\nZeRO-{zero_stage} {precision} grad_accum {grad_accum} unpadded {unpadded}, per step: trainer "
-                  f"{outer.num_aten / 2:.0f} aten ops, {outer.num_sync / 2:g} syncs {dict(outer.syncs)}; Engine.step "
-                  f"{inner.num_aten / 2:.0f} ops, {inner.num_sync / 2:g} syncs {dict(inner.syncs)}")
+            print(f"\nZeRO-{zero_stage} {precision} grad_accum {grad_accum} unpadded {unpadded}"
+                  f"{' cached' if cached else ''}, per step: trainer {outer.num_aten / 2:.0f} aten ops, "
+                  f"{outer.num_sync / 2:g} syncs {dict(outer.syncs)}; Engine.step {inner.num_aten / 2:.0f} ops, "
+                  f"{inner.num_sync / 2:g} syncs {dict(inner.syncs)}")
         assert outer.num_aten > 100  # the counter saw the step
         assert outer.num_sync == 0, dict(outer.where)
         assert inner.num_aten > 10 and inner.num_sync == 0, dict(inner.where)

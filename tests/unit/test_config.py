@@ -178,6 +178,12 @@ def test_settings_that_cannot_act_are_named():
                for ln in lines(["data.stage=sentences", "data.sentences=/s.txt", "data.sources=[]",
                                 "data.packing=full", "optim.warmup_steps=100"]))
     assert lines(["data.packing=full", "optim.warmup_steps=100"]) == []
+    assert any("gradient_cache=true changes nothing with train.grad_accum=1" in ln
+               for ln in lines(["objective.gradient_cache=true", "optim.warmup_steps=100"]))
+    assert any("gradient_cache=true does nothing: no enabled term" in ln
+               for ln in lines(["objective.gradient_cache=true", "objective.nt_xent=null", "train.grad_accum=2",
+                                "optim.warmup_steps=100"]))
+    assert lines(["objective.gradient_cache=true", "train.grad_accum=2", "optim.warmup_steps=100"]) == []
     for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")) + [CONFIGS / "wiki_books_mini.yaml",
                                                                   CONFIGS / "sentence_stage_quick.yaml"]:
         assert lines([], recipe) == [], recipe.name
