@@ -15,9 +15,9 @@ def test_mean_pool_warmup_follows_the_schedule_in_training(tmp_path, tiny_overri
     seen: list[float] = []
     real = Forward.embed
 
-    def spy(self, h, mask, mean_mix=0.0):
+    def spy(self, h, mask, mean_mix=0.0, **kwargs):
         seen.append(mean_mix)
-        return real(self, h, mask, mean_mix)
+        return real(self, h, mask, mean_mix, **kwargs)
 
     monkeypatch.setattr(Forward, "embed", spy)
     for k, want in ((4, [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]), (0, [0.0] * 6)):
