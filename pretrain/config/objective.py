@@ -44,10 +44,16 @@ class InfoNCEConfig:
     """SARCSE's alpha; 1 elsewhere."""
     temperature: float = 0.05
     gather: bool = True
-    """Use view-2 negatives from all data-parallel ranks (gathered with gradient)."""
+    """Use view-2 negatives from all data-parallel ranks (gathered with gradient; hard negatives too)."""
+    hard_negative_weight: float = 1.0
+    """Supervised SimCSE (data.pairs with a third column): each row's own hard negative enters the softmax
+    denominator with its exp weighted by alpha (SimCSE, Gao et al. 2021, App. "hard negative weighting": alpha = 1,
+    no reweighting, was best and is the paper's setting; the official code's hard_negative_weight is log alpha).
+    Every other row's hard negative is a plain negative. >= 0 (0 leaves out each row's own)."""
 
     def __post_init__(self) -> None:
         _check_positive("objective.info_nce.temperature", self.temperature)
+        _check_non_negative("objective.info_nce.hard_negative_weight", self.hard_negative_weight)
 
 
 @dataclass(kw_only=True)
@@ -59,9 +65,13 @@ class ArcConConfig:
     margin_deg: float = 10.0
     """Angular margin m in degrees (paper: 10)."""
     gather: bool = True
+    hard_negative_weight: float = 1.0
+    """Each row's own hard negative's weight alpha, as objective.info_nce.hard_negative_weight (data.pairs with
+    a third column); 1 = no reweighting."""
 
     def __post_init__(self) -> None:
         _check_positive("objective.arccon.temperature", self.temperature)
+        _check_non_negative("objective.arccon.hard_negative_weight", self.hard_negative_weight)
         if not 0.0 <= self.margin_deg < 90.0:
             raise ValueError(f"objective.arccon.margin_deg must be in [0, 90), got {self.margin_deg}")
 
@@ -231,3 +241,8 @@ SETTINGS = frozenset({"gradient_cache"})
 def _check_positive(path: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{path} must be > 0, got {value}")
+
+
+def _check_non_negative(path: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{path} must be >= 0, got {value}")

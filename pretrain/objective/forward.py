@@ -2,7 +2,8 @@
 
 ``Forward`` computes the encoder passes lazily, so terms sharing a pass (e.g. the views) run it once.
 How the embedding pair is obtained depends on the data stage (``Context.stage``): the sentence stage
-encodes the same sentence twice (independent dropout), pretraining encodes CLEAR's two augmented views.
+encodes the same sentence twice (independent dropout), or with data.pairs the anchor and its positive (and its hard
+negatives in a pass of their own); pretraining encodes CLEAR's two augmented views.
 Under ``train.unpadded`` the host has packed the MLM rows and the pair (training/step.py: host_facts): the batch
 carries ``packed_mlm`` and ``packed_views``/``packed_sentences`` (model/packing.py: Packed), the passes return
 h_ND and pooling runs on the stream; without them every pass is the padded reference.
@@ -90,19 +91,21 @@ class Forward:
         h_ND when the host packed the pair (``packed`` is then its Packed, else None)."""
         if "pair_h" not in self._cache:
             b = self.batch
-            if self.ctx.stage == "sentences":  # the same sentence twice, independent dropout
+            if self.ctx.stage == "sentences" and "positive_ids" not in b:  # one sentence twice, independent dropout
                 ids = torch.cat([b["sentence_ids"], b["sentence_ids"]])
                 mask = torch.cat([b["sentence_mask"], b["sentence_mask"]])
                 n = b["sentence_ids"].shape[0]
                 padded = self._padded("sentence_mask")
                 packed = b.get("packed_sentences")
-            else:  # pretraining: CLEAR's two augmented views
-                ids, mask = _stack_padded([b["view_a_ids"], b["view_b_ids"]], [b["view_a_mask"], b["view_b_mask"]])
-                n = b["view_a_ids"].shape[0]
-                a, z = self._padded("view_a_mask"), self._padded("view_b_mask")
-                same_len = b["view_a_ids"].shape[1] == b["view_b_ids"].shape[1]
+            else:  # two sentences: CLEAR's two augmented views, or data.pairs' (anchor, positive)
+                first, second = ("sentence", "positive") if self.ctx.stage == "sentences" else ("view_a", "view_b")
+                ids, mask = _stack_padded([b[f"{first}_ids"], b[f"{second}_ids"]],
+                                          [b[f"{first}_mask"], b[f"{second}_mask"]])
+                n = b[f"{first}_ids"].shape[0]
+                a, z = self._padded(f"{first}_mask"), self._padded(f"{second}_mask")
+                same_len = b[f"{first}_ids"].shape[1] == b[f"{second}_ids"].shape[1]
                 padded = None if a is None or z is None else (a or z or not same_len)
-                packed = b.get("packed_views")
+                packed = b.get("packed_sentences" if self.ctx.stage == "sentences" else "packed_views")
             if packed is not None:
                 h = self.model.encode(None, None, packed=packed)
             else:
@@ -154,6 +157,32 @@ class Forward:
             else:
                 self._cache["pair"] = self.view_projections()
         return self._cache["pair"]
+
+    def hard_negatives(self) -> torch.Tensor | None:
+        """z3_BP: data.pairs' hard negatives (batch ``negative_ids``), embedded as the pair is (pool -> projection,
+        or the autoencoder's Z) in a pass of their own, padded; None when the batch has none."""
+        if "negative" not in self._cache:
+            b = self.batch
+            z = None
+            if "negative_ids" in b:
+                ids, mask = b["negative_ids"], b["negative_mask"]
+                h = self.model.encode(ids, mask, **_known(padded=self._padded("negative_mask")))
+                if "autoencoder" in self.heads:
+                    x, content_mask, _ = _content_tokens(h, mask, ids)
+                    z = self.heads["autoencoder"](x, content_mask)[0]
+                else:
+                    z = self.embed(h, mask)
+            self._cache["negative"] = z
+        return self._cache["negative"]
+
+    def gathered_negatives(self) -> torch.Tensor | None:
+        """neg_MP: every rank's hard negatives (with gradient, in the keys' row order when gathering), or None."""
+        if "gathered_negative" not in self._cache:
+            z3 = self.hard_negatives()
+            if z3 is not None and self.gather:
+                z3 = all_gather_with_grad(z3, self.ctx.env)
+            self._cache["gathered_negative"] = z3
+        return self._cache["gathered_negative"]
 
     def teacher_embeddings(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """RankCSE: each teacher's (t1_BE, t2_BE) of the pair's sentences (no gradient)."""
