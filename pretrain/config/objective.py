@@ -189,6 +189,31 @@ class ReconstructionConfig:
 
 
 @dataclass(kw_only=True)
+class MatryoshkaConfig:
+    """Matryoshka representation learning (Kusupati et al. 2022): every contrastive term (nt_xent, info_nce,
+    arccon, consistency, rank_distill) applied at several truncated sizes of the sentence embedding, weighted."""
+
+    dims: list[int] = field(default_factory=list)
+    """Embedding sizes d: the term sees the projection of the sentence embedding's first d coordinates (the rest
+    zeroed), so the first d coordinates alone make an embedding (sentence-transformers' truncate_dim=d). List the
+    full size too to keep the untruncated term (e.g. [768, 512, 256, 128, 64]); each d <= the embedding size."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per size (loss = sum_d w_d * term at d); empty = 1 each (sentence-transformers' default)."""
+
+    def __post_init__(self) -> None:
+        if not self.dims or any(int(d) < 1 for d in self.dims) or len(set(self.dims)) != len(self.dims):
+            raise ValueError(f"objective.matryoshka.dims must be distinct sizes >= 1, got {self.dims}")
+        if self.weights and (len(self.weights) != len(self.dims) or any(not w > 0 for w in self.weights)):
+            raise ValueError(f"objective.matryoshka.weights must be one weight > 0 per size of dims {self.dims}, "
+                             f"got {self.weights}")
+
+    def sizes(self) -> list[tuple[int, float]]:
+        """(d, w_d) per size, largest first."""
+        weights = self.weights or [1.0] * len(self.dims)
+        return sorted(zip(map(int, self.dims), map(float, weights)), key=lambda x: -x[0])
+
+
+@dataclass(kw_only=True)
 class ObjectiveConfig:
     mlm: MLMConfig | None = field(default_factory=MLMConfig)
     """Masked language modelling; null disables it."""
@@ -213,6 +238,8 @@ class ObjectiveConfig:
     respect to the embeddings, then each chunk re-run with a graph, its dropout replayed, and the cached
     gradient back-propagated; objective/grad_cache.py). Costs one extra forward of the pair per step. Off: each
     micro-step's contrastive terms see only its own micro-batch (x ranks)."""
+    matryoshka: MatryoshkaConfig | None = None
+    """Apply every contrastive term at several truncated embedding sizes (objective/matryoshka.py); null = off."""
 
     def enabled(self) -> list[str]:
         """Names of the configured (non-null) loss terms, in declaration order."""
@@ -227,6 +254,9 @@ class ObjectiveConfig:
             )
         if self.rank_distill is not None and not self.rank_distill.teachers:
             raise ValueError("objective.rank_distill.teachers is empty; list one or more teacher checkpoints")
+        if self.matryoshka is not None and self.reconstruction is not None:
+            raise ValueError("objective.matryoshka truncates the pooled sentence embedding; with "
+                             "objective.reconstruction the terms compare the autoencoder's Z instead: use one of them")
         for name in ("consistency", "rank_distill", "reconstruction"):
             if getattr(self, name) is not None and self.info_nce is None and self.arccon is None:
                 raise ValueError(
@@ -234,7 +264,7 @@ class ObjectiveConfig:
                 )
 
 
-SETTINGS = frozenset({"gradient_cache"})
+SETTINGS = frozenset({"gradient_cache", "matryoshka"})
 """Fields of ObjectiveConfig that are settings of the whole objective, not loss terms."""
 
 

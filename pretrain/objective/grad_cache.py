@@ -34,6 +34,7 @@ import torch
 
 from pretrain.config.data import IGNORE_INDEX
 from pretrain.objective.forward import Forward
+from pretrain.objective.matryoshka import run_term
 
 CONTRASTIVE = frozenset({"nt_xent", "info_nce", "arccon", "consistency", "rank_distill"})
 """Terms that compare sentences with each other: under objective.gradient_cache they see the whole step."""
@@ -146,7 +147,8 @@ def contrast(objective, embedded: list[dict]) -> StepCache:
     sums, counts, metrics = {}, {}, {}
     with torch.enable_grad():
         for name, fn, term_cfg in terms:
-            sums[name], counts[name], term_metrics = fn(fwd, term_cfg, objective.ctx)
+            sums[name], counts[name], term_metrics = run_term(name, fn, fwd, term_cfg, objective.ctx,
+                                                              objective.sizes)
             metrics.update(term_metrics)
     step_counts = [sum(c["counts"][n] for c in embedded) for n in sample_terms]
     totals = objective.global_counts([counts[n] for n, _, _ in terms] + step_counts)  # one collective
