@@ -81,6 +81,10 @@ def inert_settings(cfg) -> list[str]:
             out.append("objective.gradient_cache=true changes nothing with train.grad_accum=1 (each rank's micro-batch "
                        "already is its whole share of the step) and costs an extra forward pass; raise "
                        "train.grad_accum (lowering train.micro_batch_size) to hold less in memory")
+    compared = {"nt_xent", "info_nce", "arccon", "consistency", "rank_distill"} & set(cfg.objective.enabled())
+    if cfg.objective.matryoshka is not None and not compared:
+        out.append("objective.matryoshka does nothing: no enabled term compares sentences with each other "
+                   "(nt_xent, info_nce, arccon, consistency, rank_distill)")
     if not cfg.eval.stsb_every:
         ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
         if ev:

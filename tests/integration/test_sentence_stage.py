@@ -154,3 +154,17 @@ def test_supervised_simcse_on_pairs_with_hard_negatives(cached, stage_inputs, si
     # 16 columns (8 positives + 8 hard negatives) per row: a loss near ln 16 at the start, lower after 4 steps.
     assert train[-1]["info_nce"] < train[0]["info_nce"]
     assert (run_dir / "best" / "best.json").is_file()
+
+
+def test_matryoshka_on_pairs_with_gradient_cache(stage_inputs, single_env, tmp_path):
+    """objective.matryoshka through the trainer under objective.gradient_cache: each size's term is logged."""
+    run_dir = tmp_path / "run"
+    _train(_overrides(stage_inputs, run_dir, **{
+        "data.sentences": "", "data.pairs": stage_inputs["pairs"], "train.max_steps": 2, "eval.stsb_every": 2,
+        "objective.info_nce": "{temperature: 0.05}", "objective.matryoshka": "{dims: [32, 8], weights: [1.0, 0.5]}",
+        "objective.gradient_cache": "true", "train.micro_batch_size": 4, "train.grad_accum": 2}), single_env)
+    train = [r for r in _records(run_dir) if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert 0 < r["info_nce_dim8"] < 1e4 and 0 < r["info_nce_dim32"] < 1e4
+        assert r["info_nce"] == pytest.approx(r["info_nce_dim32"] + 0.5 * r["info_nce_dim8"], rel=1e-4)

@@ -80,6 +80,24 @@ def test_cached_step_gradient_equals_the_whole_batch_gradient():
     assert got_loss == pytest.approx(float(loss.detach()), rel=1e-5)
 
 
+def test_pretraining_views_under_the_cache_too():
+    """CLEAR's NT-Xent on the views (and the MLM term, not truncated) at two sizes, cached over chunks of 3 and 2."""
+    from pretrain.config.objective import MLMConfig, NTXentConfig
+
+    cfg = ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(), gradient_cache=True,
+                          matryoshka=MatryoshkaConfig(dims=[16, 4]))
+    ctx = Context(env=R.ONE, ops=OpsConfig(similarity="torch", chunk_size=3), pooling="cls", stage="pretrain")
+    module = TrainModule(R.tiny_model(1, dropout=0.0), Objective(cfg, ctx)).train()
+    batch = R.step_batch("pretrain", 5)
+    got, got_loss = R.cached_grads(module, R.split_chunks(batch, [3, 2]))
+    module.zero_grad(set_to_none=True)
+    loss, metrics = module(batch)
+    loss.backward()
+    assert R.mismatch(got, R.param_grads(module)) == []
+    assert got_loss == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert {"nt_xent_dim16", "nt_xent_dim4"} <= metrics.keys() and "mlm_dim4" not in metrics
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="objective.matryoshka.dims must be distinct sizes >= 1"):
         MatryoshkaConfig(dims=[8, 8])
