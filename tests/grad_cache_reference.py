@@ -24,6 +24,7 @@ from pretrain.config.objective import (
     ArcConConfig,
     ConsistencyConfig,
     InfoNCEConfig,
+    MatryoshkaConfig,
     MLMConfig,
     NTXentConfig,
     ObjectiveConfig,
@@ -35,6 +36,7 @@ from pretrain.config.train import OpsConfig
 from pretrain.model import build_model
 from pretrain.objective import Context, Forward, Objective, Teachers, TrainModule
 from pretrain.objective.grad_cache import CONTRASTIVE, contrast
+from pretrain.objective.matryoshka import run_term
 from pretrain.training.cached_step import chunk_rng
 
 VOCAB, CLS, SEP, MASK = 50, 2, 3, 4
@@ -127,6 +129,9 @@ CASES = {
                                                                     channels=6, integrate_channels=2)}),
     "simcse_sup": ("pairs", {"mlm": None, "nt_xent": None, "info_nce": InfoNCEConfig(hard_negative_weight=2.0),
                              "arccon": ArcConConfig(weight=0.5), "consistency": ConsistencyConfig(weight=0.3)}),
+    "simcse_sup_matryoshka": ("pairs", {"mlm": None, "nt_xent": None, "info_nce": InfoNCEConfig(),
+                                        "consistency": ConsistencyConfig(weight=0.3),
+                                        "matryoshka": MatryoshkaConfig(dims=[16, 4], weights=[1.0, 0.5])}),
 }
 """Objectives by paper: the terms and the data stage (which batch keys hold the pair; ``pairs``: the sentence stage
 on data.pairs, (anchor, positive) and a hard negative)."""
@@ -151,7 +156,8 @@ def to_double(module: TrainModule) -> TrainModule:
     teachers."""
     ref = copy.deepcopy(module).double()
     obj = ref.objective
-    obj.ctx = Context(env=ONE, ops=OpsConfig(similarity="eager"), pooling="mean", stage=obj.ctx.stage)
+    obj.ctx = Context(env=ONE, ops=OpsConfig(similarity="eager"), pooling="mean", stage=obj.ctx.stage,
+                      matryoshka_dims=obj.ctx.matryoshka_dims)
     if obj.teachers is not None:
         obj.teachers = Teachers(obj.teachers.cfg, models=[copy.deepcopy(m).double() for m in obj.teachers.models])
     return ref
@@ -222,8 +228,8 @@ def reference_grads(module: TrainModule, chunks: list[dict], keys: list[tuple[in
     loss = 0.0
     for name, fn, cfg in obj.terms:
         weight = 1.0 if name == "reconstruction" else cfg.weight
-        if name in CONTRASTIVE:
-            loss_sum, count, _ = fn(step, cfg, obj.ctx)
+        if name in CONTRASTIVE:  # at each objective.matryoshka size when set (objective/matryoshka.py)
+            loss_sum, count, _ = run_term(name, fn, step, cfg, obj.ctx, obj.sizes)
         else:
             loss_sum, count = sum(s for s, _ in sample[name]), sum(c for _, c in sample[name])
         loss = loss + weight * loss_sum / count
