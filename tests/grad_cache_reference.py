@@ -24,6 +24,7 @@ from pretrain.config.objective import (
     ArcConConfig,
     ConsistencyConfig,
     InfoNCEConfig,
+    MatryoshkaConfig,
     MLMConfig,
     NTXentConfig,
     ObjectiveConfig,
@@ -35,6 +36,7 @@ from pretrain.config.train import OpsConfig
 from pretrain.model import build_model
 from pretrain.objective import Context, Forward, Objective, Teachers, TrainModule
 from pretrain.objective.grad_cache import CONTRASTIVE, contrast
+from pretrain.objective.matryoshka import run_term
 from pretrain.training.cached_step import chunk_rng
 
 VOCAB, CLS, SEP, MASK = 50, 2, 3, 4
@@ -90,6 +92,9 @@ def step_batch(stage: str, num: int, seed: int = 0) -> dict:
         batch.update(view_a_ids=va, view_a_mask=vam, view_b_ids=vb, view_b_mask=vbm)
     else:
         batch.update(sentence_ids=ids, sentence_mask=mask)
+        if stage == "pairs":  # data.pairs: each anchor's positive and hard negative, of other lengths
+            (pi, pm), (ni, nm) = random_rows(num, seed + 3, t=10), random_rows(num, seed + 4, t=11)
+            batch.update(positive_ids=pi, positive_mask=pm, negative_ids=ni, negative_mask=nm)
         low, high = ids.clone(), ids.clone()
         low[:, 1:3], high[:, 1:5] = MASK, MASK
         batch.update(triplet_anchor_ids=ids, triplet_anchor_mask=mask, triplet_low_ids=low * mask,
@@ -122,15 +127,22 @@ CASES = {
     "sarcse": ("sentences", {"mlm": None, "nt_xent": None, "info_nce": InfoNCEConfig(),
                              "reconstruction": ReconstructionConfig(weight=0.3, positive_weight=0.6, lam=5.0,
                                                                     channels=6, integrate_channels=2)}),
+    "simcse_sup": ("pairs", {"mlm": None, "nt_xent": None, "info_nce": InfoNCEConfig(hard_negative_weight=2.0),
+                             "arccon": ArcConConfig(weight=0.5), "consistency": ConsistencyConfig(weight=0.3)}),
+    "simcse_sup_matryoshka": ("pairs", {"mlm": None, "nt_xent": None, "info_nce": InfoNCEConfig(),
+                                        "consistency": ConsistencyConfig(weight=0.3),
+                                        "matryoshka": MatryoshkaConfig(dims=[16, 4], weights=[1.0, 0.5])}),
 }
-"""Objectives by paper: the terms and the data stage (which batch keys hold the pair)."""
+"""Objectives by paper: the terms and the data stage (which batch keys hold the pair; ``pairs``: the sentence stage
+on data.pairs, (anchor, positive) and a hard negative)."""
 
 
 def case_module(case: str, *, env=ONE, dropout: float = 0.1, similarity: str = "torch") -> TrainModule:
     """CASES[case] with objective.gradient_cache on a tiny model (the same weights for every call), training mode."""
     stage, terms = CASES[case]
     cfg = ObjectiveConfig(**terms, gradient_cache=True)
-    ctx = Context(env=env, ops=OpsConfig(similarity=similarity, chunk_size=3), pooling="mean", stage=stage)
+    ctx = Context(env=env, ops=OpsConfig(similarity=similarity, chunk_size=3), pooling="mean",
+                  stage="sentences" if stage == "pairs" else stage)
     teachers = Teachers(cfg.rank_distill, models=[tiny_model(7, dropout=0.0)]) if cfg.rank_distill else None
     freq = None
     if cfg.reconstruction is not None:
@@ -144,7 +156,8 @@ def to_double(module: TrainModule) -> TrainModule:
     teachers."""
     ref = copy.deepcopy(module).double()
     obj = ref.objective
-    obj.ctx = Context(env=ONE, ops=OpsConfig(similarity="eager"), pooling="mean", stage=obj.ctx.stage)
+    obj.ctx = Context(env=ONE, ops=OpsConfig(similarity="eager"), pooling="mean", stage=obj.ctx.stage,
+                      matryoshka_dims=obj.ctx.matryoshka_dims)
     if obj.teachers is not None:
         obj.teachers = Teachers(obj.teachers.cfg, models=[copy.deepcopy(m).double() for m in obj.teachers.models])
     return ref
@@ -186,7 +199,7 @@ def reference_grads(module: TrainModule, chunks: list[dict], keys: list[tuple[in
     stage = obj.ctx.stage
     names = [n for n, _, _ in obj.terms]
     pair_is_views = stage == "pretrain" and "reconstruction" not in names
-    parts = {"views": [], "pair": [], "teacher": []}
+    parts = {"views": [], "pair": [], "negative": [], "teacher": []}
     sample = {n: [] for n in names if n not in CONTRASTIVE}
     for (rank, k), chunk in zip(keys or [(0, i) for i in range(len(chunks))], chunks):
         with chunk_rng(SEED, STEP, rank, k, "cpu"):
@@ -197,21 +210,26 @@ def reference_grads(module: TrainModule, chunks: list[dict], keys: list[tuple[in
                 parts["views"].append(fwd.view_projections())
             if not pair_is_views:
                 parts["pair"].append(fwd.pair())
+            if "negative_ids" in chunk:
+                parts["negative"].append(fwd.hard_negatives())
             if obj.teachers is not None:
                 parts["teacher"].append(fwd.teacher_embeddings()[0])
             for name, fn, cfg in obj.terms:
                 if name in sample:
                     loss_sum, count, _ = fn(fwd, cfg, obj.ctx)
                     sample[name].append((loss_sum, count))
-    cached = {key: tuple(torch.cat([p[i] for p in v]) for i in (0, 1)) for key, v in parts.items() if v}
+    cached = {key: tuple(torch.cat([p[i] for p in v]) for i in (0, 1)) for key, v in parts.items()
+              if v and key != "negative"}
+    if parts["negative"]:
+        cached["negative"] = torch.cat(parts["negative"])
     if "teacher" in cached:
         cached["teacher"] = [cached["teacher"]]
     step = Forward(None, {}, obj.ctx, heads={}, teachers=obj.teachers, cached=cached)
     loss = 0.0
     for name, fn, cfg in obj.terms:
         weight = 1.0 if name == "reconstruction" else cfg.weight
-        if name in CONTRASTIVE:
-            loss_sum, count, _ = fn(step, cfg, obj.ctx)
+        if name in CONTRASTIVE:  # at each objective.matryoshka size when set (objective/matryoshka.py)
+            loss_sum, count, _ = run_term(name, fn, step, cfg, obj.ctx, obj.sizes)
         else:
             loss_sum, count = sum(s for s, _ in sample[name]), sum(c for _, c in sample[name])
         loss = loss + weight * loss_sum / count

@@ -105,11 +105,21 @@ class DataConfig:
     sentences: str = ""
     """Sentence stage input: a text file with one sentence per line, or a pretrain-preprocess dataset
     directory whose sequences are single sentences. Sentences are cut to view_max_len tokens."""
+    pairs: str = ""
+    """Sentence stage input instead of data.sentences: (anchor, positive[, hard negative]) rows for supervised
+    SimCSE, a .tsv/.csv file (2 or 3 columns; an optional header row such as anchor/positive/negative or SimCSE's
+    sent0/sent1/hard_neg) or a .jsonl file ({"anchor": .., "positive": .., "negative": ..} or a 2-3 string list);
+    gzip etc. compressed too. All rows have the same columns. The pair is (anchor, positive) instead of one
+    sentence twice; hard negatives are extra InfoNCE/ArcCon columns (pretrain/data/pairs.py)."""
 
     def __post_init__(self) -> None:
-        if self.stage == "sentences" and not self.sentences:
+        if self.stage == "sentences" and not self.sentences and not self.pairs:
             raise ValueError("data.stage=sentences needs data.sentences: a one-sentence-per-line text file "
-                             "(or a pretrain-preprocess directory of single sentences)")
+                             "(or a pretrain-preprocess directory of single sentences), or data.pairs: a tsv/csv/jsonl "
+                             "file of (anchor, positive[, hard negative]) rows")
+        if self.sentences and self.pairs:
+            raise ValueError(f"data.sentences={self.sentences!r} and data.pairs={self.pairs!r} are both set; the "
+                             "sentence stage trains on one of them: set the other to ''")
         if self.max_len < 8 or self.view_max_len < 8:
             raise ValueError(f"data.max_len/view_max_len must be >= 8, got {self.max_len}/{self.view_max_len}")
         if self.num_workers < 0:

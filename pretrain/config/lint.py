@@ -32,8 +32,8 @@ def inert_settings(cfg) -> list[str]:
         if d.sources:
             used = " (only for SARCSE token frequencies when objective.reconstruction.token_freq is unset)" \
                 if cfg.objective.reconstruction is not None else ""
-            out.append(f"data.sources is not read by data.stage=sentences, which trains on data.sentences="
-                       f"{d.sentences!r}{used}")
+            what = f"data.pairs={d.pairs!r}" if d.pairs else f"data.sentences={d.sentences!r}"
+            out.append(f"data.sources is not read by data.stage=sentences, which trains on {what}{used}")
         aug = _changed(d.augment, AugmentConfig(), [f.name for f in dataclasses.fields(AugmentConfig)])
         if aug:
             out.append(f"data.augment.{', data.augment.'.join(aug)} do nothing in data.stage=sentences (its two "
@@ -45,9 +45,10 @@ def inert_settings(cfg) -> list[str]:
             out.append(f"data.masking.{', data.masking.'.join(spans)} do nothing in data.stage=sentences (its MLM "
                        f"masks single tokens); they act in data.stage=pretrain")
     else:
-        if d.sentences:
-            out.append(f"data.sentences={d.sentences!r} is not read by data.stage=pretrain (it reads data.sources); "
-                       f"set data.stage=sentences to train on it")
+        for key in ("sentences", "pairs"):
+            if getattr(d, key):
+                out.append(f"data.{key}={getattr(d, key)!r} is not read by data.stage=pretrain (it reads "
+                           f"data.sources); set data.stage=sentences to train on it")
         methods = set(d.augment.methods.split("+"))
         for method, names in _AUGMENT_OPTIONS.items():
             unused = _changed(d.augment, AugmentConfig(), names) if method not in methods else []
@@ -80,6 +81,10 @@ def inert_settings(cfg) -> list[str]:
             out.append("objective.gradient_cache=true changes nothing with train.grad_accum=1 (each rank's micro-batch "
                        "already is its whole share of the step) and costs an extra forward pass; raise "
                        "train.grad_accum (lowering train.micro_batch_size) to hold less in memory")
+    compared = {"nt_xent", "info_nce", "arccon", "consistency", "rank_distill"} & set(cfg.objective.enabled())
+    if cfg.objective.matryoshka is not None and not compared:
+        out.append("objective.matryoshka does nothing: no enabled term compares sentences with each other "
+                   "(nt_xent, info_nce, arccon, consistency, rank_distill)")
     if not cfg.eval.stsb_every:
         ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
         if ev:

@@ -44,10 +44,16 @@ class InfoNCEConfig:
     """SARCSE's alpha; 1 elsewhere."""
     temperature: float = 0.05
     gather: bool = True
-    """Use view-2 negatives from all data-parallel ranks (gathered with gradient)."""
+    """Use view-2 negatives from all data-parallel ranks (gathered with gradient; hard negatives too)."""
+    hard_negative_weight: float = 1.0
+    """Supervised SimCSE (data.pairs with a third column): each row's own hard negative enters the softmax
+    denominator with its exp weighted by alpha (SimCSE, Gao et al. 2021, App. "hard negative weighting": alpha = 1,
+    no reweighting, was best and is the paper's setting; the official code's hard_negative_weight is log alpha).
+    Every other row's hard negative is a plain negative. >= 0 (0 leaves out each row's own)."""
 
     def __post_init__(self) -> None:
         _check_positive("objective.info_nce.temperature", self.temperature)
+        _check_non_negative("objective.info_nce.hard_negative_weight", self.hard_negative_weight)
 
 
 @dataclass(kw_only=True)
@@ -59,9 +65,13 @@ class ArcConConfig:
     margin_deg: float = 10.0
     """Angular margin m in degrees (paper: 10)."""
     gather: bool = True
+    hard_negative_weight: float = 1.0
+    """Each row's own hard negative's weight alpha, as objective.info_nce.hard_negative_weight (data.pairs with
+    a third column); 1 = no reweighting."""
 
     def __post_init__(self) -> None:
         _check_positive("objective.arccon.temperature", self.temperature)
+        _check_non_negative("objective.arccon.hard_negative_weight", self.hard_negative_weight)
         if not 0.0 <= self.margin_deg < 90.0:
             raise ValueError(f"objective.arccon.margin_deg must be in [0, 90), got {self.margin_deg}")
 
@@ -179,6 +189,31 @@ class ReconstructionConfig:
 
 
 @dataclass(kw_only=True)
+class MatryoshkaConfig:
+    """Matryoshka representation learning (Kusupati et al. 2022): every contrastive term (nt_xent, info_nce,
+    arccon, consistency, rank_distill) applied at several truncated sizes of the sentence embedding, weighted."""
+
+    dims: list[int] = field(default_factory=list)
+    """Embedding sizes d: the term sees the projection of the sentence embedding's first d coordinates (the rest
+    zeroed), so the first d coordinates alone make an embedding (sentence-transformers' truncate_dim=d). List the
+    full size too to keep the untruncated term (e.g. [768, 512, 256, 128, 64]); each d <= the embedding size."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per size (loss = sum_d w_d * term at d); empty = 1 each (sentence-transformers' default)."""
+
+    def __post_init__(self) -> None:
+        if not self.dims or any(int(d) < 1 for d in self.dims) or len(set(self.dims)) != len(self.dims):
+            raise ValueError(f"objective.matryoshka.dims must be distinct sizes >= 1, got {self.dims}")
+        if self.weights and (len(self.weights) != len(self.dims) or any(not w > 0 for w in self.weights)):
+            raise ValueError(f"objective.matryoshka.weights must be one weight > 0 per size of dims {self.dims}, "
+                             f"got {self.weights}")
+
+    def sizes(self) -> list[tuple[int, float]]:
+        """(d, w_d) per size, largest first."""
+        weights = self.weights or [1.0] * len(self.dims)
+        return sorted(zip(map(int, self.dims), map(float, weights)), key=lambda x: -x[0])
+
+
+@dataclass(kw_only=True)
 class ObjectiveConfig:
     mlm: MLMConfig | None = field(default_factory=MLMConfig)
     """Masked language modelling; null disables it."""
@@ -203,6 +238,8 @@ class ObjectiveConfig:
     respect to the embeddings, then each chunk re-run with a graph, its dropout replayed, and the cached
     gradient back-propagated; objective/grad_cache.py). Costs one extra forward of the pair per step. Off: each
     micro-step's contrastive terms see only its own micro-batch (x ranks)."""
+    matryoshka: MatryoshkaConfig | None = None
+    """Apply every contrastive term at several truncated embedding sizes (objective/matryoshka.py); null = off."""
 
     def enabled(self) -> list[str]:
         """Names of the configured (non-null) loss terms, in declaration order."""
@@ -217,6 +254,9 @@ class ObjectiveConfig:
             )
         if self.rank_distill is not None and not self.rank_distill.teachers:
             raise ValueError("objective.rank_distill.teachers is empty; list one or more teacher checkpoints")
+        if self.matryoshka is not None and self.reconstruction is not None:
+            raise ValueError("objective.matryoshka truncates the pooled sentence embedding; with "
+                             "objective.reconstruction the terms compare the autoencoder's Z instead: use one of them")
         for name in ("consistency", "rank_distill", "reconstruction"):
             if getattr(self, name) is not None and self.info_nce is None and self.arccon is None:
                 raise ValueError(
@@ -224,10 +264,15 @@ class ObjectiveConfig:
                 )
 
 
-SETTINGS = frozenset({"gradient_cache"})
+SETTINGS = frozenset({"gradient_cache", "matryoshka"})
 """Fields of ObjectiveConfig that are settings of the whole objective, not loss terms."""
 
 
 def _check_positive(path: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{path} must be > 0, got {value}")
+
+
+def _check_non_negative(path: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{path} must be >= 0, got {value}")

@@ -5,7 +5,8 @@ Bt = sentences of the batch that carry an ArcCSE triplet, Tt = their longest vie
 (<= objective.triplet.max_len), V = vocabulary.
 
 Input (``data.sentences``): a text file with one sentence per line (blank lines skipped), or a
-``pretrain-preprocess`` directory whose sequences are single sentences. A sample is keyed by
+``pretrain-preprocess`` directory whose sequences are single sentences; or (``data.pairs``, pretrain/data/pairs.py)
+(anchor, positive[, hard negative]) rows, the anchor taking the sentence's place. A sample is keyed by
 (epoch, index) like the pretraining samples; its noise (MLM masking, triplet masks) comes from
 ``np.random.default_rng([seed, epoch, index])``, so it does not depend on workers or resumes.
 
@@ -14,6 +15,9 @@ Batch keys (``collate_sentences``):
                                         of SimCSE/ArcCon/RankCSE/SARCSE are two passes of it
   input_ids, attention_mask     [B, T]  = the sentence; with objective.mlm on, a masked copy
   mlm_labels                    [B, T]  only with objective.mlm (-100 where not predicted)
+  positive_ids, positive_mask   [B, Tp] only with data.pairs: each anchor's positive; the pair is then
+                                        (sentence, positive), not the sentence twice
+  negative_ids, negative_mask   [B, Tn] only with data.pairs' third column: each anchor's hard negative
   triplet_index                 [Bt]    rows of the batch that have a triplet (>= min_words words)
   triplet_{anchor,low,high}_ids / _mask  [Bt, Tt]  s, s' (~20% words masked), s'' (~40%, nested)
                                         (only with objective.triplet; Bt may be 0)
@@ -33,11 +37,14 @@ from pretrain.data.containers import STREAM_ERRORS, identify, open_stream, strea
 from pretrain.data.datasets import parse_key
 from pretrain.data.loader import ResumableLoader, build_loader
 from pretrain.data.masking import IGNORE_INDEX, mask_tokens, with_cls_sep
+from pretrain.data.pairs import read_pairs
 from pretrain.data.sample_index import load_or_build_sentence_index
 from pretrain.data.shards import ShardedDataset
 from pretrain.data.triplet_masks import build_triplet_views
 
 TRIPLET_KEYS = ("triplet_anchor", "triplet_low", "triplet_high")
+PAIR_KEYS = ("positive", "negative")
+"""data.pairs' samples: the anchor is ``sentence``; these are its positive and hard negative."""
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -54,11 +61,17 @@ class SentenceDataset(torch.utils.data.Dataset):
         self.cls_id, self.sep_id, self.mask_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id
         self.special_ids = tuple(sorted(tokenizer.special_ids))
         self.vocab_size = tokenizer.vocab_size
-        p = Path(path)
         self.lines: list[str] | None = None
         self.source = None
-        if p.is_dir():
+        self._open(str(path), tokenizer)
+        if len(self.index_N) == 0:
+            raise ValueError(f"data.sentences={path} holds no non-empty sentences")
+        self._word_start = tokenizer.word_start_mask() if self.triplet is not None else None
 
+    def _open(self, path: str, tokenizer) -> None:
+        """Sets ``lines`` (a text file) or ``source`` (a preprocessed directory) and ``index_N``."""
+        p = Path(path)
+        if p.is_dir():
             self.source = ShardedDataset(str(p), tokenizer_sha256=getattr(tokenizer, "sha256", None))
             # Memory-mapped from the dataset's index cache: no per-rank array that grows with the corpus.
             self.index_N = load_or_build_sentence_index(self.source)
@@ -68,9 +81,6 @@ class SentenceDataset(torch.utils.data.Dataset):
         else:
             raise FileNotFoundError(f"data.sentences={path} does not exist; give a one-sentence-per-line text file "
                                     "or a pretrain-preprocess dataset directory")
-        if len(self.index_N) == 0:
-            raise ValueError(f"data.sentences={path} holds no non-empty sentences")
-        self._word_start = tokenizer.word_start_mask() if self.triplet is not None else None
 
     def __len__(self) -> int:
         return len(self.index_N)
@@ -136,9 +146,38 @@ class SentenceDataset(torch.utils.data.Dataset):
         return counts_V / max(int(counts_V.sum()), 1)
 
 
+class PairDataset(SentenceDataset):
+    """``SentenceDataset`` over the anchors, each sample also carrying its ``positive`` and ``negative`` (wrapped,
+    cut to data.view_max_len like the anchor)."""
+
+    def _open(self, path: str, tokenizer) -> None:
+        self.pairs = read_pairs(path)
+        self.lines = self.pairs.anchor
+        self.index_N = np.arange(len(self.lines), dtype=np.int64)
+
+    @property
+    def has_negatives(self) -> bool:
+        return self.pairs.negative is not None
+
+    def __getitem__(self, key) -> dict:
+        sample = super().__getitem__(key)
+        i = int(self.index_N[parse_key(key)[1] % len(self)])
+        sample["positive"] = self._wrapped(self.pairs.positive[i])
+        if self.pairs.negative is not None:
+            sample["negative"] = self._wrapped(self.pairs.negative[i])
+        return sample
+
+    def _wrapped(self, text: str) -> np.ndarray:
+        ids_T = np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+        return self.wrap(ids_T[: self.cfg.view_max_len - 2])
+
+
 def build_sentence_dataset(cfg: DataConfig, objective: ObjectiveConfig, tokenizer, *, seed: int) -> SentenceDataset:
+    """The sentence stage's dataset: data.pairs' rows (pretrain/data/pairs.py) or data.sentences' sentences."""
     if cfg.stage != "sentences":
         raise ValueError(f"build_sentence_dataset needs data.stage=sentences, got {cfg.stage!r}")
+    if cfg.pairs:
+        return PairDataset(cfg.pairs, tokenizer, cfg, objective, seed=seed)
     return SentenceDataset(cfg.sentences, tokenizer, cfg, objective, seed=seed)
 
 
@@ -156,6 +195,9 @@ def collate_sentences(samples: list[dict], pad_id: int) -> dict[str, torch.Tenso
         batch["mlm_labels"], _ = pad_stack([s["mlm_labels"] for s in samples], IGNORE_INDEX)
     else:
         batch["input_ids"], batch["attention_mask"] = batch["sentence_ids"], batch["sentence_mask"]
+    for key in PAIR_KEYS:
+        if key in samples[0]:
+            batch[f"{key}_ids"], batch[f"{key}_mask"] = pad_stack([s[key] for s in samples], pad_id)
     if "has_triplet" in samples[0]:
         with_triplet = [b for b, s in enumerate(samples) if s["has_triplet"]]
         batch["triplet_index"] = torch.tensor(with_triplet, dtype=torch.int64)

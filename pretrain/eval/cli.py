@@ -22,7 +22,7 @@ from pretrain.eval.senteval import (
     evaluate_transfer,
     transfer_markdown_table,
 )
-from pretrain.export.resolve import select_checkpoint
+from pretrain.export.resolve import recorded_matryoshka_dims, select_checkpoint
 
 SUITES = ("sts", "transfer", "align", "ranking")
 
@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "beside the repository)")
     p.add_argument("--suites", default="sts,align,ranking", help=f"comma list of {SUITES} or 'all'")
     p.add_argument("--sts-tasks", default=",".join(sts.TASKS))
+    p.add_argument("--dims", default="auto", metavar="auto|D1,D2,...|none",
+                   help="STS also at these truncated embedding sizes (the first D coordinates, as "
+                        "sentence-transformers' truncate_dim); auto = the Matryoshka sizes the model records")
     p.add_argument("--transfer-tasks", default="MR,CR,SUBJ,MPQA,SST2,TREC,MRPC")
     p.add_argument("--variant", default="senteval", choices=list(sts.VARIANTS),
                    help="STS copy: SentEval's tokenized one (papers) or the untokenized originals")
@@ -62,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks=None, variant="senteval",
-             classifier_cfg=None, log=print, transfer_results=None, resume_key=None) -> dict:
+             classifier_cfg=None, log=print, transfer_results=None, resume_key=None, dims=()) -> dict:
     """All requested suites for one encode_fn -> results dict (JSON-serialisable). ``transfer_results``: a JSON
-    file each finished transfer task is written to, and resumed from (for the same ``resume_key``)."""
+    file each finished transfer task is written to, and resumed from (for the same ``resume_key``). ``dims``: STS
+    also on the embeddings truncated to each size (``sts_dims``: {d: STS results})."""
     res: dict = {"variant": variant}
     timings = {}
     if "sts" in suites or "ranking" in suites:
@@ -78,6 +82,10 @@ def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks
                     f"wmean {sts_res[t]['spearman']['wmean']:.2f}")
         if "ranking" in suites:
             res["ranking"] = {t: ranking_metrics(task, s) for t, (task, s) in sims.items()}
+    if "sts" in suites and dims:
+        t0 = time.time()
+        res["sts_dims"] = sts_at_sizes(encode_fn, data_dir, sts_tasks, variant, dims, log=log)
+        timings["sts_dims"] = time.time() - t0
     if "align" in suites:
 
         res["align_uniform"] = stsb_alignment_uniformity(encode_fn, data_dir, variant)
@@ -92,6 +100,42 @@ def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks
     return res
 
 
+def sts_at_sizes(encode_fn, data_dir, sts_tasks, variant: str, dims, *, log=print) -> dict:
+    """{d: STS results} of the embeddings cut to their first d coordinates (each sentence encoded once)."""
+    memo: dict = {}
+
+    def full(sentences):
+        key = tuple(sentences)
+        if key not in memo:
+            memo[key] = encode_fn(sentences)
+        return memo[key]
+
+    out = {}
+    for d in dims:
+        out[int(d)] = sts.evaluate_sts(lambda sentences, d=d: truncate(full(sentences), d), data_dir, sts_tasks,
+                                       variant)
+        log(f"[sts@{d}] " + " ".join(f"{t} {out[int(d)][t]['spearman']['all']:.2f}" for t in sts_tasks))
+    return out
+
+
+def truncate(emb, dim: int):
+    """The first ``dim`` coordinates of each embedding (numpy or torch; cosine re-normalises)."""
+    if dim > emb.shape[-1]:
+        raise ValueError(f"--dims {dim} is larger than the embedding ({emb.shape[-1]} dimensions)")
+    return emb[..., :dim]
+
+
+def sts_dims_markdown(res: dict) -> str:
+    """One row per size: STS 'all' Spearman x100 per task and their average."""
+    by_dim = res["sts_dims"]
+    tasks = list(next(iter(by_dim.values())))
+    rows = ["| dims | " + " | ".join(tasks) + " | avg |", "|---|" + "---|" * (len(tasks) + 1)]
+    for d, r in sorted(by_dim.items(), key=lambda x: -int(x[0])):
+        vals = [r[t]["spearman"]["all"] for t in tasks]
+        rows.append(f"| {d} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {sum(vals) / len(vals):.2f} |")
+    return "\n".join(rows)
+
+
 def markdown_report(name: str, res: dict) -> str:
     parts = []
     if "sts" in res:
@@ -99,6 +143,8 @@ def markdown_report(name: str, res: dict) -> str:
                   sts.sts_markdown_table({name: res["sts"]}),
                   "all = subsets concatenated (SimCSE); mean / wmean = SentEval's per-subset mean / "
                   "size-weighted mean. STS-B and SICK-R: test sets.", ""]
+    if res.get("sts_dims"):
+        parts += ["### STS at truncated embedding sizes (Spearman ×100, 'all')", "", sts_dims_markdown(res), ""]
     if "transfer" in res:
         parts += ["### SentEval transfer (accuracy)", "", transfer_markdown_table({name: res["transfer"]})]
     if "align_uniform" in res:
@@ -143,6 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         fail("pretrain-eval", e)
     try:
+        dims = _dims(args.dims, model_path)
+    except ValueError as e:
+        fail("pretrain-eval", e)
+    try:
         cfg = ClassifierConfig(inner_kfold=args.inner_kfold, mrpc_features=args.mrpc_features, n_jobs=args.jobs)
     except ValueError as e:
         fail("pretrain-eval", e)
@@ -154,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
                        transfer_tasks=[t for t in args.transfer_tasks.split(",") if t], variant=args.variant,
-                       classifier_cfg=cfg, transfer_results=partial, resume_key=key)
+                       classifier_cfg=cfg, transfer_results=partial, resume_key=key, dims=dims)
     except FileNotFoundError as e:
         fail("pretrain-eval", f"{e} (data root {args.data_dir}: pass --data-dir or set PRETRAIN_DATA_DIR to the "
                               f"directory holding sts/ and senteval/)")
@@ -168,6 +218,21 @@ def main(argv: list[str] | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(res, indent=1))
         (out / "eval.md").write_text(report)
+
+
+def _dims(arg: str, model_path) -> list[int]:
+    """--dims: auto (the model's recorded Matryoshka sizes), none, or a comma list of sizes."""
+    if arg == "auto":
+        return recorded_matryoshka_dims(model_path)
+    if arg in ("", "none"):
+        return []
+    try:
+        dims = [int(x) for x in arg.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--dims {arg!r}: give auto, none or sizes like 256,64") from None
+    if any(d < 1 for d in dims):
+        raise ValueError(f"--dims {arg!r}: sizes must be >= 1")
+    return dims
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pretrain.export.hf import (
 from pretrain.export.model_card import build_model_card, run_record
 from pretrain.export.resolve import (
     load_hf_model,
+    matryoshka_dims,
     open_hf_dir,
     open_weights,
     select_checkpoint,
@@ -79,7 +80,7 @@ def to_hf(
     heads = {"mlm_head": mlm_head and has_head, "projection": any(k.startswith("projection.") for k in w.state)}
     card = build_model_card(w, pooling=pooling, out_dir=out_dir, **heads)
     export_hf(model, tokenizer, out_dir, pooling=pooling, max_seq_length=max_len, overwrite=overwrite,
-              model_card=card, **heads)
+              model_card=card, matryoshka_dims=matryoshka_dims(run_record(w)["config"]), **heads)
 
 
 def from_hf(hf_dir: str, out: str, *, overwrite: bool = False) -> None:

@@ -246,6 +246,7 @@ def export_hf(
     mlm_head: bool = True,
     projection: bool = True,
     model_card: str | None = None,
+    matryoshka_dims: list[int] | None = None,
 ) -> list[str]:
     """Write a HF BERT + sentence-transformers directory for ``model`` (layout: module docstring).
 
@@ -253,7 +254,8 @@ def export_hf(
     ``pooling`` (default: the model's) is what SentenceTransformer(out_dir) applies, through the model's
     pooler, Dense and Normalize settings (st_modules). ``mlm_head=False`` writes no mlm/ and
     ``projection=False`` no projection file (heads never trained, e.g. of a sentence-transformers import).
-    ``model_card`` becomes README.md.
+    ``model_card`` becomes README.md. ``matryoshka_dims`` (objective.matryoshka's sizes) are recorded in config.json
+    (``pretrain.matryoshka_dims``): SentenceTransformer(out_dir, truncate_dim=d) for each.
     Returns the sentence-transformers module chain, e.g. ['Transformer', 'Pooling', 'Normalize'].
     """
     cfg = model.cfg
@@ -268,6 +270,8 @@ def export_hf(
     hf_config["dtype"] = str(next(iter(hf.values())).dtype).removeprefix("torch.")
     if mlm_head:
         hf_config["pretrain"]["mlm_head"] = MLM_SUBDIR
+    if matryoshka_dims:
+        hf_config["pretrain"]["matryoshka_dims"] = sorted(map(int, matryoshka_dims), reverse=True)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from pretrain.checkpoint import store
+from pretrain.export.resolve import matryoshka_dims
 
 EVAL_FILES = {"eval.md": "STS and sentence-embedding evaluation (`pretrain-eval`)",
               "results.md": "GLUE fine-tuning (`pretrain-finetune-glue`)"}
@@ -39,10 +40,20 @@ def run_record(w) -> dict:
     return info
 
 
+OBJECTIVE_SETTINGS = {"gradient_cache": "contrastive batch = the whole optimizer step (cached gradients)",
+                      "matryoshka": "Matryoshka sizes"}
+"""Keys of the objective that are settings of the whole objective, not terms (config/objective.py: SETTINGS)."""
+
+
 def _objective_lines(objective: dict) -> list[str]:
     lines = []
     for name, term in (objective or {}).items():
-        if term is None:
+        if term is None or term is False:
+            continue
+        if name in OBJECTIVE_SETTINGS:
+            detail = f": dims {term.get('dims')}, weights {term.get('weights') or 'all 1'}" \
+                if isinstance(term, dict) else ""
+            lines.append(f"- {OBJECTIVE_SETTINGS[name]} (`{name}`){detail}")
             continue
         term = dict(term) if isinstance(term, dict) else {}
         weight = term.pop("weight", 1.0)
@@ -53,7 +64,9 @@ def _objective_lines(objective: dict) -> list[str]:
 
 def _data_lines(data: dict) -> list[str]:
     lines = []
-    if data.get("stage") == "sentences":
+    if data.get("stage") == "sentences" and data.get("pairs"):
+        lines.append(f"- pairs: `{data.get('pairs')}` (sentence stage: anchor, positive[, hard negative] rows)")
+    elif data.get("stage") == "sentences":
         lines.append(f"- sentences: `{data.get('sentences')}` (sentence stage: one sentence per line)")
     else:
         for src in data.get("sources") or []:
@@ -153,6 +166,14 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
         lines += ["The masked-language-model head is in `mlm/` (the encoder with BERT's MLM head):", "", "```python",
                   "from transformers import AutoModelForMaskedLM", "",
                   f'mlm = AutoModelForMaskedLM.from_pretrained("path/to/{name}", subfolder="mlm")', "```", ""]
+    dims = matryoshka_dims(config)
+    if dims:
+        lines += ["## Matryoshka embeddings", "",
+                  f"Trained so that the first d coordinates of the embedding are an embedding themselves, for d in "
+                  f"{', '.join(map(str, dims))} (`objective.matryoshka`; recorded in config.json as "
+                  "`pretrain.matryoshka_dims`). Truncate with sentence-transformers:", "", "```python",
+                  f'model = SentenceTransformer("path/to/{name}", truncate_dim={dims[-1]})', "```", "",
+                  "or take `embedding[..., :d]` (and re-normalise for cosine similarity) with transformers.", ""]
     if not cfg.pooler:
         lines += ["This model has no BERT pooler: `pooler_output` is all zeros.", ""]
     if projection:

@@ -393,3 +393,24 @@ def describe_weights_dir(p: Path) -> str:
         best = json.loads((p / "best.json").read_text()) if (p / "best.json").is_file() else None
         return f"weights directory, step {best.get('step')}" if best else "weights directory"
     return {"hf": "a Hugging Face model", "sentence_transformers": "a sentence-transformers model"}.get(kind, kind)
+
+
+def matryoshka_dims(run_config: dict | None) -> list[int]:
+    """objective.matryoshka.dims of a run config (dict), largest first; [] without Matryoshka."""
+    m = ((run_config or {}).get("objective") or {}).get("matryoshka") or {}
+    return sorted((int(d) for d in m.get("dims") or []), reverse=True)
+
+
+def recorded_matryoshka_dims(path: str | os.PathLike) -> list[int]:
+    """The Matryoshka sizes a model directory records, largest first: an export's config.json (``pretrain.
+    matryoshka_dims``) or a checkpoint's / best/'s run config; [] when none."""
+    import yaml
+
+    p = Path(path)
+    if (p / "config.json").is_file():
+        recorded = (json.loads((p / "config.json").read_text(encoding="utf-8")).get("pretrain") or {})
+        return sorted((int(d) for d in recorded.get("matryoshka_dims") or []), reverse=True)
+    for name in ("run_config.yaml", "config.yaml"):
+        if (p / name).is_file():
+            return matryoshka_dims(yaml.safe_load((p / name).read_text(encoding="utf-8")))
+    return []

@@ -26,11 +26,14 @@ def arccon(
     self_idx_N: torch.Tensor | None = None,
     impl: str = "eager",
     chunk_size: int = 1024,
+    neg_MD: torch.Tensor | None = None,
+    neg_weight: float = 1.0,
 ) -> tuple[torch.Tensor, int, Metrics]:
-    """ArcCon loss -> (loss_sum, N, metrics); margin in degrees (paper: 10); margin_deg = 0 is exactly info_nce."""
+    """ArcCon loss -> (loss_sum, N, metrics); margin in degrees (paper: 10); margin_deg = 0 is exactly info_nce.
+    ``neg_MD``/``neg_weight``: hard negatives as extra columns, as in ``info_nce``."""
     if not 0.0 <= margin_deg < 90.0:
         raise ValueError(f"ArcCon margin must be in [0, 90) degrees, got {margin_deg}")
     return info_nce(
         q_ND, k_MD, pos_idx_N, temperature=temperature, margin=math.radians(margin_deg),
-        self_idx_N=self_idx_N, impl=impl, chunk_size=chunk_size,
+        self_idx_N=self_idx_N, impl=impl, chunk_size=chunk_size, neg_MD=neg_MD, neg_weight=neg_weight,
     )

@@ -2,7 +2,8 @@
 
 The package: ``forward`` (the per-micro-batch forward cache and the terms' ``Context``), ``terms`` (one
 function per objective, ``OBJECTIVES``, RankCSE's ``Teachers``) and this composer. Each term is
-``fn(fwd, cfg, ctx) -> (loss_sum, count, metrics)``. Teachers and SARCSE's token frequencies are
+``fn(fwd, cfg, ctx) -> (loss_sum, count, metrics)``; ``matryoshka`` runs the contrastive ones at every size of
+objective.matryoshka. Teachers and SARCSE's token frequencies are
 resolved by the caller (``pretrain.training.resources``) and passed in: nothing here reads data or
 checkpoints.
 
@@ -23,6 +24,8 @@ Bt sentences with a triplet, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pretrain.config.objective import ObjectiveConfig
@@ -30,11 +33,13 @@ from pretrain.distributed.comm import all_reduce_host
 from pretrain.model.autoencoder import TextCNNAutoencoder
 from pretrain.objective.forward import Context, Forward
 from pretrain.objective.grad_cache import (
+    CONTRASTIVE,
     ChunkGrads,
     check_terms,
     embed_chunk,
     replay_chunk,
 )
+from pretrain.objective.matryoshka import run_term
 from pretrain.objective.terms import OBJECTIVES, SELF_WEIGHTED, Teachers
 
 __all__ = ["OBJECTIVES", "SELF_WEIGHTED", "Context", "Forward", "Objective", "Teachers", "TrainModule"]
@@ -45,7 +50,10 @@ class Objective:
 
     def __init__(self, cfg: ObjectiveConfig, ctx: Context, *, teachers: Teachers | None = None,
                  token_freq_V: torch.Tensor | None = None):
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg = cfg
+        self.sizes = cfg.matryoshka.sizes() if cfg.matryoshka is not None else None
+        """objective.matryoshka's (d, w_d), largest first; None = off."""
+        self.ctx = dataclasses.replace(ctx, matryoshka_dims=tuple(d for d, _ in self.sizes)) if self.sizes else ctx
         self.terms = []
         for name in cfg.enabled():
             if name not in OBJECTIVES:
@@ -83,7 +91,8 @@ class Objective:
         fwd = self.forward_cache(model, batch, heads)
         sums, counts, metrics = {}, {}, {}
         for name, fn, term_cfg in self.terms:
-            loss_sum, count, term_metrics = fn(fwd, term_cfg, self.ctx)
+            loss_sum, count, term_metrics = run_term(name, fn, fwd, term_cfg, self.ctx,
+                                                     self.sizes if name in CONTRASTIVE else None)
             sums[name], counts[name] = loss_sum, count
             metrics.update(term_metrics)
         loss = self.weighted(self.terms, sums, self.global_counts([counts[n] for n, _, _ in self.terms]))

@@ -2,7 +2,8 @@
 
 ``Forward`` computes the encoder passes lazily, so terms sharing a pass (e.g. the views) run it once.
 How the embedding pair is obtained depends on the data stage (``Context.stage``): the sentence stage
-encodes the same sentence twice (independent dropout), pretraining encodes CLEAR's two augmented views.
+encodes the same sentence twice (independent dropout), or with data.pairs the anchor and its positive (and its hard
+negatives in a pass of their own); pretraining encodes CLEAR's two augmented views.
 Under ``train.unpadded`` the host has packed the MLM rows and the pair (training/step.py: host_facts): the batch
 carries ``packed_mlm`` and ``packed_views``/``packed_sentences`` (model/packing.py: Packed), the passes return
 h_ND and pooling runs on the stream; without them every pass is the padded reference.
@@ -32,6 +33,9 @@ class Context:
     view_mean_mix: float = 0.0
     """Weight of mean pooling blended into ``pooling`` for CLEAR's views (objective.nt_xent.
     mean_pool_warmup_steps; the trainer sets it each step, see mean_pool_mix)."""
+    matryoshka_dims: tuple[int, ...] = ()
+    """objective.matryoshka's sizes, largest first (set by Objective): the pair's, views' and hard negatives'
+    embeddings are then one block per size, side by side (``embed(nested=True)``); () = off."""
 
 
 def mean_pool_mix(step: int, warmup_steps: int) -> float:
@@ -76,13 +80,17 @@ class Forward:
         return None if full is None else mask_key not in full
 
     def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor | None, mean_mix: float = 0.0,
-              packed=None) -> torch.Tensor:
+              packed=None, *, nested: bool = False) -> torch.Tensor:
         """Training-time sentence embedding: pool (blended with ``mean_mix`` of mean pooling) -> projection MLP.
-        With ``packed`` (Packed), h is h_ND of an unpadded pass."""
+        With ``packed`` (Packed), h is h_ND of an unpadded pass. ``nested`` under objective.matryoshka: z_B(KP), the
+        projection of e's first d coordinates (the rest zeroed) for each of the K sizes d, side by side."""
         rows = _known(packed=packed)
         e_BD = self.model.pool(h_BTD, mask_BT, self.ctx.pooling, **rows)
         if mean_mix > 0.0 and self.ctx.pooling != "mean":
             e_BD = (1.0 - mean_mix) * e_BD + mean_mix * self.model.pool(h_BTD, mask_BT, "mean", **rows)
+        if nested and self.ctx.matryoshka_dims:
+            return torch.cat([self.model.projection(first_coordinates(e_BD, d)) for d in self.ctx.matryoshka_dims],
+                             dim=-1)
         return self.model.projection(e_BD)
 
     def _pair_pass(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, object]:
@@ -90,19 +98,21 @@ class Forward:
         h_ND when the host packed the pair (``packed`` is then its Packed, else None)."""
         if "pair_h" not in self._cache:
             b = self.batch
-            if self.ctx.stage == "sentences":  # the same sentence twice, independent dropout
+            if self.ctx.stage == "sentences" and "positive_ids" not in b:  # one sentence twice, independent dropout
                 ids = torch.cat([b["sentence_ids"], b["sentence_ids"]])
                 mask = torch.cat([b["sentence_mask"], b["sentence_mask"]])
                 n = b["sentence_ids"].shape[0]
                 padded = self._padded("sentence_mask")
                 packed = b.get("packed_sentences")
-            else:  # pretraining: CLEAR's two augmented views
-                ids, mask = _stack_padded([b["view_a_ids"], b["view_b_ids"]], [b["view_a_mask"], b["view_b_mask"]])
-                n = b["view_a_ids"].shape[0]
-                a, z = self._padded("view_a_mask"), self._padded("view_b_mask")
-                same_len = b["view_a_ids"].shape[1] == b["view_b_ids"].shape[1]
+            else:  # two sentences: CLEAR's two augmented views, or data.pairs' (anchor, positive)
+                first, second = ("sentence", "positive") if self.ctx.stage == "sentences" else ("view_a", "view_b")
+                ids, mask = _stack_padded([b[f"{first}_ids"], b[f"{second}_ids"]],
+                                          [b[f"{first}_mask"], b[f"{second}_mask"]])
+                n = b[f"{first}_ids"].shape[0]
+                a, z = self._padded(f"{first}_mask"), self._padded(f"{second}_mask")
+                same_len = b[f"{first}_ids"].shape[1] == b[f"{second}_ids"].shape[1]
                 padded = None if a is None or z is None else (a or z or not same_len)
-                packed = b.get("packed_views")
+                packed = b.get("packed_sentences" if self.ctx.stage == "sentences" else "packed_views")
             if packed is not None:
                 h = self.model.encode(None, None, packed=packed)
             else:
@@ -119,7 +129,7 @@ class Forward:
     def _pair_embeddings(self, mean_mix: float = 0.0) -> torch.Tensor:
         """z_2BP: ``embed`` of the pair's pass, padded or packed."""
         h, mask, _, _, packed = self._pair_pass()
-        return self.embed(h, None if packed is not None else mask, mean_mix, packed=packed)
+        return self.embed(h, None if packed is not None else mask, mean_mix, packed=packed, nested=True)
 
     def view_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(z_a, z_b): both views through one encoder pass (padded together, or packed), pooled, projected."""
@@ -155,6 +165,32 @@ class Forward:
                 self._cache["pair"] = self.view_projections()
         return self._cache["pair"]
 
+    def hard_negatives(self) -> torch.Tensor | None:
+        """z3_BP: data.pairs' hard negatives (batch ``negative_ids``), embedded as the pair is (pool -> projection,
+        or the autoencoder's Z) in a pass of their own, padded; None when the batch has none."""
+        if "negative" not in self._cache:
+            b = self.batch
+            z = None
+            if "negative_ids" in b:
+                ids, mask = b["negative_ids"], b["negative_mask"]
+                h = self.model.encode(ids, mask, **_known(padded=self._padded("negative_mask")))
+                if "autoencoder" in self.heads:
+                    x, content_mask, _ = _content_tokens(h, mask, ids)
+                    z = self.heads["autoencoder"](x, content_mask)[0]
+                else:
+                    z = self.embed(h, mask, nested=True)
+            self._cache["negative"] = z
+        return self._cache["negative"]
+
+    def gathered_negatives(self) -> torch.Tensor | None:
+        """neg_MP: every rank's hard negatives (with gradient, in the keys' row order when gathering), or None."""
+        if "gathered_negative" not in self._cache:
+            z3 = self.hard_negatives()
+            if z3 is not None and self.gather:
+                z3 = all_gather_with_grad(z3, self.ctx.env)
+            self._cache["gathered_negative"] = z3
+        return self._cache["gathered_negative"]
+
     def teacher_embeddings(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """RankCSE: each teacher's (t1_BE, t2_BE) of the pair's sentences (no gradient)."""
         if "teacher" not in self._cache:
@@ -172,6 +208,49 @@ class Forward:
             pos = torch.arange(self.pair()[0].shape[0], device=z1.device) + offset
             self._cache["gathered"] = (z1, z2, pos)
         return self._cache["gathered"]
+
+
+class TruncatedForward:
+    """Block ``index`` of ``parent``'s nested embeddings (objective.matryoshka): what a contrastive term reads, at one
+    size. Everything else (batch, model, teachers, context) is the parent's."""
+
+    def __init__(self, parent: Forward, index: int):
+        self.parent, self.index = parent, index
+        self.model, self.batch, self.ctx = parent.model, parent.batch, parent.ctx
+        self.heads, self.teachers, self.gather = parent.heads, parent.teachers, parent.gather
+
+    def _block(self, z: torch.Tensor | None) -> torch.Tensor | None:
+        if z is None:
+            return None
+        width = z.shape[-1] // len(self.ctx.matryoshka_dims)
+        return z[..., self.index * width:(self.index + 1) * width]
+
+    def view_projections(self):
+        return tuple(self._block(z) for z in self.parent.view_projections())
+
+    def pair(self):
+        return tuple(self._block(z) for z in self.parent.pair())
+
+    def gathered_pair(self):
+        z1, z2, pos = self.parent.gathered_pair()
+        return self._block(z1), self._block(z2), pos
+
+    def hard_negatives(self):
+        return self._block(self.parent.hard_negatives())
+
+    def gathered_negatives(self):
+        return self._block(self.parent.gathered_negatives())
+
+    def teacher_embeddings(self):
+        return self.parent.teacher_embeddings()
+
+
+def first_coordinates(e_BD: torch.Tensor, dim: int) -> torch.Tensor:
+    """e with coordinates dim.. zeroed: what the projection sees of e truncated to its first ``dim``."""
+    if dim > e_BD.shape[-1]:
+        raise ValueError(f"objective.matryoshka.dims has {dim}, larger than the sentence embedding ({e_BD.shape[-1]})")
+    keep_D = torch.arange(e_BD.shape[-1], device=e_BD.device) < dim
+    return e_BD * keep_D.to(e_BD.dtype)
 
 
 def _stack_padded(ids_list, mask_list):

@@ -12,8 +12,8 @@ batch's gradient. Per-sample terms are normalised by their count over the whole 
 pass 1, so they too add up to the whole batch's.
 
 A chunk's embeddings E_k: CLEAR's views (``views``, nt_xent), the pair (``pair``: info_nce, arccon, consistency,
-rank_distill; in pretraining the views themselves, with SARCSE the autoencoder's Z) and RankCSE's teachers'
-embeddings (``teacher``, no gradient). Which terms are which:
+rank_distill; in pretraining the views themselves, with SARCSE the autoencoder's Z), data.pairs' hard negatives
+(``negative``: info_nce, arccon) and RankCSE's teachers' embeddings (``teacher``, no gradient). Which terms are which:
 
 - CONTRASTIVE (whole step): nt_xent, info_nce, arccon, consistency, rank_distill: each compares a sentence with
   the batch's other sentences.
@@ -34,12 +34,19 @@ import torch
 
 from pretrain.config.data import IGNORE_INDEX
 from pretrain.objective.forward import Forward
+from pretrain.objective.matryoshka import run_term
 
 CONTRASTIVE = frozenset({"nt_xent", "info_nce", "arccon", "consistency", "rank_distill"})
 """Terms that compare sentences with each other: under objective.gradient_cache they see the whole step."""
 
 PAIR_TERMS = frozenset({"info_nce", "arccon", "consistency", "rank_distill"})
 """Terms that read ``Forward.pair``."""
+
+HARD_NEGATIVE_TERMS = frozenset({"info_nce", "arccon"})
+"""Terms that read ``Forward.hard_negatives`` (data.pairs' third column)."""
+
+SOURCES = ("views", "pair", "negative")
+"""The embedding passes a chunk can cache, in the order both passes run them."""
 
 
 def _mlm_count(fwd: Forward) -> int:
@@ -67,7 +74,7 @@ class ChunkGrads:
     """What pass 2 of one chunk needs: the cached gradient of each embedding and the per-sample terms' totals."""
 
     grads: dict
-    """``views``/``pair`` -> (g_a_BP, g_b_BP), in the order pass 1 embedded them."""
+    """``views``/``pair`` -> (g_a_BP, g_b_BP), ``negative`` -> (g_BP,), in the order pass 1 embedded them."""
     totals: dict
     """Per-sample term -> its count over the whole step and all ranks."""
 
@@ -91,17 +98,21 @@ def check_terms(names) -> None:
 
 def _sources(fwd: Forward, names: set) -> list[str]:
     """The passes the contrastive terms read: ``views`` and/or ``pair`` (the pair *is* the views in pretraining
-    without the autoencoder: then only ``views``)."""
+    without the autoencoder: then only ``views``), then data.pairs' hard negatives (``negative``)."""
     pair_is_views = fwd.ctx.stage != "sentences" and "autoencoder" not in fwd.heads
     out = []
     if "nt_xent" in names or (names & PAIR_TERMS and pair_is_views):
         out.append("views")
     if names & PAIR_TERMS and not pair_is_views:
         out.append("pair")
+    if names & HARD_NEGATIVE_TERMS and "negative_ids" in fwd.batch:
+        out.append("negative")
     return out
 
 
-def _embed(fwd: Forward, source: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _embed(fwd: Forward, source: str) -> tuple[torch.Tensor, ...]:
+    if source == "negative":
+        return (fwd.hard_negatives(),)
     return fwd.view_projections() if source == "views" else fwd.pair()
 
 
@@ -120,20 +131,24 @@ def embed_chunk(objective, model, batch: dict, heads) -> dict:
 def contrast(objective, embedded: list[dict]) -> StepCache:
     """The contrastive terms on the whole step's embeddings (every chunk of this rank, gathered over ranks by the
     terms themselves) -> their loss, metrics and each chunk's cached gradient."""
-    sources = [s for s in ("views", "pair") if s in embedded[0]]
+    sources = [s for s in SOURCES if s in embedded[0]]
     rows = [c[sources[0]][0].shape[0] for c in embedded] if sources else []
-    cached = {s: tuple(_leaf(torch.cat([c[s][i] for c in embedded])) for i in (0, 1)) for s in sources}
+    cached = {s: tuple(_leaf(torch.cat([c[s][i] for c in embedded])) for i in range(len(embedded[0][s])))
+              for s in sources}
     leaves = [z for s in sources for z in cached[s]]
     if "teacher" in embedded[0]:
         cached["teacher"] = [tuple(torch.cat([c["teacher"][t][i] for c in embedded]) for i in (0, 1))
                              for t in range(len(embedded[0]["teacher"]))]
+    if "negative" in cached:
+        cached["negative"] = cached["negative"][0]  # Forward.hard_negatives's value: one tensor
     fwd = Forward(None, {}, objective.ctx, gather=objective.gather, teachers=objective.teachers, cached=cached)
     terms = [t for t in objective.terms if t[0] in CONTRASTIVE]
     sample_terms = [n for n, _, _ in objective.terms if n not in CONTRASTIVE]
     sums, counts, metrics = {}, {}, {}
     with torch.enable_grad():
         for name, fn, term_cfg in terms:
-            sums[name], counts[name], term_metrics = fn(fwd, term_cfg, objective.ctx)
+            sums[name], counts[name], term_metrics = run_term(name, fn, fwd, term_cfg, objective.ctx,
+                                                              objective.sizes)
             metrics.update(term_metrics)
     step_counts = [sum(c["counts"][n] for c in embedded) for n in sample_terms]
     totals = objective.global_counts([counts[n] for n, _, _ in terms] + step_counts)  # one collective
@@ -144,9 +159,12 @@ def contrast(objective, embedded: list[dict]) -> StepCache:
     if leaves and torch.is_tensor(loss) and loss.requires_grad:
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [torch.zeros_like(z) if g is None else g for z, g in zip(leaves, grads)]
-    per_source = {s: (grads[2 * i], grads[2 * i + 1]) for i, s in enumerate(sources)}
+    per_source, at = {}, 0
+    for s in sources:
+        width = len(embedded[0][s])
+        per_source[s], at = tuple(grads[at:at + width]), at + width
     sample_totals = dict(zip(sample_terms, totals[len(terms):]))
-    chunks = [ChunkGrads(grads={s: (g_a[lo:hi], g_b[lo:hi]) for s, (g_a, g_b) in per_source.items()},
+    chunks = [ChunkGrads(grads={s: tuple(g[lo:hi] for g in gs) for s, gs in per_source.items()},
                          totals=sample_totals)
               for lo, hi in _bounds(rows if rows else [0] * len(embedded))]
     loss = loss.detach() if torch.is_tensor(loss) else torch.zeros(())

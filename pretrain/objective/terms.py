@@ -73,20 +73,23 @@ def nt_xent_term(fwd: Forward, cfg, ctx: Context):
 
 
 def info_nce_term(fwd: Forward, cfg, ctx: Context):
-    """SimCSE: InfoNCE of z1 against all (gathered) z2."""
+    """SimCSE: InfoNCE of z1 against all (gathered) z2, and all hard negatives when data.pairs has them
+    (supervised SimCSE)."""
     z1, _ = fwd.pair()
     _, keys, pos = fwd.gathered_pair()
     loss, count, metrics = info_nce(z1, keys, pos, temperature=cfg.temperature, impl=ctx.ops.similarity,
-                                    chunk_size=ctx.ops.chunk_size)
+                                    chunk_size=ctx.ops.chunk_size, neg_MD=fwd.gathered_negatives(),
+                                    neg_weight=cfg.hard_negative_weight)
     return loss, count, _prefixed("info_nce", {**metrics, **spread_metrics(*fwd.pair())})
 
 
 def arccon_term(fwd: Forward, cfg, ctx: Context):
-    """ArcCSE ArcCon: InfoNCE with the angular margin on the positive."""
+    """ArcCSE ArcCon: InfoNCE with the angular margin on the positive (hard negatives as info_nce's)."""
     z1, _ = fwd.pair()
     _, keys, pos = fwd.gathered_pair()
     loss, count, metrics = arccon(z1, keys, pos, temperature=cfg.temperature, margin_deg=cfg.margin_deg,
-                                  impl=ctx.ops.similarity, chunk_size=ctx.ops.chunk_size)
+                                  impl=ctx.ops.similarity, chunk_size=ctx.ops.chunk_size,
+                                  neg_MD=fwd.gathered_negatives(), neg_weight=cfg.hard_negative_weight)
     return loss, count, _prefixed("arccon", {**metrics, **spread_metrics(*fwd.pair())})
 
 
@@ -183,9 +186,11 @@ class Teachers:
     @torch.no_grad()
     def embeddings(self, fwd: Forward) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each teacher's (t1_BE, t2_BE): pooled embeddings of the pair's two sides (one sentence twice in the
-        sentence stage, where both are the same: teachers run without dropout)."""
+        sentence stage, where both are the same: teachers run without dropout; data.pairs' anchor and positive)."""
         b = fwd.batch
-        if fwd.ctx.stage == "sentences":
+        if fwd.ctx.stage == "sentences" and "positive_ids" in b:  # data.pairs: (anchor, positive)
+            sides = [(b["sentence_ids"], b["sentence_mask"]), (b["positive_ids"], b["positive_mask"])]
+        elif fwd.ctx.stage == "sentences":
             sides = [(b["sentence_ids"], b["sentence_mask"])]
         else:
             sides = [(b["view_a_ids"], b["view_a_mask"]), (b["view_b_ids"], b["view_b_mask"])]

@@ -45,7 +45,8 @@ def _tokens_per_sequence(cfg) -> list[int]:
     """Lengths of the encoder passes a micro-batch's sequence takes (at most): the MLM input and the views."""
     terms = set(cfg.objective.enabled())
     if cfg.data.stage == "sentences":
-        passes = 2 if terms & {"info_nce", "arccon", "consistency", "rank_distill", "reconstruction"} else 1
+        pair = 3 if cfg.data.pairs else 2  # data.pairs: anchor, positive and (at most) a hard negative
+        passes = pair if terms & {"info_nce", "arccon", "consistency", "rank_distill", "reconstruction"} else 1
         return [cfg.data.max_len] * passes
     lengths = [cfg.data.max_len] if "mlm" in terms else []
     if terms & {"nt_xent", "info_nce", "arccon"}:

@@ -67,8 +67,9 @@ def dropout_rng(seed: int, step: int, rank: int, device):
 
 
 def count_tokens(batch: dict) -> int:
-    """Real (non-padding) tokens of a batch (host tensors): the sequence and both views."""
-    return int(sum(batch[k].numpy().sum() for k in ("attention_mask", "view_a_mask", "view_b_mask") if k in batch))
+    """Real (non-padding) tokens of a batch (host tensors): the sequence and both views, or data.pairs' three."""
+    keys = ("attention_mask", "view_a_mask", "view_b_mask", "positive_mask", "negative_mask")
+    return int(sum(batch[k].numpy().sum() for k in keys if k in batch))
 
 
 def host_facts(batch: dict, *, unpadded: bool = False) -> dict:
@@ -80,7 +81,8 @@ def host_facts(batch: dict, *, unpadded: bool = False) -> dict:
     ``unpadded``: also the sequences packed into streams (model/packing.py: ``pack``; lengths, positions and
     attention groups are shapes too): ``packed_mlm`` (the MLM rows; ``mlm_labels_packed`` and ``mlm_positions``
     then index the stream), ``packed_views`` (view A's rows, then view B's: the pair's one pass) and
-    ``packed_sentences`` (the sentence stage's rows twice). Triplets and RankCSE's teachers stay padded."""
+    ``packed_sentences`` (the sentence stage's rows twice, or data.pairs' anchors then positives). Triplets, data.pairs'
+    hard negatives and RankCSE's teachers stay padded."""
     out = dict(batch)
     if unpadded and "attention_mask" in batch:
         out["packed_mlm"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
@@ -93,7 +95,9 @@ def host_facts(batch: dict, *, unpadded: bool = False) -> dict:
     if unpadded and "view_a_ids" in batch:
         out["packed_views"] = pack([(batch[f"view_{v}_ids"].numpy(), batch[f"view_{v}_mask"].numpy()) for v in "ab"])
     if unpadded and "sentence_ids" in batch:
-        out["packed_sentences"] = pack([(batch["sentence_ids"].numpy(), batch["sentence_mask"].numpy())] * 2)
+        second = "positive" if "positive_ids" in batch else "sentence"  # data.pairs' positive, or the sentence again
+        out["packed_sentences"] = pack([(batch["sentence_ids"].numpy(), batch["sentence_mask"].numpy()),
+                                        (batch[f"{second}_ids"].numpy(), batch[f"{second}_mask"].numpy())])
     out["full_masks"] = frozenset(k for k, v in batch.items() if k.endswith("_mask") and v.numpy().all())
     return out
 

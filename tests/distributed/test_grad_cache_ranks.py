@@ -30,7 +30,8 @@ ROWS = 10
 RUNS = {
     1: [("clear", (4, 4, 2), 0, "cached"), ("clear", (5, 5), 2, "cached"), ("simcse_arccse", (3, 3, 4), 2, "cached")],
     2: [("clear", (4, 4, 2), 0, "cached"), ("clear", (4, 4, 2), 2, "cached"), ("simcse_arccse", (5, 5), 2, "cached"),
-        ("clear", (3, 7), 3, "cached"),
+        ("clear", (3, 7), 3, "cached"), ("simcse_sup", (4, 6), 2, "cached"),
+        ("simcse_sup_matryoshka", (3, 7), 1, "cached"),
         ("clear", (5, 5), 2, "nodrop_cached"), ("clear", (10,), 2, "nodrop_full"), ("clear", (5, 5), 2, "nodrop_accum")],
 }
 """world size -> (objective, chunk sizes, ZeRO stage, mode) per step run; a mode's ``nodrop_`` runs without dropout,

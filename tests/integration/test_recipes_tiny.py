@@ -30,8 +30,9 @@ FAST = ["train.eval_batches=2"]  # held-out validation runs at step 0 and at the
 
 
 def test_the_recipe_lists_are_what_this_test_runs():
-    assert len(CLEAR) == 4 and {"simcse_unsup_bert_base", "arccse_bert_base", "rankcse_listnet_bert_base",
-                                "rankcse_listmle_bert_base", "sarcse_roberta_base"} == set(CONTINUED)
+    assert len(CLEAR) == 4 and {"simcse_unsup_bert_base", "simcse_sup_bert_base", "arccse_bert_base",
+                                "rankcse_listnet_bert_base", "rankcse_listmle_bert_base",
+                                "sarcse_roberta_base"} == set(CONTINUED)
     for name in CLEAR + CONTINUED:
         assert "precision: auto" in (RECIPES / f"{name}.yaml").read_text(), name
 
@@ -41,6 +42,14 @@ def _sentences(corpus: dict, out: Path) -> str:
     text = (Path(corpus["dir"]) / "text").glob("*train*")
     lines = [ln.strip() for f in text for ln in f.read_text(encoding="utf-8").splitlines() if len(ln.split()) >= 6]
     out.write_text("\n".join(lines[:400]) + "\n", encoding="utf-8")
+    return str(out)
+
+
+def _pairs(sentences: str, out: Path) -> str:
+    """data.pairs rows from those sentences: (sentence, itself without its last word, another sentence)."""
+    lines = Path(sentences).read_text(encoding="utf-8").splitlines()
+    rows = [(s, " ".join(s.split()[:-1]), lines[(i + 7) % len(lines)]) for i, s in enumerate(lines)]
+    out.write_text("sent0\tsent1\thard_neg\n" + "".join("\t".join(r) + "\n" for r in rows), encoding="utf-8")
     return str(out)
 
 
@@ -95,6 +104,8 @@ def test_continued_training_recipe_trains_from_a_tiny_checkpoint(name, tiny_corp
     argv = [str(RECIPES / f"{name}.yaml"), "model=tiny", f"run_dir={run_dir}", f"train.max_steps={STEPS}",
             f"checkpoint.init_from={start}", f"data.tokenizer={tiny_corpus['tokenizer']}",
             f"data.sentences={_sentences(tiny_corpus, clear_runs['root'] / 'sentences.txt')}"]
+    if name == "simcse_sup_bert_base":  # trains on data.pairs instead
+        argv[-1:] = ["data.sentences=", f"data.pairs={_pairs(argv[-1].split('=', 1)[1], clear_runs['root'] / 'p.tsv')}"]
     if name.startswith("rankcse"):
         argv.append(f"objective.rank_distill.teachers=[{start},{start}]")
     out = _run(argv, capsys)

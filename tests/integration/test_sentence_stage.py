@@ -2,7 +2,8 @@
 
 A tiny encoder with the all-MiniLM-L6-v2 (BERT) tokenizer trains in-process through the real
 Trainer and DeepSpeed engine with (a) SimCSE + RankCSE (a frozen teacher from an init dir) +
-SARCSE, (b) ArcCSE (ArcCon + triplet) + MLM. STS-B dev runs on a 100-pair subset.
+SARCSE, (b) ArcCSE (ArcCon + triplet) + MLM, (c) supervised SimCSE on data.pairs (anchor, positive, hard
+negative), each with and without objective.gradient_cache where marked. STS-B dev runs on a 100-pair subset.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ def stage_inputs(data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("sentence_stage")
     lines = (data_dir / "corpus" / "wiki1m" / "wiki1m_for_simcse.txt").read_text(encoding="utf-8").splitlines()
     (root / "sentences.txt").write_text("\n".join(lines[:96]) + "\n", encoding="utf-8")
-    return {"root": root, "sentences": str(root / "sentences.txt"), "tokenizer": str(_minilm_tokenizer()),
-            "data_dir": str(data_dir)}
+    # data.pairs: each sentence, its positive (the sentence without its last word), a hard negative (another one).
+    rows = [(s, " ".join(s.split()[:-1]) or s, lines[(i + 48) % 96]) for i, s in enumerate(lines[:96])]
+    (root / "pairs.tsv").write_text("anchor\tpositive\tnegative\n" + "".join("\t".join(r) + "\n" for r in rows),
+                                    encoding="utf-8")
+    return {"root": root, "sentences": str(root / "sentences.txt"), "pairs": str(root / "pairs.tsv"),
+            "tokenizer": str(_minilm_tokenizer()), "data_dir": str(data_dir)}
 
 
 TINY = {"model.vocab_size": 30522, "model.hidden_size": 32, "model.num_layers": 2, "model.num_heads": 2,
@@ -130,3 +135,36 @@ def test_arccse_stage_with_mlm(stage_inputs, single_env, tmp_path):
     assert sum(r.get("triplet_order_acc", 0) == r.get("triplet_order_acc", 0) for r in train) == 2
     assert all("mlm" in r and "arccon" in r and "triplet" in r for r in train)
     assert (run_dir / "best" / "best.json").is_file()
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "gradient_cache"])
+def test_supervised_simcse_on_pairs_with_hard_negatives(cached, stage_inputs, single_env, tmp_path):
+    """data.pairs (a tsv with a header and hard negatives) through the trainer; ``cached``: objective.gradient_cache
+    over 2 micro-batches of 4 (the hard negatives are the chunks' third cached embedding)."""
+    cache = {"objective.gradient_cache": "true", "train.micro_batch_size": 4, "train.grad_accum": 2} if cached else {}
+    run_dir = tmp_path / "run"
+    _train(_overrides(stage_inputs, run_dir, **{"data.sentences": "", "data.pairs": stage_inputs["pairs"],
+                                                "objective.info_nce": "{temperature: 0.05, hard_negative_weight: 1.0}",
+                                                **cache}), single_env)
+    train = [r for r in _records(run_dir) if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    for r in train:
+        assert r["info_nce"] == r["info_nce"] and 0 < r["info_nce"] < 1e4, r
+        assert -1.0 <= r["info_nce_hard_neg_cos"] <= 1.0, r
+    # 16 columns (8 positives + 8 hard negatives) per row: a loss near ln 16 at the start, lower after 4 steps.
+    assert train[-1]["info_nce"] < train[0]["info_nce"]
+    assert (run_dir / "best" / "best.json").is_file()
+
+
+def test_matryoshka_on_pairs_with_gradient_cache(stage_inputs, single_env, tmp_path):
+    """objective.matryoshka through the trainer under objective.gradient_cache: each size's term is logged."""
+    run_dir = tmp_path / "run"
+    _train(_overrides(stage_inputs, run_dir, **{
+        "data.sentences": "", "data.pairs": stage_inputs["pairs"], "train.max_steps": 2, "eval.stsb_every": 2,
+        "objective.info_nce": "{temperature: 0.05}", "objective.matryoshka": "{dims: [32, 8], weights: [1.0, 0.5]}",
+        "objective.gradient_cache": "true", "train.micro_batch_size": 4, "train.grad_accum": 2}), single_env)
+    train = [r for r in _records(run_dir) if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert 0 < r["info_nce_dim8"] < 1e4 and 0 < r["info_nce_dim32"] < 1e4
+        assert r["info_nce"] == pytest.approx(r["info_nce_dim32"] + 0.5 * r["info_nce_dim8"], rel=1e-4)

@@ -77,3 +77,25 @@ def test_eval_tools_fail_in_one_line_and_read_pretrain_data_dir(tmp_path, monkey
         err = capsys.readouterr().err
         assert e.value.code == 2, (argv, err)
         assert says in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+
+
+def test_sts_at_each_matryoshka_size(data_dir):
+    """--dims: STS on the first d coordinates of the same embeddings (encoded once for all sizes), by a reference."""
+    calls = []
+
+    def encode(sentences):
+        calls.append(len(sentences))
+        return bow_encode(sentences)
+
+    res = run_eval(encode, data_dir, ("sts",), sts_tasks=("STS13",), dims=[32, 8], log=lambda *_: None)
+    json.dumps(res)
+    assert set(res["sts_dims"]) == {32, 8}
+    assert res["sts_dims"][32]["STS13"] == res["sts"]["STS13"]  # the full size is the plain evaluation
+    task = load_sts_task(data_dir, "STS13")
+    sims = predict_similarities(lambda s: bow_encode(s)[:, :8], task)
+    want = spearman_ref(np.concatenate(sims), np.concatenate([s.gold for s in task.subsets]))
+    assert res["sts_dims"][8]["STS13"]["spearman"]["all"] == pytest.approx(want, abs=1e-9)
+    assert abs(res["sts_dims"][8]["STS13"]["spearman"]["all"] - res["sts"]["STS13"]["spearman"]["all"]) > 0.1
+    assert len(calls) == 2 * len(calls[:len(calls) // 2])  # the plain pass, then one pass shared by both sizes
+    md = markdown_report("bow", res)
+    assert "### STS at truncated embedding sizes" in md and "| 8 | " in md and "| 32 | " in md

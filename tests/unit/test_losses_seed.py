@@ -377,8 +377,8 @@ def test_load_token_freq(tmp_path: Path):
 
 
 RECIPES = [
-    "simcse_unsup_bert_base", "arccse_bert_base", "rankcse_listnet_bert_base", "rankcse_listmle_bert_base",
-    "sarcse_roberta_base", "clear_del_word", "clear_del_span", "clear_subs_del_span", "clear_del_span_reorder",
+    "simcse_unsup_bert_base", "simcse_sup_bert_base", "arccse_bert_base", "rankcse_listnet_bert_base",
+    "rankcse_listmle_bert_base", "sarcse_roberta_base", "clear_del_word", "clear_del_span", "clear_subs_del_span", "clear_del_span_reorder",
 ]
 
 
@@ -399,5 +399,8 @@ def test_recipe_loads_strictly(repo_root: Path, name: str):
         assert obj.arccon.margin_deg == 10.0 and obj.arccon.temperature == 0.05 and obj.triplet.weight == 0.1
     if name.startswith("rankcse"):
         assert obj.rank_distill.method == name.split("_")[1] and len(obj.rank_distill.teachers) == 2
+    if name == "simcse_sup_bert_base":
+        assert cfg.data.pairs and not cfg.data.sentences and obj.info_nce.hard_negative_weight == 1.0
+        assert (cfg.optim.lr, cfg.train.micro_batch_size, cfg.eval.pooling) == (5e-5, 512, "cls")
     if name == "sarcse_roberta_base":
         assert obj.reconstruction.weight == 2.5e-4 and obj.info_nce.weight == 1.0

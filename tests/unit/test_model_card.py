@@ -126,3 +126,38 @@ def test_a_run_without_the_mlm_term_exports_no_mlm_head(run_dir, tmp_path):
     assert not (tmp_path / "export" / "mlm").exists()
     card = (tmp_path / "export" / "README.md").read_text()
     assert "subfolder=\"mlm\"" not in card and "- `mlm`" not in card and "- `nt_xent`, weight 1.0" in card
+
+
+def test_matryoshka_sizes_are_recorded_and_truncate_dim_works(run_dir, tmp_path):
+    """A run with objective.matryoshka: config.json and the card record the sizes, pretrain-eval --dims auto finds
+    them in the checkpoint and in the export, and SentenceTransformer(export, truncate_dim=d) gives the first d
+    coordinates of the full embedding."""
+    import shutil
+
+    import yaml
+
+    from pretrain.eval.cli import _dims
+    from pretrain.export.resolve import recorded_matryoshka_dims
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    tag = run / "checkpoints" / "step_00000007"
+    config = yaml.safe_load((tag / "config.yaml").read_text())
+    config["objective"]["matryoshka"] = {"dims": [8, 32, 16], "weights": [0.5, 1.0, 1.0]}
+    (tag / "config.yaml").write_text(yaml.safe_dump(config))
+    assert _dims("auto", tag) == [32, 16, 8] and _dims("none", tag) == [] and _dims("24,4", tag) == [24, 4]
+    out = tmp_path / "export"
+    assert convert_main(["to-hf", str(run), str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["pretrain"]["matryoshka_dims"] == [32, 16, 8]
+    assert recorded_matryoshka_dims(out) == [32, 16, 8]
+    card = (out / "README.md").read_text()
+    assert "## Matryoshka embeddings" in card and "for d in 32, 16, 8" in card
+    assert 'SentenceTransformer("path/to/export", truncate_dim=8)' in card
+    assert "- Matryoshka sizes (`matryoshka`): dims [8, 32, 16], weights [0.5, 1.0, 1.0]" in card
+    st_mod = pytest.importorskip("sentence_transformers")
+    sentences = ["A man is playing a guitar.", "Someone plays an instrument."]
+    full = st_mod.SentenceTransformer(str(out), device="cpu").encode(sentences, convert_to_tensor=True)
+    for d in (16, 8):
+        cut = st_mod.SentenceTransformer(str(out), device="cpu", truncate_dim=d).encode(sentences,
+                                                                                      convert_to_tensor=True)
+        assert cut.shape == (2, d) and (cut - full[:, :d]).abs().max() < 1e-6
