@@ -15,14 +15,18 @@ from pretrain.config.model import ModelConfig
 from pretrain.model.encoder import Encoder
 from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, SentenceDense, pool
 from pretrain.model.init import init_bert_weights
+from pretrain.model.modern import ModernEncoder
 from pretrain.model.packing import Packed
+
+ENCODERS = {"bert": Encoder, "modernbert": ModernEncoder}
+"""model.arch -> the encoder class; both take (ids, mask | packed) and give h_BTD (h_ND)."""
 
 # Parameters that are another parameter under a second name (state_dict lists both).
 TIED_KEYS = {"mlm_head.decoder.weight": "encoder.embeddings.word.weight"}
 
 
 class PretrainModel(nn.Module):
-    """BERT-style encoder with the heads the objectives need; see build_model."""
+    """The encoder of model.arch (BERT or ModernBERT) with the heads the objectives need; see build_model."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -32,7 +36,7 @@ class PretrainModel(nn.Module):
                 "tokenizer (dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size))"
             )
         self.cfg = cfg
-        self.encoder = Encoder(cfg)
+        self.encoder = ENCODERS[cfg.arch](cfg)
         self.pooler = Pooler(cfg) if cfg.pooler else None
         self.sentence_dense = SentenceDense(cfg) if cfg.dense_dim else None
         self.mlm_head = MLMHead(cfg, self.encoder.embeddings.word.weight)

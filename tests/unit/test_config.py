@@ -137,7 +137,7 @@ def test_include_on_the_command_line_merges_in_order(tmp_path):
     assert (cfg.model.hidden_size, cfg.model.num_heads, cfg.optim.lr) == (48, 3, 0.25)
     cfg = load_run_config(recipe, ["optim.lr=0.25", f"include=[{a}]"])  # left to right: the file wins here
     assert cfg.optim.lr == 0.5
-    with pytest.raises(ValueError, match="no such size preset; choose one of base, large, mini, small, tiny"):
+    with pytest.raises(ValueError, match="no such size preset; choose one of base, large, mini, modernbert-base, modernbert-large, modernbert-mini, modernbert-tiny, small, tiny"):
         load_run_config(recipe, ["model=huge"])
     with pytest.raises(ValueError, match="no such size preset"):
         load_run_config(recipe, ["model=../recipes/clear_del_span"])
