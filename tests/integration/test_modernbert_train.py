@@ -1,6 +1,7 @@
 """model.arch=modernbert through the real trainer: MLM + CLEAR on the tiny corpus (unpadded, ZeRO 0), SIGKILL after
 the first checkpoint, resume -> the same losses bitwise; ZeRO 2 on the padded path with STS-B dev evaluation (the
-pooling/encode path) and keep-best."""
+pooling/encode path) and keep-best; ``pretrain-convert to-hf`` of the run loads as transformers' ModernBertModel
+with our outputs."""
 
 from __future__ import annotations
 
@@ -90,3 +91,21 @@ def test_modernbert_zero2_padded_with_stsb_eval(tmp_path, tiny_overrides, data_d
     assert [r["step"] for r in evals] == [2, 4]
     assert all(-100.0 <= r["stsb_dev_spearman"] <= 100.0 for r in evals)  # Spearman x 100
     assert (Path(run_dir) / "best" / "model.safetensors").is_file()
+
+    transformers = pytest.importorskip("transformers")
+    from pretrain.export.convert import main as convert_main
+    from pretrain.export.resolve import open_weights
+
+    out = tmp_path / "hf"
+    assert convert_main(["to-hf", str(run_dir), str(out)]) == 0
+    hf = transformers.AutoModel.from_pretrained(str(out), attn_implementation="sdpa").eval()
+    ours = open_weights(run_dir / "checkpoints" / "step_00000004").build_model().eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    enc = tok(["a short one.", " ".join(["a longer sentence that runs past the local window"] * 4)],
+              padding=True, return_tensors="pt")
+    assert enc["attention_mask"].sum(1).max() > 16  # model.local_window
+    keep_BT = enc["attention_mask"].bool()
+    with torch.no_grad():
+        h_BTD = ours.encode(enc["input_ids"], enc["attention_mask"])
+        ref_BTD = hf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
+    assert (h_BTD - ref_BTD)[keep_BT].abs().max() < 1e-5

@@ -94,7 +94,7 @@ def test_export_loads_quietly_as_modernbert_and_matches(exported, sentences, imp
     assert (logits_MV - ref_logits[keep_BT]).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("pooling", ["mean", "cls", "first_last_avg"])
 def test_sentence_transformers_loads_quietly_and_matches(exported, sentences, pooling, tmp_path, capfd):
     st_mod = pytest.importorskip("sentence_transformers")
     model, tok_path, out = exported
@@ -107,7 +107,8 @@ def test_sentence_transformers_loads_quietly_and_matches(exported, sentences, po
     e_st = st.encode(sentences, convert_to_tensor=True, batch_size=4)
     enc = st.tokenize(sentences)
     with torch.no_grad():
-        e_BD = model.pool(model.encode(enc["input_ids"], enc["attention_mask"]), enc["attention_mask"], pooling)
+        layers = model.encode(enc["input_ids"], enc["attention_mask"], all_layers=True)
+        e_BD = model.pool(layers[-1], enc["attention_mask"], pooling, all_layers=layers)
     assert (e_st - e_BD).abs().max() < 1e-5
 
 
