@@ -141,3 +141,28 @@ def test_size_presets(name, sizes):
             m.local_window, m.layer_norm_eps, m.max_position)
         if name == "modernbert-base":
             assert (ref.num_hidden_layers, ref.hidden_size, ref.num_attention_heads, ref.intermediate_size) == sizes
+
+
+@pytest.mark.slow
+def test_8192_tokens_padded_packed_and_transformers_agree(one_thread):
+    """The published context: a sequence of 8,192 tokens next to one of 3,000 (padded), through ours padded, ours
+    unpadded and transformers' ModernBertModel (sdpa) with the same weights."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig(arch="modernbert", pooler=False, vocab_size=100, hidden_size=16, num_layers=3, num_heads=2,
+                      ffn_size=24, max_position=8192, layer_norm_eps=1e-5)
+    model = build_model(cfg, seed=0).eval()
+    ids_BT, mask_BT = _padded_batch([8192, 3000], vocab=100)
+    d = hfmod.hf_config_from_model_config(cfg, None, "BertModel")
+    hf = transformers.ModernBertModel(transformers.ModernBertConfig(
+        **{k: v for k, v in d.items() if k not in ("pretrain", "architectures", "model_type")},
+        attn_implementation="sdpa")).eval()
+    state = hfmod.to_hf_state_dict({k: v for k, v in model.state_dict().items() if k not in TIED_KEYS}, 3,
+                                   "modernbert")
+    hf.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
+    packed = pack([(ids_BT.numpy(), mask_BT.numpy())])
+    keep_BT = mask_BT.bool()
+    with torch.no_grad():
+        h_BTD = model.encode(ids_BT, mask_BT)
+        assert (h_BTD.flatten(0, 1)[packed.index_N] - model.encode(None, None, packed=packed)).abs().max() < 1e-5
+        ref_BTD = hf(input_ids=ids_BT, attention_mask=mask_BT).last_hidden_state
+    assert (h_BTD - ref_BTD)[keep_BT].abs().max() < 1e-5
