@@ -109,3 +109,30 @@ def test_modernbert_zero2_padded_with_stsb_eval(tmp_path, tiny_overrides, data_d
         h_BTD = ours.encode(enc["input_ids"], enc["attention_mask"])
         ref_BTD = hf(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
     assert (h_BTD - ref_BTD)[keep_BT].abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_modernbert_zero3_unpadded(tmp_path, tiny_overrides, single_env):
+    """ZeRO 3 (parameters partitioned, gathered per module) on the unpadded path; the consolidated weights hold
+    the whole modernbert model."""
+    from safetensors import safe_open
+
+    from pretrain.config import load_run_config
+    from pretrain.training.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, tiny_overrides(run_dir, **MODERN, distributed__zero_stage=3, train__max_steps=3,
+                                               checkpoint__every=0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = Trainer(cfg, single_env)
+        assert trainer.train() == 0
+        trainer.close()
+    finally:
+        torch.set_num_threads(threads)
+    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3] and all(r["loss"] == r["loss"] for r in train)
+    with safe_open(str(run_dir / "checkpoints" / "step_00000003" / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("encoder.layers.2.ffn.wi.weight").shape == (2 * 64, 32)
