@@ -1,7 +1,7 @@
 """model.arch=modernbert through the real trainer: MLM + CLEAR on the tiny corpus (unpadded, ZeRO 0), SIGKILL after
 the first checkpoint, resume -> the same losses bitwise; ZeRO 2 on the padded path with STS-B dev evaluation (the
 pooling/encode path) and keep-best; ``pretrain-convert to-hf`` of the run loads as transformers' ModernBertModel
-with our outputs."""
+with our outputs; ZeRO 3 on the unpadded path."""
 
 from __future__ import annotations
 
