@@ -14,7 +14,7 @@ from pretrain.config.data import IGNORE_INDEX
 from pretrain.config.model import ModelConfig
 from pretrain.model.encoder import Encoder
 from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, SentenceDense, pool
-from pretrain.model.init import init_bert_weights
+from pretrain.model.init import init_bert_weights, init_modern_weights
 from pretrain.model.modern import ModernEncoder
 from pretrain.model.packing import Packed
 
@@ -98,8 +98,8 @@ class PretrainModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, *, seed: int | None = None, init: bool = True) -> PretrainModel:
-    """A PretrainModel with BERT's init (``seed`` gives a private generator, otherwise torch's
-    default generator is used). ``init=False`` only allocates (for loading weights right after)."""
+    """A PretrainModel with its architecture's init (BERT's or ModernBERT's; ``seed`` gives a private generator,
+    otherwise torch's default generator is used). ``init=False`` only allocates (for loading weights right after)."""
     # Built on the meta device and then allocated, so nn's own default init is not run for nothing.
     with torch.device("meta"):
         model = PretrainModel(cfg)
@@ -107,5 +107,8 @@ def build_model(cfg: ModelConfig, *, seed: int | None = None, init: bool = True)
     model.tie_weights()
     if init:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        init_bert_weights(model, cfg.init_std, generator=generator)
+        if cfg.arch == "modernbert":
+            init_modern_weights(model, cfg.init_std, cfg.num_layers, generator=generator)
+        else:
+            init_bert_weights(model, cfg.init_std, generator=generator)
     return model

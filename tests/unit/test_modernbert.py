@@ -114,6 +114,20 @@ def test_layers_global_every_n_and_bias_free():
     assert [n for n in names if n.endswith(".bias")] == ["mlm_head.bias"]  # the decoder's, as ModernBERT's
 
 
+def test_modernbert_init_is_truncated_and_scales_the_residual_writers():
+    cfg = ModelConfig(**{**TINY, "hidden_size": 64, "ffn_size": 256})
+    model = build_model(cfg, seed=0)
+    again = build_model(cfg, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
+    for layer in model.encoder.layers:
+        for w, s in ((layer.attn.qkv.weight, 0.02), (layer.ffn.wi.weight, 0.02), (layer.attn.out.weight, out_std),
+                     (layer.ffn.wo.weight, out_std)):
+            assert w.abs().max() <= 2 * s and 0.7 * s < w.std() < s, (w.shape, float(w.std()), s)
+    assert model.encoder.embeddings.word.weight.abs().max() <= 0.04
+    assert all(float(p.min()) == float(p.max()) == 1.0 for n, p in model.named_parameters() if "norm" in n)
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="model.pooler must be false"):
         ModelConfig(arch="modernbert")
