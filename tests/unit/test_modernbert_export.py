@@ -184,3 +184,17 @@ def test_from_hf_of_a_transformers_modernbert_is_exact_both_ways(head, sentences
             str(back_dir), subfolder="mlm"), capfd)
         assert not LOAD_COMPLAINTS.search(said), said
         assert type(loaded) is transformers.ModernBertForMaskedLM
+
+
+def test_init_from_a_modernbert_takes_its_architecture(tmp_path):
+    """checkpoint.init_from of a modernbert init dir: a config that does not say model.arch becomes modernbert with
+    the checkpoint's window and no pooler; one that says bert is refused naming both."""
+    from pretrain.config import load_run_config
+    from pretrain.export.hf import write_init_dir
+
+    init = tmp_path / "init"
+    write_init_dir(build_model(_modern_cfg(local_window=64), seed=1), str(_minilm_tokenizer()), str(init))
+    m = resolve.run_model_config(load_run_config(None, [f"checkpoint.init_from={init}"]))
+    assert (m.arch, m.pooler, m.local_window, m.num_layers) == ("modernbert", False, 64, 4)
+    with pytest.raises(ValueError, match="model.arch='bert' in the config, 'modernbert' in the checkpoint"):
+        resolve.run_model_config(load_run_config(None, [f"checkpoint.init_from={init}", "model.arch=bert"]))
