@@ -111,8 +111,8 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
              "tags: [sentence-transformers, feature-extraction, sentence-similarity, pretrain]", "---", "",
              f"# {title}", ""]
     num_params = sum(v.numel() for k, v in w.state.items() if not k.startswith(("projection.", "mlm_head.")))
-    kind = (f"A ModernBERT encoder (rotary positions, GeGLU, local attention over {cfg.local_window} tokens with a "
-            f"global layer every {cfg.global_every}; " if cfg.arch == "modernbert" else "A BERT encoder (")
+    kind = (f"A ModernBERT encoder (rotary positions, GeGLU, local attention over {cfg.local_window} tokens, global "
+            f"attention every {cfg.global_every} layers; " if cfg.arch == "modernbert" else "A BERT encoder (")
     lines += [f"{kind}{cfg.num_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_heads} heads, "
               f"feed-forward {cfg.ffn_size}, vocabulary {cfg.vocab_size}; {num_params / 1e6:.1f}M parameters "
               f"without the heads) written by `pretrain-convert to-hf` from {info['what'] or f'`{w.path}`'}.", "",
