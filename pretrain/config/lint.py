@@ -10,7 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 from pretrain.config.data import AugmentConfig, MaskingConfig
+from pretrain.config.model import ModelConfig
 from pretrain.config.train import EvalConfig
+
+_ARCH_ONLY = {"bert": (("norm", "type_vocab_size"), "modernbert is always pre-norm and has no token types"),
+              "modernbert": (("local_window", "global_every", "rope_theta", "rope_theta_local"),
+                             "they shape its rotary positions and local attention")}
+"""The model.* settings only one model.arch reads, and why."""
 
 _AUGMENT_OPTIONS = {"del-word": ("del_word_rate",), "del-span": ("del_span_num", "del_span_frac"),
                     "reorder": ("reorder_pairs", "reorder_frac"), "subs": ("subs_rate", "wordnet_dir")}
@@ -19,6 +25,17 @@ _AUGMENT_OPTIONS = {"del-word": ("del_word_rate",), "del-span": ("del_span_num",
 
 def _changed(obj, default, names) -> list[str]:
     return [n for n in names if getattr(obj, n) != getattr(default, n)]
+
+
+def _arch_only_lines(model: ModelConfig) -> list[str]:
+    """model.* settings of the other architecture that the config changed."""
+    out = []
+    for arch, (names, why) in _ARCH_ONLY.items():
+        unused = _changed(model, ModelConfig(), names) if model.arch != arch else []
+        if unused:
+            out.append(f"model.{', model.'.join(unused)} do nothing with model.arch={model.arch}: only "
+                       f"model.arch={arch} reads them ({why})")
+    return out
 
 
 def inert_settings(cfg) -> list[str]:
@@ -89,6 +106,7 @@ def inert_settings(cfg) -> list[str]:
         ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
         if ev:
             out.append(f"eval.{', eval.'.join(ev)} do nothing: STS-B evaluation is off (eval.stsb_every=0)")
+    out += _arch_only_lines(cfg.model)
     if cfg.optim.schedule != "constant" and cfg.optim.warmup_steps >= t.max_steps:
         out.append(f"optim.warmup_steps={cfg.optim.warmup_steps} >= train.max_steps={t.max_steps}: the run ends "
                    f"while the learning rate is still warming up (peak optim.lr={cfg.optim.lr:g} is never reached)")

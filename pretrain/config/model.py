@@ -8,6 +8,12 @@ from typing import Literal
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    arch: Literal["bert", "modernbert"] = "bert"
+    """bert: learned absolute positions, post- or pre-LN, biases (BERT/RoBERTa). modernbert: ModernBERT's design
+    (Warner et al. 2024): rotary positions, GeGLU feed-forward (ffn_size is the gated width), no biases in linear
+    layers and norms, pre-norm with embedding and final norms, sliding-window local attention with a global layer
+    every ``global_every``; ``norm``, ``type_vocab_size`` and the position table do not apply, and there is no
+    BERT pooler (set pooler: false)."""
     vocab_size: int = 0
     """Vocabulary size; 0 means take it from the tokenizer."""
     hidden_size: int = 768
@@ -18,6 +24,15 @@ class ModelConfig:
     """Number of learned absolute positions."""
     type_vocab_size: int = 2
     """Token-type embeddings, kept for BERT checkpoint compatibility (always type 0 here)."""
+    local_window: int = 128
+    """modernbert: width of a local layer's attention window (ModernBERT's ``local_attention``): a token attends
+    to those at most local_window // 2 positions away, within its own sequence."""
+    global_every: int = 3
+    """modernbert: layer i attends globally when i % global_every == 0 (layers 0, N, 2N, ...), locally otherwise."""
+    rope_theta: float = 160000.0
+    """modernbert: rotary base of the global layers."""
+    rope_theta_local: float = 10000.0
+    """modernbert: rotary base of the local (sliding-window) layers."""
     dropout: float = 0.1
     attention_dropout: float = 0.1
     layer_norm_eps: float = 1e-12
@@ -46,6 +61,11 @@ class ModelConfig:
     all-MiniLM-L6-v2); cosine similarities are unchanged, dot products become cosines."""
 
     @property
+    def bias(self) -> bool:
+        """Whether linear layers and norms carry a bias (BERT's do, ModernBERT's do not)."""
+        return self.arch == "bert"
+
+    @property
     def sentence_dim(self) -> int:
         """Size of a sentence embedding (what ``PretrainModel.pool`` returns)."""
         return self.dense_dim or self.hidden_size
@@ -63,6 +83,20 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.arch not in ("bert", "modernbert"):
+            raise ValueError(f"model.arch must be bert or modernbert, got {self.arch!r}")
+        if self.arch == "modernbert":
+            if self.pooler:
+                raise ValueError("model.pooler must be false with model.arch=modernbert: ModernBERT has no pooler "
+                                 "(pooling 'cls' then takes the first token as it is); set model.pooler=false")
+            if self.local_window < 2 or self.global_every < 1:
+                raise ValueError(f"model.local_window must be >= 2 and model.global_every >= 1, got "
+                                 f"{self.local_window} and {self.global_every}")
+            if (self.hidden_size // self.num_heads) % 2:
+                raise ValueError(f"model.arch=modernbert needs an even head size for rotary positions; "
+                                 f"hidden_size / num_heads = {self.hidden_size // self.num_heads}")
+            if self.rope_theta <= 0 or self.rope_theta_local <= 0:
+                raise ValueError("model.rope_theta and model.rope_theta_local must be positive")
         if self.dense_dim < 0:
             raise ValueError(f"model.dense_dim must be >= 0 (0 = no Dense layer after pooling), got {self.dense_dim}")
         if self.projection_dim < 0 or self.projection_layers < 1:

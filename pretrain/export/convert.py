@@ -1,4 +1,4 @@
-"""`pretrain-convert`: our checkpoints <-> Hugging Face BERT / sentence-transformers directories.
+"""`pretrain-convert`: our checkpoints <-> Hugging Face BERT or ModernBERT / sentence-transformers directories.
 
     pretrain-convert to-hf CHECKPOINT OUT_DIR [--pooling mean] [--no-mlm-head] [--overwrite]
     pretrain-convert from-hf HF_DIR OUT [--overwrite]
@@ -99,6 +99,12 @@ def from_hf(hf_dir: str, out: str, *, overwrite: bool = False) -> None:
                        data=data, source=str(Path(hf_dir).resolve()))
 
 
+def _is_modern(hf_dir: str) -> bool:
+    import json
+
+    return json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8")).get("model_type") == "modernbert"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pretrain-convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print(reading, flush=True)
             to_hf(str(source), args.out_dir, pooling=args.pooling, max_seq_length=args.max_seq_length,
                   overwrite=args.overwrite, trust=args.trust_checkpoint, mlm_head=not args.no_mlm_head)  # fmt: skip
-            print(f"wrote {args.out_dir} (HF BERT + sentence-transformers)")
+            print(f"wrote {args.out_dir} (Hugging Face {'ModernBERT' if _is_modern(args.out_dir) else 'BERT'} + "
+                  f"sentence-transformers)")
         else:
             from_hf(args.hf_dir, args.out, overwrite=args.overwrite)
             print(f"wrote {args.out}; train from it with checkpoint.init_from={args.out} "

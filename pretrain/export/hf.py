@@ -31,6 +31,7 @@ import torch
 from pretrain.checkpoint.files import publish_dir, save_safetensors, write_json
 from pretrain.config.loader import to_dict
 from pretrain.config.model import ModelConfig
+from pretrain.export import hf_modern
 from pretrain.export.st_modules import ST_POOLING, write_st_modules
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
 from pretrain.model.init import init_bert_weights
@@ -75,7 +76,7 @@ MLM_SUBDIR = "mlm"
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
-CONFIG_JSON_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
+CONFIG_JSON_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
                       "type_vocab_size", "dropout", "attention_dropout", "layer_norm_eps", "activation", "init_std")
 """The ModelConfig fields every BERT config.json states."""
 PRETRAIN_EXTRA = ("norm", "pooling", "pooler", "projection_dim", "projection_layers", "projection_activation")
@@ -92,12 +93,13 @@ def _expand(num_layers: int) -> list[tuple[str, str]]:
     return pairs
 
 
-def to_hf_state_dict(ours: dict, num_layers: int) -> dict:
-    """Our state_dict -> HF BertForMaskedLM names (same tensors; tied decoder and projection dropped).
+def to_hf_state_dict(ours: dict, num_layers: int, arch: str = "bert") -> dict:
+    """Our state_dict -> HF BertForMaskedLM names (ModernBertForMaskedLM's for arch=modernbert; same tensors;
+    tied decoder and projection dropped).
 
-    Any other key without a BERT counterpart (e.g. pre-LN's final LayerNorm) is a ValueError.
+    Any other key without a counterpart (e.g. pre-LN's final LayerNorm) is a ValueError.
     """
-    pairs = _expand(num_layers)
+    pairs = hf_modern.expand(num_layers) if arch == "modernbert" else _expand(num_layers)
     mapped = {o for o, _ in pairs}
     extra = [k for k in ours if k not in mapped and k not in TIED_KEYS
              and not k.startswith(OURS_ONLY_PREFIXES + SENTENCE_PREFIXES)]
@@ -120,12 +122,16 @@ def _normalise_hf_key(key: str) -> str:
     return key
 
 
-def from_hf_state_dict(hf: dict, num_layers: int) -> dict:
-    """HF BERT state_dict (BertModel, BertForMaskedLM or BertForPreTraining) -> our names.
+def from_hf_state_dict(hf: dict, num_layers: int, arch: str = "bert") -> dict:
+    """HF BERT state_dict (BertModel, BertForMaskedLM or BertForPreTraining; ModernBertModel or
+    ModernBertForMaskedLM for arch=modernbert) -> our names.
 
     Keys absent from ``hf`` (pooler, MLM head) are absent from the result; the tied decoder,
     position_ids buffers and the NSP head are ignored.
     """
+    if arch == "modernbert":
+        norm = {hf_modern.normalise_key(k): v for k, v in hf.items()}
+        return {o: norm[hf_key] for o, hf_key in hf_modern.expand(num_layers) if hf_key in norm}
     norm = {_normalise_hf_key(k): v for k, v in hf.items()}
     if "cls.predictions.bias" not in norm and "cls.predictions.decoder.bias" in norm:
         norm["cls.predictions.bias"] = norm["cls.predictions.decoder.bias"]
@@ -142,8 +148,13 @@ def hf_config_from_model_config(cfg: ModelConfig, tokenizer, architecture: str =
     """ModelConfig (+ tokenizer for special ids) -> a BERT config.json dict for ``architecture``.
 
     ``tokenizer`` is anything with ``token_to_id`` (ours or a ``tokenizers.Tokenizer``), or None.
-    Our extra settings (pooling, projection, pre-LN...) ride along under the "pretrain" key.
+    Our extra settings (pooling, projection, pre-LN...) ride along under the "pretrain" key. model.arch=modernbert
+    gives a ModernBERT config.json (``architecture`` BertModel/BertForMaskedLM becomes its ModernBert twin).
     """
+    if cfg.arch == "modernbert":
+        ids = {name: _token_id(tokenizer, SPECIAL_TOKENS[name]) for name in ("pad", "cls", "sep")}
+        extra = {name: getattr(cfg, name) for name in PRETRAIN_EXTRA if name != "norm"}  # always pre-norm
+        return hf_modern.hf_config(cfg, ids, architecture, extra)
     d = {
         "architectures": [architecture],
         "model_type": "bert",
@@ -171,11 +182,14 @@ def hf_config_from_model_config(cfg: ModelConfig, tokenizer, architecture: str =
 
 
 def model_config_from_hf_config(d: dict) -> ModelConfig:
-    """A BERT config.json dict -> ModelConfig (ValueError for non-BERT or unsupported settings)."""
+    """A BERT or ModernBERT config.json dict -> ModelConfig (ValueError for other or unsupported settings)."""
     model_type = d.get("model_type")
+    if model_type == "modernbert":
+        return hf_modern.model_config(d, PRETRAIN_EXTRA)
     if model_type != "bert":
         raise ValueError(
-            f"config.json has model_type={model_type!r}; only BERT checkpoints (model_type 'bert') convert"
+            f"config.json has model_type={model_type!r}; only BERT and ModernBERT checkpoints (model_type 'bert' "
+            f"or 'modernbert') convert"
         )
     if d.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type={d['position_embedding_type']!r} is not supported (absolute only)")
@@ -264,7 +278,8 @@ def export_hf(
     tok = _exportable_tokenizer(cfg, pooling, tokenizer_path, out, overwrite)
     max_len = min(max_seq_length or cfg.max_position, cfg.max_position)
     ours, hf = _hf_weights(model)
-    base = {k.removeprefix("bert."): v for k, v in hf.items() if k.startswith("bert.")}  # BertModel's own names
+    prefix = hf_modern.BASE_PREFIX if cfg.arch == "modernbert" else "bert."
+    base = {k.removeprefix(prefix): v for k, v in hf.items() if k.startswith(prefix)}  # BertModel's own names
     heads = {k: v for k, v in ours.items() if k.startswith(OURS_ONLY_PREFIXES)} if projection else {}
     hf_config = hf_config_from_model_config(cfg, tok, architecture="BertModel")
     hf_config["dtype"] = str(next(iter(hf.values())).dtype).removeprefix("torch.")
@@ -282,7 +297,8 @@ def export_hf(
             (tmp / MLM_SUBDIR).mkdir()
             mlm = {k: v for k, v in hf.items() if not k.startswith("bert.pooler.")}
             save_safetensors(mlm, tmp / MLM_SUBDIR / "model.safetensors", metadata={"format": "pt"})
-            write_json(tmp / MLM_SUBDIR / "config.json", {**hf_config, "architectures": ["BertForMaskedLM"]})
+            mlm_class = hf_config_from_model_config(cfg, None, "BertForMaskedLM")["architectures"]
+            write_json(tmp / MLM_SUBDIR / "config.json", {**hf_config, "architectures": mlm_class})
         if heads:
             save_safetensors(heads, tmp / PROJECTION_FILE, metadata={"format": "pt"})
         _write_tokenizer_files(tok, tmp, max_len)
@@ -301,8 +317,8 @@ def _hf_weights(model: PretrainModel) -> tuple[dict, dict]:
     """(our state dict on the CPU without tied copies, the same as a BertForMaskedLM state dict)."""
     cfg = model.cfg
     ours = {k: _cpu_copy(v) for k, v in model.state_dict().items() if k not in TIED_KEYS}
-    hf = to_hf_state_dict(ours, cfg.num_layers)
-    if "bert.pooler.dense.weight" not in hf:
+    hf = to_hf_state_dict(ours, cfg.num_layers, cfg.arch)
+    if cfg.arch == "bert" and "bert.pooler.dense.weight" not in hf:
         # BertModel always has a pooler (a missing one is reported): zeros, which our import drops again since
         # config.json says "pretrain": {"pooler": false}.
         hf["bert.pooler.dense.weight"] = torch.zeros(cfg.hidden_size, cfg.hidden_size)
@@ -313,7 +329,7 @@ def _hf_weights(model: PretrainModel) -> tuple[dict, dict]:
 def _exportable_tokenizer(cfg: ModelConfig, pooling: str, tokenizer_path: str, out: Path, overwrite: bool):
     """The cleaned tokenizer to export with, after the checks that the model, pooling, tokenizer and output
     directory allow an export (ValueError / FileNotFoundError saying what to change)."""
-    if cfg.norm != "post":
+    if cfg.arch == "bert" and cfg.norm != "post":
         raise ValueError("only post-LN models (model.norm=post) export to the HF BERT format; pre-LN has no BERT twin")
     if pooling not in ST_POOLING:
         raise ValueError(

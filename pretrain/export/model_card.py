@@ -124,7 +124,9 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
              "tags: [sentence-transformers, feature-extraction, sentence-similarity, pretrain]", "---", "",
              f"# {title}", ""]
     num_params = sum(v.numel() for k, v in w.state.items() if not k.startswith(("projection.", "mlm_head.")))
-    lines += [f"A BERT encoder ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_heads} heads, "
+    kind = (f"A ModernBERT encoder (rotary positions, GeGLU, local attention over {cfg.local_window} tokens, global "
+            f"attention every {cfg.global_every} layers; " if cfg.arch == "modernbert" else "A BERT encoder (")
+    lines += [f"{kind}{cfg.num_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_heads} heads, "
               f"feed-forward {cfg.ffn_size}, vocabulary {cfg.vocab_size}; {num_params / 1e6:.1f}M parameters "
               f"without the heads) written by `pretrain-convert to-hf` from {info['what'] or f'`{w.path}`'}.", "",
               f"Sentence embedding ({cfg.sentence_dim} dimensions): {_embedding_line(cfg, pooling)}.", ""]
@@ -163,7 +165,8 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
               'batch = tokenizer(["A man is playing a guitar."], padding=True, return_tensors="pt")',
               "with torch.no_grad():", *_usage_pooling(cfg, pooling), "```", ""]
     if mlm_head:
-        lines += ["The masked-language-model head is in `mlm/` (the encoder with BERT's MLM head):", "", "```python",
+        head = "ModernBERT's" if cfg.arch == "modernbert" else "BERT's"
+        lines += [f"The masked-language-model head is in `mlm/` (the encoder with {head} MLM head):", "", "```python",
                   "from transformers import AutoModelForMaskedLM", "",
                   f'mlm = AutoModelForMaskedLM.from_pretrained("path/to/{name}", subfolder="mlm")', "```", ""]
     dims = matryoshka_dims(config)
@@ -174,7 +177,7 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
                   "`pretrain.matryoshka_dims`). Truncate with sentence-transformers:", "", "```python",
                   f'model = SentenceTransformer("path/to/{name}", truncate_dim={dims[-1]})', "```", "",
                   "or take `embedding[..., :d]` (and re-normalise for cosine similarity) with transformers.", ""]
-    if not cfg.pooler:
+    if not cfg.pooler and cfg.arch == "bert":  # ModernBertModel has no pooler_output at all
         lines += ["This model has no BERT pooler: `pooler_output` is all zeros.", ""]
     if projection:
         lines += ["`pretrain_projection.safetensors` holds the contrastive projection head used in training only "

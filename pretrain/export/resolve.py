@@ -41,6 +41,7 @@ from pretrain.checkpoint.store import (
 )
 from pretrain.config.loader import from_dict
 from pretrain.config.model import ModelConfig
+from pretrain.export import hf_modern
 from pretrain.export.hf import (
     CONFIG_JSON_FIELDS,
     INIT_CONFIG,
@@ -226,13 +227,15 @@ def _open_hf(p: Path, kind: Kind) -> Weights:
         from safetensors import safe_open
 
         with safe_open(str(p / mlm / "model.safetensors"), framework="pt") as f:  # its head only
-            hf_state.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("cls.")})
-    state = from_hf_state_dict(hf_state, cfg.num_layers)
+            head = hf_modern.HEAD_PREFIXES if cfg.arch == "modernbert" else ("cls.",)
+            hf_state.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(head)})
+    state = from_hf_state_dict(hf_state, cfg.num_layers, cfg.arch)
     if extra.get("pooler") is False:  # BertModel always has a pooler: ours wrote zeros for a model without one
         state = {k: v for k, v in state.items() if not k.startswith("pooler.")}
     if (p / PROJECTION_FILE).is_file():
         state.update(load_file(str(p / PROJECTION_FILE)))
-    recorded = set(CONFIG_JSON_FIELDS) | set(extra) & {f.name for f in dataclasses.fields(ModelConfig)} | {"pooler"}
+    stated = hf_modern.CONFIG_JSON_FIELDS if cfg.arch == "modernbert" else CONFIG_JSON_FIELDS
+    recorded = set(stated) | set(extra) & {f.name for f in dataclasses.fields(ModelConfig)} | {"pooler"}
     cfg = dataclasses.replace(cfg, pooler="pooler.dense.weight" in state)
     modules, max_len = None, None
     if kind == "sentence_transformers":
@@ -275,7 +278,7 @@ def load_hf(hf_dir: str, *, tokenizer_out: str | None = None):
 
 # ----------------------------------------------------------------------------- checkpoint.init_from
 
-ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
+ARCHITECTURE_FIELDS = ("arch", "local_window", "global_every", "rope_theta", "rope_theta_local", "vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
                        "type_vocab_size", "layer_norm_eps", "norm", "activation", "pooler", "pooling", "normalize",
                        "dense_dim", "dense_activation", "dense_bias")
 """model.* settings ``checkpoint.init_from`` takes from the weights it starts from (the shapes, and what a

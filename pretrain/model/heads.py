@@ -19,13 +19,14 @@ POOLINGS = ("cls", "cls_before_pooler", "mean", "first_last_avg")
 
 
 class MLMHead(nn.Module):
-    """h_MD -> logits_MV: dense -> act -> LayerNorm -> decoder (tied to the word embeddings) + bias."""
+    """h_MD -> logits_MV: dense -> act -> LayerNorm -> decoder (tied to the word embeddings) + bias. ModernBERT's
+    dense and norm have no bias (cfg.bias); the decoder's output bias stays, as in ModernBertForMaskedLM."""
 
     def __init__(self, cfg: ModelConfig, word_weight_VD: nn.Parameter) -> None:
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
         self.act = activation_fn(cfg.activation)
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=cfg.bias)
         # The decoder owns no storage: its weight IS the embedding Parameter (as in HF, so
         # DeepSpeed ZeRO-3 gathers it for this module like any other registered parameter).
         self.decoder = nn.Module()

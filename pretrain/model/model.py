@@ -14,15 +14,19 @@ from pretrain.config.data import IGNORE_INDEX
 from pretrain.config.model import ModelConfig
 from pretrain.model.encoder import Encoder
 from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, SentenceDense, pool
-from pretrain.model.init import init_bert_weights
+from pretrain.model.init import init_bert_weights, init_modern_weights
+from pretrain.model.modern import ModernEncoder
 from pretrain.model.packing import Packed
+
+ENCODERS = {"bert": Encoder, "modernbert": ModernEncoder}
+"""model.arch -> the encoder class; both take (ids, mask | packed) and give h_BTD (h_ND)."""
 
 # Parameters that are another parameter under a second name (state_dict lists both).
 TIED_KEYS = {"mlm_head.decoder.weight": "encoder.embeddings.word.weight"}
 
 
 class PretrainModel(nn.Module):
-    """BERT-style encoder with the heads the objectives need; see build_model."""
+    """The encoder of model.arch (BERT or ModernBERT) with the heads the objectives need; see build_model."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -32,7 +36,7 @@ class PretrainModel(nn.Module):
                 "tokenizer (dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size))"
             )
         self.cfg = cfg
-        self.encoder = Encoder(cfg)
+        self.encoder = ENCODERS[cfg.arch](cfg)
         self.pooler = Pooler(cfg) if cfg.pooler else None
         self.sentence_dense = SentenceDense(cfg) if cfg.dense_dim else None
         self.mlm_head = MLMHead(cfg, self.encoder.embeddings.word.weight)
@@ -94,8 +98,8 @@ class PretrainModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, *, seed: int | None = None, init: bool = True) -> PretrainModel:
-    """A PretrainModel with BERT's init (``seed`` gives a private generator, otherwise torch's
-    default generator is used). ``init=False`` only allocates (for loading weights right after)."""
+    """A PretrainModel with its architecture's init (BERT's or ModernBERT's; ``seed`` gives a private generator,
+    otherwise torch's default generator is used). ``init=False`` only allocates (for loading weights right after)."""
     # Built on the meta device and then allocated, so nn's own default init is not run for nothing.
     with torch.device("meta"):
         model = PretrainModel(cfg)
@@ -103,5 +107,8 @@ def build_model(cfg: ModelConfig, *, seed: int | None = None, init: bool = True)
     model.tie_weights()
     if init:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        init_bert_weights(model, cfg.init_std, generator=generator)
+        if cfg.arch == "modernbert":
+            init_modern_weights(model, cfg.init_std, cfg.num_layers, generator=generator)
+        else:
+            init_bert_weights(model, cfg.init_std, generator=generator)
     return model

@@ -168,3 +168,34 @@ def test_matryoshka_on_pairs_with_gradient_cache(stage_inputs, single_env, tmp_p
     for r in train:
         assert 0 < r["info_nce_dim8"] < 1e4 and 0 < r["info_nce_dim32"] < 1e4
         assert r["info_nce"] == pytest.approx(r["info_nce_dim32"] + 0.5 * r["info_nce_dim8"], rel=1e-4)
+
+
+MODERN = {"model.arch": "modernbert", "model.pooler": "false", "model.num_layers": 3, "model.local_window": 8,
+          "model.layer_norm_eps": 1e-5}
+"""model.arch=modernbert, its window under the sentences' lengths."""
+
+
+def test_modernbert_simcse_rankcse_sarcse_and_arccse_stages(stage_inputs, single_env, tmp_path):
+    """The sentence stage's objectives on a modernbert student: SimCSE + RankCSE (a BERT teacher) + SARCSE, then
+    ArcCSE + triplet + MLM, with STS-B dev keep-best."""
+    from pretrain.config.model import ModelConfig
+    from pretrain.export.hf import write_init_dir
+    from pretrain.model import build_model
+
+    teacher_dir = tmp_path / "teacher"
+    write_init_dir(build_model(ModelConfig(**{k.split(".")[1]: v for k, v in TINY.items()}), seed=3),
+                   stage_inputs["tokenizer"], str(teacher_dir))
+    runs = {"simcse": {"objective.info_nce": "{temperature: 0.05}", "objective.consistency": "{weight: 1.0}",
+                       "objective.rank_distill": f"{{teachers: [{teacher_dir}], teacher_pooling: mean}}",
+                       "objective.reconstruction": "{channels: 8, integrate_channels: 2, weight: 0.01, "
+                                                   "positive_weight: 0.01}"},
+            "arccse": {"train.max_steps": 2, "objective.mlm": "{weight: 1.0}", "objective.arccon": "{margin_deg: 10.0}",
+                       "objective.triplet": "{weight: 0.1, max_len: 64}"}}
+    for name, extra in runs.items():
+        run_dir = tmp_path / name
+        _train(_overrides(stage_inputs, run_dir, **MODERN, **extra), single_env)
+        train = [r for r in _records(run_dir) if r["split"] == "train"]
+        terms = [k.split(".")[1] for k in extra if k.startswith("objective.")]
+        assert train and all(r[t] == r[t] and abs(r[t]) < 1e4 for r in train for t in terms), (name, train)
+        assert (run_dir / "best" / "best.json").is_file()
+        assert "arch: modernbert" in (run_dir / "config.yaml").read_text()

@@ -40,17 +40,25 @@ def _count_steps(trainer, steps: int) -> tuple[OpCounter, OpCounter]:
     return outer, inner
 
 
+MODERN = {"model__arch": "modernbert", "model__pooler": "false", "model__num_layers": 3, "model__local_window": 16}
+"""model.arch=modernbert with its window under data.max_len (rotary tables and window masks built in the step)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage, precision, grad_accum, unpadded, cached",
-                         [(0, "fp32", 1, True, False), (0, "fp32", 2, True, False), (2, "fp32", 1, True, False),
-                          (2, "bf16", 2, True, False), (1, "bf16", 1, True, False), (0, "fp32", 1, False, False),
-                          (0, "fp32", 2, True, True), (2, "fp32", 2, True, True)])
-def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, unpadded, cached, tmp_path,
-                                                  tiny_overrides, clean_env, fresh_deepspeed, capsys):
-    """``cached``: objective.gradient_cache (training/cached_step.py) on the same steps."""
+@pytest.mark.parametrize("zero_stage, precision, grad_accum, unpadded, cached, modern",
+                         [(0, "fp32", 1, True, False, False), (0, "fp32", 2, True, False, False),
+                          (2, "fp32", 1, True, False, False), (2, "bf16", 2, True, False, False),
+                          (1, "bf16", 1, True, False, False), (0, "fp32", 1, False, False, False),
+                          (0, "fp32", 2, True, True, False), (2, "fp32", 2, True, True, False),
+                          (0, "fp32", 1, True, False, True), (0, "fp32", 1, False, False, True)])
+def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, unpadded, cached, modern,
+                                                  tmp_path, tiny_overrides, clean_env, fresh_deepspeed, capsys):
+    """``cached``: objective.gradient_cache (training/cached_step.py) on the same steps; ``modern``:
+    model.arch=modernbert."""
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
                                                train__grad_accum=grad_accum, train__precision=precision,
-                                               train__unpadded=unpadded, objective__gradient_cache=cached))
+                                               train__unpadded=unpadded, objective__gradient_cache=cached,
+                                               **(MODERN if modern else {})))
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     trainer = None
@@ -66,7 +74,8 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_acc
         outer, inner = _count_steps(trainer, steps=2)
         with capsys.disabled():
             print(f"\nZeRO-{zero_stage} {precision} grad_accum {grad_accum} unpadded {unpadded}"
-                  f"{' cached' if cached else ''}, per step: trainer {outer.num_aten / 2:.0f} aten ops, "
+                  f"{' cached' if cached else ''}{' modernbert' if modern else ''}, per step: trainer "
+                  f"{outer.num_aten / 2:.0f} aten ops, "
                   f"{outer.num_sync / 2:g} syncs {dict(outer.syncs)}; Engine.step {inner.num_aten / 2:.0f} ops, "
                   f"{inner.num_sync / 2:g} syncs {dict(inner.syncs)}")
         assert outer.num_aten > 100  # the counter saw the step

@@ -137,7 +137,7 @@ def test_include_on_the_command_line_merges_in_order(tmp_path):
     assert (cfg.model.hidden_size, cfg.model.num_heads, cfg.optim.lr) == (48, 3, 0.25)
     cfg = load_run_config(recipe, ["optim.lr=0.25", f"include=[{a}]"])  # left to right: the file wins here
     assert cfg.optim.lr == 0.5
-    with pytest.raises(ValueError, match="no such size preset; choose one of base, large, mini, small, tiny"):
+    with pytest.raises(ValueError, match="no such size preset; choose one of base, large, mini, modernbert-base, modernbert-large, modernbert-mini, modernbert-tiny, small, tiny"):
         load_run_config(recipe, ["model=huge"])
     with pytest.raises(ValueError, match="no such size preset"):
         load_run_config(recipe, ["model=../recipes/clear_del_span"])
@@ -184,6 +184,11 @@ def test_settings_that_cannot_act_are_named():
                for ln in lines(["objective.gradient_cache=true", "objective.nt_xent=null", "train.grad_accum=2",
                                 "optim.warmup_steps=100"]))
     assert lines(["objective.gradient_cache=true", "train.grad_accum=2", "optim.warmup_steps=100"]) == []
+    assert lines(["model=modernbert-base", "optim.warmup_steps=100"]) == []
+    assert any("model.norm do nothing with model.arch=modernbert: only model.arch=bert reads them" in ln
+               for ln in lines(["model=modernbert-tiny", "model.norm=pre", "optim.warmup_steps=100"]))
+    assert any("model.local_window, model.rope_theta do nothing with model.arch=bert" in ln
+               for ln in lines(["model.local_window=64", "model.rope_theta=1e4", "optim.warmup_steps=100"]))
     for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")) + [CONFIGS / "wiki_books_mini.yaml",
                                                                   CONFIGS / "sentence_stage_quick.yaml"]:
         assert lines([], recipe) == [], recipe.name

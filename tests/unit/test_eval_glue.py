@@ -200,3 +200,30 @@ def test_cli_names_the_checkpoint_and_takes_checkpoint_best(tmp_path, capsys):
                        "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "has no best/" in err and "its checkpoints: step_00000005" in err
+
+
+@pytest.mark.parametrize("task,header", [("sst2", "sentence\tlabel"), ("rte", "index\tsentence1\tsentence2\tlabel")])
+def test_finetune_a_modernbert_backbone(tmp_path, task, header):
+    """GLUE fine-tuning of model.arch=modernbert (token types of a sentence pair are accepted and not embedded)."""
+    from pretrain.config.model import ModelConfig
+    from pretrain.model import build_model
+
+    rng = np.random.default_rng(0)
+    words = "movie plot actor scene film story".split()
+    rows = [header]
+    for i in range(32):
+        lab = i % 2
+        ws = " ".join(list(rng.choice(words, 4)) + (["good"] if lab else ["bad"]))
+        if task == "sst2":
+            rows.append(f"{ws}\t{lab}")
+        else:
+            rows.append(f"{i}\t{ws}\t{' '.join(rng.choice(words, 3))}\t{'entailment' if lab else 'not_entailment'}")
+    folder = {"sst2": "SST-2", "rte": "RTE"}[task]
+    write(tmp_path / f"glue/{folder}/train.tsv", rows)
+    write(tmp_path / f"glue/{folder}/dev.tsv", rows)
+    backbone = build_model(ModelConfig(arch="modernbert", pooler=False, vocab_size=64, hidden_size=16, num_layers=3,
+                                       num_heads=2, ffn_size=24, local_window=4), seed=0)
+    cfg = FinetuneConfig(task=task, lr=3e-3, batch_size=8, epochs=3, seed=3, dropout=0.0)
+    res = finetune(cfg, backbone, WordTokenizer(), tmp_path / "glue", log=lambda *_: None)
+    assert res["steps"] == 12 and len(res["history"]) == 3
+    assert res["history"][0]["loss"] > res["history"][-1]["loss"]

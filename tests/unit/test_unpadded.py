@@ -94,6 +94,15 @@ def test_losses_and_gradients_equal_the_padded_path(pooling, mean_mix, norm):
     _assert_same(_train_module(pooling, mean_mix, norm=norm), _batch(), ("mlm", "nt_xent"))
 
 
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_modernbert_losses_and_gradients_equal_the_padded_path(pooling):
+    """model.arch=modernbert: rotary from the packed position ids, the local window (16 tokens, under rows of 64)
+    composed with each attention group's mask; global layers 0 and 3 of 4."""
+    module = _train_module(pooling, arch="modernbert", pooler=False, num_layers=4, local_window=16,
+                           layer_norm_eps=1e-5)
+    _assert_same(module, _batch(), ("mlm", "nt_xent"))
+
+
 def test_the_sentence_stage_pair_equals_the_padded_path():
     """The sentence stage's pair (each sentence twice in one pass), SimCSE's InfoNCE, mean pooling."""
     gen = torch.Generator().manual_seed(1)

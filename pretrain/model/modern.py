@@ -1,0 +1,92 @@
+"""The ModernBERT encoder (model.arch=modernbert; Warner et al. 2024, transformers' ModernBertModel arithmetic);
+its layer is modern_block.py.
+
+Shapes: B batch, T sequence length, D hidden size, N packed tokens (unpadded, see packing.py).
+
+    x = drop(norm(word[ids]))                                  (no position table: rotary in attention)
+    layer i: x = x + drop(attn_i(norm(x)))   (layer 0 takes x as it is: the embedding norm just ran)
+             x = x + drop(Wo(act(u) * g)),  [u, g] = Wi(norm(x))                                    (GeGLU)
+    h = norm(x)                                                                                 (final norm)
+attn_i is global when i % global_every == 0, else local: a token sees keys within local_window // 2 positions,
+in its own sequence. No linear layer or norm has a bias. Everything but attention is per token, so the unpadded
+path runs it on the (N, D) stream; attention rotates q and k by the packed position ids (each sequence restarts
+at 0) and composes the window with each attention group's key mask (a group's row is one sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pretrain.config.model import ModelConfig
+from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings
+from pretrain.model.packing import Packed
+from pretrain.model.rotary import rope_tables, window_mask
+
+
+class ModernEncoder(nn.Module):
+    """input_ids_BT, attention_mask_BT (1 = token, 0 = padding) -> h_BTD; the same interface as encoder.Encoder."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = ModernEmbeddings(cfg)
+        self.layers = nn.ModuleList(ModernBlock(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=False)
+
+    def forward(
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, all_layers: bool = False,
+        token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None, packed: Packed | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """As ``Encoder.forward`` (token types are accepted and ignored: ModernBERT has none). There is no
+        length limit: rotary positions work at any length (model.max_position is only what the export states)."""
+        if packed is not None:
+            x_ND = self.embeddings(packed.ids_N)
+            return self._layers(x_ND, self._inputs(packed.position_ids_N, x_ND.dtype, None, packed), packed,
+                                all_layers)
+        keep_B11T = None
+        if attention_mask_BT is not None:
+            if padded is None:
+                padded = torch.compiler.is_compiling() or not bool(attention_mask_BT.all())
+            if padded:
+                keep_B11T = attention_mask_BT.bool()[:, None, None, :]
+        x_BTD = self.embeddings(input_ids_BT)
+        pos_T = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device)
+        return self._layers(x_BTD, self._inputs(pos_T, x_BTD.dtype, keep_B11T, None), None, all_layers)
+
+    def _inputs(self, position_ids: torch.Tensor, dtype: torch.dtype, keep_B11T: torch.Tensor | None,
+                packed: Packed | None) -> dict[bool, AttentionInputs]:
+        """{is_global: AttentionInputs}: rotary tables per base, and the masks (the window composed with the
+        padding or with each attention group's key mask), built once per forward, not per layer."""
+        cfg, head_size = self.cfg, self.cfg.hidden_size // self.cfg.num_heads
+        half, device = cfg.local_window // 2, position_ids.device
+        out = {}
+        for is_global, theta in ((True, cfg.rope_theta), (False, cfg.rope_theta_local)):
+            if not any(layer.is_global == is_global for layer in self.layers):
+                continue
+            cos, sin = rope_tables(position_ids, head_size, theta, dtype)
+            if packed is not None:
+                masks = tuple(g.keep_n11t if is_global else window_mask(g.keep_n11t, g.length, half, device)
+                              for g in packed.groups)
+                out[is_global] = AttentionInputs(cos, sin, group_masks=masks)
+            else:
+                mask = keep_B11T if is_global else window_mask(keep_B11T, position_ids.shape[0], half, device)
+                out[is_global] = AttentionInputs(cos, sin, mask=mask)
+        return out
+
+    def _layers(self, x_BTD: torch.Tensor, inputs: dict[bool, AttentionInputs], packed: Packed | None,
+                all_layers: bool) -> torch.Tensor | list[torch.Tensor]:
+        states = [x_BTD] if all_layers else None
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, inputs[layer.is_global], packed)
+            if all_layers:
+                states.append(x_BTD)
+        x_BTD = self.final_norm(x_BTD)
+        if all_layers:
+            states[-1] = x_BTD
+        return states if all_layers else x_BTD
+
+    def compile_layers(self, **kwargs) -> None:
+        """torch.compile every block in place."""
+        for layer in self.layers:
+            layer.compile(**kwargs)

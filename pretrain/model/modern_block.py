@@ -1,0 +1,114 @@
+"""ModernBERT's layer (model.arch=modernbert): embeddings, rotary attention, GeGLU and the pre-norm block; the
+encoder that stacks them is modern.py.
+
+Shapes: B batch, T sequence length, D hidden size, H heads, K head size (D = H*K), F feed-forward (gated) size,
+N packed tokens (unpadded, see packing.py), n rows and t length of an attention group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.config.model import ModelConfig
+from pretrain.model.block import activation_fn
+from pretrain.model.packing import Packed
+from pretrain.model.rotary import apply_rope
+
+
+@dataclass
+class AttentionInputs:
+    """What every layer of one kind (global or local) shares in one forward: rotary tables and masks."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None = None
+    """Padded path: (B, 1, T, T) / (T, T) / (B, 1, 1, T) or None."""
+    group_masks: tuple[torch.Tensor | None, ...] = ()
+    """Unpadded path: one mask per attention group of ``packed``."""
+
+
+def is_global_layer(cfg: ModelConfig, layer_id: int) -> bool:
+    return layer_id % cfg.global_every == 0
+
+
+class ModernEmbeddings(nn.Module):
+    """ids -> drop(norm(word[ids])); token types and positions are not embedded (rotary acts in attention)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.norm(self.word(input_ids)))
+
+
+class ModernAttention(nn.Module):
+    """Fused bias-free q/k/v projection (transformers' Wqkv layout: q, k, v stacked), RoPE, SDPA, output."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads, self.head_size = cfg.num_heads, d // cfg.num_heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.attention_dropout = cfg.attention_dropout
+
+    def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None) -> torch.Tensor:
+        """x_BTD -> y_BTD (x_ND -> y_ND with ``packed``), before the residual."""
+        h, k = self.num_heads, self.head_size
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if packed is not None:
+            q_NHK, k_NHK, v_NHK = self.qkv(x_BTD).view(-1, 3, h, k).unbind(1)
+            cos_N1K, sin_N1K = inputs.cos[:, None], inputs.sin[:, None]
+            q_NHK, k_NHK = apply_rope(q_NHK, cos_N1K, sin_N1K), apply_rope(k_NHK, cos_N1K, sin_N1K)
+            y_parts = []
+            for g, mask in zip(packed.groups, inputs.group_masks):
+                q_nHtK, k_nHtK, v_nHtK = (z.index_select(0, g.index_P).view(g.num_rows, g.length, h, k).transpose(1, 2)
+                                          for z in (q_NHK, k_NHK, v_NHK))
+                y_nHtK = F.scaled_dot_product_attention(q_nHtK, k_nHtK, v_nHtK, attn_mask=mask, dropout_p=dropout_p)
+                y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
+            y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
+            return self.out(y_PD.index_select(0, packed.back_N))
+        b, t, d = x_BTD.shape
+        q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
+        q_BHTK, k_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin), apply_rope(k_BHTK, inputs.cos, inputs.sin)
+        y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, attn_mask=inputs.mask, dropout_p=dropout_p)
+        return self.out(y_BHTK.transpose(1, 2).reshape(b, t, d))
+
+
+class GeGLU(nn.Module):
+    """x -> Wo(act(u) * g) with [u, g] = Wi(x) (Wi: D -> 2F, u first, as transformers' ModernBertMLP)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.wi = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_size, bias=False)
+        self.wo = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)
+        self.act = activation_fn(cfg.activation)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        u_BTF, g_BTF = self.wi(x_BTD).chunk(2, dim=-1)
+        return self.wo(self.act(u_BTF) * g_BTF)
+
+
+class ModernBlock(nn.Module):
+    """Pre-norm layer; layer 0 has no attention norm (the embedding norm precedes it), as in ModernBERT."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.is_global = is_global_layer(cfg, layer_id)
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=False) if layer_id else None
+        self.attn = ModernAttention(cfg)
+        self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=False)
+        self.ffn = GeGLU(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None = None) -> torch.Tensor:
+        a_BTD = x_BTD if self.attn_norm is None else self.attn_norm(x_BTD)
+        x_BTD = x_BTD + self.dropout(self.attn(a_BTD, inputs, packed))
+        return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))

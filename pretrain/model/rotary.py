@@ -1,0 +1,53 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) and the sliding-window attention mask, as ModernBERT uses them.
+
+Shapes: B batch, T sequence length, N packed tokens, H heads, K head size.
+
+RoPE rotates each (x_i, x_{i+K/2}) pair of a query/key head by angle pos * theta^(-2i/K):
+    rope(x) = x * cos + rotate_half(x) * sin,   rotate_half([a, b]) = [-b, a]
+(the half-split layout of transformers' ModernBERT, so exported weights need no permutation). The tables hold no
+state: they are computed from the positions every forward (K/2 frequencies), so a model built on the meta device
+and allocated later has nothing left uninitialised, and any length works.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_tables(position_ids: torch.Tensor, head_size: int, theta: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape position_ids.shape + (K,), in fp32 arithmetic (as transformers) then ``dtype``."""
+    inv_freq_K2 = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.float,
+                                                  device=position_ids.device) / head_size))
+    freqs = position_ids[..., None].float() * inv_freq_K2
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by its positions' angles; cos/sin broadcast against x (e.g. x_BHTK with cos_TK, x_NHK with
+    cos_N1K). Computed in fp32 and cast back, as transformers does."""
+    xf = x.float()
+    return (xf * cos.float() + _rotate_half(xf) * sin.float()).to(x.dtype)
+
+
+def window_mask(keep_B11T: torch.Tensor | None, length: int, half_window: int,
+                device: torch.device) -> torch.Tensor | None:
+    """Boolean attention mask (True = may attend) of a local layer: key within ``half_window`` positions of the
+    query, and a real token. Shape (T, T) without padding, else (B, 1, T, T). None when the window covers every
+    pair (T - 1 <= half_window): the global mask then serves.
+
+    A padding query may attend to every real key, so that no row is fully masked (SDPA gives NaN for one, and a
+    NaN, even in a row nobody reads, reaches the gradients); its output is never used."""
+    if length - 1 <= half_window:
+        return keep_B11T
+    pos_T = torch.arange(length, device=device)
+    band_TT = (pos_T[:, None] - pos_T[None, :]).abs() <= half_window
+    if keep_B11T is None:
+        return band_TT
+    return keep_B11T & (band_TT | ~keep_B11T.transpose(-1, -2))

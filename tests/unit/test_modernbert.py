@@ -1,0 +1,182 @@
+"""model.arch=modernbert: the encoder computes transformers' ModernBERT (weights from a ModernBertForMaskedLM that
+transformers initialised itself, eager and sdpa attention, padded batches longer than the local window), the
+unpadded path equals the padded one (rotary on packed position ids, window composed with the groups' masks), the
+config checks and the size presets."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pretrain.config import load_run_config  # noqa: E402
+from pretrain.config.model import ModelConfig  # noqa: E402
+from pretrain.export import hf as hfmod  # noqa: E402
+from pretrain.model import TIED_KEYS, build_model  # noqa: E402
+from pretrain.model.packing import pack  # noqa: E402
+from pretrain.model.rotary import window_mask  # noqa: E402
+
+TINY = dict(arch="modernbert", vocab_size=60, hidden_size=32, num_heads=4, ffn_size=48, num_layers=4, local_window=8,
+            pooler=False, layer_norm_eps=1e-5)
+
+
+def _hf_modernbert(transformers, impl: str, seed: int = 0):
+    """A ModernBertForMaskedLM initialised by transformers itself (window 8, global every 3rd layer, rope bases
+    that differ from the defaults so that a swap would show)."""
+    torch.manual_seed(seed)
+    c = transformers.ModernBertConfig(
+        vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        local_attention=8, global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+        cls_token_id=2, sep_token_id=3, max_position_embeddings=256, global_rope_theta=1000.0,
+        local_rope_theta=50.0, attn_implementation=impl)
+    return transformers.ModernBertForMaskedLM(c).eval()
+
+
+def _padded_batch(lengths, vocab=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids_BT = torch.randint(4, vocab, (len(lengths), t), generator=g)
+    mask_BT = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).long()
+    return ids_BT * mask_BT, mask_BT
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_matches_transformers_modernbert(impl):
+    transformers = pytest.importorskip("transformers")
+    hf = _hf_modernbert(transformers, impl)
+    cfg = hfmod.model_config_from_hf_config(hf.config.to_dict())
+    assert (cfg.arch, cfg.local_window, cfg.global_every, cfg.rope_theta, cfg.rope_theta_local) == (
+        "modernbert", 8, 3, 1000.0, 50.0)
+    model = hfmod.model_with_state(cfg, hfmod.from_hf_state_dict(hf.state_dict(), cfg.num_layers, "modernbert"),
+                                   source="test").eval()
+    ids_BT, mask_BT = _padded_batch([40, 25, 9, 1])  # longer than the window, padding past a window's reach
+    keep_BT = mask_BT.bool()
+    with torch.no_grad():
+        h_BTD = model.encode(ids_BT, mask_BT)
+        logits_MV, _ = model.mlm_logits(h_BTD, torch.where(keep_BT, ids_BT, -100))
+        ref = hf(input_ids=ids_BT, attention_mask=mask_BT)
+        ref_h_BTD = hf.model(input_ids=ids_BT, attention_mask=mask_BT).last_hidden_state
+    assert (h_BTD - ref_h_BTD)[keep_BT].abs().max() < 1e-5
+    assert (logits_MV - ref.logits[keep_BT]).abs().max() < 1e-5
+
+
+def test_key_table_both_ways_is_exact():
+    transformers = pytest.importorskip("transformers")
+    hf = _hf_modernbert(transformers, "sdpa", seed=1)
+    hf_state = hf.state_dict()
+    ours = hfmod.from_hf_state_dict(hf_state, 4, "modernbert")
+    back = hfmod.to_hf_state_dict(ours, 4, "modernbert")
+    assert set(back) == set(hf_state) - {"decoder.weight"}  # tied to the word embeddings
+    assert all(torch.equal(back[k], hf_state[k]) for k in back)
+    model = build_model(ModelConfig(**TINY), seed=0)
+    expected = {k for k in model.state_dict() if k not in TIED_KEYS and not k.startswith("projection.")}
+    assert set(ours) == expected
+    base = {k.removeprefix("model."): v for k, v in back.items() if k.startswith("model.")}
+    assert set(base) == set(hf.model.state_dict())  # ModernBertModel's own names
+    assert hfmod.from_hf_state_dict(base, 4, "modernbert").keys() == {k for k in ours if k.startswith("encoder.")}
+
+
+def test_unpadded_equals_padded():
+    model = build_model(ModelConfig(**TINY, dropout=0.0, attention_dropout=0.0), seed=1).eval()
+    ids_BT, mask_BT = _padded_batch([40, 3, 17, 40, 9, 25, 1], seed=2)
+    packed = pack([(ids_BT.numpy(), mask_BT.numpy())])
+    assert len(packed.groups) > 1  # several groups, some masked
+    with torch.no_grad():
+        h_BTD = model.encode(ids_BT, mask_BT)
+        h_ND = model.encode(None, None, packed=packed)
+        assert (h_BTD.flatten(0, 1)[packed.index_N] - h_ND).abs().max() < 1e-5
+        for pooling in ("cls", "mean"):
+            e_BD = model.pool(h_ND, None, pooling, packed=packed)
+            assert (model.pool(h_BTD, mask_BT, pooling) - e_BD).abs().max() < 1e-5
+    model.train()
+    model.encode(None, None, packed=packed).square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_window_mask_keeps_padding_rows_finite():
+    keep_B11T = torch.tensor([[1, 1, 0, 0, 0, 0]], dtype=torch.bool)[:, None, None, :]
+    mask = window_mask(keep_B11T, 6, 1, torch.device("cpu"))[0, 0]
+    assert mask[0].tolist() == [True, True, False, False, False, False]
+    assert mask[5].tolist() == [True, True, False, False, False, False]  # padding query: every real key
+    assert mask.any(-1).all()
+    assert window_mask(None, 3, 2, torch.device("cpu")) is None  # the window covers the whole sequence
+
+
+def test_layers_global_every_n_and_bias_free():
+    model = build_model(ModelConfig(**TINY), seed=0)
+    assert [layer.is_global for layer in model.encoder.layers] == [True, False, False, True]
+    assert model.encoder.layers[0].attn_norm is None
+    names = [n for n, _ in model.named_parameters() if not n.startswith("projection.")]
+    assert [n for n in names if n.endswith(".bias")] == ["mlm_head.bias"]  # the decoder's, as ModernBERT's
+
+
+def test_modernbert_init_is_truncated_and_scales_the_residual_writers():
+    cfg = ModelConfig(**{**TINY, "hidden_size": 64, "ffn_size": 256})
+    model = build_model(cfg, seed=0)
+    again = build_model(cfg, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
+    for layer in model.encoder.layers:
+        for w, s in ((layer.attn.qkv.weight, 0.02), (layer.ffn.wi.weight, 0.02), (layer.attn.out.weight, out_std),
+                     (layer.ffn.wo.weight, out_std)):
+            assert w.abs().max() <= 2 * s and 0.7 * s < w.std() < s, (w.shape, float(w.std()), s)
+    assert model.encoder.embeddings.word.weight.abs().max() <= 0.04
+    assert all(float(p.min()) == float(p.max()) == 1.0 for n, p in model.named_parameters() if "norm" in n)
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="model.pooler must be false"):
+        ModelConfig(arch="modernbert")
+    with pytest.raises(ValueError, match="model.arch must be"):
+        ModelConfig(arch="gpt", pooler=False)
+    with pytest.raises(ValueError, match="even head size"):
+        ModelConfig(**{**TINY, "hidden_size": 12, "num_heads": 4})
+
+
+@pytest.mark.parametrize("name,sizes", [
+    ("modernbert-base", (22, 768, 12, 1152)),
+    ("modernbert-large", (28, 1024, 16, 2624)),
+    ("modernbert-mini", (4, 256, 4, 384)),
+    ("modernbert-tiny", (3, 128, 2, 256)),
+])
+def test_size_presets(name, sizes):
+    m = load_run_config(None, [f"model={name}"]).model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.ffn_size) == sizes
+    assert (m.arch, m.local_window, m.global_every, m.rope_theta, m.rope_theta_local) == (
+        "modernbert", 128, 3, 160000.0, 10000.0)
+    if name in ("modernbert-base", "modernbert-large"):
+        transformers = pytest.importorskip("transformers")
+        ref = transformers.ModernBertConfig()  # ModernBERT-base's published settings are its defaults
+        assert (ref.local_attention, ref.norm_eps, ref.max_position_embeddings) == (
+            m.local_window, m.layer_norm_eps, m.max_position)
+        if name == "modernbert-base":
+            assert (ref.num_hidden_layers, ref.hidden_size, ref.num_attention_heads, ref.intermediate_size) == sizes
+
+
+@pytest.mark.slow
+def test_8192_tokens_padded_packed_and_transformers_agree(one_thread):
+    """The published context: a sequence of 8,192 tokens next to one of 3,000 (padded), through ours padded, ours
+    unpadded and transformers' ModernBertModel (sdpa) with the same weights."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig(arch="modernbert", pooler=False, vocab_size=100, hidden_size=16, num_layers=3, num_heads=2,
+                      ffn_size=24, max_position=8192, layer_norm_eps=1e-5)
+    model = build_model(cfg, seed=0).eval()
+    ids_BT, mask_BT = _padded_batch([8192, 3000], vocab=100)
+    d = hfmod.hf_config_from_model_config(cfg, None, "BertModel")
+    hf = transformers.ModernBertModel(transformers.ModernBertConfig(
+        **{k: v for k, v in d.items() if k not in ("pretrain", "architectures", "model_type")},
+        attn_implementation="sdpa")).eval()
+    state = hfmod.to_hf_state_dict({k: v for k, v in model.state_dict().items() if k not in TIED_KEYS}, 3,
+                                   "modernbert")
+    hf.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
+    packed = pack([(ids_BT.numpy(), mask_BT.numpy())])
+    keep_BT = mask_BT.bool()
+    with torch.no_grad():
+        h_BTD = model.encode(ids_BT, mask_BT)
+        assert (h_BTD.flatten(0, 1)[packed.index_N] - model.encode(None, None, packed=packed)).abs().max() < 1e-5
+        ref_BTD = hf(input_ids=ids_BT, attention_mask=mask_BT).last_hidden_state
+    assert (h_BTD - ref_BTD)[keep_BT].abs().max() < 1e-5
