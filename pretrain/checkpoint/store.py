@@ -258,6 +258,16 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
     return ckpt_dir / tag
 
 
+def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
+    """Collective: replace a published checkpoint's trainer_state.json (atomically; files.json does not cover it)
+    — a rollback records there the samples it skips, so that resuming from this checkpoint skips them too."""
+    if env.is_main:
+        old = read_trainer_state(tag_dir)
+        state = dict(trainer_state, format_version=FORMAT_VERSION, step=old["step"], tag=tag_dir.name)
+        atomic_write_text(tag_dir / STATE_FILE, json.dumps(state, indent=2))
+    _barrier(env)
+
+
 def _publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
     """The complete ``tmp_dir`` becomes ``tag`` and ``latest`` (each by an atomic rename); the oldest checkpoints
     beyond ``keep_last`` go."""

@@ -20,8 +20,10 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self._tb = None
         self._jsonl = None
-        if not enabled:
-            return
+        if enabled:
+            self._open(resume_step)
+
+    def _open(self, resume_step: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
         if resume_step and path.exists():
@@ -42,6 +44,13 @@ class MetricsWriter:
         for k, v in scalars.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(f"{split}/{k}", v, step)
+
+    def rewind(self, step: int) -> None:
+        """Continue as a run resumed at ``step`` would (a rollback): records and events of later steps go."""
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+            self._open(step)
 
     def flush(self) -> None:
         if self.enabled:
