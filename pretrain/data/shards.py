@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrain.data.indexed import IndexedDataset, file_sha256
+from pretrain.distributed.env import unique_suffix
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "pretrain-sharded-dataset"
@@ -234,7 +235,7 @@ def _read_json(path: Path) -> dict | None:
 
 def _write_json_quietly(path: Path, data: dict) -> None:
     """Atomic write; a read-only or full dataset directory just goes without (the check runs again next time)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
     try:
         path.parent.mkdir(exist_ok=True)
         tmp.write_text(json.dumps(data), encoding="utf-8")

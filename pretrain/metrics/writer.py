@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.distributed.env import unique_suffix
+
 
 class MetricsWriter:
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, resume_step: int = 0):
@@ -81,7 +83,7 @@ def _truncate_after_step(path: Path, step: int) -> None:
                 continue  # a line cut by a kill: drop it
             if rec.get("step", 0) <= step:
                 keep.append(line if line.endswith("\n") else line + "\n")
-    tmp = path.with_suffix(".jsonl.tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)
 

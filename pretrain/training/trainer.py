@@ -37,7 +37,12 @@ from pretrain.training.progress import (
 )
 from pretrain.training.resume import last_good_checkpoint, plan_resume
 from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, lock_run_dir
-from pretrain.training.spikes import SpikeWatch, TrainingDiverged, plan_rollback, rollback_line
+from pretrain.training.spikes import (
+    SpikeWatch,
+    TrainingDiverged,
+    plan_rollback,
+    rollback_line,
+)
 from pretrain.training.state import TrainState
 from pretrain.training.step import optimizer_step, to_device
 

@@ -228,6 +228,34 @@ def test_disk_full_during_checkpoint_is_clear_error_previous_intact(tmp_path, ti
                 subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def test_every_checkpoint_file_is_fsynced_before_the_publish_rename(tmp_path, tiny_overrides, clean_env,
+                                                                    monkeypatch, capsys):
+    import pretrain.checkpoint.files as files_mod
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, *a, **k):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(files_mod.os, "fsync", fsync)
+    monkeypatch.setattr(store.os, "replace", replace)
+    run_dir = tmp_path / "run"
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=2, checkpoint__every=0), capsys)
+    assert code == 0, out[-2000:]
+    tag_dir = store.checkpoints_dir(run_dir) / "step_00000002"
+    publish = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(tag_dir))
+    synced = {Path(e[1]).name for e in events[:publish] if e[0] == "fsync" and ".tmp-step_00000002" in e[1]}
+    synced |= {n[1:].split(".tmp-")[0] for n in synced if n.startswith(".")}  # atomic_write_text's temporary name
+    written = {p.name for p in tag_dir.rglob("*") if p.is_file()}
+    assert written and written <= synced, f"not fsynced before the rename: {written - synced}"
+
+
 # --------------------------------------------------------------------------------------- killed during save
 
 _SLOW_SAVE = """
