@@ -2,8 +2,9 @@
 
     pretrain-report runs/clear runs/simcse --out reports/clear-vs-simcse
 
-Reads each run's ``metrics.jsonl`` (the records ``metrics.writer.MetricsWriter`` writes: ``split`` train, valid
-or eval), its ``config.yaml`` and its newest checkpoint's ``trainer_state.json``. Writes one PNG per metric with
+Reads each run's ``metrics.jsonl`` (the records ``metrics.writer.MetricsWriter`` writes: ``split`` train, valid,
+eval, or rollback: one per rollback past a loss spike, drawn as a dashed line on the training plots and listed),
+its ``config.yaml`` and its newest checkpoint's ``trainer_state.json``. Writes one PNG per metric with
 every run overlaid (one colour per run) and ``report.md`` embedding them, beside a table of each run's
 config highlights and results. Plots are drawn on matplotlib's Agg canvas: no display, no pyplot state.
 """
@@ -23,6 +24,10 @@ from pretrain.export.resolve import best_record, format_best_score, select_check
 
 LOSS_TERMS = ("mlm", "nt_xent", "info_nce", "arccon", "triplet", "consistency", "rank_distill", "reconstruction")
 """The loss terms a run can log, as named in ``objective.terms.OBJECTIVES`` (a test keeps the two equal)."""
+
+
+ROLLBACK = "rollback"
+"""The split of the records ``training/spikes.py`` rollbacks write."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,10 @@ def read_metrics(path: Path) -> tuple[dict[str, list[dict]], list[str]]:
                 bad.append(n)
             continue
         rec = {k: _number(v) for k, v in rec.items()}
-        rows = by_split.setdefault(str(rec.get("split", "train")), [])
-        while rows and rows[-1]["step"] >= rec["step"]:
+        split = str(rec.get("split", "train"))
+        rows = by_split.setdefault(split, [])
+        # Two rollbacks to the same checkpoint share its step; both happened.
+        while rows and (rows[-1]["step"] > rec["step"] or rows[-1]["step"] == rec["step"] and split != ROLLBACK):
             rows.pop()
             superseded += 1
         rows.append(rec)
@@ -211,6 +218,10 @@ def draw(plot: Plot, runs: list[Run], path: Path) -> list[str]:
         ax.plot(steps, values, label=run.name, marker="o" if few else None, markersize=3, linewidth=1.5,
                 **_style(i))
         values_all += values
+        if plot.split == "train":  # each rollback: a dashed line at the step whose loss (or bad steps) triggered it
+            for k, rb in enumerate(run.records.get(ROLLBACK, [])):
+                ax.axvline(rb.get("trigger_step", rb["step"]), color=_style(i)["color"], linestyle="--",
+                           linewidth=1.0, alpha=0.7, label=f"{run.name}: rollback" if k == 0 else None)
     finite = [v for v in values_all if math.isfinite(v)]
     if plot.log_y and finite and min(finite) > 0 and max(finite) / min(finite) > 10:
         ax.set_yscale("log")
@@ -278,6 +289,7 @@ def results(run: Run) -> dict[str, str]:
         rows["best STS-B dev"] = f"{best:.2f} (step {best_step})"
     else:
         rows["best STS-B dev"] = "—"
+    rows["rollbacks"] = str(len(run.records.get(ROLLBACK, [])))
     held = run.last("valid")
     if held:
         figures = [f"{k} {_g(v, 4)}" for k, v in sorted(held.items())
@@ -315,6 +327,23 @@ def _table(runs: list[Run], rows_by_run: list[dict[str, str]]) -> list[str]:
     return lines
 
 
+def rollback_section(runs: list[Run]) -> list[str]:
+    """The "Rollbacks" table (none: no lines): each rollback's trigger, where the run went back to, what it skipped."""
+    rows = [(run, rb) for run in runs for rb in run.records.get(ROLLBACK, [])]
+    if not rows:
+        return []
+    md = ["## Rollbacks", "", "Each is a dashed line on the training plots (training/spikes.py; docs/operations.md, "
+          "\"Loss spikes\").", "",
+          "| run | trigger step | reason | back to step | skipped samples | retry | what was seen |",
+          "|---|---|---|---|---|---|---|"]
+    for run, rb in rows:
+        skipped = rb.get("skipped_samples")
+        span = f"{skipped[0]}-{skipped[1] - 1}" if isinstance(skipped, list) and len(skipped) == 2 else "?"
+        md.append(f"| {_cell(run.name)} | {rb.get('trigger_step', '?')} | {_cell(rb.get('reason', '?'))} | "
+                  f"{rb['step']} | {span} | {rb.get('retry', '?')} | {_cell(rb.get('detail', ''))} |")
+    return md + [""]
+
+
 # ------------------------------------------------------------------------------------------------ the report
 
 @dataclass
@@ -350,6 +379,7 @@ def write_report(run_dirs: list[str], out_dir: str | Path) -> Report:
           ("Wall time runs from the first to the last metrics record (any pause between launches included); "
            "tokens seen counts every rank's input tokens; held-out figures are the last validation record."), "",
           "## Plots", "", "One colour per run, the same in every plot.", "", *sections]
+    md += rollback_section(runs)
     if absent:
         md += ["## Absent metrics", "", "Logged by no run, so not plotted: "
                + ", ".join(f"{p.title} (`{p.split}/{p.metric}`)" for p in absent) + ".", ""]

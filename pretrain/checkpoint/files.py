@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from pretrain.distributed.env import unique_suffix
+
 
 def current_umask() -> int:
     """The process umask, read without changing it where the OS allows (Linux: /proc/self/status)."""
@@ -49,11 +51,36 @@ def publish_dir(tmp_dir: str | os.PathLike) -> None:
     os.chmod(tmp_dir, dir_mode())
 
 
+def fsync_files(paths) -> None:
+    """Flush each file's data to the disk (a reader fd flushes the page cache's dirty pages of the file on a local
+    filesystem; on NFS each client flushes its own, so every writer must call this on what it wrote)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the entries of directory ``path`` (a rename into it, a new file) durable; a no-op where the OS cannot."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``path`` durably and atomically: a temporary file beside it (fsynced), then one rename; a reader
     sees the old content or the new, never part of it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

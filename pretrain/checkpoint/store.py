@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import atomic_write_text, save_safetensors
+from pretrain.checkpoint.files import atomic_write_text, fsync_dir, fsync_files, save_safetensors
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
 
@@ -127,11 +127,16 @@ def _write_weights(tmp_dir: Path, step: int) -> None:
 
 
 def _record_files(env, tmp_dir: Path) -> None:
-    """files.json of a checkpoint being published: the files are split over the ranks, each hashes its share
-    (read back from the page cache right after writing), rank 0 writes the union."""
+    """files.json of a checkpoint being published: every rank first fsyncs every file (so that each writer
+    flushes what it wrote, also on NFS: the publish rename must not outrun the data), then the files are split
+    over the ranks, each hashes its share (read back from the page cache right after writing), rank 0 writes the
+    union."""
     names = sorted(str(p.relative_to(tmp_dir)) for p in tmp_dir.rglob("*")
                    if p.is_file() and p.name not in (STATE_FILE, FILES_FILE) and not p.name.endswith(".tmp")
                    and not p.name.startswith("."))
+    fsync_files(tmp_dir / n for n in names)
+    for d in {(tmp_dir / n).parent for n in names}:
+        fsync_dir(d)
     world = env.world_size if env.is_distributed else 1
     mine = {n: file_digests(tmp_dir / n) for n in names[env.rank::world]}
     if env.is_distributed:
@@ -258,6 +263,16 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
     return ckpt_dir / tag
 
 
+def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
+    """Collective: replace a published checkpoint's trainer_state.json (atomically; files.json does not cover it)
+    — a rollback records there the samples it skips, so that resuming from this checkpoint skips them too."""
+    if env.is_main:
+        old = read_trainer_state(tag_dir)
+        state = dict(trainer_state, format_version=FORMAT_VERSION, step=old["step"], tag=tag_dir.name)
+        atomic_write_text(tag_dir / STATE_FILE, json.dumps(state, indent=2))
+    _barrier(env)
+
+
 def _publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
     """The complete ``tmp_dir`` becomes ``tag`` and ``latest`` (each by an atomic rename); the oldest checkpoints
     beyond ``keep_last`` go."""
@@ -265,7 +280,9 @@ def _publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
     if final_dir.exists():  # an older copy of this step (e.g. a redone step after resume): replace it
         shutil.rmtree(final_dir)
     os.replace(tmp_dir, final_dir)
+    fsync_dir(ckpt_dir)  # the rename is durable before `latest` names it
     atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
+    fsync_dir(ckpt_dir)
     for old in list_complete(ckpt_dir)[:-keep_last]:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 

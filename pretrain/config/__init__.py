@@ -18,6 +18,7 @@ from pretrain.config.train import (
     EvalConfig,
     OpsConfig,
     OptimConfig,
+    SpikeConfig,
     TrainConfig,
     resolve_precision,
 )
@@ -37,6 +38,6 @@ def load_run_config(path=None, overrides=None) -> RunConfig:
 
 __all__ = [
     "AugmentConfig", "CheckpointConfig", "DataConfig", "DistributedConfig", "EvalConfig", "MaskingConfig", "ModelConfig",
-    "ObjectiveConfig", "OpsConfig", "OptimConfig", "RunConfig", "SourceConfig", "TrainConfig",
+    "ObjectiveConfig", "OpsConfig", "OptimConfig", "RunConfig", "SourceConfig", "SpikeConfig", "TrainConfig",
     "apply_overrides", "from_dict", "load", "load_run_config", "read_yaml", "to_dict", "to_yaml",
 ]

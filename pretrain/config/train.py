@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -32,6 +32,41 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class SpikeConfig:
+    """What counts as a loss spike or a burst of non-finite steps; either rolls the run back to its last good
+    checkpoint and skips the samples since (training/spikes.py, docs/operations.md "Loss spikes")."""
+
+    detector: Literal["ratio", "zscore", "none"] = "ratio"
+    """How a step's loss is judged against the finite losses of the ``window`` steps before it: ratio: above
+    ``ratio`` x their median; zscore: more than ``zscore`` standard deviations above their mean; none: never
+    (not "off", which YAML reads as false)."""
+    ratio: float = 2.0
+    zscore: float = 6.0
+    window: int = 100
+    """Steps of loss history the detector compares with, and the window ``bad_in_window`` counts over."""
+    min_history: int = 20
+    """No loss is judged before the window holds this many finite losses (after the start or a rollback's
+    window from the checkpoint: the history is part of the checkpoint)."""
+    bad_in_window: int = 4
+    """This many steps with a non-finite loss or gradient within the last ``window`` steps roll back; 0 = off
+    (each one alone is skipped; train.max_bad_steps consecutive ones stop the run)."""
+    max_rollbacks: int = 3
+    """Rollbacks to the same checkpoint before the run stops (exit 3): a spike that comes back after this many
+    skips is not the data's."""
+
+    def __post_init__(self) -> None:
+        if self.ratio <= 1.0 or self.zscore <= 0:
+            raise ValueError(f"train.spike.ratio must be > 1 and train.spike.zscore > 0, got {self.ratio}, "
+                             f"{self.zscore}")
+        if self.window < 2 or not 2 <= self.min_history <= self.window:
+            raise ValueError(f"train.spike.window must be >= 2 and train.spike.min_history in [2, window], got "
+                             f"{self.window}, {self.min_history}")
+        if self.bad_in_window < 0 or self.max_rollbacks < 1:
+            raise ValueError(f"train.spike.bad_in_window must be >= 0 (0 = off) and train.spike.max_rollbacks >= 1, "
+                             f"got {self.bad_in_window}, {self.max_rollbacks}")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps."""
@@ -48,6 +83,8 @@ class TrainConfig:
     eval_batches: int = 20
     max_bad_steps: int = 5
     """Stop after this many consecutive steps with a non-finite loss or gradient."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    """Loss spikes and bursts of non-finite steps: detected, rolled back, their samples skipped."""
     compile: bool = False
     """torch.compile each encoder block (fuses LayerNorm, GELU, dropout and bias adds; the first steps
     compile). ZeRO 0-2 only."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrain.data.shards import INDEX_CACHE_DIR
+from pretrain.distributed.env import unique_suffix
 
 PACKINGS = ("document", "full")
 
@@ -203,7 +204,7 @@ def _cached_or_built(path: Path | None, what: str, opened, write) -> np.ndarray 
     cached = opened()
     if cached is not None:
         return cached
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
     try:
         path.parent.mkdir(exist_ok=True)
         write(tmp)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrain.data.indexed import IndexedDataset, file_sha256
+from pretrain.distributed.env import unique_suffix
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "pretrain-sharded-dataset"
@@ -23,6 +24,18 @@ FORMAT_VERSION = 1
 TOKEN_FREQ = "token_freq.npy"
 INDEX_CACHE_DIR = "index-cache"
 """Derived files of a dataset (sample index caches, checked stamps), keyed by ``ShardedDataset.manifest_digest``."""
+
+
+class CorruptShardError(ValueError):
+    """A shard holds a token id outside the dataset's vocabulary. Raised where ids are read, before any device
+    sees them. Re-raised from a DataLoader worker, it keeps only its own message (torch builds the re-raised
+    exception from the worker's whole traceback text)."""
+
+    def __init__(self, message: str) -> None:
+        marker = f"{type(self).__name__}: "
+        if "Original Traceback" in message and marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
 
 
 def write_manifest(directory: str | os.PathLike, manifest: dict) -> None:
@@ -150,7 +163,10 @@ class ShardedDataset:
         if not 0 <= i < n:
             raise IndexError(f"sentence index {i} out of range for {n} sentences in {self.directory}")
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return self.shards[k][i - int(self.starts[k])]
+        ids = self.shards[k][i - int(self.starts[k])]
+        if len(ids) and (ids.max() >= self.vocab_size or (ids.dtype.kind == "i" and ids.min() < 0)):
+            self._corrupt(k, int(self.shards[k].offsets[i - int(self.starts[k])]), ids)
+        return ids
 
     def token_batch(self, first_B: np.ndarray, end_B: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """The first ``limit`` tokens of global sentences ``first .. end - 1`` for each of B ranges, which must each
@@ -177,7 +193,23 @@ class ShardedDataset:
             rows = np.flatnonzero(k_B == k)
             pos = np.where(valid_BT[rows], begin_B[rows, None] + np.arange(T), 0)
             ids_BT[rows] = np.where(valid_BT[rows], self.shards[k]._bin[pos], 0)
+        # One vectorised pass (a negative id is huge as uint64): bad bytes stop here, named, not on the device.
+        if ids_BT.size and ids_BT.view(np.uint64).max() >= self.vocab_size:
+            row = int(np.flatnonzero((ids_BT.view(np.uint64) >= self.vocab_size).any(axis=1))[0])
+            self._corrupt(int(k_B[row]), int(begin_B[row]), ids_BT[row, :len_B[row]])
         return ids_BT, len_B
+
+    def _corrupt(self, k: int, offset: int, ids: np.ndarray) -> None:
+        """CorruptShardError naming shard ``k``'s .bin, the token offset and byte offset of the first bad id in
+        ``ids`` (which start at token ``offset`` of that shard)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        j = int(np.flatnonzero((ids < 0) | (ids >= self.vocab_size))[0])
+        shard = self.shards[k]
+        raise CorruptShardError(
+            f"{shard.prefix}.bin holds token id {int(ids[j])} at token offset {offset + j} (byte "
+            f"{(offset + j) * shard.dtype.itemsize}), outside the dataset's vocabulary of {self.vocab_size} ids: the "
+            f"file is corrupt (a flipped bit, a bad copy). Run pretrain-preprocess --verify {self.directory} to check "
+            f"every shard against its checksum, then copy the shard again or re-run pretrain-preprocess.")
 
     def token_frequencies(self) -> np.ndarray | None:
         """float64 [V] unigram frequencies over the dataset (sums to 1), or None when not stored."""
@@ -203,7 +235,7 @@ def _read_json(path: Path) -> dict | None:
 
 def _write_json_quietly(path: Path, data: dict) -> None:
     """Atomic write; a read-only or full dataset directory just goes without (the check runs again next time)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
     try:
         path.parent.mkdir(exist_ok=True)
         tmp.write_text(json.dumps(data), encoding="utf-8")

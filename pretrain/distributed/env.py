@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import secrets
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -52,6 +54,13 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def unique_suffix() -> str:
+    """host-pid-random for a temporary file name: unique across hosts that share a filesystem (containers on
+    different hosts share pids; NFS shares the directory) and across retries of one process."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def single_process_env() -> DistEnv:

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.distributed.env import unique_suffix
+
 
 class MetricsWriter:
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, resume_step: int = 0):
@@ -20,8 +22,10 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self._tb = None
         self._jsonl = None
-        if not enabled:
-            return
+        if enabled:
+            self._open(resume_step)
+
+    def _open(self, resume_step: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
         if resume_step and path.exists():
@@ -42,6 +46,13 @@ class MetricsWriter:
         for k, v in scalars.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(f"{split}/{k}", v, step)
+
+    def rewind(self, step: int) -> None:
+        """Continue as a run resumed at ``step`` would (a rollback): records and events of later steps go."""
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+            self._open(step)
 
     def flush(self) -> None:
         if self.enabled:
@@ -72,7 +83,7 @@ def _truncate_after_step(path: Path, step: int) -> None:
                 continue  # a line cut by a kill: drop it
             if rec.get("step", 0) <= step:
                 keep.append(line if line.endswith("\n") else line + "\n")
-    tmp = path.with_suffix(".jsonl.tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)
 

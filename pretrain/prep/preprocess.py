@@ -37,6 +37,7 @@ from pretrain.data.shards import (
     verify_dataset,
     write_manifest,
 )
+from pretrain.distributed.env import unique_suffix
 from pretrain.prep.readers import (
     COLUMNAR,
     FORMATS,
@@ -256,7 +257,7 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
         what = "a complete dataset" if (out_dir / MANIFEST).exists() else "files (an incomplete run?)"
         raise ValueError(f"output directory {out_dir} already holds {what}; pass --overwrite or choose another --out")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{unique_suffix()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -267,7 +268,7 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     """Swap the finished temporary directory in place of out_dir (old content removed only after)."""
     old = None
     if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        old = out_dir.parent / f".{out_dir.name}.old-{unique_suffix()}"
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     if old is not None:

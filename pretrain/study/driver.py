@@ -213,7 +213,7 @@ class Runner:
                 continue
             if state == "stale":
                 self.say(f"[{i}/{len(steps)}] {step.id}: out of date ({why}); redoing")
-                _remove(step.output)
+                _remove(step.output, self.out)
             self._run(step, rec, f"[{i}/{len(steps)}]")
             invocation["ran"].append(step.id)
             self.status.save()
@@ -261,8 +261,14 @@ class Runner:
             raise KeyboardInterrupt
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path, root: Path) -> None:
+    """Remove a stale step output, only inside the study directory ``root`` (the plan refuses others; this holds
+    even for a path a symlink leads out of)."""
     import shutil
+
+    inside = path.resolve(), root.resolve()
+    if inside[0] == inside[1] or inside[1] not in inside[0].parents:
+        raise StudyError(f"refusing to remove {path}: it is not inside the study's directory {root}")
 
     if path.is_dir():
         shutil.rmtree(path)

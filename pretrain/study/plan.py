@@ -203,6 +203,13 @@ def _check(s: Study) -> None:
         bad = [n for n in items if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", n)]
         if bad:
             raise StudyError(f"{where}: {kind} name(s) {bad} must be letters, digits, '_', '-', '.'")
+    for x in s.prep:  # a stale output is removed (rmtree) before it is redone: it must lie inside the study's out
+        for key, value in (("output", x.output), ("complete", x.complete)):
+            rel = Path(value)
+            if (key == "output" or value) and (rel.is_absolute() or ".." in rel.parts or rel.parts in ((), (".",))):
+                raise StudyError(f"{where}: prep step {x.name}: {key} {value!r} must be a path inside the study's "
+                                 f"directory (relative, without '..'): the driver removes a stale output before "
+                                 f"redoing it, so it refuses one that could name anything else")
     for a in s.arms:
         if not a.seeds:
             raise StudyError(f"{where}: arm {a.name}: seeds is empty; list one or more, e.g. seeds: [1234]")

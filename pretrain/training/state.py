@@ -31,6 +31,13 @@ class TrainState:
     """How each sample's masking and views are drawn (the dataset's ``sample_stream``); None for the sentence stage."""
     sample_order: str
     """How the samples are ordered (data/loader.py: ORDER_RULES)."""
+    rollbacks: list[dict] = dataclasses.field(default_factory=list)
+    """Every rollback that led to this state (training/spikes.py): {step (the checkpoint's, where the run went on),
+    trigger_step, reason, detail, skipped_samples [from, to) (global positions: ``consumed_samples`` jumped over
+    them), skipped_steps, retry[, loss, baseline]}. Why consumed_samples may exceed step x global_batch."""
+    spike_watch: dict = dataclasses.field(default_factory=dict)
+    """The spike detector's window at this step (``SpikeWatch.state_dict``): a resume judges as the uninterrupted
+    run would."""
 
     @property
     def global_batch(self) -> int:
@@ -60,7 +67,8 @@ class TrainState:
                    world_size=world, micro_batch_size=micro, grad_accum=accum,
                    requested_batch=tuple(state.get("requested_batch", (micro, accum))),
                    seed=state.get("seed", saved.get("seed")), sample_stream=state.get("sample_stream"),
-                   sample_order=state["sample_order"])
+                   sample_order=state["sample_order"], rollbacks=list(state.get("rollbacks", [])),
+                   spike_watch=dict(state.get("spike_watch", {})))
 
     def continued(self, *, world_size: int, micro_batch_size: int, grad_accum: int) -> TrainState:
         """This state continued on ``world_size`` ranks with the given split: the data position is global, the

@@ -25,6 +25,8 @@ class StepResult:
     samples: int
     tokens: int
     """This rank's samples and real (non-padding) tokens."""
+    loss: torch.Tensor
+    """This rank's mean loss over the micro-batches, a device scalar (not read here: NaN when one was not finite)."""
 
 
 def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int, step: int,
@@ -32,7 +34,7 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
     """grad_accum micro-batches from ``next_batch()`` through forward -> loss -> backward, then the update (or its
     skip when any rank saw a non-finite loss or gradient); finite micro-batches' metrics are added to ``sums``.
     ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences (``host_facts``)."""
-    n_samples, n_tokens, all_finite_t = 0, 0, None
+    n_samples, n_tokens, all_finite_t, loss_sum = 0, 0, None, 0.0
     # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
     with dropout_rng(seed, step, env.rank, engine.device):
         for _ in range(grad_accum):
@@ -47,12 +49,13 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
             sums.update(metrics, keep=finite)
             sums.add("loss", loss.detach(), 1, keep=finite)  # x world size: the rank mean is the global loss
             all_finite_t = finite if all_finite_t is None else all_finite_t & finite
+            loss_sum = loss_sum + loss.detach()
             engine.micro_step(loss, finite=finite)
     info = engine.step()  # skipped when the gradients are non-finite (on the device, or DeepSpeed's check)
     # A non-finite loss always skips the step, so outside fp16 "skipped" says it; fp16's loss-scale overflows are
     # routine skips, so there the loss itself decides (one host sync, fp16 only).
     bad = info.skipped if precision != "fp16" else not all_finite(all_finite_t, env)
-    return StepResult(info=info, bad=bad, samples=n_samples, tokens=n_tokens)
+    return StepResult(info=info, bad=bad, samples=n_samples, tokens=n_tokens, loss=loss_sum / grad_accum)
 
 
 @contextlib.contextmanager

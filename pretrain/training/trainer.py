@@ -39,6 +39,12 @@ from pretrain.training.progress import (
 )
 from pretrain.training.resume import last_good_checkpoint, plan_resume
 from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, lock_run_dir
+from pretrain.training.spikes import (
+    SpikeWatch,
+    TrainingDiverged,
+    plan_rollback,
+    rollback_line,
+)
 from pretrain.training.state import TrainState
 from pretrain.training.step import optimizer_step, to_device
 
@@ -76,6 +82,7 @@ class Trainer:
         # stays) and whether the engine loads a universal checkpoint.
         plan = plan_resume(parts.cfg, env, tokenizer_sha256=self.tokenizer.sha256, sample_stream=stream)
         self.cfg = cfg = dataclasses.replace(parts.cfg, train=plan.train)
+        self._universal_tag = plan.tag_dir if plan.universal else None
         self.engine = Engine(self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
                              train=cfg.train, dist=cfg.distributed, env=env,
                              lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps), load_universal=plan.universal)
@@ -97,6 +104,7 @@ class Trainer:
         self.starved = StarvationWatch(cfg.train.log_every, cfg.data.num_workers)
         self.window = LogWindow()
         self.bad = BadSteps(cfg.train.max_bad_steps, self.state.bad_steps_total, self._diverged)
+        self.spikes = SpikeWatch(cfg.train.spike, self.state.spike_watch)
         self.writer = MetricsWriter(self.run_dir, enabled=env.is_main, resume_step=self.state.step)
 
     def _loader(self, dataset, start_sample: int):
@@ -113,7 +121,8 @@ class Trainer:
     def train(self) -> int:
         """Runs to train.max_steps (or a stop signal). Returns the process exit code."""
         c, st = self.cfg, self.state
-        loader = iter(self._loader(self.train_set, st.consumed_samples))
+        self.train_loader = self._loader(self.train_set, st.consumed_samples)
+        loader = iter(self.train_loader)
         if self.env.is_main:
             for line in banner_lines(c, self.env.world_size, self.module, self.train_set, self.valid_set):
                 print_progress(line)
@@ -129,13 +138,19 @@ class Trainer:
             last = st.step == c.train.max_steps
             # The first step of a launch is shown at once; it is not a logged window (that runs on to the next
             # log step, so the logged figures are the same whether or not the run was resumed).
-            if every(c.train.log_every, st.step, last=last) or st.step == start_step + 1:
+            log_now = every(c.train.log_every, st.step, last=last) or st.step == start_step + 1
+            save_now = every(c.checkpoint.every, st.step) and not last
+            # Losses are judged where the host reads anyway: log steps, and before every checkpoint (spikes.py).
+            if self._rolled_back(judge=log_now or save_now or last):
+                loader, st = iter(self.train_loader), self.state
+                continue
+            if log_now:
                 self.log(info, eta, collapse, window_ends=every(c.train.log_every, st.step, last=last))
             if every(c.train.eval_every, st.step) and not last:
                 self.validate()
             if self.stsb is not None and every(c.eval.stsb_every, st.step, last=last):
                 self.evaluate_stsb()
-            if every(c.checkpoint.every, st.step) and not last:
+            if save_now:
                 self.save()
             if self._should_stop():
                 return self._stop_for_signal()
@@ -150,6 +165,7 @@ class Trainer:
                          grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
                          precision=self.cfg.train.precision, unpadded=self.cfg.train.unpadded)
         st.step += 1
+        self.spikes.record(st.step, result.loss, result.bad)  # device scalars, read when they are judged
         st.consumed_samples += st.global_batch
         st.tokens_seen += result.tokens
         self.window.add(result.samples, result.tokens)
@@ -159,6 +175,36 @@ class Trainer:
         return (f"{consecutive} consecutive steps with a non-finite loss or gradient (last at step {last_step}); "
                 f"stopping. The last good checkpoint is {store.find_latest(store.checkpoints_dir(self.run_dir))}; "
                 f"lower optim.lr or check the data before resuming.")
+
+    def _rolled_back(self, *, judge: bool) -> bool:
+        """The spike rules over the steps kept since they were last judged (``spikes.SpikeWatch``), where ``judge``
+        (a log step, a checkpoint, the end: the host reads there anyway); on a trigger, the rollback."""
+        if not judge:
+            return False
+        self.state.bad_steps_total = self.bad.settle()  # train.max_bad_steps consecutive ones stop the run first
+        trigger = self.spikes.judge(self.env)
+        if trigger is not None:
+            self.roll_back(trigger)
+        return trigger is not None
+
+    def roll_back(self, trigger) -> Path:
+        """Back to the last good checkpoint with the data position past the samples since (``spikes.plan_rollback``),
+        the skip recorded in that checkpoint; a console line and a ``rollback`` record in metrics.jsonl."""
+        spike_cfg = self.cfg.train.spike
+        tag_dir, state, record = plan_rollback(self.run_dir, self.env, self.state, trigger, spike_cfg)
+        universal = tag_dir == self._universal_tag  # the checkpoint this launch resumed from on another rank count
+        engine_dir = universal_copy.prepare(self.env, tag_dir, say=print_progress) if universal else None
+        store.load_checkpoint(self.engine, self.env, tag_dir, engine_dir=engine_dir)
+        store.record_trainer_state(self.env, tag_dir, state.state_dict())
+        self.state, self.spikes = state, SpikeWatch(spike_cfg, state.spike_watch)
+        self.bad = BadSteps(self.cfg.train.max_bad_steps, state.bad_steps_total, self._diverged)
+        self.train_loader.consumed_samples = state.consumed_samples  # the next iterator starts there
+        self.window.reset()
+        self.writer.rewind(state.step)
+        self.writer.log(state.step, record, split="rollback")
+        if self.env.is_main:
+            print_progress(rollback_line(tag_dir, state, record, spike_cfg))
+        return tag_dir
 
     def log(self, info, eta: Eta, collapse: CollapseWatch, *, window_ends: bool) -> None:
         """The console line; at the end of a log window also metrics.jsonl/TensorBoard and the warnings."""
@@ -177,7 +223,9 @@ class Trainer:
         self.window.reset()
 
     def _stop_for_signal(self) -> int:
-        path = self.save()
+        # Steps not judged yet are judged before they are saved; a rollback's checkpoint is then the one to resume.
+        trigger = self.spikes.judge(self.env)
+        path = self.roll_back(trigger) if trigger is not None else self.save()
         code = self.stop_signal.exit_code  # 130 after Ctrl-C on this rank, else 75 (requeue)
         if self.env.is_main:
             why = ("stopped by Ctrl-C: resume with the same command" if code != REQUEUE_EXIT_CODE
@@ -240,6 +288,7 @@ class Trainer:
     def save(self) -> Path:
         # The skipped steps so far are part of the state; a diverged run stops here, before it writes.
         self.state.bad_steps_total = self.bad.settle()
+        self.state.spike_watch = self.spikes.state_dict()
         path = store.save_checkpoint(self.engine, self.env, self.run_dir, step=self.state.step,
                                      trainer_state=self.state.state_dict(), config_yaml=to_yaml(self.cfg),
                                      tokenizer_path=self.cfg.data.tokenizer, keep_last=self.cfg.checkpoint.keep_last)

@@ -231,6 +231,34 @@ def test_disk_full_during_checkpoint_is_clear_error_previous_intact(tmp_path, ti
                 subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def test_every_checkpoint_file_is_fsynced_before_the_publish_rename(tmp_path, tiny_overrides, clean_env,
+                                                                    monkeypatch, capsys):
+    import pretrain.checkpoint.files as files_mod
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, *a, **k):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(files_mod.os, "fsync", fsync)
+    monkeypatch.setattr(store.os, "replace", replace)
+    run_dir = tmp_path / "run"
+    code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=2, checkpoint__every=0), capsys)
+    assert code == 0, out[-2000:]
+    tag_dir = store.checkpoints_dir(run_dir) / "step_00000002"
+    publish = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(tag_dir))
+    synced = {Path(e[1]).name for e in events[:publish] if e[0] == "fsync" and ".tmp-step_00000002" in e[1]}
+    synced |= {n[1:].split(".tmp-")[0] for n in synced if n.startswith(".")}  # atomic_write_text's temporary name
+    written = {p.name for p in tag_dir.rglob("*") if p.is_file()}
+    assert written and written <= synced, f"not fsynced before the rename: {written - synced}"
+
+
 # --------------------------------------------------------------------------------------- killed during save
 
 _SLOW_SAVE = """
@@ -324,6 +352,36 @@ def test_flipped_bytes_detected_by_verify_or_on_open(tmp_path, tiny_corpus, caps
         ShardedDataset(str(ds2))
     assert preprocess_main(["--verify", str(ds2)]) == 1
     assert "shard-00000.idx sha256 mismatch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_token_ids_out_of_range_stop_the_run_naming_shard_and_offset(num_workers, tmp_path, tiny_corpus,
+                                                                   tiny_overrides, clean_env, capsys):
+    """A corrupted region (the first token of every sentence of shard 0 becomes 0xFFFF, same size, structure intact)
+    stops the run at its first read, in the loader (or its worker), before a step: shard and offset named."""
+    import numpy as np
+
+    from pretrain.data.indexed import IndexedDataset
+    from pretrain.data.shards import CorruptShardError
+
+    ds = _copy_dataset(tiny_corpus["train"], tmp_path / "bad")
+    offsets = np.array(IndexedDataset(str(ds / "shard-00000")).offsets)
+    bin_path = ds / "shard-00000.bin"
+    tokens = np.fromfile(bin_path, dtype=np.uint16)
+    tokens[offsets] = 0xFFFF
+    tokens.tofile(bin_path)
+    with pytest.raises(CorruptShardError, match=rf"shard-00000.bin holds token id 65535 at token offset "
+                                                rf"{offsets[3]} \(byte {2 * offsets[3]}\), outside the dataset's "
+                                                rf"vocabulary of 2000 ids"):
+        ShardedDataset(str(ds))[3]
+    code, out = _main(tiny_overrides(tmp_path / "run", data__sources=f"[{{name: docs, path: {ds}}}]",
+                                     data__valid="[]", data__num_workers=num_workers), capsys)
+    assert code == 2, out[-2000:]
+    line = next(x for x in out.splitlines() if "holds token id 65535" in x)
+    assert "shard-00000.bin" in line and "pretrain-preprocess --verify" in line and "Traceback" not in out, out[-3000:]
+    offset = int(line.split("at token offset ")[1].split()[0])
+    assert offset in set(offsets.tolist())
+    assert not _train_records(tmp_path / "run"), "a step ran on a corrupt shard"
 
 
 # -------------------------------------------------------------------------------- world size on resume

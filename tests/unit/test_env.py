@@ -148,3 +148,14 @@ def test_init_world_one_gloo_group_works_and_destroys():
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="gloo"):
         init_process_group(single_process_env(), backend="mpi", timeout_s=5)
+
+
+def test_unique_suffix_names_host_pid_and_a_random_part():
+    import os
+    import socket
+
+    from pretrain.distributed.env import unique_suffix
+
+    a, b = unique_suffix(), unique_suffix()
+    assert a != b and f"-{os.getpid()}-" in a and a.startswith(socket.gethostname()[:8].replace("/", "_"))
+    assert "/" not in a

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from pretrain.report import LOSS_TERMS, main, read_metrics
+from pretrain.report import LOSS_TERMS, main, read_metrics, write_report
 
 pytest.importorskip("matplotlib")
 
@@ -140,3 +140,19 @@ def test_loss_terms_match_the_objectives():
     from pretrain.objective.terms import OBJECTIVES
 
     assert LOSS_TERMS == tuple(OBJECTIVES)
+
+
+def test_rollbacks_are_kept_listed_and_drawn(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [{"step": s, "split": "train", "loss": 5.0} for s in (1, 2, 3, 4, 5)]
+    rows += [{"step": 4, "split": "rollback", "trigger_step": 5, "reason": "loss spike", "detail": "loss 50 is 10x",
+              "skipped_samples": [16, 20], "retry": r} for r in (1, 2)]  # two rollbacks to the same checkpoint
+    rows += [{"step": 5, "split": "train", "loss": 4.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records, _ = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["retry"] for r in records["rollback"]] == [1, 2] and records["train"][-1]["loss"] == 4.0
+    report = write_report([str(run_dir)], tmp_path / "out")
+    md = report.markdown.read_text()
+    assert "## Rollbacks" in md and "| run | 5 | loss spike | 4 | 16-19 | 2 | loss 50 is 10x |" in md
+    assert "| rollbacks | 2 |" in md and (tmp_path / "out" / "train_loss.png").is_file()
