@@ -55,7 +55,7 @@ def cached_optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, see
     sums.add("loss", step_loss, 1, keep=all_finite_t)  # the whole step's loss, x world size like optimizer_step's
     info = engine.step()
     bad = info.skipped if precision != "fp16" else not all_finite(all_finite_t, env)
-    return StepResult(info=info, bad=bad, samples=n_samples, tokens=n_tokens)
+    return StepResult(info=info, bad=bad, samples=n_samples, tokens=n_tokens, loss=step_loss.detach())
 
 
 @contextlib.contextmanager
