@@ -18,8 +18,11 @@ import sys
 
 def exit_code(failures: dict) -> int:
     """The exit status for torchrun's failures ({global rank: ProcessFailure}): the first failed worker's code,
-    128 + N for a worker killed by signal N."""
-    first = min(failures.values(), key=lambda f: (f.timestamp, f.local_rank))
+    128 + N for a worker killed by signal N. Workers killed by SIGTERM count only when nothing else failed: once one
+    worker fails torchrun stops the others with SIGTERM, and which of the two it records first is a race (a
+    2-worker run without data paths ended 143 instead of the trainer's 2 under load, 2026-11-24)."""
+    caused = [f for f in failures.values() if f.exitcode != -signal.SIGTERM] or list(failures.values())
+    first = min(caused, key=lambda f: (f.timestamp, f.local_rank))
     return first.exitcode if first.exitcode > 0 else 128 - first.exitcode
 
 

@@ -20,6 +20,10 @@ def test_the_first_failure_decides_the_exit_code():
     assert exit_code({0: _failure(0, 75, 5), 1: _failure(1, 75, 6)}) == 75
     assert exit_code({0: _failure(0, -15, 7), 1: _failure(1, 2, 6)}) == 2
     assert exit_code({0: _failure(0, -9, 1)}) == 137
+    # torchrun's SIGTERM of the other worker recorded first (a race): the worker's own exit still decides
+    assert exit_code({0: _failure(0, -15, 5), 1: _failure(1, 2, 6)}) == 2
+    assert exit_code({0: _failure(0, -15, 5), 1: _failure(1, -15, 6)}) == 143  # a SIGTERM of everyone stays one
+    assert exit_code({0: _failure(0, -9, 5), 1: _failure(1, 1, 6)}) == 137  # another signal first is the cause
     line = summary({0: _failure(0, 2, 1), 1: _failure(1, -15, 2)})
     assert line == ("[launch] workers stopped: rank 0 exit 2, rank 1 killed by SIGTERM: a configuration or input "
                     "error (the worker's message above says which); exit 2")
