@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pretrain.config.model import ModelConfig
+from pretrain.model.encoder import Encoder
 from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings
 from pretrain.model.packing import Packed
 from pretrain.model.rotary import rope_tables, window_mask
@@ -86,7 +87,4 @@ class ModernEncoder(nn.Module):
             states[-1] = x_BTD
         return states if all_layers else x_BTD
 
-    def compile_layers(self, **kwargs) -> None:
-        """torch.compile every block in place."""
-        for layer in self.layers:
-            layer.compile(**kwargs)
+    compile_layers = Encoder.compile_layers  # per block, as BERT's: one graph reused L times

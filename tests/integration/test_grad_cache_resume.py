@@ -5,12 +5,9 @@ a resume replays nothing; the data position is the uncached step's."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 
 import pytest
-from test_train_resume import _launch, _losses, _run
+from test_train_resume import _kill_at_first_checkpoint, _losses, _run
 
 
 @pytest.mark.slow
@@ -24,15 +21,7 @@ def test_cached_run_killed_and_resumed_reproduces_losses_bitwise(tmp_path, tiny_
     rec = json.loads((ref_dir / "metrics.jsonl").read_text().splitlines()[1])
     assert all(k in rec for k in ("mlm", "nt_xent", "cl_acc", "cl_emb_cos")), rec
 
-    p = _launch(tiny_overrides(cut_dir, **extra), nproc=2)
-    deadline = time.time() + 240
-    while not (cut_dir / "checkpoints" / "latest").is_file():
-        assert p.poll() is None, p.stdout.read()[-3000:]
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.005)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    assert (cut_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    _kill_at_first_checkpoint(tiny_overrides(cut_dir, **extra), cut_dir, nproc=2)
     code, out = _run(tiny_overrides(cut_dir, **extra), nproc=2)
     assert code == 0, out[-3000:]
     assert "resumed from" in out

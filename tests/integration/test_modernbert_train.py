@@ -6,14 +6,11 @@ with our outputs; ZeRO 3 on the unpadded path."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_train_resume import _launch, _losses, _run
+from test_train_resume import _kill_at_first_checkpoint, _losses, _run
 
 # 3 layers (global, local, local) and a window of 16 tokens, under data.max_len=64: the window acts.
 MODERN = {"model__arch": "modernbert", "model__pooler": "false", "model__num_layers": 3, "model__local_window": 16,
@@ -30,15 +27,7 @@ def test_modernbert_mlm_clear_resume_bitwise(tmp_path, tiny_overrides):
     assert sorted(ref) == list(range(1, 9))
     rec = json.loads((ref_dir / "metrics.jsonl").read_text().splitlines()[1])
     assert "mlm" in rec and "nt_xent" in rec
-    p = _launch(tiny_overrides(cut_dir, **extra), nproc=1)
-    deadline = time.time() + 240
-    while not (cut_dir / "checkpoints" / "latest").is_file():
-        assert p.poll() is None, p.stdout.read()[-3000:]
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.005)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    assert (cut_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    _kill_at_first_checkpoint(tiny_overrides(cut_dir, **extra), cut_dir, nproc=1)
     code, out = _run(tiny_overrides(cut_dir, **extra), nproc=1)
     assert code == 0, out[-3000:]
     assert "resumed from" in out

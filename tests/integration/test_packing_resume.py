@@ -3,13 +3,10 @@ losses bitwise (the sample index across documents and the per-sample masking dep
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
-from test_train_resume import _launch, _losses, _run
+from test_train_resume import _kill_at_first_checkpoint, _losses, _run
 
 
 @pytest.mark.slow
@@ -21,15 +18,7 @@ def test_full_packing_and_span_masking_resume_bitwise(tmp_path, tiny_overrides, 
     ref = _losses(ref_dir)
     assert sorted(ref) == list(range(1, 9))
     assert list((Path(tiny_corpus["train"]) / "index-cache").glob("samples-*-full1-*.npy"))  # cached, shared
-    p = _launch(tiny_overrides(cut_dir, **extra), nproc=1)
-    deadline = time.time() + 240
-    while not (cut_dir / "checkpoints" / "latest").is_file():
-        assert p.poll() is None, p.stdout.read()[-3000:]
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.005)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    assert (cut_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    _kill_at_first_checkpoint(tiny_overrides(cut_dir, **extra), cut_dir, nproc=1)
     code, out = _run(tiny_overrides(cut_dir, **extra), nproc=1)
     assert code == 0, out[-3000:]
     assert "resumed from" in out

@@ -47,6 +47,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill_at_first_checkpoint(overrides: list[str], run_dir: Path, nproc: int) -> None:
+    """Launch, and SIGKILL the whole job as soon as its first checkpoint is published (steps 5-8 and their save take
+    well under a second: killed before they finish); that checkpoint must be step 4."""
+    p = _launch(overrides, nproc=nproc)
+    deadline = time.time() + 240
+    while not (run_dir / "checkpoints" / "latest").is_file():
+        assert p.poll() is None, p.stdout.read()[-3000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.005)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+
+
 def _losses(run_dir: Path) -> dict[int, float]:
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -85,16 +99,7 @@ def test_two_ranks_killed_and_resumed_reproduce_losses_bitwise(tmp_path, tiny_ov
     assert sorted(ref) == list(range(1, 9))
     _check_run_dir(ref_dir, ref)
 
-    # Kill the whole job with SIGKILL as soon as the step-4 checkpoint is published.
-    p = _launch(tiny_overrides(cut_dir), nproc=2)
-    deadline = time.time() + 240
-    while not (cut_dir / "checkpoints" / "latest").is_file():
-        assert p.poll() is None, p.stdout.read()[-3000:]
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.005)  # steps 5-8 and their save take well under a second: kill before they finish
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    assert (cut_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    _kill_at_first_checkpoint(tiny_overrides(cut_dir), cut_dir, nproc=2)
 
     code, out = _run(tiny_overrides(cut_dir), nproc=2)
     assert code == 0, out[-3000:]
