@@ -83,9 +83,11 @@ PRETRAIN_EXTRA = ("norm", "pooling", "pooler", "projection_dim", "projection_lay
 """Our settings that ride along in config.json under "pretrain" (our exports only)."""
 
 
-def _expand(num_layers: int) -> list[tuple[str, str]]:
+def _expand(num_layers: int, arch: str = "bert") -> list[tuple[str, str]]:
+    """The architecture's key table (ours, transformers') with "{}" expanded per layer (ModernBERT's table lists layer
+    0's attn_norm, which exists on neither side)."""
     pairs = []
-    for ours, hf in KEY_MAP:
+    for ours, hf in (hf_modern.KEY_MAP if arch == "modernbert" else KEY_MAP):
         if "{}" in ours:
             pairs.extend((ours.format(i), hf.format(i)) for i in range(num_layers))
         else:
@@ -99,7 +101,7 @@ def to_hf_state_dict(ours: dict, num_layers: int, arch: str = "bert") -> dict:
 
     Any other key without a counterpart (e.g. pre-LN's final LayerNorm) is a ValueError.
     """
-    pairs = hf_modern.expand(num_layers) if arch == "modernbert" else _expand(num_layers)
+    pairs = _expand(num_layers, arch)
     mapped = {o for o, _ in pairs}
     extra = [k for k in ours if k not in mapped and k not in TIED_KEYS
              and not k.startswith(OURS_ONLY_PREFIXES + SENTENCE_PREFIXES)]
@@ -131,7 +133,7 @@ def from_hf_state_dict(hf: dict, num_layers: int, arch: str = "bert") -> dict:
     """
     if arch == "modernbert":
         norm = {hf_modern.normalise_key(k): v for k, v in hf.items()}
-        return {o: norm[hf_key] for o, hf_key in hf_modern.expand(num_layers) if hf_key in norm}
+        return {o: norm[hf_key] for o, hf_key in _expand(num_layers, arch) if hf_key in norm}
     norm = {_normalise_hf_key(k): v for k, v in hf.items()}
     if "cls.predictions.bias" not in norm and "cls.predictions.decoder.bias" in norm:
         norm["cls.predictions.bias"] = norm["cls.predictions.decoder.bias"]

@@ -41,17 +41,6 @@ CONFIG_JSON_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_he
 """The ModelConfig fields every ModernBERT config.json states."""
 
 
-def expand(num_layers: int) -> list[tuple[str, str]]:
-    """KEY_MAP with "{}" expanded per layer (layer 0's attn_norm is listed but exists on neither side)."""
-    pairs = []
-    for ours, hf in KEY_MAP:
-        if "{}" in ours:
-            pairs.extend((ours.format(i), hf.format(i)) for i in range(num_layers))
-        else:
-            pairs.append((ours, hf))
-    return pairs
-
-
 def normalise_key(key: str) -> str:
     """ModernBertModel's names (no "model." prefix) -> ModernBertForMaskedLM's."""
     return key if key.startswith(BASE_PREFIX) or key.startswith(HEAD_PREFIXES) else BASE_PREFIX + key
