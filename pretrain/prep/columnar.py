@@ -14,6 +14,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from pretrain.prep.formats import decode_utf8
+
 STATE_FILE = "state.json"
 """Written by ``Dataset.save_to_disk`` beside its ``data-0000x-of-0000n.arrow`` files (their order)."""
 DICT_FILE = "dataset_dict.json"
@@ -158,18 +160,10 @@ def _texts(path: str, column, stats, errors: str, row0: int, text_field: str) ->
         if value is None:
             stats.count("null_text")
             continue
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError as e:
-            if errors == "strict":
-                raise ValueError(f"{path}: invalid UTF-8 in row {row} of column {text_field!r} at byte {e.start}; "
-                                 f"fix the file or re-run with --errors replace or --errors skip") from None
-            if errors == "skip":
-                stats.count("invalid_utf8")
-                continue
-            value = value.decode("utf-8", errors="replace")
-            stats.count("replaced_utf8")
-        yield value
+        value = decode_utf8(value, errors, stats, lambda e, row=row: (
+            f"{path}: invalid UTF-8 in row {row} of column {text_field!r} at byte {e.start}"))
+        if value is not None:
+            yield value
 
 
 def paragraphs_of(text: str, stats, max_line_bytes: int) -> list[str]:

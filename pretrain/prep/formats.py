@@ -72,19 +72,22 @@ def _iter_lines(f: BinaryIO, path: str, stats: ReadStats, *, max_line_bytes: int
         if b"\x00" in raw:
             stats.count("nul_bytes")
             continue
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            if errors == "strict":
-                raise ValueError(
-                    f"{path}: invalid UTF-8 at byte offset {start + e.start}{where}; fix the file or re-run with "
-                    f"errors='replace' (--errors replace) or 'skip' (--errors skip)") from None
-            if errors == "skip":
-                stats.count("invalid_utf8")
-                continue
-            line = raw.decode("utf-8", errors="replace")
-            stats.count("replaced_utf8")
-        yield line.rstrip("\r\n"), pos
+        line = decode_utf8(raw, errors, stats,
+                           lambda e, start=start: f"{path}: invalid UTF-8 at byte offset {start + e.start}{where}")
+        if line is not None:
+            yield line.rstrip("\r\n"), pos
+
+
+def decode_utf8(raw: bytes, errors: str, stats, where) -> str | None:
+    """``raw`` as UTF-8 under the ``--errors`` policy: strict raises ValueError with ``where(e)`` (the place, named
+    by the reader) and the remedy; skip counts it and returns None; replace counts it and decodes with U+FFFD."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if errors == "strict":
+            raise ValueError(f"{where(e)}; fix the file or re-run with --errors replace or --errors skip") from None
+        stats.count("invalid_utf8" if errors == "skip" else "replaced_utf8")
+        return None if errors == "skip" else raw.decode("utf-8", errors="replace")
 
 
 def detect_format(path: str, first_line: str) -> str:
