@@ -1,14 +1,69 @@
-"""Shared fixtures: the real-data directory, a tiny generated corpus, device skips."""
+"""Shared fixtures: the real-data directory, a tiny generated corpus, device skips; and the session's process
+reaper: every process this test session starts carries ``PRETRAIN_TEST_SESSION`` in its environment, so one still
+alive when the session ends (a DataLoader worker, a trainer or a job step orphaned by a failing test) is named
+with the test that left it, then killed -- a leftover holding the CI's output pipe would otherwise keep the CI
+waiting until its time limit (stop 31: pytest's summary printed at 23 min, the CI ran out at 90)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import uuid
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+_SESSION_VAR = "PRETRAIN_TEST_SESSION"
+os.environ.setdefault(_SESSION_VAR, uuid.uuid4().hex)
+_SESSION_MARK = f"{_SESSION_VAR}={os.environ[_SESSION_VAR]}".encode()
+_first_seen: dict[int, str] = {}  # pid of a marked process -> the test after which it was first seen alive
+
+
+def _marked_processes() -> dict[int, str]:
+    """{pid: command line} of this session's processes other than pytest itself (read from /proc; {} elsewhere)."""
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        if pid == os.getpid():
+            continue
+        try:
+            if _SESSION_MARK not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone, or not ours to read
+            continue
+        if cmd:  # a zombie has no command line and holds nothing open
+            found[pid] = cmd
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _note_leftover_processes(request):
+    yield
+    for pid in _marked_processes():
+        _first_seen.setdefault(pid, request.node.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Name, then kill, the session's processes still alive, and name its non-daemon threads still running."""
+    report = session.config.pluginmanager.get_plugin("terminalreporter")
+    say = report.write_line if report is not None else (lambda line: print(line, file=sys.stderr))
+    left = _marked_processes()
+    threads = [t for t in threading.enumerate()
+               if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if (left or threads) and report is not None:
+        report.write_sep("=", "left behind by the tests")
+    for pid, cmd in sorted(left.items()):
+        say(f"LEFTOVER PROCESS {pid} (first seen after {_first_seen.get(pid, 'the last test')}): {cmd[:300]}")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for t in threads:
+        say(f"LEFTOVER THREAD {t.name!r} (non-daemon: the interpreter waits for it at exit)")
 
 
 def _data_dir() -> Path | None:

@@ -287,6 +287,10 @@ def test_readme_cpu_example_runs_as_written_and_errors_end_in_one_line(cluster, 
     assert "training step finished (exit 0)" in logs["ok"] and (run / "checkpoints" / "step_00000004").is_dir()
     bad = logs["bad"]
     assert infos["bad"]["JobState"] == "FAILED" and infos["bad"]["ExitCode"].startswith("2:"), bad[-3000:]
-    assert "pretrain-train: error: data.tokenizer is empty" in bad and "[launch] workers stopped: rank 0 exit 2" in bad
+    assert "pretrain-train: error: data.tokenizer is empty" in bad, bad[-3000:]
+    # both workers fail on the config; whichever torchrun records first, the other may be its SIGTERM'd peer
+    # ("rank 0 killed by SIGTERM, rank 1 exit 2": seen in CI under load), and the launcher's exit is the trainer's 2
+    launch = [ln for ln in bad.splitlines() if ln.startswith("[launch] workers stopped: ")]
+    assert len(launch) == 1 and re.search(r"rank [01] exit 2\b", launch[0]) and launch[0].endswith("; exit 2"), bad[-3000:]
     assert "training step failed (exit 2)" in bad
     assert "Traceback" not in bad and "ChildFailedError" not in bad, bad[-3000:]
