@@ -1,8 +1,8 @@
 """Shared fixtures: the real-data directory, a tiny generated corpus, device skips; and the session's process
-reaper: every process this test session starts carries ``PRETRAIN_TEST_SESSION`` in its environment, so one still
-alive when the session ends (a DataLoader worker, a trainer or a job step orphaned by a failing test) is named
-with the test that left it, then killed -- a leftover holding the CI's output pipe would otherwise keep the CI
-waiting until its time limit (stop 31: pytest's summary printed at 23 min, the CI ran out at 90)."""
+reaper: a process of this session still alive when it ends (a descendant of pytest, or an orphan whose environment
+carries ``PRETRAIN_TEST_SESSION``: a DataLoader worker, a trainer or a job step a failing test left) is named with
+the test after which it was first seen, then killed. Stop 31's CI ran out of time after pytest's summary: persistent
+DataLoader workers of in-process runs, which ignore SIGTERM, held multiprocessing's exit handler."""
 
 from __future__ import annotations
 
@@ -22,28 +22,44 @@ _SESSION_MARK = f"{_SESSION_VAR}={os.environ[_SESSION_VAR]}".encode()
 _first_seen: dict[int, str] = {}  # pid of a marked process -> the test after which it was first seen alive
 
 
-def _marked_processes() -> dict[int, str]:
-    """{pid: command line} of this session's processes other than pytest itself (read from /proc; {} elsewhere)."""
-    found = {}
+def _session_processes() -> dict[int, str]:
+    """{pid: command line} of this session's live processes other than pytest itself: its descendants (forked
+    ones, DataLoader workers of in-process runs, included) and any process whose environment carries the session
+    mark (an orphan re-parented to init). Read from /proc; {} where there is none."""
+    parents, found = {}, {}
     for entry in Path("/proc").glob("[0-9]*"):
-        pid = int(entry.name)
-        if pid == os.getpid():
-            continue
         try:
-            if _SESSION_MARK not in (entry / "environ").read_bytes().split(b"\0"):
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] == "Z":  # a zombie holds nothing open
                 continue
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone, or not ours to read
+            parents[int(entry.name)] = int(fields[1])
+            if _SESSION_MARK in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = ""
+        except (OSError, ValueError):  # gone, or not ours to read
             continue
-        if cmd:  # a zombie has no command line and holds nothing open
-            found[pid] = cmd
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        found[pid] = ""
+        todo += children.get(pid, [])
+    found.pop(os.getpid(), None)
+    for pid in list(found):
+        try:
+            found[pid] = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace").strip()
+        except OSError:
+            del found[pid]
     return found
 
 
 @pytest.fixture(autouse=True)
 def _note_leftover_processes(request):
     yield
-    for pid in _marked_processes():
+    for pid in _session_processes():
         _first_seen.setdefault(pid, request.node.nodeid)
 
 
@@ -51,7 +67,7 @@ def pytest_sessionfinish(session, exitstatus):
     """Name, then kill, the session's processes still alive, and name its non-daemon threads still running."""
     report = session.config.pluginmanager.get_plugin("terminalreporter")
     say = report.write_line if report is not None else (lambda line: print(line, file=sys.stderr))
-    left = _marked_processes()
+    left = _session_processes()
     threads = [t for t in threading.enumerate()
                if t is not threading.main_thread() and t.is_alive() and not t.daemon]
     if (left or threads) and report is not None:

@@ -304,7 +304,9 @@ class ResumableLoader:
         step = self.sampler.micro_batch_size * self.sampler.world_size
         if self.ring is not None:
             self.ring.new_generation()
-        for chunk in self.loader:
+        chunks = iter(self.loader)
+        _LIVE_WORKERS.update(getattr(chunks, "_workers", ()))
+        for chunk in chunks:
             if isinstance(chunk, SlotChunk):
                 chunk = self.ring.unpack(chunk)
             for batch in chunk:
@@ -316,23 +318,37 @@ class ResumableLoader:
 
     def close(self) -> None:
         """Stop the worker processes: asked to exit, then SIGKILLed if they have not within a few seconds (they
-        ignore SIGTERM, which is what the DataLoader's own shutdown and multiprocessing's exit handler send)."""
+        ignore SIGTERM, which is what the DataLoader's own shutdown and multiprocessing's exit handler send).
+        Idempotent; the trainer calls it when a run ends, an error included."""
         it = getattr(self.loader, "_iterator", None)
         if it is None or not hasattr(it, "_shutdown_workers"):
             return
         workers = list(getattr(it, "_workers", []))
         it._shutdown_workers()
-        for w in workers:
-            if w.is_alive():
-                os.kill(w.pid, signal.SIGKILL)
-                w.join(timeout=5)
+        _kill(workers)
         self.loader._iterator = None
 
 
-def _close_at_exit(ref: weakref.ref) -> None:
-    loader = ref()
-    if loader is not None:
-        loader.close()
+_LIVE_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
+"""Every DataLoader worker process a ResumableLoader started in this process. A loader dropped without ``close``
+(an error unwinding the trainer, a validation iterator left half-read) has its workers asked to exit by torch's
+iterator finaliser, which SIGTERMs the slow ones: ignored by our workers, so multiprocessing's exit handler would
+then wait for them forever. The exit handler below SIGKILLs whatever is still alive first."""
+
+
+def _kill(workers) -> None:
+    for w in list(workers):
+        if w.is_alive():
+            try:
+                os.kill(w.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            w.join(timeout=5)
+
+
+@atexit.register  # registered after multiprocessing's own handler, so it runs before it
+def _kill_live_workers() -> None:
+    _kill(_LIVE_WORKERS)
 
 
 def build_loader(
@@ -388,7 +404,4 @@ def build_loader(
         generator=torch.Generator().manual_seed(int(seed)),
         **extra,
     )
-    resumable = ResumableLoader(loader, sampler, start_sample, ring)
-    if num_workers > 0:  # runs before multiprocessing's exit handler, which would wait forever on the workers
-        atexit.register(_close_at_exit, weakref.ref(resumable))
-    return resumable
+    return ResumableLoader(loader, sampler, start_sample, ring)

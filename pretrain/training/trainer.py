@@ -264,11 +264,15 @@ class Trainer:
         self.engine.eval()
         self._set_view_mean_mix()
         sums = MetricSums()
-        loader = iter(self._loader(self.valid_set, 0))
-        for _ in range(self.cfg.train.eval_batches):
-            batch = to_device(next(loader), self.engine.device)
-            _, metrics = self.engine.forward(batch)
-            sums.update(metrics)
+        valid_loader = self._loader(self.valid_set, 0)
+        try:
+            loader = iter(valid_loader)
+            for _ in range(self.cfg.train.eval_batches):
+                batch = to_device(next(loader), self.engine.device)
+                _, metrics = self.engine.forward(batch)
+                sums.update(metrics)
+        finally:
+            valid_loader.close()  # its workers, now: a new loader is built at the next validation
         scalars = sums.reduce(self.env)
         self.writer.log(self.state.step, scalars, split="valid")
         if self.env.is_main:
@@ -307,6 +311,9 @@ class Trainer:
         return bool(flags[0])
 
     def close(self) -> None:
+        loader = getattr(self, "train_loader", None)
+        if loader is not None:  # its workers stop now, not when (or whether) the loader is collected
+            loader.close()
         self.peers.stop()
         self.writer.close()
         self._release_lock()

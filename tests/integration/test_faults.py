@@ -354,10 +354,7 @@ def test_flipped_bytes_detected_by_verify_or_on_open(tmp_path, tiny_corpus, caps
     assert "shard-00000.idx sha256 mismatch" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("num_workers", [0, pytest.param(1, marks=pytest.mark.skip(
-    reason="KNOWN BUG, open (issue 25 item 4): with a DataLoader worker the corrupt-shard error hung this test "
-           "past 400 s twice on a loaded 2-core machine (2026-11-24; 4 quiet runs passed): the worker's exit path "
-           "must be fixed before this case runs again"))])
+@pytest.mark.parametrize("num_workers", [0, 1])
 def test_token_ids_out_of_range_stop_the_run_naming_shard_and_offset(num_workers, tmp_path, tiny_corpus,
                                                                    tiny_overrides, clean_env, capsys):
     """A corrupted region (the first token of every sentence of shard 0 becomes 0xFFFF, same size, structure intact)
@@ -385,6 +382,9 @@ def test_token_ids_out_of_range_stop_the_run_naming_shard_and_offset(num_workers
     offset = int(line.split("at token offset ")[1].split()[0])
     assert offset in set(offsets.tolist())
     assert not _train_records(tmp_path / "run"), "a step ran on a corrupt shard"
+    from pretrain.data.loader import _LIVE_WORKERS
+
+    assert not [w.pid for w in _LIVE_WORKERS if w.is_alive()], "the run's loader workers outlived it"
 
 
 # -------------------------------------------------------------------------------- world size on resume

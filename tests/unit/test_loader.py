@@ -259,6 +259,52 @@ def test_a_script_that_ends_with_workers_running_exits(tmp_path):
     assert len(eval(p.stdout.strip())) == 2
 
 
+
+def test_a_dropped_loader_whose_worker_is_busy_does_not_hold_the_exit(tmp_path):
+    """A loader dropped without close() (an error unwinding the trainer): torch's finaliser asks the workers to
+    exit and SIGTERMs the one still busy, which ignores it; the process must still exit at once, not when that
+    worker's task ends (120 s here; multiprocessing's exit handler would wait for it). Stop 31's CI hung there."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent('''
+        import gc, os, time, torch
+        from pretrain.data.loader import build_loader
+
+        class SlowAfterTheFirst(torch.utils.data.Dataset):
+            calls = 0
+            def __len__(self):
+                return 1000
+            def __getitem__(self, key):
+                type(self).calls += 1
+                if type(self).calls > 2:
+                    time.sleep(120)
+                return {"input_ids": torch.tensor([key[1]])}
+
+        def collate(samples, pad_id):
+            return {"input_ids": torch.cat([s["input_ids"] for s in samples])}
+
+        loader = build_loader(SlowAfterTheFirst(), seed=0, rank=0, world_size=1, micro_batch_size=2,
+                              start_sample=0, num_workers=1, pad_id=0, collate_fn=collate, chunk=1)
+        it = iter(loader)
+        print(len(next(it)["input_ids"]), flush=True)
+        time.sleep(0.5)  # the worker is in its 120 s task now
+        del it, loader
+        gc.collect()
+    '''))
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])  # this checkout's pretrain, whatever pip points at
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
+    assert p.returncode == 0 and p.stdout.strip() == "2", p.stderr[-2000:]
+    assert time.monotonic() - t0 < 60, "the exit waited for the busy worker"
+
 def test_slot_ring_round_trip_reuse_growth_and_fallback():
     """The shared-memory hand-off gives back the batches it was given (dtypes, shapes, values, empty fields) as
     copies; a slot is reused once the main process has copied it out, its buffer travels only on first use in a
