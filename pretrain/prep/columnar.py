@@ -3,8 +3,8 @@
 Every row's text column is one document; its lines are paragraphs, exactly as a ``.txt`` document's lines are
 (split at ``\\n`` only, stripped, empty lines dropped), so the same text gives the same documents and sentences
 whichever format it arrives in. A parquet file is read row group by row group, an Arrow file record batch by
-record batch (memory-mapped): never a whole file in memory. A worker's part is a run of whole row groups
-(parquet) or record batches (arrow) of about the chunk size; a row group larger than that is one part by itself.
+record batch (memory-mapped): never a whole file in memory. A worker's part is a range of the file's rows of
+about the chunk size: a run of small row groups (parquet) or record batches (arrow), or a slice of a big one.
 """
 
 from __future__ import annotations
@@ -79,20 +79,22 @@ def _text_column(path: str, schema, text_field: str) -> None:
 # ---------------------------------------------------------------------------------------------------- planning
 
 
-def plan_parquet(path: str, text_field: str, target_bytes: int) -> list[tuple[int, int, int]]:
-    """(first row group, end row group, input bytes attributed) covering the file, each about ``target_bytes`` of
-    uncompressed text column; the attributed bytes sum to the file size (for progress)."""
+def plan_parquet(path: str, text_field: str, target_bytes: int,
+                 max_slices: int = 64) -> list[tuple[int, int, int]]:
+    """(first row, end row, input bytes attributed) covering the file, each about ``target_bytes`` of uncompressed
+    text column (``_plan_rows``); the attributed bytes sum to the file size (for progress)."""
     import pyarrow.parquet as pq
 
     with _named(path, "parquet"):
         pf = pq.ParquetFile(path)
     _text_column(path, pf.schema_arrow, text_field)
     col = pf.schema_arrow.get_field_index(text_field)
-    sizes = []
+    units = []
     for i in range(pf.metadata.num_row_groups):
         rg = pf.metadata.row_group(i)
-        sizes.append(rg.column(col).total_uncompressed_size if col < rg.num_columns else rg.total_byte_size)
-    return _group(sizes, target_bytes, Path(path).stat().st_size)
+        units.append((rg.num_rows, rg.column(col).total_uncompressed_size if col < rg.num_columns
+                      else rg.total_byte_size))
+    return _plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices)
 
 
 def _open_arrow(path: str):
@@ -109,24 +111,43 @@ def _open_arrow(path: str):
     return r.schema, iter(r)
 
 
-def plan_arrow(path: str, text_field: str, target_bytes: int) -> list[tuple[int, int, int]]:
-    """(first record batch, end record batch, input bytes attributed), as ``plan_parquet``."""
+def plan_arrow(path: str, text_field: str, target_bytes: int,
+               max_slices: int = 64) -> list[tuple[int, int, int]]:
+    """(first row, end row, input bytes attributed), as ``plan_parquet``, over the file's record batches."""
     with _named(path, "Arrow"):
         schema, batches = _open_arrow(path)
         _text_column(path, schema, text_field)
-        sizes = [b.column(text_field).nbytes for b in batches]  # memory-mapped: no copy, no decoding
-    return _group(sizes, target_bytes, Path(path).stat().st_size)
+        units = [(b.num_rows, b.column(text_field).nbytes) for b in batches]  # memory-mapped: no copy, no decoding
+    return _plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices)
 
 
-def _group(sizes: list[int], target_bytes: int, file_bytes: int) -> list[tuple[int, int, int]]:
-    """Consecutive runs of units (row groups, batches) of about ``target_bytes``; file bytes shared by size."""
+def _plan_rows(units: list[tuple[int, int]], target_bytes: int, file_bytes: int,
+               max_slices: int = 64) -> list[tuple[int, int, int]]:
+    """Parts of about ``target_bytes`` of text, as (first row, end row, file bytes attributed), from the file's
+    units (row groups, record batches) given as (rows, text bytes): consecutive small units are joined, a unit
+    larger than ``target_bytes`` is cut into row slices of about that size, at most ``max_slices`` (a parquet
+    part's reader decodes its row group's pages from the group's start to the part's end, so k slices decode a
+    group about (k+1)/2 times: ``pretrain-preprocess`` asks for 2 per worker, enough to keep every worker busy on
+    a file of one big row group; 1 for one worker: no cut). File bytes are shared by text size."""
     runs: list[tuple[int, int, int]] = []
-    start, acc = 0, 0
-    for i, s in enumerate(sizes):
-        acc += s
-        if acc >= target_bytes or i == len(sizes) - 1:
-            runs.append((start, i + 1, acc))
-            start, acc = i + 1, 0
+    row = start = acc = 0
+    for rows, size in units:
+        if size > target_bytes and rows > 1 and max_slices > 1:
+            if row > start:
+                runs.append((start, row, acc))
+            k = min(rows, max_slices, -(-size // max(target_bytes, 1)))
+            cuts = [row + rows * j // k for j in range(k + 1)]
+            runs += [(a, b, size * (b - a) // rows) for a, b in zip(cuts, cuts[1:])]
+            row += rows
+            start, acc = row, 0
+            continue
+        row += rows
+        acc += size
+        if acc >= target_bytes:
+            runs.append((start, row, acc))
+            start, acc = row, 0
+    if row > start:
+        runs.append((start, row, acc))
     if not runs:
         return [(0, 0, file_bytes)]
     total = sum(r[2] for r in runs) or 1
@@ -186,7 +207,8 @@ def paragraphs_of(text: str, stats, max_line_bytes: int) -> list[str]:
 
 def read_parquet(path: str, start: int, end: int, stats, *, text_field: str, errors: str,
                  max_line_bytes: int) -> Iterator[list[str]]:
-    """Paragraphs of each non-empty row of row groups ``start .. end``, streamed in batches of rows."""
+    """Paragraphs of each non-empty row of rows ``start .. end``, streamed in batches of rows from the row groups
+    that hold them (pyarrow's own threads off: the worker processes are the parallelism)."""
     import pyarrow.parquet as pq
 
     with _named(path, "parquet"):
@@ -194,36 +216,50 @@ def read_parquet(path: str, start: int, end: int, stats, *, text_field: str, err
     _text_column(path, pf.schema_arrow, text_field)
     if end <= start:
         return
-    row = sum(pf.metadata.row_group(i).num_rows for i in range(start))
-    batches = pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=list(range(start, end)), columns=[text_field])
-    while True:
+    groups, first, row = [], 0, 0
+    for i in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(i).num_rows
+        if row < end and row + n > start:
+            first = row if not groups else first
+            groups.append(i)
+        row += n
+    batches = pf.iter_batches(batch_size=min(_BATCH_ROWS, end - start), row_groups=groups, columns=[text_field],
+                              use_threads=False)
+    row = first
+    while row < end:
         with _named(path, "parquet"):  # a damaged page shows only when its row group is read
             batch = next(batches, None)
         if batch is None:
             return
-        for text in _texts(path, batch.column(0), stats, errors, row, text_field):
-            paragraphs = paragraphs_of(text, stats, max_line_bytes)
-            if paragraphs:
-                yield paragraphs
+        yield from _rows_of(path, batch.column(0), row, start, end, stats, errors, text_field, max_line_bytes)
         row += batch.num_rows
 
 
 def read_arrow(path: str, start: int, end: int, stats, *, text_field: str, errors: str,
                max_line_bytes: int) -> Iterator[list[str]]:
-    """Paragraphs of each non-empty row of record batches ``start .. end`` of a memory-mapped Arrow file."""
+    """Paragraphs of each non-empty row of rows ``start .. end`` of a memory-mapped Arrow file."""
     with _named(path, "Arrow"):
         schema, batches = _open_arrow(path)
     _text_column(path, schema, text_field)
     row = 0
-    for i, batch in enumerate(batches):
-        if i >= end:
+    for batch in batches:
+        if row >= end:
             break
-        if i >= start:
-            for text in _texts(path, batch.column(text_field), stats, errors, row, text_field):
-                paragraphs = paragraphs_of(text, stats, max_line_bytes)
-                if paragraphs:
-                    yield paragraphs
+        yield from _rows_of(path, batch.column(text_field), row, start, end, stats, errors, text_field,
+                            max_line_bytes)
         row += batch.num_rows
+
+
+def _rows_of(path: str, column, row0: int, start: int, end: int, stats, errors: str, text_field: str,
+             max_line_bytes: int) -> Iterator[list[str]]:
+    """The paragraphs of the rows of ``column`` (file rows ``row0 ..``) that fall in ``start .. end``."""
+    a, b = max(start - row0, 0), min(end - row0, len(column))
+    if a >= b:
+        return
+    for text in _texts(path, column.slice(a, b - a), stats, errors, row0 + a, text_field):
+        paragraphs = paragraphs_of(text, stats, max_line_bytes)
+        if paragraphs:
+            yield paragraphs
 
 
 # ---------------------------------------------------------------------------------------------------- writing

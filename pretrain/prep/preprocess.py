@@ -1,7 +1,7 @@
 """Raw text → sharded binary dataset (``pretrain-preprocess``).
 
 The main process cuts every input file into parts of about ``chunk_chars`` bytes, only where its reader starts
-afresh (``readers.plan_parts``: byte ranges of text, runs of parquet row groups or Arrow record batches, a whole
+afresh (``readers.plan_parts``: byte ranges of text, row ranges of parquet or Arrow files, a whole
 compressed stream), and hands them to a ``multiprocessing`` pool (bounded window, results
 consumed in submission order) whose workers read, parse, split sentences and tokenize their ranges themselves.
 The main process writes shards in order, so the output is byte-identical for any worker count (and to reading
@@ -240,14 +240,14 @@ class _ShardWriter:
 
 
 def _tasks(files: list[str], stats: ReadStats, chunk_bytes: int, *, fmt: str, max_line_bytes: int,
-           errors: str, text_field: str) -> Iterator[RangeTask]:
+           errors: str, text_field: str, num_workers: int = 1) -> Iterator[RangeTask]:
     """The parts of every input file (about chunk_bytes each, cut where the reader starts afresh); files are
     counted in ``stats`` here, their lines by the workers."""
     for path in files:
         if not open_input(path, stats):
             continue
         yield from plan_parts(path, chunk_bytes, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors,
-                              text_field=text_field)
+                              text_field=text_field, max_slices=2 * num_workers if num_workers > 1 else 1)
 
 
 def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
@@ -299,7 +299,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
                disable=not show_progress(progress), mininterval=1.0, smoothing=0.1)
     try:
         tasks = _tasks(files, stats, chunk_chars, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors,
-                       text_field=text_field)
+                       text_field=text_field, num_workers=num_workers)
         read_kwargs = {"max_line_bytes": max_line_bytes, "errors": errors, "text_field": text_field}
         spill = {"dir": str(tmp), "chunk_chars": chunk_chars}
         done_bytes = 0

@@ -137,8 +137,8 @@ def sniff_format(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_00
 
 @dataclass(frozen=True)
 class Part:
-    """What one worker reads by itself: bytes ``start .. end`` of a plain text file, row groups (parquet) or record
-    batches (arrow) ``start .. end``, or a whole compressed stream (``compression``: read front to back)."""
+    """What one worker reads by itself: bytes ``start .. end`` of a plain text file, rows ``start .. end`` of a
+    parquet or Arrow file, or a whole compressed stream (``compression``: read front to back)."""
 
     path: str
     start: int
@@ -155,15 +155,15 @@ class Part:
 
 
 def plan_parts(path: str, target_bytes: int, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
-               errors: str = "strict", text_field: str = "text") -> list[Part]:
+               errors: str = "strict", text_field: str = "text", max_slices: int = 64) -> list[Part]:
     """The parts of one file, each about ``target_bytes``, that read one after another give exactly
-    ``read_file``'s documents: byte ranges of a plain text file (``plan_ranges``), runs of row groups or record
-    batches of a columnar file, the whole stream of a compressed one."""
+    ``read_file``'s documents: byte ranges of a plain text file (``plan_ranges``), row ranges of a columnar file
+    (``columnar.plan_parquet`` / ``plan_arrow``: a big row group cut into at most ``max_slices``), the whole
+    stream of a compressed one."""
     kind, comp = sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
-    if kind == "parquet":
-        return [Part(path, a, b, kind, num_bytes=n) for a, b, n in columnar.plan_parquet(path, text_field, target_bytes)]
-    if kind == "arrow":
-        return [Part(path, a, b, kind, num_bytes=n) for a, b, n in columnar.plan_arrow(path, text_field, target_bytes)]
+    if kind in COLUMNAR:
+        plan = columnar.plan_parquet if kind == "parquet" else columnar.plan_arrow
+        return [Part(path, a, b, kind, num_bytes=n) for a, b, n in plan(path, text_field, target_bytes, max_slices)]
     size = os.path.getsize(path)
     if comp:
         return [Part(path, 0, size, kind, compression=comp)]

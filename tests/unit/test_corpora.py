@@ -106,13 +106,44 @@ def test_parquet_parts_read_one_after_another_give_read_files_documents(corpus, 
     _write_parquet(path, corpus["docs"], row_group_size=5)
     whole = [d.paragraphs for d in read_file(str(path), ReadStats())]
     assert len(whole) == len(corpus["docs"])
-    parts = plan_parts(str(path), 200)
-    assert [(p.start, p.end) for p in parts][:2] == [(0, 1), (1, 2)] and parts[-1].end == 12
+    parts = plan_parts(str(path), 200)  # row groups of 5 rows, each more than 200 bytes: cut into row slices
+    assert parts[0].start == 0 and all(a.end == b.start for a, b in zip(parts, parts[1:]))
+    assert parts[-1].end == len(corpus["docs"]) and len(parts) > 12
     assert sum(p.input_bytes for p in parts) == os.path.getsize(path)
     assert [d.paragraphs for p in parts for d in read_part(p, ReadStats())] == whole
     txt = [d.paragraphs for d in read_file(str(corpus["root"] / "plain.txt"), ReadStats())]
     assert whole == txt
 
+
+
+def test_one_big_row_group_is_cut_into_row_slices_that_read_back_the_whole_file(corpus, tmp_path):
+    """A file of one row group (what many writers produce) gives every worker a part: row slices of about the
+    chunk size, at most ``max_slices`` of them (none for one worker); read one after another they are the
+    file's documents, and the dataset is the same with 1 and 2 workers."""
+    from pretrain.prep.columnar import _plan_rows
+
+    path = tmp_path / "one.parquet"
+    _write_parquet(path, corpus["docs"], row_group_size=10_000)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 1
+    parts = plan_parts(str(path), 300)
+    assert len(parts) > 4 and parts[0].start == 0 and parts[-1].end == len(corpus["docs"])
+    assert all(a.end == b.start and a.end > a.start for a, b in zip(parts, parts[1:]))
+    assert sum(p.input_bytes for p in parts) == os.path.getsize(path)
+    whole = [d.paragraphs for d in read_file(str(path), ReadStats())]
+    assert [d.paragraphs for p in parts for d in read_part(p, ReadStats())] == whole
+    # the plan on its own: small units joined, a big one cut (capped), file bytes shared by text size
+    plan = _plan_rows([(10, 40), (10, 40), (1000, 1000), (5, 100)], 100, 1000)
+    assert plan[0][:2] == (0, 20) and [b - a for a, b, _ in plan[1:11]] == [100] * 10 and plan[-1][:2] == (1020, 1025)
+    assert sum(n for *_, n in plan) == 1000
+    capped = _plan_rows([(10**6, 10**9)], 1, 7, max_slices=4)
+    assert [a for a, *_ in capped] == [0, 250_000, 500_000, 750_000] and capped[-1][1] == 10**6
+    assert _plan_rows([(10**6, 10**9)], 1, 7, max_slices=1) == [(0, 10**6, 7)]
+    assert len(plan_parts(str(path), 300, max_slices=1)) == 1
+    for workers in (1, 2):
+        preprocess([str(path)], str(tmp_path / f"ds{workers}"), corpus["tok"], shard_size_tokens=700,
+                   chunk_chars=300, num_workers=workers, progress=False)
+        _shards_equal(corpus["ref"], tmp_path / f"ds{workers}")
+    assert _plan_rows([], 100, 5) == [(0, 0, 5)] and _plan_rows([(0, 0)], 100, 5) == [(0, 0, 5)]
 
 def test_parquet_text_field_picks_the_column(corpus, tmp_path, capsys):
     path = tmp_path / "content.parquet"
@@ -139,7 +170,9 @@ def test_parquet_is_streamed_by_row_group(corpus, tmp_path, monkeypatch):
     parts = plan_parts(str(path), 300)
     for p in parts:
         list(read_part(p, ReadStats()))
-    assert seen == [list(range(p.start, p.end)) for p in parts] and all(len(s) <= 2 for s in seen)
+    groups = [(5 * g, 5 * g + 5) for g in range(12)]  # row group g holds rows 5g .. 5g+5
+    assert seen == [[g for g, (a, b) in enumerate(groups) if a < p.end and b > p.start] for p in parts]
+    assert all(len(s) <= 2 for s in seen)
 
 
 # ---------------------------------------------------------------------------------------------- datasets
@@ -406,9 +439,9 @@ def test_a_compressed_stream_is_tokenized_in_chunks_spilled_and_read_back_once(c
     assert np.array_equal(np.concatenate([c.doc_sentences for c in chunks]), whole.doc_sentences)
     assert sum(c.num_chars for c in chunks) == whole.num_chars and not os.listdir(spill_dir)
     assert max(len(c.flat_ids) for c in chunks) < len(whole.flat_ids) / 5
-    # A parquet part of one big row group spills too; one that fits a chunk does not.
+    # A parquet part larger than a chunk (one big row group planned whole) spills too; one that fits does not.
     _write_parquet(tmp_path / "one_group.parquet", corpus["docs"] * 5, row_group_size=10_000)
-    (big,) = plan_parts(str(tmp_path / "one_group.parquet"), 1000)
+    (big,) = plan_parts(str(tmp_path / "one_group.parquet"), 10**9)
     result, _ = _run_task(big, processor, {}, {"dir": str(spill_dir), "chunk_chars": 2000})
     assert isinstance(result, Spilled) and len(result.pieces) > 10
     assert np.array_equal(np.concatenate([c.flat_ids for c in _unspill(result)]), whole.flat_ids)
