@@ -226,8 +226,20 @@ def preprocess_rate(tok_path: str, files: list[str], cores: int, out: str, mb: f
     t0 = time.perf_counter()
     preprocess(files, out, tok_path, num_workers=cores, progress=False, overwrite=True)
     rate = mb / (time.perf_counter() - t0)
-    return {"rate": rate, "rss_main_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    return {"rate": rate, "rss_main_mib": _peak_rss_mib(),
             "rss_worker_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak RSS since its exec (VmHWM). Not ru_maxrss: Linux carries the pre-exec high-water mark
+    of the forked copy into it, so a cell started by a bench that had just written a 100 MB parquet file read
+    ~270 MiB before it did anything."""
+    import resource
+
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def tokenizers_rate(tok_path: str, files: list[str]) -> float:
