@@ -106,6 +106,7 @@ class Trainer:
         self.bad = BadSteps(cfg.train.max_bad_steps, self.state.bad_steps_total, self._diverged)
         self.spikes = SpikeWatch(cfg.train.spike, self.state.spike_watch)
         self.writer = MetricsWriter(self.run_dir, enabled=env.is_main, resume_step=self.state.step)
+        self._saved: tuple[int, Path] | None = None  # (step, tag dir) of this launch's last save
 
     def _loader(self, dataset, start_sample: int):
         c = self.cfg
@@ -199,7 +200,7 @@ class Trainer:
         engine_dir = universal_copy.prepare(self.env, tag_dir, say=print_progress) if universal else None
         store.load_checkpoint(self.engine, self.env, tag_dir, engine_dir=engine_dir)
         store.record_trainer_state(self.env, tag_dir, state.state_dict())
-        self.state, self.spikes = state, SpikeWatch(spike_cfg, state.spike_watch)
+        self.state, self.spikes, self._saved = state, SpikeWatch(spike_cfg, state.spike_watch), None
         self.bad = BadSteps(self.cfg.train.max_bad_steps, state.bad_steps_total, self._diverged)
         self.train_loader.consumed_samples = state.consumed_samples  # the next iterator starts there
         self.window.reset()
@@ -229,7 +230,11 @@ class Trainer:
         """A checkpoint before stopping. Steps not judged yet are judged before they are saved; a rollback's
         checkpoint is then the one to resume."""
         trigger = self.spikes.judge(self.env)
-        return self.roll_back(trigger) if trigger is not None else self.save()
+        if trigger is not None:
+            return self.roll_back(trigger)
+        if self._saved is not None and self._saved[0] == self.state.step:  # this step's periodic save just ran
+            return self._saved[1]
+        return self.save()
 
     def _stop_for_signal(self) -> int:
         path = self._checkpoint_now()
@@ -317,6 +322,7 @@ class Trainer:
         if self.env.is_main:
             universal_copy.prune(path.parent)
             print_progress(f"checkpoint {path}")
+        self._saved = (self.state.step, path)
         return path
 
     def _should_stop(self) -> str | None:
