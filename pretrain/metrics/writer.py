@@ -33,9 +33,10 @@ class MetricsWriter:
         if enabled:
             try:
                 self._open(resume_step)
-            except OSError as e:
-                raise MetricsWriteError(f"{_failed(self.run_dir / 'metrics.jsonl', e)}; free space in "
-                                        f"{self.run_dir} and start again") from None
+            except OSError as e:  # a run directory that is still full when the run starts (or resumes)
+                where = Path(e.filename) if e.filename else self.run_dir / "metrics.jsonl"
+                raise MetricsWriteError(f"{_failed(where, e)}; free space in {self.run_dir} and relaunch: it "
+                                        f"resumes from the last checkpoint") from None
 
     def _open(self, resume_step: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +58,8 @@ class MetricsWriter:
         try:
             self._append((json.dumps(record) + "\n").encode("utf-8"))
         except OSError as e:
-            return self._fail(self.run_dir / "metrics.jsonl", e)
+            self._fail(self.run_dir / "metrics.jsonl", e)
+            return
         try:
             for k, v in scalars.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
@@ -139,8 +141,12 @@ def _truncate_after_step(path: Path, step: int) -> None:
             if rec.get("step", 0) <= step:
                 keep.append(line if line.endswith("\n") else line + "\n")
     tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
-    tmp.write_text("".join(keep), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: no partial copy left beside the file
+        raise
 
 
 _PROGRESS_TAIL = ("lr", "grad_norm", "loss_scale", "bad_steps", "samples_per_s", "tokens_per_s", "data_wait_frac")

@@ -41,6 +41,7 @@ from pretrain.training.resume import last_good_checkpoint, plan_resume
 from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, lock_run_dir
 from pretrain.training.spikes import (
     SpikeWatch,
+    TrainingDiverged,
     plan_rollback,
     rollback_line,
 )

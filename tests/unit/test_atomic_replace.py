@@ -16,7 +16,7 @@ import pretrain.checkpoint.files as files
 from pretrain.checkpoint.files import recover_dir, replace_dir
 from pretrain.config.model import ModelConfig
 from pretrain.export.resolve import best_record, open_weights, select_checkpoint
-from pretrain.metrics.writer import MetricsWriter
+from pretrain.metrics.writer import MetricsWriteError, MetricsWriter
 from pretrain.model import build_model
 from pretrain.training.evaluation import StsbKeepBest
 
@@ -141,3 +141,16 @@ def test_metrics_line_cut_by_a_full_disk_is_truncated_and_writing_stops(tmp_path
     writer.close()
     text = (tmp_path / "metrics.jsonl").read_text()
     assert text.endswith("\n") and [json.loads(line)["step"] for line in text.splitlines()] == [1]
+
+
+def test_a_run_directory_still_full_at_start_is_one_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "split": "train"}\n{"step": 2, "split": "train"}\n')
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(MetricsWriteError, match=rf"writing {tmp_path / 'metrics.jsonl'} failed \(ENOSPC: No space "
+                                                rf"left on device\); free space in {tmp_path} and relaunch"):
+        MetricsWriter(tmp_path, resume_step=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no partial copy left beside it
