@@ -156,7 +156,7 @@ class Trainer:
                 self.save()
             stop = self._should_stop()
             if stop == "metrics":
-                self._stop_for_metrics()
+                self._stop_for_metrics()  # raises MetricsWriteError after a checkpoint: exit 4
             if stop == "signal":
                 return self._stop_for_signal()
         return self._finish(start_step, eta)
