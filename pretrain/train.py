@@ -117,10 +117,12 @@ def main(argv=None) -> int:
 
 def train(cfg, env) -> int:
     """Trains ``cfg`` in this process (one rank of ``env``); the exit code: 0 done, 2 bad config or input,
-    3 diverged, 4 checkpoint not writable/readable, 75 stopped for a requeue, 130 Ctrl-C."""
+    3 diverged, 4 checkpoint not writable/readable or metrics not writable (after a checkpoint), 75 stopped for
+    a requeue, 130 Ctrl-C."""
     from pretrain.checkpoint.store import CheckpointError
     from pretrain.distributed.env import destroy_process_group, init_process_group
     from pretrain.distributed.signals import StopSignal
+    from pretrain.metrics.writer import MetricsWriteError
     from pretrain.training.progress import TrainingDiverged
     from pretrain.training.trainer import Trainer
 
@@ -140,7 +142,7 @@ def train(cfg, env) -> int:
         print(f"pretrain-train: aborted by a second SIGINT (rank {env.rank}); nothing was saved since the last "
               f"checkpoint", file=sys.stderr)
         return 130
-    except CheckpointError as e:  # disk full or unreadable checkpoint: the message says what to do
+    except (CheckpointError, MetricsWriteError) as e:  # disk full or unreadable checkpoint: the message says what to do
         print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)
         return 4
     finally:

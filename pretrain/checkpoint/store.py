@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import atomic_write_text, fsync_dir, fsync_files, save_safetensors
+from pretrain.checkpoint.files import atomic_write_text, fsync_dir, fsync_files, replace_dir, save_safetensors
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
 
@@ -276,11 +276,9 @@ def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
 def _publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
     """The complete ``tmp_dir`` becomes ``tag`` and ``latest`` (each by an atomic rename); the oldest checkpoints
     beyond ``keep_last`` go."""
-    final_dir = ckpt_dir / tag
-    if final_dir.exists():  # an older copy of this step (e.g. a redone step after resume): replace it
-        shutil.rmtree(final_dir)
-    os.replace(tmp_dir, final_dir)
-    fsync_dir(ckpt_dir)  # the rename is durable before `latest` names it
+    # An older copy of this step (a step redone after a resume or rollback, which `latest` may name) is swapped
+    # out, not removed first: the tag is never absent. replace_dir's fsync makes it durable before `latest` names it.
+    replace_dir(tmp_dir, ckpt_dir / tag)
     atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
     fsync_dir(ckpt_dir)
     for old in list_complete(ckpt_dir)[:-keep_last]:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import threading
 from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import atomic_write_text
+from pretrain.checkpoint.files import atomic_write_text, replace_dir
 from pretrain.checkpoint.store import (
     FILES_FILE,
     STATE_FILE,
@@ -112,9 +111,7 @@ def _convert_universal(tag_dir: Path, out: Path) -> None:
     names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     source = {"checkpoint": _source_id(tag_dir), "files": {n: file_digests(tmp / n, full=False) for n in names}}
     atomic_write_text(tmp / UNIVERSAL_SOURCE, json.dumps(source, indent=1))
-    if out.exists():  # stale or damaged: replaced by the fresh copy
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    replace_dir(tmp, out)  # a stale or damaged copy is swapped out, never absent while replaced
     shutil.rmtree(tmp_root, ignore_errors=True)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import tokenizers
 import torch
 
-from pretrain.checkpoint.files import publish_dir, save_safetensors, write_json
+from pretrain.checkpoint.files import fsync_dir, fsync_files, publish_dir, replace_dir, save_safetensors, write_json
 from pretrain.config.loader import to_dict
 from pretrain.config.model import ModelConfig
 from pretrain.export import hf_modern
@@ -308,7 +308,7 @@ def export_hf(
         if model_card is not None:
             (tmp / "README.md").write_text(model_card, encoding="utf-8")
         publish_dir(tmp)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -349,18 +349,6 @@ def _exportable_tokenizer(cfg: ModelConfig, pooling: str, tokenizer_path: str, o
             f"vocab_size is {cfg.vocab_size}; pass the tokenizer the model was trained with"
         )
     return tok
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Renames the finished ``tmp`` to ``out``; an existing ``out`` is moved aside first, so that ``out`` is
-    never half-written (it is the old directory or the new one)."""
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / out.name)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
 
 
 # ----------------------------------------------------------------------------- import
@@ -437,9 +425,12 @@ INIT_TOKENIZER = "tokenizer.json"
 
 
 def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, overwrite: bool = False,
-                   state_keys=None, model_fields=None, data: dict | None = None, source: str | None = None) -> None:
+                   state_keys=None, model_fields=None, data: dict | None = None, source: str | None = None,
+                   extra_files: dict[str, str] | None = None) -> None:
     """Write OUT/{model.safetensors (our key names), config.yaml (model: + data.tokenizer), tokenizer.json},
-    a directory the trainer starts from with ``checkpoint.init_from=OUT``. Complete or absent.
+    a directory the trainer starts from with ``checkpoint.init_from=OUT``. Complete or absent: written beside it,
+    fsynced, then swapped in (``replace_dir``), so a directory it replaces stays whole until the new one is.
+    ``extra_files``: more text files ({name: text}) that belong to the same version (the run's best.json).
 
     ``state_keys``: the weights to write (default all; an import leaves out heads it never had, so nobody takes
     a fresh head for a trained one). ``model_fields``: the model.* settings the source states (default all;
@@ -467,10 +458,12 @@ def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, o
         if source:
             config["converted_from"] = source
         (tmp / INIT_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        fsync_files(p for p in tmp.iterdir() if p.is_file())
+        fsync_dir(tmp)
         publish_dir(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

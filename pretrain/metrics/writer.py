@@ -1,11 +1,13 @@
 """Run-directory monitoring: metrics.jsonl, TensorBoard event files, a console progress line.
 
 Only the main rank writes. Every logged step becomes one JSON object in ``metrics.jsonl`` and
-the same scalars under ``tb/`` (``train/<name>``, ``valid/<name>``).
+the same scalars under ``tb/`` (``train/<name>``, ``valid/<name>``). A write that fails (disk full, quota, I/O
+error) stops all writing and leaves ``failure`` set; the trainer then checkpoints and stops (exit 4).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -16,54 +18,109 @@ from pathlib import Path
 from pretrain.distributed.env import unique_suffix
 
 
+class MetricsWriteError(RuntimeError):
+    """metrics.jsonl or the TensorBoard events could not be written; the message says what to do."""
+
+
 class MetricsWriter:
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, resume_step: int = 0):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
+        self.failure: str | None = None
+        """'writing <file> failed (<error>)' once a write failed; nothing is written after it."""
         self._tb = None
-        self._jsonl = None
+        self._fd = None
         if enabled:
-            self._open(resume_step)
+            try:
+                self._open(resume_step)
+            except OSError as e:  # a run directory that is still full when the run starts (or resumes)
+                where = Path(e.filename) if e.filename else self.run_dir / "metrics.jsonl"
+                raise MetricsWriteError(f"{_failed(where, e)}; free space in {self.run_dir} and relaunch: it "
+                                        f"resumes from the last checkpoint") from None
 
     def _open(self, resume_step: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
         if resume_step and path.exists():
             _truncate_after_step(path, resume_step)
-        self._jsonl = open(path, "a", encoding="utf-8")
+        # Unbuffered appends: each line is one os.write whose failure is undone by ftruncate (see _append).
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step drops events of steps after the checkpoint we resumed from (they will be redone).
         self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, step: int, scalars: dict[str, float], *, split: str = "train") -> None:
-        if not self.enabled:
+        if not self.enabled or self.failure:
             return
         record = {"step": step, "split": split, "time": round(time.time(), 3)}
         record.update({k: _clean(v) for k, v in scalars.items()})
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        for k, v in scalars.items():
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                self._tb.add_scalar(f"{split}/{k}", v, step)
+        try:
+            self._append((json.dumps(record) + "\n").encode("utf-8"))
+        except OSError as e:
+            self._fail(self.run_dir / "metrics.jsonl", e)
+            return
+        try:
+            for k, v in scalars.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"{split}/{k}", v, step)
+        except OSError as e:  # raised by the event writer's thread, on the next call after its write failed
+            self._fail(self.run_dir / "tb", e)
+
+    def _append(self, line: bytes) -> None:
+        """One whole line or none: a write cut short (a full disk mid-line) is truncated back to the last line."""
+        size = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            try:
+                os.ftruncate(self._fd, size)
+            except OSError:
+                pass  # then the cut line is dropped when the run resumes (_truncate_after_step)
+            raise
+
+    def _fail(self, path: Path, e: OSError) -> None:
+        self.failure = _failed(path, e)
+        self._close_files()
 
     def rewind(self, step: int) -> None:
         """Continue as a run resumed at ``step`` would (a rollback): records and events of later steps go."""
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
-            self._open(step)
+        if self.enabled and not self.failure:
+            self._close_files()
+            try:
+                self._open(step)
+            except OSError as e:
+                self._fail(self.run_dir / "metrics.jsonl", e)
 
     def flush(self) -> None:
-        if self.enabled:
-            self._jsonl.flush()
-            self._tb.flush()
+        if self.enabled and not self.failure:
+            try:
+                self._tb.flush()
+            except OSError as e:
+                self._fail(self.run_dir / "tb", e)
 
     def close(self) -> None:
         if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
+            self._close_files()
             self.enabled = False
+
+    def _close_files(self) -> None:
+        """Close both files; a failing flush of pending TensorBoard events (a full disk) is not raised again."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._tb is not None:
+            try:
+                self._tb.close()
+            except OSError:
+                pass
+            self._tb = None
+
+
+def _failed(path: Path, e: OSError) -> str:
+    return f"writing {path} failed ({errno.errorcode.get(e.errno, type(e).__name__)}: {e.strerror or e})"
 
 
 def _clean(v):
@@ -84,8 +141,12 @@ def _truncate_after_step(path: Path, step: int) -> None:
             if rec.get("step", 0) <= step:
                 keep.append(line if line.endswith("\n") else line + "\n")
     tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
-    tmp.write_text("".join(keep), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: no partial copy left beside the file
+        raise
 
 
 _PROGRESS_TAIL = ("lr", "grad_norm", "loss_scale", "bad_steps", "samples_per_s", "tokens_per_s", "data_wait_frac")

@@ -26,6 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
+from pretrain.checkpoint.files import replace_dir
 from pretrain.console import one_line_warnings, show_progress
 from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
 from pretrain.data.shards import (
@@ -265,14 +266,9 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
-    """Swap the finished temporary directory in place of out_dir (old content removed only after)."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{unique_suffix()}"
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """Swap the finished temporary directory in place of out_dir (``replace_dir``: never absent; the old content
+    removed only after)."""
+    replace_dir(tmp, out_dir)
 
 
 def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_workers: int = 1,

@@ -1,8 +1,9 @@
 """Evaluation during training: STS-B dev Spearman every N steps, best weights kept.
 
 The best weights go to ``<run_dir>/best/`` in the weights-directory format of
-``pretrain-convert from-hf`` (model.safetensors, config.yaml, tokenizer.json; written to a
-temporary directory, then renamed) plus best.json, so ``pretrain-eval``, ``pretrain-convert
+``pretrain-convert from-hf`` (model.safetensors, config.yaml, tokenizer.json) plus best.json and
+run_config.yaml, all written to a temporary directory and swapped in whole (a reader sees the old best/ or
+the new one, never neither and never a best.json of another version), so ``pretrain-eval``, ``pretrain-convert
 to-hf`` and ``checkpoint.init_from`` all take it.
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.checkpoint.files import recover_dir
 from pretrain.config.train import EvalConfig
 from pretrain.eval import find_data_dir
 from pretrain.eval.encoder import SentenceEncoder
@@ -33,7 +35,7 @@ def stsb_data_dir(cfg: EvalConfig, zero_stage: int) -> str:
 
 class StsbKeepBest:
     def __init__(self, cfg: EvalConfig, *, run_dir: Path, tokenizer, tokenizer_path: str, model_pooling: str,
-                 zero_stage: int):
+                 zero_stage: int, is_main: bool):
         # Imported here, not at the top: it brings scipy.stats, ~2 s of start-up on every rank (measured with
         # python -X importtime) that only runs with eval.stsb_every.
         from pretrain.eval.sts import StsbDevEvaluator
@@ -44,6 +46,8 @@ class StsbKeepBest:
         self.pooling = cfg.pooling or model_pooling
         self.evaluator = StsbDevEvaluator(data_dir)
         self.best = float("-inf")
+        if is_main:  # a swap of best/ cut by a kill: its old copy back in place, leftovers removed
+            recover_dir(run_dir / "best")
         best_json = run_dir / "best" / "best.json"
         if best_json.is_file():  # resumed run: keep comparing against the stored best
             self.best = json.loads(best_json.read_text())["stsb_dev_spearman"]
@@ -61,8 +65,7 @@ class StsbKeepBest:
         return {"stsb_dev_spearman": score, "stsb_dev_best": self.best}
 
     def _write_best(self, model, step: int, score: float, config_yaml: str) -> None:
-        final = self.run_dir / "best"
-        write_init_dir(model, self.tokenizer_path, str(final), overwrite=True)
-        (final / "run_config.yaml").write_text(config_yaml, encoding="utf-8")
-        (final / "best.json").write_text(json.dumps({"step": step, "stsb_dev_spearman": score,
-                                                     "pooling": self.pooling}, indent=2))
+        """best/ with its best.json and run_config.yaml as one version, swapped in whole (``write_init_dir``)."""
+        best_json = json.dumps({"step": step, "stsb_dev_spearman": score, "pooling": self.pooling}, indent=2)
+        write_init_dir(model, self.tokenizer_path, str(self.run_dir / "best"), overwrite=True,
+                       extra_files={"run_config.yaml": config_yaml, "best.json": best_json})

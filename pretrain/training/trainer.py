@@ -21,7 +21,7 @@ from pretrain.distributed.engine import Engine
 from pretrain.distributed.peers import PeerWatch
 from pretrain.distributed.signals import StopSignal
 from pretrain.metrics.accumulate import MetricSums
-from pretrain.metrics.writer import MetricsWriter, format_progress, print_progress
+from pretrain.metrics.writer import MetricsWriteError, MetricsWriter, format_progress, print_progress
 from pretrain.objective.forward import mean_pool_mix
 from pretrain.training.banner import banner_lines
 from pretrain.training.build import prepare_run, train_loader_builder
@@ -76,7 +76,8 @@ class Trainer:
         # STS-B dev evaluation opens its data now: a missing directory fails before DeepSpeed starts.
         self.stsb = StsbKeepBest(parts.cfg.eval, run_dir=self.run_dir, tokenizer=self.tokenizer,
                                  tokenizer_path=cfg.data.tokenizer, model_pooling=parts.cfg.model.pooling,
-                                 zero_stage=cfg.distributed.zero_stage) if cfg.eval.stsb_every else None
+                                 zero_stage=cfg.distributed.zero_stage,
+                                 is_main=env.is_main) if cfg.eval.stsb_every else None
         stream = getattr(self.train_set, "sample_stream", None)
         # Before DeepSpeed starts: on another number of ranks the plan decides the batch split (the global batch
         # stays) and whether the engine loads a universal checkpoint.
@@ -106,6 +107,7 @@ class Trainer:
         self.bad = BadSteps(cfg.train.max_bad_steps, self.state.bad_steps_total, self._diverged)
         self.spikes = SpikeWatch(cfg.train.spike, self.state.spike_watch)
         self.writer = MetricsWriter(self.run_dir, enabled=env.is_main, resume_step=self.state.step)
+        self._saved: tuple[int, Path] | None = None  # (step, tag dir) of this launch's last save
 
     def _loader(self, dataset, start_sample: int):
         c = self.cfg
@@ -152,7 +154,10 @@ class Trainer:
                 self.evaluate_stsb()
             if save_now:
                 self.save()
-            if self._should_stop():
+            stop = self._should_stop()
+            if stop == "metrics":
+                self._stop_for_metrics()  # raises MetricsWriteError after a checkpoint: exit 4
+            if stop == "signal":
                 return self._stop_for_signal()
         return self._finish(start_step, eta)
 
@@ -196,7 +201,7 @@ class Trainer:
         engine_dir = universal_copy.prepare(self.env, tag_dir, say=print_progress) if universal else None
         store.load_checkpoint(self.engine, self.env, tag_dir, engine_dir=engine_dir)
         store.record_trainer_state(self.env, tag_dir, state.state_dict())
-        self.state, self.spikes = state, SpikeWatch(spike_cfg, state.spike_watch)
+        self.state, self.spikes, self._saved = state, SpikeWatch(spike_cfg, state.spike_watch), None
         self.bad = BadSteps(self.cfg.train.max_bad_steps, state.bad_steps_total, self._diverged)
         self.train_loader.consumed_samples = state.consumed_samples  # the next iterator starts there
         self.window.reset()
@@ -222,10 +227,18 @@ class Trainer:
                     print_progress(warning)
         self.window.reset()
 
-    def _stop_for_signal(self) -> int:
-        # Steps not judged yet are judged before they are saved; a rollback's checkpoint is then the one to resume.
+    def _checkpoint_now(self) -> Path:
+        """A checkpoint before stopping. Steps not judged yet are judged before they are saved; a rollback's
+        checkpoint is then the one to resume."""
         trigger = self.spikes.judge(self.env)
-        path = self.roll_back(trigger) if trigger is not None else self.save()
+        if trigger is not None:
+            return self.roll_back(trigger)
+        if self._saved is not None and self._saved[0] == self.state.step:  # this step's periodic save just ran
+            return self._saved[1]
+        return self.save()
+
+    def _stop_for_signal(self) -> int:
+        path = self._checkpoint_now()
         code = self.stop_signal.exit_code  # 130 after Ctrl-C on this rank, else 75 (requeue)
         if self.env.is_main:
             why = ("stopped by Ctrl-C: resume with the same command" if code != REQUEUE_EXIT_CODE
@@ -233,9 +246,20 @@ class Trainer:
             print_progress(f"stop signal: checkpointed step {self.state.step} ({path}); {why} (exit {code})")
         return code
 
+    def _stop_for_metrics(self) -> None:
+        """metrics.jsonl or TensorBoard could not be written (disk full, quota): checkpoint, then stop with exit 4
+        (a failing checkpoint raises its own CheckpointError, also exit 4)."""
+        path = self._checkpoint_now()
+        why = self.writer.failure or "rank 0 could not write metrics.jsonl or TensorBoard events (see its message)"
+        raise MetricsWriteError(f"{why}; checkpointed step {self.state.step} ({path}). Free space in "
+                                f"{self.run_dir} and resume with the same command: it continues from that checkpoint "
+                                f"(metrics of the steps since the failure are not recorded)")
+
     def _finish(self, start_step: int, eta: Eta) -> int:
         last_valid = self.validate()
         path = self.save()
+        if self._should_stop() == "metrics":  # the last steps' or the final validation's records failed
+            self._stop_for_metrics()
         if self.env.is_main:
             for line in end_summary(self.run_dir, step=self.state.step, max_steps=self.cfg.train.max_steps,
                                     start_step=start_step, wall_s=eta.elapsed(),
@@ -299,16 +323,19 @@ class Trainer:
         if self.env.is_main:
             universal_copy.prune(path.parent)
             print_progress(f"checkpoint {path}")
+        self._saved = (self.state.step, path)
         return path
 
-    def _should_stop(self) -> bool:
-        flags = torch.tensor([int(self.stop_signal.requested), int(self.lock is not None and self.lock.lost)])
+    def _should_stop(self) -> str | None:
+        """Why every rank stops now: "metrics" (rank 0's metrics writer failed), "signal", or None."""
+        flags = torch.tensor([int(self.stop_signal.requested), int(self.lock is not None and self.lock.lost),
+                              int(self.writer.failure is not None)])
         if self.env.is_distributed:
             flags = all_reduce_host(flags)
         if flags[1]:  # another trainer took the run directory over: stop without writing anything more
             raise RunDirLocked(f"the lock of run directory {self.run_dir} was taken over by another trainer "
                                f"({self.run_dir / LOCK_NAME}); stopping at step {self.state.step} without saving")
-        return bool(flags[0])
+        return "metrics" if flags[2] else "signal" if flags[0] else None
 
     def close(self) -> None:
         loader = getattr(self, "train_loader", None)

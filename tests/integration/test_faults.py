@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -229,6 +230,69 @@ def test_disk_full_during_checkpoint_is_clear_error_previous_intact(tmp_path, ti
         if mounted:
             if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(path: Path) -> None:
+    """Take the last free byte of ``path``'s filesystem: zeros appended until ENOSPC, in ever smaller writes."""
+    with open(path, "wb", buffering=0) as f:
+        for size in (1 << 16, 4096, 1):
+            try:
+                while f.write(bytes(size)):
+                    pass
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+
+
+def test_disk_full_while_writing_metrics_checkpoints_exits_4_and_resume_continues(tmp_path, tiny_overrides, clean_env,
+                                                                                 monkeypatch, capsys):
+    """The run directory's filesystem fills up at step 3 (its checkpoints are on another one): the next write of
+    metrics.jsonl or of TensorBoard's events that needs a new page fails, no half line stays, the run checkpoints
+    that step and exits 4 with one line saying what to do, and resumes from there once space is freed. (When the
+    checkpoint cannot be written either, it is the checkpoint's own exit 4 above.)"""
+    from pretrain.metrics.writer import MetricsWriter
+
+    mnt = tmp_path / "small"
+    if not _mount_tmpfs(mnt, "4m"):
+        pytest.skip("a full filesystem needs a tmpfs mount (root and mount(8)); not available here")
+    try:
+        run_dir, filler = mnt / "run", mnt / "filler"
+        run_dir.mkdir()
+        (tmp_path / "ckpts").mkdir()
+        ckpt = store.checkpoints_dir(run_dir)
+        ckpt.symlink_to(tmp_path / "ckpts")
+        log = MetricsWriter.log
+
+        def fill_then_log(self, step, scalars, *, split="train"):
+            if step == 3 and not filler.exists():
+                _fill(filler)
+            return log(self, step, scalars, split=split)
+
+        monkeypatch.setattr(MetricsWriter, "log", fill_then_log)
+        overrides = tiny_overrides(run_dir, data__valid="[]", train__max_steps=30, checkpoint__every=100)
+        code, out = _main(overrides, capsys)
+        assert code == 4, out[-2000:]
+        said = re.search(rf"pretrain-train: error \(rank 0\): writing {re.escape(str(run_dir))}/(metrics\.jsonl|tb) "
+                         r"failed \(ENOSPC: No space left on device\); checkpointed step (\d+) \((.*?)\)\. Free "
+                         rf"space in {re.escape(str(run_dir))} and resume with the same command: it continues from "
+                         r"that checkpoint", out)
+        assert said, out[-2000:]
+        step = int(said.group(2))
+        assert 3 <= step < 30 and said.group(3) == str(ckpt / store.tag_for_step(step))
+        assert store.find_latest(ckpt) == store.tag_for_step(step) and out.count(f"checkpoint {said.group(3)}") == 1
+        text = (run_dir / "metrics.jsonl").read_text()
+        logged = [r["step"] for r in _train_records(run_dir)]  # every line parses: none was left half-written
+        assert text.endswith("\n") and logged == list(range(1, len(logged) + 1)) and len(logged) <= step
+
+        filler.unlink()  # space freed: the same command resumes from that checkpoint
+        monkeypatch.setattr(MetricsWriter, "log", log)
+        code, out = _main(overrides, capsys)
+        assert code == 0, out[-2000:]
+        assert [r["step"] for r in _train_records(run_dir)] == logged + list(range(step + 1, 31))
+        assert store.find_latest(ckpt) == "step_00000030"
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_every_checkpoint_file_is_fsynced_before_the_publish_rename(tmp_path, tiny_overrides, clean_env,
