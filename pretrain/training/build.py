@@ -135,10 +135,17 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
         model = build_model(cfg.model)
         if init is not None:
             _load_init_weights(model, init)
-        if cfg.train.compile:
-            model.encoder.compile_layers()
         ctx = Context(env=env, ops=cfg.ops, pooling=cfg.model.pooling, stage=cfg.data.stage)
-        return TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
+        module = TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
+    if cfg.train.compile:
+        module.compile_step(**compile_options(cfg.train))
+    return module
+
+
+def compile_options(train) -> dict:
+    """torch.compile's arguments from train.compile_backend, compile_mode and compile_shapes."""
+    return {"backend": train.compile_backend, "mode": None if train.compile_mode == "default" else train.compile_mode,
+            "dynamic": {"auto": None, "dynamic": True, "static": False}[train.compile_shapes]}
 
 
 def _load_init_weights(model: torch.nn.Module, init) -> None:
