@@ -47,8 +47,8 @@ def _compile_lines(cfg) -> list[str]:
     if cfg.objective.gradient_cache:
         return ["train.compile=true compiles nothing under objective.gradient_cache (its passes run eagerly)"]
     if t.unpadded:
-        return ["train.unpadded=true does nothing with train.compile=true: the compiled step runs the padded path "
-                "(each batch's packing layout would be a new graph); set train.unpadded=false to say so"]
+        return [("train.unpadded=true does nothing with train.compile=true: the compiled step runs the padded path "
+                 "(each batch's packing layout would be a new graph); set train.unpadded=false to say so")]
     return []
 
 

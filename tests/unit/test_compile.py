@@ -18,7 +18,7 @@ from pretrain.training.step import host_facts
 
 def _sentence_batch(seed=0) -> dict:
     ids, mask = _rows([12, 3, 16, 7], 16, torch.Generator().manual_seed(seed))
-    return dict(sentence_ids=ids, sentence_mask=mask)
+    return {"sentence_ids": ids, "sentence_mask": mask}
 
 
 def _graph_breaks(module: TrainModule, batch: dict) -> tuple[int, list[str]]:
@@ -52,7 +52,7 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
         results = []
         for module in (eager, compiled):
             module.zero_grad(set_to_none=True)
-            loss, metrics = module(batch)
+            loss, _ = module(batch)
             loss.backward()
             results.append((loss.detach(), {n: p.grad for n, p in module.named_parameters() if p.grad is not None}))
         (loss_e, grads_e), (loss_c, grads_c) = results
