@@ -87,8 +87,12 @@ def prepare_run(cfg: RunConfig, env) -> RunParts:
         train_set = build_train_set(cfg, tokenizer)
         valid_set = build_dataset(cfg.data, tokenizer, seed=cfg.seed, split="valid") if cfg.data.valid else None
     if cfg.train.compile and cfg.distributed.zero_stage == 3:
-        raise ValueError("train.compile=true is not supported with distributed.zero_stage=3 (ZeRO-3 "
-                         "gathers parameters in module hooks); use ZeRO 0-2 or train.compile=false")
+        # DeepSpeed 0.19's ZeRO-3 gathers each module's parameters in forward hooks it marks
+        # torch.compiler.disable (a graph break at every module); torch.compile of our step instead traces the
+        # partitioned (empty) parameters and fails. Its DeepCompile (engine.compile + a "z3" pass) is the route.
+        raise ValueError("train.compile=true is not supported with distributed.zero_stage=3: ZeRO-3 gathers each "
+                         "module's parameters in hooks torch.compile cannot trace through (a graph break per "
+                         "module); use ZeRO 0-2 or train.compile=false")
     module = build_train_module(cfg, env, tokenizer, train_set, init)
     return RunParts(cfg=cfg, tokenizer=tokenizer, train_set=train_set, valid_set=valid_set, module=module)
 
