@@ -89,7 +89,8 @@ def prepare_run(cfg: RunConfig, env) -> RunParts:
     if cfg.train.compile and cfg.distributed.zero_stage == 3:
         # DeepSpeed 0.19's ZeRO-3 gathers each module's parameters in forward hooks it marks
         # torch.compiler.disable (a graph break at every module); torch.compile of our step instead traces the
-        # partitioned (empty) parameters and fails. Its DeepCompile (engine.compile + a "z3" pass) is the route.
+        # partitioned (empty) parameters and fails. Its DeepCompile (engine.compile + a "z3" pass) is the route,
+        # a CUDA op (DeepCompileBuilder): it waits for a GPU to be tried on.
         raise ValueError("train.compile=true is not supported with distributed.zero_stage=3: ZeRO-3 gathers each "
                          "module's parameters in hooks torch.compile cannot trace through (a graph break per "
                          "module); use ZeRO 0-2 or train.compile=false")
