@@ -40,14 +40,22 @@ def objective_resources(cfg: RunConfig, tokenizer, train_set) -> dict:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Config-only checks of paths later steps open (after the tokenizer, data and model): a wrong one fails in
-    the first seconds."""
+    """Config-only checks of paths later steps open (after the tokenizer, data and model) and of train.compile's
+    ZeRO stage: a wrong one fails in the first seconds."""
     if cfg.eval.stsb_every:
 
         stsb_data_dir(cfg.eval, cfg.distributed.zero_stage)
     if cfg.objective.rank_distill is not None:
 
         check_teacher_paths(cfg.objective.rank_distill.teachers)
+    if cfg.train.compile and cfg.distributed.zero_stage == 3:
+        # DeepSpeed 0.19's ZeRO-3 gathers each module's parameters in forward hooks it marks
+        # torch.compiler.disable (a graph break at every module); torch.compile of our step instead traces the
+        # partitioned (empty) parameters and fails. Its DeepCompile (engine.compile + a "z3" pass) is the route,
+        # a CUDA op (DeepCompileBuilder): it waits for a GPU to be tried on.
+        raise ValueError("train.compile=true is not supported with distributed.zero_stage=3: ZeRO-3 gathers each "
+                         "module's parameters in hooks torch.compile cannot trace through (a graph break per "
+                         "module); use ZeRO 0-2 or train.compile=false")
 
 
 def build_train_set(cfg: RunConfig, tokenizer):
@@ -86,14 +94,6 @@ def prepare_run(cfg: RunConfig, env) -> RunParts:
     with main_rank_first(env):
         train_set = build_train_set(cfg, tokenizer)
         valid_set = build_dataset(cfg.data, tokenizer, seed=cfg.seed, split="valid") if cfg.data.valid else None
-    if cfg.train.compile and cfg.distributed.zero_stage == 3:
-        # DeepSpeed 0.19's ZeRO-3 gathers each module's parameters in forward hooks it marks
-        # torch.compiler.disable (a graph break at every module); torch.compile of our step instead traces the
-        # partitioned (empty) parameters and fails. Its DeepCompile (engine.compile + a "z3" pass) is the route,
-        # a CUDA op (DeepCompileBuilder): it waits for a GPU to be tried on.
-        raise ValueError("train.compile=true is not supported with distributed.zero_stage=3: ZeRO-3 gathers each "
-                         "module's parameters in hooks torch.compile cannot trace through (a graph break per "
-                         "module); use ZeRO 0-2 or train.compile=false")
     module = build_train_module(cfg, env, tokenizer, train_set, init)
     return RunParts(cfg=cfg, tokenizer=tokenizer, train_set=train_set, valid_set=valid_set, module=module)
 

@@ -60,3 +60,12 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
         assert grads_c.keys() == grads_e.keys()
         for name in grads_e:
             torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_zero3_is_refused_before_anything_loads():
+    from pretrain.config import load_run_config
+    from pretrain.training.build import preflight
+
+    with pytest.raises(ValueError, match="train.compile=true is not supported with distributed.zero_stage=3"):
+        preflight(load_run_config(None, ["train.compile=true", "distributed.zero_stage=3"]))
+    preflight(load_run_config(None, ["train.compile=true", "distributed.zero_stage=2"]))
