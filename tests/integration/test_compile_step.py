@@ -13,7 +13,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from pretrain.config import load_run_config
-from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+from pretrain.distributed.env import (
+    destroy_process_group,
+    init_process_group,
+    single_process_env,
+)
 from pretrain.training.trainer import Trainer
 
 STEPS = 3
@@ -55,8 +59,8 @@ def _losses(overrides: list[str]) -> tuple[list[float], int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrides, clean_env, fresh_deepspeed):
-    common = dict(data__valid="[]", distributed__zero_stage=zero_stage, model__dropout=0.0,
-                  model__attention_dropout=0.0, train__unpadded="false", train__compile_backend="aot_eager")
+    common = {"data__valid": "[]", "distributed__zero_stage": zero_stage, "model__dropout": 0.0,
+              "model__attention_dropout": 0.0, "train__unpadded": "false", "train__compile_backend": "aot_eager"}
     eager, no_graphs = _losses(tiny_overrides(tmp_path / "eager", **common))
     compiled, graphs = _losses(tiny_overrides(tmp_path / "compiled", train__compile="true", **common))
     assert no_graphs == 0 and graphs >= 1  # a new batch shape compiles once more, until shapes turn dynamic
