@@ -1,6 +1,7 @@
 """train.compile: a micro-batch's forward and loss terms trace as one graph (``TrainModule.compile_step``), no graph
 break and so no host sync inside, padded and unpadded (the trainer runs the padded path under compile: each packing
-layout would be a new graph), for MLM + CLEAR's NT-Xent and the sentence stage's SimCSE and ArcCSE terms."""
+layout would be a new graph), for MLM + CLEAR's NT-Xent (BERT and ModernBERT) and the sentence stage's SimCSE and
+ArcCSE terms."""
 
 from __future__ import annotations
 
@@ -27,9 +28,14 @@ def _graph_breaks(module: TrainModule, batch: dict) -> tuple[int, list[str]]:
     return out.graph_break_count, [r.reason.splitlines()[0] for r in out.break_reasons]
 
 
+MODERN = {"arch": "modernbert", "pooler": False, "local_window": 16}
+"""model.arch=modernbert with a window under the batch's lengths (rotary tables and window masks in the graph)."""
+
+
 @pytest.mark.parametrize("unpadded", [False, True])
-def test_mlm_and_nt_xent_trace_as_one_graph(unpadded):
-    module = _train_module()
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_mlm_and_nt_xent_trace_as_one_graph(unpadded, arch):
+    module = _train_module(**(MODERN if arch == "modernbert" else {}))
     assert _graph_breaks(module, host_facts(_batch(), unpadded=unpadded)) == (0, [])
 
 
