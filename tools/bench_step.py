@@ -106,6 +106,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     from pretrain.metrics.accumulate import MetricSums
     from pretrain.model import build_model
     from pretrain.objective import Context, Objective, TrainModule
+    from pretrain.training.build import compile_options
     from pretrain.training.optim import build_param_groups, lr_lambda
     from pretrain.training.step import optimizer_step
 
@@ -113,11 +114,11 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     init_process_group(env, backend="auto", timeout_s=600)
     mcfg = ModelConfig(vocab_size=vocab, max_position=max(512, seq), pooling="mean", **SIZES[size])
     model = build_model(mcfg)
-    if compile_:
-        model.encoder.compile_layers()
     module = TrainModule(model, Objective(ObjectiveConfig(), Context(env=env, ops=OpsConfig(), pooling="mean")))
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
-    train = TrainConfig(micro_batch_size=micro_batch, precision=precision)
+    train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_)
+    if compile_:
+        module.compile_step(**compile_options(train))
     engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim, train=train,
                     dist=DistributedConfig(zero_stage=zero_stage), env=env, lr_lambda=lr_lambda(optim, 1000))
     engine.train()
@@ -125,7 +126,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
         result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
-                                precision=precision, unpadded=train.unpadded)
+                                precision=precision, unpadded=train.unpadded and not train.compile)
         done[0] += 1
         return result
 
@@ -145,8 +146,7 @@ def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp3
     cfg._attn_implementation = "sdpa"
     model = BertForMaskedLM(cfg).to(device)
     if compile_:
-        for layer in model.bert.encoder.layer:
-            layer.compile()
+        model.compile()
     d = s["hidden_size"]
     proj = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)).to(device)
     params = list(model.parameters()) + list(proj.parameters())
@@ -383,7 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=30522)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--zero-stage", type=int, default=2)
-    p.add_argument("--compile", action="store_true", help="torch.compile every encoder block (both arms)")
+    p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "
+                   "padded), HF's whole model")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak for MFU (H100 SXM 989, H200 989, A100 312)")
     p.add_argument("--json-out", default="", help="also write every figure to this JSON file")

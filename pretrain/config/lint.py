@@ -11,7 +11,7 @@ import dataclasses
 
 from pretrain.config.data import AugmentConfig, MaskingConfig
 from pretrain.config.model import ModelConfig
-from pretrain.config.train import EvalConfig
+from pretrain.config.train import EvalConfig, TrainConfig
 
 _ARCH_ONLY = {"bert": (("norm", "type_vocab_size"), "modernbert is always pre-norm and has no token types"),
               "modernbert": (("local_window", "global_every", "rope_theta", "rope_theta_local"),
@@ -36,6 +36,20 @@ def _arch_only_lines(model: ModelConfig) -> list[str]:
             out.append(f"model.{', model.'.join(unused)} do nothing with model.arch={model.arch}: only "
                        f"model.arch={arch} reads them ({why})")
     return out
+
+
+def _compile_lines(cfg) -> list[str]:
+    """train.compile's options without it, and what train.compile leaves out."""
+    t = cfg.train
+    if not t.compile:
+        options = _changed(t, TrainConfig(), ("compile_backend", "compile_mode", "compile_shapes"))
+        return [f"train.{', train.'.join(options)} do nothing: train.compile=false"] if options else []
+    if cfg.objective.gradient_cache:
+        return ["train.compile=true compiles nothing under objective.gradient_cache (its passes run eagerly)"]
+    if t.unpadded:
+        return [("train.unpadded=true does nothing with train.compile=true: the compiled step runs the padded path "
+                 "(each batch's packing layout would be a new graph); set train.unpadded=false to say so")]
+    return []
 
 
 def inert_settings(cfg) -> list[str]:
@@ -98,6 +112,7 @@ def inert_settings(cfg) -> list[str]:
             out.append("objective.gradient_cache=true changes nothing with train.grad_accum=1 (each rank's micro-batch "
                        "already is its whole share of the step) and costs an extra forward pass; raise "
                        "train.grad_accum (lowering train.micro_batch_size) to hold less in memory")
+    out += _compile_lines(cfg)
     compared = {"nt_xent", "info_nce", "arccon", "consistency", "rank_distill"} & set(cfg.objective.enabled())
     if cfg.objective.matryoshka is not None and not compared:
         out.append("objective.matryoshka does nothing: no enabled term compares sentences with each other "

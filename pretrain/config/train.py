@@ -86,8 +86,21 @@ class TrainConfig:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     """Loss spikes and bursts of non-finite steps: detected, rolled back, their samples skipped."""
     compile: bool = False
-    """torch.compile each encoder block (fuses LayerNorm, GELU, dropout and bias adds; the first steps
-    compile). ZeRO 0-2 only."""
+    """torch.compile a micro-batch's forward and loss terms as one graph (``TrainModule.compile_step``: every
+    encoder pass, pooling, projection, the MLM head and the losses; no graph break and no host sync inside, so
+    it can be captured as a CUDA graph). The counts' reduction over ranks, backward and the optimizer step stay
+    eager. The first steps compile, and each new batch shape once more until dynamic shapes take over (the
+    sequence length and the number of MLM positions vary per batch). The step then runs the padded path
+    (train.unpadded has no effect: each batch's packing layout would be a new graph). ZeRO 0-2 only."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend: inductor (fused kernels) in training; tests use aot_eager (no C++ build)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """torch.compile's mode; reduce-overhead captures the step as CUDA graphs (a GPU; one graph per distinct input
+    shape, see compile_shapes)."""
+    compile_shapes: Literal["auto", "dynamic", "static"] = "auto"
+    """auto: static until a shape changes, then dynamic (torch.compile's dynamic=None); dynamic: symbolic from the
+    start; static: a graph per shape (what CUDA graphs record anyway). Padded batches change shape every step
+    (longest row, masked positions), so static recompiles until torch's recompile limit, then runs eagerly."""
     unpadded: bool = True
     """The training step runs the MLM rows and the contrastive pair unpadded: each micro-batch's sequences packed
     into one token stream on the host (model/packing.py), so embeddings, linear layers, LayerNorm, FFN and the MLM
@@ -95,7 +108,8 @@ class TrainConfig:
     and gradients as the padded path up to float rounding (tests/unit/test_unpadded.py); dropout draws other
     noise. On by default because real batches are padded (16% of the MLM rows' tokens on the shared books and wiki,
     docs/performance.md); false runs the padded path, which validation, evaluation and export always use. Not yet
-    tried with train.compile: a block sees another attention-group layout in each batch (guards and recompiles)."""
+    used under train.compile (each batch's attention-group layout would be a new graph: measured, one recompile a
+    step)."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):

@@ -60,8 +60,3 @@ class Encoder(nn.Module):
             if all_layers:
                 states[-1] = x_BTD
         return states if all_layers else x_BTD
-
-    def compile_layers(self, **kwargs) -> None:
-        """torch.compile every block in place (per-block, as torchtitan does: one graph reused L times)."""
-        for layer in self.layers:
-            layer.compile(**kwargs)

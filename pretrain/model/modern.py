@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from pretrain.config.model import ModelConfig
-from pretrain.model.encoder import Encoder
 from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings
 from pretrain.model.packing import Packed
 from pretrain.model.rotary import rope_tables, window_mask
@@ -86,5 +85,3 @@ class ModernEncoder(nn.Module):
         if all_layers:
             states[-1] = x_BTD
         return states if all_layers else x_BTD
-
-    compile_layers = Encoder.compile_layers  # per block, as BERT's: one graph reused L times

@@ -87,7 +87,20 @@ class Objective:
         return Forward(model, batch, self.ctx, heads=heads, gather=self.gather if gather is None else gather,
                        teachers=self.teachers, token_freq_V=self.token_freq_V)
 
-    def __call__(self, model, batch: dict, heads=None):
+    def __call__(self, model, batch: dict, heads=None, *, run_terms=None):
+        """-> (loss, metrics). ``run_terms``: ``self.run_terms`` or its compiled form (``TrainModule.compile_step``);
+        the counts' reduction over ranks (host values, one collective) and the weighting stay outside it."""
+        sums, counts, metrics = (run_terms or self.run_terms)(model, batch, heads)
+        loss = self.weighted(self.terms, sums, self.global_counts([counts[n] for n, _, _ in self.terms]))
+        for name, _, _ in self.terms:
+            metrics[name] = (sums[name].detach(), counts[name])  # a tensor: no host sync mid-step
+        if not torch.is_tensor(loss):
+            loss = sum(s for s in sums.values()) * 0.0
+        return loss, metrics
+
+    def run_terms(self, model, batch: dict, heads=None) -> tuple[dict, dict, dict]:
+        """The encoder passes and every term on a micro-batch -> (loss_sum, count and metrics per term): the
+        forward and the losses, what ``train.compile`` compiles as one graph."""
         fwd = self.forward_cache(model, batch, heads)
         sums, counts, metrics = {}, {}, {}
         for name, fn, term_cfg in self.terms:
@@ -95,12 +108,7 @@ class Objective:
                                                      self.sizes if name in CONTRASTIVE else None)
             sums[name], counts[name] = loss_sum, count
             metrics.update(term_metrics)
-        loss = self.weighted(self.terms, sums, self.global_counts([counts[n] for n, _, _ in self.terms]))
-        for name, _, _ in self.terms:
-            metrics[name] = (sums[name].detach(), counts[name])  # a tensor: no host sync mid-step
-        if not torch.is_tensor(loss):
-            loss = sum(s for s in sums.values()) * 0.0
-        return loss, metrics
+        return sums, counts, metrics
 
     def global_counts(self, counts: list) -> list[float]:
         """Host counts summed over the data-parallel ranks (one collective)."""
@@ -133,6 +141,13 @@ class TrainModule(torch.nn.Module):
         self.model = model
         self.heads = objective.build_heads(model) if hasattr(objective, "build_heads") else torch.nn.ModuleDict()
         self.objective = objective
+        self._run_terms = None
+        """The compiled ``objective.run_terms`` after ``compile_step``; None runs it eagerly."""
+
+    def compile_step(self, **compile_kwargs) -> None:
+        """torch.compile the forward and the loss terms of a micro-batch as one graph (``Objective.run_terms``;
+        ``compile_kwargs`` go to torch.compile: backend, mode, dynamic). The gradient cache's passes stay eager."""
+        self._run_terms = torch.compile(self.objective.run_terms, **compile_kwargs)
 
     def forward(self, batch: dict, *, embed_only: bool = False, cached: ChunkGrads | None = None):
         """The objective on a micro-batch -> (loss, metrics). Under objective.gradient_cache (every pass runs through
@@ -142,4 +157,4 @@ class TrainModule(torch.nn.Module):
             return embed_chunk(self.objective, self.model, batch, self.heads)
         if cached is not None:
             return replay_chunk(self.objective, self.model, batch, self.heads, cached)
-        return self.objective(self.model, batch, self.heads)
+        return self.objective(self.model, batch, self.heads, run_terms=self._run_terms)

@@ -123,6 +123,8 @@ def _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size, ch
 def _masked_lse(q_ND, k_MD, excl_NE, inv_temp: float, impl: str, chunk_size: int) -> torch.Tensor:
     if impl == "cuda":
         return library.masked_lse(q_ND.contiguous(), k_MD.contiguous(), excl_NE, inv_temp, chunk_size)
+    if k_MD is q_ND:  # NT-Xent's keys are its rows: torch.compile cannot trace one tensor as two inputs
+        k_MD = k_MD.view_as(k_MD)
     return chunked.ChunkedMaskedLSE.apply(q_ND, k_MD, excl_NE, inv_temp, chunk_size)
 
 

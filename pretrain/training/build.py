@@ -40,14 +40,22 @@ def objective_resources(cfg: RunConfig, tokenizer, train_set) -> dict:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Config-only checks of paths later steps open (after the tokenizer, data and model): a wrong one fails in
-    the first seconds."""
+    """Config-only checks of paths later steps open (after the tokenizer, data and model) and of train.compile's
+    ZeRO stage: a wrong one fails in the first seconds."""
     if cfg.eval.stsb_every:
 
         stsb_data_dir(cfg.eval, cfg.distributed.zero_stage)
     if cfg.objective.rank_distill is not None:
 
         check_teacher_paths(cfg.objective.rank_distill.teachers)
+    if cfg.train.compile and cfg.distributed.zero_stage == 3:
+        # DeepSpeed 0.19's ZeRO-3 gathers each module's parameters in forward hooks it marks
+        # torch.compiler.disable (a graph break at every module); torch.compile of our step instead traces the
+        # partitioned (empty) parameters and fails. Its DeepCompile (engine.compile + a "z3" pass) is the route,
+        # a CUDA op (DeepCompileBuilder): it waits for a GPU to be tried on.
+        raise ValueError("train.compile=true is not supported with distributed.zero_stage=3: ZeRO-3 gathers each "
+                         "module's parameters in hooks torch.compile cannot trace through (a graph break per "
+                         "module); use ZeRO 0-2 or train.compile=false")
 
 
 def build_train_set(cfg: RunConfig, tokenizer):
@@ -86,9 +94,6 @@ def prepare_run(cfg: RunConfig, env) -> RunParts:
     with main_rank_first(env):
         train_set = build_train_set(cfg, tokenizer)
         valid_set = build_dataset(cfg.data, tokenizer, seed=cfg.seed, split="valid") if cfg.data.valid else None
-    if cfg.train.compile and cfg.distributed.zero_stage == 3:
-        raise ValueError("train.compile=true is not supported with distributed.zero_stage=3 (ZeRO-3 "
-                         "gathers parameters in module hooks); use ZeRO 0-2 or train.compile=false")
     module = build_train_module(cfg, env, tokenizer, train_set, init)
     return RunParts(cfg=cfg, tokenizer=tokenizer, train_set=train_set, valid_set=valid_set, module=module)
 
@@ -135,10 +140,17 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
         model = build_model(cfg.model)
         if init is not None:
             _load_init_weights(model, init)
-        if cfg.train.compile:
-            model.encoder.compile_layers()
         ctx = Context(env=env, ops=cfg.ops, pooling=cfg.model.pooling, stage=cfg.data.stage)
-        return TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
+        module = TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
+    if cfg.train.compile:
+        module.compile_step(**compile_options(cfg.train))
+    return module
+
+
+def compile_options(train) -> dict:
+    """torch.compile's arguments from train.compile_backend, compile_mode and compile_shapes."""
+    return {"backend": train.compile_backend, "mode": None if train.compile_mode == "default" else train.compile_mode,
+            "dynamic": {"auto": None, "dynamic": True, "static": False}[train.compile_shapes]}
 
 
 def _load_init_weights(model: torch.nn.Module, init) -> None:

@@ -89,3 +89,26 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_acc
         if trainer is not None:
             trainer.close()
         destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_compiled_step_that_does_not_log_forces_no_sync(tmp_path, tiny_overrides, clean_env, fresh_deepspeed):
+    """train.compile (aot_eager: the traced graph's own aten ops) at ZeRO-2: the compiled forward and loss add none
+    (what CUDA graphs need: no host sync inside the captured region)."""
+    cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=2,
+                                               train__compile="true", train__compile_backend="aot_eager",
+                                               train__unpadded="false"))
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=60)
+    trainer = None
+    try:
+        torch._dynamo.reset()
+        trainer = Trainer(cfg, env)
+        outer, inner = _count_steps(trainer, steps=2)
+        assert outer.num_aten > 100
+        assert outer.num_sync == 0, dict(outer.where)
+        assert inner.num_sync == 0, dict(inner.where)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_process_group()

@@ -189,6 +189,14 @@ def test_settings_that_cannot_act_are_named():
                for ln in lines(["model=modernbert-tiny", "model.norm=pre", "optim.warmup_steps=100"]))
     assert any("model.local_window, model.rope_theta do nothing with model.arch=bert" in ln
                for ln in lines(["model.local_window=64", "model.rope_theta=1e4", "optim.warmup_steps=100"]))
+    assert any("train.compile_mode do nothing: train.compile=false" in ln
+               for ln in lines(["train.compile_mode=reduce-overhead", "optim.warmup_steps=100"]))
+    assert any("train.unpadded=true does nothing with train.compile=true" in ln
+               for ln in lines(["train.compile=true", "optim.warmup_steps=100"]))
+    assert lines(["train.compile=true", "train.unpadded=false", "optim.warmup_steps=100"]) == []
+    assert any("compiles nothing under objective.gradient_cache" in ln
+               for ln in lines(["train.compile=true", "objective.gradient_cache=true", "train.grad_accum=2",
+                                "optim.warmup_steps=100"]))
     for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")) + [CONFIGS / "wiki_books_mini.yaml",
                                                                   CONFIGS / "sentence_stage_quick.yaml"]:
         assert lines([], recipe) == [], recipe.name

@@ -1,0 +1,68 @@
+"""train.compile in the trainer's own step (real Engine, CPU, gloo): one graph, no graph break, and the same losses
+as the eager step, step after step, at ZeRO 0 and 2 (ZeRO-3 is refused: training/build.py says why). Dropout is off
+(the compiled graph draws its noise in another order) and both runs take the padded path (the compiled step does,
+train.unpadded notwithstanding); aot_eager (train.compile_backend) traces the same graph as inductor without
+building C++ kernels, whose fusions would round differently."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from pretrain.config import load_run_config
+from pretrain.distributed.env import (
+    destroy_process_group,
+    init_process_group,
+    single_process_env,
+)
+from pretrain.training.trainer import Trainer
+
+STEPS = 3
+
+
+def _losses(overrides: list[str]) -> tuple[list[float], int]:
+    """The loss of each of the trainer's first STEPS steps, and the number of graphs torch.compile made."""
+    groups = sys.modules.get("deepspeed.utils.groups")  # the previous run's process group (as fresh_deepspeed)
+    if groups is not None and hasattr(groups, "_release_process_group_references"):
+        groups._release_process_group_references(None)
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=60)
+    trainer = None
+    try:
+        trainer = Trainer(load_run_config(None, overrides), env)
+        forward, losses = trainer.engine.forward, []
+
+        def forward_seen(batch, **kwargs):
+            assert "packed_mlm" not in batch  # the padded path, compiled or not
+            loss, metrics = forward(batch, **kwargs)
+            losses.append(loss.detach().clone())
+            return loss, metrics
+
+        trainer.engine.forward = forward_seen
+        torch._dynamo.reset()
+        counters.clear()
+        loader = iter(trainer._loader(trainer.train_set, 0))
+        trainer.engine.train()
+        for _ in range(STEPS):
+            trainer.train_step(loader)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        return [float(x) for x in losses], counters["stats"]["unique_graphs"]
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrides, clean_env, fresh_deepspeed):
+    common = {"data__valid": "[]", "distributed__zero_stage": zero_stage, "model__dropout": 0.0,
+              "model__attention_dropout": 0.0, "train__unpadded": "false", "train__compile_backend": "aot_eager"}
+    eager, no_graphs = _losses(tiny_overrides(tmp_path / "eager", **common))
+    compiled, graphs = _losses(tiny_overrides(tmp_path / "compiled", train__compile="true", **common))
+    assert no_graphs == 0 and graphs >= 1  # a new batch shape compiles once more, until shapes turn dynamic
+    assert len(eager) == STEPS
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)

@@ -1,0 +1,77 @@
+"""train.compile: a micro-batch's forward and loss terms trace as one graph (``TrainModule.compile_step``), no graph
+break and so no host sync inside, padded and unpadded (the trainer runs the padded path under compile: each packing
+layout would be a new graph), for MLM + CLEAR's NT-Xent (BERT and ModernBERT) and the sentence stage's SimCSE and
+ArcCSE terms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_unpadded import _batch, _model_cfg, _rows, _train_module
+
+from pretrain.config import ObjectiveConfig, OpsConfig
+from pretrain.config.objective import ArcConConfig, InfoNCEConfig
+from pretrain.distributed.env import single_process_env
+from pretrain.model import build_model
+from pretrain.objective import Context, Objective, TrainModule
+from pretrain.training.step import host_facts
+
+
+def _sentence_batch(seed=0) -> dict:
+    ids, mask = _rows([12, 3, 16, 7], 16, torch.Generator().manual_seed(seed))
+    return {"sentence_ids": ids, "sentence_mask": mask}
+
+
+def _graph_breaks(module: TrainModule, batch: dict) -> tuple[int, list[str]]:
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(module.objective.run_terms)(module.model, batch, module.heads)
+    return out.graph_break_count, [r.reason.splitlines()[0] for r in out.break_reasons]
+
+
+MODERN = {"arch": "modernbert", "pooler": False, "local_window": 16}
+"""model.arch=modernbert with a window under the batch's lengths (rotary tables and window masks in the graph)."""
+
+
+@pytest.mark.parametrize("unpadded", [False, True])
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_mlm_and_nt_xent_trace_as_one_graph(unpadded, arch):
+    module = _train_module(**(MODERN if arch == "modernbert" else {}))
+    assert _graph_breaks(module, host_facts(_batch(), unpadded=unpadded)) == (0, [])
+
+
+@pytest.mark.parametrize("term", ["info_nce", "arccon"])
+def test_simcse_and_arccse_trace_as_one_graph(term):
+    torch.manual_seed(0)
+    model = build_model(_model_cfg(dropout=0.1), seed=0)
+    cfg = ObjectiveConfig(mlm=None, nt_xent=None, **{term: (InfoNCEConfig if term == "info_nce" else ArcConConfig)()})
+    ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling="cls", stage="sentences")
+    module = TrainModule(model, Objective(cfg, ctx))
+    assert _graph_breaks(module, host_facts(_sentence_batch(), unpadded=True)) == (0, [])
+
+
+def test_compiled_step_gives_the_eager_loss_and_gradients():
+    """aot_eager: the traced graph itself, without inductor's kernels (whose fusions round differently)."""
+    eager, compiled = _train_module(), _train_module()
+    compiled.compile_step(backend="aot_eager")
+    for seed in (0, 1):  # a second batch: other masked positions, the cached graph (or a dynamic one) runs
+        batch = host_facts(_batch(seed))
+        results = []
+        for module in (eager, compiled):
+            module.zero_grad(set_to_none=True)
+            loss, _ = module(batch)
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad for n, p in module.named_parameters() if p.grad is not None}))
+        (loss_e, grads_e), (loss_c, grads_c) = results
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)
+        assert grads_c.keys() == grads_e.keys()
+        for name in grads_e:
+            torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_zero3_is_refused_before_anything_loads():
+    from pretrain.config import load_run_config
+    from pretrain.training.build import preflight
+
+    with pytest.raises(ValueError, match="train.compile=true is not supported with distributed.zero_stage=3"):
+        preflight(load_run_config(None, ["train.compile=true", "distributed.zero_stage=3"]))
+    preflight(load_run_config(None, ["train.compile=true", "distributed.zero_stage=2"]))
