@@ -233,3 +233,16 @@ def fresh_deepspeed():
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is not None and hasattr(groups, "_release_process_group_references"):
         groups._release_process_group_references(None)
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tiny_corpus):
+    """(a 2-layer, 32-wide encoder in eval mode, seed 3, no dropout; the tiny corpus's tokenizer path)."""
+    from pretrain.config.model import ModelConfig
+    from pretrain.model import build_model
+    from pretrain.prep.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_corpus["tokenizer"])
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
+                      max_position=64, pooling="mean", dropout=0.0, attention_dropout=0.0)
+    return build_model(cfg, seed=3).eval(), tiny_corpus["tokenizer"]

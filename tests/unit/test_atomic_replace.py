@@ -12,12 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import pretrain.checkpoint.files as files
+from pretrain.checkpoint import files
 from pretrain.checkpoint.files import recover_dir, replace_dir
-from pretrain.config.model import ModelConfig
 from pretrain.export.resolve import best_record, open_weights, select_checkpoint
 from pretrain.metrics.writer import MetricsWriteError, MetricsWriter
-from pretrain.model import build_model
 from pretrain.training.evaluation import StsbKeepBest
 
 
@@ -75,19 +73,10 @@ def test_recover_dir_restores_a_swap_cut_by_a_kill_and_removes_leftovers(tmp_pat
     assert (tmp_path / "best" / "a.txt").read_text() == "old" and _siblings(tmp_path / "best") == []
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_corpus):
-    from pretrain.prep.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(tiny_corpus["tokenizer"])
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
-                      max_position=64, pooling="mean", dropout=0.0, attention_dropout=0.0)
-    return build_model(cfg, seed=3).eval(), tiny_corpus["tokenizer"]
-
-
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
-def test_best_dir_failing_mid_swap_keeps_the_old_best_whole_and_readable(exchange, tiny, tmp_path, monkeypatch):
-    model, tok = tiny
+def test_best_dir_failing_mid_swap_keeps_the_old_best_whole_and_readable(exchange, tiny_encoder, tmp_path,
+                                                                      monkeypatch):
+    model, tok = tiny_encoder
     keeper = SimpleNamespace(run_dir=tmp_path, tokenizer_path=tok, pooling="mean")
     StsbKeepBest._write_best(keeper, model, 100, 0.5, "seed: 1\n")
     assert best_record(tmp_path) == {"step": 100, "stsb_dev_spearman": 0.5, "pooling": "mean"}

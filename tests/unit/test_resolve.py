@@ -10,19 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config.model import ModelConfig
 from pretrain.export.hf import export_hf, write_init_dir
 from pretrain.export.resolve import detect_kind, open_weights
-from pretrain.model import build_model
 from pretrain.prep.tokenizer import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_corpus):
-    tok = load_tokenizer(tiny_corpus["tokenizer"])
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
-                      max_position=64, pooling="mean", dropout=0.0, attention_dropout=0.0)
-    return build_model(cfg, seed=3).eval(), tiny_corpus["tokenizer"]
 
 
 def _same_encoder(a, b) -> None:
@@ -32,8 +22,8 @@ def _same_encoder(a, b) -> None:
         torch.testing.assert_close(a.eval().encode(ids, mask), b.eval().encode(ids, mask), rtol=1e-5, atol=1e-6)
 
 
-def test_sentence_transformers_hf_and_init_dirs_are_recognised_and_rebuilt(tiny, tmp_path):
-    model, tok = tiny
+def test_sentence_transformers_hf_and_init_dirs_are_recognised_and_rebuilt(tiny_encoder, tmp_path):
+    model, tok = tiny_encoder
     st_dir = tmp_path / "st"
     export_hf(model, tok, str(st_dir), pooling="mean")
     w = open_weights(st_dir)
@@ -64,10 +54,10 @@ def test_unrecognised_directory_names_what_was_looked_for(tmp_path):
         open_weights(tmp_path / "missing")
 
 
-def test_hf_dir_without_encoder_weights_is_refused(tiny, tmp_path):
+def test_hf_dir_without_encoder_weights_is_refused(tiny_encoder, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    model, tok = tiny
+    model, tok = tiny_encoder
     export_hf(model, tok, str(tmp_path / "hf"), pooling="mean")
     weights = tmp_path / "hf" / "model.safetensors"
     state = load_file(str(weights))
