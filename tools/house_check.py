@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = {
     "config": 0, "console": 0,
-    "distributed": 1,
+    "distributed": 1, "fsutil": 1,
     "data": 2, "model": 2, "ops": 2, "metrics": 2,
     "prep": 3, "losses": 3,
     "objective": 4,

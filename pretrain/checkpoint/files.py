@@ -8,11 +8,8 @@ every such write goes through here.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import os
-import shutil
 from pathlib import Path
 
 from pretrain.distributed.env import unique_suffix
@@ -65,20 +62,6 @@ def fsync_files(paths) -> None:
             os.close(fd)
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make the entries of directory ``path`` (a rename into it, a new file) durable; a no-op where the OS cannot."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory
-    finally:
-        os.close(fd)
-
-
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``path`` durably and atomically: a temporary file beside it (fsynced), then one rename; a reader
     sees the old content or the new, never part of it."""
@@ -93,62 +76,6 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Put the complete directory ``new`` in place of ``target`` so that at every instant the name ``target`` holds
-    the old complete directory or the new one, never neither: one atomic exchange of the two names where the OS
-    offers it (Linux renameat2), else the old one renamed to a trash sibling, the new one renamed in, the trash
-    removed (a failure between the renames puts the old one back; a kill there leaves it for ``recover_dir``)."""
-    new, target = Path(new), Path(target)
-    if not target.exists():
-        os.replace(new, target)
-    elif _exchange(new, target):
-        shutil.rmtree(new, ignore_errors=True)  # now the old directory
-    else:
-        trash = target.with_name(f".{target.name}.old-{unique_suffix()}")
-        os.replace(target, trash)
-        try:
-            os.replace(new, target)
-        except BaseException:
-            os.replace(trash, target)
-            raise
-        fsync_dir(target.parent)
-        shutil.rmtree(trash, ignore_errors=True)
-    fsync_dir(target.parent)
-
-
-def recover_dir(target: str | os.PathLike) -> None:
-    """Start-up after ``replace_dir`` was killed: an old copy left under a trash name goes back to ``target`` when
-    ``target`` is missing, any other leftover (old copies, unfinished ``.<name>.tmp-*`` directories) is removed.
-    Only for a directory that one process writes (the run's ``best/``, under the run lock)."""
-    target = Path(target)
-    if not target.parent.is_dir():
-        return
-    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
-    if olds and not target.exists():
-        os.replace(olds.pop(), target)
-        fsync_dir(target.parent)
-    for leftover in [*olds, *target.parent.glob(f".{target.name}.tmp-*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the names ``a`` and ``b`` in one atomic step (renameat2 RENAME_EXCHANGE); False where the C library,
-    kernel or filesystem cannot (then the caller renames twice)."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
 
 
 def write_json(path: str | os.PathLike, obj, *, indent: int = 2) -> None:

@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import atomic_write_text, fsync_dir, fsync_files, replace_dir, save_safetensors
+from pretrain.checkpoint.files import atomic_write_text, fsync_files, save_safetensors
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
+from pretrain.fsutil import fsync_dir, replace_dir
 
 FORMAT_VERSION = 3
 """2: trainer_state.json names the sample stream (``sample_stream``); a version-1 pretraining state is read as

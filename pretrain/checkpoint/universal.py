@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import atomic_write_text, replace_dir
+from pretrain.checkpoint.files import atomic_write_text
 from pretrain.checkpoint.store import (
     FILES_FILE,
     STATE_FILE,
@@ -28,6 +28,7 @@ from pretrain.checkpoint.store import (
 )
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import convert_to_universal
+from pretrain.fsutil import replace_dir
 
 UNIVERSAL_DIR = "universal"
 """``checkpoints/universal/<tag>``: the universal form of a checkpoint, converted once for resuming it on another

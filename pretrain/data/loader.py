@@ -329,11 +329,15 @@ class ResumableLoader:
         self.loader._iterator = None
 
 
+_LIVE_LOADERS: "weakref.WeakSet" = weakref.WeakSet()
+"""Every ResumableLoader with worker processes in this process, until it is collected."""
 _LIVE_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
 """Every DataLoader worker process a ResumableLoader started in this process. A loader dropped without ``close``
 (an error unwinding the trainer, a validation iterator left half-read) has its workers asked to exit by torch's
 iterator finaliser, which SIGTERMs the slow ones: ignored by our workers, so multiprocessing's exit handler would
-then wait for them forever. The exit handler below SIGKILLs whatever is still alive first."""
+then wait for them forever. The exit handler below closes the loaders still alive (torch's shutdown first: it
+releases the index queues' feeder threads, which multiprocessing's finalisers would otherwise join forever once
+their reader is dead), then SIGKILLs whatever worker is still alive."""
 
 
 def _kill(workers) -> None:
@@ -347,7 +351,9 @@ def _kill(workers) -> None:
 
 
 @atexit.register  # registered after multiprocessing's own handler, so it runs before it
-def _kill_live_workers() -> None:
+def _stop_live_workers() -> None:
+    for loader in list(_LIVE_LOADERS):
+        loader.close()
     _kill(_LIVE_WORKERS)
 
 
@@ -404,4 +410,7 @@ def build_loader(
         generator=torch.Generator().manual_seed(int(seed)),
         **extra,
     )
-    return ResumableLoader(loader, sampler, start_sample, ring)
+    resumable = ResumableLoader(loader, sampler, start_sample, ring)
+    if num_workers > 0:
+        _LIVE_LOADERS.add(resumable)
+    return resumable

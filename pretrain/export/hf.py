@@ -28,11 +28,17 @@ from pathlib import Path
 import tokenizers
 import torch
 
-from pretrain.checkpoint.files import fsync_dir, fsync_files, publish_dir, replace_dir, save_safetensors, write_json
+from pretrain.checkpoint.files import (
+    fsync_files,
+    publish_dir,
+    save_safetensors,
+    write_json,
+)
 from pretrain.config.loader import to_dict
 from pretrain.config.model import ModelConfig
 from pretrain.export import hf_modern
 from pretrain.export.st_modules import ST_POOLING, write_st_modules
+from pretrain.fsutil import fsync_dir, replace_dir
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
 from pretrain.model.init import init_bert_weights
 

@@ -26,7 +26,6 @@ from typing import Iterator
 
 import numpy as np
 
-from pretrain.checkpoint.files import replace_dir
 from pretrain.console import one_line_warnings, show_progress
 from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
 from pretrain.data.shards import (
@@ -39,6 +38,7 @@ from pretrain.data.shards import (
     write_manifest,
 )
 from pretrain.distributed.env import unique_suffix
+from pretrain.fsutil import replace_dir
 from pretrain.prep.readers import (
     COLUMNAR,
     FORMATS,

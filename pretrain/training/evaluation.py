@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import recover_dir
 from pretrain.config.train import EvalConfig
 from pretrain.eval import find_data_dir
 from pretrain.eval.encoder import SentenceEncoder
 from pretrain.export.hf import write_init_dir
+from pretrain.fsutil import recover_dir
 
 
 def stsb_data_dir(cfg: EvalConfig, zero_stage: int) -> str:

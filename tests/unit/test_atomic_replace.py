@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pretrain.checkpoint import files
-from pretrain.checkpoint.files import recover_dir, replace_dir
+from pretrain import fsutil as files
 from pretrain.export.resolve import best_record, open_weights, select_checkpoint
+from pretrain.fsutil import recover_dir, replace_dir
 from pretrain.metrics.writer import MetricsWriteError, MetricsWriter
 from pretrain.training.evaluation import StsbKeepBest
 

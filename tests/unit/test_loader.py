@@ -228,11 +228,21 @@ def test_chunks_and_packed_hand_off_give_the_same_batches(dataset):
     assert all(out[k].dtype == big[k].dtype and torch.equal(out[k], big[k]) for k in big)
 
 
+
+def _run_script(script, timeout: float):
+    """``python script`` with this checkout's pretrain first on the path (whatever pip's editable install names)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, env=env)
+
 def test_a_script_that_ends_with_workers_running_exits(tmp_path):
     """Workers ignore SIGTERM (a signal to the whole job must not kill them mid-checkpoint), so the interpreter's
     exit must not wait on them: the loader stops them itself at exit."""
-    import subprocess
-    import sys
     import textwrap
 
     script = tmp_path / "s.py"
@@ -254,7 +264,7 @@ def test_a_script_that_ends_with_workers_running_exits(tmp_path):
         it = iter(loader)
         print(next(it)["input_ids"].tolist(), flush=True)
     '''))
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    p = _run_script(script, timeout=30)
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(eval(p.stdout.strip())) == 2
 
@@ -264,9 +274,6 @@ def test_a_dropped_loader_whose_worker_is_busy_does_not_hold_the_exit(tmp_path):
     """A loader dropped without close() (an error unwinding the trainer): torch's finaliser asks the workers to
     exit and SIGTERMs the one still busy, which ignores it; the process must still exit at once, not when that
     worker's task ends (120 s here; multiprocessing's exit handler would wait for it). Stop 31's CI hung there."""
-    import os
-    import subprocess
-    import sys
     import textwrap
     import time
 
@@ -296,12 +303,8 @@ def test_a_dropped_loader_whose_worker_is_busy_does_not_hold_the_exit(tmp_path):
         del it, loader
         gc.collect()
     '''))
-    from pathlib import Path
-
-    repo = str(Path(__file__).resolve().parents[2])  # this checkout's pretrain, whatever pip points at
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
+    p = _run_script(script, timeout=90)
     assert p.returncode == 0 and p.stdout.strip() == "2", p.stderr[-2000:]
     assert time.monotonic() - t0 < 60, "the exit waited for the busy worker"
 
