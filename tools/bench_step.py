@@ -126,7 +126,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
         result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
-                                precision=precision, unpadded=train.unpadded and not train.compile)
+                                precision=precision, unpadded=train.step_unpadded)
         done[0] += 1
         return result
 

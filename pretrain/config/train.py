@@ -111,6 +111,11 @@ class TrainConfig:
     used under train.compile (each batch's attention-group layout would be a new graph: measured, one recompile a
     step)."""
 
+    @property
+    def step_unpadded(self) -> bool:
+        """Whether the training step runs unpadded: ``unpadded``, except under ``compile`` (see above)."""
+        return self.unpadded and not self.compile
+
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):
             if getattr(self, name) <= 0:

@@ -168,7 +168,7 @@ class Trainer:
         step_fn = cached_optimizer_step if self.cfg.objective.gradient_cache else optimizer_step
         result = step_fn(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
                          grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
-                         precision=self.cfg.train.precision, unpadded=self.cfg.train.unpadded and not self.cfg.train.compile)
+                         precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded)
         st.step += 1
         self.spikes.record(st.step, result.loss, result.bad)  # device scalars, read when they are judged
         st.consumed_samples += st.global_batch
