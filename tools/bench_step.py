@@ -89,10 +89,10 @@ def make_batch(batch: int, seq: int, view_len: int, vocab: int, gen: torch.Gener
 
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
-               micro_batch: int = 1):
+               micro_batch: int = 1, flat: bool = True):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
-    unpadded as train.unpadded's default)."""
+    unpadded as train.unpadded's default; ``flat``: train.flat_params, on by default)."""
     from pretrain.config import (
         DistributedConfig,
         ModelConfig,
@@ -106,7 +106,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     from pretrain.metrics.accumulate import MetricSums
     from pretrain.model import build_model
     from pretrain.objective import Context, Objective, TrainModule
-    from pretrain.training.build import compile_options
+    from pretrain.training.build import apply_param_layout, compile_options
     from pretrain.training.optim import build_param_groups, lr_lambda
     from pretrain.training.step import optimizer_step
 
@@ -116,11 +116,13 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     model = build_model(mcfg)
     module = TrainModule(model, Objective(ObjectiveConfig(), Context(env=env, ops=OpsConfig(), pooling="mean")))
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
-    train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_)
+    train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat)
+    dist = DistributedConfig(zero_stage=zero_stage)
     if compile_:
         module.compile_step(**compile_options(train))
+    apply_param_layout(module, train, dist)
     engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim, train=train,
-                    dist=DistributedConfig(zero_stage=zero_stage), env=env, lr_lambda=lr_lambda(optim, 1000))
+                    dist=dist, env=env, lr_lambda=lr_lambda(optim, 1000))
     engine.train()
     sums, done = MetricSums(), [0]
 
@@ -264,18 +266,23 @@ def measure_host_cost(args) -> dict:
     hc = HOST_COST
     batch = make_batch(hc["batch"], hc["seq"], hc["view_len"], hc["vocab"], torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    ours = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision, micro_batch=hc["batch"])
+    arms = {"ours": build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
+                               micro_batch=hc["batch"])}
+    # The layout before train.flat_params (2026-11-25), same process, same trials: what flattening saves.
+    arms["ours_per_tensor"] = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
+                                         micro_batch=hc["batch"], flat=False)
     # HF gets the AdamW implementation the Engine chose (fused, CPU and CUDA; before 2026-11-24 torch's per-parameter
     # one on the CPU, whose step count .item() per parameter would otherwise count as syncs in one arm only).
-    fused = bool(ours.engine._adamw.defaults.get("fused"))
-    hf = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, fused=fused)
+    fused = bool(arms["ours"].engine._adamw.defaults.get("fused"))
+    arms["hf"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, fused=fused)
     for _ in range(3):
-        ours(batch), hf(batch)
-    res = {"ours": count_ops(ours, batch), "hf": count_ops(hf, batch)}
-    times: dict = {"ours": [], "hf": []}
-    for _ in range(args.steps):  # alternate so drifting machine load hits both alike
-        times["ours"].append(time_one(ours, batch))
-        times["hf"].append(time_one(hf, batch))
+        for step in arms.values():
+            step(batch)
+    res = {arm: count_ops(step, batch) for arm, step in arms.items()}
+    times: dict = {arm: [] for arm in arms}
+    for _ in range(args.steps):  # alternate so drifting machine load hits every arm alike
+        for arm, step in arms.items():
+            times[arm].append(time_one(step, batch))
     for arm, t in times.items():
         res[arm].update(s=statistics.median(t), all_s=t, adamw_fused=fused)
     res["threads"] = torch.get_num_threads()  # still 1 after DeepSpeed and HF were built
@@ -284,19 +291,20 @@ def measure_host_cost(args) -> dict:
 
 def host_cost_table(rows: list[dict]) -> list[str]:
     """Markdown table of --host-cost rows (zero, precision, ours, hf) and the issue's goal line."""
-    header = ("| ZeRO | precision | ours host ms | HF host ms | ours / HF | ours aten ops | HF aten ops | ours / HF "
-              "| ours sync ops | HF sync ops |")
-    lines = [header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    header = ("| ZeRO | precision | ours host ms | per-tensor ms | HF host ms | ours / HF | per-tensor / HF "
+              "| ours aten ops | per-tensor ops | HF aten ops | ours / HF | ours sync ops | HF sync ops |")
+    lines = [header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     goal = None
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['zero_stage']} | {r['precision']} | failed: {r['error'][:60]} | | | | | | | |")
+            lines.append(f"| {r['zero_stage']} | {r['precision']} | failed: {r['error'][:60]} |" + " |" * 11)
             continue
-        o, h = r["ours"], r["hf"]
+        o, pt, h = r["ours"], r["ours_per_tensor"], r["hf"]
         t_ratio, op_ratio = o["s"] / h["s"], o["aten_ops"] / h["aten_ops"]
-        lines.append(f"| {r['zero_stage']} | {r['precision']} | {o['s'] * 1e3:.1f} | {h['s'] * 1e3:.1f} | "
-                     f"{t_ratio:.2f}x | {o['aten_ops']:,} | {h['aten_ops']:,} | {op_ratio:.2f}x | "
-                     f"{o['sync_ops']:,} | {h['sync_ops']:,} |")
+        lines.append(f"| {r['zero_stage']} | {r['precision']} | {o['s'] * 1e3:.1f} | {pt['s'] * 1e3:.1f} | "
+                     f"{h['s'] * 1e3:.1f} | {t_ratio:.2f}x | {pt['s'] / h['s']:.2f}x | {o['aten_ops']:,} | "
+                     f"{pt['aten_ops']:,} | {h['aten_ops']:,} | {op_ratio:.2f}x | {o['sync_ops']:,} | "
+                     f"{h['sync_ops']:,} |")
         if (r["zero_stage"], r["precision"]) == (2, "bf16"):
             goal = (f"host {t_ratio:.2f}x ({'met' if t_ratio <= 0.5 else 'not met'}), aten ops {op_ratio:.2f}x "
                     f"({'met' if o['aten_ops'] <= h['aten_ops'] else 'not met'})")

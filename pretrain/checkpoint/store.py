@@ -35,6 +35,7 @@ from pretrain.checkpoint.files import atomic_write_text, fsync_files, save_safet
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
 from pretrain.fsutil import fsync_dir, replace_dir
+from pretrain.model.flat import layout_of, unflatten_state
 
 FORMAT_VERSION = 3
 """2: trainer_state.json names the sample stream (``sample_stream``); a version-1 pretraining state is read as
@@ -50,6 +51,9 @@ SAMPLE_BLOCKS = 8
 """The sampled checksum of a file: sha256 of its size and of SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes evenly
 spread from its first to its last byte (the whole file when smaller): at most 8 MiB read per file."""
 LATEST_FILE = "latest"
+FLAT_LAYOUT_FILE = "flat_layout.json"
+"""In a checkpoint whose encoder layers' parameters are flat (train.flat_params, model/flat.py): which tensors
+each of DeepSpeed's flat tensors holds, so that its files read back into per-tensor names."""
 _TAG_RE = re.compile(r"^step_(\d{8,})$")
 
 
@@ -120,11 +124,21 @@ def file_digests(path: Path, *, full: bool = True) -> dict:
 def _write_weights(tmp_dir: Path, step: int) -> None:
     """model.safetensors: the PretrainModel's fp32 weights consolidated from the DeepSpeed files just written
     (any ZeRO stage; our own files, read back once), so that no reader of the weights has to unpickle."""
-    full = fp32_state_dict_from_checkpoint(str(tmp_dir))
+    full = deepspeed_fp32_state(tmp_dir)
     state = {k[len("model."):]: v.detach().clone().contiguous() for k, v in full.items() if k.startswith("model.")}
     tmp = tmp_dir / (WEIGHTS_FILE + ".tmp")
     save_safetensors(state, tmp, metadata={"format": "pt", "dtype": "float32", "step": str(step)})  # umask mode
     os.replace(tmp, tmp_dir / WEIGHTS_FILE)
+
+
+def deepspeed_fp32_state(tag_dir: Path) -> dict:
+    """The module's fp32 state (``model.*``, ``heads.*``) read from a checkpoint's DeepSpeed files, per tensor:
+    flat layers' tensors split as its ``flat_layout.json`` records."""
+    full = fp32_state_dict_from_checkpoint(str(tag_dir))
+    layout_file = Path(tag_dir) / FLAT_LAYOUT_FILE
+    if not layout_file.is_file():
+        return full
+    return unflatten_state(full, json.loads(layout_file.read_text(encoding="utf-8")))
 
 
 def _record_files(env, tmp_dir: Path) -> None:
@@ -224,6 +238,9 @@ def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, train
                    tmp_dir / f"rng_rank{env.rank}.pt")
         if env.is_main:
             (tmp_dir / "config.yaml").write_text(config_yaml, encoding="utf-8")
+            layout = layout_of(engine.module)
+            if layout:
+                atomic_write_text(tmp_dir / FLAT_LAYOUT_FILE, json.dumps(layout))
             if tokenizer_path:
                 shutil.copyfile(tokenizer_path, tmp_dir / "tokenizer.json")
     except (OSError, RuntimeError) as e:  # disk full, permissions, ... (torch.save reports ENOSPC as RuntimeError)
@@ -393,7 +410,7 @@ def load_model_state(path: str | os.PathLike, *, trust: bool = False) -> tuple[d
 
         state = load_file(str(tag_dir / WEIGHTS_FILE))
     elif trust:
-        full = fp32_state_dict_from_checkpoint(str(tag_dir))
+        full = deepspeed_fp32_state(tag_dir)
         state = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
     else:
         raise CheckpointError(

@@ -28,6 +28,9 @@ class SelfAttention(nn.Module):
         self.v = nn.Linear(d, d)
         self.out = nn.Linear(d, d)
         self.attention_dropout = cfg.attention_dropout
+        self.qkv_span: tuple[torch.Tensor, torch.Tensor] | None = None
+        """q/k/v's weights and biases as one (3D, D) weight and (3D,) bias: views that a flattened layer
+        (model/flat.py, Block.FLAT_SPANS) sets at each forward, so the three projections are one matmul."""
 
     def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
                 packed: Packed | None = None) -> torch.Tensor:
@@ -35,9 +38,8 @@ class SelfAttention(nn.Module):
         if packed is not None:
             return self._forward_packed(x_BTD, packed)
         b, t, d = x_BTD.shape
-        q_BHTK = self.q(x_BTD).view(b, t, self.num_heads, self.head_size).transpose(1, 2)
-        k_BHTK = self.k(x_BTD).view(b, t, self.num_heads, self.head_size).transpose(1, 2)
-        v_BHTK = self.v(x_BTD).view(b, t, self.num_heads, self.head_size).transpose(1, 2)
+        q_BHTK, k_BHTK, v_BHTK = (z_BTD.view(b, t, self.num_heads, self.head_size).transpose(1, 2)
+                                  for z_BTD in self._qkv(x_BTD))
         y_BHTK = F.scaled_dot_product_attention(
             q_BHTK,
             k_BHTK,
@@ -48,16 +50,28 @@ class SelfAttention(nn.Module):
         y_BTD = y_BHTK.transpose(1, 2).reshape(b, t, d)
         return self.out(y_BTD)
 
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v projections of x (..., D): one matmul over the fused span where a flat layer set it."""
+        if self.qkv_span is not None:
+            return F.linear(x, *self.qkv_span).chunk(3, dim=-1)
+        return self.q(x), self.k(x), self.v(x)
+
     def _forward_packed(self, x_ND: torch.Tensor, packed: Packed) -> torch.Tensor:
         """Projections on the stream; each group's slots gathered into (n, H, t, K), attended to with SDPA (dropout
         as in the padded path), laid end to end (P, D), and every token's output taken back from its slot."""
         h, k = self.num_heads, self.head_size
-        q_ND, k_ND, v_ND = self.q(x_ND), self.k(x_ND), self.v(x_ND)
         dropout_p = self.attention_dropout if self.training else 0.0
+        # Fused: one gather per group of the (N, 3D) projections; otherwise one each of q, k and v.
+        qkv_N3D = F.linear(x_ND, *self.qkv_span) if self.qkv_span is not None else None
+        q_ND, k_ND, v_ND = self._qkv(x_ND) if qkv_N3D is None else (None, None, None)
         y_parts = []
         for g in packed.groups:
-            q_nHtK, k_nHtK, v_nHtK = (z_ND.index_select(0, g.index_P).view(g.num_rows, g.length, h, k).transpose(1, 2)
-                                      for z_ND in (q_ND, k_ND, v_ND))
+            if qkv_N3D is not None:
+                q_nHtK, k_nHtK, v_nHtK = (qkv_N3D.index_select(0, g.index_P).view(g.num_rows, g.length, 3, h, k)
+                                          .permute(2, 0, 3, 1, 4).unbind(0))
+            else:
+                q_nHtK, k_nHtK, v_nHtK = (z_ND.index_select(0, g.index_P).view(g.num_rows, g.length, h, k)
+                                          .transpose(1, 2) for z_ND in (q_ND, k_ND, v_ND))
             y_nHtK = F.scaled_dot_product_attention(q_nHtK, k_nHtK, v_nHtK, attn_mask=g.keep_n11t, dropout_p=dropout_p)
             y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
         y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)

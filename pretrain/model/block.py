@@ -12,6 +12,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.attention import SelfAttention
+from pretrain.model.flat import materialize
 from pretrain.model.packing import Packed
 
 
@@ -44,6 +45,10 @@ class Block(nn.Module):
     pre-LN:  x = x + drop(attn(LN(x)));  x = x + drop(ffn(LN(x)))  (the encoder adds a final LN).
     """
 
+    FLAT_SPANS = {"attn.qkv_span": (("attn.q.weight", "attn.k.weight", "attn.v.weight"),
+                                    ("attn.q.bias", "attn.k.bias", "attn.v.bias"))}
+    """Flattened (model/flat.py), q/k/v's weights and biases lie end to end: attention projects with one matmul."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.pre_norm = cfg.norm == "pre"
@@ -55,6 +60,7 @@ class Block(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
                 packed: Packed | None = None) -> torch.Tensor:
+        materialize(self)  # a flattened layer's parameter views (model/flat.py)
         if self.pre_norm:
             x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed))
             return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))

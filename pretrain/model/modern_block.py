@@ -15,6 +15,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.block import activation_fn
+from pretrain.model.flat import materialize
 from pretrain.model.packing import Packed
 from pretrain.model.rotary import apply_rope
 
@@ -109,6 +110,7 @@ class ModernBlock(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None = None) -> torch.Tensor:
+        materialize(self)  # a flattened layer's parameter views (model/flat.py)
         a_BTD = x_BTD if self.attn_norm is None else self.attn_norm(x_BTD)
         x_BTD = x_BTD + self.dropout(self.attn(a_BTD, inputs, packed))
         return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))

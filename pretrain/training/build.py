@@ -18,6 +18,7 @@ from pretrain.data.loader import build_loader
 from pretrain.export.resolve import open_weights, run_model_config
 from pretrain.metrics.writer import print_progress
 from pretrain.model import build_model
+from pretrain.model.flat import flatten_layers
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.prep.tokenizer import load_tokenizer
 from pretrain.training import resources
@@ -145,6 +146,19 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
     if cfg.train.compile:
         module.compile_step(**compile_options(cfg.train))
     return module
+
+
+def flat_params_apply(train, dist) -> bool:
+    """Whether the run holds its encoder layers' parameters flat (train.flat_params; ZeRO-3 keeps them per
+    tensor: it gathers and frees parameters per module, and would free the storage the views hold)."""
+    return train.flat_params and dist.zero_stage < 3
+
+
+def apply_param_layout(module: TrainModule, train, dist) -> None:
+    """Flattens the encoder layers' parameters (model/flat.py) where ``flat_params_apply``; before DeepSpeed
+    wraps the module, after any weights were loaded."""
+    if flat_params_apply(train, dist):
+        flatten_layers(module.model)
 
 
 def compile_options(train) -> dict:

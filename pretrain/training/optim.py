@@ -7,21 +7,29 @@ import math
 import torch
 
 from pretrain.config.train import OptimConfig
+from pretrain.model.flat import is_decayed
 
 
 def build_param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: weights (decayed) and biases/LayerNorm/1-d params (not decayed). Tied params once."""
+    """Two groups: weights (decayed) and biases/LayerNorm/1-d params (not decayed). Tied params once. A flattened
+    layer's (model/flat.py) ``flat_decay`` holds only weights, its ``flat_no_decay`` only the others."""
     decay, no_decay, seen = [], [], set()
     for name, p in module.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.ndim < 2 or name.endswith(".bias") or "norm" in name.lower():
-            no_decay.append(p)
-        else:
-            decay.append(p)
+        (decay if decayed(name, p) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def decayed(name: str, p: torch.Tensor) -> bool:
+    """Whether AdamW decays parameter ``name`` (a flat tensor by its kind, others by ``flat.is_decayed``)."""
+    if name.endswith(".flat_decay") or name == "flat_decay":
+        return True
+    if name.endswith(".flat_no_decay") or name == "flat_no_decay":
+        return False
+    return is_decayed(name, p)
 
 
 def lr_lambda(cfg: OptimConfig, max_steps: int):

@@ -24,7 +24,7 @@ from pretrain.metrics.accumulate import MetricSums
 from pretrain.metrics.writer import MetricsWriteError, MetricsWriter, format_progress, print_progress
 from pretrain.objective.forward import mean_pool_mix
 from pretrain.training.banner import banner_lines
-from pretrain.training.build import prepare_run, train_loader_builder
+from pretrain.training.build import apply_param_layout, prepare_run, train_loader_builder
 from pretrain.training.cached_step import cached_optimizer_step
 from pretrain.training.evaluation import StsbKeepBest
 from pretrain.training.optim import build_param_groups, lr_lambda
@@ -84,6 +84,7 @@ class Trainer:
         plan = plan_resume(parts.cfg, env, tokenizer_sha256=self.tokenizer.sha256, sample_stream=stream)
         self.cfg = cfg = dataclasses.replace(parts.cfg, train=plan.train)
         self._universal_tag = plan.tag_dir if plan.universal else None
+        apply_param_layout(self.module, cfg.train, cfg.distributed)  # the checkpoint's layout on resume (plan)
         self.engine = Engine(self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
                              train=cfg.train, dist=cfg.distributed, env=env,
                              lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps), load_universal=plan.universal)

@@ -1,0 +1,201 @@
+"""Flat parameters: an encoder layer's parameters held in two flat tensors, the decayed ones and the others.
+
+Why: DeepSpeed's ZeRO 0-2 and the fused AdamW do host work per parameter tensor (gradient hooks, bucket copies,
+norms, casts, views): a BERT layer's 16 tensors become 2, and a BERT-base step dispatches ~3,000 fewer ops
+(``tools/bench_step.py --host-cost``). The arithmetic is unchanged: every original parameter is a view of its
+flat tensor, made at the layer's forward (``torch.split`` + ``view``; their backward is one ``cat``), so losses,
+gradients and updates equal the per-tensor layout's (tests/test_flat_params.py). The state dict keeps the
+per-tensor names (``attn.q.weight``, ...) both ways, so checkpoints' ``model.safetensors``, ``init_from``, the
+Hugging Face export and the evaluation tools see the usual model. DeepSpeed's own files name the flat tensors
+(``encoder.layers.0.flat_decay``); ``unflatten_state`` (with the layout the checkpoint records,
+``layout_of``) turns what its readers return back into per-tensor names.
+
+The flat tensors are registered on the layer itself, which owns them for ZeRO's purposes; ZeRO-3 (which
+partitions and gathers per module, and would free the storage the views hold) keeps the per-tensor layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FLAT_KINDS = ("decay", "no_decay")
+"""The flat tensors of a flattened layer: ``flat_decay`` (weight matrices) and ``flat_no_decay`` (biases, norms)."""
+
+
+def is_decayed(name: str, p: torch.Tensor) -> bool:
+    """AdamW's weight decay applies to weight matrices, not to biases, norms or other 1-d parameters."""
+    return p.ndim >= 2 and not name.endswith(".bias") and "norm" not in name.lower()
+
+
+class _Slot:
+    """One original parameter inside a flat tensor: the module that used to own it and its attribute name."""
+
+    __slots__ = ("name", "owner", "attr", "shape", "numel")
+
+    def __init__(self, name: str, owner: nn.Module, attr: str, shape: torch.Size) -> None:
+        self.name, self.owner, self.attr, self.shape, self.numel = name, owner, attr, shape, shape.numel()
+
+
+def flatten_unit(unit: nn.Module) -> None:
+    """Moves ``unit``'s parameters (all of them, in ``named_parameters`` order) into ``unit.flat_decay`` and
+    ``unit.flat_no_decay``; each original attribute becomes a view, remade by ``materialize`` at every forward.
+    The values, their order and ``requires_grad`` are kept. Tied or shared parameters are refused."""
+    if getattr(unit, "_flat_slots", None) is not None:
+        return
+    params = list(unit.named_parameters())
+    if len({id(p) for _, p in params}) != len(params) or len(params) != len(list(unit.named_parameters(
+            remove_duplicate=False))):
+        raise ValueError(f"{type(unit).__name__} shares a parameter between two of its modules: it cannot be "
+                         f"flattened (set train.flat_params=false)")
+    unit._flat_order = list(unit.state_dict(keep_vars=True))  # the per-tensor state dict's key order
+    slots: dict[str, list[_Slot]] = {kind: [] for kind in FLAT_KINDS}
+    values: dict[str, list[torch.Tensor]] = {kind: [] for kind in FLAT_KINDS}
+    grad = {p.requires_grad for _, p in params}
+    for name, p in params:
+        *path, attr = name.split(".")
+        owner = unit.get_submodule(".".join(path))
+        kind = "decay" if is_decayed(name, p) else "no_decay"
+        slots[kind].append(_Slot(name, owner, attr, p.shape))
+        values[kind].append(p.detach().reshape(-1))
+        del owner._parameters[attr]
+    for kind in FLAT_KINDS:
+        if values[kind]:
+            flat = nn.Parameter(torch.cat(values[kind]), requires_grad=grad == {True})
+            unit.register_parameter(f"flat_{kind}", flat)
+    unit._flat_slots = {kind: s for kind, s in slots.items() if s}
+    unit._flat_spans = _spans(unit, unit._flat_slots)
+    unit._flat_cache = None
+    unit.register_state_dict_post_hook(_state_dict_per_tensor)
+    unit.register_load_state_dict_pre_hook(_load_per_tensor)
+    materialize(unit)
+
+
+def flatten_layers(model: nn.Module) -> int:
+    """``flatten_unit`` on every layer of the model's encoder; returns how many parameter tensors it removed."""
+    before = sum(1 for _ in model.parameters())
+    for layer in model.encoder.layers:
+        flatten_unit(layer)
+    return before - sum(1 for _ in model.parameters())
+
+
+def _spans(unit: nn.Module, slots: dict[str, list[_Slot]]) -> list[tuple]:
+    """The unit's ``FLAT_SPANS`` ({"attn.qkv_span": (("attn.q.weight", "attn.k.weight", "attn.v.weight"), (...
+    biases))}): each target gets a tuple of tensors, each one view over consecutive parameters of one flat
+    tensor (concatenated along dim 0), e.g. a fused q/k/v projection. [(owner, attr, [(kind, start, numel,
+    shape)])]; a span whose parameters are not consecutive is left out (the target stays None)."""
+    where = {}
+    for kind, kind_slots in slots.items():
+        start = 0
+        for i, slot in enumerate(kind_slots):
+            where[slot.name] = (kind, i, start, slot)
+            start += slot.numel
+    spans = []
+    for target, groups in getattr(unit, "FLAT_SPANS", {}).items():
+        pieces = []
+        for names in groups:
+            found = [where.get(n) for n in names]
+            if None in found or len({f[0] for f in found}) != 1 or \
+                    [f[1] for f in found] != list(range(found[0][1], found[0][1] + len(found))):
+                break
+            first = found[0][3].shape
+            rows = sum(f[3].shape[0] for f in found)
+            pieces.append((found[0][0], found[0][2], sum(f[3].numel for f in found), (rows, *first[1:])))
+        else:
+            *path, attr = target.split(".")
+            spans.append((unit.get_submodule(".".join(path)), attr, pieces))
+    return spans
+
+
+def materialize(unit: nn.Module) -> None:
+    """Sets each original parameter attribute of a flattened ``unit`` to its view of the flat tensors (a no-op
+    for a unit that is not flattened). The views are made once per (storage, version, grad mode) and reused by
+    the step's other forwards; traced by torch.compile, they are made inside the graph."""
+    slots = getattr(unit, "_flat_slots", None)
+    if slots is None:
+        return
+    flats = {kind: getattr(unit, f"flat_{kind}") for kind in slots}
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+               tuple((f.data_ptr(), f._version, f.dtype, f.device) for f in flats.values()))
+        if unit._flat_cache == key:
+            return
+    for kind, kind_slots in slots.items():
+        parts = torch.split(flats[kind], [s.numel for s in kind_slots])
+        for slot, part in zip(kind_slots, parts):
+            setattr(slot.owner, slot.attr, part.view(slot.shape))
+    for owner, attr, pieces in unit._flat_spans:
+        setattr(owner, attr, tuple(flats[kind].narrow(0, start, n).view(shape) for kind, start, n, shape in pieces))
+    if not compiling:
+        unit._flat_cache = key
+
+
+def _state_dict_per_tensor(unit: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    """state_dict hook: each flat tensor's entry becomes its parameters' entries (copies, so that a saved state
+    does not carry the whole flat storage per key), in the per-tensor model's order."""
+    entries = {}
+    for kind, kind_slots in unit._flat_slots.items():
+        flat = state.pop(prefix + f"flat_{kind}", None)
+        if flat is None:
+            continue
+        for slot, part in zip(kind_slots, torch.split(flat, [s.numel for s in kind_slots])):
+            entries[slot.name] = part.view(slot.shape).clone()
+    for name in unit._flat_order:  # the unit's entries are the last ones so far: re-added in order
+        value = entries.pop(name, None) if name in entries else state.pop(prefix + name, None)
+        if value is not None:
+            state[prefix + name] = value
+
+
+def _load_per_tensor(unit: nn.Module, state: dict, prefix: str, local_metadata, strict: bool,
+                     missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    """load_state_dict pre-hook: per-tensor entries are put together into the flat tensors' entries. A tensor the
+    state lacks keeps its current value and is reported missing; a wrong shape is reported by name."""
+    for kind, kind_slots in unit._flat_slots.items():
+        key = prefix + f"flat_{kind}"
+        if key in state:
+            continue
+        current = torch.split(getattr(unit, f"flat_{kind}").detach(), [s.numel for s in kind_slots])
+        parts = []
+        for slot, now in zip(kind_slots, current):
+            value = state.pop(prefix + slot.name, None)
+            if value is None:
+                missing_keys.append(prefix + slot.name)
+                value = now
+            elif tuple(value.shape) != tuple(slot.shape):
+                error_msgs.append(f"size mismatch for {prefix + slot.name}: copying a param with shape "
+                                  f"{tuple(value.shape)} from checkpoint, the shape in current model is "
+                                  f"{tuple(slot.shape)}.")
+                value = now
+            parts.append(value.reshape(-1).to(now.dtype))
+        state[key] = torch.cat(parts)
+
+
+def layout_of(model: nn.Module) -> dict[str, list[list]]:
+    """Every flat tensor's key in the model's state (as DeepSpeed names it) -> its parts' [name, shape] in order;
+    {} for a model without flattened layers. Recorded with each checkpoint for ``unflatten_state``."""
+    layout = {}
+    for prefix, unit in model.named_modules():
+        for kind, kind_slots in (getattr(unit, "_flat_slots", None) or {}).items():
+            key = f"{prefix}.flat_{kind}" if prefix else f"flat_{kind}"
+            layout[key] = [[s.name, list(s.shape)] for s in kind_slots]
+    return layout
+
+
+def unflatten_state(state: dict, layout: dict[str, list[list]], *, prefix: str = "") -> dict:
+    """A state dict whose flat entries (``layout_of``'s keys, under ``prefix``) are split into per-tensor
+    entries; other entries as they are. A flat entry whose size does not fit its layout is a ValueError."""
+    out = {}
+    for key, value in state.items():
+        parts = layout.get(key[len(prefix):]) if key.startswith(prefix) else None
+        if parts is None:
+            out[key] = value
+            continue
+        sizes = [int(torch.Size(shape).numel()) for _, shape in parts]
+        if value.numel() != sum(sizes):
+            raise ValueError(f"{key} holds {value.numel()} values, its recorded layout {sum(sizes)}: the "
+                             f"checkpoint's flat_layout.json does not belong to its weights")
+        unit_prefix = key[: key.rindex("flat_")]
+        for (name, shape), part in zip(parts, torch.split(value.reshape(-1), sizes)):
+            out[unit_prefix + name] = part.view(shape).clone()
+    return out

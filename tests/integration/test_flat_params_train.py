@@ -1,0 +1,50 @@
+"""train.flat_params through the trainer (real DeepSpeed, ZeRO-2, 1 rank): the flat run trains the per-tensor run's
+model (losses at fp32 rounding: the fused q/k/v matmul may block its sums otherwise), its checkpoint's
+model.safetensors has the per-tensor names, and a run whose checkpoint was written per tensor (every checkpoint
+from before train.flat_params) resumes in that layout with today's default config, bitwise."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from safetensors.torch import load_file
+from test_train_resume import _kill_at_first_checkpoint, _losses, _run
+
+ZERO2 = {"distributed__zero_stage": 2}
+
+
+def test_flat_and_per_tensor_runs_train_the_same_model(tmp_path, tiny_overrides):
+    runs = {}
+    for name, flat in (("flat", "true"), ("per_tensor", "false")):
+        run_dir = tmp_path / name
+        code, out = _run(tiny_overrides(run_dir, train__flat_params=flat, train__max_steps=4, **ZERO2), nproc=1)
+        assert code == 0, out[-3000:]
+        runs[name] = run_dir
+    a, b = _losses(runs["flat"]), _losses(runs["per_tensor"])
+    assert sorted(a) == [1, 2, 3, 4]
+    for step in a:
+        assert math.isclose(a[step], b[step], rel_tol=1e-5), (step, a[step], b[step])
+    tags = {n: d / "checkpoints" / "step_00000004" for n, d in runs.items()}
+    assert (tags["flat"] / "flat_layout.json").is_file() and not (tags["per_tensor"] / "flat_layout.json").exists()
+    layout = json.loads((tags["flat"] / "flat_layout.json").read_text())
+    assert set(layout) == {f"model.encoder.layers.{i}.flat_{k}" for i in (0, 1) for k in ("decay", "no_decay")}
+    wa, wb = load_file(tags["flat"] / "model.safetensors"), load_file(tags["per_tensor"] / "model.safetensors")
+    assert wa.keys() == wb.keys() and "encoder.layers.1.attn.q.weight" in wa
+    for k in wa:
+        assert wa[k].shape == wb[k].shape, k
+        assert (wa[k] - wb[k]).abs().max() <= 1e-4 * max(1.0, float(wb[k].abs().max())), k
+
+
+def test_a_per_tensor_checkpoint_resumes_in_its_layout(tmp_path, tiny_overrides):
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    old = {"train__flat_params": "false", **ZERO2}
+    code, out = _run(tiny_overrides(ref_dir, **old), nproc=1)
+    assert code == 0, out[-3000:]
+    _kill_at_first_checkpoint(tiny_overrides(cut_dir, **old), cut_dir, nproc=1)
+    code, out = _run(tiny_overrides(cut_dir, **ZERO2), nproc=1)  # today's default: flat_params=true
+    assert code == 0, out[-3000:]
+    assert "holds the encoder layers' parameters per-tensor (train.flat_params=false): this run continues so" in out
+    assert _losses(cut_dir) == _losses(ref_dir)
+    assert not (Path(cut_dir) / "checkpoints" / "step_00000008" / "flat_layout.json").exists()

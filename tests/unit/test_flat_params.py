@@ -1,0 +1,155 @@
+"""train.flat_params (model/flat.py): an encoder layer's parameters in two flat tensors, same model.
+
+The flattened model must compute what the per-tensor one computes: the same hidden states, losses and gradients
+(padded and unpadded), the same state dict (names and values) both ways, AdamW's decay on the same values. The
+fused q/k/v matmul sums each output over the same D inputs as the three separate ones; only the blocking of the
+matmul may differ, so forward values are compared at fp32 rounding (1e-6 of order-1 entries) and gradients at
+1e-5 of their largest entry (the key bias's gradient is 0 in exact arithmetic, rounding noise in both).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
+from pretrain.config.objective import MLMConfig, NTXentConfig
+from pretrain.distributed.env import single_process_env
+from pretrain.model import build_model
+from pretrain.model.flat import flatten_layers, layout_of, materialize, unflatten_state
+from pretrain.objective import Context, Objective, TrainModule
+from pretrain.training.optim import build_param_groups
+from pretrain.training.step import host_facts
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=64,
+                dropout=0.0, attention_dropout=0.0)
+    return ModelConfig(**{**base, **kw})
+
+
+def _module(flat: bool, **kw) -> TrainModule:
+    model = build_model(_cfg(**kw), seed=0)
+    ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling="mean")
+    module = TrainModule(model, Objective(ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False)), ctx))
+    if flat:
+        flatten_layers(module.model)
+    return module
+
+
+def _batch() -> dict:
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(lengths, width):
+        ids = torch.randint(5, 50, (len(lengths), width), generator=gen)
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        return ids.masked_fill(~mask, 0), mask
+
+    ids, mask = rows([64, 9, 40, 64], 64)
+    labels = torch.where(mask & (torch.rand(mask.shape, generator=gen) < 0.3), ids, -100)
+    labels[:, 1] = ids[:, 1]
+    (va, ma), (vb, mb) = rows([20, 3, 32, 7], 32), rows([32, 5, 11, 30], 32)
+    return dict(input_ids=ids, attention_mask=mask, mlm_labels=labels, view_a_ids=va, view_a_mask=ma,
+                view_b_ids=vb, view_b_mask=mb)
+
+
+def _loss_and_grads(module, unpadded: bool):
+    module.zero_grad(set_to_none=True)
+    loss, _ = module(host_facts(_batch(), unpadded=unpadded))
+    loss.backward()
+    grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), unflatten_state(grads, layout_of(module))
+
+
+def test_a_layer_becomes_two_tensors_and_the_state_dict_keeps_its_names():
+    per_tensor, flat = _module(False), _module(True)
+    names = {n for n, _ in flat.named_parameters() if "encoder.layers." in n}
+    assert names == {f"model.encoder.layers.{i}.flat_{k}" for i in (0, 1) for k in ("decay", "no_decay")}
+    assert sum(1 for _ in per_tensor.parameters()) - sum(1 for _ in flat.parameters()) == 2 * (16 - 2)
+    a, b = per_tensor.state_dict(), flat.state_dict()
+    assert list(a) == list(b)  # names and their order
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+        assert b[k].untyped_storage().nbytes() == b[k].numel() * b[k].element_size(), f"{k} carries the flat storage"
+
+
+@pytest.mark.parametrize("unpadded", [False, True])
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_losses_and_gradients_equal_the_per_tensor_model(unpadded, norm):
+    loss_a, grads_a = _loss_and_grads(_module(False, norm=norm), unpadded)
+    loss_b, grads_b = _loss_and_grads(_module(True, norm=norm), unpadded)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 30
+    for name, g in grads_a.items():
+        torch.testing.assert_close(grads_b[name], g, rtol=0, atol=1e-5 * float(g.abs().max()) + 1e-9,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_comparison_sees_a_span_off_by_one_matrix():
+    """The check above fails when the fused q/k/v span is misplaced (its weights start one D x D matrix late)."""
+    _, grads_a = _loss_and_grads(_module(False), True)
+    flat = _module(True)
+    for layer in flat.model.encoder.layers:
+        owner, attr, pieces = layer._flat_spans[0]
+        (kind, start, n, shape), bias = pieces
+        layer._flat_spans = [(owner, attr, [(kind, start + 32 * 32, n, shape), bias])]
+        layer._flat_cache = None
+    _, grads_b = _loss_and_grads(flat, True)
+    far = [n for n, g in grads_a.items() if not torch.allclose(grads_b[n], g, rtol=0, atol=1e-3 * float(g.abs().max()))]
+    assert "model.encoder.layers.0.attn.q.weight" in far and len(far) > 10
+
+
+def test_loading_moves_values_both_ways_and_names_what_is_missing_or_misshapen():
+    per_tensor = _module(False)
+    other = build_model(_cfg(), seed=1)
+    flatten_layers(other)
+    other.load_state_dict(per_tensor.model.state_dict())
+    for k, v in per_tensor.model.state_dict().items():
+        assert torch.equal(other.state_dict()[k], v), k
+    back = build_model(_cfg(), seed=2)
+    back.load_state_dict(other.state_dict())  # flat -> per tensor
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in per_tensor.model.state_dict().items())
+    state = per_tensor.model.state_dict()
+    kept = other.state_dict()["encoder.layers.1.attn.k.bias"].clone()
+    del state["encoder.layers.1.attn.k.bias"]
+    state["encoder.layers.0.ffn.up.weight"] = torch.zeros(3, 3)
+    fresh = build_model(_cfg(), seed=3)
+    flatten_layers(fresh)
+    with pytest.raises(RuntimeError, match=r"size mismatch for encoder\.layers\.0\.ffn\.up\.weight"):
+        fresh.load_state_dict(state)
+    del state["encoder.layers.0.ffn.up.weight"]
+    missing, unexpected = other.load_state_dict(state, strict=False)
+    assert "encoder.layers.1.attn.k.bias" in missing and "encoder.layers.0.ffn.up.weight" in missing
+    assert not unexpected and not any("flat_" in k for k in missing)
+    assert torch.equal(other.state_dict()["encoder.layers.1.attn.k.bias"], kept)  # left as it was
+
+
+def test_weight_decay_falls_on_the_same_values():
+    def decayed_numel(module):
+        groups = build_param_groups(module, 0.01)
+        return [sum(p.numel() for p in g["params"]) for g in groups], [g["weight_decay"] for g in groups]
+
+    assert decayed_numel(_module(True)) == decayed_numel(_module(False))
+
+
+def test_unflatten_state_refuses_a_layout_that_does_not_fit():
+    flat = _module(True)
+    layout = layout_of(flat)
+    state = {n: p.detach() for n, p in flat.named_parameters()}
+    assert set(unflatten_state(state, layout)) == {n for n, _ in _module(False).named_parameters()}
+    state["model.encoder.layers.0.flat_decay"] = state["model.encoder.layers.0.flat_decay"][:-1]
+    with pytest.raises(ValueError, match="flat_layout.json does not belong"):
+        unflatten_state(state, layout)
+
+
+def test_views_follow_an_in_place_update_and_a_new_storage():
+    flat = _module(True)
+    layer = flat.model.encoder.layers[0]
+    with torch.no_grad():
+        layer.flat_decay.add_(1.0)
+    materialize(layer)
+    assert torch.equal(layer.attn.q.weight, flat.model.state_dict()["encoder.layers.0.attn.q.weight"])
+    layer.flat_decay.data = layer.flat_decay.data.to(torch.bfloat16)  # what DeepSpeed's bf16 cast does
+    materialize(layer)
+    assert layer.attn.q.weight.dtype == torch.bfloat16
+    assert layer.attn.q.weight.data_ptr() == layer.flat_decay.data_ptr()
