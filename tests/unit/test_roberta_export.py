@@ -20,6 +20,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from conftest import save_roberta_dir, train_roberta_tokenizer  # noqa: E402
 from test_hf_convert import _quietly  # noqa: E402
 
 from pretrain.config.model import ModelConfig  # noqa: E402
@@ -31,7 +32,6 @@ from pretrain.model.packing import pack  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 LOAD_COMPLAINTS = re.compile(r"unexpected|missing|newly initiali[sz]ed|not used|not initiali[sz]ed", re.I)
-ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # RoBERTa's ids 0..4 (pad 1)
 
 
 @pytest.fixture(scope="module")
@@ -42,36 +42,10 @@ def sentences(data_dir) -> list[str]:
     return lines[:8] + [" ".join(lines[8:11])]
 
 
-def _bpe_tokenizer(lines: list[str], out: Path, specials: list[str] = ROBERTA_SPECIALS) -> Path:
-    """A byte-level BPE tokenizer.json (vocab 600) with RoBERTa's special tokens and post-processor."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(lines, trainer)
-    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
-    tok.save(str(out))
-    return out
-
-
 @pytest.fixture(scope="module")
 def tok_path(sentences, data_dir, tmp_path_factory) -> Path:
     lines = (data_dir / "corpus" / "wiki1m" / "wiki1m_for_simcse.txt").read_text(encoding="utf-8").splitlines()[:2000]
-    return _bpe_tokenizer(lines, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
-
-
-def _save_hf_dir(hf, tok_path: Path, out: Path) -> Path:
-    """save_pretrained + the tokenizer as transformers writes it for a RoBERTa."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf.save_pretrained(str(out))
-    PreTrainedTokenizerFast(tokenizer_file=str(tok_path), bos_token="<s>", eos_token="</s>", cls_token="<s>",
-                            sep_token="</s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
-                            model_max_length=hf.config.max_position_embeddings - 2).save_pretrained(str(out))
-    return out
+    return train_roberta_tokenizer(lines, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
 
 
 def _roberta_config(family: str = "roberta", **kw):
@@ -129,7 +103,7 @@ def test_from_hf_of_a_transformers_roberta_is_exact_both_ways(family, head, tok_
     hf = getattr(transformers, name + ("ForMaskedLM" if head else "Model"))(_roberta_config(family)).eval()
     _randomise_norms(hf)
     hf_dir, init_dir, back_dir = tmp_path / "hf", tmp_path / "init", tmp_path / "back"
-    _save_hf_dir(hf, tok_path, hf_dir)
+    save_roberta_dir(hf, tok_path, hf_dir)
     assert convert_main(["from-hf", str(hf_dir), str(init_dir)]) == 0
     ours = load_file(str(init_dir / "model.safetensors"))
     assert any(k.startswith("mlm_head.") for k in ours) == head
