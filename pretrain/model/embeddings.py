@@ -5,8 +5,8 @@ position_ids_N (packing.py) take ids_BT's place.
 
 Positions: token i of a sequence takes row offset + i of the position table (model.position_offset: 0 for BERT,
 pad_token_id + 1 = 2 for RoBERTa). With an offset, i counts a row's real tokens only and padding takes row
-offset - 1, RoBERTa's rule (its create_position_ids_from_input_ids): the same rows for right padding, and padding's
-outputs equal too.
+offset - 1, RoBERTa's rule (its create_position_ids_from_input_ids, which counts ids != pad where we count the
+attention mask: the same for tokenizer output), so padding's outputs equal transformers' too, on either side.
 """
 
 from __future__ import annotations

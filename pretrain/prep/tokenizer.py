@@ -103,6 +103,8 @@ class Tokenizer:
             names = special_token_names(self._tok)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+        self.roberta_specials = names == ROBERTA_SPECIAL_TOKENS
+        """RoBERTa's vocabulary: a sentence pair is <s> a </s></s> b </s>, all token type 0 (eval/encoder.py)."""
         ids = {tok: self._tok.token_to_id(tok) for tok in (*names, "[DEL]")}
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (ids[t] for t in names)
         self.del_id: int | None = ids["[DEL]"]

@@ -215,3 +215,18 @@ def test_bad_roberta_settings_are_refused(tok_path, tmp_path):
         ModelConfig(arch="modernbert", pooler=False, position_offset=2)
     with pytest.raises(ValueError, match="sequence length 65 exceeds the 64 positions"):
         build_model(_our_cfg(), seed=0).encode(torch.zeros(1, 65, dtype=torch.long), torch.ones(1, 65, dtype=torch.long))
+
+
+def test_a_roberta_vocabulary_pairs_sentences_as_roberta(tok_path):
+    """Our Tokenizer reads RoBERTa's special tokens; sentence pairs (GLUE) are <s> a </s></s> b </s>, one token
+    type (RoBERTa's type_vocab_size is 1), as transformers' RoBERTa tokenizer makes them."""
+    from pretrain.eval.encoder import add_specials
+    from pretrain.prep.tokenizer import Tokenizer
+
+    tok = Tokenizer(str(tok_path))
+    assert (tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id, tok.roberta_specials) == (1, 0, 2, 4, True)
+    a, b = tok.encode("A man plays."), tok.encode(" Someone plays music.")
+    ids, types = add_specials(a, b, tok, 64)
+    assert ids == [0, *a, 2, 2, *b, 2] and set(types) == {0}
+    ids, _ = add_specials(a * 20, b * 20, tok, 64)
+    assert len(ids) == 64 and ids[-1] == 2
