@@ -170,8 +170,9 @@ def save_roberta_dir(hf, tokenizer_json: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_roberta(tiny_corpus, tmp_path_factory) -> Path:
-    """A randomly initialised transformers RobertaModel at model=tiny's sizes (512 position rows, pad 1, one token
-    type) with a byte-level BPE tokenizer trained on the tiny corpus' text: a stand-in for roberta-base."""
+    """A randomly initialised transformers RobertaForMaskedLM (no pooler, as roberta-base's weights) at model=tiny's
+    sizes (512 position rows, pad 1, one token type) with a byte-level BPE tokenizer trained on the tiny corpus'
+    text: a stand-in for roberta-base."""
     import torch
     import transformers
 
@@ -182,7 +183,7 @@ def tiny_roberta(tiny_corpus, tmp_path_factory) -> Path:
     config = transformers.RobertaConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                                         intermediate_size=512, max_position_embeddings=512, type_vocab_size=1,
                                         layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)
-    return save_roberta_dir(transformers.RobertaModel(config).eval(), tok, root / "hf")
+    return save_roberta_dir(transformers.RobertaForMaskedLM(config).eval(), tok, root / "hf")
 
 
 @pytest.fixture(scope="session")
