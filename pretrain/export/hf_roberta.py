@@ -110,6 +110,9 @@ def model_config_fields(d: dict, extra: dict) -> dict:
     for key in ("is_decoder", "add_cross_attention"):
         if d.get(key):
             raise ValueError(f"config.json has {key}=true: a RoBERTa decoder does not convert (encoders only)")
+    if d.get("hidden_act", "gelu") != "gelu":
+        raise ValueError(f"config.json has hidden_act={d['hidden_act']!r}: our MLM head applies model.activation, "
+                         f"RoBERTa's always the exact GELU, so only hidden_act=gelu converts")
     pad = d.get("pad_token_id", 1)
     if not isinstance(pad, int) or pad < 0:
         raise ValueError(f"config.json has pad_token_id={pad!r}; RoBERTa's positions start at pad_token_id + 1, so "

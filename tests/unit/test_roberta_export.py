@@ -201,6 +201,8 @@ def test_bad_roberta_settings_are_refused(tok_path, tmp_path):
         hfmod.model_config_from_hf_config({**d, "is_decoder": True})
     with pytest.raises(ValueError, match="pad_token_id=None; RoBERTa's positions start at pad_token_id"):
         hfmod.model_config_from_hf_config({**d, "pad_token_id": None})
+    with pytest.raises(ValueError, match="hidden_act='relu': our MLM head applies model.activation"):
+        hfmod.model_config_from_hf_config({**d, "hidden_act": "relu"})
     with pytest.raises(ValueError, match="no position is left"):
         hfmod.model_config_from_hf_config({**d, "max_position_embeddings": 2})
     with pytest.raises(ValueError, match="position_embedding_type='relative_key' is not supported"):
