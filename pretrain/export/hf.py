@@ -192,7 +192,8 @@ def hf_config_from_model_config(cfg: ModelConfig, tokenizer, architecture: str =
     """
     if cfg.arch == "modernbert":
         ids = {name: _token_id(tokenizer, SPECIAL_TOKENS[name]) for name in ("pad", "cls", "sep")}
-        extra = {name: getattr(cfg, name) for name in PRETRAIN_EXTRA if name != "norm"}  # always pre-norm
+        extra = {name: getattr(cfg, name) for name in PRETRAIN_EXTRA
+                 if name not in ("norm", "position_offset")}  # always pre-norm, rotary positions
         return hf_modern.hf_config(cfg, ids, architecture, extra)
     d = {
         "architectures": [architecture],
