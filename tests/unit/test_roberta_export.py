@@ -126,6 +126,9 @@ def test_from_hf_of_a_transformers_roberta_is_exact_both_ways(family, head, tok_
     assert base.keys() == hf_base.keys() and all(torch.equal(base[k], hf_base[k]) for k in base)
     loaded, said = _quietly(lambda: transformers.AutoModel.from_pretrained(str(back_dir)), capfd)
     assert not LOAD_COMPLAINTS.search(said), said
+    src, back = (transformers.AutoTokenizer.from_pretrained(str(d)) for d in (hf_dir, back_dir))
+    for args in ((sentences,), (sentences[:4], sentences[4:8])):  # single sentences and pairs: the same ids
+        assert src(*args)["input_ids"] == back(*args)["input_ids"]
     assert (back_dir / "mlm").is_dir() == head  # a head the source lacks is not invented
     if head:
         mlm = load_file(str(back_dir / "mlm" / "model.safetensors"))
