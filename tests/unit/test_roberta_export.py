@@ -196,7 +196,7 @@ def test_position_offset_counts_real_tokens_only():
     assert (h_BTD - ref).abs().max() < 1e-5
 
 
-def test_bad_roberta_settings_are_refused(tok_path, tmp_path):
+def test_bad_roberta_settings_are_refused(tok_path, tmp_path, capsys):
     """A RoBERTa decoder, a pad id the positions cannot follow, or an offset the tokenizer's pad does not give:
     errors saying what is wrong and what to do."""
     d = _roberta_config().to_dict()
@@ -210,6 +210,10 @@ def test_bad_roberta_settings_are_refused(tok_path, tmp_path):
         hfmod.model_config_from_hf_config({**d, "max_position_embeddings": 2})
     with pytest.raises(ValueError, match="position_embedding_type='relative_key' is not supported"):
         hfmod.model_config_from_hf_config({**d, "position_embedding_type": "relative_key"})
+    hf_dir = save_roberta_dir(transformers.RobertaModel(_roberta_config(is_decoder=True)), tok_path, tmp_path / "dec")
+    assert convert_main(["from-hf", str(hf_dir), str(tmp_path / "init")]) == 2
+    assert "error: config.json has is_decoder=true: a RoBERTa decoder does not convert" in capsys.readouterr().err
+    assert not (tmp_path / "init").exists()
     model = build_model(_our_cfg(position_offset=3), seed=0)
     with pytest.raises(ValueError, match="model.position_offset=3 but the tokenizer's pad id is 1.*"
                                          "model.position_offset=2"):
