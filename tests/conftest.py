@@ -144,7 +144,14 @@ ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 
 def train_roberta_tokenizer(lines, out: Path, vocab_size: int = 600) -> Path:
     """A byte-level BPE tokenizer.json like RoBERTa's (its special tokens and post-processor) trained on ``lines``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

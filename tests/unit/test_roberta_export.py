@@ -20,18 +20,18 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from conftest import save_roberta_dir, train_roberta_tokenizer  # noqa: E402
-from test_hf_convert import _quietly  # noqa: E402
+from conftest import save_roberta_dir, train_roberta_tokenizer
+from test_hf_convert import _quietly
 
-from pretrain.config.model import ModelConfig  # noqa: E402
-from pretrain.export import hf as hfmod  # noqa: E402
-from pretrain.export import resolve  # noqa: E402
-from pretrain.export.convert import main as convert_main  # noqa: E402
-from pretrain.model import build_model  # noqa: E402
-from pretrain.model.packing import pack  # noqa: E402
+from pretrain.config.model import ModelConfig
+from pretrain.export import hf as hfmod
+from pretrain.export import resolve
+from pretrain.export.convert import main as convert_main
+from pretrain.model import build_model
+from pretrain.model.packing import pack
 
 transformers = pytest.importorskip("transformers")
-LOAD_COMPLAINTS = re.compile(r"unexpected|missing|newly initiali[sz]ed|not used|not initiali[sz]ed", re.I)
+LOAD_COMPLAINTS = re.compile(r"unexpected|missing|newly initiali[sz]ed|not used|not initiali[sz]ed", re.IGNORECASE)
 
 
 @pytest.fixture(scope="module")
