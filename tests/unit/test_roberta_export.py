@@ -43,9 +43,13 @@ def sentences(data_dir) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tok_path(sentences, data_dir, tmp_path_factory) -> Path:
-    lines = (data_dir / "corpus" / "wiki1m" / "wiki1m_for_simcse.txt").read_text(encoding="utf-8").splitlines()[:2000]
-    return train_roberta_tokenizer(lines, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
+def tok_path(tmp_path_factory) -> Path:
+    """RoBERTa-like BPE trained on the embedded corpus (no shared data needed)."""
+    from pretrain.prep.embedded import write_embedded_corpus
+
+    root = tmp_path_factory.mktemp("bpe")
+    train, _ = write_embedded_corpus(root / "text")
+    return train_roberta_tokenizer(train.read_text(encoding="utf-8").splitlines(), root / "tokenizer.json")
 
 
 def _roberta_config(family: str = "roberta", **kw):
