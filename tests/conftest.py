@@ -138,6 +138,61 @@ def tiny_corpus(tmp_path_factory) -> dict:
     return out
 
 
+ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
+"""RoBERTa's special tokens, ids 0..4 as in roberta-base (pad 1: positions start at 2)."""
+
+
+def train_roberta_tokenizer(lines, out: Path, vocab_size: int = 600) -> Path:
+    """A byte-level BPE tokenizer.json like RoBERTa's (its special tokens and post-processor) trained on ``lines``."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(ROBERTA_SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(lines, trainer)
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok.save(str(out))
+    return out
+
+
+def save_roberta_dir(hf, tokenizer_json: Path, out: Path) -> Path:
+    """A transformers RoBERTa model directory: ``hf.save_pretrained`` + its tokenizer files (no downloads)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf.save_pretrained(str(out))
+    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), bos_token="<s>", eos_token="</s>", cls_token="<s>",
+                            sep_token="</s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
+                            model_max_length=hf.config.max_position_embeddings - 2).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_roberta(tiny_corpus, tmp_path_factory) -> Path:
+    """A randomly initialised transformers RobertaForMaskedLM (no pooler, as roberta-base's weights) at model=tiny's
+    sizes (512 position rows, pad 1, one token type) with a byte-level BPE tokenizer trained on the tiny corpus'
+    text: a stand-in for roberta-base."""
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("tiny_roberta")
+    lines = (Path(tiny_corpus["dir"]) / "text" / "train.txt").read_text(encoding="utf-8").splitlines()
+    tok = train_roberta_tokenizer(lines, root / "bpe.json", vocab_size=1000)
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=512, max_position_embeddings=512, type_vocab_size=1,
+                                        layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    return save_roberta_dir(transformers.RobertaForMaskedLM(config).eval(), tok, root / "hf")
+
+
 @pytest.fixture(scope="session")
 def tiny_overrides(tiny_corpus):
     """fn(run_dir, **extra) -> dotted overrides for a seconds-long tiny MLM + CLEAR run on tiny_corpus.

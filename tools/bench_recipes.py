@@ -2,14 +2,15 @@
 
 Each recipe runs as its header says, with only its data paths added: the CLEAR recipes from scratch on the
 quickstart data, the continued-training ones (SimCSE, ArcCSE, RankCSE) from a tiny checkpoint (``--start``) on the
-shared wiki1m sentences; RankCSE's two teachers are that checkpoint too. One fresh process per recipe, run one
+shared wiki1m sentences; RankCSE's two teachers are that checkpoint too; SARCSE (with ``--roberta``) from a
+``pretrain-convert from-hf`` init directory of a tiny RoBERTa, with its tokenizer. One fresh process per recipe, run one
 after another; the figure is the median of ``samples_per_s`` over the logged windows after the first (worker
 start-up) -- the trainer's own meter, optimizer step included. Run it on a quiet machine; the load average is
 printed before and after each run.
 
     python -m pretrain.quickstart runs/qs --prepare-only
     bash tools/recipes_at_chance.sh runs/qs runs/at_chance     # or any tiny run of clear_del_span_reorder
-    python tools/bench_recipes.py runs/qs runs/at_chance/clear_del_span_reorder OUT [--steps 40]
+    python tools/bench_recipes.py runs/qs runs/at_chance/clear_del_span_reorder OUT [--steps 40] [--roberta INIT]
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ CLEAR = ["clear_del_span_reorder", "clear_del_span", "clear_del_word", "clear_su
 CONTINUED = ["simcse_unsup_bert_base", "arccse_bert_base", "rankcse_listnet_bert_base", "rankcse_listmle_bert_base"]
 
 
-def overrides(name: str, qs: Path, start: Path, data: Path) -> list[str]:
+def overrides(name: str, qs: Path, start: Path, data: Path, roberta: Path | None = None) -> list[str]:
     tok = f"data.tokenizer={qs / 'tokenizer' / 'tokenizer.json'}"
+    if name == "sarcse_roberta_base":  # RoBERTa's start and byte-level BPE tokenizer
+        start, tok = roberta, f"data.tokenizer={roberta / 'tokenizer.json'}"
     if name in CLEAR:
         return [tok, f"data.sources=[{{name: qs, path: {qs / 'data' / 'train'}}}]",
                 f"data.valid=[{{name: qs, path: {qs / 'data' / 'valid'}}}]"]
@@ -67,8 +70,14 @@ def main(argv=None) -> int:
     p.add_argument("start", type=Path, help="a tiny run to continue from (its latest checkpoint)")
     p.add_argument("out", type=Path)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--recipes", nargs="+", default=CLEAR + CONTINUED, choices=CLEAR + CONTINUED)
+    p.add_argument("--roberta", type=Path, default=None,
+                   help="a `pretrain-convert from-hf` init directory of a tiny RoBERTa (model=tiny's sizes): adds "
+                        "sarcse_roberta_base, which starts from it")
+    p.add_argument("--recipes", nargs="+", default=None, choices=CLEAR + CONTINUED + ["sarcse_roberta_base"])
     args = p.parse_args(argv)
+    args.recipes = args.recipes or CLEAR + CONTINUED + (["sarcse_roberta_base"] if args.roberta else [])
+    if "sarcse_roberta_base" in args.recipes and args.roberta is None:
+        p.error("sarcse_roberta_base starts from a RoBERTa: pass --roberta INIT (pretrain-convert from-hf of one)")
     data = Path(os.environ.get("PRETRAIN_DATA_DIR", ROOT.parent / "shared" / "data"))
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} cores; model=tiny, {args.steps} steps a recipe, samples/s = median of the trainer's "
@@ -76,8 +85,8 @@ def main(argv=None) -> int:
     print("| recipe | micro-batch | samples/s (median) | range | load at start → end |\n|---|---:|---:|---|---|")
     rows = []
     for name in args.recipes:
-        r = run(name, args.out, args.steps, overrides(name, args.quickstart.resolve(), args.start.resolve(), data),
-                data)
+        r = run(name, args.out, args.steps, overrides(name, args.quickstart.resolve(), args.start.resolve(), data,
+                                                      args.roberta and args.roberta.resolve()), data)
         rows.append(r)
         if r["rc"]:
             print(f"| {name} | | exit {r['rc']} (see {args.out / (name + '.log')}) | | |", flush=True)

@@ -21,7 +21,11 @@ class ModelConfig:
     num_heads: int = 12
     ffn_size: int = 3072
     max_position: int = 512
-    """Number of learned absolute positions."""
+    """Number of learned absolute positions (rows of the position table, offset rows included)."""
+    position_offset: int = 0
+    """Row of the position table a sequence's first token takes: 0 for BERT; RoBERTa's pad_token_id + 1 = 2 (its
+    514 rows hold 512 tokens). With an offset the i-th real token of a sequence takes row offset + i and padding
+    takes row offset - 1, as RoBERTa's create_position_ids_from_input_ids (which counts non-pad tokens only)."""
     type_vocab_size: int = 2
     """Token-type embeddings, kept for BERT checkpoint compatibility (always type 0 here)."""
     local_window: int = 128
@@ -76,6 +80,12 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.vocab_size < 0:
             raise ValueError(f"model.vocab_size must be >= 0 (0 = from tokenizer), got {self.vocab_size}")
+        if not 0 <= self.position_offset < self.max_position:
+            raise ValueError(f"model.position_offset must be in [0, model.max_position={self.max_position}), got "
+                             f"{self.position_offset}")
+        if self.arch == "modernbert" and self.position_offset:
+            raise ValueError("model.position_offset applies to model.arch=bert only (ModernBERT has rotary positions); "
+                             "set model.position_offset=0")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})"

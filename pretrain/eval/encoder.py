@@ -32,9 +32,11 @@ def tokenize_all(tokenizer, texts: Sequence[str]) -> list[list[int]]:
 
 
 def add_specials(ids_a: list[int], ids_b: list[int] | None, tokenizer, max_len: int):
-    """[CLS] a [SEP] (b [SEP]) truncated longest-first to max_len; returns (ids, token_types)."""
+    """[CLS] a [SEP] (b [SEP]) truncated longest-first to max_len; returns (ids, token_types). A RoBERTa vocabulary
+    (``tokenizer.roberta_specials``): <s> a </s></s> b </s>, all type 0, as RoBERTa pairs sentences."""
     a, b = list(ids_a), list(ids_b) if ids_b is not None else None
-    budget = max_len - (3 if b is not None else 2)
+    roberta = getattr(tokenizer, "roberta_specials", False)
+    budget = max_len - (2 if b is None else 4 if roberta else 3)
     if b is None:
         a = a[:budget]
         return [tokenizer.cls_id, *a, tokenizer.sep_id], [0] * (len(a) + 2)
@@ -43,6 +45,9 @@ def add_specials(ids_a: list[int], ids_b: list[int] | None, tokenizer, max_len: 
             a.pop()
         else:
             b.pop()
+    if roberta:
+        ids = [tokenizer.cls_id, *a, tokenizer.sep_id, tokenizer.sep_id, *b, tokenizer.sep_id]
+        return ids, [0] * len(ids)
     ids = [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id]
     return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
 

@@ -1,4 +1,5 @@
-"""`pretrain-convert`: our checkpoints <-> Hugging Face BERT or ModernBERT / sentence-transformers directories.
+"""`pretrain-convert`: our checkpoints <-> Hugging Face BERT, RoBERTa (RobertaPreLayerNorm for pre-LN) or ModernBERT /
+sentence-transformers directories.
 
     pretrain-convert to-hf CHECKPOINT OUT_DIR [--pooling mean] [--no-mlm-head] [--overwrite]
     pretrain-convert from-hf HF_DIR OUT [--overwrite]
@@ -99,16 +100,21 @@ def from_hf(hf_dir: str, out: str, *, overwrite: bool = False) -> None:
                        data=data, source=str(Path(hf_dir).resolve()))
 
 
-def _is_modern(hf_dir: str) -> bool:
+_FAMILY_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "roberta-prelayernorm": "RoBERTa-PreLayerNorm",
+                 "modernbert": "ModernBERT"}
+
+
+def _family_name(hf_dir: str) -> str:
     import json
 
-    return json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8")).get("model_type") == "modernbert"
+    model_type = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    return _FAMILY_NAMES.get(model_type, str(model_type))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pretrain-convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("to-hf", help="our checkpoint -> HF BERT (+ sentence-transformers) directory")
+    p = sub.add_parser("to-hf", help="our checkpoint -> HF BERT/RoBERTa/ModernBERT (+ sentence-transformers) directory")
     p.add_argument("checkpoint", help="a run directory, one of its checkpoints, or its best/")
     p.add_argument("out_dir")
     p.add_argument("--checkpoint", dest="which", default="latest", metavar="latest|best|step_N",
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out mlm/ (the BertForMaskedLM copy: encoder + MLM head; about doubles the size)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
-    p = sub.add_parser("from-hf", help="HF BERT directory -> init directory for checkpoint.init_from")
+    p = sub.add_parser("from-hf", help="HF BERT/RoBERTa/ModernBERT directory -> init directory for checkpoint.init_from")
     p.add_argument("hf_dir")
     p.add_argument("out")
     p.add_argument("--overwrite", action="store_true")
@@ -136,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             print(reading, flush=True)
             to_hf(str(source), args.out_dir, pooling=args.pooling, max_seq_length=args.max_seq_length,
                   overwrite=args.overwrite, trust=args.trust_checkpoint, mlm_head=not args.no_mlm_head)  # fmt: skip
-            print(f"wrote {args.out_dir} (Hugging Face {'ModernBERT' if _is_modern(args.out_dir) else 'BERT'} + "
-                  f"sentence-transformers)")
+            print(f"wrote {args.out_dir} (Hugging Face {_family_name(args.out_dir)} + sentence-transformers)")
         else:
             from_hf(args.hf_dir, args.out, overwrite=args.overwrite)
             print(f"wrote {args.out}; train from it with checkpoint.init_from={args.out} "

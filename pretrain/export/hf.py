@@ -36,11 +36,12 @@ from pretrain.checkpoint.files import (
 )
 from pretrain.config.loader import to_dict
 from pretrain.config.model import ModelConfig
-from pretrain.export import hf_modern
+from pretrain.export import hf_modern, hf_roberta
 from pretrain.export.st_modules import ST_POOLING, write_st_modules
 from pretrain.fsutil import fsync_dir, replace_dir
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
 from pretrain.model.init import init_bert_weights
+from pretrain.prep.tokenizer import special_token_names
 
 # (ours, hf) per parameter; "{}" is the layer index. HF names are BertForMaskedLM's.
 _LAYER_MODULES = [
@@ -80,20 +81,45 @@ SENTENCE_PREFIXES = ("sentence_dense.",)
 MLM_SUBDIR = "mlm"
 """The BertForMaskedLM copy of an export (encoder + MLM head)."""
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+"""BERT's special tokens; a RoBERTa vocabulary has <pad>, <unk>, <s>, </s>, <mask> in these roles (special_tokens)."""
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
 CONFIG_JSON_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
-                      "type_vocab_size", "dropout", "attention_dropout", "layer_norm_eps", "activation", "init_std")
-"""The ModelConfig fields every BERT config.json states."""
-PRETRAIN_EXTRA = ("norm", "pooling", "pooler", "projection_dim", "projection_layers", "projection_activation")
+                      "type_vocab_size", "dropout", "attention_dropout", "layer_norm_eps", "activation", "init_std",
+                      "norm", "position_offset")
+"""The ModelConfig fields every BERT or RoBERTa config.json states (BERT: post-LN, offset 0; RoBERTa: by its
+model_type and pad_token_id)."""
+PRETRAIN_EXTRA = ("norm", "position_offset", "pooling", "pooler", "projection_dim", "projection_layers",
+                  "projection_activation")
 """Our settings that ride along in config.json under "pretrain" (our exports only)."""
 
 
+def hf_family(cfg: ModelConfig) -> str:
+    """The transformers model_type with our model's arithmetic: bert (post-LN, positions from 0), roberta (post-LN,
+    model.position_offset > 0), roberta-prelayernorm (pre-LN) or modernbert."""
+    if cfg.arch == "modernbert":
+        return "modernbert"
+    if cfg.norm == "pre" or cfg.position_offset:
+        return hf_roberta.family_of(cfg.norm)
+    return "bert"
+
+
+def base_prefix(family: str) -> str:
+    """The encoder's key prefix in the family's *ForMaskedLM names (its *Model names are those without it)."""
+    return {"bert": "bert.", "modernbert": hf_modern.BASE_PREFIX}.get(family) or hf_roberta.PREFIXES[family]
+
+
+def _key_map(family: str) -> list[tuple[str, str]]:
+    if family == "modernbert":
+        return hf_modern.KEY_MAP
+    return KEY_MAP if family == "bert" else hf_roberta.key_map(KEY_MAP, family)
+
+
 def _expand(num_layers: int, arch: str = "bert") -> list[tuple[str, str]]:
-    """The architecture's key table (ours, transformers') with "{}" expanded per layer (ModernBERT's table lists layer
-    0's attn_norm, which exists on neither side)."""
+    """The key table (ours, transformers') of ``arch`` (a family, see hf_family) with "{}" expanded per layer
+    (ModernBERT's table lists layer 0's attn_norm, which exists on neither side)."""
     pairs = []
-    for ours, hf in (hf_modern.KEY_MAP if arch == "modernbert" else KEY_MAP):
+    for ours, hf in _key_map(arch):
         if "{}" in ours:
             pairs.extend((ours.format(i), hf.format(i)) for i in range(num_layers))
         else:
@@ -102,10 +128,10 @@ def _expand(num_layers: int, arch: str = "bert") -> list[tuple[str, str]]:
 
 
 def to_hf_state_dict(ours: dict, num_layers: int, arch: str = "bert") -> dict:
-    """Our state_dict -> HF BertForMaskedLM names (ModernBertForMaskedLM's for arch=modernbert; same tensors;
-    tied decoder and projection dropped).
+    """Our state_dict -> HF BertForMaskedLM names (those of the family's *ForMaskedLM for ``arch`` roberta,
+    roberta-prelayernorm or modernbert; same tensors; tied decoder and projection dropped).
 
-    Any other key without a counterpart (e.g. pre-LN's final LayerNorm) is a ValueError.
+    Any other key without a counterpart (e.g. pre-LN's final LayerNorm under arch=bert) is a ValueError.
     """
     pairs = _expand(num_layers, arch)
     mapped = {o for o, _ in pairs}
@@ -113,8 +139,9 @@ def to_hf_state_dict(ours: dict, num_layers: int, arch: str = "bert") -> dict:
              and not k.startswith(OURS_ONLY_PREFIXES + SENTENCE_PREFIXES)]
     if extra:
         raise ValueError(
-            f"parameters with no BERT counterpart: {', '.join(sorted(extra)[:5])}; only post-LN models "
-            f"(model.norm=post) with num_layers={num_layers} export to the HF BERT format"
+            f"parameters with no {arch} counterpart: {', '.join(sorted(extra)[:5])}; only post-LN models "
+            f"(model.norm=post) with num_layers={num_layers} export to the HF BERT format (pre-LN: "
+            f"roberta-prelayernorm, see hf_family)"
         )
     return {hf: ours[o] for o, hf in pairs if o in ours}
 
@@ -140,6 +167,9 @@ def from_hf_state_dict(hf: dict, num_layers: int, arch: str = "bert") -> dict:
     if arch == "modernbert":
         norm = {hf_modern.normalise_key(k): v for k, v in hf.items()}
         return {o: norm[hf_key] for o, hf_key in _expand(num_layers, arch) if hf_key in norm}
+    if arch in hf_roberta.FAMILIES:
+        norm = {hf_roberta.normalise_key(k, arch): v for k, v in hf.items()}
+        return {o: norm[hf_key] for o, hf_key in _expand(num_layers, arch) if hf_key in norm}
     norm = {_normalise_hf_key(k): v for k, v in hf.items()}
     if "cls.predictions.bias" not in norm and "cls.predictions.decoder.bias" in norm:
         norm["cls.predictions.bias"] = norm["cls.predictions.decoder.bias"]
@@ -157,11 +187,13 @@ def hf_config_from_model_config(cfg: ModelConfig, tokenizer, architecture: str =
 
     ``tokenizer`` is anything with ``token_to_id`` (ours or a ``tokenizers.Tokenizer``), or None.
     Our extra settings (pooling, projection, pre-LN...) ride along under the "pretrain" key. model.arch=modernbert
-    gives a ModernBERT config.json (``architecture`` BertModel/BertForMaskedLM becomes its ModernBert twin).
+    gives a ModernBERT config.json, model.position_offset > 0 or model.norm=pre a RoBERTa or RobertaPreLayerNorm one
+    (``architecture`` BertModel/BertForMaskedLM becomes its twin; see hf_family).
     """
     if cfg.arch == "modernbert":
         ids = {name: _token_id(tokenizer, SPECIAL_TOKENS[name]) for name in ("pad", "cls", "sep")}
-        extra = {name: getattr(cfg, name) for name in PRETRAIN_EXTRA if name != "norm"}  # always pre-norm
+        extra = {name: getattr(cfg, name) for name in PRETRAIN_EXTRA
+                 if name not in ("norm", "position_offset")}  # always pre-norm, rotary positions
         return hf_modern.hf_config(cfg, ids, architecture, extra)
     d = {
         "architectures": [architecture],
@@ -183,9 +215,12 @@ def hf_config_from_model_config(cfg: ModelConfig, tokenizer, architecture: str =
         "dtype": "float32",
         "pretrain": {name: getattr(cfg, name) for name in PRETRAIN_EXTRA},
     }
-    pad = _token_id(tokenizer, SPECIAL_TOKENS["pad"])
-    if pad is not None:
-        d["pad_token_id"] = pad
+    names = dict(zip(SPECIAL_TOKENS, special_token_names(tokenizer))) if tokenizer is not None else SPECIAL_TOKENS
+    ids = {name: _token_id(tokenizer, names[name]) for name in ("pad", "cls", "sep")}
+    if hf_family(cfg) != "bert":
+        return hf_roberta.hf_config(cfg, d, ids, architecture)
+    if ids["pad"] is not None:
+        d["pad_token_id"] = ids["pad"]
     return d
 
 
@@ -194,10 +229,10 @@ def model_config_from_hf_config(d: dict) -> ModelConfig:
     model_type = d.get("model_type")
     if model_type == "modernbert":
         return hf_modern.model_config(d, PRETRAIN_EXTRA)
-    if model_type != "bert":
+    if model_type not in ("bert", *hf_roberta.FAMILIES):
         raise ValueError(
-            f"config.json has model_type={model_type!r}; only BERT and ModernBERT checkpoints (model_type 'bert' "
-            f"or 'modernbert') convert"
+            f"config.json has model_type={model_type!r}; only BERT, RoBERTa, RoBERTa-PreLayerNorm and ModernBERT "
+            f"checkpoints (model_type 'bert', 'roberta', 'roberta-prelayernorm' or 'modernbert') convert"
         )
     if d.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type={d['position_embedding_type']!r} is not supported (absolute only)")
@@ -205,47 +240,57 @@ def model_config_from_hf_config(d: dict) -> ModelConfig:
     if act not in _ACT_FROM_HF:
         raise ValueError(f"hidden_act={act!r} is not supported; use one of {', '.join(_ACT_FROM_HF)}")
     extra = d.get("pretrain") or {}
+    fields = {k: extra[k] for k in PRETRAIN_EXTRA if k in extra}
+    fields["max_position"] = d.get("max_position_embeddings", 512)
+    if model_type in hf_roberta.FAMILIES:
+        fields.update(hf_roberta.model_config_fields(d, extra))
     return ModelConfig(
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
         num_layers=d["num_hidden_layers"],
         num_heads=d["num_attention_heads"],
         ffn_size=d["intermediate_size"],
-        max_position=d.get("max_position_embeddings", 512),
         type_vocab_size=d.get("type_vocab_size", 2),
         dropout=d.get("hidden_dropout_prob", 0.1),
         attention_dropout=d.get("attention_probs_dropout_prob", 0.1),
         layer_norm_eps=d.get("layer_norm_eps", 1e-12),
         activation=_ACT_FROM_HF[act],
         init_std=d.get("initializer_range", 0.02),
-        **{k: extra[k] for k in PRETRAIN_EXTRA if k in extra},
+        **fields,
     )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- tokenizer files
 
 
+def special_tokens(tok) -> dict[str, str]:
+    """{pad, unk, cls, sep, mask: token} of ``tok``: BERT's [PAD]... or RoBERTa's <pad>... (ValueError if neither)."""
+    try:
+        return dict(zip(SPECIAL_TOKENS, special_token_names(tok)))
+    except ValueError as e:
+        raise ValueError(f"tokenizer: {e}") from None
+
+
 def clean_tokenizer(tok):
-    """A ``tokenizers.Tokenizer`` ready for export: no padding/truncation, [CLS] A [SEP] post-processor."""
+    """A ``tokenizers.Tokenizer`` ready for export: no padding/truncation, a [CLS] A [SEP] post-processor
+    (RoBERTa's vocabulary: <s> A </s>, pairs <s> A </s></s> B </s>, one token type as RoBERTa's)."""
     from tokenizers.processors import TemplateProcessing
 
-    ids = {name: tok.token_to_id(t) for name, t in SPECIAL_TOKENS.items()}
-    missing = [SPECIAL_TOKENS[n] for n, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"tokenizer lacks special token(s) {', '.join(missing)}; train it with pretrain-tokenizer")
+    names = special_tokens(tok)
+    cls, sep = names["cls"], names["sep"]
     tok.no_padding()
     tok.no_truncation()
+    pair = f"{cls} $A {sep} $B:1 {sep}:1" if cls == "[CLS]" else f"{cls} $A {sep} {sep} $B {sep}"
     tok.post_processor = TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", ids["cls"]), ("[SEP]", ids["sep"])],
+        single=f"{cls} $A {sep}", pair=pair,
+        special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))],
     )
     return tok
 
 
 def _write_tokenizer_files(tok, out: Path, model_max_length: int) -> None:
     tok.save(str(out / "tokenizer.json"))
-    special = {f"{name}_token": t for name, t in SPECIAL_TOKENS.items()}
+    special = {f"{name}_token": t for name, t in special_tokens(tok).items()}
     write_json(out / "special_tokens_map.json", special)
     write_json(
         out / "tokenizer_config.json",
@@ -284,12 +329,13 @@ def export_hf(
     pooling = pooling or cfg.pooling
     out = Path(out_dir)
     tok = _exportable_tokenizer(cfg, pooling, tokenizer_path, out, overwrite)
-    max_len = min(max_seq_length or cfg.max_position, cfg.max_position)
-    ours, hf = _hf_weights(model)
-    prefix = hf_modern.BASE_PREFIX if cfg.arch == "modernbert" else "bert."
+    max_tokens = cfg.max_position - cfg.position_offset
+    max_len = min(max_seq_length or max_tokens, max_tokens)
+    hf_config = hf_config_from_model_config(cfg, tok, architecture="BertModel")
+    ours, hf = _hf_weights(model, hf_config.get("pad_token_id"))
+    prefix = base_prefix(hf_family(cfg))
     base = {k.removeprefix(prefix): v for k, v in hf.items() if k.startswith(prefix)}  # BertModel's own names
     heads = {k: v for k, v in ours.items() if k.startswith(OURS_ONLY_PREFIXES)} if projection else {}
-    hf_config = hf_config_from_model_config(cfg, tok, architecture="BertModel")
     hf_config["dtype"] = str(next(iter(hf.values())).dtype).removeprefix("torch.")
     if mlm_head:
         hf_config["pretrain"]["mlm_head"] = MLM_SUBDIR
@@ -303,9 +349,9 @@ def export_hf(
         write_json(tmp / "config.json", hf_config)
         if mlm_head:
             (tmp / MLM_SUBDIR).mkdir()
-            mlm = {k: v for k, v in hf.items() if not k.startswith("bert.pooler.")}
+            mlm = {k: v for k, v in hf.items() if not k.startswith(prefix + "pooler.")}
             save_safetensors(mlm, tmp / MLM_SUBDIR / "model.safetensors", metadata={"format": "pt"})
-            mlm_class = hf_config_from_model_config(cfg, None, "BertForMaskedLM")["architectures"]
+            mlm_class = hf_config_from_model_config(cfg, tok, "BertForMaskedLM")["architectures"]
             write_json(tmp / MLM_SUBDIR / "config.json", {**hf_config, "architectures": mlm_class})
         if heads:
             save_safetensors(heads, tmp / PROJECTION_FILE, metadata={"format": "pt"})
@@ -321,24 +367,28 @@ def export_hf(
     return chain
 
 
-def _hf_weights(model: PretrainModel) -> tuple[dict, dict]:
-    """(our state dict on the CPU without tied copies, the same as a BertForMaskedLM state dict)."""
+def _hf_weights(model: PretrainModel, pad_id: int | None = None) -> tuple[dict, dict]:
+    """(our state dict on the CPU without tied copies, the same as a BertForMaskedLM state dict: the family's,
+    see hf_family; ``pad_id`` places a RoBERTa family's position table)."""
     cfg = model.cfg
+    family = hf_family(cfg)
     ours = {k: _cpu_copy(v) for k, v in model.state_dict().items() if k not in TIED_KEYS}
-    hf = to_hf_state_dict(ours, cfg.num_layers, cfg.arch)
-    if cfg.arch == "bert" and "bert.pooler.dense.weight" not in hf:
-        # BertModel always has a pooler (a missing one is reported): zeros, which our import drops again since
-        # config.json says "pretrain": {"pooler": false}.
-        hf["bert.pooler.dense.weight"] = torch.zeros(cfg.hidden_size, cfg.hidden_size)
-        hf["bert.pooler.dense.bias"] = torch.zeros(cfg.hidden_size)
+    hf = to_hf_state_dict(ours, cfg.num_layers, family)
+    prefix = base_prefix(family)
+    if family in hf_roberta.FAMILIES:
+        rows = hf_roberta.leading_rows(pad_id, cfg.position_offset)
+        hf = hf_roberta.shift_positions(hf, prefix + "embeddings.position_embeddings.weight", rows)
+    if cfg.arch == "bert" and prefix + "pooler.dense.weight" not in hf:
+        # BertModel (RobertaModel) always has a pooler (a missing one is reported): zeros, which our import drops
+        # again since config.json says "pretrain": {"pooler": false}.
+        hf[prefix + "pooler.dense.weight"] = torch.zeros(cfg.hidden_size, cfg.hidden_size)
+        hf[prefix + "pooler.dense.bias"] = torch.zeros(cfg.hidden_size)
     return ours, hf
 
 
 def _exportable_tokenizer(cfg: ModelConfig, pooling: str, tokenizer_path: str, out: Path, overwrite: bool):
     """The cleaned tokenizer to export with, after the checks that the model, pooling, tokenizer and output
     directory allow an export (ValueError / FileNotFoundError saying what to change)."""
-    if cfg.arch == "bert" and cfg.norm != "post":
-        raise ValueError("only post-LN models (model.norm=post) export to the HF BERT format; pre-LN has no BERT twin")
     if pooling not in ST_POOLING:
         raise ValueError(
             f"pooling {pooling!r} cannot be expressed in sentence-transformers here; "

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from pretrain.checkpoint import store
+from pretrain.export.hf import hf_family
 from pretrain.export.resolve import matryoshka_dims
 
 EVAL_FILES = {"eval.md": "STS and sentence-embedding evaluation (`pretrain-eval`)",
@@ -124,9 +125,7 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
              "tags: [sentence-transformers, feature-extraction, sentence-similarity, pretrain]", "---", "",
              f"# {title}", ""]
     num_params = sum(v.numel() for k, v in w.state.items() if not k.startswith(("projection.", "mlm_head.")))
-    kind = (f"A ModernBERT encoder (rotary positions, GeGLU, local attention over {cfg.local_window} tokens, global "
-            f"attention every {cfg.global_every} layers; " if cfg.arch == "modernbert" else "A BERT encoder (")
-    lines += [f"{kind}{cfg.num_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_heads} heads, "
+    lines += [f"{_kind(cfg)}{cfg.num_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_heads} heads, "
               f"feed-forward {cfg.ffn_size}, vocabulary {cfg.vocab_size}; {num_params / 1e6:.1f}M parameters "
               f"without the heads) written by `pretrain-convert to-hf` from {info['what'] or f'`{w.path}`'}.", "",
               f"Sentence embedding ({cfg.sentence_dim} dimensions): {_embedding_line(cfg, pooling)}.", ""]
@@ -165,7 +164,7 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
               'batch = tokenizer(["A man is playing a guitar."], padding=True, return_tensors="pt")',
               "with torch.no_grad():", *_usage_pooling(cfg, pooling), "```", ""]
     if mlm_head:
-        head = "ModernBERT's" if cfg.arch == "modernbert" else "BERT's"
+        head = {"modernbert": "ModernBERT's", "bert": "BERT's"}.get(hf_family(cfg), "RoBERTa's")
         lines += [f"The masked-language-model head is in `mlm/` (the encoder with {head} MLM head):", "", "```python",
                   "from transformers import AutoModelForMaskedLM", "",
                   f'mlm = AutoModelForMaskedLM.from_pretrained("path/to/{name}", subfolder="mlm")', "```", ""]
@@ -183,6 +182,19 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
         lines += ["`pretrain_projection.safetensors` holds the contrastive projection head used in training only "
                   "(`pretrain-convert from-hf` reads it back with the rest).", ""]
     return "\n".join(lines)
+
+
+def _kind(cfg) -> str:
+    """The card's first words: which encoder, as transformers knows it (hf.hf_family)."""
+    family = hf_family(cfg)
+    if family == "modernbert":
+        return (f"A ModernBERT encoder (rotary positions, GeGLU, local attention over {cfg.local_window} tokens, "
+                f"global attention every {cfg.global_every} layers; ")
+    if family == "roberta":
+        return "A RoBERTa encoder (transformers' RobertaModel; "
+    if family == "roberta-prelayernorm":
+        return "A pre-LN encoder (transformers' RobertaPreLayerNormModel; "
+    return "A BERT encoder ("
 
 
 def _usage_pooling(cfg, pooling: str) -> list[str]:

@@ -41,7 +41,7 @@ from pretrain.checkpoint.store import (
 )
 from pretrain.config.loader import from_dict
 from pretrain.config.model import ModelConfig
-from pretrain.export import hf_modern
+from pretrain.export import hf_modern, hf_roberta
 from pretrain.export.hf import (
     CONFIG_JSON_FIELDS,
     INIT_CONFIG,
@@ -49,6 +49,7 @@ from pretrain.export.hf import (
     INIT_WEIGHTS,
     PROJECTION_FILE,
     from_hf_state_dict,
+    hf_family,
     load_init_weights,
     model_config_from_hf_config,
     model_with_state,
@@ -221,15 +222,18 @@ def _open_hf(p: Path, kind: Kind) -> Weights:
     config = json.loads((p / "config.json").read_text(encoding="utf-8"))
     extra = config.get("pretrain") or {}  # our own exports: the settings BERT's config.json has no place for
     cfg = model_config_from_hf_config(config)
+    family = hf_family(cfg)
     hf_state = read_hf_weights(p)
     mlm = str(extra.get("mlm_head") or "")
     if mlm and Path(mlm).name == mlm and (p / mlm / "model.safetensors").is_file():  # our export's MLM copy
         from safetensors import safe_open
 
         with safe_open(str(p / mlm / "model.safetensors"), framework="pt") as f:  # its head only
-            head = hf_modern.HEAD_PREFIXES if cfg.arch == "modernbert" else ("cls.",)
+            head = {"modernbert": hf_modern.HEAD_PREFIXES, "bert": ("cls.",)}.get(family, hf_roberta.HEAD_PREFIXES)
             hf_state.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(head)})
-    state = from_hf_state_dict(hf_state, cfg.num_layers, cfg.arch)
+    state = from_hf_state_dict(hf_state, cfg.num_layers, family)
+    if family in hf_roberta.FAMILIES:
+        state = hf_roberta.drop_leading_rows(state, config, cfg)
     if extra.get("pooler") is False:  # BertModel always has a pooler: ours wrote zeros for a model without one
         state = {k: v for k, v in state.items() if not k.startswith("pooler.")}
     if (p / PROJECTION_FILE).is_file():
@@ -278,7 +282,7 @@ def load_hf(hf_dir: str, *, tokenizer_out: str | None = None):
 
 # ----------------------------------------------------------------------------- checkpoint.init_from
 
-ARCHITECTURE_FIELDS = ("arch", "local_window", "global_every", "rope_theta", "rope_theta_local", "vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
+ARCHITECTURE_FIELDS = ("arch", "local_window", "global_every", "rope_theta", "rope_theta_local", "vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position", "position_offset",
                        "type_vocab_size", "layer_norm_eps", "norm", "activation", "pooler", "pooling", "normalize",
                        "dense_dim", "dense_activation", "dense_bias")
 """model.* settings ``checkpoint.init_from`` takes from the weights it starts from (the shapes, and what a

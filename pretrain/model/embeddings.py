@@ -2,6 +2,11 @@
 
 Shapes: B batch, T sequence length, D hidden size, V vocabulary; unpadded, ids_N of N packed tokens with their
 position_ids_N (packing.py) take ids_BT's place.
+
+Positions: token i of a sequence takes row offset + i of the position table (model.position_offset: 0 for BERT,
+pad_token_id + 1 = 2 for RoBERTa). With an offset, i counts a row's real tokens only and padding takes row
+offset - 1, RoBERTa's rule (its create_position_ids_from_input_ids, which counts ids != pad where we count the
+attention mask: the same for tokenizer output), so padding's outputs equal transformers' too, on either side.
 """
 
 from __future__ import annotations
@@ -13,34 +18,47 @@ from pretrain.config.model import ModelConfig
 
 
 class Embeddings(nn.Module):
-    """ids_BT -> x_BTD = LayerNorm(word[ids] + position[0..T) + token_type[types or 0]), then dropout."""
+    """ids_BT -> x_BTD = LayerNorm(word[ids] + token_type[types or 0] + position[offset + i]), then dropout."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.max_position, cfg.hidden_size)
+        self.offset = cfg.position_offset
         # BERT's segment embeddings: pretraining uses type 0 only; sentence-pair fine-tuning (GLUE) passes
         # token_type_ids_BT with 1 on the second segment, as BERT does.
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence the position table holds (its rows less the offset)."""
+        return self.position.num_embeddings - self.offset
+
     def forward(self, input_ids_BT: torch.Tensor, token_type_ids_BT: torch.Tensor | None = None,
-                position_ids_N: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids_N: torch.Tensor | None = None, attention_mask_BT: torch.Tensor | None = None,
+                ) -> torch.Tensor:
         """x_BTD, or x_ND for packed ids_N with ``position_ids_N`` (each sequence's positions restart at 0; the
-        caller checks them against max_position on the host)."""
-        if position_ids_N is not None:
-            types = self.token_type.weight[0] if token_type_ids_BT is None else self.token_type(token_type_ids_BT)
-            x_ND = self.word(input_ids_BT) + types
-            return self.dropout(self.norm(x_ND + self.position(position_ids_N)))
-        num_tokens = input_ids_BT.shape[1]
-        if num_tokens > self.position.num_embeddings:
-            raise ValueError(
-                f"sequence length {num_tokens} exceeds model.max_position={self.position.num_embeddings}; "
-                "truncate inputs (data.max_len) or build the model with a larger max_position"
-            )
-        # Same summation order as BERT (word + type, then + position) so fp32 results match bit for bit.
+        caller checks them against max_position on the host). ``attention_mask_BT`` (1 = token): only given for a
+        padded batch, and used only with a position offset (padding then takes row offset - 1)."""
+        # Same summation order as BERT/RoBERTa (word + type, then + position) so fp32 results match bit for bit.
         types = self.token_type.weight[0] if token_type_ids_BT is None else self.token_type(token_type_ids_BT)
-        x_BTD = self.word(input_ids_BT) + types
-        x_BTD = x_BTD + self.position.weight[:num_tokens]
-        return self.dropout(self.norm(x_BTD))
+        x = self.word(input_ids_BT) + types
+        if position_ids_N is not None:
+            if self.offset:
+                position_ids_N = position_ids_N + self.offset
+            return self.dropout(self.norm(x + self.position(position_ids_N)))
+        num_tokens = input_ids_BT.shape[1]
+        if num_tokens > self.max_tokens:
+            raise ValueError(
+                f"sequence length {num_tokens} exceeds the {self.max_tokens} positions of model.max_position="
+                f"{self.position.num_embeddings} (model.position_offset={self.offset}); truncate inputs "
+                "(data.max_len) or build the model with a larger max_position"
+            )
+        if self.offset and attention_mask_BT is not None:
+            keep_BT = attention_mask_BT.long()
+            x = x + self.position(torch.cumsum(keep_BT, dim=1) * keep_BT + (self.offset - 1))
+        else:
+            x = x + self.position.weight[self.offset:self.offset + num_tokens]
+        return self.dropout(self.norm(x))

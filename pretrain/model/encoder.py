@@ -32,9 +32,10 @@ class Encoder(nn.Module):
         ``padded``: whether the mask has padding, when the caller knows it from the host; None looks on the device
         (a host sync). ``packed``: the unpadded batch (its ids; the other inputs are not used) -> h_ND."""
         if packed is not None:
-            if packed.width > self.embeddings.position.num_embeddings:
-                raise ValueError(f"sequence length {packed.width} exceeds model.max_position="
-                                 f"{self.embeddings.position.num_embeddings}; truncate inputs (data.max_len)")
+            if packed.width > self.embeddings.max_tokens:
+                raise ValueError(f"sequence length {packed.width} exceeds the {self.embeddings.max_tokens} positions "
+                                 f"of model.max_position={self.embeddings.position.num_embeddings}; truncate inputs "
+                                 f"(data.max_len)")
             return self._layers(self.embeddings(packed.ids_N, position_ids_N=packed.position_ids_N), None, packed,
                                 all_layers)
         # The padding mask is built once and shared by every layer (True = real key token). A batch without
@@ -45,7 +46,8 @@ class Encoder(nn.Module):
                 padded = torch.compiler.is_compiling() or not bool(attention_mask_BT.all())
             if padded:
                 keep_B11T = attention_mask_BT.bool()[:, None, None, :]
-        return self._layers(self.embeddings(input_ids_BT, token_type_ids_BT), keep_B11T, None, all_layers)
+        x_BTD = self.embeddings(input_ids_BT, token_type_ids_BT, attention_mask_BT=attention_mask_BT if padded else None)
+        return self._layers(x_BTD, keep_B11T, None, all_layers)
 
     def _layers(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None, packed: Packed | None,
                 all_layers: bool) -> torch.Tensor | list[torch.Tensor]:

@@ -36,6 +36,22 @@ from pretrain.prep.readers import ReadStats, iter_documents
 from pretrain.prep.sentence_split import split_sentences
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEL]")
+ROBERTA_SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>", "<mask>")
+"""RoBERTa's names for pad, unk, cls, sep and mask (an imported RoBERTa vocabulary: <s>=0, <pad>=1, </s>=2, ...)."""
+
+
+def special_token_names(tok) -> tuple[str, ...]:
+    """The five special tokens (pad, unk, cls, sep, mask) of ``tok`` (anything with ``token_to_id``): BERT's
+    [PAD] ... [MASK] (ours, imported BERT) or, for a vocabulary with none of those, RoBERTa's <pad> ... <mask>.
+    ValueError naming what is missing otherwise."""
+    for names in (SPECIAL_TOKENS[:5], ROBERTA_SPECIAL_TOKENS):
+        missing = [t for t in names if tok.token_to_id(t) is None]
+        if not missing:
+            return names
+        if names == SPECIAL_TOKENS[:5] and len(missing) < len(names):
+            break  # a BERT-style vocabulary with a gap: name its gap, not RoBERTa's
+    raise ValueError(f"the vocabulary has no {', '.join(missing)} token(s); pretrain needs {', '.join(names)} "
+                     f"(BERT's, made by pretrain-tokenizer) or RoBERTa's {', '.join(ROBERTA_SPECIAL_TOKENS)}")
 KINDS = ("wordpiece", "bpe", "unigram")
 _MODEL_KIND = {"WordPiece": "wordpiece", "BPE": "bpe", "Unigram": "unigram"}
 
@@ -81,13 +97,16 @@ class Tokenizer:
         self.kind = _MODEL_KIND[model_type]
         self.lowercase = _has_lowercase(spec.get("normalizer"))
         # Special ids are looked up by string: ours are 0..5 (pretrain-tokenizer), an imported HF BERT
-        # vocabulary has its own ([PAD]=0, [UNK]=100, [CLS]=101, ...) and usually no [DEL].
-        ids = {tok: self._tok.token_to_id(tok) for tok in SPECIAL_TOKENS}
-        missing = [tok for tok in SPECIAL_TOKENS[:5] if ids[tok] is None]
-        if missing:
-            raise ValueError(f"{path}: the vocabulary has no {', '.join(missing)} token(s); pretrain needs "
-                             f"{', '.join(SPECIAL_TOKENS[:5])} (make tokenizers with pretrain-tokenizer)")
-        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (ids[t] for t in SPECIAL_TOKENS[:5])
+        # vocabulary has its own ([PAD]=0, [UNK]=100, [CLS]=101, ...) and usually no [DEL]; an imported RoBERTa
+        # one has <pad>, <unk>, <s>, </s>, <mask> instead.
+        try:
+            names = special_token_names(self._tok)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        self.roberta_specials = names == ROBERTA_SPECIAL_TOKENS
+        """RoBERTa's vocabulary: a sentence pair is <s> a </s></s> b </s>, all token type 0 (eval/encoder.py)."""
+        ids = {tok: self._tok.token_to_id(tok) for tok in (*names, "[DEL]")}
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (ids[t] for t in names)
         self.del_id: int | None = ids["[DEL]"]
         """None for vocabularies without [DEL] (e.g. imported HF BERT): deletion views then drop words."""
         self.special_ids = frozenset(i for i in ids.values() if i is not None)

@@ -2,7 +2,9 @@
 then a few training steps in-process (real DeepSpeed, fp32 through precision=auto on a CPU).
 
 The CLEAR recipes train from scratch on the tiny corpus; the continued-training recipes (SimCSE, ArcCSE,
-RankCSE) start from the tiny checkpoint one of them writes (`checkpoint.init_from`, as their headers say).
+RankCSE) start from the tiny checkpoint one of them writes (`checkpoint.init_from`, as their headers say), SARCSE
+from `pretrain-convert from-hf` of a randomly initialised tiny transformers RobertaModel (its byte-level BPE
+tokenizer included).
 The overrides below are data paths (the recipes name runs/tokenizer, data/wiki, checkpoints/bert-base-uncased,
 ...), run_dir, the step count and (for the test's time only) 2 validation batches instead of 20; a recipe
 needing any other key to run here fails this test.
@@ -23,8 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "configs" / "recipes"
 CLEAR = sorted(p.stem for p in RECIPES.glob("clear_*.yaml"))
 CONTINUED = sorted(p.stem for p in RECIPES.glob("*.yaml") if not p.stem.startswith("clear_"))
-NOT_RUNNABLE = {"sarcse_roberta_base": "starts from RoBERTa-base; pretrain-convert imports BERT only (RoBERTa "
-                                       "import is another issue); its objective runs in test_sentence_stage.py"}
+FROM_ROBERTA = {"sarcse_roberta_base"}
 STEPS = 3
 FAST = ["train.eval_batches=2"]  # held-out validation runs at step 0 and at the end: 2 batches, not 20
 
@@ -92,17 +93,18 @@ def test_clear_recipe_trains_with_model_tiny(name, tiny_corpus, clear_runs, clea
 
 
 @pytest.mark.parametrize("name", CONTINUED)
-def test_continued_training_recipe_trains_from_a_tiny_checkpoint(name, tiny_corpus, clear_runs, data_dir,
+def test_continued_training_recipe_trains_from_a_tiny_checkpoint(name, tiny_corpus, clear_runs, data_dir, request,
                                                                  clean_env, capsys, one_thread, monkeypatch):
-    if name in NOT_RUNNABLE:
-        pytest.skip(NOT_RUNNABLE[name])
-    start = clear_runs["done"].get("clear_del_span_reorder")
+    start, tokenizer = clear_runs["done"].get("clear_del_span_reorder"), tiny_corpus["tokenizer"]
+    if name in FROM_ROBERTA:
+        start = _from_roberta(request.getfixturevalue("tiny_roberta"), clear_runs["root"] / "roberta_init")
+        tokenizer = str(start / "tokenizer.json")
     if start is None:
         pytest.skip("needs the tiny checkpoint of test_clear_recipe_trains_with_model_tiny[clear_del_span_reorder]")
     monkeypatch.setenv("PRETRAIN_DATA_DIR", str(data_dir))  # STS-B dev for eval.stsb_every (the shared data)
     run_dir = clear_runs["root"] / name
     argv = [str(RECIPES / f"{name}.yaml"), "model=tiny", f"run_dir={run_dir}", f"train.max_steps={STEPS}",
-            f"checkpoint.init_from={start}", f"data.tokenizer={tiny_corpus['tokenizer']}",
+            f"checkpoint.init_from={start}", f"data.tokenizer={tokenizer}",
             f"data.sentences={_sentences(tiny_corpus, clear_runs['root'] / 'sentences.txt')}"]
     if name == "simcse_sup_bert_base":  # trains on data.pairs instead
         argv[-1:] = ["data.sentences=", f"data.pairs={_pairs(argv[-1].split('=', 1)[1], clear_runs['root'] / 'p.tsv')}"]
@@ -113,6 +115,20 @@ def test_continued_training_recipe_trains_from_a_tiny_checkpoint(name, tiny_corp
     assert [r["step"] for r in recs if r.get("split", "train") == "train" and "loss" in r][-1] == STEPS
     assert any(r.get("split") == "eval" for r in recs), out[-2000:]  # STS-B dev at the last step
     clear_runs["done"][name] = run_dir
+    if name in FROM_ROBERTA:  # and back: a RobertaModel again
+        from pretrain.export.convert import main as convert
+
+        assert convert(["to-hf", str(run_dir), str(run_dir / "hf")]) == 0
+        assert json.loads((run_dir / "hf" / "config.json").read_text())["architectures"] == ["RobertaModel"]
+
+
+def _from_roberta(hf_dir: Path, out: Path) -> Path:
+    """``pretrain-convert from-hf`` of a transformers RoBERTa directory -> the init directory (made once)."""
+    from pretrain.export.convert import main as convert
+
+    if not out.exists():
+        assert convert(["from-hf", str(hf_dir), str(out)]) == 0
+    return out
 
 
 def test_readers_name_the_checkpoint_they_read(clear_runs, data_dir, tmp_path, capsys, monkeypatch):

@@ -369,9 +369,11 @@ def test_to_hf_cli_from_init_dir(exported, tmp_path):
 
 def test_export_refuses_what_bert_cannot_hold(exported, tmp_path):
     model, tok_path, _ = exported
-    pre = build_model(dataclasses.replace(model.cfg, norm="pre"), seed=0)
+    pre = build_model(dataclasses.replace(model.cfg, norm="pre"), seed=0)  # pre-LN: RobertaPreLayerNorm's arithmetic
+    hfmod.export_hf(pre, str(tok_path), str(tmp_path / "pre"), pooling="mean")  # (test_roberta_export.py)
+    assert json.loads((tmp_path / "pre" / "config.json").read_text())["model_type"] == "roberta-prelayernorm"
     with pytest.raises(ValueError, match="post-LN"):
-        hfmod.export_hf(pre, str(tok_path), str(tmp_path / "a"), pooling="mean")
+        hfmod.to_hf_state_dict(pre.state_dict(), pre.cfg.num_layers)  # BERT's table has no final LayerNorm
     with pytest.raises(ValueError, match="max"):
         hfmod.export_hf(model, str(tok_path), str(tmp_path / "b"), pooling="max")
     with pytest.raises(ValueError, match="already exists"):
@@ -379,8 +381,8 @@ def test_export_refuses_what_bert_cannot_hold(exported, tmp_path):
     small = build_model(dataclasses.replace(model.cfg, vocab_size=10), seed=0)
     with pytest.raises(ValueError, match="vocab_size"):
         hfmod.export_hf(small, str(tok_path), str(tmp_path / "c"), pooling="mean")
-    with pytest.raises(ValueError, match="model_type"):
-        hfmod.model_config_from_hf_config({"model_type": "roberta"})
+    with pytest.raises(ValueError, match="model_type='xlnet'.*'roberta', 'roberta-prelayernorm'"):
+        hfmod.model_config_from_hf_config({"model_type": "xlnet"})
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
