@@ -182,6 +182,10 @@ class Trainer:
         return result.info, result.bad
 
     def _diverged(self, consecutive: int, last_step: int) -> str:
+        try:
+            self.saver.wait()  # the save in flight is the last good checkpoint once it is published
+        except store.CheckpointError as e:
+            print_progress(f"warning: {e}")
         return (f"{consecutive} consecutive steps with a non-finite loss or gradient (last at step {last_step}); "
                 f"stopping. The last good checkpoint is {store.find_latest(store.checkpoints_dir(self.run_dir))}; "
                 f"lower optim.lr or check the data before resuming.")
@@ -233,32 +237,38 @@ class Trainer:
                     print_progress(warning)
         self.window.reset()
 
-    def _checkpoint_now(self) -> Path:
-        """A checkpoint before stopping. Steps not judged yet are judged before they are saved; a rollback's
-        checkpoint is then the one to resume."""
+    def _checkpoint_now(self, *, in_flight_will_do: bool = False) -> tuple[int, Path]:
+        """(step, tag dir) of a published checkpoint to stop at. Steps not judged yet are judged before they are
+        saved; a rollback's checkpoint is then the one to resume. A save of this step (just made, perhaps still
+        being written) is finished, not started again; with ``in_flight_will_do`` (a stop signal: time counts
+        before the job is killed) so is one of an earlier step still being written — the steps since are redone
+        on resume, exactly."""
         trigger = self.spikes.judge(self.env)
         if trigger is not None:
-            return self.roll_back(trigger)
-        if self._saved is not None and self._saved[0] == self.state.step:  # this step's periodic save just ran
-            self.saver.wait()  # (or still runs in the background): it is finished, not started again
-            return self._saved[1]
-        return self.save(wait=True)
+            path = self.roll_back(trigger)
+            return self.state.step, path
+        in_flight = self.saver.in_flight is not None
+        if self._saved is not None and (self._saved[0] == self.state.step or (in_flight and in_flight_will_do)):
+            self.saver.wait()
+            return self._saved
+        self.save(wait=True)
+        return self._saved
 
     def _stop_for_signal(self) -> int:
-        path = self._checkpoint_now()
+        step, path = self._checkpoint_now(in_flight_will_do=True)
         code = self.stop_signal.exit_code  # 130 after Ctrl-C on this rank, else 75 (requeue)
         if self.env.is_main:
             why = ("stopped by Ctrl-C: resume with the same command" if code != REQUEUE_EXIT_CODE
                    else "exiting so the job is requeued")
-            print_progress(f"stop signal: checkpointed step {self.state.step} ({path}); {why} (exit {code})")
+            print_progress(f"stop signal: checkpointed step {step} ({path}); {why} (exit {code})")
         return code
 
     def _stop_for_metrics(self) -> None:
         """metrics.jsonl or TensorBoard could not be written (disk full, quota): checkpoint, then stop with exit 4
         (a failing checkpoint raises its own CheckpointError, also exit 4)."""
-        path = self._checkpoint_now()
+        step, path = self._checkpoint_now()
         why = self.writer.failure or "rank 0 could not write metrics.jsonl or TensorBoard events (see its message)"
-        raise MetricsWriteError(f"{why}; checkpointed step {self.state.step} ({path}). Free space in "
+        raise MetricsWriteError(f"{why}; checkpointed step {step} ({path}). Free space in "
                                 f"{self.run_dir} and resume with the same command: it continues from that checkpoint "
                                 f"(metrics of the steps since the failure are not recorded)")
 
