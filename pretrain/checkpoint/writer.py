@@ -34,6 +34,9 @@ from pretrain.fsutil import fsync_dir
 
 MARKER_POLL_S = 0.02
 """How often rank 0's writer looks for the other ranks' markers."""
+CLOSE_GRACE_S = 60.0
+"""A process that ends with a save in flight (an exception: other ranks may be gone) lets rank 0 wait this much longer
+for the other ranks' markers, not the whole distributed.timeout_s."""
 
 
 @dataclass(kw_only=True)
@@ -53,6 +56,8 @@ class SaveJob:
     keep_last: int = 1
     timeout_s: float = 600.0
     """How long rank 0 waits for the other ranks' markers (distributed.timeout_s)."""
+    deadline: float | None = None
+    """time.monotonic() past which rank 0 stops waiting for markers; set when the job starts, shortened by close."""
 
     @property
     def tag(self) -> str:
@@ -100,6 +105,7 @@ def write_share(job: SaveJob) -> dict:
             f.write(data)
         digests[str(Path(path).relative_to(job.tmp_dir))] = store.bytes_digests(data)
     fsync_files(path for path, _ in job.blobs)
+    job.blobs = [(path, memoryview(b"")) for path, _ in job.blobs]  # the snapshot's memory goes now
     return digests
 
 
@@ -143,14 +149,13 @@ def run_main(job: SaveJob, *, on_published=None) -> Path:
 def _await_marker(job: SaveJob, rank: int) -> dict:
     """Rank ``rank``'s digests, once its writer finished (the marker is removed: it is not part of the tag)."""
     done, failed = job.tmp_dir / f".done-rank{rank}.json", job.tmp_dir / f".failed-rank{rank}"
-    deadline = time.monotonic() + job.timeout_s
     while not done.is_file():
         if failed.is_file():
             why = failed.read_text(encoding="utf-8", errors="replace").strip() or "its error is in its log"
             raise store.CheckpointError(f"rank {rank} could not write its files ({why})")
-        if time.monotonic() > deadline:
-            raise store.CheckpointError(f"rank {rank} did not finish writing its files within "
-                                        f"distributed.timeout_s={job.timeout_s:g} s")
+        if time.monotonic() > job.deadline:
+            raise store.CheckpointError(f"rank {rank} did not finish writing its files in time "
+                                        f"(distributed.timeout_s={job.timeout_s:g} s)")
         time.sleep(MARKER_POLL_S)
     digests = json.loads(done.read_text(encoding="utf-8"))
     done.unlink()
@@ -177,6 +182,7 @@ class CheckpointWriter:
         publishes."""
         assert self._thread is None, "a save is still in flight: wait() first"
         self._job, self._error = job, None
+        job.deadline = time.monotonic() + job.timeout_s
         target = self._run_main if job.rank == 0 else self._run_rank
         # Not a daemon: an interpreter that exits (normal end, an exception) finishes the write first.
         self._thread = threading.Thread(target=target, name=f"checkpoint-writer-{job.tag}", daemon=False)
@@ -220,6 +226,8 @@ class CheckpointWriter:
 
     def close(self) -> BaseException | None:
         """Not collective (other ranks may be gone): finish this rank's write in flight; its error, if any."""
+        if self._job is not None and self._job.deadline is not None:
+            self._job.deadline = min(self._job.deadline, time.monotonic() + CLOSE_GRACE_S)
         error = self.join()
         self._job, self._error = None, None
         return error

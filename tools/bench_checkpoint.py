@@ -1,0 +1,130 @@
+"""Training time lost per checkpoint: synchronous saves vs background ones (issue 25 item 3: background <= 20% of sync).
+
+The mini model (configs/models/mini.yaml) on a small generated corpus (the test suite's embedded text, a 2000-word
+WordPiece vocabulary), one fresh ``pretrain-train`` process per run, at ZeRO 0 and 2. Per ZeRO stage three runs of
+``--steps`` steps: no periodic checkpoint, one every ``--every`` steps written synchronously
+(``checkpoint.background=false``), and the same in the background (the default). Every run ends with its final
+(waited-for) checkpoint, so the time measured — from the first step's metrics record to the final publish of
+``checkpoints/latest`` — also counts a background save still being written at the end. Lost per checkpoint =
+(time with periodic saves - time without) / number of periodic saves. ``--repeat`` runs each arm again (alternating)
+and keeps the fastest. The load average (1 min) is printed at the start and end: on a shared machine the figures
+move with it.
+
+    python tools/bench_checkpoint.py                 # mini, ZeRO 0 and 2, 1 rank, 40 steps, a save every 10
+    python tools/bench_checkpoint.py --ranks 2 --repeat 2 --json-out bench_ckpt.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's pretrain, not an installed one
+
+ARMS = ("none", "sync", "background")
+
+
+def build_corpus(root: Path) -> dict:
+    """{"tokenizer", "train"}: the embedded text, tokenized (vocab 2000) and preprocessed."""
+    from pretrain.prep.embedded import write_embedded_corpus
+    from pretrain.prep.preprocess import preprocess
+    from pretrain.prep.tokenizer import train_tokenizer
+
+    train_txt, _ = write_embedded_corpus(root / "text", valid_every=10)
+    tok = root / "tokenizer.json"
+    train_tokenizer([str(train_txt)], str(tok), kind="wordpiece", vocab_size=2000)
+    preprocess([str(train_txt)], str(root / "train"), str(tok), num_workers=1)
+    return {"tokenizer": str(tok), "train": str(root / "train")}
+
+
+def run_arm(corpus: dict, run_dir: Path, *, arm: str, zero: int, steps: int, every: int, ranks: int,
+            model: str) -> float:
+    """Seconds from the first step's record to the final checkpoint's publish."""
+    overrides = [f"model={model}", f"run_dir={run_dir}", f"data.tokenizer={corpus['tokenizer']}",
+                 f"data.sources=[{{name: b, path: {corpus['train']}}}]", "data.valid=[]", "data.max_len=128",
+                 "data.view_max_len=32", "data.num_workers=0", "train.micro_batch_size=8",
+                 f"train.max_steps={steps}", "train.log_every=1", "train.eval_every=0", "eval.stsb_every=0",
+                 f"distributed.zero_stage={zero}", f"checkpoint.every={0 if arm == 'none' else every}",
+                 f"checkpoint.background={arm != 'sync'}", "checkpoint.keep_last=2"]
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "pretrain.train", *overrides]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "pretrain.train", *overrides]
+    env = dict(os.environ, DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with open(log, "w") as f:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"{arm} ZeRO-{zero} exited {code}; see {log}")
+    first = next(json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
+                 if json.loads(ln).get("split") == "train")
+    return (run_dir / "checkpoints" / "latest").stat().st_mtime - first["time"]
+
+
+def lost_per_checkpoint(times: dict, num_saves: int) -> dict:
+    """{"sync", "background"}: seconds lost per periodic checkpoint against the run without, and their ratio."""
+    out = {arm: (times[arm] - times["none"]) / num_saves for arm in ("sync", "background")}
+    out["ratio"] = out["background"] / out["sync"] if out["sync"] > 0 else float("nan")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="mini")
+    p.add_argument("--zero", type=int, nargs="+", default=[0, 2])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--json-out", default="")
+    args = p.parse_args(argv)
+    num_saves = (args.steps - 1) // args.every
+    load_start = os.getloadavg()
+    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} "
+          f"({os.cpu_count()} cores)", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
+        corpus = build_corpus(Path(tmp) / "corpus")
+        for zero in args.zero:
+            times = {arm: float("inf") for arm in ARMS}
+            for rep in range(args.repeat):
+                for arm in ARMS:
+                    run_dir = Path(tmp) / f"z{zero}_{arm}_{rep}"
+                    seconds = run_arm(corpus, run_dir, arm=arm, zero=zero, steps=args.steps, every=args.every,
+                                      ranks=args.ranks, model=args.model)
+                    times[arm] = min(times[arm], seconds)
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                    print(f"  ZeRO-{zero} {arm:<10} {seconds:7.2f} s  (load {os.getloadavg()[0]:.2f})", flush=True)
+            rows.append({"zero": zero, **{f"{a}_s": t for a, t in times.items()}, **lost_per_checkpoint(times, num_saves)})
+    load_end = os.getloadavg()
+    print(f"\nmodel={args.model}, {args.ranks} rank(s), {args.steps} steps, a checkpoint every {args.every} "
+          f"({num_saves} periodic + the final one), best of {args.repeat}")
+    print(f"{'ZeRO':>4} | {'no saves s':>10} | {'sync s':>7} | {'bg s':>7} | {'lost/ckpt sync':>14} | "
+          f"{'lost/ckpt bg':>12} | {'bg/sync':>7}")
+    for r in rows:
+        print(f"{r['zero']:>4} | {r['none_s']:>10.2f} | {r['sync_s']:>7.2f} | {r['background_s']:>7.2f} | "
+              f"{r['sync']:>13.3f}s | {r['background']:>11.3f}s | {r['ratio']:>7.1%}")
+    print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}  (goal: bg/sync <= 20%)")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"rows": rows, "load_start": load_start, "load_end": load_end,
+                                                   "args": vars(args)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
