@@ -68,7 +68,7 @@ def run_arm(corpus: dict, run_dir: Path, *, arm: str, zero: int, steps: int, eve
         env.pop(k, None)
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as f:
-        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise RuntimeError(f"{arm} ZeRO-{zero} exited {code}; see {log}")
     first = next(json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()

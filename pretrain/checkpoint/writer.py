@@ -18,8 +18,8 @@ Shapes: none (bytes and files).
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import shutil
 import threading
 import time
@@ -30,7 +30,7 @@ import torch
 
 from pretrain.checkpoint import store
 from pretrain.checkpoint.files import atomic_write_text, fsync_files
-from pretrain.fsutil import fsync_dir
+from pretrain.distributed.comm import all_reduce_host
 
 MARKER_POLL_S = 0.02
 """How often rank 0's writer looks for the other ranks' markers."""
@@ -89,8 +89,6 @@ def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config
 
 
 def _serialized(obj) -> memoryview:
-    import io
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getbuffer()
@@ -192,13 +190,13 @@ class CheckpointWriter:
     def _run_main(self) -> None:
         try:
             run_main(self._job, on_published=self.on_published)
-        except BaseException as e:  # reported by wait()
+        except BaseException as e:  # noqa: BLE001 - reported by wait() (collectively), or by close()
             self._error = e
 
     def _run_rank(self) -> None:
         try:
             run_rank(self._job)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - reported by wait() (collectively), or by close()
             self._error = e
 
     def join(self) -> BaseException | None:
@@ -241,6 +239,4 @@ def _barrier(env) -> None:
 def _any_rank(env, flag: bool) -> bool:
     if not env.is_distributed:
         return flag
-    from pretrain.distributed.comm import all_reduce_host
-
     return bool(all_reduce_host(torch.tensor([1 if flag else 0], dtype=torch.int64)).item())

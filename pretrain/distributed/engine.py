@@ -265,7 +265,9 @@ class Engine:
         directories (and rank 0's copy of DeepSpeed's small zero_to_fp32.py) reach the disk; writing the bytes is
         the caller's, off the training path (checkpoint/writer.py)."""
         deepspeed = _import_deepspeed()
-        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+            CheckpointEngine,
+        )
 
         real = self.ds.checkpoint_engine
         zipfile = getattr(real, "zipfile_serialization", True)

@@ -22,7 +22,12 @@ from pretrain.distributed.engine import Engine
 from pretrain.distributed.peers import PeerWatch
 from pretrain.distributed.signals import StopSignal
 from pretrain.metrics.accumulate import MetricSums
-from pretrain.metrics.writer import MetricsWriteError, MetricsWriter, format_progress, print_progress
+from pretrain.metrics.writer import (
+    MetricsWriteError,
+    MetricsWriter,
+    format_progress,
+    print_progress,
+)
 from pretrain.objective.forward import mean_pool_mix
 from pretrain.training.banner import banner_lines
 from pretrain.training.build import prepare_run, train_loader_builder

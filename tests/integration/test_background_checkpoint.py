@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from pretrain.checkpoint import store
 from pretrain.checkpoint import writer as writer_mod
@@ -95,7 +94,7 @@ def _weights(tag_dir: Path) -> tuple[dict, dict]:
     from safetensors import safe_open
 
     with safe_open(str(tag_dir / "model.safetensors"), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
         return {k: (v.dtype, v.shape, v.numpy().tobytes()) for k, v in tensors.items()}, f.metadata()
 
 
