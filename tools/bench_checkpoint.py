@@ -6,7 +6,7 @@ WordPiece vocabulary), one fresh ``pretrain-train`` process per run, at ZeRO 0 a
 (``checkpoint.background=false``), and the same in the background (the default). Every run ends with its final
 (waited-for) checkpoint, so the time measured — from the first step's metrics record to the final publish of
 ``checkpoints/latest`` — also counts a background save still being written at the end. Lost per checkpoint =
-(time with periodic saves - time without) / number of periodic saves. ``--repeat`` runs each arm again (alternating)
+(time with periodic saves - time without) / number of periodic saves. A warm-up run goes first. ``--repeat`` runs each arm again (alternating)
 and keeps the fastest. The load average (1 min) is printed at the start and end: on a shared machine the figures
 move with it.
 
@@ -100,6 +100,9 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
         corpus = build_corpus(Path(tmp) / "corpus")
+        # A first run pays one-time costs (caches, page cache of the corpus) that would land on the first arm.
+        run_arm(corpus, Path(tmp) / "warmup", arm="none", zero=args.zero[0], steps=min(args.steps, 4),
+                every=args.every, ranks=args.ranks, model=args.model)
         for zero in args.zero:
             times = {arm: float("inf") for arm in ARMS}
             for rep in range(args.repeat):

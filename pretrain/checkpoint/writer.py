@@ -84,7 +84,8 @@ def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     blobs.append((str(tmp_dir / f"rng_rank{env.rank}.pt"), _serialized(rng)))
     return SaveJob(ckpt_dir=ckpt_dir, step=step, rank=env.rank, world_size=env.world_size if env.is_distributed else 1,
-                   blobs=blobs, trainer_state=trainer_state, config_yaml=config_yaml, tokenizer_path=tokenizer_path,
+                   blobs=blobs, trainer_state=json.loads(json.dumps(trainer_state)),  # a copy: training goes on
+                   config_yaml=config_yaml, tokenizer_path=tokenizer_path,
                    keep_last=keep_last, timeout_s=timeout_s)
 
 
