@@ -46,11 +46,11 @@ def build_corpus(root: Path) -> dict:
 
 
 def run_arm(corpus: dict, run_dir: Path, *, arm: str, zero: int, steps: int, every: int, ranks: int,
-            model: str) -> float:
+            model: str, batch: int, seq: int) -> float:
     """Seconds from the first step's record to the final checkpoint's publish."""
     overrides = [f"model={model}", f"run_dir={run_dir}", f"data.tokenizer={corpus['tokenizer']}",
-                 f"data.sources=[{{name: b, path: {corpus['train']}}}]", "data.valid=[]", "data.max_len=128",
-                 "data.view_max_len=32", "data.num_workers=0", "train.micro_batch_size=8",
+                 f"data.sources=[{{name: b, path: {corpus['train']}}}]", "data.valid=[]", f"data.max_len={seq}",
+                 "data.view_max_len=32", "data.num_workers=0", f"train.micro_batch_size={batch}",
                  f"train.max_steps={steps}", "train.log_every=1", "train.eval_every=0", "eval.stsb_every=0",
                  f"distributed.zero_stage={zero}", f"checkpoint.every={0 if arm == 'none' else every}",
                  f"checkpoint.background={arm != 'sync'}", "checkpoint.keep_last=2"]
@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--batch", type=int, default=8, help="train.micro_batch_size")
+    p.add_argument("--seq", type=int, default=128, help="data.max_len")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--json-out", default="")
     args = p.parse_args(argv)
@@ -102,20 +104,20 @@ def main(argv=None) -> int:
         corpus = build_corpus(Path(tmp) / "corpus")
         # A first run pays one-time costs (caches, page cache of the corpus) that would land on the first arm.
         run_arm(corpus, Path(tmp) / "warmup", arm="none", zero=args.zero[0], steps=min(args.steps, 4),
-                every=args.every, ranks=args.ranks, model=args.model)
+                every=args.every, ranks=args.ranks, model=args.model, batch=args.batch, seq=args.seq)
         for zero in args.zero:
             times = {arm: float("inf") for arm in ARMS}
             for rep in range(args.repeat):
                 for arm in ARMS:
                     run_dir = Path(tmp) / f"z{zero}_{arm}_{rep}"
                     seconds = run_arm(corpus, run_dir, arm=arm, zero=zero, steps=args.steps, every=args.every,
-                                      ranks=args.ranks, model=args.model)
+                                      ranks=args.ranks, model=args.model, batch=args.batch, seq=args.seq)
                     times[arm] = min(times[arm], seconds)
                     shutil.rmtree(run_dir, ignore_errors=True)
                     print(f"  ZeRO-{zero} {arm:<10} {seconds:7.2f} s  (load {os.getloadavg()[0]:.2f})", flush=True)
             rows.append({"zero": zero, **{f"{a}_s": t for a, t in times.items()}, **lost_per_checkpoint(times, num_saves)})
     load_end = os.getloadavg()
-    print(f"\nmodel={args.model}, {args.ranks} rank(s), {args.steps} steps, a checkpoint every {args.every} "
+    print(f"\nmodel={args.model}, {args.ranks} rank(s), micro-batch {args.batch} x {args.seq} tokens, {args.steps} steps, a checkpoint every {args.every} "
           f"({num_saves} periodic + the final one), best of {args.repeat}")
     print(f"{'ZeRO':>4} | {'no saves s':>10} | {'sync s':>7} | {'bg s':>7} | {'lost/ckpt sync':>14} | "
           f"{'lost/ckpt bg':>12} | {'bg/sync':>7}")
