@@ -5,8 +5,11 @@ WordPiece vocabulary), one fresh ``pretrain-train`` process per run, at ZeRO 0 a
 ``--steps`` steps: no periodic checkpoint, one every ``--every`` steps written synchronously
 (``checkpoint.background=false``), and the same in the background (the default). Every run ends with its final
 (waited-for) checkpoint, so the time measured — from the first step's metrics record to the final publish of
-``checkpoints/latest`` — also counts a background save still being written at the end. Lost per checkpoint =
-(time with periodic saves - time without) / number of periodic saves. A warm-up run goes first. ``--repeat`` runs each arm again (alternating)
+``checkpoints/latest`` — also counts a background save still being written at the end. Lost per checkpoint, two
+ways: the seconds the training loop stood still in saves (the trainer's own ``"checkpoint"`` records in
+metrics.jsonl: ``pause_s``, ``wait_prev_s``), and by wall time, (time with periodic saves - time without) / number of
+periodic saves, which also counts the CPU the background writer takes from training but moves with the machine's
+load. A warm-up run goes first. ``--repeat`` runs each arm again (alternating)
 and keeps the fastest. The load average (1 min) is printed at the start and end: on a shared machine the figures
 move with it.
 
@@ -46,8 +49,9 @@ def build_corpus(root: Path) -> dict:
 
 
 def run_arm(corpus: dict, run_dir: Path, *, arm: str, zero: int, steps: int, every: int, ranks: int,
-            model: str, batch: int, seq: int) -> float:
-    """Seconds from the first step's record to the final checkpoint's publish."""
+            model: str, batch: int, seq: int) -> tuple[float, float]:
+    """(seconds from the first step's record to the final checkpoint's publish, seconds the training loop stood
+    still per periodic checkpoint by the trainer's own "checkpoint" records)."""
     overrides = [f"model={model}", f"run_dir={run_dir}", f"data.tokenizer={corpus['tokenizer']}",
                  f"data.sources=[{{name: b, path: {corpus['train']}}}]", "data.valid=[]", f"data.max_len={seq}",
                  "data.view_max_len=32", "data.num_workers=0", f"train.micro_batch_size={batch}",
@@ -71,15 +75,32 @@ def run_arm(corpus: dict, run_dir: Path, *, arm: str, zero: int, steps: int, eve
         code = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise RuntimeError(f"{arm} ZeRO-{zero} exited {code}; see {log}")
-    first = next(json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
-                 if json.loads(ln).get("split") == "train")
-    return (run_dir / "checkpoints" / "latest").stat().st_mtime - first["time"]
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in records if r.get("split") == "train")
+    wall = (run_dir / "checkpoints" / "latest").stat().st_mtime - first["time"]
+    return wall, stall_per_checkpoint(records, steps)
 
 
-def lost_per_checkpoint(times: dict, num_saves: int) -> dict:
-    """{"sync", "background"}: seconds lost per periodic checkpoint against the run without, and their ratio."""
-    out = {arm: (times[arm] - times["none"]) / num_saves for arm in ("sync", "background")}
-    out["ratio"] = out["background"] / out["sync"] if out["sync"] > 0 else float("nan")
+def stall_per_checkpoint(records: list[dict], steps: int) -> float:
+    """Seconds the loop stood still per periodic save: their pauses (snapshot; the whole save when synchronous; the
+    wait for the save before) plus the final save's wait for the last periodic one, over the periodic saves."""
+    saves = [r for r in records if r.get("split") == "checkpoint"]
+    periodic = [r for r in saves if r["step"] < steps]
+    final = [r for r in saves if r["step"] == steps]
+    if not periodic:
+        return 0.0
+    return (sum(r["pause_s"] for r in periodic) + sum(r["wait_prev_s"] for r in final)) / len(periodic)
+
+
+def lost_per_checkpoint(times: dict, stalls: dict, num_saves: int) -> dict:
+    """Seconds lost per periodic checkpoint, sync and background: by wall time against the run without saves (CPU the
+    background writer takes from training included; noisy on a loaded machine) and by the loop's own stall; the
+    ratios background/sync."""
+    out = {f"{arm}_wall": (times[arm] - times["none"]) / num_saves for arm in ("sync", "background")}
+    out.update({f"{arm}_stall": stalls[arm] for arm in ("sync", "background")})
+    for kind in ("wall", "stall"):
+        sync = out[f"sync_{kind}"]
+        out[f"ratio_{kind}"] = out[f"background_{kind}"] / sync if sync > 0 else float("nan")
     return out
 
 
@@ -107,23 +128,29 @@ def main(argv=None) -> int:
                 every=args.every, ranks=args.ranks, model=args.model, batch=args.batch, seq=args.seq)
         for zero in args.zero:
             times = {arm: float("inf") for arm in ARMS}
+            stalls = {arm: float("inf") for arm in ARMS}
             for rep in range(args.repeat):
                 for arm in ARMS:
                     run_dir = Path(tmp) / f"z{zero}_{arm}_{rep}"
-                    seconds = run_arm(corpus, run_dir, arm=arm, zero=zero, steps=args.steps, every=args.every,
+                    seconds, stall = run_arm(corpus, run_dir, arm=arm, zero=zero, steps=args.steps, every=args.every,
                                       ranks=args.ranks, model=args.model, batch=args.batch, seq=args.seq)
-                    times[arm] = min(times[arm], seconds)
+                    times[arm], stalls[arm] = min(times[arm], seconds), min(stalls[arm], stall)
                     shutil.rmtree(run_dir, ignore_errors=True)
-                    print(f"  ZeRO-{zero} {arm:<10} {seconds:7.2f} s  (load {os.getloadavg()[0]:.2f})", flush=True)
-            rows.append({"zero": zero, **{f"{a}_s": t for a, t in times.items()}, **lost_per_checkpoint(times, num_saves)})
+                    print(f"  ZeRO-{zero} {arm:<10} {seconds:7.2f} s, stalled {stall:.3f} s per checkpoint  "
+                          f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            rows.append({"zero": zero, **{f"{a}_s": t for a, t in times.items()},
+                         **lost_per_checkpoint(times, stalls, num_saves)})
     load_end = os.getloadavg()
     print(f"\nmodel={args.model}, {args.ranks} rank(s), micro-batch {args.batch} x {args.seq} tokens, {args.steps} steps, a checkpoint every {args.every} "
           f"({num_saves} periodic + the final one), best of {args.repeat}")
-    print(f"{'ZeRO':>4} | {'no saves s':>10} | {'sync s':>7} | {'bg s':>7} | {'lost/ckpt sync':>14} | "
-          f"{'lost/ckpt bg':>12} | {'bg/sync':>7}")
+    print("lost per checkpoint: 'stall' = the training loop stood still (trainer's checkpoint records); 'wall' = run "
+          "time minus the run without periodic saves (also counts CPU the writer takes; noisy under load)")
+    print(f"{'ZeRO':>4} | {'no saves s':>10} | {'sync s':>7} | {'bg s':>7} | {'stall sync':>10} | {'stall bg':>9} | "
+          f"{'bg/sync':>7} | {'wall sync':>9} | {'wall bg':>8} | {'bg/sync':>7}")
     for r in rows:
         print(f"{r['zero']:>4} | {r['none_s']:>10.2f} | {r['sync_s']:>7.2f} | {r['background_s']:>7.2f} | "
-              f"{r['sync']:>13.3f}s | {r['background']:>11.3f}s | {r['ratio']:>7.1%}")
+              f"{r['sync_stall']:>9.3f}s | {r['background_stall']:>8.3f}s | {r['ratio_stall']:>7.1%} | "
+              f"{r['sync_wall']:>8.2f}s | {r['background_wall']:>7.2f}s | {r['ratio_wall']:>7.1%}")
     print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}  (goal: bg/sync <= 20%)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"rows": rows, "load_start": load_start, "load_end": load_end,

@@ -338,8 +338,11 @@ class Trainer:
     def save(self, *, wait: bool = False) -> Path:
         """Checkpoint this step: a snapshot in memory, then training goes on while ``self.saver`` writes and
         publishes it (``wait`` or checkpoint.background=false: published before this returns). The previous save
-        is waited for first; a failed one raises its CheckpointError here."""
+        is waited for first; a failed one raises its CheckpointError here. metrics.jsonl gets a "checkpoint" record:
+        the seconds training stood still here (``pause_s``), of them waiting for the previous save (``wait_prev_s``)."""
+        t0 = time.perf_counter()
         self.saver.wait()
+        waited = time.perf_counter() - t0
         # The skipped steps so far are part of the state; a diverged run stops here, before it writes.
         self.state.bad_steps_total = self.bad.settle()
         self.state.spike_watch = self.spikes.state_dict()
@@ -352,6 +355,8 @@ class Trainer:
         self._saved, self._save_due, self._last_save_t = (self.state.step, path), False, time.monotonic()
         if wait or not c.checkpoint.background:
             self.saver.wait()
+        self.writer.log(self.state.step, {"pause_s": time.perf_counter() - t0, "wait_prev_s": waited},
+                        split="checkpoint")
         return path
 
     def _published(self, path: Path) -> None:
