@@ -116,20 +116,6 @@ def file_digests(path: Path, *, full: bool = True) -> dict:
     return out
 
 
-def bytes_digests(data) -> dict:
-    """``file_digests`` of a file whose bytes are ``data`` (a bytes-like object), computed from memory."""
-    view = memoryview(data).cast("B")
-    size = view.nbytes
-    sampled = hashlib.sha256(str(size).encode())
-    if size <= SAMPLE_BLOCK * SAMPLE_BLOCKS:
-        sampled.update(view)
-    else:
-        for i in range(SAMPLE_BLOCKS):
-            at = round(i * (size - SAMPLE_BLOCK) / (SAMPLE_BLOCKS - 1))
-            sampled.update(view[at:at + SAMPLE_BLOCK])
-    return {"bytes": size, "sampled_sha256": sampled.hexdigest(), "sha256": hashlib.sha256(view).hexdigest()}
-
-
 def write_weights(tmp_dir: Path, step: int, *, in_thread: bool = False) -> None:
     """model.safetensors: the PretrainModel's fp32 weights consolidated from the DeepSpeed files just written
     (any ZeRO stage; our own files, read back once, by rank 0's background writer), so that no reader of the

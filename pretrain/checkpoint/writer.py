@@ -18,7 +18,7 @@ Shapes: none (bytes and files).
 
 from __future__ import annotations
 
-import io
+import hashlib
 import json
 import shutil
 import threading
@@ -31,6 +31,7 @@ import torch
 from pretrain.checkpoint import store
 from pretrain.checkpoint.files import atomic_write_text, fsync_files
 from pretrain.distributed.comm import all_reduce_host
+from pretrain.distributed.engine import Pieces
 
 MARKER_POLL_S = 0.02
 """How often rank 0's writer looks for the other ranks' markers."""
@@ -47,8 +48,8 @@ class SaveJob:
     step: int
     rank: int
     world_size: int
-    blobs: list[tuple[str, memoryview]]
-    """(absolute path, bytes) of the files this rank writes."""
+    blobs: list[tuple[str, list[bytes]]]
+    """(absolute path, its bytes in pieces) of the files this rank writes."""
     # rank 0 only
     trainer_state: dict = field(default_factory=dict)
     config_yaml: str = ""
@@ -89,23 +90,27 @@ def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config
                    keep_last=keep_last, timeout_s=timeout_s)
 
 
-def _serialized(obj) -> memoryview:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getbuffer()
+def _serialized(obj) -> list[bytes]:
+    pieces = Pieces()
+    torch.save(obj, pieces)
+    return pieces.parts
 
 
 def write_share(job: SaveJob) -> dict:
-    """This rank's files written and fsynced; returns their digests by name relative to the tag (from memory: the
-    bytes just written are the bytes hashed)."""
-    digests = {}
-    for path, data in job.blobs:
+    """This rank's files written and fsynced; returns their digests by name relative to the tag (the whole sha256
+    from memory, of the bytes as they are written; the sampled one read back: at most 8 MiB a file)."""
+    whole = {}
+    for path, pieces in job.blobs:
+        sha = hashlib.sha256()
         with open(path, "wb") as f:
-            f.write(data)
-        digests[str(Path(path).relative_to(job.tmp_dir))] = store.bytes_digests(data)
-    fsync_files(path for path, _ in job.blobs)
-    job.blobs = [(path, memoryview(b"")) for path, _ in job.blobs]  # the snapshot's memory goes now
-    return digests
+            for piece in pieces:
+                f.write(piece)
+                sha.update(piece)
+        whole[path] = sha.hexdigest()
+    job.blobs = [(path, []) for path, _ in job.blobs]  # the snapshot's memory goes now
+    fsync_files(whole)
+    return {str(Path(path).relative_to(job.tmp_dir)): dict(store.file_digests(Path(path), full=False), sha256=sha)
+            for path, sha in whole.items()}
 
 
 def run_rank(job: SaveJob) -> None:

@@ -9,7 +9,6 @@ typed configs (``build_ds_config``) — users never write one by hand.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 from dataclasses import dataclass
@@ -153,6 +152,21 @@ class StepInfo:
     skipped: bool | torch.Tensor
 
 
+class Pieces:
+    """A write-only file in memory: what ``torch.save`` writes, kept as the pieces it wrote (one copy each; a
+    ``BytesIO`` copies again whenever it grows)."""
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self.parts.append(bytes(data))
+        return len(self.parts[-1])
+
+    def flush(self) -> None:
+        pass
+
+
 class Engine:
     """A DeepSpeed engine around ``module`` with a client AdamW and LambdaLR schedule."""
 
@@ -259,9 +273,9 @@ class Engine:
         """Collective: every rank writes its partition under ``directory/tag``."""
         self.ds.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
 
-    def snapshot(self, directory: str, tag: str, client_state: dict) -> list[tuple[str, memoryview]]:
+    def snapshot(self, directory: str, tag: str, client_state: dict) -> list[tuple[str, list[bytes]]]:
         """Collective: DeepSpeed's save of ``directory/tag`` serialized into host memory instead of files — the
-        (path, bytes) of every file this rank would write, byte for byte what ``torch.save`` would put there. Only
+        (path, its bytes in pieces) of every file this rank would write, byte for byte what ``torch.save`` would put there. Only
         directories (and rank 0's copy of DeepSpeed's small zero_to_fp32.py) reach the disk; writing the bytes is
         the caller's, off the training path (checkpoint/writer.py)."""
         deepspeed = _import_deepspeed()
@@ -271,16 +285,16 @@ class Engine:
 
         real = self.ds.checkpoint_engine
         zipfile = getattr(real, "zipfile_serialization", True)
-        captured: list[tuple[str, memoryview]] = []
+        captured: list[tuple[str, list[bytes]]] = []
 
         class _Capture(CheckpointEngine):
             def create(self, info):
                 pass
 
             def save(self, state_dict, path: str):
-                buf = io.BytesIO()
-                torch.save(state_dict, buf, _use_new_zipfile_serialization=zipfile)
-                captured.append((str(path), buf.getbuffer()))
+                pieces = Pieces()
+                torch.save(state_dict, pieces, _use_new_zipfile_serialization=zipfile)
+                captured.append((str(path), pieces.parts))
 
             def load(self, path: str, map_location=None):
                 raise RuntimeError("the snapshot engine only saves")

@@ -1,5 +1,5 @@
-"""checkpoint/writer.py without DeepSpeed: digests from memory equal those of the written file, and rank 0's writer
-publishes nothing when another rank's write failed or never finished."""
+"""checkpoint/writer.py without DeepSpeed: the digests a writer records equal those of the written files, and rank 0's
+writer publishes nothing when another rank's write failed or never finished."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import time
 import pytest
 
 from pretrain.checkpoint import store
-from pretrain.checkpoint.writer import SaveJob, run_main, run_rank
+from pretrain.checkpoint.writer import SaveJob, run_main, run_rank, write_share
 
 
 @pytest.mark.parametrize("size", [0, 1000, store.SAMPLE_BLOCK * store.SAMPLE_BLOCKS + 12345])
-def test_digests_from_memory_equal_those_of_the_file(size, tmp_path):
+def test_recorded_digests_equal_those_of_the_written_file(size, tmp_path):
     data = os.urandom(size)
-    (tmp_path / "f").write_bytes(data)
-    assert store.bytes_digests(memoryview(data)) == store.file_digests(tmp_path / "f")
+    job = _job(tmp_path, 1)
+    job.blobs = [(str(job.tmp_dir / "f.pt"), [data[:size // 3], data[size // 3:]])]
+    assert write_share(job) == {"f.pt": store.file_digests(job.tmp_dir / "f.pt")}
+    assert (job.tmp_dir / "f.pt").read_bytes() == data
 
 
 def _job(tmp_path, rank: int, **kw) -> SaveJob:
@@ -24,14 +26,14 @@ def _job(tmp_path, rank: int, **kw) -> SaveJob:
     tmp_dir = ckpt / ".tmp-step_00000004"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     job = SaveJob(ckpt_dir=ckpt, step=4, rank=rank, world_size=2, trainer_state={"step": 4}, config_yaml="a: 1\n",
-                  blobs=[(str(tmp_dir / f"part_rank{rank}.pt"), memoryview(b"x" * 100))], **kw)
+                  blobs=[(str(tmp_dir / f"part_rank{rank}.pt"), [b"x" * 100])], **kw)
     job.deadline = time.monotonic() + 30
     return job
 
 
 def test_another_ranks_failure_removes_the_partial_tag(tmp_path):
     other = _job(tmp_path, 1)
-    other.blobs = [(str(other.tmp_dir / "missing_dir" / "part.pt"), memoryview(b"x"))]  # its write fails
+    other.blobs = [(str(other.tmp_dir / "missing_dir" / "part.pt"), [b"x"])]  # its write fails
     with pytest.raises(FileNotFoundError):
         run_rank(other)
     assert (other.tmp_dir / ".failed-rank1").is_file()
