@@ -15,8 +15,8 @@ Layout under ``<run_dir>/checkpoints/``::
                               tag's optimizer state in DeepSpeed's universal layout (``universal.py``, which
                               builds on this module; its ``prune`` removes a copy with its tag)
 
-A save writes into ``.tmp-step_…`` and is published by one ``os.replace`` of the directory,
-then ``latest`` is replaced atomically. ``trainer_state.json`` is written last inside the tag,
+A save (``writer.py``: snapshot in memory, written in the background) writes into ``.tmp-step_…`` and is
+published by one ``os.replace`` of the directory, then ``latest`` is replaced atomically. ``trainer_state.json`` is written last inside the tag,
 so a directory without it is never taken for a checkpoint.
 """
 
@@ -32,10 +32,9 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint.files import atomic_write_text, fsync_files, save_safetensors
-from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
 from pretrain.fsutil import fsync_dir, replace_dir
-from pretrain.model.flat import layout_of, unflatten_state
+from pretrain.model.flat import unflatten_state
 
 FORMAT_VERSION = 3
 """2: trainer_state.json names the sample stream (``sample_stream``); a version-1 pretraining state is read as
@@ -121,46 +120,42 @@ def file_digests(path: Path, *, full: bool = True) -> dict:
     return out
 
 
-def _write_weights(tmp_dir: Path, step: int) -> None:
+def write_weights(tmp_dir: Path, step: int, *, in_thread: bool = False) -> None:
     """model.safetensors: the PretrainModel's fp32 weights consolidated from the DeepSpeed files just written
-    (any ZeRO stage; our own files, read back once), so that no reader of the weights has to unpickle."""
-    full = deepspeed_fp32_state(tmp_dir)
+    (any ZeRO stage; our own files, read back once, by rank 0's background writer), so that no reader of the
+    weights has to unpickle."""
+    full = deepspeed_fp32_state(tmp_dir, in_thread=in_thread)
     state = {k[len("model."):]: v.detach().clone().contiguous() for k, v in full.items() if k.startswith("model.")}
     tmp = tmp_dir / (WEIGHTS_FILE + ".tmp")
     save_safetensors(state, tmp, metadata={"format": "pt", "dtype": "float32", "step": str(step)})  # umask mode
     os.replace(tmp, tmp_dir / WEIGHTS_FILE)
 
 
-def deepspeed_fp32_state(tag_dir: Path) -> dict:
+def deepspeed_fp32_state(tag_dir: Path, *, in_thread: bool = False) -> dict:
     """The module's fp32 state (``model.*``, ``heads.*``) read from a checkpoint's DeepSpeed files, per tensor:
     flat layers' tensors split as its ``flat_layout.json`` records."""
-    full = fp32_state_dict_from_checkpoint(str(tag_dir))
+    full = fp32_state_dict_from_checkpoint(str(tag_dir), in_thread=in_thread)
     layout_file = Path(tag_dir) / FLAT_LAYOUT_FILE
     if not layout_file.is_file():
         return full
     return unflatten_state(full, json.loads(layout_file.read_text(encoding="utf-8")))
 
 
-def _record_files(env, tmp_dir: Path) -> None:
-    """files.json of a checkpoint being published: every rank first fsyncs every file (so that each writer
-    flushes what it wrote, also on NFS: the publish rename must not outrun the data), then the files are split
-    over the ranks, each hashes its share (read back from the page cache right after writing), rank 0 writes the
-    union."""
+def record_files(tmp_dir: Path, digests: dict) -> None:
+    """files.json of a checkpoint being published, by rank 0 once every rank's writer finished: ``digests`` are
+    what the ranks wrote (each rank fsynced and hashed its own files: on NFS every writer must flush what it
+    wrote before the publish rename); the files rank 0 added (config, tokenizer, weights, DeepSpeed's script)
+    are fsynced and hashed here, then every directory of the tag is fsynced."""
     names = sorted(str(p.relative_to(tmp_dir)) for p in tmp_dir.rglob("*")
                    if p.is_file() and p.name not in (STATE_FILE, FILES_FILE) and not p.name.endswith(".tmp")
                    and not p.name.startswith("."))
-    fsync_files(tmp_dir / n for n in names)
-    for d in {(tmp_dir / n).parent for n in names}:
+    rest = [n for n in names if n not in digests]
+    fsync_files(tmp_dir / n for n in rest)
+    recorded = {n: digests[n] if n in digests else file_digests(tmp_dir / n) for n in names}
+    for d in {(tmp_dir / n).parent for n in names} | {tmp_dir}:
         fsync_dir(d)
-    world = env.world_size if env.is_distributed else 1
-    mine = {n: file_digests(tmp_dir / n) for n in names[env.rank::world]}
-    if env.is_distributed:
-        parts = [None] * world
-        torch.distributed.all_gather_object(parts, mine)
-        mine = {k: v for part in parts for k, v in part.items()}
-    if env.is_main:
-        atomic_write_text(tmp_dir / FILES_FILE, json.dumps({"files": mine, "sample_block": SAMPLE_BLOCK,
-                                                              "sample_blocks": SAMPLE_BLOCKS}, indent=1))
+    atomic_write_text(tmp_dir / FILES_FILE, json.dumps({"files": recorded, "sample_block": SAMPLE_BLOCK,
+                                                          "sample_blocks": SAMPLE_BLOCKS}, indent=1))
 
 
 def verify_checkpoint(tag_dir: Path, *, full: bool = False) -> list[str]:
@@ -219,68 +214,6 @@ def find_resumable(ckpt_dir: Path, *, say=print) -> str | None:
     return None
 
 
-def save_checkpoint(engine, env, run_dir: str | os.PathLike, *, step: int, trainer_state: dict,
-                    config_yaml: str, tokenizer_path: str | None, keep_last: int) -> Path:
-    """Collective save; returns the published tag directory or raises CheckpointError."""
-    ckpt_dir = checkpoints_dir(run_dir)
-    tag = tag_for_step(step)
-    tmp_tag = ".tmp-" + tag
-    tmp_dir = ckpt_dir / tmp_tag
-    if env.is_main:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    _barrier(env)
-    error = None
-    try:
-        engine.save(str(ckpt_dir), tmp_tag, client_state={"step": step})
-        torch.save({"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   tmp_dir / f"rng_rank{env.rank}.pt")
-        if env.is_main:
-            (tmp_dir / "config.yaml").write_text(config_yaml, encoding="utf-8")
-            layout = layout_of(engine.module)
-            if layout:
-                atomic_write_text(tmp_dir / FLAT_LAYOUT_FILE, json.dumps(layout))
-            if tokenizer_path:
-                shutil.copyfile(tokenizer_path, tmp_dir / "tokenizer.json")
-    except (OSError, RuntimeError) as e:  # disk full, permissions, ... (torch.save reports ENOSPC as RuntimeError)
-        error = _describe(e)
-        if isinstance(e, RuntimeError) and not shutil.disk_usage(ckpt_dir).free:
-            error += " (no space left on device)"
-    failed = _any_rank(env, error is not None)
-    if not failed and env.is_main:
-        try:
-            _write_weights(tmp_dir, step)
-        except (OSError, RuntimeError) as e:
-            error = _describe(e)
-    failed = _any_rank(env, error is not None)
-    if not failed:
-        try:
-            _record_files(env, tmp_dir)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-    failed = _any_rank(env, error is not None)
-    if not failed and env.is_main:
-        try:
-            state = dict(trainer_state, format_version=FORMAT_VERSION, step=step, tag=tag)
-            atomic_write_text(tmp_dir / STATE_FILE, json.dumps(state, indent=2))
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-    failed = _any_rank(env, error is not None)
-    if failed:
-        if env.is_main:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        previous = find_latest(ckpt_dir)
-        raise CheckpointError(
-            f"saving checkpoint {tag} failed ({error or 'on another rank'}); the partial files were removed and "
-            f"the previous checkpoint ({previous or 'none'}) is intact. Free disk space in {ckpt_dir} and resume."
-        )
-    if env.is_main:
-        _publish(ckpt_dir, tmp_dir, tag, keep_last)
-    _barrier(env)
-    return ckpt_dir / tag
-
-
 def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
     """Collective: replace a published checkpoint's trainer_state.json (atomically; files.json does not cover it)
     — a rollback records there the samples it skips, so that resuming from this checkpoint skips them too."""
@@ -291,7 +224,7 @@ def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
     _barrier(env)
 
 
-def _publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
+def publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
     """The complete ``tmp_dir`` becomes ``tag`` and ``latest`` (each by an atomic rename); the oldest checkpoints
     beyond ``keep_last`` go."""
     # An older copy of this step (a step redone after a resume or rollback, which `latest` may name) is swapped
@@ -303,7 +236,7 @@ def _publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 
 
-def _describe(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
     """An exception as one line: its type and the last line of its message."""
     return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
 
@@ -431,10 +364,3 @@ def load_model_state(path: str | os.PathLike, *, trust: bool = False) -> tuple[d
 def _barrier(env) -> None:
     if env.is_distributed:
         torch.distributed.barrier()
-
-
-def _any_rank(env, flag: bool) -> bool:
-    if not env.is_distributed:
-        return flag
-
-    return bool(all_reduce_host(torch.tensor([1 if flag else 0], dtype=torch.int64)).item())

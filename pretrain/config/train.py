@@ -156,6 +156,13 @@ def resolve_precision(precision: str, fast_bf16: bool | None = None) -> str:
 class CheckpointConfig:
     every: int = 1000
     """Save every N steps (and at the end); 0 = only at the end."""
+    every_minutes: float = 0.0
+    """Also save when this many minutes passed since the last save (or the launch); 0 = off. Rank 0's clock
+    decides, at a step boundary."""
+    background: bool = True
+    """Write, hash, consolidate (model.safetensors) and publish each checkpoint on a background thread after an
+    in-memory snapshot, so training goes on meanwhile (the next save, the end of the run and a stop signal wait for
+    it). false: every save finishes before training continues (the same files, written at once)."""
     keep_last: int = 3
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the run directory's latest complete checkpoint if there is one."""
@@ -168,6 +175,9 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:
             raise ValueError(f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1, got {self.every}, {self.keep_last}")
+        if not self.every_minutes >= 0 or self.every_minutes == float("inf"):
+            raise ValueError(f"checkpoint.every_minutes must be a finite number >= 0 (0 = off), got "
+                             f"{self.every_minutes!r}")
 
 
 @dataclass(kw_only=True)

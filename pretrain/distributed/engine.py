@@ -8,6 +8,7 @@ typed configs (``build_ds_config``) — users never write one by hand.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -151,6 +152,21 @@ class StepInfo:
     skipped: bool | torch.Tensor
 
 
+class Pieces:
+    """A write-only file in memory: what ``torch.save`` writes, kept as the pieces it wrote (one copy each; a
+    ``BytesIO`` copies again whenever it grows)."""
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self.parts.append(bytes(data))
+        return len(self.parts[-1])
+
+    def flush(self) -> None:
+        pass
+
+
 class Engine:
     """A DeepSpeed engine around ``module`` with a client AdamW and LambdaLR schedule."""
 
@@ -257,6 +273,43 @@ class Engine:
         """Collective: every rank writes its partition under ``directory/tag``."""
         self.ds.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
 
+    def snapshot(self, directory: str, tag: str, client_state: dict) -> list[tuple[str, list[bytes]]]:
+        """Collective: DeepSpeed's save of ``directory/tag`` serialized into host memory instead of files — the
+        (path, its bytes in pieces) of every file this rank would write, byte for byte what ``torch.save`` would put there. Only
+        directories (and rank 0's copy of DeepSpeed's small zero_to_fp32.py) reach the disk; writing the bytes is
+        the caller's, off the training path (checkpoint/writer.py)."""
+        deepspeed = _import_deepspeed()
+        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+            CheckpointEngine,
+        )
+
+        real = self.ds.checkpoint_engine
+        zipfile = getattr(real, "zipfile_serialization", True)
+        captured: list[tuple[str, list[bytes]]] = []
+
+        class _Capture(CheckpointEngine):
+            def create(self, info):
+                pass
+
+            def save(self, state_dict, path: str):
+                pieces = Pieces()
+                torch.save(state_dict, pieces, _use_new_zipfile_serialization=zipfile)
+                captured.append((str(path), pieces.parts))
+
+            def load(self, path: str, map_location=None):
+                raise RuntimeError("the snapshot engine only saves")
+
+            def commit(self, info):
+                return True
+
+        self.ds.checkpoint_engine = _Capture()
+        try:
+            self.ds.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
+        finally:
+            self.ds.checkpoint_engine = real
+        del deepspeed
+        return captured
+
     def load(self, directory: str, tag: str, *, load_optimizer: bool = True) -> dict:
         """Collective: model, optimizer and LR schedule from ``directory/tag`` (a universal checkpoint when the
         engine was built with ``load_universal``)."""
@@ -311,11 +364,13 @@ def convert_to_universal(tag_dir: str, out_dir: str, *, log) -> None:
         ds_to_universal.main(args)
 
 
-def fp32_state_dict_from_checkpoint(tag_dir: str) -> dict:
+def fp32_state_dict_from_checkpoint(tag_dir: str, *, in_thread: bool = False) -> dict:
     """Full fp32 module state dict from a DeepSpeed checkpoint tag directory, any ZeRO stage, on CPU.
 
     ZeRO 1–3 keep the fp32 master weights in optimizer partitions; they are merged with
-    DeepSpeed's own reader. Stage 0 keeps them in the module states file.
+    DeepSpeed's own reader. Stage 0 keeps them in the module states file. ``in_thread``: called beside a
+    running trainer (the background checkpoint writer), where redirecting the process's stdout would swallow the
+    trainer's lines too: the reader's prints and progress bar are muted in its own module instead.
     """
     deepspeed = _import_deepspeed()
     from deepspeed.utils import zero_to_fp32
@@ -324,8 +379,12 @@ def fp32_state_dict_from_checkpoint(tag_dir: str) -> dict:
     parent, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
     has_zero = any(f.endswith("optim_states.pt") and "zero_pp_rank" in f for f in os.listdir(tag_dir))
     if has_zero:
-        with quiet_third_party():  # five lines and a "Loading checkpoint shards" bar per checkpoint
-            sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+        if in_thread:
+            with _muted(zero_to_fp32):
+                sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+        else:
+            with quiet_third_party():  # five lines and a "Loading checkpoint shards" bar per checkpoint
+                sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
         return {k: v.float() for k, v in sd.items()}
     model_files = sorted(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt"))
     if not model_files:
@@ -333,3 +392,19 @@ def fp32_state_dict_from_checkpoint(tag_dir: str) -> dict:
     state = torch.load(os.path.join(tag_dir, model_files[0]), map_location="cpu", weights_only=False)
     del deepspeed
     return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}
+
+
+@contextlib.contextmanager
+def _muted(module):
+    """``module``'s own ``print`` and ``tqdm`` silenced (module globals: other threads' output is untouched)."""
+    saved = {name: module.__dict__.get(name) for name in ("print", "tqdm")}
+    module.print = lambda *args, **kwargs: None
+    module.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, value)

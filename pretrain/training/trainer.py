@@ -14,6 +14,7 @@ import torch
 
 from pretrain.checkpoint import store
 from pretrain.checkpoint import universal as universal_copy
+from pretrain.checkpoint.writer import CheckpointWriter, snapshot_job
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data.loader import ORDER_RULE, build_loader
 from pretrain.distributed.comm import all_reduce_host
@@ -21,7 +22,12 @@ from pretrain.distributed.engine import Engine
 from pretrain.distributed.peers import PeerWatch
 from pretrain.distributed.signals import StopSignal
 from pretrain.metrics.accumulate import MetricSums
-from pretrain.metrics.writer import MetricsWriteError, MetricsWriter, format_progress, print_progress
+from pretrain.metrics.writer import (
+    MetricsWriteError,
+    MetricsWriter,
+    format_progress,
+    print_progress,
+)
 from pretrain.objective.forward import mean_pool_mix
 from pretrain.training.banner import banner_lines
 from pretrain.training.build import apply_param_layout, prepare_run, train_loader_builder
@@ -109,6 +115,9 @@ class Trainer:
         self.spikes = SpikeWatch(cfg.train.spike, self.state.spike_watch)
         self.writer = MetricsWriter(self.run_dir, enabled=env.is_main, resume_step=self.state.step)
         self._saved: tuple[int, Path] | None = None  # (step, tag dir) of this launch's last save
+        self.saver = CheckpointWriter(env, on_published=self._published if env.is_main else None)
+        self._save_due = False  # checkpoint.every_minutes passed (agreed by every rank in _should_stop)
+        self._last_save_t = time.monotonic()
 
     def _loader(self, dataset, start_sample: int):
         c = self.cfg
@@ -133,6 +142,7 @@ class Trainer:
             self.validate()  # the untrained baseline, so the held-out curve starts at step 0
         self.engine.train()
         start_step = st.step
+        self._last_save_t = time.monotonic()
         eta, collapse = Eta(start_step, c.train.max_steps), CollapseWatch(c, self.env.world_size)
         self.window.reset()
         while st.step < c.train.max_steps:
@@ -142,7 +152,7 @@ class Trainer:
             # The first step of a launch is shown at once; it is not a logged window (that runs on to the next
             # log step, so the logged figures are the same whether or not the run was resumed).
             log_now = every(c.train.log_every, st.step, last=last) or st.step == start_step + 1
-            save_now = every(c.checkpoint.every, st.step) and not last
+            save_now = (every(c.checkpoint.every, st.step) or self._save_due) and not last
             # Losses are judged where the host reads anyway: log steps, and before every checkpoint (spikes.py).
             if self._rolled_back(judge=log_now or save_now or last):
                 loader, st = iter(self.train_loader), self.state
@@ -178,6 +188,10 @@ class Trainer:
         return result.info, result.bad
 
     def _diverged(self, consecutive: int, last_step: int) -> str:
+        try:
+            self.saver.wait()  # the save in flight is the last good checkpoint once it is published
+        except store.CheckpointError as e:
+            print_progress(f"warning: {e}")
         return (f"{consecutive} consecutive steps with a non-finite loss or gradient (last at step {last_step}); "
                 f"stopping. The last good checkpoint is {store.find_latest(store.checkpoints_dir(self.run_dir))}; "
                 f"lower optim.lr or check the data before resuming.")
@@ -197,6 +211,7 @@ class Trainer:
         """Back to the last good checkpoint with the data position past the samples since (``spikes.plan_rollback``),
         the skip recorded in that checkpoint; a console line and a ``rollback`` record in metrics.jsonl."""
         spike_cfg = self.cfg.train.spike
+        self.saver.wait()  # the save in flight may be the last good checkpoint
         tag_dir, state, record = plan_rollback(self.run_dir, self.env, self.state, trigger, spike_cfg)
         universal = tag_dir == self._universal_tag  # the checkpoint this launch resumed from on another rank count
         engine_dir = universal_copy.prepare(self.env, tag_dir, say=print_progress) if universal else None
@@ -228,37 +243,44 @@ class Trainer:
                     print_progress(warning)
         self.window.reset()
 
-    def _checkpoint_now(self) -> Path:
-        """A checkpoint before stopping. Steps not judged yet are judged before they are saved; a rollback's
-        checkpoint is then the one to resume."""
+    def _checkpoint_now(self, *, in_flight_will_do: bool = False) -> tuple[int, Path]:
+        """(step, tag dir) of a published checkpoint to stop at. Steps not judged yet are judged before they are
+        saved; a rollback's checkpoint is then the one to resume. A save of this step (just made, perhaps still
+        being written) is finished, not started again; with ``in_flight_will_do`` (a stop signal: time counts
+        before the job is killed) so is one of an earlier step still being written — the steps since are redone
+        on resume, exactly."""
         trigger = self.spikes.judge(self.env)
         if trigger is not None:
-            return self.roll_back(trigger)
-        if self._saved is not None and self._saved[0] == self.state.step:  # this step's periodic save just ran
-            return self._saved[1]
-        return self.save()
+            path = self.roll_back(trigger)
+            return self.state.step, path
+        in_flight = self.saver.in_flight is not None
+        if self._saved is not None and (self._saved[0] == self.state.step or (in_flight and in_flight_will_do)):
+            self.saver.wait()
+            return self._saved
+        self.save(wait=True)
+        return self._saved
 
     def _stop_for_signal(self) -> int:
-        path = self._checkpoint_now()
+        step, path = self._checkpoint_now(in_flight_will_do=True)
         code = self.stop_signal.exit_code  # 130 after Ctrl-C on this rank, else 75 (requeue)
         if self.env.is_main:
             why = ("stopped by Ctrl-C: resume with the same command" if code != REQUEUE_EXIT_CODE
                    else "exiting so the job is requeued")
-            print_progress(f"stop signal: checkpointed step {self.state.step} ({path}); {why} (exit {code})")
+            print_progress(f"stop signal: checkpointed step {step} ({path}); {why} (exit {code})")
         return code
 
     def _stop_for_metrics(self) -> None:
         """metrics.jsonl or TensorBoard could not be written (disk full, quota): checkpoint, then stop with exit 4
         (a failing checkpoint raises its own CheckpointError, also exit 4)."""
-        path = self._checkpoint_now()
+        step, path = self._checkpoint_now()
         why = self.writer.failure or "rank 0 could not write metrics.jsonl or TensorBoard events (see its message)"
-        raise MetricsWriteError(f"{why}; checkpointed step {self.state.step} ({path}). Free space in "
+        raise MetricsWriteError(f"{why}; checkpointed step {step} ({path}). Free space in "
                                 f"{self.run_dir} and resume with the same command: it continues from that checkpoint "
                                 f"(metrics of the steps since the failure are not recorded)")
 
     def _finish(self, start_step: int, eta: Eta) -> int:
         last_valid = self.validate()
-        path = self.save()
+        path = self.save(wait=True)
         if self._should_stop() == "metrics":  # the last steps' or the final validation's records failed
             self._stop_for_metrics()
         if self.env.is_main:
@@ -314,31 +336,59 @@ class Trainer:
                            f"(best {scores['stsb_dev_best']:.2f})")
         return scores
 
-    def save(self) -> Path:
+    def save(self, *, wait: bool = False) -> Path:
+        """Checkpoint this step: a snapshot in memory, then training goes on while ``self.saver`` writes and
+        publishes it (``wait`` or checkpoint.background=false: published before this returns). The previous save
+        is waited for first; a failed one raises its CheckpointError here. metrics.jsonl gets a "checkpoint" record:
+        the seconds training stood still here (``pause_s``), of them waiting for the previous save (``wait_prev_s``)."""
+        t0 = time.perf_counter()
+        self.saver.wait()
+        waited = time.perf_counter() - t0
         # The skipped steps so far are part of the state; a diverged run stops here, before it writes.
         self.state.bad_steps_total = self.bad.settle()
         self.state.spike_watch = self.spikes.state_dict()
-        path = store.save_checkpoint(self.engine, self.env, self.run_dir, step=self.state.step,
-                                     trainer_state=self.state.state_dict(), config_yaml=to_yaml(self.cfg),
-                                     tokenizer_path=self.cfg.data.tokenizer, keep_last=self.cfg.checkpoint.keep_last)
-        if self.env.is_main:
-            universal_copy.prune(path.parent)
-            print_progress(f"checkpoint {path}")
-        self._saved = (self.state.step, path)
+        c = self.cfg
+        job = snapshot_job(self.engine, self.env, self.run_dir, step=self.state.step,
+                           trainer_state=self.state.state_dict(), config_yaml=to_yaml(c),
+                           tokenizer_path=c.data.tokenizer, keep_last=c.checkpoint.keep_last,
+                           timeout_s=c.distributed.timeout_s)
+        path = self.saver.start(job)
+        self._saved, self._save_due, self._last_save_t = (self.state.step, path), False, time.monotonic()
+        if wait or not c.checkpoint.background:
+            self.saver.wait()
+        self.writer.log(self.state.step, {"pause_s": time.perf_counter() - t0, "wait_prev_s": waited},
+                        split="checkpoint")
         return path
 
+    def _published(self, path: Path) -> None:
+        """Rank 0, in the checkpoint writer's thread, once ``path`` is published."""
+        universal_copy.prune(path.parent)
+        print_progress(f"checkpoint {path}")
+
+    def _time_to_save(self) -> bool:
+        """checkpoint.every_minutes passed since the last save (rank 0's clock decides)."""
+        minutes = self.cfg.checkpoint.every_minutes
+        return bool(minutes) and self.env.is_main and time.monotonic() - self._last_save_t >= 60 * minutes
+
     def _should_stop(self) -> str | None:
-        """Why every rank stops now: "metrics" (rank 0's metrics writer failed), "signal", or None."""
+        """Why every rank stops now: "metrics" (rank 0's metrics writer failed), "signal", or None. The same
+        all-reduce agrees whether checkpoint.every_minutes is due (``_save_due``, for the next step)."""
         flags = torch.tensor([int(self.stop_signal.requested), int(self.lock is not None and self.lock.lost),
-                              int(self.writer.failure is not None)])
+                              int(self.writer.failure is not None), int(self._time_to_save())])
         if self.env.is_distributed:
             flags = all_reduce_host(flags)
+        self._save_due = self._save_due or bool(flags[3])
         if flags[1]:  # another trainer took the run directory over: stop without writing anything more
             raise RunDirLocked(f"the lock of run directory {self.run_dir} was taken over by another trainer "
                                f"({self.run_dir / LOCK_NAME}); stopping at step {self.state.step} without saving")
         return "metrics" if flags[2] else "signal" if flags[0] else None
 
     def close(self) -> None:
+        saver = getattr(self, "saver", None)
+        error = saver.close() if saver is not None else None  # a save in flight is finished, not abandoned
+        if error is not None:
+            print_progress(f"warning: the checkpoint being written when the run ended failed "
+                           f"({store.describe_error(error)}); the previous one is intact")
         loader = getattr(self, "train_loader", None)
         if loader is not None:  # its workers stop now, not when (or whether) the loader is collected
             loader.close()

@@ -56,6 +56,9 @@ def test_include_order_and_local_keys_win(tmp_path):
     ("objective.nt_xent.temperature=0", "objective.nt_xent.temperature"),
     ("data.sources=[{name: a}]", "path"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+    ("checkpoint.every_minutes=-1", "checkpoint.every_minutes"),
+    ("checkpoint.every_minutes=.inf", "checkpoint.every_minutes"),
+    ("checkpoint.background=maybe", "checkpoint.background"),
     ("train.micro_batch_size=true", "train.micro_batch_size"),
 ])
 def test_bad_values_name_the_dotted_path(override, fragment):

@@ -1,0 +1,253 @@
+"""Checkpoints that do not stall training: snapshot in memory, write and publish in the background.
+
+A save has two halves. ``CheckpointWriter.save`` is the collective, on the training path: DeepSpeed's save of
+every rank is serialized into host memory (``Engine.snapshot``: the exact bytes ``torch.save`` would write), with
+the rank's RNG state, and a background thread is handed those bytes. Training goes on. Each rank's thread then
+writes its own files, fsyncs them, hashes them from memory and leaves a marker ``.done-rank<r>.json`` holding
+their digests. Rank 0's thread also writes config.yaml and the tokenizer copy, waits for every rank's marker,
+consolidates ``model.safetensors`` from the files (read back on rank 0 while nobody waits for it), writes
+files.json and trainer_state.json and publishes the tag by one rename (``store.publish``). A rank whose write
+fails leaves ``.failed-rank<r>`` instead, and rank 0 removes the temporary tag: a checkpoint is complete or absent.
+
+``wait`` (collective) joins this rank's thread and agrees across ranks whether the save succeeded; a new save waits
+for the previous one first, and so do the end of a run, a stop signal and a rollback. No collective runs in the
+threads: the ranks agree only through the markers and in ``wait``.
+
+Shapes: none (bytes and files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pretrain.checkpoint import store
+from pretrain.checkpoint.files import atomic_write_text, fsync_files
+from pretrain.distributed.comm import all_reduce_host
+from pretrain.distributed.engine import Pieces
+from pretrain.model.flat import layout_of
+
+MARKER_POLL_S = 0.02
+"""How often rank 0's writer looks for the other ranks' markers."""
+CLOSE_GRACE_S = 60.0
+"""A process that ends with a save in flight (an exception: other ranks may be gone) lets rank 0 wait this much longer
+for the other ranks' markers, not the whole distributed.timeout_s."""
+
+
+@dataclass(kw_only=True)
+class SaveJob:
+    """One rank's half of one save: what its writer thread writes, and on rank 0 what it publishes."""
+
+    ckpt_dir: Path
+    step: int
+    rank: int
+    world_size: int
+    blobs: list[tuple[str, list[bytes]]]
+    """(absolute path, its bytes in pieces) of the files this rank writes."""
+    # rank 0 only
+    trainer_state: dict = field(default_factory=dict)
+    config_yaml: str = ""
+    flat_layout: dict = field(default_factory=dict)
+    """model/flat.py's layout_of the module ({} for per-tensor parameters): flat_layout.json."""
+    tokenizer_path: str | None = None
+    keep_last: int = 1
+    timeout_s: float = 600.0
+    """How long rank 0 waits for the other ranks' markers (distributed.timeout_s)."""
+    deadline: float | None = None
+    """time.monotonic() past which rank 0 stops waiting for markers; set when the job starts, shortened by close."""
+
+    @property
+    def tag(self) -> str:
+        return store.tag_for_step(self.step)
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.ckpt_dir / (".tmp-" + self.tag)
+
+
+def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config_yaml: str,
+                 tokenizer_path: str | None, keep_last: int, timeout_s: float) -> SaveJob:
+    """Collective: this rank's state in host memory, as the bytes of the files it writes for checkpoint ``step``.
+    Rank 0 first clears leftovers of unfinished saves (no writer runs: the caller waited for the previous one)."""
+    ckpt_dir = store.checkpoints_dir(run_dir)
+    tmp_dir = ckpt_dir / (".tmp-" + store.tag_for_step(step))
+    if env.is_main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_dir.glob(".tmp-step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier(env)
+    blobs = engine.snapshot(str(ckpt_dir), tmp_dir.name, client_state={"step": step})
+    rng = {"torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    blobs.append((str(tmp_dir / f"rng_rank{env.rank}.pt"), _serialized(rng)))
+    return SaveJob(ckpt_dir=ckpt_dir, step=step, rank=env.rank, world_size=env.world_size if env.is_distributed else 1,
+                   blobs=blobs, trainer_state=json.loads(json.dumps(trainer_state)),  # a copy: training goes on
+                   config_yaml=config_yaml, flat_layout=layout_of(engine.module), tokenizer_path=tokenizer_path,
+                   keep_last=keep_last, timeout_s=timeout_s)
+
+
+def _serialized(obj) -> list[bytes]:
+    pieces = Pieces()
+    torch.save(obj, pieces)
+    return pieces.parts
+
+
+def write_share(job: SaveJob) -> dict:
+    """This rank's files written and fsynced; returns their digests by name relative to the tag (the whole sha256
+    from memory, of the bytes as they are written; the sampled one read back: at most 8 MiB a file)."""
+    whole = {}
+    for path, pieces in job.blobs:
+        sha = hashlib.sha256()
+        with open(path, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+                sha.update(piece)
+        whole[path] = sha.hexdigest()
+    job.blobs = [(path, []) for path, _ in job.blobs]  # the snapshot's memory goes now
+    fsync_files(whole)
+    return {str(Path(path).relative_to(job.tmp_dir)): dict(store.file_digests(Path(path), full=False), sha256=sha)
+            for path, sha in whole.items()}
+
+
+def run_rank(job: SaveJob) -> None:
+    """A non-zero rank's writer: its files, then its marker (``.failed-rank<r>`` when writing failed)."""
+    try:
+        digests = write_share(job)
+        atomic_write_text(job.tmp_dir / f".done-rank{job.rank}.json", json.dumps(digests))
+    except BaseException as e:
+        try:
+            (job.tmp_dir / f".failed-rank{job.rank}").write_text(store.describe_error(e), encoding="utf-8")
+        except OSError:
+            pass
+        raise
+
+
+def run_main(job: SaveJob, *, on_published=None) -> Path:
+    """Rank 0's writer: its files and the shared ones, every rank's digests, model.safetensors, files.json,
+    trainer_state.json, then the publish. On any failure the temporary tag is removed."""
+    try:
+        digests = write_share(job)
+        (job.tmp_dir / "config.yaml").write_text(job.config_yaml, encoding="utf-8")
+        if job.flat_layout:
+            atomic_write_text(job.tmp_dir / store.FLAT_LAYOUT_FILE, json.dumps(job.flat_layout))
+        if job.tokenizer_path:
+            shutil.copyfile(job.tokenizer_path, job.tmp_dir / "tokenizer.json")
+        for rank in range(1, job.world_size):
+            digests.update(_await_marker(job, rank))
+        store.write_weights(job.tmp_dir, job.step, in_thread=True)
+        store.record_files(job.tmp_dir, digests)
+        state = dict(job.trainer_state, format_version=store.FORMAT_VERSION, step=job.step, tag=job.tag)
+        atomic_write_text(job.tmp_dir / store.STATE_FILE, json.dumps(state, indent=2))
+        store.publish(job.ckpt_dir, job.tmp_dir, job.tag, job.keep_last)
+    except BaseException:
+        shutil.rmtree(job.tmp_dir, ignore_errors=True)
+        raise
+    path = job.ckpt_dir / job.tag
+    if on_published is not None:
+        on_published(path)
+    return path
+
+
+def _await_marker(job: SaveJob, rank: int) -> dict:
+    """Rank ``rank``'s digests, once its writer finished (the marker is removed: it is not part of the tag)."""
+    done, failed = job.tmp_dir / f".done-rank{rank}.json", job.tmp_dir / f".failed-rank{rank}"
+    while not done.is_file():
+        if failed.is_file():
+            why = failed.read_text(encoding="utf-8", errors="replace").strip() or "its error is in its log"
+            raise store.CheckpointError(f"rank {rank} could not write its files ({why})")
+        if time.monotonic() > job.deadline:
+            raise store.CheckpointError(f"rank {rank} did not finish writing its files in time "
+                                        f"(distributed.timeout_s={job.timeout_s:g} s)")
+        time.sleep(MARKER_POLL_S)
+    digests = json.loads(done.read_text(encoding="utf-8"))
+    done.unlink()
+    return digests
+
+
+class CheckpointWriter:
+    """This rank's background writer: at most one save in flight; ``wait`` is the collective that ends it."""
+
+    def __init__(self, env, *, on_published=None):
+        self.env = env
+        self.on_published = on_published  # rank 0, in the writer thread, after the publish: fn(tag_dir)
+        self._thread: threading.Thread | None = None
+        self._job: SaveJob | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the save not yet waited for, or None."""
+        return self._job.step if self._job is not None else None
+
+    def start(self, job: SaveJob) -> Path:
+        """Hand ``job`` to a new thread (the previous save must have been waited for); returns the tag dir it
+        publishes."""
+        assert self._thread is None, "a save is still in flight: wait() first"
+        self._job, self._error = job, None
+        job.deadline = time.monotonic() + job.timeout_s
+        target = self._run_main if job.rank == 0 else self._run_rank
+        # Not a daemon: an interpreter that exits (normal end, an exception) finishes the write first.
+        self._thread = threading.Thread(target=target, name=f"checkpoint-writer-{job.tag}", daemon=False)
+        self._thread.start()
+        return job.ckpt_dir / job.tag
+
+    def _run_main(self) -> None:
+        try:
+            run_main(self._job, on_published=self.on_published)
+        except BaseException as e:  # noqa: BLE001 - reported by wait() (collectively), or by close()
+            self._error = e
+
+    def _run_rank(self) -> None:
+        try:
+            run_rank(self._job)
+        except BaseException as e:  # noqa: BLE001 - reported by wait() (collectively), or by close()
+            self._error = e
+
+    def join(self) -> BaseException | None:
+        """This rank's thread finished (not collective); its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self._error
+
+    def wait(self) -> Path | None:
+        """Collective: the save in flight finished on every rank; returns its published tag dir (None when no save
+        was in flight) or raises CheckpointError on every rank when any rank's part failed."""
+        job = self._job
+        if job is None:
+            return None
+        error = self.join()
+        self._job, self._error = None, None
+        if _any_rank(self.env, error is not None):
+            previous = store.find_latest(job.ckpt_dir)
+            why = store.describe_error(error) if error is not None else "on another rank"
+            raise store.CheckpointError(
+                f"saving checkpoint {job.tag} failed ({why}); the partial files were removed and the previous "
+                f"checkpoint ({previous or 'none'}) is intact. Free disk space in {job.ckpt_dir} and resume.")
+        return job.ckpt_dir / job.tag
+
+    def close(self) -> BaseException | None:
+        """Not collective (other ranks may be gone): finish this rank's write in flight; its error, if any."""
+        if self._job is not None and self._job.deadline is not None:
+            self._job.deadline = min(self._job.deadline, time.monotonic() + CLOSE_GRACE_S)
+        error = self.join()
+        self._job, self._error = None, None
+        return error
+
+
+def _barrier(env) -> None:
+    if env.is_distributed:
+        torch.distributed.barrier()
+
+
+def _any_rank(env, flag: bool) -> bool:
+    if not env.is_distributed:
+        return flag
+    return bool(all_reduce_host(torch.tensor([1 if flag else 0], dtype=torch.int64)).item())
