@@ -149,8 +149,8 @@ def bench(work: Path, *, parts=("memory", "time"), chunk=256, memory_batch=16384
 def table(res: dict) -> str:
     """The markdown table of ``bench``'s result, the ratios against the goals."""
     lines = [f"load average (1/5/15 min) at start {res['load'][0]}, at end {res['load'][-1]}; {res['cores']} cores",
-             "", "| part | arm | contrastive batch | micro x grad_accum | steps | median step s | peak RSS MiB "
-             "(training / process) | RSS after import MiB | load at arm start → end |",
+             "", ("| part | arm | contrastive batch | micro x grad_accum | steps | median step s | peak RSS MiB "
+             "(training / process) | RSS after import MiB | load at arm start → end |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for part in ("memory", "time"):
         for a in res.get(part, {}).get("arms", []):
