@@ -1,7 +1,7 @@
 """train.flat_params through the trainer (real DeepSpeed, ZeRO-2, 1 rank): the flat run trains the per-tensor run's
 model (losses at fp32 rounding: the fused q/k/v matmul may block its sums otherwise), its checkpoint's
 model.safetensors has the per-tensor names, and a run whose checkpoint was written per tensor (every checkpoint
-from before train.flat_params) resumes in that layout with today's default config, bitwise."""
+from before train.flat_params) resumes in that layout when the config asks for flat parameters, bitwise."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_a_per_tensor_checkpoint_resumes_in_its_layout(tmp_path, tiny_overrides)
     code, out = _run(tiny_overrides(ref_dir, **old), nproc=1)
     assert code == 0, out[-3000:]
     _kill_at_first_checkpoint(tiny_overrides(cut_dir, **old), cut_dir, nproc=1)
-    code, out = _run(tiny_overrides(cut_dir, **ZERO2), nproc=1)  # today's default: flat_params=true
+    code, out = _run(tiny_overrides(cut_dir, train__flat_params="true", **ZERO2), nproc=1)  # asks for flat
     assert code == 0, out[-3000:]
     assert "holds the encoder layers' parameters per-tensor (train.flat_params=false): this run continues so" in out
     assert _losses(cut_dir) == _losses(ref_dir)
