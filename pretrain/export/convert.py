@@ -20,9 +20,9 @@ from pretrain.console import set_verbose
 from pretrain.export.hf import (
     export_hf,
     load_init_weights,
-    write_clean_tokenizer,
     write_init_dir,
 )
+from pretrain.export.hf_tokenizer import write_clean_tokenizer
 from pretrain.export.model_card import build_model_card, run_record
 from pretrain.export.resolve import (
     load_hf_model,

@@ -37,6 +37,11 @@ from pretrain.checkpoint.files import (
 from pretrain.config.loader import to_dict
 from pretrain.config.model import ModelConfig
 from pretrain.export import hf_modern, hf_roberta
+from pretrain.export.hf_tokenizer import (
+    SPECIAL_TOKENS,
+    clean_tokenizer,
+    write_tokenizer_files,
+)
 from pretrain.export.st_modules import ST_POOLING, write_st_modules
 from pretrain.fsutil import fsync_dir, replace_dir
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
@@ -80,7 +85,6 @@ SENTENCE_PREFIXES = ("sentence_dense.",)
 """Parameters of sentence-transformers modules after pooling (written to their module folders)."""
 MLM_SUBDIR = "mlm"
 """The BertForMaskedLM copy of an export (encoder + MLM head)."""
-SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 """BERT's special tokens; a RoBERTa vocabulary has <pad>, <unk>, <s>, </s>, <mask> in these roles (special_tokens)."""
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
@@ -260,44 +264,6 @@ def model_config_from_hf_config(d: dict) -> ModelConfig:
     )  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- tokenizer files
-
-
-def special_tokens(tok) -> dict[str, str]:
-    """{pad, unk, cls, sep, mask: token} of ``tok``: BERT's [PAD]... or RoBERTa's <pad>... (ValueError if neither)."""
-    try:
-        return dict(zip(SPECIAL_TOKENS, special_token_names(tok)))
-    except ValueError as e:
-        raise ValueError(f"tokenizer: {e}") from None
-
-
-def clean_tokenizer(tok):
-    """A ``tokenizers.Tokenizer`` ready for export: no padding/truncation, a [CLS] A [SEP] post-processor
-    (RoBERTa's vocabulary: <s> A </s>, pairs <s> A </s></s> B </s>, one token type as RoBERTa's)."""
-    from tokenizers.processors import TemplateProcessing
-
-    names = special_tokens(tok)
-    cls, sep = names["cls"], names["sep"]
-    tok.no_padding()
-    tok.no_truncation()
-    pair = f"{cls} $A {sep} $B:1 {sep}:1" if cls == "[CLS]" else f"{cls} $A {sep} {sep} $B {sep}"
-    tok.post_processor = TemplateProcessing(
-        single=f"{cls} $A {sep}", pair=pair,
-        special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))],
-    )
-    return tok
-
-
-def _write_tokenizer_files(tok, out: Path, model_max_length: int) -> None:
-    tok.save(str(out / "tokenizer.json"))
-    special = {f"{name}_token": t for name, t in special_tokens(tok).items()}
-    write_json(out / "special_tokens_map.json", special)
-    write_json(
-        out / "tokenizer_config.json",
-        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length, **special},
-    )
-
-
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().clone()
 
@@ -348,14 +314,11 @@ def export_hf(
         save_safetensors(base, tmp / "model.safetensors", metadata={"format": "pt"})
         write_json(tmp / "config.json", hf_config)
         if mlm_head:
-            (tmp / MLM_SUBDIR).mkdir()
-            mlm = {k: v for k, v in hf.items() if not k.startswith(prefix + "pooler.")}
-            save_safetensors(mlm, tmp / MLM_SUBDIR / "model.safetensors", metadata={"format": "pt"})
-            mlm_class = hf_config_from_model_config(cfg, tok, "BertForMaskedLM")["architectures"]
-            write_json(tmp / MLM_SUBDIR / "config.json", {**hf_config, "architectures": mlm_class})
+            _write_mlm_dir(tmp / MLM_SUBDIR, hf, prefix, hf_config,
+                           hf_config_from_model_config(cfg, tok, "BertForMaskedLM")["architectures"])
         if heads:
             save_safetensors(heads, tmp / PROJECTION_FILE, metadata={"format": "pt"})
-        _write_tokenizer_files(tok, tmp, max_len)
+        write_tokenizer_files(tok, tmp, max_len)
         chain = write_st_modules(tmp, cfg, pooling, ours, max_len)
         if model_card is not None:
             (tmp / "README.md").write_text(model_card, encoding="utf-8")
@@ -365,6 +328,14 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return chain
+
+
+def _write_mlm_dir(mlm_dir: Path, hf: dict, prefix: str, hf_config: dict, architectures: list[str]) -> None:
+    """mlm/: the encoder and MLM head (no pooler) with the masked-LM class's config."""
+    mlm_dir.mkdir()
+    mlm = {k: v for k, v in hf.items() if not k.startswith(prefix + "pooler.")}
+    save_safetensors(mlm, mlm_dir / "model.safetensors", metadata={"format": "pt"})
+    write_json(mlm_dir / "config.json", {**hf_config, "architectures": architectures})
 
 
 def _hf_weights(model: PretrainModel, pad_id: int | None = None) -> tuple[dict, dict]:
@@ -456,21 +427,6 @@ def model_with_state(
             warnings.warn(f"{source} has no MLM head weights; the MLM head is freshly initialised", stacklevel=3)
         init_bert_weights(getattr(model, name), cfg.init_std)
     return model
-
-
-def write_clean_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike) -> str:
-    """Write the HF directory's tokenizer as a plain tokenizer.json (no padding/truncation) to out_path."""
-    d = Path(hf_dir)
-    if (d / "tokenizer.json").is_file():
-        tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
-    else:  # e.g. only vocab.txt: let transformers build the fast tokenizer
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(d)).backend_tokenizer
-    tok = clean_tokenizer(tok)
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_path))
-    return str(out_path)
 
 
 # ----------------------------------------------------------------------------- our "init" directory

@@ -54,8 +54,8 @@ from pretrain.export.hf import (
     model_config_from_hf_config,
     model_with_state,
     read_hf_weights,
-    write_clean_tokenizer,
 )
+from pretrain.export.hf_tokenizer import write_clean_tokenizer
 from pretrain.export.st_modules import SENTENCE_FIELDS, read_st_modules
 from pretrain.prep.tokenizer import load_tokenizer
 

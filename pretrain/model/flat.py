@@ -44,8 +44,7 @@ def flatten_unit(unit: nn.Module) -> None:
     if getattr(unit, "_flat_slots", None) is not None:
         return
     params = list(unit.named_parameters())
-    if len({id(p) for _, p in params}) != len(params) or len(params) != len(list(unit.named_parameters(
-            remove_duplicate=False))):
+    if len(params) != len(list(unit.named_parameters(remove_duplicate=False))):
         raise ValueError(f"{type(unit).__name__} shares a parameter between two of its modules: it cannot be "
                          f"flattened (set train.flat_params=false)")
     unit._flat_order = list(unit.state_dict(keep_vars=True))  # the per-tensor state dict's key order

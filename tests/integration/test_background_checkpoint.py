@@ -8,29 +8,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from test_spikes import (
+    _main,  # the trainer's main in-process, launch variables cleaned up after
+)
 
 from pretrain.checkpoint import store
 from pretrain.checkpoint import writer as writer_mod
-
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _main(argv: list[str], capsys) -> tuple[int, str]:
-    from pretrain.train import main
-
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None and hasattr(groups, "_release_process_group_references"):
-        groups._release_process_group_references(None)
-    code = main(argv)
-    for k in _LAUNCH_VARS:
-        os.environ.pop(k, None)
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
 def _train_steps(run_dir: Path) -> list[int]:
