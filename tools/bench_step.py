@@ -92,8 +92,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
                micro_batch: int = 1, flat: bool = True):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
-    unpadded as train.unpadded's default; ``flat``: train.flat_params, which this tool's "ours" arms turn on: opt-in
-    in the trainer, see its docstring)."""
+    unpadded as train.unpadded's default; ``flat``: train.flat_params, on by default)."""
     from pretrain.config import (
         DistributedConfig,
         ModelConfig,
@@ -337,7 +336,7 @@ def run_host_cost(args) -> int:
     print(f"host cost: torch {torch.__version__}, deepspeed {_version('deepspeed')}, transformers "
           f"{_version('transformers')}, 1 thread, {SIZES[hc['size']]}, batch {hc['batch']} x seq "
           f"{hc['seq']} (+2 views x {hc['view_len']}), vocab {hc['vocab']}, median of {args.steps} alternating "
-          f"steps; ops over 1 step after 3 warm-up; ours with train.flat_params=true (opt-in), per-tensor without; "
+          f"steps; ops over 1 step after 3 warm-up; ours with train.flat_params (default), per-tensor without; "
           f"load average {load_start[0]:.2f}")
     rows = []
     for zero in args.zero_stages:

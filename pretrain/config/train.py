@@ -110,14 +110,13 @@ class TrainConfig:
     docs/performance.md); false runs the padded path, which validation, evaluation and export always use. Not yet
     used under train.compile (each batch's attention-group layout would be a new graph: measured, one recompile a
     step)."""
-    flat_params: bool = False
+    flat_params: bool = True
     """Each encoder layer's parameters held in two flat tensors (decayed and not) instead of 16 (model/flat.py):
     DeepSpeed's per-parameter work (gradient hooks, bucket copies, norms, casts) and the optimizer's run on 2 tensors
     a layer, so the host dispatches far fewer ops a step; the arithmetic, the state dict's names, exports and
     evaluation are unchanged. ZeRO 0-2; ZeRO-3 keeps per-tensor parameters (it gathers and frees them per module).
-    A resumed run keeps the layout its checkpoint was written with (one from before 2026-11-25: per-tensor).
-    Off by default for now: at ZeRO-2 on 4 ranks a resumed flat run differs from the uninterrupted one in the last
-    float bit from the second step after the resume (found 2026-11-25, not yet explained; 1 and 2 ranks are exact)."""
+    A resumed run keeps the layout its checkpoint was written with (one from before 2026-11-25: per-tensor);
+    resumes are bitwise on any rank count (the views are remade at every micro-step: ``flat.release_views``)."""
 
     @property
     def step_unpadded(self) -> bool:

@@ -68,6 +68,7 @@ def flatten_unit(unit: nn.Module) -> None:
     unit.register_state_dict_post_hook(_state_dict_per_tensor)
     unit.register_load_state_dict_pre_hook(_load_per_tensor)
     materialize(unit)
+    unit._flat_cache = None  # the first forward makes its own views, as every later one (release_views)
 
 
 def flatten_layers(model: nn.Module) -> int:
@@ -106,10 +107,28 @@ def _spans(unit: nn.Module, slots: dict[str, list[_Slot]]) -> list[tuple]:
     return spans
 
 
+def flattened_units(model: nn.Module) -> list[nn.Module]:
+    """The model's flattened units (``flatten_unit``), for ``release_views``."""
+    return [m for m in model.modules() if getattr(m, "_flat_slots", None) is not None]
+
+
+def release_views(units: list[nn.Module]) -> None:
+    """Drops the units' cached parameter views: the next forward makes new ones. Called after each backward
+    (Engine.micro_step), so that every micro-step's graph starts from views of its own. A view kept from an
+    earlier step carries that step's autograd node, whose older sequence number changes the order in which
+    the backward reaches the gradients (and so DeepSpeed's bucketing and, on more than two ranks, the rounding
+    of their reduction): a resumed run, whose views are new, would then differ from the uninterrupted one
+    in the last bit. DeepSpeed's in-place updates of its flat buffer do not bump the parameters' versions,
+    so the cache key alone does not end a view's life at the step."""
+    for unit in units:
+        unit._flat_cache = None
+
+
 def materialize(unit: nn.Module) -> None:
     """Sets each original parameter attribute of a flattened ``unit`` to its view of the flat tensors (a no-op
     for a unit that is not flattened). The views are made once per (storage, version, grad mode) and reused by
-    the step's other forwards; traced by torch.compile, they are made inside the graph."""
+    the micro-step's other forwards until ``release_views``; traced by torch.compile, they are made inside the
+    graph."""
     slots = getattr(unit, "_flat_slots", None)
     if slots is None:
         return
