@@ -266,15 +266,15 @@ def measure_host_cost(args) -> dict:
     hc = HOST_COST
     batch = make_batch(hc["batch"], hc["seq"], hc["view_len"], hc["vocab"], torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    arms = {"ours": build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
+    arms = {"ours": build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision, args.compile,
                                micro_batch=hc["batch"])}
     # The layout before train.flat_params (2026-11-25), same process, same trials: what flattening saves.
     arms["ours_per_tensor"] = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
-                                         micro_batch=hc["batch"], flat=False)
+                                         args.compile, micro_batch=hc["batch"], flat=False)
     # HF gets the AdamW implementation the Engine chose (fused, CPU and CUDA; before 2026-11-24 torch's per-parameter
     # one on the CPU, whose step count .item() per parameter would otherwise count as syncs in one arm only).
     fused = bool(arms["ours"].engine._adamw.defaults.get("fused"))
-    arms["hf"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, fused=fused)
+    arms["hf"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, args.compile, fused=fused)
     for _ in range(3):
         for step in arms.values():
             step(batch)
@@ -336,13 +336,13 @@ def run_host_cost(args) -> int:
     print(f"host cost: torch {torch.__version__}, deepspeed {_version('deepspeed')}, transformers "
           f"{_version('transformers')}, 1 thread, {SIZES[hc['size']]}, batch {hc['batch']} x seq "
           f"{hc['seq']} (+2 views x {hc['view_len']}), vocab {hc['vocab']}, median of {args.steps} alternating "
-          f"steps; ops over 1 step after 3 warm-up; ours with train.flat_params (default), per-tensor without; "
+          f"steps; ops over 1 step after 3 warm-up; compile {args.compile} (both arms); ours with train.flat_params (default), per-tensor without; "
           f"load average {load_start[0]:.2f}")
     rows = []
     for zero in args.zero_stages:
         for precision in args.precisions:
             cmd = [sys.executable, __file__, "--json", "--host-cost", "--zero-stage", str(zero), "--precision",
-                   precision, "--steps", str(args.steps)]
+                   precision, "--steps", str(args.steps)] + (["--compile"] if args.compile else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
@@ -359,7 +359,7 @@ def run_host_cost(args) -> int:
         with open(args.json_out, "w") as f:
             json.dump({"mode": "host-cost", "torch": torch.__version__, "deepspeed": _version("deepspeed"),
                        "transformers": _version("transformers"), "threads": 1, "model": SIZES[hc["size"]],
-                       **hc, "steps": args.steps, "load_avg_start": load_start, "load_avg_end": load_end,
+                       **hc, "steps": args.steps, "compile": args.compile, "load_avg_start": load_start, "load_avg_end": load_end,
                        "goal": HOST_COST_GOAL, "rows": rows}, f, indent=1)
     return 0 if all("error" not in r for r in rows) else 1
 
