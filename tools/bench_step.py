@@ -354,6 +354,9 @@ def run_host_cost(args) -> int:
     load_end = os.getloadavg()
     print()
     print("\n".join(host_cost_table(rows)))
+    if args.compile:  # measured: a compiled function under an OpCounter dispatches its eager ops one by one
+        print("With --compile the op and sync columns count eager ops: torch.compile runs a frame eagerly while a "
+              "TorchDispatchMode (the op counter) is active; only the host ms are the compiled steps'.")
     print(f"load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
     if args.json_out:
         with open(args.json_out, "w") as f:
