@@ -22,7 +22,6 @@ from pretrain.config.train import (
     resolve_precision,
 )
 from pretrain.console import quiet_third_party
-from pretrain.model.flat import flattened_units, release_views
 
 
 def _import_deepspeed():
@@ -194,7 +193,6 @@ class Engine:
                 model=module, optimizer=optimizer, config=self.ds_config, dist_init_required=False,
             )
         self.device = self.ds.device
-        self._flat_units = flattened_units(self.ds.module)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -215,7 +213,6 @@ class Engine:
             # loss x 1 is the loss bit for bit; loss x NaN makes every gradient it reaches NaN.
             loss = loss * torch.where(finite, 1.0, float("nan")).to(loss.dtype)
         self.ds.backward(loss)
-        release_views(self._flat_units)  # the next micro-step's forward makes its own (model/flat.py)
         if not self.ds.is_gradient_accumulation_boundary():
             self.ds.step()  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
 

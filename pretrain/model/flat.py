@@ -107,21 +107,17 @@ def _spans(unit: nn.Module, slots: dict[str, list[_Slot]]) -> list[tuple]:
     return spans
 
 
-def flattened_units(model: nn.Module) -> list[nn.Module]:
-    """The model's flattened units (``flatten_unit``), for ``release_views``."""
-    return [m for m in model.modules() if getattr(m, "_flat_slots", None) is not None]
-
-
-def release_views(units: list[nn.Module]) -> None:
-    """Drops the units' cached parameter views: the next forward makes new ones. Called after each backward
-    (Engine.micro_step), so that every micro-step's graph starts from views of its own. A view kept from an
-    earlier step carries that step's autograd node, whose older sequence number changes the order in which
-    the backward reaches the gradients (and so DeepSpeed's bucketing and, on more than two ranks, the rounding
-    of their reduction): a resumed run, whose views are new, would then differ from the uninterrupted one
-    in the last bit. DeepSpeed's in-place updates of its flat buffer do not bump the parameters' versions,
-    so the cache key alone does not end a view's life at the step."""
-    for unit in units:
-        unit._flat_cache = None
+def release_views(model: nn.Module) -> None:
+    """Drops the cached parameter views of the model's flattened units: their next forward makes new ones.
+    Called at the start of every training forward (TrainModule.forward), so that each micro-step's graph has
+    views of its own. A view kept from an earlier step carries that step's autograd node, whose older sequence
+    number changes the order in which the backward reaches the gradients (and so DeepSpeed's bucketing and, on
+    more than two ranks, the rounding of their reduction): a resumed run, whose views are new, would then differ
+    from the uninterrupted one in the last bit. DeepSpeed updates its flat buffer in place through tensors that
+    do not share the parameters' version counters, so the cache key alone does not end a view's life."""
+    for unit in model.modules():
+        if getattr(unit, "_flat_slots", None) is not None:
+            unit._flat_cache = None
 
 
 def materialize(unit: nn.Module) -> None:

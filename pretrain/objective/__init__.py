@@ -31,6 +31,7 @@ import torch
 from pretrain.config.objective import ObjectiveConfig
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.model.autoencoder import TextCNNAutoencoder
+from pretrain.model.flat import release_views
 from pretrain.objective.forward import Context, Forward
 from pretrain.objective.grad_cache import (
     CONTRASTIVE,
@@ -153,6 +154,7 @@ class TrainModule(torch.nn.Module):
         """The objective on a micro-batch -> (loss, metrics). Under objective.gradient_cache (every pass runs through
         here, so that DeepSpeed's ZeRO-3 hooks gather the parameters): ``embed_only``, pass 1 of a chunk ->
         its embeddings; ``cached``, pass 2 -> (loss for backward, per-sample loss, metrics)."""
+        release_views(self.model)  # flat parameters: this pass's graph gets views of its own (model/flat.py)
         if embed_only:
             return embed_chunk(self.objective, self.model, batch, self.heads)
         if cached is not None:
