@@ -52,6 +52,11 @@ def _compile_lines(cfg) -> list[str]:
     return []
 
 
+CONTRASTIVE_TERMS = ("nt_xent", "info_nce", "arccon", "consistency", "rank_distill")
+"""The terms that compare sentences with each other (objective/grad_cache.py: CONTRASTIVE; config/ imports no
+objective)."""
+
+
 def inert_settings(cfg) -> list[str]:
     """One line per setting of ``cfg`` (a RunConfig) that has no effect, with what to do about it."""
     out = []
@@ -59,64 +64,9 @@ def inert_settings(cfg) -> list[str]:
     if t.eval_every and not d.valid:
         out.append(f"train.eval_every={t.eval_every} does nothing: no held-out data is configured (data.valid is "
                    f"empty); add data.valid sources or set train.eval_every=0")
-    if d.stage == "sentences":
-        if d.sources:
-            used = " (only for SARCSE token frequencies when objective.reconstruction.token_freq is unset)" \
-                if cfg.objective.reconstruction is not None else ""
-            what = f"data.pairs={d.pairs!r}" if d.pairs else f"data.sentences={d.sentences!r}"
-            out.append(f"data.sources is not read by data.stage=sentences, which trains on {what}{used}")
-        aug = _changed(d.augment, AugmentConfig(), [f.name for f in dataclasses.fields(AugmentConfig)])
-        if aug:
-            out.append(f"data.augment.{', data.augment.'.join(aug)} do nothing in data.stage=sentences (its two "
-                       f"views differ by dropout only)")
-        if d.packing != "document":
-            out.append(f"data.packing={d.packing} does nothing in data.stage=sentences (a sample is one sentence)")
-        spans = _changed(d.masking, MaskingConfig(), ("scheme", "span_p", "span_max"))
-        if spans:
-            out.append(f"data.masking.{', data.masking.'.join(spans)} do nothing in data.stage=sentences (its MLM "
-                       f"masks single tokens); they act in data.stage=pretrain")
-    else:
-        for key in ("sentences", "pairs"):
-            if getattr(d, key):
-                out.append(f"data.{key}={getattr(d, key)!r} is not read by data.stage=pretrain (it reads "
-                           f"data.sources); set data.stage=sentences to train on it")
-        methods = set(d.augment.methods.split("+"))
-        for method, names in _AUGMENT_OPTIONS.items():
-            unused = _changed(d.augment, AugmentConfig(), names) if method not in methods else []
-            if unused:
-                out.append(f"data.augment.{', data.augment.'.join(unused)} do nothing: data.augment.methods="
-                           f"{d.augment.methods!r} does not include {method}")
-        if cfg.objective.nt_xent is None and d.augment.methods != AugmentConfig().methods:
-            out.append(f"data.augment.methods={d.augment.methods!r} has no loss to act on: objective.nt_xent is off "
-                       f"(the views are built but no term reads them)")
-        if cfg.objective.mlm is None:
-            masking = _changed(d.masking, MaskingConfig(), [f.name for f in dataclasses.fields(MaskingConfig)])
-            if masking:
-                out.append(f"data.masking.{', data.masking.'.join(masking)} do nothing: objective.mlm is off")
-        elif d.masking.scheme != "span":
-            spans = _changed(d.masking, MaskingConfig(), ("span_p", "span_max"))
-            if spans:
-                out.append(f"data.masking.{', data.masking.'.join(spans)} do nothing: data.masking.scheme="
-                           f"{d.masking.scheme} (they shape span masking)")
-    nt = cfg.objective.nt_xent
-    if nt is not None and nt.mean_pool_warmup_steps and cfg.model.pooling == "mean":
-        out.append(f"objective.nt_xent.mean_pool_warmup_steps={nt.mean_pool_warmup_steps} does nothing: "
-                   f"model.pooling is already mean (the warm-up blends mean pooling into [CLS]-style pooling)")
-    if cfg.objective.gradient_cache:
-        # The terms that compare sentences (objective/grad_cache.py: CONTRASTIVE; config/ imports no objective).
-        compared = {"nt_xent", "info_nce", "arccon", "consistency", "rank_distill"} & set(cfg.objective.enabled())
-        if not compared:
-            out.append("objective.gradient_cache=true does nothing: no enabled term compares sentences with each other "
-                       "(nt_xent, info_nce, arccon, consistency, rank_distill)")
-        elif t.grad_accum == 1:
-            out.append("objective.gradient_cache=true changes nothing with train.grad_accum=1 (each rank's micro-batch "
-                       "already is its whole share of the step) and costs an extra forward pass; raise "
-                       "train.grad_accum (lowering train.micro_batch_size) to hold less in memory")
+    out += _sentence_stage_lines(cfg) if d.stage == "sentences" else _pretrain_stage_lines(cfg)
+    out += _objective_lines(cfg)
     out += _compile_lines(cfg)
-    compared = {"nt_xent", "info_nce", "arccon", "consistency", "rank_distill"} & set(cfg.objective.enabled())
-    if cfg.objective.matryoshka is not None and not compared:
-        out.append("objective.matryoshka does nothing: no enabled term compares sentences with each other "
-                   "(nt_xent, info_nce, arccon, consistency, rank_distill)")
     if not cfg.eval.stsb_every:
         ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
         if ev:
@@ -125,6 +75,77 @@ def inert_settings(cfg) -> list[str]:
     if cfg.optim.schedule != "constant" and cfg.optim.warmup_steps >= t.max_steps:
         out.append(f"optim.warmup_steps={cfg.optim.warmup_steps} >= train.max_steps={t.max_steps}: the run ends "
                    f"while the learning rate is still warming up (peak optim.lr={cfg.optim.lr:g} is never reached)")
+    return out
+
+
+def _sentence_stage_lines(cfg) -> list[str]:
+    """data.stage=sentences: the pretraining stage's data settings it does not read."""
+    d, out = cfg.data, []
+    if d.sources:
+        used = " (only for SARCSE token frequencies when objective.reconstruction.token_freq is unset)" \
+            if cfg.objective.reconstruction is not None else ""
+        what = f"data.pairs={d.pairs!r}" if d.pairs else f"data.sentences={d.sentences!r}"
+        out.append(f"data.sources is not read by data.stage=sentences, which trains on {what}{used}")
+    aug = _changed(d.augment, AugmentConfig(), [f.name for f in dataclasses.fields(AugmentConfig)])
+    if aug:
+        out.append(f"data.augment.{', data.augment.'.join(aug)} do nothing in data.stage=sentences (its two "
+                   f"views differ by dropout only)")
+    if d.packing != "document":
+        out.append(f"data.packing={d.packing} does nothing in data.stage=sentences (a sample is one sentence)")
+    spans = _changed(d.masking, MaskingConfig(), ("scheme", "span_p", "span_max"))
+    if spans:
+        out.append(f"data.masking.{', data.masking.'.join(spans)} do nothing in data.stage=sentences (its MLM "
+                   f"masks single tokens); they act in data.stage=pretrain")
+    return out
+
+
+def _pretrain_stage_lines(cfg) -> list[str]:
+    """data.stage=pretrain: the sentence stage's inputs, and augmentation or masking options nothing reads."""
+    d, out = cfg.data, []
+    for key in ("sentences", "pairs"):
+        if getattr(d, key):
+            out.append(f"data.{key}={getattr(d, key)!r} is not read by data.stage=pretrain (it reads "
+                       f"data.sources); set data.stage=sentences to train on it")
+    methods = set(d.augment.methods.split("+"))
+    for method, names in _AUGMENT_OPTIONS.items():
+        unused = _changed(d.augment, AugmentConfig(), names) if method not in methods else []
+        if unused:
+            out.append(f"data.augment.{', data.augment.'.join(unused)} do nothing: data.augment.methods="
+                       f"{d.augment.methods!r} does not include {method}")
+    if cfg.objective.nt_xent is None and d.augment.methods != AugmentConfig().methods:
+        out.append(f"data.augment.methods={d.augment.methods!r} has no loss to act on: objective.nt_xent is off "
+                   f"(the views are built but no term reads them)")
+    if cfg.objective.mlm is None:
+        masking = _changed(d.masking, MaskingConfig(), [f.name for f in dataclasses.fields(MaskingConfig)])
+        if masking:
+            out.append(f"data.masking.{', data.masking.'.join(masking)} do nothing: objective.mlm is off")
+    elif d.masking.scheme != "span":
+        spans = _changed(d.masking, MaskingConfig(), ("span_p", "span_max"))
+        if spans:
+            out.append(f"data.masking.{', data.masking.'.join(spans)} do nothing: data.masking.scheme="
+                       f"{d.masking.scheme} (they shape span masking)")
+    return out
+
+
+def _objective_lines(cfg) -> list[str]:
+    """Objective options that cannot act with the rest of the config."""
+    out, obj = [], cfg.objective
+    nt = obj.nt_xent
+    if nt is not None and nt.mean_pool_warmup_steps and cfg.model.pooling == "mean":
+        out.append(f"objective.nt_xent.mean_pool_warmup_steps={nt.mean_pool_warmup_steps} does nothing: "
+                   f"model.pooling is already mean (the warm-up blends mean pooling into [CLS]-style pooling)")
+    compared = set(CONTRASTIVE_TERMS) & set(obj.enabled())
+    names = ", ".join(CONTRASTIVE_TERMS)
+    if obj.gradient_cache:
+        if not compared:
+            out.append(f"objective.gradient_cache=true does nothing: no enabled term compares sentences with each "
+                       f"other ({names})")
+        elif cfg.train.grad_accum == 1:
+            out.append("objective.gradient_cache=true changes nothing with train.grad_accum=1 (each rank's micro-batch "
+                       "already is its whole share of the step) and costs an extra forward pass; raise "
+                       "train.grad_accum (lowering train.micro_batch_size) to hold less in memory")
+    if obj.matryoshka is not None and not compared:
+        out.append(f"objective.matryoshka does nothing: no enabled term compares sentences with each other ({names})")
     return out
 
 
