@@ -157,6 +157,7 @@ def jobs(cluster, tmp_path_factory):
         time.sleep(0.25)
     kill.join(timeout=max(1.0, deadline - time.monotonic()))
     assert getattr(kill, "killed_during", None), f"the killed job's kill: {getattr(kill, 'error', 'still waiting')}"
+    assert len(kill.killed_pids) >= 6, kill.killed_pids  # batch script, srun, torchrun, 4 ranks (and more)
     timeline["killed_during"] = kill.killed_during
     # Resubmitted without the lost node: one node, the same 4 ranks.
     ids["resumed"] = _submit(cluster, ["--nodes=1", "--exclude=pt-node3", str(SBATCH), str(lost), cfg, *args],
@@ -184,8 +185,8 @@ def _kill_during_a_save(cluster, job_id: str, run_dir: Path) -> None:
         while time.monotonic() < deadline:
             if CKPT_EVERY in _complete_checkpoints(run_dir):
                 in_flight = sorted(p.name for p in ckpt.glob(".tmp-step_*"))
-                if in_flight:
-                    assert cluster.run(["scancel", "--full", "--signal=KILL", job_id]).returncode == 0
+                if in_flight:  # (scancel --signal=KILL would cancel the steps: SIGTERM, then KILL after KillWait)
+                    me.killed_pids = cluster.kill_job(job_id)
                     break
             time.sleep(0.002)
         else:
@@ -265,10 +266,10 @@ def test_sigkilled_during_a_save_and_requeued_elsewhere_takes_over_its_lock_and_
     info, log, run = jobs["infos"]["killed"], jobs["logs"]["killed"], jobs["runs"]["killed"]
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
     assert info["NodeList"] == "pt-node1", info  # requeued onto another host
-    # (the netns nodes share one hostname: the lock's host field cannot tell them apart; NodeList above does)
-    m = re.search(r"took over the lock of run directory (\S+) from host \S+, pid \d+, job (\S+) \(the same job", log)
+    m = re.search(r"took over the lock of run directory (\S+) from host (\S+), pid \d+, job (\S+) \(the same job", log)
     assert m, log[-3000:]
-    assert Path(m.group(1)) == run and m.group(2).rstrip(",") == f"slurm:{info['JobId']}"
+    assert Path(m.group(1)) == run and m.group(2).rstrip(",") == "pt-node2"
+    assert m.group(3) == f"slurm:{info['JobId']}"
     killed_during = int(jobs["timeline"]["killed_during"][len("step_"):])
     m = re.search(rf"resumed from {re.escape(str(run))}/checkpoints/step_(\d+) at step (\d+)", log)
     assert m, log[-3000:]

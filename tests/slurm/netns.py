@@ -244,6 +244,27 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                     pass
         return sorted(set(killed))
 
+    @staticmethod
+    def kill_job(job_id: str) -> list[int]:
+        """SIGKILL every process of Slurm job `job_id` (those whose environment names it: the batch script, srun,
+        torchrun, the trainer's ranks), as Slurm does once KillWait has passed; Slurm's daemons stay. The nodes'
+        namespaces share this machine's PID space. Returns the PIDs."""
+        killed = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                environ = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:  # gone, or a kernel thread
+                continue
+            if f"SLURM_JOB_ID={job_id}".encode() in environ:
+                try:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    killed.append(int(proc.name))
+                except ProcessLookupError:
+                    pass
+        return sorted(killed)
+
     # -- daemons -----------------------------------------------------------------------------------
     def _in_ns(self, ns: str, hostname: str, argv: list[str]) -> list[str]:
         """argv in namespace `ns` with its own hostname and /etc/hosts (UTS + private mount namespace); the
