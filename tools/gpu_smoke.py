@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOG_EVERY = 10
 MINI = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.ffn_size=1024"]
+MODELS = {"mini": MINI, "quickstart": []}
+"""--model: the matrix runs' model (quickstart: configs/quickstart.yaml's own, for a fast CPU dry run)."""
 
 
 def _run(name: str, out: Path, args: list[str], timeout: int = 900) -> dict:
@@ -51,18 +53,18 @@ def _valid_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("split") == "valid"]
 
 
-def base_overrides(paths: dict, run_dir: Path, steps: int) -> list[str]:
+def base_overrides(paths: dict, run_dir: Path, steps: int, model: str = "mini") -> list[str]:
     return [
         str(ROOT / "configs" / "quickstart.yaml"), f"run_dir={run_dir}", f"data.tokenizer={paths['tokenizer']}",
         f"data.sources=[{{name: docs, path: {paths['train']}}}]", f"data.valid=[{{name: docs, path: {paths['valid']}}}]",
         f"train.max_steps={steps}", f"train.log_every={LOG_EVERY}", "train.eval_every=0", "train.eval_batches=8",
         "optim.warmup_steps=10", "optim.lr=1e-3", f"checkpoint.every={steps // 2}", "checkpoint.keep_last=3",
-        *MINI,
+        *MODELS[model],
     ]
 
 
 def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3), precisions=("bf16", "fp16"),
-           similarity: str = "cuda") -> list[dict]:
+           similarity: str = "cuda", model: str = "mini") -> list[dict]:
     """ZeRO stages x precisions: run to `steps`, then resume a copy from the half-way checkpoint."""
     cases = [(z, p) for z in stages for p in precisions]
 
@@ -70,7 +72,7 @@ def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3
         z, p = case
         run_dir = out / f"z{z}_{p}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        r = _run(f"z{z}_{p}", out, base_overrides(paths, run_dir, steps) +
+        r = _run(f"z{z}_{p}", out, base_overrides(paths, run_dir, steps, model) +
                  [f"distributed.zero_stage={z}", f"train.precision={p}", f"ops.similarity={similarity}"])
         return dict(r, zero=z, precision=p, run_dir=str(run_dir))
 
@@ -84,7 +86,7 @@ def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3
         (dst / "checkpoints").mkdir(parents=True)
         shutil.copytree(src / "checkpoints" / tag, dst / "checkpoints" / tag)
         (dst / "checkpoints" / "latest").write_text(tag + "\n")
-        r = _run(dst.name, out, base_overrides(paths, dst, steps) +
+        r = _run(dst.name, out, base_overrides(paths, dst, steps, model) +
                  [f"distributed.zero_stage={res['zero']}", f"train.precision={res['precision']}",
                   f"ops.similarity={similarity}"])
         return dict(r, run_dir=str(dst))
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--zero-stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp16"], choices=["fp32", "bf16", "fp16"])
     p.add_argument("--similarity", default="cuda", help="ops.similarity of the matrix runs (torch: a CPU dry run)")
+    p.add_argument("--model", choices=sorted(MODELS), default="mini",
+                   help="the matrix runs' model (quickstart: the quickstart's tiny one, for a fast CPU dry run)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,7 +167,7 @@ def main(argv=None) -> int:
     summary: dict = {}
     if args.only in (None, "matrix"):
         summary["matrix"] = matrix(paths, out, args.steps, args.parallel, args.zero_stages, args.precisions,
-                                   args.similarity)
+                                   args.similarity, args.model)
         for r in summary["matrix"]:
             print(f"zero {r['zero']} {r['precision']}: rc {r['rc']} {r['seconds']}s valid mlm "
                   f"{r['valid_mlm']} falls={r['loss_falls']} resume={r.get('resume')}", flush=True)

@@ -23,7 +23,8 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path, clean_env):  # clean_env: no launche
     out = tmp_path / "smoke"
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "gpu_smoke.py"), str(out), "--only", "matrix", "--zero-stages", "2",
-         "--precisions", "fp32", "--similarity", "torch", "--steps", "20", "--parallel", "1"],
+         "--precisions", "fp32", "--similarity", "torch", "--steps", "20", "--parallel", "1",
+         "--model", "quickstart"],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
