@@ -49,8 +49,8 @@ def test_bench_step_flop_count_matches_hand_count():
 def test_bench_step_modernbert_flop_count_matches_hand_count():
     bench_step = _bench_step()
     d, f, vocab, window = 128, 256, 8192, 128  # configs/models/modernbert-tiny.yaml: 3 layers, global every 3
-    layer = lambda t, keys: t * (8 * d * d + 6 * d * f + 4 * keys * d)  # noqa: E731 - GeGLU: d -> 2f, f -> d
-    encoder = lambda t: layer(t, t) + 2 * layer(t, min(t, window + 1))  # noqa: E731 - layer 0 global, 1-2 local
+    layer = lambda t, keys: t * (8 * d * d + 6 * d * f + 4 * keys * d)  # GeGLU: d -> 2f, f -> d
+    encoder = lambda t: layer(t, t) + 2 * layer(t, min(t, window + 1))  # layer 0 global, 1-2 local
     fwd = encoder(512) + 2 * encoder(64) + 0.15 * 512 * (2 * d * d + 2 * d * vocab)
     assert bench_step.train_flops_per_sample("tiny", 512, 64, vocab, arch="modernbert") == pytest.approx(3 * fwd)
     assert bench_step.model_shape("mini", "modernbert")["ffn_size"] == 384  # read from the size's YAML
