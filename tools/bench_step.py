@@ -15,6 +15,18 @@ device's dense bf16 peak (``--peak-tflops``, default 989 = H100 SXM) and against
     python tools/bench_step.py --sizes tiny mini --seq 128 --batch 32 --steps 10          # CPU
     python tools/bench_step.py --device cuda --precision bf16 --sizes base --batch 64 128 256 512
 
+``--arch modernbert`` (issue 27): ours with model.arch=modernbert at configs/models/modernbert-{size}.yaml's shapes,
+HF's ``transformers.ModernBertForMaskedLM`` built from the same ModelConfig (pretrain/export/hf_modern.py's
+config mapping: hidden, layers, heads, GeGLU width, local window, global every N, rope bases, no biases), dropout
+at ours' rates, HF's own ``sparse_prediction`` (its MLM head on the masked rows only, as ModernBERT trains), the
+same CLEAR loss, optimizer, precision and batch. transformers 5.x's ModernBERT has no unpadding code of its own:
+every attention implementation gets (B, T, D) states and a padding / sliding-window mask; only
+flash_attention_2 (CUDA, the flash-attn package) unpads, inside the attention call. So HF runs SDPA (padded) on the
+CPU, and flash_attention_2 on CUDA when flash-attn is installed. The synthetic batch has no padding, so padded and
+unpadded paths do the same arithmetic here.
+
+    python tools/bench_step.py --arch modernbert --sizes tiny mini --steps 10                # CPU
+
 ``--host-cost`` (CPU): the host's cost of a step. BERT-base depth (12 layers) at a width, length and batch so small
 that arithmetic is negligible (``HOST_COST``), one thread, so wall time is host time; ZeRO 0 and 2 x fp32 and bf16,
 one process each, ours and HF alternating in it. Per arm: median host ms per step, and over one step after
@@ -48,24 +60,49 @@ SIZES = {  # configs/models/*.yaml
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072),
     "host": dict(hidden_size=32, num_layers=12, num_heads=2, ffn_size=64),  # --host-cost: base's depth, no width
 }
+MODERN_SIZES = ("tiny", "mini", "base", "large")
+"""--arch modernbert: the sizes with a configs/models/modernbert-{size}.yaml."""
+ARCHS = ("bert", "modernbert")
 MASK_FRAC = 0.15
 HOST_COST = {"size": "host", "seq": 16, "view_len": 8, "batch": 4, "vocab": 128}
 """--host-cost's step: SIZES["host"] (12 layers of width 32) on 4 sequences of 16 tokens + views of 8."""
 HOST_COST_GOAL = "ours <= 0.5x HF's host ms per step and no more aten ops than HF, at ZeRO-2 bf16 (issue 24)"
 
 
-def train_flops_per_sample(size: str, seq: int, view_len: int, vocab: int, mask_frac: float = MASK_FRAC) -> float:
+def model_shape(size: str, arch: str = "bert") -> dict:
+    """ModelConfig keys of a size: SIZES[size] for bert; configs/models/modernbert-{size}.yaml's model block (arch,
+    shapes, window, rope bases, pooler off) for modernbert."""
+    if arch == "bert":
+        return dict(SIZES[size])
+    if arch != "modernbert":
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    path = Path(__file__).resolve().parents[1] / "configs" / "models" / f"modernbert-{size}.yaml"
+    if not path.is_file():
+        raise ValueError(f"--arch modernbert has no size {size!r} (no {path}); sizes: {', '.join(MODERN_SIZES)}")
+    import yaml
+
+    return yaml.safe_load(path.read_text())["model"]
+
+
+def train_flops_per_sample(size: str, seq: int, view_len: int, vocab: int, mask_frac: float = MASK_FRAC,
+                           arch: str = "bert") -> float:
     """Model FLOPs of one training sample (one sequence + its two views): 3 x forward matmul FLOPs.
 
-    Per layer and token of a length-T sequence: 24 d^2 (q, k, v, out: 8 d^2; FFN 2 x 2 d f with f = 4d)
-    + 4 T d (scores and weighted values). MLM head on mask_frac of the tokens: 2 d^2 (transform) +
-    2 d V (decoder). Embeddings, norms, pooling, projection and the similarity matrix are left out
-    (< 1%)."""
-    s = SIZES[size]
+    Per layer and token of a length-T sequence: 8 d^2 (q, k, v, out) + the FFN, 4 d f (bert: 2 x 2 d f, f = 4d)
+    or 6 d f (modernbert's GeGLU: d -> 2f, f -> d), + 4 t d (scores and weighted values) with t = T, or for a
+    modernbert local layer min(T, local_window + 1). MLM head on mask_frac of the tokens: 2 d^2 (transform) +
+    2 d V (decoder). Embeddings, norms, pooling, projection and the similarity matrix are left out (< 1%)."""
+    s = model_shape(size, arch)
     d, layers, f = s["hidden_size"], s["num_layers"], s["ffn_size"]
+    ffn = 6 * d * f if arch == "modernbert" else 4 * d * f
+
+    def keys(t: int, i: int) -> int:
+        if arch == "modernbert" and i % s["global_every"]:
+            return min(t, s["local_window"] + 1)
+        return t
 
     def encoder(t: int) -> float:
-        return layers * t * (8 * d * d + 4 * d * f + 4 * t * d)
+        return sum(t * (8 * d * d + ffn + 4 * keys(t, i) * d) for i in range(layers))
 
     fwd = encoder(seq) + 2 * encoder(view_len) + mask_frac * seq * (2 * d * d + 2 * d * vocab)
     return 3.0 * fwd
@@ -89,13 +126,13 @@ def make_batch(batch: int, seq: int, view_len: int, vocab: int, gen: torch.Gener
 
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
-               micro_batch: int = 1, flat: bool = True):
+               micro_batch: int = 1, flat: bool = True, arch: str = "bert"):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
-    unpadded as train.unpadded's default; ``flat``: train.flat_params, on by default)."""
+    unpadded as train.unpadded's default; ``flat``: train.flat_params, on by default). ``step.num_params``: the
+    trained module's parameters (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
-        ModelConfig,
         ObjectiveConfig,
         OpsConfig,
         OptimConfig,
@@ -112,9 +149,9 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
     env = detect_env()
     init_process_group(env, backend="auto", timeout_s=600)
-    mcfg = ModelConfig(vocab_size=vocab, max_position=max(512, seq), pooling="mean", **SIZES[size])
-    model = build_model(mcfg)
+    model = build_model(ours_model_config(size, vocab, seq, arch))
     module = TrainModule(model, Objective(ObjectiveConfig(), Context(env=env, ops=OpsConfig(), pooling="mean")))
+    num_params = sum(p.numel() for p in module.parameters())  # before flat layers change the tensors
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
     train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat)
     dist = DistributedConfig(zero_stage=zero_stage)
@@ -132,13 +169,32 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
         done[0] += 1
         return result
 
-    step.engine = engine
+    step.engine, step.num_params = engine, num_params
     return step
 
 
-def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp32", compile_: bool = False,
-             temperature: float = 0.1, fused: bool = True):
-    """HF's step; ``fused``: fused AdamW (the Engine's on CPU and CUDA alike)."""
+def ours_model_config(size: str, vocab: int, seq: int, arch: str = "bert"):
+    """The ModelConfig both arms are built from: ``model_shape`` at this vocabulary, mean pooling."""
+    from pretrain.config import ModelConfig
+
+    shape = model_shape(size, arch)
+    if arch == "bert":
+        shape["max_position"] = max(512, seq)
+    return ModelConfig(vocab_size=vocab, pooling="mean", **shape)
+
+
+def hf_attention(arch: str, device: str) -> str:
+    """HF's attention implementation: SDPA, except ModernBERT on CUDA with flash-attn installed (its unpadded
+    path: transformers' flash_attention_2 unpads by the padding mask inside the call)."""
+    import importlib.util
+
+    if arch == "modernbert" and device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def _hf_bert(size: str, vocab: int, seq: int):
+    """transformers' BertForMaskedLM at SIZES[size]; (model, encoder) with encoder(ids, mask) -> h_BTD."""
     from transformers import BertConfig, BertForMaskedLM
 
     s = SIZES[size]
@@ -146,10 +202,37 @@ def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp3
                      num_attention_heads=s["num_heads"], intermediate_size=s["ffn_size"],
                      max_position_embeddings=max(512, seq))
     cfg._attn_implementation = "sdpa"
-    model = BertForMaskedLM(cfg).to(device)
+    model = BertForMaskedLM(cfg)
+    return model, lambda ids, mask: model.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def _hf_modernbert(size: str, vocab: int, seq: int, device: str):
+    """transformers' ModernBertForMaskedLM from ours' ModelConfig (export/hf_modern.py's mapping), dropout at ours'
+    rates (embeddings, attention, MLP), sparse_prediction on; (model, encoder) as ``_hf_bert``."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    from pretrain.export.hf_modern import hf_config
+
+    mcfg = ours_model_config(size, vocab, seq, "modernbert")
+    d = hf_config(mcfg, {}, "ModernBertForMaskedLM", {})
+    d.update(mlp_dropout=mcfg.dropout, sparse_prediction=True, dtype="float32")
+    for key in ("architectures", "model_type", "pretrain"):
+        d.pop(key)
+    cfg = ModernBertConfig(**d)
+    cfg._attn_implementation = hf_attention("modernbert", device)
+    model = ModernBertForMaskedLM(cfg)
+    return model, lambda ids, mask: model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp32", compile_: bool = False,
+             temperature: float = 0.1, fused: bool = True, arch: str = "bert"):
+    """HF's step; ``fused``: fused AdamW (the Engine's on CPU and CUDA alike). ``step.num_params``: the model's
+    and the projection's parameters (the tied decoder weight once)."""
+    model, encoder = _hf_modernbert(size, vocab, seq, device) if arch == "modernbert" else _hf_bert(size, vocab, seq)
+    model.to(device)
     if compile_:
         model.compile()
-    d = s["hidden_size"]
+    d = model.config.hidden_size
     proj = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)).to(device)
     params = list(model.parameters()) + list(proj.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01,
@@ -163,7 +246,7 @@ def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp3
                         labels=batch["mlm_labels"])
             ids = torch.cat([batch["view_a_ids"], batch["view_b_ids"]])
             mask = torch.cat([batch["view_a_mask"], batch["view_b_mask"]])
-            h = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+            h = encoder(ids, mask)
             m = mask.unsqueeze(-1).to(h.dtype)
             z = F.normalize(proj((h * m).sum(1) / m.sum(1)).float(), dim=-1)
         n2 = z.shape[0]
@@ -177,6 +260,7 @@ def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp3
         opt.step()
         return loss.item()
 
+    step.num_params = sum(p.numel() for p in params)
     return step
 
 
@@ -215,40 +299,45 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
                 f.write(f"== {name}: 3 steps, batch {batch['input_ids'].shape[0]}, median step {statistics.median(times):.4f} s\n{table}\n")
     except torch.OutOfMemoryError:
         return {"oom": True}
-    out = {"s": statistics.median(times), "all_s": times}
+    out = {"s": statistics.median(times), "all_s": times, "num_params": step.num_params}
     if device == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
 
 
 def measure(args, size: str) -> dict:
-    """Median seconds per step of ours and HF for one size and micro-batch."""
+    """Median seconds per step of ours and HF for one size and micro-batch, and each arm's parameter count."""
     gen = torch.Generator().manual_seed(0)
     host_batch = make_batch(args.batch[0], args.seq, args.view_len, args.vocab, gen)
     batch = {k: v.to(args.device) for k, v in host_batch.items()}  # HF's; ours moves the host batch in its step
     torch.manual_seed(0)
+
+    def ours():
+        return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
+                          arch=args.arch)
+
+    def hf():
+        return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch)
+
     res = {}
     # One arm after the other (not interleaved): on a GPU both models' activations would otherwise have
     # to fit at once, which would lower the largest batch. The CPU keeps the alternating trials.
     if args.device == "cuda":
-        res["ours"] = _timed_arm("ours", lambda: build_ours(size, args.vocab, args.seq, args.zero_stage,
-                                                            args.precision, args.compile, args.batch[0]),
-                                 host_batch, args.steps, "cuda", args.profile_out)
+        res["ours"] = _timed_arm("ours", ours, host_batch, args.steps, "cuda", args.profile_out)
         import gc
 
         gc.collect()
         torch.cuda.empty_cache()
-        res["hf"] = _timed_arm("hf", lambda: build_hf(size, args.vocab, args.seq, "cuda", args.precision,
-                                                      args.compile), batch, args.steps, "cuda", args.profile_out)
+        res["hf"] = _timed_arm("hf", hf, batch, args.steps, "cuda", args.profile_out)
         return res
-    ours = build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0])
-    hf = build_hf(size, args.vocab, args.seq, "cpu", args.precision, args.compile)
+    ours, hf = ours(), hf()
     ours(batch), hf(batch)  # warm-up
     t_ours, t_hf = [], []
     for _ in range(args.steps):  # alternate so drifting machine load hits both alike
         t_ours.append(time_one(ours, batch))
         t_hf.append(time_one(hf, batch))
-    return {"ours": {"s": statistics.median(t_ours)}, "hf": {"s": statistics.median(t_hf)}}
+    return {"ours": {"s": statistics.median(t_ours), "num_params": ours.num_params},
+            "hf": {"s": statistics.median(t_hf), "num_params": hf.num_params}}
 
 
 def count_ops(step, batch) -> dict:
@@ -383,11 +472,25 @@ def matmul_tflops(size: int = 8192) -> float:
     return 2 * size**3 / statistics.median(times) / 1e12
 
 
+def hf_arm_note(arch: str, device: str) -> str:
+    """One line saying what the HF arm is, for the table's header."""
+    if arch == "bert":
+        return "HF: BertForMaskedLM, SDPA (padded), MLM head on every position, CLEAR loss as usually written"
+    attn = hf_attention(arch, device)
+    how = ("unpadded inside the attention call" if attn == "flash_attention_2" else
+           "padded: transformers' ModernBERT unpads only under flash_attention_2, CUDA with flash-attn")
+    return (f"HF: ModernBertForMaskedLM, {attn} ({how}), sparse_prediction (MLM head on masked rows), "
+            f"CLEAR loss as usually written")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="default fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--sizes", nargs="+", default=["tiny", "mini"], choices=list(SIZES))
+    p.add_argument("--arch", choices=ARCHS, default="bert",
+                   help="bert: BertForMaskedLM vs ours at SIZES; modernbert: ModernBertForMaskedLM vs ours with "
+                   "model.arch=modernbert at configs/models/modernbert-{size}.yaml")
+    p.add_argument("--sizes", nargs="+", default=["tiny", "mini"], choices=sorted(set(SIZES) | set(MODERN_SIZES)))
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--view-len", type=int, default=64)
     p.add_argument("--batch", type=int, nargs="+", default=[32],
@@ -411,6 +514,11 @@ def main(argv=None) -> int:
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     if args.host_cost and args.device != "cpu":
         p.error("--host-cost measures the host on the CPU (wall time = host time there); leave out --device")
+    if args.host_cost and args.arch != "bert":
+        p.error("--host-cost measures BERT-base depth only; leave out --arch")
+    available = MODERN_SIZES if args.arch == "modernbert" else tuple(SIZES)
+    if not set(args.sizes) <= set(available):
+        p.error(f"--arch {args.arch} has sizes {', '.join(available)}; got {' '.join(args.sizes)}")
     if args.json:
         print("RESULT " + json.dumps(measure_host_cost(args) if args.host_cost else measure(args, args.sizes[0])))
         return 0
@@ -419,15 +527,18 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     mm = matmul_tflops() if args.device == "cuda" else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"device {name}, torch {torch.__version__}, precision {args.precision}, zero {args.zero_stage}, "
-          f"compile {args.compile}, seq {args.seq} (+2 views x {args.view_len}), vocab {args.vocab}, "
-          f"median of {args.steps} steps" + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else ""))
+    print(f"device {name}, torch {torch.__version__}, transformers {_version('transformers')}, arch {args.arch}, "
+          f"precision {args.precision}, zero {args.zero_stage}, compile {args.compile}, seq {args.seq} (+2 views x "
+          f"{args.view_len}), vocab {args.vocab}, median of {args.steps} steps"
+          + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else ""))
+    print(hf_arm_note(args.arch, args.device))
     rows = []
     for size in args.sizes:
         for b in args.batch:
             # One process per (size, batch): a DeepSpeed engine and its hooks stay alive until the process
             # ends, and an out-of-memory leaves nothing behind.
-            cmd = [sys.executable, __file__, "--json", "--sizes", size, "--seq", str(args.seq), "--view-len",
+            cmd = [sys.executable, __file__, "--json", "--arch", args.arch, "--sizes", size, "--seq", str(args.seq),
+                   "--view-len",
                    str(args.view_len), "--batch", str(b), "--vocab", str(args.vocab), "--steps", str(args.steps),
                    "--zero-stage", str(args.zero_stage), "--device", args.device, "--precision", args.precision]
             cmd += ["--compile"] if args.compile else []
@@ -440,7 +551,7 @@ def main(argv=None) -> int:
                 rows.append(dict(size=size, batch=b, error=tail))
                 break
             r = json.loads(lines[0][7:])
-            flops = train_flops_per_sample(size, args.seq, args.view_len, args.vocab)
+            flops = train_flops_per_sample(size, args.seq, args.view_len, args.vocab, arch=args.arch)
             row = dict(size=size, batch=b, flops_per_sample=flops)
             for arm in ("ours", "hf"):
                 a = r[arm]
@@ -451,15 +562,16 @@ def main(argv=None) -> int:
                 row[arm] = dict(step_s=a["s"], samples_per_s=sps, tflops=sps * flops / 1e12,
                                 mfu=sps * flops / 1e12 / args.peak_tflops,
                                 frac_of_matmul=(sps * flops / 1e12 / mm) if mm else None,
-                                peak_gib=a.get("peak_gib"))
+                                peak_gib=a.get("peak_gib"), num_params=a.get("num_params"))
             rows.append(row)
             if row["ours"].get("oom") and row["hf"].get("oom"):
                 break
-    print("\n| size | batch | ours samples/s | HF samples/s | ours / HF | ours MFU | HF MFU | ours GiB | HF GiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| arch | size | batch | ours samples/s | HF samples/s | ours / HF | ours MFU | HF MFU | ours GiB | HF GiB "
+          "| ours params | HF params |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['size']} | {row['batch']} | failed: {row['error'][:60]} | | | | | | |")
+            print(f"| {args.arch} | {row['size']} | {row['batch']} | failed: {row['error'][:60]} | | | | | | | | |")
             continue
         o, h = row["ours"], row["hf"]
 
@@ -467,12 +579,14 @@ def main(argv=None) -> int:
             return "OOM" if a.get("oom") else (fmt.format(a[key]) if a.get(key) is not None else "-")
 
         ratio = f"{o['samples_per_s'] / h['samples_per_s']:.2f}x" if not (o.get("oom") or h.get("oom")) else "-"
-        print(f"| {row['size']} | {row['batch']} | {cell(o, 'samples_per_s', '{:.1f}')} | "
+        print(f"| {args.arch} | {row['size']} | {row['batch']} | {cell(o, 'samples_per_s', '{:.1f}')} | "
               f"{cell(h, 'samples_per_s', '{:.1f}')} | {ratio} | {cell(o, 'mfu', '{:.1%}')} | "
-              f"{cell(h, 'mfu', '{:.1%}')} | {cell(o, 'peak_gib', '{:.1f}')} | {cell(h, 'peak_gib', '{:.1f}')} |")
+              f"{cell(h, 'mfu', '{:.1%}')} | {cell(o, 'peak_gib', '{:.1f}')} | {cell(h, 'peak_gib', '{:.1f}')} | "
+              f"{cell(o, 'num_params', '{:,}')} | {cell(h, 'num_params', '{:,}')} |")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(dict(device=name, torch=torch.__version__, precision=args.precision,
+            json.dump(dict(device=name, torch=torch.__version__, arch=args.arch, hf_attention=hf_attention(
+                           args.arch, args.device), precision=args.precision,
                            zero_stage=args.zero_stage, compile=args.compile, seq=args.seq,
                            view_len=args.view_len, vocab=args.vocab, matmul_tflops=mm,
                            peak_tflops=args.peak_tflops, rows=rows), f, indent=1)

@@ -1,6 +1,7 @@
 """The GPU pass's own logic, dry-run on the CPU: `tools/gpu_smoke.py` (train, resume a copy from the
 half-way checkpoint, compare the losses) and `tools/bench_step.py`'s FLOP count and table; and
-`bench_step.py --host-cost`, the CPU measure of a step's host cost (issue 24).
+`bench_step.py --host-cost`, the CPU measure of a step's host cost (issue 24); `bench_step.py --arch modernbert`,
+ours against transformers' ModernBertForMaskedLM (issue 27).
 
 The GPU pass runs only where a GPU is lent (tools/gpu_check.sh); these keep its scripts working in
 between, so that the next lent GPU is not spent on a broken script.
@@ -44,6 +45,43 @@ def test_bench_step_flop_count_matches_hand_count():
     fwd = 128 * per_token(128) + 2 * 64 * per_token(64) + 0.15 * 128 * (2 * d * d + 2 * d * vocab)
     assert f == 4 * d
     assert bench_step.train_flops_per_sample("base", 128, 64, vocab) == pytest.approx(3 * fwd, rel=1e-12)
+
+
+def test_bench_step_modernbert_flop_count_matches_hand_count():
+    bench_step = _bench_step()
+    d, f, vocab, window = 128, 256, 8192, 128  # configs/models/modernbert-tiny.yaml: 3 layers, global every 3
+    layer = lambda t, keys: t * (8 * d * d + 6 * d * f + 4 * keys * d)  # GeGLU: d -> 2f, f -> d
+    encoder = lambda t: layer(t, t) + 2 * layer(t, min(t, window + 1))  # layer 0 global, 1-2 local
+    fwd = encoder(512) + 2 * encoder(64) + 0.15 * 512 * (2 * d * d + 2 * d * vocab)
+    assert bench_step.train_flops_per_sample("tiny", 512, 64, vocab, arch="modernbert") == pytest.approx(3 * fwd)
+    assert bench_step.model_shape("mini", "modernbert")["ffn_size"] == 384  # read from the size's YAML
+    with pytest.raises(ValueError, match="no size 'small'"):
+        bench_step.model_shape("small", "modernbert")
+
+
+def test_bench_step_modernbert_runs_both_arms_with_equal_parameters(tmp_path, clean_env):
+    out = tmp_path / "modern.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_step.py"), "--arch", "modernbert", "--sizes", "tiny", "--steps",
+         "2", "--batch", "2", "--seq", "32", "--view-len", "16", "--vocab", "512", "--zero-stage", "0",
+         "--json-out", str(out)],
+        check=False, capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "HF: ModernBertForMaskedLM, sdpa (padded" in proc.stdout
+    assert "| modernbert | tiny | 2 |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert (report["arch"], report["hf_attention"]) == ("modernbert", "sdpa")
+    (row,) = report["rows"]
+    assert row["ours"]["samples_per_s"] > 0 and row["hf"]["samples_per_s"] > 0
+    # The same shapes on both sides: embeddings 512 x 128, 3 layers, head, decoder bias, projection MLP.
+    assert row["ours"]["num_params"] == row["hf"]["num_params"] > 512 * 128
+
+
+def test_bench_step_refuses_a_size_the_arch_lacks():
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench_step.py"), "--arch", "modernbert", "--sizes",
+                           "small"], check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and "--arch modernbert has sizes tiny, mini, base, large" in proc.stderr
 
 
 def _bench_step():

@@ -230,7 +230,7 @@ def test_a_bad_config_stops_the_study_before_anything_runs(tmp_path, monkeypatch
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["clear_small", "seeds_small", "smoke"])
+@pytest.mark.parametrize("name", ["clear_small", "seeds_small", "smoke", "modern_small"])
 def test_study_files_plan_cleanly(name, monkeypatch, capsys):
     """The shipped study files: every run's config resolves, shared.equal holds, the plan prints."""
     from pretrain.study.driver import main
