@@ -178,13 +178,13 @@ def mount_tmpfs(path: Path, size: str) -> str | None:
     if shutil.which("mount") is None:
         return "mount(8) is not installed"
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                       text=True)
+                       text=True, check=False)
     return None if r.returncode == 0 else f"mount -t tmpfs failed: {r.stderr.strip() or r.returncode}"
 
 
 def umount(path: Path) -> None:
-    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
 
 def fill(path: Path) -> int:

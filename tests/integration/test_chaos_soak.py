@@ -9,7 +9,12 @@ import math
 
 import pytest
 
-from pretrain.training.chaos import FAULT_KINDS, compare_losses, fault_table, last_losses
+from pretrain.training.chaos import (
+    FAULT_KINDS,
+    compare_losses,
+    fault_table,
+    last_losses,
+)
 from pretrain.training.chaos_soak import SoakConfig, run_soak, tiny_overrides
 
 

@@ -60,8 +60,8 @@ def test_compare_losses_is_bitwise_and_needs_every_step():
     ref = {1: 10.5, 2: 9.25, 3: 8.0}
     assert compare_losses(dict(ref), ref, 3) == []
     one_ulp = {**ref, 2: 9.250000000000002}
-    assert compare_losses(one_ulp, ref, 3) == ["1 step(s) differ from the reference, first step 2: "
-                                               "9.250000000000002 != 9.25"]
+    assert compare_losses(one_ulp, ref, 3) == [("1 step(s) differ from the reference, first step 2: "
+                                                "9.250000000000002 != 9.25")]
     assert compare_losses({1: 10.5, 3: 8.0}, ref, 3) == ["soak lacks steps 2"]
     assert compare_losses(ref, ref, 6) == ["soak lacks steps 4-6", "reference lacks steps 4-6"]
 
