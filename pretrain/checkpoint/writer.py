@@ -226,6 +226,8 @@ class CheckpointWriter:
         error = self.join()
         self._job, self._error = None, None
         if _any_rank(self.env, error is not None):
+            if self.env.is_main:  # every rank's writer has stopped by now: what one wrote after rank 0's own
+                shutil.rmtree(job.tmp_dir, ignore_errors=True)  # removal (a race the chaos soak hit) goes too
             previous = store.find_latest(job.ckpt_dir)
             why = store.describe_error(error) if error is not None else "on another rank"
             raise store.CheckpointError(

@@ -9,7 +9,14 @@ import time
 import pytest
 
 from pretrain.checkpoint import store
-from pretrain.checkpoint.writer import SaveJob, run_main, run_rank, write_share
+from pretrain.checkpoint import writer as writer_mod
+from pretrain.checkpoint.writer import (
+    CheckpointWriter,
+    SaveJob,
+    run_main,
+    run_rank,
+    write_share,
+)
 
 
 @pytest.mark.parametrize("size", [0, 1000, store.SAMPLE_BLOCK * store.SAMPLE_BLOCKS + 12345])
@@ -48,4 +55,25 @@ def test_a_rank_that_never_finishes_is_given_up_at_the_deadline(tmp_path):
     job.deadline = time.monotonic() + 0.1
     with pytest.raises(store.CheckpointError, match="rank 1 did not finish writing its files in time"):
         run_main(job)
+    assert not job.tmp_dir.exists()
+
+
+class _OneRank:
+    is_main, is_distributed, rank, world_size = True, False, 0, 1
+
+
+def test_a_file_written_after_rank_0_removed_the_failed_tag_goes_too(tmp_path, monkeypatch):
+    """The chaos soak's race: rank 0's write fails and it removes the temporary tag while another rank's writer
+    still creates a file in it; once every writer stopped (wait), nothing of the failed save is left."""
+    job = _job(tmp_path, 0)
+
+    def fail_then_late_file(job, on_published=None):
+        (job.tmp_dir / "late_from_rank1.pt").write_bytes(b"x")  # the other rank, after rank 0's cleanup
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_mod, "run_main", fail_then_late_file)
+    writer = CheckpointWriter(_OneRank())
+    writer.start(job)
+    with pytest.raises(store.CheckpointError, match="the partial files were removed"):
+        writer.wait()
     assert not job.tmp_dir.exists()
