@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.checkpoint import store
+from pretrain.prep.embedded import write_embedded_corpus
+from pretrain.prep.preprocess import preprocess
+from pretrain.prep.tokenizer import train_tokenizer
 from pretrain.training import chaos_job as jobs
 from pretrain.training.chaos import (
     CheckpointLedger,
@@ -345,10 +348,6 @@ def run_soak(cfg: SoakConfig, *, say=print) -> SoakResult:
 def tiny_setup(corpus_dir: Path) -> list[str]:
     """A tiny corpus (the embedded one: Python's own docs) in ``corpus_dir`` (built once) and the overrides of a
     seconds-long tiny run on it: the soak's default workload."""
-    from pretrain.prep.embedded import write_embedded_corpus
-    from pretrain.prep.preprocess import preprocess
-    from pretrain.prep.tokenizer import train_tokenizer
-
     corpus_dir = Path(corpus_dir)
     tok = corpus_dir / "tokenizer.json"
     if not (corpus_dir / "train" / "manifest.json").is_file():
