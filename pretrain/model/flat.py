@@ -76,6 +76,7 @@ def flatten_layers(model: nn.Module) -> int:
     before = sum(1 for _ in model.parameters())
     for layer in model.encoder.layers:
         flatten_unit(layer)
+    model._flat_units = tuple(model.encoder.layers)  # what release_views resets, without a walk per forward
     return before - sum(1 for _ in model.parameters())
 
 
@@ -108,16 +109,15 @@ def _spans(unit: nn.Module, slots: dict[str, list[_Slot]]) -> list[tuple]:
 
 
 def release_views(model: nn.Module) -> None:
-    """Drops the cached parameter views of the model's flattened units: their next forward makes new ones.
+    """Drops the cached parameter views of the model's flattened layers (``flatten_layers``): their next forward makes new ones.
     Called at the start of every training forward (TrainModule.forward), so that each micro-step's graph has
     views of its own. A view kept from an earlier step carries that step's autograd node, whose older sequence
     number changes the order in which the backward reaches the gradients (and so DeepSpeed's bucketing and, on
     more than two ranks, the rounding of their reduction): a resumed run, whose views are new, would then differ
     from the uninterrupted one in the last bit. DeepSpeed updates its flat buffer in place through tensors that
     do not share the parameters' version counters, so the cache key alone does not end a view's life."""
-    for unit in model.modules():
-        if getattr(unit, "_flat_slots", None) is not None:
-            unit._flat_cache = None
+    for unit in getattr(model, "_flat_units", ()):  # set by flatten_layers; () for a per-tensor model
+        unit._flat_cache = None
 
 
 def materialize(unit: nn.Module) -> None:
