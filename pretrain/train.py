@@ -151,5 +151,27 @@ def train(cfg, env) -> int:
         stop.uninstall()
         destroy_process_group()
 
+def cli() -> None:
+    """``pretrain-train`` and ``python -m pretrain.train``: ``main``'s exit code, without the interpreter's teardown.
+
+    By the time ``main`` returns, the trainer has closed everything it opened (checkpoint writer joined, loader
+    workers stopped, metrics and TensorBoard files closed, lock released, process group destroyed). What remains is
+    CPython's finalization, and in a distributed process that is where c10d's C++ threads can still reach for the
+    GIL: a rare ``terminate called without an active exception`` (SIGABRT, seen once in CI on a 2-rank run that had
+    printed "done" and published its checkpoint) turns a finished run into a failed job, which torchrun and sbatch
+    then report as a failure and Slurm may requeue. So the streams are flushed and the process ends here. An
+    exception out of ``main`` still takes the normal path (traceback, exit 1)."""
+    import logging
+
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said on it
+            pass
+    os._exit(int(code or 0))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
