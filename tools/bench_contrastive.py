@@ -186,6 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="steps of the other arms (median after the first)")
     p.add_argument("--sentences", type=Path, help="one sentence a line (default: the shared wiki1m prefix)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: all-MiniLM-L6-v2's, if installed)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a pretrain-train override for every arm (repeatable), e.g. "
+                        "train.malloc_mmap_threshold_kib=0 for glibc's default heap")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     sentences = args.sentences or default_data_dir() / "corpus" / "wiki1m" / "wiki1m_for_simcse.txt"
@@ -198,10 +201,11 @@ def main(argv=None) -> int:
         if batch % args.chunk:
             p.error(f"{name} {batch} is not a multiple of --chunk {args.chunk}")
     print(f"bench_contrastive: model={args.model}, views of {args.view_len} tokens, {sentences.name}, "
-          f"load {loadavg()}", flush=True)
+          f"overrides {' '.join(args.set) or 'none'}, load {loadavg()}", flush=True)
     res = bench(args.dir.resolve(), parts=args.parts, chunk=args.chunk, memory_batch=args.memory_batch,
                 time_batch=args.time_batch, steps=args.steps, memory_steps=args.memory_steps, model=args.model,
-                sentences=sentences.resolve(), tokenizer=tokenizer.resolve(), view_len=args.view_len)
+                sentences=sentences.resolve(), tokenizer=tokenizer.resolve(), view_len=args.view_len,
+                extra=args.set)
     res["command"] = " ".join(["python tools/bench_contrastive.py", *(argv if argv is not None else sys.argv[1:])])
     print(table(res))
     if args.json_out:

@@ -33,6 +33,7 @@ from pretrain.training.banner import banner_lines
 from pretrain.training.build import apply_param_layout, prepare_run, train_loader_builder
 from pretrain.training.cached_step import cached_optimizer_step
 from pretrain.training.evaluation import StsbKeepBest
+from pretrain.training.heap import set_mmap_threshold
 from pretrain.training.optim import build_param_groups, lr_lambda
 from pretrain.training.progress import (
     BadSteps,
@@ -76,6 +77,7 @@ class Trainer:
             raise
 
     def _setup(self, cfg: RunConfig, env) -> None:
+        set_mmap_threshold(cfg.train.malloc_mmap_threshold_kib)  # before the first activation is allocated
         parts = prepare_run(cfg, env)
         self.tokenizer, self.train_set, self.valid_set, self.module = (parts.tokenizer, parts.train_set,
                                                                        parts.valid_set, parts.module)

@@ -1,0 +1,57 @@
+"""training/heap.py: the fixed mmap threshold really changes where glibc puts a freed-then-reallocated block."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain.config import load_run_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+# In a fresh interpreter: free one 16 MiB block (mmapped; with glibc's dynamic threshold this raises the threshold
+# to 16 MiB: the dynamic rule applies up to 32 MiB), then allocate 1 MiB and report whether it was mmapped
+# (mallinfo2's hblks grew).
+PROBE = r"""
+import ctypes, sys
+sys.path.insert(0, sys.argv[2])
+from pretrain.training.heap import set_mmap_threshold
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = MallInfo2
+applied = set_mmap_threshold(int(sys.argv[1]))
+libc.free(libc.malloc(16 << 20))
+before = libc.mallinfo2().hblks
+p = libc.malloc(1 << 20)
+print(int(applied), int(libc.mallinfo2().hblks > before))
+libc.free(p)
+"""
+
+
+def _probe(kib: int, **env) -> tuple[int, int]:
+    environ = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | env
+    out = subprocess.run([sys.executable, "-c", PROBE, str(kib), str(REPO)], capture_output=True, text=True,
+                         env=environ, timeout=60, check=True).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc only")
+def test_a_fixed_threshold_keeps_mmapping_after_a_large_free():
+    assert _probe(0) == (0, 0)  # glibc's default: after the 16 MiB free, 1 MiB comes from the heap
+    assert _probe(128) == (1, 1)  # fixed at 128 KiB: still mmapped, so its free returns it to the system
+    assert _probe(128, MALLOC_MMAP_THRESHOLD_="134217728") == (0, 0)  # the user's variable wins (128 MiB)
+
+
+def test_the_setting_defaults_on_and_refuses_a_negative():
+    assert load_run_config(None, []).train.malloc_mmap_threshold_kib == 128
+    with pytest.raises(ValueError, match="malloc_mmap_threshold_kib"):
+        load_run_config(None, ["train.malloc_mmap_threshold_kib=-1"])
