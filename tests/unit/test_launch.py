@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from pretrain.distributed.launch import exit_code, summary
+from pretrain.distributed.launch import exit_code, signal_exit_code, signal_summary, summary
 
 
 def _failure(local_rank: int, code: int, ts: int) -> ProcessFailure:
@@ -39,3 +41,51 @@ def test_a_worker_error_ends_in_one_line_not_a_traceback(tmp_path):
     assert "worker: error: data.tokenizer is empty" in proc.stderr
     assert "[launch] workers stopped: rank 0 exit 2" in proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
+
+
+def test_a_signalled_torchrun_exits_with_what_its_workers_did():
+    term = int(signal.SIGTERM)
+    assert signal_exit_code(term, {0: 75, 1: 75}) == 75  # every worker checkpointed: requeue me
+    assert signal_exit_code(term, {0: 75, 1: 2}) == 2  # a worker's own error wins
+    assert signal_exit_code(term, {0: 75, 1: -9}) == 137  # one was SIGKILLed past the grace period
+    assert signal_exit_code(term, {0: 0, 1: 0}) == 0  # they had finished
+    assert signal_exit_code(term, {}) == 143  # nothing recorded: as any process ended by SIGTERM
+    assert signal_summary(term, {1: -9, 0: 75}) == (
+        "[launch] SIGTERM: torchrun stopped its workers: local rank 0 exit 75, local rank 1 killed by SIGKILL: see "
+        "the workers' messages above; exit 137")
+
+
+WORKER_75 = """import os, signal, sys, time
+from pathlib import Path
+def stop(*_):
+    time.sleep(0.5)  # a checkpoint being written
+    print(f"worker {os.environ['LOCAL_RANK']}: checkpointed, exit 75", file=sys.stderr, flush=True)
+    os._exit(75)
+signal.signal(signal.SIGTERM, stop)
+Path(sys.argv[1], "ready-" + os.environ["LOCAL_RANK"]).touch()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_sigterm_to_the_launcher_ends_in_the_workers_requeue_code_not_a_traceback(tmp_path):
+    """Slurm's SIGTERM reaches torchrun too: it forwards it, its workers checkpoint and exit 75, and the launcher
+    must exit 75 (the batch script's "stopped for a requeue"), not torchrun's 1 and a SignalException traceback."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER_75)
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain.distributed.launch", "--nproc-per-node=2", str(worker),
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err
+    assert err.count("checkpointed, exit 75") == 2, err
+    assert ("[launch] SIGTERM: torchrun stopped its workers: local rank 0 exit 75, local rank 1 exit 75: "
+            "checkpointed and stopped for a requeue; exit 75") in err
+    assert "Traceback" not in err and "SignalException" not in err, err
