@@ -118,12 +118,14 @@ class TrainConfig:
     A resumed run keeps the layout its checkpoint was written with (one from before 2026-11-25: per-tensor);
     resumes are bitwise on any rank count (the views are remade at every micro-step: ``flat.release_views``)."""
 
-    malloc_mmap_threshold_kib: int = 128
-    """glibc's mmap threshold in KiB, fixed for the trainer process (training/heap.py): every freed block of at
-    least this size goes straight back to the system instead of staying in a heap that grows with each micro-batch's
-    differently sized activations (measured: a cached-gradient step of 2,048 in 8 chunks peaked at 1.11x the RSS of
-    one chunk uncached with glibc's dynamic threshold, 0.98x with 128 KiB). 0 leaves glibc's default; a
-    ``MALLOC_MMAP_THRESHOLD_`` in the environment wins. No effect without glibc, or on GPU memory."""
+    malloc_mmap_threshold_kib: int = 0
+    """glibc's mmap threshold in KiB, fixed for the trainer process (training/heap.py); 0 (the default) leaves glibc's
+    dynamic threshold. Fixed, every freed block of at least this size goes straight back to the system instead of
+    staying in a heap that grows with each micro-batch's differently sized activations (measured: a cached-gradient
+    step of 2,048 in 8 chunks peaked at 1.11x the RSS of one chunk uncached with glibc's dynamic threshold, 0.98x
+    with 128 KiB), but every large allocation then costs an mmap and fresh page faults: the quickstart trained at
+    0.70x the samples/s with 128 (docs/performance.md), so it is opt-in. A ``MALLOC_MMAP_THRESHOLD_`` in the
+    environment wins. No effect without glibc, or on GPU memory."""
 
     @property
     def step_unpadded(self) -> bool:

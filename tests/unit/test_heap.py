@@ -51,7 +51,8 @@ def test_a_fixed_threshold_keeps_mmapping_after_a_large_free():
     assert _probe(128, MALLOC_MMAP_THRESHOLD_="134217728") == (0, 0)  # the user's variable wins (128 MiB)
 
 
-def test_the_setting_defaults_on_and_refuses_a_negative():
-    assert load_run_config(None, []).train.malloc_mmap_threshold_kib == 128
+def test_the_setting_defaults_off_and_refuses_a_negative():
+    assert load_run_config(None, []).train.malloc_mmap_threshold_kib == 0  # opt-in: it costs step time on CPU
+    assert load_run_config(None, ["train.malloc_mmap_threshold_kib=128"]).train.malloc_mmap_threshold_kib == 128
     with pytest.raises(ValueError, match="malloc_mmap_threshold_kib"):
         load_run_config(None, ["train.malloc_mmap_threshold_kib=-1"])
