@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+from tiny_roberta import save_roberta_dir, train_roberta_tokenizer  # noqa: E402  (tools/, and re-exported to tests)
 _SESSION_VAR = "PRETRAIN_TEST_SESSION"
 os.environ.setdefault(_SESSION_VAR, uuid.uuid4().hex)
 _SESSION_MARK = f"{_SESSION_VAR}={os.environ[_SESSION_VAR]}".encode()
@@ -135,43 +137,6 @@ def tiny_corpus(tmp_path_factory) -> dict:
     for split, txt in (("train", train_txt), ("valid", valid_txt)):
         preprocess([str(txt)], str(root / split), str(tok), num_workers=1)
         out[split] = str(root / split)
-    return out
-
-
-ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
-"""RoBERTa's special tokens, ids 0..4 as in roberta-base (pad 1: positions start at 2)."""
-
-
-def train_roberta_tokenizer(lines, out: Path, vocab_size: int = 600) -> Path:
-    """A byte-level BPE tokenizer.json like RoBERTa's (its special tokens and post-processor) trained on ``lines``."""
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(ROBERTA_SPECIALS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(lines, trainer)
-    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
-    tok.save(str(out))
-    return out
-
-
-def save_roberta_dir(hf, tokenizer_json: Path, out: Path) -> Path:
-    """A transformers RoBERTa model directory: ``hf.save_pretrained`` + its tokenizer files (no downloads)."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf.save_pretrained(str(out))
-    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), bos_token="<s>", eos_token="</s>", cls_token="<s>",
-                            sep_token="</s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
-                            model_max_length=hf.config.max_position_embeddings - 2).save_pretrained(str(out))
     return out
 
 

@@ -2,7 +2,8 @@
 
     python tools/chance_report.py RUNS_DIR      (the run directories of tools/recipes_at_chance.sh)
 
-Chance: ln(2B-1) for NT-Xent (2B-1 candidates), ln(B) for InfoNCE and ArcCon (B = the micro-batch, one rank; ArcCon's
+Chance: ln(2B-1) for NT-Xent (2B-1 candidates), ln(B) for InfoNCE and ArcCon (ln(2B) for InfoNCE over triples: B
+hard negatives besides the B positives) (B = the micro-batch, one rank; ArcCon's
 margin puts a collapsed encoder above it); "below chance" is below chance x (1 - COLLAPSE_TOLERANCE), the trainer's
 collapse warning's rule. Reads metrics.jsonl and config.yaml; prints one line per run.
 """
@@ -30,8 +31,12 @@ def report(run: Path) -> str | None:
     term = next((t for t in TERMS if train and t in train[0]), None)
     if term is None:
         return f"{run.name}: no contrastive term logged"
-    b = yaml.safe_load((run / "config.yaml").read_text())["train"]["micro_batch_size"]
-    chance = math.log(2 * b - 1) if term == "nt_xent" else math.log(b)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    b = cfg["train"]["micro_batch_size"]
+    # InfoNCE over data.pairs (taken to be triples, as supervised SimCSE's): B positives + B hard negatives per anchor
+    hard = term == "info_nce" and (cfg.get("data") or {}).get("pairs") and \
+        ((cfg.get("objective") or {}).get("info_nce") or {}).get("hard_negative_weight") is not None
+    chance = math.log(2 * b - 1) if term == "nt_xent" else math.log(2 * b if hard else b)
     band = chance * (1 - COLLAPSE_TOLERANCE)
     steps = [(r["step"], r[term]) for r in train if term in r]
     first = next((s for s, v in steps if v < band), None)

@@ -4,11 +4,15 @@
 # the clear_del_span_reorder run's checkpoint on the shared wiki1m prefix (RankCSE's teachers: that checkpoint too).
 #
 #   python -m pretrain.quickstart runs/qs --prepare-only        # the quickstart data, once
-#   bash tools/recipes_at_chance.sh runs/qs runs/at_chance      # ~2-3 min a run on 2 idle cores
+#   bash tools/recipes_at_chance.sh runs/qs runs/at_chance [ROBERTA_INIT [PAIRS]]   # ~2-3 min a run on 2 idle cores
+# With ROBERTA_INIT (tools/tiny_roberta.py --init) SARCSE runs from it, with its BPE tokenizer; with PAIRS
+# (tools/sick_triples.py) supervised SimCSE runs from the same start as the others on those triples.
 #   python tools/chance_report.py runs/at_chance
 set -u
 QS=${1:?quickstart directory (python -m pretrain.quickstart DIR --prepare-only)}
 OUT=${2:?output directory}
+ROBERTA=${3:-}
+PAIRS=${4:-}
 DATA=${PRETRAIN_DATA_DIR:-$(cd "$(dirname "$0")/../.." && pwd)/shared/data}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -28,3 +32,14 @@ for name in simcse_unsup_bert_base arccse_bert_base rankcse_listnet_bert_base ra
     train.max_steps=250 train.log_every=2 "checkpoint.init_from=$START" "$TOK" \
     "data.sentences=$DATA/corpus/wiki1m/wiki1m_for_simcse.txt" "${extra[@]}" > "$OUT/$name.log" 2>&1
 done
+if [ -n "$PAIRS" ] && [ ! -e "$OUT/simcse_sup_bert_base/checkpoints/latest" ]; then
+  python3 -m pretrain.train configs/recipes/simcse_sup_bert_base.yaml model=tiny "run_dir=$OUT/simcse_sup_bert_base" \
+    train.max_steps=250 train.log_every=2 "checkpoint.init_from=$START" "$TOK" "data.pairs=$PAIRS" \
+    > "$OUT/simcse_sup_bert_base.log" 2>&1
+fi
+if [ -n "$ROBERTA" ] && [ ! -e "$OUT/sarcse_roberta_base/checkpoints/latest" ]; then
+  PRETRAIN_DATA_DIR=$DATA python3 -m pretrain.train configs/recipes/sarcse_roberta_base.yaml model=tiny \
+    "run_dir=$OUT/sarcse_roberta_base" train.max_steps=250 train.log_every=2 "checkpoint.init_from=$ROBERTA" \
+    "data.tokenizer=$ROBERTA/tokenizer.json" "data.sentences=$DATA/corpus/wiki1m/wiki1m_for_simcse.txt" \
+    > "$OUT/sarcse_roberta_base.log" 2>&1
+fi
