@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pretrain.objective.grad_cache import contrast
+from pretrain.training.heap import trim
 from pretrain.training.step import (
     StepResult,
     all_finite,
@@ -26,8 +27,11 @@ from pretrain.training.step import (
 
 
 def cached_optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int, step: int,
-                          precision: str, unpadded: bool = False) -> StepResult:
-    """``step.optimizer_step`` with the contrastive batch the whole step: the same arguments and result."""
+                          precision: str, unpadded: bool = False, trim_heap: bool = False) -> StepResult:
+    """``step.optimizer_step`` with the contrastive batch the whole step: the same arguments and result.
+    ``trim_heap`` (train.malloc_trim_chunks; CPU only): glibc's heap is trimmed after each chunk's backward, so
+    that the freed activations of chunks of different sizes do not pile up in it (heap.trim)."""
+    trim_heap = trim_heap and torch.device(engine.device).type == "cpu"
     batches, n_samples, n_tokens = [], 0, 0
     for _ in range(grad_accum):
         batch = next_batch()  # counted on the host, then moved: no device sync
@@ -52,6 +56,8 @@ def cached_optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, see
         all_finite_t = all_finite_t & finite
         # x grad_accum: DeepSpeed divides each micro-step's loss by it, but these losses are already the step's.
         engine.micro_step(loss * grad_accum, finite=finite)
+        if trim_heap:
+            trim()
     sums.add("loss", step_loss, 1, keep=all_finite_t)  # the whole step's loss, x world size like optimizer_step's
     info = engine.step()
     bad = info.skipped if precision != "fp16" else not all_finite(all_finite_t, env)

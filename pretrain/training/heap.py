@@ -31,3 +31,19 @@ def set_mmap_threshold(kib: int) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, kib * 1024) == 1  # glibc: 1 on success, 0 for a value above its maximum
+
+
+_LIBC = None
+
+
+def trim() -> bool:
+    """glibc's ``malloc_trim(0)``: give every whole free page of every arena back to the system (the heap's top and,
+    since glibc 2.8, free pages inside it). False where there is no glibc."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+            _LIBC.malloc_trim.argtypes, _LIBC.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            _LIBC = False
+    return bool(_LIBC) and _LIBC.malloc_trim(0) == 1

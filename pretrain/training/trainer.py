@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -178,7 +179,8 @@ class Trainer:
         """One optimizer step (``step.optimizer_step``) and its bookkeeping. Returns (StepInfo, whether it was bad)."""
         st = self.state
         self._set_view_mean_mix()
-        step_fn = cached_optimizer_step if self.cfg.objective.gradient_cache else optimizer_step
+        step_fn = (partial(cached_optimizer_step, trim_heap=self.cfg.train.malloc_trim_chunks)
+                   if self.cfg.objective.gradient_cache else optimizer_step)
         result = step_fn(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
                          grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
                          precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded)

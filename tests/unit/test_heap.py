@@ -56,3 +56,46 @@ def test_the_setting_defaults_off_and_refuses_a_negative():
     assert load_run_config(None, ["train.malloc_mmap_threshold_kib=128"]).train.malloc_mmap_threshold_kib == 128
     with pytest.raises(ValueError, match="malloc_mmap_threshold_kib"):
         load_run_config(None, ["train.malloc_mmap_threshold_kib=-1"])
+
+
+# In a fresh interpreter: 200 blocks of 1 MiB from the heap (the mmap threshold fixed above them), each touched;
+# every other one is freed, so the freed ones are holes between live blocks that neither coalesce nor reach the
+# heap's top (free() gives back only the top); then RSS before and after trim().
+TRIM_PROBE = r"""
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+from pretrain.training.heap import trim
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+assert libc.mallopt(-3, 16 << 20) == 1  # M_MMAP_THRESHOLD (at most 32 MiB): 1 MiB blocks come from the heap
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+blocks = []
+for _ in range(200):
+    p = libc.malloc(1 << 20)
+    ctypes.memset(p, 1, 1 << 20)
+    blocks.append(p)
+for p in blocks[::2]:
+    libc.free(p)
+before = rss_mib()
+print(int(trim()), before, rss_mib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc only")
+def test_trim_gives_back_freed_pages_inside_the_heap():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE, str(REPO)], capture_output=True, text=True, env=env,
+                         timeout=60, check=True).stdout.split()
+    trimmed, before, after = int(out[0]), float(out[1]), float(out[2])
+    assert trimmed == 1
+    assert before - after > 80, (before, after)  # ~100 MiB of freed, touched pages were still resident
+
+
+def test_the_trim_setting_defaults_on():
+    assert load_run_config(None, []).train.malloc_trim_chunks is True
