@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from test_spikes import (
 
 from pretrain.checkpoint import store
 from pretrain.checkpoint import writer as writer_mod
+from pretrain.training import trainer as trainer_mod
 
 
 def _train_steps(run_dir: Path) -> list[int]:
@@ -168,12 +170,25 @@ def test_stop_signal_during_a_save_finishes_it_and_saves_nothing_more(tmp_path, 
         snapshots.append(step)
         return real_snapshot(*a, step=step, **k)
 
+    signalled = threading.Event()
+
     def signal_mid_write(tmp_dir, step):
         if step == 4:
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.5)  # still writing when the trainer sees the signal (after step 4 or 5)
+            signalled.set()
+            time.sleep(2.0)  # still writing when the trainer sees the signal (after step 4 or 5)
+
+    real_step = trainer_mod.optimizer_step
+
+    def optimizer_step(*a, step, **k):
+        # Step 5 (step=4 done so far) starts only once the writer has signalled: on a loaded machine the writer
+        # thread can be slow to reach the hook, and training must not outrun it into step 6's periodic save.
+        if step == 4:
+            assert signalled.wait(120), "the writer never reached step 4's weights"
+        return real_step(*a, step=step, **k)
 
     monkeypatch.setattr("pretrain.training.trainer.snapshot_job", snapshot)
+    monkeypatch.setattr(trainer_mod, "optimizer_step", optimizer_step)
     _hook_weights(monkeypatch, signal_mid_write)
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=8, checkpoint__every=2), capsys)
     assert code == 75, out[-2000:]
