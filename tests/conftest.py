@@ -143,19 +143,13 @@ def tiny_corpus(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def tiny_roberta(tiny_corpus, tmp_path_factory) -> Path:
     """A randomly initialised transformers RobertaForMaskedLM (no pooler, as roberta-base's weights) at model=tiny's
-    sizes (512 position rows, pad 1, one token type) with a byte-level BPE tokenizer trained on the tiny corpus'
-    text: a stand-in for roberta-base."""
-    import torch
-    import transformers
+    sizes (514 position rows as RoBERTa's: 512 tokens from row pad + 1 = 2, one token type) with a byte-level BPE
+    tokenizer trained on the tiny corpus' text: a stand-in for roberta-base (tools/tiny_roberta.py)."""
+    from tiny_roberta import tiny_roberta
 
     root = tmp_path_factory.mktemp("tiny_roberta")
     lines = (Path(tiny_corpus["dir"]) / "text" / "train.txt").read_text(encoding="utf-8").splitlines()
-    tok = train_roberta_tokenizer(lines, root / "bpe.json", vocab_size=1000)
-    torch.manual_seed(0)
-    config = transformers.RobertaConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                        intermediate_size=512, max_position_embeddings=512, type_vocab_size=1,
-                                        layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)
-    return save_roberta_dir(transformers.RobertaForMaskedLM(config).eval(), tok, root / "hf")
+    return tiny_roberta(lines, root / "hf", vocab_size=1000)
 
 
 @pytest.fixture(scope="session")
