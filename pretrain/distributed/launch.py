@@ -20,6 +20,7 @@ import signal
 import sys
 
 REQUEUE_EXIT = 75  # the trainer's "checkpointed, requeue me" (pretrain.train)
+REQUEUED = "checkpointed and stopped for a requeue"
 
 
 def exit_code(failures: dict) -> int:
@@ -40,7 +41,7 @@ def summary(failures: dict) -> str:
         parts.append(f"rank {rank} {how}")
     code = exit_code(failures)
     meaning = {2: "a configuration or input error (the worker's message above says which)",
-               REQUEUE_EXIT: "checkpointed and stopped for a requeue"}.get(code, "see the worker's message above")
+               REQUEUE_EXIT: REQUEUED}.get(code, "see the worker's message above")
     return f"[launch] workers stopped: {', '.join(parts)}: {meaning}; exit {code}"
 
 
@@ -74,7 +75,7 @@ def signal_summary(sig: int, codes: dict[int, int]) -> str:
     how = ", ".join(f"local rank {r} " + (f"exit {c}" if c >= 0 else f"killed by {_signal_name(-c)}")
                     for r, c in sorted(codes.items())) or "no worker exit recorded"
     code = signal_exit_code(sig, codes)
-    meaning = {REQUEUE_EXIT: "checkpointed and stopped for a requeue", 0: "the workers had finished"}.get(
+    meaning = {REQUEUE_EXIT: REQUEUED, 0: "the workers had finished"}.get(
         code, "see the workers' messages above")
     return f"[launch] {_signal_name(sig)}: torchrun stopped its workers: {how}: {meaning}; exit {code}"
 

@@ -13,9 +13,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 M_MMAP_THRESHOLD = -3  # <malloc.h>
+
+
+@functools.cache
+def _glibc_function(name: str, argtypes: tuple):
+    """libc's ``name`` with its C signature (returning int), loaded once; None where there is no such function
+    (no glibc: musl, macOS)."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn
 
 
 def set_mmap_threshold(kib: int) -> bool:
@@ -23,27 +36,12 @@ def set_mmap_threshold(kib: int) -> bool:
     there is no glibc (musl, macOS) or where the user fixed it already with ``MALLOC_MMAP_THRESHOLD_`` (theirs wins)."""
     if kib <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, kib * 1024) == 1  # glibc: 1 on success, 0 for a value above its maximum
-
-
-_LIBC = None
+    mallopt = _glibc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, kib * 1024) == 1  # glibc: 0 for a value above its max
 
 
 def trim() -> bool:
     """glibc's ``malloc_trim(0)``: give every whole free page of every arena back to the system (the heap's top and,
     since glibc 2.8, free pages inside it). False where there is no glibc."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
-            _LIBC.malloc_trim.argtypes, _LIBC.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):
-            _LIBC = False
-    return bool(_LIBC) and _LIBC.malloc_trim(0) == 1
+    malloc_trim = _glibc_function("malloc_trim", (ctypes.c_size_t,))
+    return malloc_trim is not None and malloc_trim(0) == 1
