@@ -115,21 +115,10 @@ def card_title(info: dict, source: Path, out_dir: Path) -> str:
     return f"{name} (step {info['step']})" if info.get("step") is not None else name
 
 
-def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projection: bool) -> str:
-    """README.md text for the export of ``w`` (Weights of one of our checkpoints or init directories)."""
-    cfg = w.model_cfg
-    info = run_record(w)
-    title, name = card_title(info, w.path, Path(out_dir)), Path(out_dir).name  # name: the folder the snippets load
-    config = info["config"] or {}
-    lines = ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
-             "tags: [sentence-transformers, feature-extraction, sentence-similarity, pretrain]", "---", "",
-             f"# {title}", ""]
-    num_params = sum(v.numel() for k, v in w.state.items() if not k.startswith(("projection.", "mlm_head.")))
-    lines += [f"{_kind(cfg)}{cfg.num_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_heads} heads, "
-              f"feed-forward {cfg.ffn_size}, vocabulary {cfg.vocab_size}; {num_params / 1e6:.1f}M parameters "
-              f"without the heads) written by `pretrain-convert to-hf` from {info['what'] or f'`{w.path}`'}.", "",
-              f"Sentence embedding ({cfg.sentence_dim} dimensions): {_embedding_line(cfg, pooling)}.", ""]
-    lines += ["## Training", ""]
+def _training_lines(info: dict, config: dict) -> list[str]:
+    """The card's Training section: steps, batch, precision, start, objective terms and data (or why there are
+    none)."""
+    lines: list[str] = []
     if config.get("objective"):
         train = config.get("train") or {}
         state = info.get("state") or {}
@@ -149,6 +138,24 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
                   "its own card tells how it was trained.", ""]
     else:
         lines += ["No training record found next to these weights.", ""]
+    return lines
+
+
+def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projection: bool) -> str:
+    """README.md text for the export of ``w`` (Weights of one of our checkpoints or init directories)."""
+    cfg = w.model_cfg
+    info = run_record(w)
+    title, name = card_title(info, w.path, Path(out_dir)), Path(out_dir).name  # name: the folder the snippets load
+    config = info["config"] or {}
+    lines = ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
+             "tags: [sentence-transformers, feature-extraction, sentence-similarity, pretrain]", "---", "",
+             f"# {title}", ""]
+    num_params = sum(v.numel() for k, v in w.state.items() if not k.startswith(("projection.", "mlm_head.")))
+    lines += [f"{_kind(cfg)}{cfg.num_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_heads} heads, "
+              f"feed-forward {cfg.ffn_size}, vocabulary {cfg.vocab_size}; {num_params / 1e6:.1f}M parameters "
+              f"without the heads) written by `pretrain-convert to-hf` from {info['what'] or f'`{w.path}`'}.", "",
+              f"Sentence embedding ({cfg.sentence_dim} dimensions): {_embedding_line(cfg, pooling)}.", ""]
+    lines += ["## Training", "", *_training_lines(info, config)]
     evals = _evaluations(info["run_dir"], Path(out_dir))
     lines += ["## Evaluation", "", *(evals or ["No evaluation found in the run directory (`pretrain-eval --out "
                                                "RUN_DIR/eval` writes one; re-export to include it).", ""])]
