@@ -162,21 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     set_verbose(args.verbose)
     import torch
 
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    suites = SUITES if args.suites == "all" else tuple(s.strip() for s in args.suites.split(","))
-    for s in suites:
-        if s not in SUITES:
-            fail("pretrain-eval", f"unknown suite {s!r}; choose from {SUITES} or 'all'")
-
-    need = "sts" if {"sts", "align", "ranking"} & set(suites) else "senteval" if "transfer" in suites else ""
-    try:
-        args.data_dir = find_data_dir(args.data_dir, need=need, what=f"{need or 'shared'} data for --suites",
-                                      flag="--data-dir")
-    except FileNotFoundError as e:
-        fail("pretrain-eval", e)
-
+    suites = _suites_and_data(args)
     try:
         model_path, reading = select_checkpoint(args.model, args.checkpoint)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
@@ -218,6 +206,21 @@ def main(argv: list[str] | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(res, indent=1))
         (out / "eval.md").write_text(report)
+
+
+def _suites_and_data(args) -> tuple:
+    """The suites --suites names (an unknown one ends the command) and ``args.data_dir`` found for them."""
+    suites = SUITES if args.suites == "all" else tuple(s.strip() for s in args.suites.split(","))
+    for s in suites:
+        if s not in SUITES:
+            fail("pretrain-eval", f"unknown suite {s!r}; choose from {SUITES} or 'all'")
+    need = "sts" if {"sts", "align", "ranking"} & set(suites) else "senteval" if "transfer" in suites else ""
+    try:
+        args.data_dir = find_data_dir(args.data_dir, need=need, what=f"{need or 'shared'} data for --suites",
+                                      flag="--data-dir")
+    except FileNotFoundError as e:
+        fail("pretrain-eval", e)
+    return suites
 
 
 def _dims(arg: str, model_path) -> list[int]:
