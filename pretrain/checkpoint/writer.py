@@ -1,9 +1,11 @@
 """Checkpoints that do not stall training: snapshot in memory, write and publish in the background.
 
-A save has two halves. ``CheckpointWriter.save`` is the collective, on the training path: DeepSpeed's save of
-every rank is serialized into host memory (``Engine.snapshot``: the exact bytes ``torch.save`` would write), with
-the rank's RNG state, and a background thread is handed those bytes. Training goes on. Each rank's thread then
-writes its own files, fsyncs them, hashes them from memory and leaves a marker ``.done-rank<r>.json`` holding
+A save has two halves. ``snapshot_job`` is the collective, on the training path: DeepSpeed's state dicts of every
+rank are copied into host buffers reused from save to save (``Engine.snapshot`` with the writer's ``StoragePool``,
+snapshot.py; serialized at once where a copy cannot reproduce ``torch.save``'s bytes, and always for a save that is
+waited for), with the rank's RNG state, and a background thread is handed them. Training goes on. Each rank's thread
+then serializes and writes its own files (the exact bytes ``torch.save`` would write), fsyncs them, hashes them as
+written and leaves a marker ``.done-rank<r>.json`` holding
 their digests. Rank 0's thread also writes config.yaml and the tokenizer copy, waits for every rank's marker,
 consolidates ``model.safetensors`` from the files (read back on rank 0 while nobody waits for it), writes
 files.json and trainer_state.json and publishes the tag by one rename (``store.publish``). A rank whose write
@@ -30,6 +32,7 @@ import torch
 
 from pretrain.checkpoint import store
 from pretrain.checkpoint.files import atomic_write_text, fsync_files
+from pretrain.checkpoint.snapshot import CopiedState, StoragePool
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Pieces
 from pretrain.model.flat import layout_of
@@ -49,8 +52,8 @@ class SaveJob:
     step: int
     rank: int
     world_size: int
-    blobs: list[tuple[str, list[bytes]]]
-    """(absolute path, its bytes in pieces) of the files this rank writes."""
+    blobs: list[tuple[str, list[bytes] | CopiedState]]
+    """(absolute path, its bytes in pieces or the state copied for ``torch.save``) of the files this rank writes."""
     # rank 0 only
     trainer_state: dict = field(default_factory=dict)
     config_yaml: str = ""
@@ -73,8 +76,9 @@ class SaveJob:
 
 
 def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config_yaml: str,
-                 tokenizer_path: str | None, keep_last: int, timeout_s: float) -> SaveJob:
-    """Collective: this rank's state in host memory, as the bytes of the files it writes for checkpoint ``step``.
+                 tokenizer_path: str | None, keep_last: int, timeout_s: float, pool=None) -> SaveJob:
+    """Collective: this rank's state in host memory for checkpoint ``step``: the bytes of the files it writes, or
+    with a ``StoragePool`` (a background save) the states copied into its buffers, serialized by the writer.
     Rank 0 first clears leftovers of unfinished saves (no writer runs: the caller waited for the previous one)."""
     ckpt_dir = store.checkpoints_dir(run_dir)
     tmp_dir = ckpt_dir / (".tmp-" + store.tag_for_step(step))
@@ -83,7 +87,7 @@ def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config
         for stale in ckpt_dir.glob(".tmp-step_*"):
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(env)
-    blobs = engine.snapshot(str(ckpt_dir), tmp_dir.name, client_state={"step": step})
+    blobs = engine.snapshot(str(ckpt_dir), tmp_dir.name, client_state={"step": step}, pool=pool)
     rng = {"torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     blobs.append((str(tmp_dir / f"rng_rank{env.rank}.pt"), _serialized(rng)))
@@ -103,17 +107,34 @@ def write_share(job: SaveJob) -> dict:
     """This rank's files written and fsynced; returns their digests by name relative to the tag (the whole sha256
     from memory, of the bytes as they are written; the sampled one read back: at most 8 MiB a file)."""
     whole = {}
-    for path, pieces in job.blobs:
-        sha = hashlib.sha256()
+    for path, held in job.blobs:
         with open(path, "wb") as f:
-            for piece in pieces:
-                f.write(piece)
-                sha.update(piece)
-        whole[path] = sha.hexdigest()
+            out = _Hashing(f)
+            if isinstance(held, CopiedState):
+                held.save(out)
+                held.release()  # its buffers go back to the pool for the next save
+            else:
+                for piece in held:
+                    out.write(piece)
+        whole[path] = out.sha.hexdigest()
     job.blobs = [(path, []) for path, _ in job.blobs]  # the snapshot's memory goes now
     fsync_files(whole)
     return {str(Path(path).relative_to(job.tmp_dir)): dict(store.file_digests(Path(path), full=False), sha256=sha)
             for path, sha in whole.items()}
+
+
+class _Hashing:
+    """A file that hashes what is written to it (``torch.save`` writes here piece by piece)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def run_rank(job: SaveJob) -> None:
@@ -180,6 +201,8 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._job: SaveJob | None = None
         self._error: BaseException | None = None
+        self.pool = StoragePool()
+        """Host buffers of the last background snapshot, reused by the next (snapshot.py)."""
 
     @property
     def in_flight(self) -> int | None:

@@ -21,6 +21,7 @@ from pretrain.config.train import (
     TrainConfig,
     resolve_precision,
 )
+from pretrain.checkpoint.snapshot import NotCopyable, copy_state
 from pretrain.console import quiet_third_party
 
 
@@ -273,11 +274,13 @@ class Engine:
         """Collective: every rank writes its partition under ``directory/tag``."""
         self.ds.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
 
-    def snapshot(self, directory: str, tag: str, client_state: dict) -> list[tuple[str, list[bytes]]]:
-        """Collective: DeepSpeed's save of ``directory/tag`` serialized into host memory instead of files — the
-        (path, its bytes in pieces) of every file this rank would write, byte for byte what ``torch.save`` would put there. Only
-        directories (and rank 0's copy of DeepSpeed's small zero_to_fp32.py) reach the disk; writing the bytes is
-        the caller's, off the training path (checkpoint/writer.py)."""
+    def snapshot(self, directory: str, tag: str, client_state: dict, *, pool=None) -> list[tuple[str, object]]:
+        """Collective: DeepSpeed's save of ``directory/tag`` held in host memory instead of files — the (path, what
+        it holds) of every file this rank would write: its bytes in pieces, byte for byte what ``torch.save`` would
+        put there, or, given a ``checkpoint.snapshot.StoragePool``, a ``CopiedState`` (the state copied into the
+        pool's buffers; its ``save`` writes those same bytes later). Only directories (and rank 0's copy of
+        DeepSpeed's small zero_to_fp32.py) reach the disk; writing is the caller's, off the training path
+        (checkpoint/writer.py)."""
         deepspeed = _import_deepspeed()
         from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
             CheckpointEngine,
@@ -292,6 +295,12 @@ class Engine:
                 pass
 
             def save(self, state_dict, path: str):
+                if pool is not None:
+                    try:
+                        captured.append((str(path), copy_state(state_dict, pool, zipfile=zipfile)))
+                        return
+                    except NotCopyable:
+                        pass  # serialized now, as without a pool
                 pieces = Pieces()
                 torch.save(state_dict, pieces, _use_new_zipfile_serialization=zipfile)
                 captured.append((str(path), pieces.parts))
