@@ -94,7 +94,22 @@ def plan_parquet(path: str, text_field: str, target_bytes: int,
         rg = pf.metadata.row_group(i)
         units.append((rg.num_rows, rg.column(col).total_uncompressed_size if col < rg.num_columns
                       else rg.total_byte_size))
-    return _plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices)
+
+    def row_sizes(i: int):  # a group to be cut: one streamed pass over its text column for the rows' sizes
+        with _named(path, "parquet"):
+            return _lengths(pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=[i], columns=[text_field],
+                                            use_threads=False), 0)
+
+    return _plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices, row_sizes)
+
+
+def _lengths(batches, column) -> "np.ndarray":
+    """Text bytes of every row of these record batches' ``column`` (nulls: 0)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    parts = [pc.binary_length(b.column(column)).fill_null(0).to_numpy(zero_copy_only=False) for b in batches]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
 def _open_arrow(path: str):
@@ -117,27 +132,31 @@ def plan_arrow(path: str, text_field: str, target_bytes: int,
     with _named(path, "Arrow"):
         schema, batches = _open_arrow(path)
         _text_column(path, schema, text_field)
-        units = [(b.num_rows, b.column(text_field).nbytes) for b in batches]  # memory-mapped: no copy, no decoding
-    return _plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices)
+        batches = list(batches)  # memory-mapped: no copy, no decoding
+        units = [(b.num_rows, b.column(text_field).nbytes) for b in batches]
+    return _plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices,
+                      lambda i: _lengths([batches[i]], text_field))
 
 
 def _plan_rows(units: list[tuple[int, int]], target_bytes: int, file_bytes: int,
-               max_slices: int = 64) -> list[tuple[int, int, int]]:
+               max_slices: int = 64, row_sizes=None) -> list[tuple[int, int, int]]:
     """Parts of about ``target_bytes`` of text, as (first row, end row, file bytes attributed), from the file's
     units (row groups, record batches) given as (rows, text bytes): consecutive small units are joined, a unit
     larger than ``target_bytes`` is cut into row slices of about that size, at most ``max_slices`` (a parquet
     part's reader decodes its row group's pages from the group's start to the part's end, so k slices decode a
     group about (k+1)/2 times: ``pretrain-preprocess`` asks for 2 per worker, enough to keep every worker busy on
-    a file of one big row group; 1 for one worker: no cut). File bytes are shared by text size."""
+    a file of one big row group; 1 for one worker: no cut). ``row_sizes(i)``, where given, is unit i's text bytes
+    row by row: its slices then hold equal text, not equal rows (rows are documents of any length: equal rows
+    left one worker with 40% more text than the other on the wiki articles). File bytes are shared by text
+    size."""
     runs: list[tuple[int, int, int]] = []
     row = start = acc = 0
-    for rows, size in units:
+    for i, (rows, size) in enumerate(units):
         if size > target_bytes and rows > 1 and max_slices > 1:
             if row > start:
                 runs.append((start, row, acc))
             k = min(rows, max_slices, -(-size // max(target_bytes, 1)))
-            cuts = [row + rows * j // k for j in range(k + 1)]
-            runs += [(a, b, size * (b - a) // rows) for a, b in zip(cuts, cuts[1:])]
+            runs += _slices(row, rows, size, k, row_sizes(i) if row_sizes is not None else None)
             row += rows
             start, acc = row, 0
             continue
@@ -154,6 +173,24 @@ def _plan_rows(units: list[tuple[int, int]], target_bytes: int, file_bytes: int,
     shares = [file_bytes * r[2] // total for r in runs]
     shares[-1] += file_bytes - sum(shares)
     return [(a, b, s) for (a, b, _), s in zip(runs, shares)]
+
+
+def _slices(row: int, rows: int, size: int, k: int, sizes=None) -> list[tuple[int, int, int]]:
+    """Unit rows ``row .. row + rows`` (``size`` text bytes) cut into ``k`` slices (first row, end row, text bytes):
+    of equal text where the rows' ``sizes`` are known, else of equal rows; every slice holds a row at least."""
+    import numpy as np
+
+    if sizes is None or len(sizes) != rows or int(sizes.sum()) <= 0:
+        cuts = [rows * j // k for j in range(k + 1)]
+        return [(row + a, row + b, size * (b - a) // rows) for a, b in zip(cuts, cuts[1:])]
+    cum = np.cumsum(sizes)
+    cuts = [0]
+    for j in range(1, k):  # the row at which the text before it first reaches j/k of the unit's
+        cut = int(np.searchsorted(cum, cum[-1] * j / k, side="left")) + 1
+        cuts.append(min(max(cut, cuts[-1] + 1), rows - (k - j)))
+    cuts.append(rows)
+    text = [int(cum[b - 1] - (cum[a - 1] if a else 0)) for a, b in zip(cuts, cuts[1:])]
+    return [(row + a, row + b, size * t // int(cum[-1])) for (a, b), t in zip(zip(cuts, cuts[1:]), text)]
 
 
 # ---------------------------------------------------------------------------------------------------- reading

@@ -145,6 +145,35 @@ def test_one_big_row_group_is_cut_into_row_slices_that_read_back_the_whole_file(
         _shards_equal(corpus["ref"], tmp_path / f"ds{workers}")
     assert _plan_rows([], 100, 5) == [(0, 0, 5)] and _plan_rows([(0, 0)], 100, 5) == [(0, 0, 5)]
 
+
+def test_a_cut_row_group_is_cut_into_slices_of_equal_text_not_equal_rows(corpus, tmp_path):
+    """Documents differ in length: slices of equal rows left one worker with far more text than the other. With
+    the rows' sizes (one streamed pass over the group's text column) the slices hold about equal text."""
+    import numpy as np
+
+    from pretrain.prep.columnar import _plan_rows, _slices
+
+    sizes = np.array([90] * 10 + [10] * 90)  # the first tenth of the rows holds half the text
+    even_rows = _slices(0, 100, 1800, 2)
+    even_text = _slices(0, 100, 1800, 2, sizes)
+    assert [b - a for a, b, _ in even_rows] == [50, 50] and [n for *_, n in even_rows] == [900, 900]
+    assert [(a, b) for a, b, _ in even_text] == [(0, 10), (10, 100)] and [n for *_, n in even_text] == [900, 900]
+    assert [(a, b) for a, b, _ in _slices(7, 4, 100, 4, np.array([1, 1, 1, 97]))] == [(7, 8), (8, 9), (9, 10),
+                                                                                       (10, 11)]  # a row each
+    plan = _plan_rows([(100, 1800)], 450, 1800, 4, lambda i: sizes)
+    text = [int(sizes[a:b].sum()) for a, b, _ in plan]
+    assert max(text) - min(text) <= 90 and sum(n for *_, n in plan) == 1800
+    # on a real file: a big row group of documents of mixed lengths, cut for 2 workers
+    docs = [d * 8 if i % 7 == 0 else d for i, d in enumerate(corpus["docs"])]
+    path = tmp_path / "mixed.parquet"
+    _write_parquet(path, docs, row_group_size=10_000)
+    parts = plan_parts(str(path), 1, max_slices=4)
+    got = [sum(len(d.encode("utf-8")) for d in docs[p.start:p.end]) for p in parts]
+    longest = max(len(d.encode("utf-8")) for d in docs)
+    assert len(parts) == 4 and max(got) - min(got) <= longest, got
+    whole = [d.paragraphs for d in read_file(str(path), ReadStats())]
+    assert [d.paragraphs for p in parts for d in read_part(p, ReadStats())] == whole
+
 def test_parquet_text_field_picks_the_column(corpus, tmp_path, capsys):
     path = tmp_path / "content.parquet"
     _write_parquet(path, corpus["docs"], column="content")
@@ -168,6 +197,9 @@ def test_parquet_is_streamed_by_row_group(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("whole file read"))
     monkeypatch.setattr(pq, "read_table", lambda *a, **k: pytest.fail("whole file read"))
     parts = plan_parts(str(path), 300)
+    # the plan reads the row sizes of a group it cuts (one group at a time), the others not at all
+    assert all(len(groups) == 1 for groups in seen)
+    seen.clear()
     for p in parts:
         list(read_part(p, ReadStats()))
     groups = [(5 * g, 5 * g + 5) for g in range(12)]  # row group g holds rows 5g .. 5g+5
