@@ -5,22 +5,14 @@ back to serializing at once and stay correct)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_zero_step import B, V, _batch
+from test_zero_step import B, V, _batch, _free_port
 
 from pretrain.config import DistributedConfig, ModelConfig, ObjectiveConfig, OpsConfig, OptimConfig, TrainConfig
 from pretrain.distributed.env import DistEnv
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _snapshots(rank: int, port: int, zero_stage: int, precision: str, tmp: str, out: str) -> None:
