@@ -5,7 +5,6 @@ back to serializing at once and stay correct)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -14,54 +13,62 @@ from test_zero_step import B, V, _batch, _free_port
 from pretrain.config import DistributedConfig, ModelConfig, ObjectiveConfig, OpsConfig, OptimConfig, TrainConfig
 from pretrain.distributed.env import DistEnv
 
+CASES = [(0, "fp32"), (0, "bf16"), (1, "bf16"), (2, "fp32"), (2, "bf16"), (3, "fp32")]
 
-def _snapshots(rank: int, port: int, zero_stage: int, precision: str, tmp: str, out: str) -> None:
+
+def _snapshots(rank: int, port: int, tmp: str, out: str) -> None:
+    """Every case in one process (one process group; DeepSpeed's start-up paid once)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        from pretrain.checkpoint.snapshot import CopiedState, StoragePool
-        from pretrain.distributed.engine import Engine
-        from pretrain.model import build_model
-        from pretrain.objective import Context, Objective, TrainModule
-        from pretrain.training.optim import build_param_groups, lr_lambda
-
         env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
                       master_addr="127.0.0.1", master_port=port, launcher="torchrun")
-        torch.manual_seed(0)
-        mcfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_position=64,
-                           dropout=0.0, attention_dropout=0.0, pooling="mean")
-        module = TrainModule(build_model(mcfg), Objective(ObjectiveConfig(), Context(env, OpsConfig(), "mean")))
-        optim = OptimConfig(lr=1e-3, warmup_steps=0)
-        engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
-                        train=TrainConfig(micro_batch_size=B, precision=precision), env=env,
-                        dist=DistributedConfig(zero_stage=zero_stage), lr_lambda=lr_lambda(optim, 10))
-        pool, results = StoragePool(), {}
-        for step in range(2):  # the second save reuses the first one's buffers
-            loss, _ = engine.forward(_batch())
-            engine.micro_step(loss)
-            engine.step()
-            serialized = engine.snapshot(tmp, f"s{step}", client_state={"step": step})
-            copied = engine.snapshot(tmp, f"s{step}", client_state={"step": step}, pool=pool)
-            kinds = [type(held).__name__ for _, held in copied]
-            # training goes on before the writer runs: the copies must not follow the parameters
-            loss, _ = engine.forward(_batch(permute=True))
-            engine.micro_step(loss)
-            engine.step()
-            same = []
-            for (path, pieces), (path2, held) in zip(serialized, copied, strict=True):
-                assert path == path2
-                buf = _Sink()
-                if isinstance(held, CopiedState):
-                    held.save(buf)
-                    held.release()
-                else:
-                    buf.parts = held
-                same.append(b"".join(buf.parts) == b"".join(pieces))
-            results[step] = {"kinds": kinds, "same": same, "pool_bytes": pool.nbytes}
-        torch.save(results, out)
-        del engine, module
+        torch.save({case: _case(env, *case, f"{tmp}/{case[0]}-{case[1]}") for case in CASES}, out)
     finally:
         dist.destroy_process_group()
+
+
+def _case(env, zero_stage: int, precision: str, tmp: str) -> dict:
+    """Per save (two, after a step each): the kinds of what the copied snapshot holds, whether each file's bytes
+    equal the serialized snapshot's, and the pool's bytes after the write."""
+    from pretrain.checkpoint.snapshot import CopiedState, StoragePool
+    from pretrain.distributed.engine import Engine
+    from pretrain.model import build_model
+    from pretrain.objective import Context, Objective, TrainModule
+    from pretrain.training.optim import build_param_groups, lr_lambda
+
+    torch.manual_seed(0)
+    mcfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_position=64,
+                       dropout=0.0, attention_dropout=0.0, pooling="mean")
+    module = TrainModule(build_model(mcfg), Objective(ObjectiveConfig(), Context(env, OpsConfig(), "mean")))
+    optim = OptimConfig(lr=1e-3, warmup_steps=0)
+    engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
+                    train=TrainConfig(micro_batch_size=B, precision=precision), env=env,
+                    dist=DistributedConfig(zero_stage=zero_stage), lr_lambda=lr_lambda(optim, 10))
+    pool, results = StoragePool(), {}
+    for step in range(2):  # the second save reuses the first one's buffers
+        loss, _ = engine.forward(_batch())
+        engine.micro_step(loss)
+        engine.step()
+        serialized = engine.snapshot(tmp, f"s{step}", client_state={"step": step})
+        copied = engine.snapshot(tmp, f"s{step}", client_state={"step": step}, pool=pool)
+        kinds = [type(held).__name__ for _, held in copied]
+        # training goes on before the writer runs: the copies must not follow the parameters
+        loss, _ = engine.forward(_batch(permute=True))
+        engine.micro_step(loss)
+        engine.step()
+        same = []
+        for (path, pieces), (path2, held) in zip(serialized, copied, strict=True):
+            sink = _Sink()
+            if isinstance(held, CopiedState):
+                held.save(sink)
+                held.release()
+            else:
+                sink.parts = held
+            same.append(path == path2 and b"".join(sink.parts) == b"".join(pieces))
+        results[step] = {"kinds": kinds, "same": same, "pool_bytes": pool.nbytes}
+    del engine, module
+    return results
 
 
 class _Sink:
@@ -76,14 +83,13 @@ class _Sink:
         pass
 
 
-@pytest.mark.parametrize("zero_stage,precision", [(0, "fp32"), (0, "bf16"), (1, "bf16"), (2, "fp32"), (2, "bf16"),
-                                                  (3, "fp32")])
-def test_a_copied_snapshot_writes_the_serialized_snapshots_bytes(zero_stage, precision, tmp_path):
+def test_a_copied_snapshot_writes_the_serialized_snapshots_bytes(tmp_path):
     out = str(tmp_path / "results.pt")
-    mp.spawn(_snapshots, args=(_free_port(), zero_stage, precision, str(tmp_path / "ckpt"), out), nprocs=1,
-             join=True)
+    mp.spawn(_snapshots, args=(_free_port(), str(tmp_path / "ckpt"), out), nprocs=1, join=True)
     results = torch.load(out)
-    for step, r in results.items():
-        assert r["kinds"] and set(r["kinds"]) == {"CopiedState"}, (step, r["kinds"])
-        assert all(r["same"]), (step, r["same"])
-    assert results[1]["pool_bytes"] == results[0]["pool_bytes"] > 0
+    assert set(results) == set(CASES)
+    for case, steps in results.items():
+        for step, r in steps.items():
+            assert r["kinds"] and set(r["kinds"]) == {"CopiedState"}, (case, step, r["kinds"])
+            assert all(r["same"]), (case, step, r["same"])
+        assert steps[1]["pool_bytes"] == steps[0]["pool_bytes"] > 0, case
