@@ -90,6 +90,13 @@ class Job:
     def codes(self) -> list[int | None]:
         return [p.poll() for p in self.procs]
 
+    def exited_with(self, code: int) -> bool:
+        """The first node's agent (rank 0's) exited with ``code``."""
+        return self.codes()[0] == code
+
+    def exit_text(self) -> str:
+        return "agents exit " + "/".join(str(c) for c in self.codes())
+
     def node_pids(self, node: int) -> list[int]:
         """The agent of ``node`` and all its descendants (workers, their DataLoader workers)."""
         agent = self.procs[node].pid
@@ -130,6 +137,25 @@ class Job:
 
     def output(self) -> str:
         return "\n".join(log.read_text(errors="replace") for log in self.logs if log.is_file())
+
+
+class TorchrunLauncher:
+    """The soak's launches as ``Job``s on this machine (the torchrun mode); ``open``/``close`` have nothing to do."""
+
+    def __init__(self, *, nodes: int, nproc: int):
+        self.nodes, self.nproc = nodes, nproc
+        self.not_injected: list[tuple[str, str]] = []
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def launch(self, overrides: list[str], *, log_dir: Path, name: str, env: dict) -> Job:
+        return Job(overrides, log_dir=log_dir, name=name, env=env, nodes=self.nodes, nproc=self.nproc)
+
+    reference = launch
 
 
 def _ppid(pid: int) -> int:

@@ -4,9 +4,11 @@ reference run, every checkpoint ever seen complete is accounted for, and every f
 
     run_soak(SoakConfig(work_dir=..., overrides=[...], max_steps=60, seed=1, minutes=1))
 
-Launches: 2 torchrun agents ("nodes") of 1 worker each on loopback (static rendezvous), as Slurm's script runs
-them; the run directory on a tmpfs the soak mounts (for disk_full). Only the torchrun mode exists: the netns
-Slurm cluster of tests/slurm is not driven by the soak.
+Launches (``SoakConfig.launcher``): "torchrun": 2 torchrun agents ("nodes") of 1 worker each on loopback (static
+rendezvous), as Slurm's script runs them (``chaos_job.Job``); "slurm": attempts of one ``sbatch
+slurm/pretrain.sbatch`` job on 2 nodes of the netns Slurm cluster of tests/slurm, signals and requeues delivered
+by Slurm (``chaos_slurm.SlurmJob``, same interface). The run directory is on a tmpfs the soak mounts (for
+disk_full), before the cluster starts so that its nodes' mount namespaces have it too.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pretrain.checkpoint import store
 from pretrain.prep.embedded import write_embedded_corpus
 from pretrain.prep.preprocess import preprocess
 from pretrain.prep.tokenizer import train_tokenizer
 from pretrain.training import chaos_job as jobs
+from pretrain.training import chaos_slurm
 from pretrain.training.chaos import (
     CheckpointLedger,
     Fault,
@@ -59,9 +63,13 @@ class SoakConfig:
     reference: Path | None = None
     """A finished uninterrupted run of the same config to compare with; None: the soak runs one (work_dir/ref)."""
     launch_timeout_s: float = 600.0
+    launcher: Literal["torchrun", "slurm"] = "torchrun"
+    """torchrun: agents started here; slurm: sbatch jobs on the netns cluster handed to ``run_soak(cluster=...)``."""
 
     def __post_init__(self):
         self.work_dir = Path(self.work_dir)
+        if self.launcher not in ("torchrun", "slurm"):
+            raise ValueError(f"launcher={self.launcher!r}: must be 'torchrun' or 'slurm'")
         if self.max_steps < 6 * self.ckpt_every + 10:
             raise ValueError(f"max_steps={self.max_steps}: needs at least 6 * ckpt_every + 10 steps to place the "
                              f"faults")
@@ -87,8 +95,9 @@ def trainer_overrides(cfg: SoakConfig, run_dir: Path) -> list[str]:
 class Soak:
     """The soak's loop: launch, inject, judge, requeue; one instance per soak."""
 
-    def __init__(self, cfg: SoakConfig, *, say=print):
+    def __init__(self, cfg: SoakConfig, *, say=print, cluster=None):
         self.cfg, self.say = cfg, say
+        self.launcher = build_launcher(cfg, cluster)
         self.logs = cfg.work_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.fs = cfg.work_dir / "run_fs"
@@ -110,13 +119,16 @@ class Soak:
             self.say(f"chaos: disk_full cannot be injected: {self.no_disk}")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.launcher.open()
+            self.faults += [Fault(kind=kind, launch=0, outcome=why) for kind, why in self.launcher.not_injected]
             self._launches()
             shutil.copy(self.run_dir / "metrics.jsonl", self.cfg.work_dir / "soak_metrics.jsonl")
             self._final_checks()
+            ref = self._reference()
         finally:
+            self.launcher.close()
             if not self.no_disk:
                 jobs.umount(self.fs)
-        ref = self._reference()
         got = last_losses(self.cfg.work_dir / "soak_metrics.jsonl")
         mismatch = compare_losses(got, last_losses(ref / "metrics.jsonl"), self.cfg.max_steps)
         self.problems += [f"losses: {m}" for m in mismatch]
@@ -141,8 +153,8 @@ class Soak:
             stop = self._next_stop(launch, start)
             tail = jobs.MetricsTail(self.run_dir / "metrics.jsonl")
             t_start = time.monotonic() - self.t0
-            job = jobs.Job(trainer_overrides(self.cfg, self.run_dir), log_dir=self.logs, name=f"launch{launch:03d}",
-                           env=self.env, nodes=self.cfg.nodes, nproc=self.cfg.nproc_per_node)
+            job = self.launcher.launch(trainer_overrides(self.cfg, self.run_dir), log_dir=self.logs,
+                                       name=f"launch{launch:03d}", env=self.env)
             injected = self._watch(job, stop, launch, start, tail) if stop else False
             ended = job.wait(self.cfg.launch_timeout_s)
             if not ended:
@@ -233,28 +245,29 @@ class Soak:
     def _judge_stop(self, fault: Fault, job: jobs.Job, out: str, injected: bool, ended: bool) -> None:
         if not injected:
             return
-        took = time.monotonic() - self._t_inject
+        took = (getattr(job, "ended_at", None) or time.monotonic()) - self._t_inject
         codes = job.codes()
         bound = self.cfg.timeout_s + 90
         if not ended:
             fault.ok, fault.outcome = False, f"the job did not end within {self.cfg.launch_timeout_s:.0f}s: killed"
             return
-        exits = "/".join(str(c) for c in codes)
+        exits = job.exit_text()
         if fault.kind in ("sigterm", "sigusr1"):
             # The trainer's own line decides: torchrun's agent ends SIGTERM with its SignalException (exit 1).
             m = _STOPPED.search(out)
             fault.ok = bool(m) and "(exit 75)" in out
-            fault.outcome = (f"checkpointed step_{int(m.group(1))}, trainer exit 75, agents exit {exits}" if m
-                             else f"no stop checkpoint, agents exit {exits}")
+            fault.outcome = (f"checkpointed step_{int(m.group(1))}, trainer exit 75, {exits}" if m
+                             else f"no stop checkpoint, {exits}")
         elif fault.kind in ("sigkill_rank", "kill_node"):
             fault.ok = all(c != 0 for c in codes) and took < bound
-            who = f"a worker of node {fault.node}" if fault.kind == "sigkill_rank" else f"node {fault.node}"
-            fault.outcome = f"{who} killed; the job ended {took:.0f}s later, agents exit {exits}"
+            host = f" ({job.killed_node})" if getattr(job, "killed_node", None) else ""
+            who = f"a worker of node {fault.node}" if fault.kind == "sigkill_rank" else f"node {fault.node}{host}"
+            fault.outcome = f"{who} killed; the job ended {took:.0f}s later, {exits}"
         elif fault.kind == "disk_full":
             tmp = [p.name for p in self.ckpt.iterdir() if p.name.startswith(".tmp-")] if self.ckpt.is_dir() else []
             said = "No space left on device" in out or "ENOSPC" in out
-            fault.ok = codes[0] == 4 and said and not tmp
-            fault.outcome = (f"exit {exits}, {'ENOSPC named' if said else 'ENOSPC NOT named'}, "
+            fault.ok = job.exited_with(4) and said and not tmp
+            fault.outcome = (f"{exits}, {'ENOSPC named' if said else 'ENOSPC NOT named'}, "
                              f"{'no partial checkpoint' if not tmp else 'left ' + ', '.join(tmp)}; filler removed")
 
     def _judge_start(self, launch: int, out: str, expected: str | None, t_start: float) -> None:
@@ -333,16 +346,27 @@ class Soak:
         ref = self.cfg.work_dir / "ref"
         shutil.rmtree(ref, ignore_errors=True)
         env = dict(self.env, PRETRAIN_JOB_ID=f"chaos-reference-{self.cfg.seed}")
-        job = jobs.Job(trainer_overrides(self.cfg, ref), log_dir=self.logs, name="reference", env=env,
-                       nodes=self.cfg.nodes, nproc=self.cfg.nproc_per_node)
+        job = self.launcher.reference(trainer_overrides(self.cfg, ref), log_dir=self.logs, name="reference", env=env)
         if not job.wait(self.cfg.launch_timeout_s) or any(job.codes()):
             job.kill_all()
             raise RuntimeError(f"chaos: the reference run failed: exit {job.codes()} (see {job.logs[0]})")
         return ref
 
 
-def run_soak(cfg: SoakConfig, *, say=print) -> SoakResult:
-    return Soak(cfg, say=say).run()
+def run_soak(cfg: SoakConfig, *, say=print, cluster=None) -> SoakResult:
+    """The soak of ``cfg``; ``cluster``: a NetnsCluster (not started: the soak starts and stops it) when
+    ``cfg.launcher`` is "slurm"."""
+    return Soak(cfg, say=say, cluster=cluster).run()
+
+
+def build_launcher(cfg: SoakConfig, cluster=None):
+    """What starts the soak's launches: agents on this machine, or jobs on ``cluster``."""
+    if cfg.launcher == "torchrun":
+        return jobs.TorchrunLauncher(nodes=cfg.nodes, nproc=cfg.nproc_per_node)
+    if cluster is None:
+        raise ValueError("launcher='slurm' needs the NetnsCluster to run on: run_soak(cfg, cluster=...)")
+    return chaos_slurm.SlurmLauncher(cluster, nodes=cfg.nodes, nproc=cfg.nproc_per_node,
+                                     config=cfg.work_dir / "soak_config.yaml")
 
 
 def tiny_setup(corpus_dir: Path) -> list[str]:

@@ -244,6 +244,18 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                     pass
         return sorted(set(killed))
 
+    def revive_node(self, node: str) -> int:
+        """Bring a node lost by `kill_node` back: its cable plugged in again and a fresh slurmd started in its
+        namespace (recorded, so `stop` stops it). Slurm returns it to service when it registers
+        (ReturnToService=2), also after it was set DOWN. Returns the new slurmd's PID."""
+        self._ip("-n", self.ctl_ns, "link", "set", f"v{self._index(node)}", "up")
+        name = f"slurmd {node}"
+        with open(self.root / "log" / f"{name.replace(' ', '-')}.stdout", "ab") as log:
+            proc = subprocess.Popen(self._commands()[name], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.state_file.write_text(json.dumps({**self._recorded(), name: proc.pid}))
+        return proc.pid
+
     @staticmethod
     def kill_job(job_id: str) -> list[int]:
         """SIGKILL every process of Slurm job `job_id` (those whose environment names it: the batch script, srun,
