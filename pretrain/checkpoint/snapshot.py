@@ -12,8 +12,8 @@ Containers (dict, OrderedDict with its ``_metadata``, list, tuple), immutable sc
 and instances of plain classes (rebuilt as pickle rebuilds them, their ``__dict__`` copied) are copied. Tensors keep
 ``requires_grad`` (a non-leaf is saved as a leaf, as pickle saves it) and their Python attributes. What the copy
 cannot reproduce exactly — tensors on a device (their location tag), tensor subclasses, sparse, quantized or
-conjugated tensors, objects with their own reduce or ``__setstate__`` or slots — makes ``copy_state`` raise ``NotCopyable``, and the caller serializes that file at
-once, as before.
+conjugated tensors, objects with their own reduce or ``__setstate__`` or slots — makes ``copy_state`` raise
+``NotCopyable``, and the caller serializes that file at once, as before.
 
 Shapes: none (state dicts and bytes).
 """

@@ -1,7 +1,7 @@
 """The chaos soak in Slurm mode (issue 25 item 5): every launch an attempt of one `sbatch slurm/pretrain.sbatch` job
 (2 nodes x 1 worker, ZeRO-2 gloo on CPU) on the network-namespace Slurm cluster of tests/slurm/netns.py, hit once by
-every fault kind (SIGKILL of a rank, `scancel --signal=TERM` to the steps, `scancel --batch --signal=USR1`, a full tmpfs,
-a lost node, a truncated and a bit-flipped checkpoint) and requeued under the same job id after each; it ends with
+every fault kind (SIGKILL of a rank, `scancel --signal=TERM` to the steps, `scancel --batch --signal=USR1`, a full
+tmpfs, a lost node, a truncated and a bit-flipped checkpoint) and requeued under the same job id after each; it ends with
 the per-step losses of an uninterrupted Slurm run bitwise and every checkpoint seen complete accounted for.
 
 Opt-in (PRETRAIN_SLURM_SOAK=1): the CI time budget has no room for it; skipped where the cluster cannot run."""
