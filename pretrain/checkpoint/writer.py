@@ -2,8 +2,8 @@
 
 A save has two halves. ``snapshot_job`` is the collective, on the training path: DeepSpeed's state dicts of every
 rank are copied into host buffers reused from save to save (``Engine.snapshot`` with the writer's ``StoragePool``,
-snapshot.py; serialized at once where a copy cannot reproduce ``torch.save``'s bytes, and always for a save that is
-waited for), with the rank's RNG state, and a background thread is handed them. Training goes on. Each rank's thread
+distributed/snapshot.py; serialized at once where a copy cannot reproduce ``torch.save``'s bytes, and always for a
+save that is waited for), with the rank's RNG state, and a background thread is handed them. Training goes on. Each rank's thread
 then serializes and writes its own files (the exact bytes ``torch.save`` would write), fsyncs them, hashes them as
 written and leaves a marker ``.done-rank<r>.json`` holding
 their digests. Rank 0's thread also writes config.yaml and the tokenizer copy, waits for every rank's marker,
@@ -32,7 +32,7 @@ import torch
 
 from pretrain.checkpoint import store
 from pretrain.checkpoint.files import atomic_write_text, fsync_files
-from pretrain.checkpoint.snapshot import CopiedState, StoragePool
+from pretrain.distributed.snapshot import CopiedState, StoragePool
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Pieces
 from pretrain.model.flat import layout_of
@@ -202,7 +202,7 @@ class CheckpointWriter:
         self._job: SaveJob | None = None
         self._error: BaseException | None = None
         self.pool = StoragePool()
-        """Host buffers of the last background snapshot, reused by the next (snapshot.py)."""
+        """Host buffers of the last background snapshot, reused by the next (distributed/snapshot.py)."""
 
     @property
     def in_flight(self) -> int | None:

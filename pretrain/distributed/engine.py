@@ -21,7 +21,7 @@ from pretrain.config.train import (
     TrainConfig,
     resolve_precision,
 )
-from pretrain.checkpoint.snapshot import NotCopyable, copy_state
+from pretrain.distributed.snapshot import NotCopyable, copy_state
 from pretrain.console import quiet_third_party
 
 
@@ -277,7 +277,7 @@ class Engine:
     def snapshot(self, directory: str, tag: str, client_state: dict, *, pool=None) -> list[tuple[str, object]]:
         """Collective: DeepSpeed's save of ``directory/tag`` held in host memory instead of files — the (path, what
         it holds) of every file this rank would write: its bytes in pieces, byte for byte what ``torch.save`` would
-        put there, or, given a ``checkpoint.snapshot.StoragePool``, a ``CopiedState`` (the state copied into the
+        put there, or, given a ``snapshot.StoragePool``, a ``CopiedState`` (the state copied into the
         pool's buffers; its ``save`` writes those same bytes later). Only directories (and rank 0's copy of
         DeepSpeed's small zero_to_fp32.py) reach the disk; writing is the caller's, off the training path
         (checkpoint/writer.py)."""

@@ -31,7 +31,7 @@ def _snapshots(rank: int, port: int, tmp: str, out: str) -> None:
 def _case(env, zero_stage: int, precision: str, tmp: str) -> dict:
     """Per save (two, after a step each): the kinds of what the copied snapshot holds, whether each file's bytes
     equal the serialized snapshot's, and the pool's bytes after the write."""
-    from pretrain.checkpoint.snapshot import CopiedState, StoragePool
+    from pretrain.distributed.snapshot import CopiedState, StoragePool
     from pretrain.distributed.engine import Engine
     from pretrain.model import build_model
     from pretrain.objective import Context, Objective, TrainModule

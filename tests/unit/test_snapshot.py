@@ -1,4 +1,4 @@
-"""checkpoint/snapshot.py: a state copied now and serialized later writes the bytes torch.save of the original
+"""distributed/snapshot.py: a state copied now and serialized later writes the bytes torch.save of the original
 would have written, whatever training does to the original in between; buffers are reused from save to save;
 what cannot be copied exactly is refused (and then serialized at once by the Engine). DeepSpeed's own state dicts
 at ZeRO 0-3: tests/distributed/test_snapshot_engine.py."""
@@ -11,7 +11,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from pretrain.checkpoint.snapshot import NotCopyable, StoragePool, copy_state
+from pretrain.distributed.snapshot import NotCopyable, StoragePool, copy_state
 
 
 def _saved(obj) -> bytes:
