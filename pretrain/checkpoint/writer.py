@@ -3,12 +3,12 @@
 A save has two halves. ``snapshot_job`` is the collective, on the training path: DeepSpeed's state dicts of every
 rank are copied into host buffers reused from save to save (``Engine.snapshot`` with the writer's ``StoragePool``,
 distributed/snapshot.py; serialized at once where a copy cannot reproduce ``torch.save``'s bytes, and always for a
-save that is waited for), with the rank's RNG state, and a background thread is handed them. Training goes on. Each rank's thread
-then serializes and writes its own files (the exact bytes ``torch.save`` would write), fsyncs them, hashes them as
-written and leaves a marker ``.done-rank<r>.json`` holding
-their digests. Rank 0's thread also writes config.yaml and the tokenizer copy, waits for every rank's marker,
-consolidates ``model.safetensors`` from the files (read back on rank 0 while nobody waits for it), writes
-files.json and trainer_state.json and publishes the tag by one rename (``store.publish``). A rank whose write
+save that is waited for), with the rank's RNG state, and a background thread is handed them. Training goes on.
+Each rank's thread then serializes and writes its own files (the exact bytes ``torch.save`` would write), fsyncs
+them, hashes them as written and leaves a marker ``.done-rank<r>.json`` holding their digests. Rank 0's thread
+also writes config.yaml and the tokenizer copy, waits for every rank's marker, consolidates ``model.safetensors``
+from the files (read back on rank 0 while nobody waits for it), writes files.json and trainer_state.json and
+publishes the tag by one rename (``store.publish``). A rank whose write
 fails leaves ``.failed-rank<r>`` instead, and rank 0 removes the temporary tag: a checkpoint is complete or absent.
 
 ``wait`` (collective) joins this rank's thread and agrees across ranks whether the save succeeded; a new save waits
@@ -32,9 +32,9 @@ import torch
 
 from pretrain.checkpoint import store
 from pretrain.checkpoint.files import atomic_write_text, fsync_files
-from pretrain.distributed.snapshot import CopiedState, StoragePool
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Pieces
+from pretrain.distributed.snapshot import CopiedState, StoragePool
 from pretrain.model.flat import layout_of
 
 MARKER_POLL_S = 0.02

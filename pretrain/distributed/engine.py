@@ -21,8 +21,8 @@ from pretrain.config.train import (
     TrainConfig,
     resolve_precision,
 )
-from pretrain.distributed.snapshot import NotCopyable, copy_state
 from pretrain.console import quiet_third_party
+from pretrain.distributed.snapshot import NotCopyable, copy_state
 
 
 def _import_deepspeed():

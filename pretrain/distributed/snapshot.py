@@ -6,7 +6,8 @@ background save copies each storage once into buffers kept from the previous sav
 and runs ``torch.save`` in the writer thread. The copy keeps everything ``torch.save`` writes: the same storages
 shared by the same views (offset, size, stride), the same containers shared the same way (pickle's memo), the
 tensors' class and ``requires_grad``; the bytes written are the ones ``torch.save`` of the original would have
-written (``tests/unit/test_snapshot.py`` compares them on DeepSpeed's own state dicts at ZeRO 0-3).
+written (``tests/unit/test_snapshot.py`` on a synthetic state, ``tests/distributed/test_snapshot_engine.py`` on
+DeepSpeed's own state dicts at ZeRO 0-3).
 
 Containers (dict, OrderedDict with its ``_metadata``, list, tuple), immutable scalars, CPU tensors and Parameters,
 and instances of plain classes (rebuilt as pickle rebuilds them, their ``__dict__`` copied) are copied. Tensors keep

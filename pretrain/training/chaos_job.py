@@ -52,6 +52,13 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
+def kill_first(pids: list[int]) -> int | None:
+    """SIGKILL the first of ``pids``; its pid, or None when there is none."""
+    if pids:
+        _signal(pids[:1], signal.SIGKILL)
+    return pids[0] if pids else None
+
+
 def worker_env(job_id: str) -> dict:
     """The environment of every launch: this checkout first on the path, one thread, CPU DeepSpeed, a fixed job
     id (a relaunch takes over the run lock at once, as a Slurm requeue does), no launcher variables inherited."""
@@ -117,10 +124,7 @@ class Job:
 
     def kill_worker(self, node: int) -> int | None:
         """SIGKILL one worker of ``node``; its pid, or None when it has none."""
-        workers = self.workers(node)
-        if workers:
-            _signal(workers[:1], signal.SIGKILL)
-        return workers[0] if workers else None
+        return kill_first(self.workers(node))
 
     def wait(self, timeout_s: float) -> bool:
         """Every agent exited within ``timeout_s``."""

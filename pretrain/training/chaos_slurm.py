@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pretrain.training.chaos_job import REPO, _ppid, _signal, descendants
+from pretrain.training.chaos_job import REPO, _ppid, _signal, descendants, kill_first
 
 SBATCH = REPO / "slurm" / "pretrain.sbatch"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -58,10 +58,16 @@ def job_info(cluster, job_id: str) -> dict:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
-def _scontrol(cluster, *argv: str) -> None:
-    proc = cluster.run(["scontrol", *argv])
+def _checked(cluster, argv: list[str], env: dict | None = None) -> str:
+    """``argv`` run on the cluster; its stdout, or RuntimeError naming the command and its stderr."""
+    proc = cluster.run(argv, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"chaos: scontrol {' '.join(argv)} failed: {proc.stderr.strip()}")
+        raise RuntimeError(f"chaos: {' '.join(argv)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _scontrol(cluster, *argv: str) -> None:
+    _checked(cluster, ["scontrol", *argv])
 
 
 def job_pids(job_id: str, node: int | None = None) -> list[int]:
@@ -146,10 +152,7 @@ class SlurmJob:
         run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("run_dir="))
         argv = ["sbatch", "--parsable", f"--nodes={self.nodes}", f"--output={self.logs[0]}", f"--chdir={REPO}",
                 "--job-name=chaos-soak", str(SBATCH), run_dir, str(launcher.config), *overrides]
-        proc = self.cluster.run(argv, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"chaos: sbatch failed: {proc.stderr.strip()}")
-        return proc.stdout.strip().split(";")[0]
+        return _checked(self.cluster, argv, env).strip().split(";")[0]
 
     def _release(self) -> None:
         """Start the next attempt now: requeue the ended job held, drop the requeue's start delay, release it."""
@@ -239,10 +242,7 @@ class SlurmJob:
 
     def kill_worker(self, node: int) -> int | None:
         """SIGKILL one worker (a rank) of the job's ``node``-th node; its pid, or None when it has none."""
-        workers = self.workers(node)
-        if workers:
-            _signal(workers[:1], signal.SIGKILL)
-        return workers[0] if workers else None
+        return kill_first(self.workers(node))
 
     def signal_job(self, sig: int) -> None:
         """SIGUSR1 as Slurm sends it before the time limit (``--signal=B:USR1@N``, here ``scancel --batch``: to the
@@ -251,9 +251,7 @@ class SlurmJob:
         FULL_TERM)."""
         argv = (["scancel", "--batch", "--signal=USR1", self.job_id] if sig == signal.SIGUSR1
                 else ["scancel", f"--signal={signal.Signals(sig).name[3:]}", self.job_id])
-        proc = self.cluster.run(argv)
-        if proc.returncode != 0:
-            raise RuntimeError(f"chaos: {' '.join(argv)} failed: {proc.stderr.strip()}")
+        _checked(self.cluster, argv)
 
     def kill_node(self, node: int) -> None:
         """Lose the job's ``node``-th node as in a crash (NetnsCluster.kill_node: frozen, cable pulled, slurmd and
