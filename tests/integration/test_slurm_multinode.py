@@ -164,7 +164,10 @@ def jobs(cluster, tmp_path_factory):
                              root / "resumed.out", GPUS_PER_NODE="4")
     infos = {}
     for name, job_id in ids.items():
-        while (info := _job(cluster, job_id)).get("JobState") not in ENDED:
+        # Only the job on the lost node may stay COMPLETING; the others pass through it within a second or so, and a
+        # read in that second saw "COMPLETING" where the test asserts "COMPLETED" (stop 34's CI).
+        done = ENDED if name == "node_lost" else FINAL
+        while (info := _job(cluster, job_id)).get("JobState") not in done:
             assert time.monotonic() < deadline + 240, f"job {name} did not finish: {info}"
             time.sleep(1)
         infos[name] = info
