@@ -13,6 +13,7 @@ Everything is written into a hidden ``.<name>.partial-<pid>`` directory which be
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import shutil
@@ -180,6 +181,13 @@ def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_work
             else:
                 os.environ["TOKENIZERS_PARALLELISM"] = saved
         return
+    # The first part is planned before the workers fork: they inherit what planning imported (pyarrow for a
+    # columnar file) instead of each importing it on its first read, and the first task is ready when they are.
+    tasks = iter(tasks)
+    first = next(tasks, None)
+    if first is None:
+        return
+    tasks = itertools.chain([first], tasks)
     tok = processor.tokenizer
     with mp.get_context().Pool(num_workers, initializer=_init_worker,
                                initargs=(tok.path, tok.sha256, processor.min_sentence_chars, read_kwargs,

@@ -146,6 +146,33 @@ def test_one_big_row_group_is_cut_into_row_slices_that_read_back_the_whole_file(
     assert _plan_rows([], 100, 5) == [(0, 0, 5)] and _plan_rows([(0, 0)], 100, 5) == [(0, 0, 5)]
 
 
+def test_row_bytes_read_off_the_offsets_equal_pyarrow_compute():
+    """The planner reads each row's text size off the array's offsets buffer; the values' own byte lengths are
+    the reference: string / binary / large / view types, nulls whose slot has a length, sliced arrays."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from pretrain.prep.columnar import _row_bytes
+
+    values = ["", "a", None, "héllo wörld", "x" * 300, None, "naïve\ntext", "z"] * 5
+    types = [pa.string(), pa.large_string(), pa.binary(), pa.large_binary(), pa.string_view(), pa.binary_view()]
+    for tp in types:
+        whole = pa.array([v.encode() if v is not None and "binary" in str(tp) else v for v in values], type=tp)
+        for arr in (whole, whole.slice(3), whole.slice(5, 17), whole.slice(40), pa.array([], type=tp)):
+            ref = [0 if v is None else len(v if isinstance(v, bytes) else v.encode()) for v in arr.to_pylist()]
+            got = _row_bytes(arr)
+            assert got.dtype == np.int64 and got.tolist() == ref, (tp, arr.offset, len(arr))
+    # a null whose slot is not empty (allowed by the Arrow format): built from raw buffers
+    offsets = pa.py_buffer(np.array([0, 3, 7, 9], dtype=np.int32).tobytes())
+    validity = pa.py_buffer(np.packbits([1, 0, 1], bitorder="little").tobytes())
+    arr = pa.Array.from_buffers(pa.string(), 3, [validity, offsets, pa.py_buffer(b"abcdefghi")], null_count=1)
+    assert _row_bytes(arr).tolist() == [3, 0, 2] == pc.binary_length(arr).fill_null(0).to_pylist()
+    with pytest.raises(TypeError, match="not a text column"):
+        _row_bytes(pa.array([1, 2]))
+    assert _row_bytes(arr.slice(1)).tolist() == [0, 2]
+
+
 def test_a_cut_row_group_is_cut_into_slices_of_equal_text_not_equal_rows(corpus, tmp_path):
     """Documents differ in length: slices of equal rows left one worker with far more text than the other. With
     the rows' sizes (one streamed pass over the group's text column) the slices hold about equal text."""
