@@ -255,3 +255,13 @@ def destroy_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def job_id(environ=os.environ) -> str:
+    """This process's job: Slurm's ``<array job>_<task>`` or job id, else ``PRETRAIN_JOB_ID`` (other schedulers
+    set it to an id that a restart of the same job keeps); '' when none is known."""
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"slurm:{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    if environ.get("SLURM_JOB_ID"):
+        return f"slurm:{environ['SLURM_JOB_ID']}"
+    return environ.get("PRETRAIN_JOB_ID", "")

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from pretrain.distributed.comm import all_reduce_host
+from pretrain.distributed.env import job_id
 from pretrain.metrics.writer import print_progress
 
 LOCK_NAME = "run.lock"
@@ -37,16 +38,6 @@ STALE_AFTER_S = 300.0
 
 class RunDirLocked(ValueError):
     """Another live trainer holds the run directory."""
-
-
-def job_id(environ=os.environ) -> str:
-    """This process's job: Slurm's ``<array job>_<task>`` or job id, else ``PRETRAIN_JOB_ID`` (other schedulers
-    set it to an id that a restart of the same job keeps); '' when none is known."""
-    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
-        return f"slurm:{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
-    if environ.get("SLURM_JOB_ID"):
-        return f"slurm:{environ['SLURM_JOB_ID']}"
-    return environ.get("PRETRAIN_JOB_ID", "")
 
 
 def _pid_alive(pid: int) -> bool:

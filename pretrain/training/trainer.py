@@ -54,6 +54,7 @@ from pretrain.training.spikes import (
     rollback_line,
 )
 from pretrain.training.state import TrainState
+from pretrain.training.stop_record import STOP_RECORD, write_stop_record
 from pretrain.training.step import optimizer_step, to_device
 
 REQUEUE_EXIT_CODE = 75
@@ -268,6 +269,11 @@ class Trainer:
         step, path = self._checkpoint_now(in_flight_will_do=True)
         code = self.stop_signal.exit_code  # 130 after Ctrl-C on this rank, else 75 (requeue)
         if self.env.is_main:
+            try:  # for a launcher that sees another code (srun --kill-on-bad-exit): the stop itself is done
+                write_stop_record(self.run_dir, code=code, step=step, checkpoint=str(path))
+            except OSError as e:
+                print_progress(f"warning: could not write {self.run_dir / STOP_RECORD} ({e}); the checkpoint is "
+                               f"complete")
             why = ("stopped by Ctrl-C: resume with the same command" if code != REQUEUE_EXIT_CODE
                    else "exiting so the job is requeued")
             print_progress(f"stop signal: checkpointed step {step} ({path}); {why} (exit {code})")

@@ -15,6 +15,9 @@ Every job is `pretrain.train` with ZeRO-2 on 4 gloo ranks (tiny model, CPU), and
   written, as when a save outlasts Slurm's KillWait: rank 0's run.lock stays behind and the save is never
   published. Requeued onto pt-node1 (another host, the same job id), it takes over its own lock at once, resumes
   from the last complete checkpoint and finishes with the reference's losses (issue 25 item 1).
+
+And, on its own, a stand-in whose first node stops at once while the other is still running: srun's 143 is taken
+for the trainer's recorded 75 (`pretrain.training.stop_record`).
 """
 
 from __future__ import annotations
@@ -279,3 +282,23 @@ def test_sigkilled_during_a_save_and_requeued_elsewhere_takes_over_its_lock_and_
     assert CKPT_EVERY <= int(m.group(2)) < killed_during  # the save in flight was never published or used
     assert not list((run / "checkpoints").glob(".tmp-*"))
     assert _train_losses(run) == _train_losses(jobs["runs"]["reference"])
+
+
+def test_a_stop_that_srun_reports_as_143_is_logged_and_ends_as_the_trainers_75(cluster, tmp_path):
+    """srun --kill-on-bad-exit answers the first node's exit 75 by SIGTERMing the other node's task, and the step's
+    code is then another one (143): the script takes the trainer's own stop record of this launch instead, so a
+    clean stop is not logged as a failure and the job ends with 75. The stand-in: node 0 records its stop and exits
+    75 at once, node 1 sleeps until srun ends it."""
+    run, out = tmp_path / "uneven", tmp_path / "uneven.out"
+    job = _submit(cluster, ["--nodes=2", "--nodelist=pt-node[1-2]", str(SBATCH), str(run), "none"], out,
+                  GPUS_PER_NODE="1", TRAIN_MODULE=str(REPO / "tests" / "slurm" / "uneven_stop.py"))
+    deadline = time.monotonic() + 180
+    while (info := _job(cluster, job)).get("JobState") not in FINAL:
+        assert time.monotonic() < deadline, f"the job did not end: {info}"
+        time.sleep(1)
+    log = out.read_text()
+    assert re.search(r"srun reported exit (?!75\b)\d+, but the trainer recorded a complete stop checkpoint", log), \
+        log[-3000:]
+    assert "training step checkpointed and stopped (exit 75, SIGTERM)" in log, log[-3000:]
+    assert "training step failed" not in log, log[-3000:]
+    assert info["ExitCode"].startswith("75:"), info

@@ -124,6 +124,8 @@ def test_stop_signal_checkpoints_and_exits_for_requeue(tmp_path, tiny_overrides)
     assert 2 <= step < 200
     state = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
     assert state["step"] == step and state["consumed_samples"] == step * 4
+    record = json.loads((run_dir / "stop.json").read_text())  # for a launcher that sees another code (srun)
+    assert record["code"] == 75 and record["step"] == step and record["checkpoint"].endswith(latest)
 
 
 def test_gradient_accumulation_steps_once_per_global_batch(tmp_path, tiny_overrides):

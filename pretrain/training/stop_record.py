@@ -1,0 +1,66 @@
+"""``<run_dir>/stop.json``: the trainer's own word that this launch stopped on a signal after a complete checkpoint.
+
+Rank 0 writes it (atomically) once the stop checkpoint is published, naming the job and its restart count. A
+launcher that sees another exit code than the trainer's reads it back: under Slurm, ``srun --kill-on-bad-exit``
+answers the first node's exit 75 by SIGTERMing the other node's task, which has already written its share of the
+checkpoint, and the step's code becomes 143. ``python -m pretrain.training.stop_record RUN_DIR`` prints the
+recorded code and exits 0 when the record is this launch's (the same job id and ``SLURM_RESTART_COUNT``), else
+exits 1 and prints nothing. This module imports nothing heavy: the batch script runs it after every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from pretrain.checkpoint.files import atomic_write_text
+from pretrain.distributed.env import job_id
+
+STOP_RECORD = "stop.json"
+
+
+def launch_id(environ=os.environ) -> dict:
+    """What tells this launch from an earlier one of the same run: the job (``job_id``) and, under Slurm, the
+    restart count a requeue increments."""
+    return {"job": job_id(environ), "restart": int(environ.get("SLURM_RESTART_COUNT") or 0)}
+
+
+def write_stop_record(run_dir: str | os.PathLike, *, code: int, step: int, checkpoint: str,
+                      environ=os.environ) -> None:
+    """Record that this launch stopped with ``code`` after publishing ``checkpoint`` (step ``step``)."""
+    record = {**launch_id(environ), "code": int(code), "step": int(step), "checkpoint": str(checkpoint),
+              "time": time.time()}
+    atomic_write_text(Path(run_dir) / STOP_RECORD, json.dumps(record, indent=1) + "\n")
+
+
+def recorded_code(run_dir: str | os.PathLike, environ=os.environ) -> int | None:
+    """The exit code this launch recorded in ``run_dir`` (None: no record, an unreadable one, another launch's, or
+    one written outside any job, where launches cannot be told apart)."""
+    try:
+        record = json.loads((Path(run_dir) / STOP_RECORD).read_text(encoding="utf-8"))
+        code = record["code"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    me = launch_id(environ)
+    if not me["job"] or record.get("job") != me["job"] or record.get("restart") != me["restart"]:
+        return None
+    return code if isinstance(code, int) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pretrain.training.stop_record RUN_DIR", file=sys.stderr)
+        return 2
+    code = recorded_code(argv[0])
+    if code is None:
+        return 1
+    print(code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
