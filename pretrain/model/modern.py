@@ -21,6 +21,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings
 from pretrain.model.packing import Packed
+from pretrain.model.banded import Band, make_band, use_band
 from pretrain.model.rotary import rope_tables, window_mask
 
 
@@ -66,11 +67,12 @@ class ModernEncoder(nn.Module):
                 continue
             cos, sin = rope_tables(position_ids, head_size, theta, dtype)
             if packed is not None:
-                masks = tuple(g.keep_n11t if is_global else window_mask(g.keep_n11t, g.length, half, device)
+                masks = tuple(g.keep_n11t if is_global else _local_mask(g.keep_n11t, g.num_rows, g.length, half, device)
                               for g in packed.groups)
                 out[is_global] = AttentionInputs(cos, sin, group_masks=masks)
             else:
-                mask = keep_B11T if is_global else window_mask(keep_B11T, position_ids.shape[0], half, device)
+                rows = keep_B11T.shape[0] if keep_B11T is not None else 1
+                mask = keep_B11T if is_global else _local_mask(keep_B11T, rows, position_ids.shape[0], half, device)
                 out[is_global] = AttentionInputs(cos, sin, mask=mask)
         return out
 
@@ -85,3 +87,12 @@ class ModernEncoder(nn.Module):
         if all_layers:
             states[-1] = x_BTD
         return states if all_layers else x_BTD
+
+
+def _local_mask(keep_B11T: torch.Tensor | None, rows: int, length: int, half: int,
+                device: torch.device) -> torch.Tensor | Band | None:
+    """A local layer's mask: the band (``banded.py``: only the scores within the window are computed) once the
+    sequence is several windows long, else the dense window mask."""
+    if use_band(length, half):
+        return make_band(keep_B11T, rows, length, half, device)
+    return window_mask(keep_B11T, length, half, device)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
+from pretrain.model.banded import Band, banded_attention
 from pretrain.model.block import activation_fn
 from pretrain.model.flat import materialize
 from pretrain.model.packing import Packed
@@ -26,10 +27,10 @@ class AttentionInputs:
 
     cos: torch.Tensor
     sin: torch.Tensor
-    mask: torch.Tensor | None = None
-    """Padded path: (B, 1, T, T) / (T, T) / (B, 1, 1, T) or None."""
-    group_masks: tuple[torch.Tensor | None, ...] = ()
-    """Unpadded path: one mask per attention group of ``packed``."""
+    mask: torch.Tensor | Band | None = None
+    """Padded path: (B, 1, T, T) / (T, T) / (B, 1, 1, T), a local layer's ``Band`` (banded.py), or None."""
+    group_masks: tuple[torch.Tensor | Band | None, ...] = ()
+    """Unpadded path: one mask (or ``Band``) per attention group of ``packed``."""
 
 
 def is_global_layer(cfg: ModelConfig, layer_id: int) -> bool:
@@ -72,15 +73,22 @@ class ModernAttention(nn.Module):
             for g, mask in zip(packed.groups, inputs.group_masks):
                 q_nHtK, k_nHtK, v_nHtK = (z.index_select(0, g.index_P).view(g.num_rows, g.length, h, k).transpose(1, 2)
                                           for z in (q_NHK, k_NHK, v_NHK))
-                y_nHtK = F.scaled_dot_product_attention(q_nHtK, k_nHtK, v_nHtK, attn_mask=mask, dropout_p=dropout_p)
+                y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
             return self.out(y_PD.index_select(0, packed.back_N))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
         q_BHTK, k_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin), apply_rope(k_BHTK, inputs.cos, inputs.sin)
-        y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, attn_mask=inputs.mask, dropout_p=dropout_p)
+        y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p)
         return self.out(y_BHTK.transpose(1, 2).reshape(b, t, d))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Band | None,
+            dropout_p: float) -> torch.Tensor:
+    if isinstance(mask, Band):
+        return banded_attention(q, k, v, mask, dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
 class GeGLU(nn.Module):
