@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from pretrain.config.model import ModelConfig
+from pretrain.model.banded import Band, make_band, use_band
 from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings
 from pretrain.model.packing import Packed
-from pretrain.model.banded import Band, make_band, use_band
 from pretrain.model.rotary import rope_tables, window_mask
 
 
@@ -67,7 +67,8 @@ class ModernEncoder(nn.Module):
                 continue
             cos, sin = rope_tables(position_ids, head_size, theta, dtype)
             if packed is not None:
-                masks = tuple(g.keep_n11t if is_global else _local_mask(g.keep_n11t, g.num_rows, g.length, half, device)
+                masks = tuple(g.keep_n11t if is_global
+                              else _local_mask(g.keep_n11t, g.num_rows, g.length, half, device)
                               for g in packed.groups)
                 out[is_global] = AttentionInputs(cos, sin, group_masks=masks)
             else:
