@@ -27,6 +27,10 @@ unpadded paths do the same arithmetic here.
 
     python tools/bench_step.py --arch modernbert --sizes tiny mini --steps 10                # CPU
 
+``--data books|wiki`` (CPU): instead of the synthetic full-length batch, the micro-batches the trainer gets from
+the shared corpus (CLEAR's recipe: its masking and views, padded to each batch's longest row as collate pads them),
+a new one each step, the same sequence for both arms; the padding shares of the timed batches are printed.
+
 ``--host-cost`` (CPU): the host's cost of a step. BERT-base depth (12 layers) at a width, length and batch so small
 that arithmetic is negligible (``HOST_COST``), one thread, so wall time is host time; ZeRO 0 and 2 x fp32 and bf16,
 one process each, ours and HF alternating in it. Per arm: median host ms per step, and over one step after
@@ -123,6 +127,44 @@ def make_batch(batch: int, seq: int, view_len: int, vocab: int, gen: torch.Gener
     vmask = torch.ones(batch, view_len, dtype=torch.bool)
     return dict(input_ids=inp, attention_mask=mask, mlm_labels=labels, view_a_ids=va, view_a_mask=vmask,
                 view_b_ids=vb, view_b_mask=vmask)
+
+
+DATA_SOURCES = ("books", "wiki")
+
+
+def real_batches(source: str, batch: int, seq: int, view_len: int, count: int,
+                 work: str = "/tmp/pretrain-padding-share") -> list[dict]:
+    """``count`` micro-batches the trainer would get from the shared corpus ``source`` (books or the first 20 MB of
+    the wiki), CLEAR's recipe (configs/recipes/clear_del_span_reorder.yaml: its masking and views) at ``seq`` /
+    ``view_len``, BERT's 30522 WordPiece: padded to each batch's longest row, as collate pads them. Datasets are
+    preprocessed once into ``work`` (``tools/padding_share.py``'s)."""
+    import padding_share
+
+    from pretrain.config import load_run_config
+    from pretrain.data.datasets import build_dataset
+    from pretrain.data.loader import build_loader
+    from pretrain.prep.tokenizer import load_tokenizer
+
+    tok_path = padding_share.bert_tokenizer()
+    path = padding_share.prepare(Path(work), tok_path, 20)[source]
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "recipes" / "clear_del_span_reorder.yaml"
+    cfg = load_run_config(str(recipe), [f"data.tokenizer={tok_path}", f"data.sources=[{{name: {source}, path: {path}, "
+                                        f"weight: 1.0}}]", "data.valid=[]", f"data.max_len={seq}",
+                                        f"data.view_max_len={view_len}", f"train.micro_batch_size={batch}"])
+    tok = load_tokenizer(tok_path)
+    loader = build_loader(build_dataset(cfg.data, tok, seed=cfg.seed), seed=cfg.seed, rank=0, world_size=1,
+                          micro_batch_size=batch, start_sample=0, num_workers=0, pad_id=tok.pad_id)
+    it = iter(loader)
+    return [dict(next(it)) for _ in range(count)]
+
+
+def padding_shares(batches: list[dict]) -> dict[str, float]:
+    """Share of padding in the MLM rows and in the views of ``batches`` (tokens at each batch's width)."""
+    def share(masks):
+        return 1 - sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
+
+    return {"mlm": share([b["attention_mask"] for b in batches]),
+            "views": share([m for b in batches for m in (b["view_a_mask"], b["view_b_mask"])])}
 
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
@@ -308,8 +350,13 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
 def measure(args, size: str) -> dict:
     """Median seconds per step of ours and HF for one size and micro-batch, and each arm's parameter count."""
     gen = torch.Generator().manual_seed(0)
-    host_batch = make_batch(args.batch[0], args.seq, args.view_len, args.vocab, gen)
-    batch = {k: v.to(args.device) for k, v in host_batch.items()}  # HF's; ours moves the host batch in its step
+    if args.data:  # real micro-batches, a different one each step, the same sequence for both arms
+        host_batches = real_batches(args.data, args.batch[0], args.seq, args.view_len, args.steps + 2)
+    else:
+        host_batches = [make_batch(args.batch[0], args.seq, args.view_len, args.vocab, gen)]
+    host_batch = host_batches[0]
+    batches = [{k: v.to(args.device) for k, v in b.items()} for b in host_batches]  # HF's; ours moves the host one
+    batch = batches[0]
     torch.manual_seed(0)
 
     def ours():
@@ -331,13 +378,16 @@ def measure(args, size: str) -> dict:
         res["hf"] = _timed_arm("hf", hf, batch, args.steps, "cuda", args.profile_out)
         return res
     ours, hf = ours(), hf()
-    ours(batch), hf(batch)  # warm-up
+    ours(host_batches[-1]), hf(batches[-1])  # warm-up
     t_ours, t_hf = [], []
-    for _ in range(args.steps):  # alternate so drifting machine load hits both alike
-        t_ours.append(time_one(ours, batch))
-        t_hf.append(time_one(hf, batch))
-    return {"ours": {"s": statistics.median(t_ours), "num_params": ours.num_params},
-            "hf": {"s": statistics.median(t_hf), "num_params": hf.num_params}}
+    for i in range(args.steps):  # alternate so drifting machine load hits both alike
+        t_ours.append(time_one(ours, host_batches[i % len(host_batches)]))
+        t_hf.append(time_one(hf, batches[i % len(batches)]))
+    out = {"ours": {"s": statistics.median(t_ours), "num_params": ours.num_params},
+           "hf": {"s": statistics.median(t_hf), "num_params": hf.num_params}}
+    if args.data:
+        out["padding"] = padding_shares(host_batches[:args.steps])
+    return out
 
 
 def count_ops(step, batch) -> dict:
@@ -496,6 +546,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[32],
                    help="micro-batch sizes, ascending; a size stops at the first batch that does not fit")
     p.add_argument("--vocab", type=int, default=30522)
+    p.add_argument("--data", choices=DATA_SOURCES, default="",
+                   help="CPU: real micro-batches of this shared corpus (CLEAR's masking and views, padded as collate "
+                   "pads them; a new one each step) instead of the synthetic full-length batch; vocab 30522")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "
@@ -516,6 +569,9 @@ def main(argv=None) -> int:
         p.error("--host-cost measures the host on the CPU (wall time = host time there); leave out --device")
     if args.host_cost and args.arch != "bert":
         p.error("--host-cost measures BERT-base depth only; leave out --arch")
+    if args.data and (args.vocab != 30522 or args.host_cost):
+        p.error("--data batches are BERT's 30522-token WordPiece ids at the bench's sizes; leave out --vocab and "
+                "--host-cost")
     available = MODERN_SIZES if args.arch == "modernbert" else tuple(SIZES)
     if not set(args.sizes) <= set(available):
         p.error(f"--arch {args.arch} has sizes {', '.join(available)}; got {' '.join(args.sizes)}")
@@ -529,7 +585,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, transformers {_version('transformers')}, arch {args.arch}, "
           f"precision {args.precision}, zero {args.zero_stage}, compile {args.compile}, seq {args.seq} (+2 views x "
-          f"{args.view_len}), vocab {args.vocab}, median of {args.steps} steps"
+          f"{args.view_len}), vocab {args.vocab}, median of {args.steps} steps, "
+          f"{f'real batches of the shared {args.data} (a new one each step)' if args.data else 'synthetic batch'}"
           + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else ""))
     print(hf_arm_note(args.arch, args.device))
     rows = []
@@ -542,6 +599,7 @@ def main(argv=None) -> int:
                    str(args.view_len), "--batch", str(b), "--vocab", str(args.vocab), "--steps", str(args.steps),
                    "--zero-stage", str(args.zero_stage), "--device", args.device, "--precision", args.precision]
             cmd += ["--compile"] if args.compile else []
+            cmd += ["--data", args.data] if args.data else []
             cmd += ["--profile-out", args.profile_out] if args.profile_out else []
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -552,7 +610,7 @@ def main(argv=None) -> int:
                 break
             r = json.loads(lines[0][7:])
             flops = train_flops_per_sample(size, args.seq, args.view_len, args.vocab, arch=args.arch)
-            row = dict(size=size, batch=b, flops_per_sample=flops)
+            row = dict(size=size, batch=b, flops_per_sample=flops, padding=r.get("padding"))
             for arm in ("ours", "hf"):
                 a = r[arm]
                 if a.get("oom"):
@@ -583,6 +641,10 @@ def main(argv=None) -> int:
               f"{cell(h, 'samples_per_s', '{:.1f}')} | {ratio} | {cell(o, 'mfu', '{:.1%}')} | "
               f"{cell(h, 'mfu', '{:.1%}')} | {cell(o, 'peak_gib', '{:.1f}')} | {cell(h, 'peak_gib', '{:.1f}')} | "
               f"{cell(o, 'num_params', '{:,}')} | {cell(h, 'num_params', '{:,}')} |")
+    for row in rows:
+        if row.get("padding"):
+            print(f"{row['size']} batch {row['batch']}: padding in the timed batches: {row['padding']['mlm']:.1%} of "
+                  f"the MLM rows' tokens, {row['padding']['views']:.1%} of the views' (MFU counts full-length FLOPs)")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(dict(device=name, torch=torch.__version__, arch=args.arch, hf_attention=hf_attention(

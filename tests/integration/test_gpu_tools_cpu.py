@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -36,6 +37,18 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path, clean_env):  # clean_env: no launche
     assert run["resume"]["steps_compared"] == [20]
     assert run["resume"]["max_rel_diff"] == 0.0
     assert run["valid_mlm"][0][0] == 0 and run["valid_mlm"][-1][0] == 20 and run["loss_falls"]
+
+
+def test_bench_step_padding_shares_count_the_masks():
+    """--data's printed padding shares: padded slots over all slots of the MLM rows, and of both views together."""
+    bench_step = _bench_step()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    full = torch.ones(2, 3, dtype=torch.bool)
+    half = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    batches = [dict(attention_mask=mask, view_a_mask=full, view_b_mask=half),
+               dict(attention_mask=torch.ones(2, 4, dtype=torch.bool), view_a_mask=full, view_b_mask=full)]
+    got = bench_step.padding_shares(batches)
+    assert got["mlm"] == pytest.approx(4 / 16) and got["views"] == pytest.approx(3 / 24)
 
 
 def test_bench_step_flop_count_matches_hand_count():
