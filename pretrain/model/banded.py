@@ -32,22 +32,23 @@ class Band:
     Built once per forward and shared by the local layers."""
 
     half: int
-    length: int
     mask_bw3: torch.Tensor
-    """(rows * blocks, 1, half, 3 * half) boolean: which neighbourhood slots each query may attend to (rows = 1:
-    the same for every sequence)."""
+    """(rows * blocks, 1, half, 3 * half) boolean: which neighbourhood slots each query may attend to (one row
+    without padding: the same for every sequence)."""
 
 
 def use_band(length: int, half: int) -> bool:
     return half > 0 and -(-length // half) >= MIN_BLOCKS
 
 
-def make_band(keep_B11T: torch.Tensor | None, rows: int, length: int, half: int, device: torch.device) -> Band:
-    """The band of ``rows`` sequences of ``length`` (``keep_B11T``: True on real key slots, None when all are)."""
+def make_band(keep_B11T: torch.Tensor | None, length: int, half: int, device: torch.device) -> Band:
+    """The band of sequences of ``length`` (``keep_B11T``: True on real key slots, one row per sequence; None when
+    every slot is real)."""
     w, nb = half, -(-length // half)
     pad = nb * w - length
-    real_BT = torch.ones(rows, length, dtype=torch.bool, device=device) if keep_B11T is None \
-        else keep_B11T.reshape(keep_B11T.shape[0], length).expand(rows, length)
+    rows = 1 if keep_B11T is None else keep_B11T.shape[0]
+    real_BT = torch.ones(1, length, dtype=torch.bool, device=device) if keep_B11T is None \
+        else keep_B11T.reshape(rows, length)
     real_Bb3 = F.pad(real_BT, (w, pad + w), value=False).unfold(1, 3 * w, w)  # (B, b, 3w): real neighbourhood slots
     a = torch.arange(w, device=device)
     c = torch.arange(3 * w, device=device)
@@ -55,7 +56,7 @@ def make_band(keep_B11T: torch.Tensor | None, rows: int, length: int, half: int,
     mask_Bbw3 = (offset_w3.abs() <= w) & real_Bb3[:, :, None, :]
     empty_Bbw = ~mask_Bbw3.any(-1)
     mask_Bbw3 = mask_Bbw3 | (empty_Bbw[..., None] & (offset_w3 == 0))  # a padding query: its own slot
-    return Band(half, length, mask_Bbw3.reshape(rows * nb, 1, w, 3 * w))
+    return Band(half, mask_Bbw3.reshape(rows * nb, 1, w, 3 * w))
 
 
 def banded_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor, band: Band,

@@ -67,13 +67,11 @@ class ModernEncoder(nn.Module):
                 continue
             cos, sin = rope_tables(position_ids, head_size, theta, dtype)
             if packed is not None:
-                masks = tuple(g.keep_n11t if is_global
-                              else _local_mask(g.keep_n11t, g.num_rows, g.length, half, device)
+                masks = tuple(g.keep_n11t if is_global else _local_mask(g.keep_n11t, g.length, half, device)
                               for g in packed.groups)
                 out[is_global] = AttentionInputs(cos, sin, group_masks=masks)
             else:
-                rows = keep_B11T.shape[0] if keep_B11T is not None else 1
-                mask = keep_B11T if is_global else _local_mask(keep_B11T, rows, position_ids.shape[0], half, device)
+                mask = keep_B11T if is_global else _local_mask(keep_B11T, position_ids.shape[0], half, device)
                 out[is_global] = AttentionInputs(cos, sin, mask=mask)
         return out
 
@@ -90,10 +88,10 @@ class ModernEncoder(nn.Module):
         return states if all_layers else x_BTD
 
 
-def _local_mask(keep_B11T: torch.Tensor | None, rows: int, length: int, half: int,
+def _local_mask(keep_B11T: torch.Tensor | None, length: int, half: int,
                 device: torch.device) -> torch.Tensor | Band | None:
     """A local layer's mask: the band (``banded.py``: only the scores within the window are computed) once the
     sequence is several windows long, else the dense window mask."""
     if use_band(length, half):
-        return make_band(keep_B11T, rows, length, half, device)
+        return make_band(keep_B11T, length, half, device)
     return window_mask(keep_B11T, length, half, device)

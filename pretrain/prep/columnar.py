@@ -108,7 +108,7 @@ def _lengths(batches, column) -> "np.ndarray":
     import numpy as np
 
     parts = [_row_bytes(b.column(column)) for b in batches]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def _row_bytes(array) -> "np.ndarray":

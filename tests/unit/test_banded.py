@@ -28,7 +28,7 @@ def test_band_equals_the_dense_window_in_float64(bsz, heads, length, size, half,
         lengths[0] = length
         keep_B11T = (torch.arange(length)[None] < lengths[:, None])[:, None, None, :]
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(keep_B11T, length, half, q.device))
-    band = make_band(keep_B11T, bsz if padded else 1, length, half, q.device)
+    band = make_band(keep_B11T, length, half, q.device)
     got = banded.banded_attention(q, k, v, band)
     assert got.shape == dense.shape and torch.isfinite(got).all()
     real_B1T1 = (torch.ones(bsz, 1, length, 1, dtype=torch.bool) if keep_B11T is None
