@@ -136,25 +136,14 @@ def real_batches(source: str, batch: int, seq: int, view_len: int, count: int,
                  work: str = "/tmp/pretrain-padding-share") -> list[dict]:
     """``count`` micro-batches the trainer would get from the shared corpus ``source`` (books or the first 20 MB of
     the wiki), CLEAR's recipe (configs/recipes/clear_del_span_reorder.yaml: its masking and views) at ``seq`` /
-    ``view_len``, BERT's 30522 WordPiece: padded to each batch's longest row, as collate pads them. Datasets are
-    preprocessed once into ``work`` (``tools/padding_share.py``'s)."""
+    ``view_len``, BERT's 30522 WordPiece: padded to each batch's longest row, as collate pads them. Datasets and
+    loader are ``tools/padding_share.py``'s (preprocessed once into ``work``)."""
     import padding_share
-
-    from pretrain.config import load_run_config
-    from pretrain.data.datasets import build_dataset
-    from pretrain.data.loader import build_loader
-    from pretrain.prep.tokenizer import load_tokenizer
 
     tok_path = padding_share.bert_tokenizer()
     path = padding_share.prepare(Path(work), tok_path, 20)[source]
     recipe = Path(__file__).resolve().parents[1] / "configs" / "recipes" / "clear_del_span_reorder.yaml"
-    cfg = load_run_config(str(recipe), [f"data.tokenizer={tok_path}", f"data.sources=[{{name: {source}, path: {path}, "
-                                        f"weight: 1.0}}]", "data.valid=[]", f"data.max_len={seq}",
-                                        f"data.view_max_len={view_len}", f"train.micro_batch_size={batch}"])
-    tok = load_tokenizer(tok_path)
-    loader = build_loader(build_dataset(cfg.data, tok, seed=cfg.seed), seed=cfg.seed, rank=0, world_size=1,
-                          micro_batch_size=batch, start_sample=0, num_workers=0, pad_id=tok.pad_id)
-    it = iter(loader)
+    it = padding_share.recipe_batches(str(recipe), tok_path, [(source, path)], batch, seq, view_len)
     return [dict(next(it)) for _ in range(count)]
 
 

@@ -64,16 +64,24 @@ def prepare(work: Path, tokenizer: str, wiki_mb: float) -> dict[str, str]:
     return out
 
 
-def count(recipe: str, tokenizer: str, sources: list[tuple[str, str]], batches: int, micro_batch: int) -> dict:
-    """{pass: summed compute_counts} over ``batches`` micro-batches of the blend of ``sources``."""
+def recipe_batches(recipe: str, tokenizer: str, sources: list[tuple[str, str]], micro_batch: int,
+                   max_len: int = 128, view_max_len: int = 64):
+    """The micro-batches the trainer gets from the blend of ``sources`` (name, dataset dir) under ``recipe`` (its
+    masking and views), rank 0 of 1, as an iterator (``tools/bench_step.py --data`` times them)."""
     srcs = ", ".join(f"{{name: {n}, path: {p}, weight: 1.0}}" for n, p in sources)
     cfg = load_run_config(recipe, [f"data.tokenizer={tokenizer}", f"data.sources=[{srcs}]", "data.valid=[]",
-                                   "data.max_len=128", "data.view_max_len=64", f"train.micro_batch_size={micro_batch}"])
+                                   f"data.max_len={max_len}", f"data.view_max_len={view_max_len}",
+                                   f"train.micro_batch_size={micro_batch}"])
     tok = load_tokenizer(tokenizer)
     loader = build_loader(build_dataset(cfg.data, tok, seed=cfg.seed), seed=cfg.seed, rank=0, world_size=1,
                           micro_batch_size=micro_batch, start_sample=0, num_workers=0, pad_id=tok.pad_id)
+    return iter(loader)
+
+
+def count(recipe: str, tokenizer: str, sources: list[tuple[str, str]], batches: int, micro_batch: int) -> dict:
+    """{pass: summed compute_counts} over ``batches`` micro-batches of the blend of ``sources``."""
     totals = {p: {"groups": 0} for p in PASSES}
-    it = iter(loader)
+    it = recipe_batches(recipe, tokenizer, sources, micro_batch)
     for _ in range(batches):
         facts = host_facts(next(it), unpadded=True)
         for name, key in PASSES.items():
