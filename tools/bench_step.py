@@ -157,11 +157,12 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
-               micro_batch: int = 1, flat: bool = True, arch: str = "bert"):
+               micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
-    unpadded as train.unpadded's default; ``flat``: train.flat_params, on by default). ``step.num_params``: the
-    trained module's parameters (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
+    unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer, both on by
+    default). ``step.num_params``: the trained module's parameters (bert: with BERT's pooler, which
+    BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
         ObjectiveConfig,
@@ -180,11 +181,13 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
     env = detect_env()
     init_process_group(env, backend="auto", timeout_s=600)
-    model = build_model(ours_model_config(size, vocab, seq, arch))
-    module = TrainModule(model, Objective(ObjectiveConfig(), Context(env=env, ops=OpsConfig(), pooling="mean")))
+    model = build_model(ours_model_config(size, vocab, seq, arch, pooling))
+    train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat,
+                        trim_last_layer=trim)
+    ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer)
+    module = TrainModule(model, Objective(ObjectiveConfig(), ctx))
     num_params = sum(p.numel() for p in module.parameters())  # before flat layers change the tensors
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
-    train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat)
     dist = DistributedConfig(zero_stage=zero_stage)
     if compile_:
         module.compile_step(**compile_options(train))
@@ -204,14 +207,19 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     return step
 
 
-def ours_model_config(size: str, vocab: int, seq: int, arch: str = "bert"):
-    """The ModelConfig both arms are built from: ``model_shape`` at this vocabulary, mean pooling."""
+POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
+"""--pooling -> ours' model.pooling: the views' embedding is the mean of their tokens (the quickstart's) or their
+[CLS] state as it leaves the encoder (the CLEAR recipes' [CLS], without BERT's pooler, which HF's MLM model lacks)."""
+
+
+def ours_model_config(size: str, vocab: int, seq: int, arch: str = "bert", pooling: str = "mean"):
+    """The ModelConfig both arms are built from: ``model_shape`` at this vocabulary, ``POOLINGS[pooling]``."""
     from pretrain.config import ModelConfig
 
     shape = model_shape(size, arch)
     if arch == "bert":
         shape["max_position"] = max(512, seq)
-    return ModelConfig(vocab_size=vocab, pooling="mean", **shape)
+    return ModelConfig(vocab_size=vocab, pooling=POOLINGS[pooling], **shape)
 
 
 def hf_attention(arch: str, device: str) -> str:
@@ -256,9 +264,10 @@ def _hf_modernbert(size: str, vocab: int, seq: int, device: str):
 
 
 def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp32", compile_: bool = False,
-             temperature: float = 0.1, fused: bool = True, arch: str = "bert"):
-    """HF's step; ``fused``: fused AdamW (the Engine's on CPU and CUDA alike). ``step.num_params``: the model's
-    and the projection's parameters (the tied decoder weight once)."""
+             temperature: float = 0.1, fused: bool = True, arch: str = "bert", pooling: str = "mean"):
+    """HF's step; ``fused``: fused AdamW (the Engine's on CPU and CUDA alike); ``pooling``: the views' masked
+    mean, or their first token's state (cls). ``step.num_params``: the model's and the projection's parameters
+    (the tied decoder weight once)."""
     model, encoder = _hf_modernbert(size, vocab, seq, device) if arch == "modernbert" else _hf_bert(size, vocab, seq)
     model.to(device)
     if compile_:
@@ -278,8 +287,12 @@ def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp3
             ids = torch.cat([batch["view_a_ids"], batch["view_b_ids"]])
             mask = torch.cat([batch["view_a_mask"], batch["view_b_mask"]])
             h = encoder(ids, mask)
-            m = mask.unsqueeze(-1).to(h.dtype)
-            z = F.normalize(proj((h * m).sum(1) / m.sum(1)).float(), dim=-1)
+            if pooling == "cls":
+                e = h[:, 0]
+            else:
+                m = mask.unsqueeze(-1).to(h.dtype)
+                e = (h * m).sum(1) / m.sum(1)
+            z = F.normalize(proj(e).float(), dim=-1)
         n2 = z.shape[0]
         sim = z @ z.T / temperature
         sim.fill_diagonal_(float("-inf"))
@@ -348,12 +361,13 @@ def measure(args, size: str) -> dict:
     batch = batches[0]
     torch.manual_seed(0)
 
-    def ours():
+    def ours(trim: bool = True):
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
-                          arch=args.arch)
+                          arch=args.arch, pooling=args.pooling, trim=trim)
 
     def hf():
-        return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch)
+        return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
+                        pooling=args.pooling)
 
     res = {}
     # One arm after the other (not interleaved): on a GPU both models' activations would otherwise have
@@ -366,14 +380,22 @@ def measure(args, size: str) -> dict:
         torch.cuda.empty_cache()
         res["hf"] = _timed_arm("hf", hf, batch, args.steps, "cuda", args.profile_out)
         return res
+    # --trim-ab: a third arm, ours with train.trim_last_layer=false, in the same alternation.
+    full = ours(trim=False) if args.trim_ab else None
     ours, hf = ours(), hf()
     ours(host_batches[-1]), hf(batches[-1])  # warm-up
-    t_ours, t_hf = [], []
-    for i in range(args.steps):  # alternate so drifting machine load hits both alike
+    if full is not None:
+        full(host_batches[-1])
+    t_ours, t_hf, t_full = [], [], []
+    for i in range(args.steps):  # alternate so drifting machine load hits every arm alike
         t_ours.append(time_one(ours, host_batches[i % len(host_batches)]))
         t_hf.append(time_one(hf, batches[i % len(batches)]))
+        if full is not None:
+            t_full.append(time_one(full, host_batches[i % len(host_batches)]))
     out = {"ours": {"s": statistics.median(t_ours), "num_params": ours.num_params},
            "hf": {"s": statistics.median(t_hf), "num_params": hf.num_params}}
+    if full is not None:
+        out["ours_full"] = {"s": statistics.median(t_full)}
     if args.data:
         out["padding"] = padding_shares(host_batches[:args.steps])
     return out
@@ -539,6 +561,11 @@ def main(argv=None) -> int:
                    help="CPU: real micro-batches of this shared corpus (CLEAR's masking and views, padded as collate "
                    "pads them; a new one each step) instead of the synthetic full-length batch; vocab 30522")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--pooling", choices=sorted(POOLINGS), default="mean",
+                   help="the views' embedding in both arms: their mean (the quickstart's) or their [CLS] state (the "
+                   "CLEAR recipes')")
+    p.add_argument("--trim-ab", action="store_true",
+                   help="CPU: a third arm, ours with train.trim_last_layer=false, alternating with the other two")
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "
                    "padded), HF's whole model")
@@ -573,7 +600,8 @@ def main(argv=None) -> int:
     mm = matmul_tflops() if args.device == "cuda" else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, transformers {_version('transformers')}, arch {args.arch}, "
-          f"precision {args.precision}, zero {args.zero_stage}, compile {args.compile}, seq {args.seq} (+2 views x "
+          f"precision {args.precision}, zero {args.zero_stage}, compile {args.compile}, pooling {args.pooling}, "
+          f"seq {args.seq} (+2 views x "
           f"{args.view_len}), vocab {args.vocab}, median of {args.steps} steps, "
           f"{f'real batches of the shared {args.data} (a new one each step)' if args.data else 'synthetic batch'}"
           + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else ""))
@@ -588,6 +616,7 @@ def main(argv=None) -> int:
                    str(args.view_len), "--batch", str(b), "--vocab", str(args.vocab), "--steps", str(args.steps),
                    "--zero-stage", str(args.zero_stage), "--device", args.device, "--precision", args.precision]
             cmd += ["--compile"] if args.compile else []
+            cmd += ["--pooling", args.pooling] + (["--trim-ab"] if args.trim_ab else [])
             cmd += ["--data", args.data] if args.data else []
             cmd += ["--profile-out", args.profile_out] if args.profile_out else []
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -610,6 +639,8 @@ def main(argv=None) -> int:
                                 mfu=sps * flops / 1e12 / args.peak_tflops,
                                 frac_of_matmul=(sps * flops / 1e12 / mm) if mm else None,
                                 peak_gib=a.get("peak_gib"), num_params=a.get("num_params"))
+            if "ours_full" in r:
+                row["ours_full"] = dict(samples_per_s=b / r["ours_full"]["s"])
             rows.append(row)
             if row["ours"].get("oom") and row["hf"].get("oom"):
                 break
@@ -630,6 +661,12 @@ def main(argv=None) -> int:
               f"{cell(h, 'samples_per_s', '{:.1f}')} | {ratio} | {cell(o, 'mfu', '{:.1%}')} | "
               f"{cell(h, 'mfu', '{:.1%}')} | {cell(o, 'peak_gib', '{:.1f}')} | {cell(h, 'peak_gib', '{:.1f}')} | "
               f"{cell(o, 'num_params', '{:,}')} | {cell(h, 'num_params', '{:,}')} |")
+    for row in rows:
+        if row.get("ours_full") and not row["ours"].get("oom"):
+            full, hf_sps = row["ours_full"]["samples_per_s"], row["hf"].get("samples_per_s")
+            print(f"{row['size']} batch {row['batch']}: ours with train.trim_last_layer=false {full:.1f} samples/s "
+                  f"({full / hf_sps:.2f}x HF); trimmed / full {row['ours']['samples_per_s'] / full:.2f}x"
+                  if hf_sps else f"{row['size']}: ours full last layer {full:.1f} samples/s")
     for row in rows:
         if row.get("padding"):
             print(f"{row['size']} batch {row['batch']}: padding in the timed batches: {row['padding']['mlm']:.1%} of "

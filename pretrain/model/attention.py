@@ -33,10 +33,11 @@ class SelfAttention(nn.Module):
         (model/flat.py, Block.FLAT_SPANS) sets at each forward, so the three projections are one matmul."""
 
     def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
-                packed: Packed | None = None) -> torch.Tensor:
-        """x_BTD -> y_BTD (before the output dropout and residual); with ``packed``, x_ND -> y_ND."""
+                packed: Packed | None = None, rows_S: torch.Tensor | None = None) -> torch.Tensor:
+        """x_BTD -> y_BTD (before the output dropout and residual); with ``packed``, x_ND -> y_ND, or y_SD of
+        the stream positions ``rows_S``."""
         if packed is not None:
-            return self._forward_packed(x_BTD, packed)
+            return self._forward_packed(x_BTD, packed, rows_S)
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = (z_BTD.view(b, t, self.num_heads, self.head_size).transpose(1, 2)
                                   for z_BTD in self._qkv(x_BTD))
@@ -56,9 +57,10 @@ class SelfAttention(nn.Module):
             return F.linear(x, *self.qkv_span).chunk(3, dim=-1)
         return self.q(x), self.k(x), self.v(x)
 
-    def _forward_packed(self, x_ND: torch.Tensor, packed: Packed) -> torch.Tensor:
+    def _forward_packed(self, x_ND: torch.Tensor, packed: Packed, rows_S: torch.Tensor | None = None) -> torch.Tensor:
         """Projections on the stream; each group's slots gathered into (n, H, t, K), attended to with SDPA (dropout
-        as in the padded path), laid end to end (P, D), and every token's output taken back from its slot."""
+        as in the padded path), laid end to end (P, D), and every token's output (or ``rows_S``') taken back from
+        its slot and projected."""
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
         # Fused: one gather per group of the (N, 3D) projections; otherwise one each of q, k and v.
@@ -75,4 +77,4 @@ class SelfAttention(nn.Module):
             y_nHtK = F.scaled_dot_product_attention(q_nHtK, k_nHtK, v_nHtK, attn_mask=g.keep_n11t, dropout_p=dropout_p)
             y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
         y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
-        return self.out(y_PD.index_select(0, packed.back_N))
+        return self.out(y_PD.index_select(0, packed.slots(rows_S)))

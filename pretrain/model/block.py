@@ -59,8 +59,17 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
-                packed: Packed | None = None) -> torch.Tensor:
+                packed: Packed | None = None, rows_S: torch.Tensor | None = None) -> torch.Tensor:
+        """x_BTD (x_ND with ``packed``) -> the layer's output; with ``rows_S`` (packed) x_SD, only those tokens'
+        (keys and values from all: attention's output, the FFN and the norms then run on S rows)."""
         materialize(self)  # a flattened layer's parameter views (model/flat.py)
+        if rows_S is not None:
+            x_SD = x_BTD.index_select(0, rows_S)
+            if self.pre_norm:
+                x_SD = x_SD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed, rows_S))
+                return x_SD + self.dropout(self.ffn(self.ffn_norm(x_SD)))
+            x_SD = self.attn_norm(x_SD + self.dropout(self.attn(x_BTD, keep_B11T, packed, rows_S)))
+            return self.ffn_norm(x_SD + self.dropout(self.ffn(x_SD)))
         if self.pre_norm:
             x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed))
             return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))

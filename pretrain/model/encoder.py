@@ -1,6 +1,7 @@
 """The Transformer encoder: embeddings, a stack of blocks, and (pre-LN only) a final LayerNorm.
 
-Shapes: B batch, T sequence length, D hidden size, L layers, N packed tokens (unpadded, see packing.py).
+Shapes: B batch, T sequence length, D hidden size, L layers, N packed tokens (unpadded, see packing.py), S of
+those whose last-layer states are wanted.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.block import Block
 from pretrain.model.embeddings import Embeddings
-from pretrain.model.packing import Packed
+from pretrain.model.packing import Packed, check_rows
 
 
 class Encoder(nn.Module):
@@ -26,18 +27,24 @@ class Encoder(nn.Module):
     def forward(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, all_layers: bool = False,
         token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None, packed: Packed | None = None,
+        rows_S: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Last hidden states h_BTD, or with ``all_layers`` the list [embeddings, layer 1, ..., layer L]
         (L+1 tensors, as HF's ``hidden_states``; for pre-LN the last one is after the final LayerNorm).
         ``padded``: whether the mask has padding, when the caller knows it from the host; None looks on the device
-        (a host sync). ``packed``: the unpadded batch (its ids; the other inputs are not used) -> h_ND."""
+        (a host sync). ``packed``: the unpadded batch (its ids; the other inputs are not used) -> h_ND.
+        ``rows_S`` (with ``packed``): only these stream positions' states, h_SD. Every layer but the last still
+        runs on all N tokens (each token's keys and values reach the others); the last computes its keys and values
+        for all, and its queries' attention, output projection, FFN and norms for the S rows only: what a loss
+        that reads S rows needs (the MLM head's masked tokens, [CLS] pooling), as MosaicBERT's last layer."""
+        check_rows(rows_S, packed, all_layers)
         if packed is not None:
             if packed.width > self.embeddings.max_tokens:
                 raise ValueError(f"sequence length {packed.width} exceeds the {self.embeddings.max_tokens} positions "
                                  f"of model.max_position={self.embeddings.position.num_embeddings}; truncate inputs "
                                  f"(data.max_len)")
             return self._layers(self.embeddings(packed.ids_N, position_ids_N=packed.position_ids_N), None, packed,
-                                all_layers)
+                                all_layers, rows_S)
         # The padding mask is built once and shared by every layer (True = real key token). A batch without
         # padding passes no mask, so SDPA may pick its flash kernel (a mask rules it out on CUDA).
         keep_B11T = None
@@ -50,11 +57,12 @@ class Encoder(nn.Module):
         return self._layers(x_BTD, keep_B11T, None, all_layers)
 
     def _layers(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None, packed: Packed | None,
-                all_layers: bool) -> torch.Tensor | list[torch.Tensor]:
-        """The blocks (and pre-LN's final LayerNorm) over the embeddings x_BTD, or x_ND with ``packed``."""
+                all_layers: bool, rows_S: torch.Tensor | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """The blocks (and pre-LN's final LayerNorm) over the embeddings x_BTD, or x_ND with ``packed``; the last
+        block computes only ``rows_S`` when given."""
         states = [x_BTD] if all_layers else None
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, keep_B11T, packed)
+        for i, layer in enumerate(self.layers):
+            x_BTD = layer(x_BTD, keep_B11T, packed, rows_S if i == len(self.layers) - 1 else None)
             if all_layers:
                 states.append(x_BTD)
         if self.final_norm is not None:

@@ -49,14 +49,16 @@ class PretrainModel(nn.Module):
     def encode(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, all_layers: bool = False,
         token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None, packed: Packed | None = None,
+        rows_S: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """h_BTD of the last layer, or with ``all_layers`` [embeddings, layer 1, ..., layer L]; with ``packed``
-        (the unpadded batch: ids and attention groups; ids and mask are then not used) h_ND.
+        (the unpadded batch: ids and attention groups; ids and mask are then not used) h_ND, or with ``rows_S``
+        too h_SD of those stream positions only (the last layer computes no other token's output).
 
         ``token_type_ids_BT`` (segment ids, sentence pairs) defaults to all zeros; ``padded`` as in
         ``Encoder.forward``."""
         return self.encoder(input_ids_BT, attention_mask_BT, all_layers=all_layers,
-                            token_type_ids_BT=token_type_ids_BT, padded=padded, packed=packed)
+                            token_type_ids_BT=token_type_ids_BT, padded=padded, packed=packed, rows_S=rows_S)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.encoder(input_ids, attention_mask)

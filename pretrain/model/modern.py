@@ -21,7 +21,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, make_band, use_band
 from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings
-from pretrain.model.packing import Packed
+from pretrain.model.packing import Packed, check_rows
 from pretrain.model.rotary import rope_tables, window_mask
 
 
@@ -38,13 +38,15 @@ class ModernEncoder(nn.Module):
     def forward(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, all_layers: bool = False,
         token_type_ids_BT: torch.Tensor | None = None, padded: bool | None = None, packed: Packed | None = None,
+        rows_S: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """As ``Encoder.forward`` (token types are accepted and ignored: ModernBERT has none). There is no
         length limit: rotary positions work at any length (model.max_position is only what the export states)."""
+        check_rows(rows_S, packed, all_layers)
         if packed is not None:
             x_ND = self.embeddings(packed.ids_N)
             return self._layers(x_ND, self._inputs(packed.position_ids_N, x_ND.dtype, None, packed), packed,
-                                all_layers)
+                                all_layers, rows_S)
         keep_B11T = None
         if attention_mask_BT is not None:
             if padded is None:
@@ -76,10 +78,10 @@ class ModernEncoder(nn.Module):
         return out
 
     def _layers(self, x_BTD: torch.Tensor, inputs: dict[bool, AttentionInputs], packed: Packed | None,
-                all_layers: bool) -> torch.Tensor | list[torch.Tensor]:
+                all_layers: bool, rows_S: torch.Tensor | None = None) -> torch.Tensor | list[torch.Tensor]:
         states = [x_BTD] if all_layers else None
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, inputs[layer.is_global], packed)
+        for i, layer in enumerate(self.layers):
+            x_BTD = layer(x_BTD, inputs[layer.is_global], packed, rows_S if i == len(self.layers) - 1 else None)
             if all_layers:
                 states.append(x_BTD)
         x_BTD = self.final_norm(x_BTD)

@@ -61,8 +61,10 @@ class ModernAttention(nn.Module):
         self.out = nn.Linear(d, d, bias=False)
         self.attention_dropout = cfg.attention_dropout
 
-    def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None) -> torch.Tensor:
-        """x_BTD -> y_BTD (x_ND -> y_ND with ``packed``), before the residual."""
+    def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None,
+                rows_S: torch.Tensor | None = None) -> torch.Tensor:
+        """x_BTD -> y_BTD (x_ND -> y_ND with ``packed``, or y_SD of the stream positions ``rows_S``), before the
+        residual."""
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
         if packed is not None:
@@ -76,7 +78,7 @@ class ModernAttention(nn.Module):
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
-            return self.out(y_PD.index_select(0, packed.back_N))
+            return self.out(y_PD.index_select(0, packed.slots(rows_S)))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
         q_BHTK, k_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin), apply_rope(k_BHTK, inputs.cos, inputs.sin)
@@ -117,8 +119,13 @@ class ModernBlock(nn.Module):
         self.ffn = GeGLU(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None = None,
+                rows_S: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``Block.forward``: with ``rows_S`` (packed) only those tokens' outputs, x_SD."""
         materialize(self)  # a flattened layer's parameter views (model/flat.py)
         a_BTD = x_BTD if self.attn_norm is None else self.attn_norm(x_BTD)
-        x_BTD = x_BTD + self.dropout(self.attn(a_BTD, inputs, packed))
+        y_BTD = self.attn(a_BTD, inputs, packed, rows_S)
+        if rows_S is not None:
+            x_BTD = x_BTD.index_select(0, rows_S)
+        x_BTD = x_BTD + self.dropout(y_BTD)
         return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))

@@ -80,6 +80,10 @@ class Packed:
         return Packed(**{f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "groups"},
                       groups=groups)
 
+    def slots(self, rows_S: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention slots of every token (back_N), or of the stream positions ``rows_S``."""
+        return self.back_N if rows_S is None else self.back_N.index_select(0, rows_S)
+
     def first(self, h_ND: torch.Tensor) -> torch.Tensor:
         """h_BD: each sequence's first token."""
         return h_ND.index_select(0, self.first_B)
@@ -93,6 +97,13 @@ class Packed:
         """h_BTD in the padded layout, zeros on padding (for consumers that need rows, e.g. SARCSE's autoencoder)."""
         out = h_ND.new_zeros((self.num_rows * self.width, h_ND.shape[1])).index_copy(0, self.index_N, h_ND)
         return out.view(self.num_rows, self.width, h_ND.shape[1])
+
+
+def check_rows(rows_S: torch.Tensor | None, packed: Packed | None, all_layers: bool) -> None:
+    """An encoder's ``rows_S`` (the stream positions whose last-layer states are wanted) needs the unpadded path
+    and one output layer."""
+    if rows_S is not None and (packed is None or all_layers):
+        raise ValueError("rows_S (the last layer's rows) needs packed (the unpadded path) and not all_layers")
 
 
 def pack(parts: list[tuple[np.ndarray, np.ndarray]]) -> Packed:

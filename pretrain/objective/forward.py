@@ -36,6 +36,9 @@ class Context:
     matryoshka_dims: tuple[int, ...] = ()
     """objective.matryoshka's sizes, largest first (set by Objective): the pair's, views' and hard negatives'
     embeddings are then one block per size, side by side (``embed(nested=True)``); () = off."""
+    trim_last_layer: bool = False
+    """train.trim_last_layer: an unpadded pass computes its last layer only where a loss reads it (the MLM rows'
+    labelled tokens; the pair's [CLS] when it is pooled so and nothing else reads its tokens)."""
 
 
 def mean_pool_mix(step: int, warmup_steps: int) -> float:
@@ -57,21 +60,30 @@ class Forward:
         """Passes by name; ``cached`` presets some (the gradient cache's whole-step ``views``, ``pair``, ``teacher``)."""
 
     def mlm_hidden(self) -> torch.Tensor:
-        """h_BTD of the MLM rows, or h_ND when the host packed them."""
+        """h_BTD of the MLM rows, h_ND when the host packed them, or h_MD of their labelled tokens only when the
+        last layer is trimmed (``_mlm_trimmed``)."""
         if "mlm" not in self._cache:
             packed = self.batch.get("packed_mlm")
             if packed is not None:
-                self._cache["mlm"] = self.model.encode(None, None, packed=packed)
+                rows = self.batch["mlm_positions"] if self._mlm_trimmed() else None
+                self._cache["mlm"] = self.model.encode(None, None, packed=packed, **_known(rows_S=rows))
             else:
                 self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"],
                                                        **_known(padded=self._padded("attention_mask")))
         return self._cache["mlm"]
 
-    def mlm_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(h, labels, positions) for ``mlm_logits``: h_BTD and labels_BT, or packed h_ND and labels_N; positions_M
-        of the labelled tokens in the same layout when the host found them."""
+    def _mlm_trimmed(self) -> bool:
+        """Whether the MLM pass computes its last layer for the labelled tokens only: unpadded, with the host's
+        positions, and train.trim_last_layer."""
+        return self.ctx.trim_last_layer and "packed_mlm" in self.batch and "mlm_positions" in self.batch
+
+    def mlm_logits(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits_MV, labels_M): the MLM head on the M labelled tokens of the MLM rows, and their labels."""
+        if self._mlm_trimmed():
+            labels_M = self.batch["mlm_labels_packed"].index_select(0, self.batch["mlm_positions"])
+            return self.model.mlm_head(self.mlm_hidden()), labels_M
         labels = self.batch["mlm_labels_packed"] if "packed_mlm" in self.batch else self.batch["mlm_labels"]
-        return self.mlm_hidden(), labels, self.batch.get("mlm_positions")
+        return self.model.mlm_logits(self.mlm_hidden(), labels, self.batch.get("mlm_positions"))
 
     def _padded(self, mask_key: str) -> bool | None:
         """Whether the batch's ``mask_key`` has padding, as the host recorded it (training/step.py: host_facts);
@@ -113,17 +125,31 @@ class Forward:
                 same_len = b[f"{first}_ids"].shape[1] == b[f"{second}_ids"].shape[1]
                 padded = None if a is None or z is None else (a or z or not same_len)
                 packed = b.get("packed_sentences" if self.ctx.stage == "sentences" else "packed_views")
-            if packed is not None:
+            if packed is not None and self._pair_trimmed():
+                # Only each row's [CLS] leaves the last layer: h_2B1D, pooled as a padded pass's first column.
+                h = self.model.encode(None, None, packed=packed, rows_S=packed.first_B)[:, None]
+                mask, packed = None, None
+            elif packed is not None:
                 h = self.model.encode(None, None, packed=packed)
             else:
                 h = self.model.encode(ids, mask, **_known(padded=padded))
             self._cache["pair_h"] = (h, mask, ids, n, packed)
         return self._cache["pair_h"]
 
+    def _pair_trimmed(self) -> bool:
+        """Whether the pair's unpadded pass needs its [CLS] states only: train.trim_last_layer, [CLS] pooling, no
+        mean pooling blended in (CLEAR's views early on) and no autoencoder reading every token."""
+        mixed = self.ctx.stage != "sentences" and self.ctx.view_mean_mix > 0.0
+        return (self.ctx.trim_last_layer and self.ctx.pooling in ("cls", "cls_before_pooler") and not mixed
+                and "autoencoder" not in self.heads)
+
     def pair_hidden(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(h_2BTD, mask_2BT, ids_2BT, B): the pair's pass in the padded layout (an unpadded pass is unpacked, zeros
         on padding: SARCSE's autoencoder convolves over rows)."""
         h, mask, ids, n, packed = self._pair_pass()
+        if mask is None:
+            raise RuntimeError("the pair's pass kept only its [CLS] states (train.trim_last_layer); nothing that "
+                               "reads every token may use it")
         return (packed.unpack(h) if packed is not None else h), mask, ids, n
 
     def _pair_embeddings(self, mean_mix: float = 0.0) -> torch.Tensor:

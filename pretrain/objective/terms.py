@@ -57,7 +57,7 @@ def spread_metrics(z_a: torch.Tensor, z_b: torch.Tensor) -> dict:
 
 
 def mlm_term(fwd: Forward, cfg, ctx: Context):
-    logits, labels = fwd.model.mlm_logits(*fwd.mlm_rows())
+    logits, labels = fwd.mlm_logits()
     return mlm_loss(logits, labels)
 
 

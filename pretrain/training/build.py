@@ -141,7 +141,8 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
         model = build_model(cfg.model)
         if init is not None:
             _load_init_weights(model, init)
-        ctx = Context(env=env, ops=cfg.ops, pooling=cfg.model.pooling, stage=cfg.data.stage)
+        ctx = Context(env=env, ops=cfg.ops, pooling=cfg.model.pooling, stage=cfg.data.stage,
+                      trim_last_layer=cfg.train.trim_last_layer)
         module = TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
     if cfg.train.compile:
         module.compile_step(**compile_options(cfg.train))

@@ -1,0 +1,161 @@
+"""train.trim_last_layer: the unpadded pass's last layer computes only the tokens a loss reads, with the losses and
+gradients of the full last layer.
+
+Both arms are unpadded and run in float64, so only the order of summation may differ (a matmul over S rows instead
+of N blocks its sums otherwise): the comparison is at 1e-10 of each tensor's largest entry, where a wrong row (a
+shifted position, another sequence's token, a missing residual) is off at the percent level
+(test_the_comparison_sees_a_wrong_row).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
+from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
+from pretrain.distributed.env import single_process_env
+from pretrain.model import build_model
+from pretrain.model.packing import pack
+from pretrain.objective import Context, Objective, TrainModule
+from pretrain.training.step import host_facts
+
+TOL = 1e-10
+
+
+def _rows(lengths, width, gen, vocab=50):
+    ids = torch.randint(5, vocab, (len(lengths), width), generator=gen)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    return ids.masked_fill(~mask, 0), mask
+
+
+def _batch(seed=0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    ids, mask = _rows([64, 2, 37, 64, 5, 64, 63, 17], 64, gen)
+    labels = torch.where(mask & (torch.rand(mask.shape, generator=gen) < 0.15), ids, -100)
+    labels[:, 1] = ids[:, 1]
+    view_a, mask_a = _rows([32, 3, 20, 32, 9, 31, 2, 32], 32, gen)
+    view_b, mask_b = _rows([30, 4, 32, 11, 9, 2, 25, 32], 32, gen)
+    return dict(input_ids=ids, attention_mask=mask, mlm_labels=labels, view_a_ids=view_a, view_a_mask=mask_a,
+                view_b_ids=view_b, view_b_mask=mask_b)
+
+
+def _module(trim: bool, *, pooling="cls", mean_mix=0.0, stage="pretrain", **model_kw) -> TrainModule:
+    base = dict(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=64,
+                dropout=0.0, attention_dropout=0.0, pooling=pooling)
+    model = build_model(ModelConfig(**{**base, **model_kw}), seed=0).double()
+    ctx = Context(env=single_process_env(), ops=OpsConfig(similarity="eager"), pooling=pooling,
+                  view_mean_mix=mean_mix, stage=stage, trim_last_layer=trim)
+    if stage == "sentences":
+        cfg = ObjectiveConfig(mlm=None, nt_xent=None, info_nce=InfoNCEConfig(gather=False))
+    else:
+        cfg = ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False))
+    return TrainModule(model, Objective(cfg, ctx))
+
+
+def _last_layer_rows(module) -> list[int]:
+    """Run-time record: how many rows the last layer's FFN computed, per pass."""
+    seen: list[int] = []
+    layer = module.model.encoder.layers[-1]
+    layer.ffn.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
+    return seen
+
+
+def _run(module, batch):
+    module.zero_grad(set_to_none=True)
+    loss, metrics = module(host_facts(batch, unpadded=True))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), {k: v[0].detach() for k, v in metrics.items()}, grads
+
+
+def _assert_same(batch, terms, **kw):
+    full, trimmed = _module(False, **kw), _module(True, **kw)
+    rows_full, rows_trimmed = _last_layer_rows(full), _last_layer_rows(trimmed)
+    loss_f, metrics_f, grads_f = _run(full, batch)
+    loss_t, metrics_t, grads_t = _run(trimmed, batch)
+    for term in terms:
+        torch.testing.assert_close(metrics_t[term], metrics_f[term], rtol=TOL, atol=TOL)
+    torch.testing.assert_close(loss_t, loss_f, rtol=TOL, atol=TOL)
+    assert grads_t.keys() == grads_f.keys() and len(grads_f) > 15
+    for name, g in grads_f.items():
+        torch.testing.assert_close(grads_t[name], g, rtol=0, atol=TOL * float(g.abs().max()) + 1e-15,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    return rows_full, rows_trimmed
+
+
+def _counts(batch) -> tuple[int, int, int]:
+    """(MLM rows' real tokens, their labelled tokens, the views' real tokens)."""
+    views = int(batch["view_a_mask"].sum() + batch["view_b_mask"].sum()) if "view_a_mask" in batch else 0
+    return int(batch["attention_mask"].sum()), int((batch["mlm_labels"] != -100).sum()), views
+
+
+@pytest.mark.parametrize("norm, pooler", [("post", True), ("pre", False)])
+def test_mlm_and_cls_views_equal_the_full_last_layer(norm, pooler):
+    batch = _batch()
+    rows_full, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), norm=norm, pooler=pooler)
+    tokens, labelled, views = _counts(batch)
+    assert rows_full == [tokens, views]
+    assert rows_trimmed == [labelled, 2 * batch["view_a_ids"].shape[0]]  # the labelled tokens; one [CLS] per view
+
+
+def test_modernbert_equals_the_full_last_layer():
+    """model.arch=modernbert, 3 layers, its last a local one (window 16 under rows of 64), and the final norm."""
+    batch = _batch(1)
+    rows_full, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), arch="modernbert", pooler=False, num_layers=3,
+                                           local_window=16, layer_norm_eps=1e-5)
+    tokens, labelled, views = _counts(batch)
+    assert rows_full == [tokens, views] and rows_trimmed == [labelled, 2 * batch["view_a_ids"].shape[0]]
+
+
+@pytest.mark.parametrize("pooling, mean_mix", [("mean", 0.0), ("cls", 0.5)])
+def test_a_pair_read_at_every_token_keeps_its_full_last_layer(pooling, mean_mix):
+    """Mean pooling (or mean blended into [CLS] early in CLEAR) reads every token: only the MLM pass is trimmed."""
+    batch = _batch(2)
+    rows_full, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), pooling=pooling, mean_mix=mean_mix)
+    tokens, labelled, views = _counts(batch)
+    assert rows_trimmed == [labelled, views]
+
+
+def test_the_sentence_stage_pair_is_trimmed_to_its_cls():
+    gen = torch.Generator().manual_seed(3)
+    ids, mask = _rows([12, 3, 30, 30, 7, 2], 30, gen)
+    _, rows_trimmed = _assert_same(dict(sentence_ids=ids, sentence_mask=mask), ("info_nce",), stage="sentences")
+    assert rows_trimmed == [2 * ids.shape[0]]
+
+
+def test_the_comparison_sees_a_wrong_row():
+    """The check above fails when the last layer's rows are not the tokens the losses read (each one moved to the
+    next stream position), so it can tell."""
+    model = build_model(ModelConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64,
+                                    max_position=64, dropout=0.0, attention_dropout=0.0), seed=0).double().eval()
+    batch = _batch()
+    packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
+    full_ND = model.encode(None, None, packed=packed)
+    rows_S = torch.tensor([0, 5, 70, 71, 200])
+    torch.testing.assert_close(model.encode(None, None, packed=packed, rows_S=rows_S), full_ND[rows_S], rtol=TOL,
+                               atol=TOL)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(model.encode(None, None, packed=packed, rows_S=rows_S + 1), full_ND[rows_S],
+                                   rtol=TOL, atol=TOL)
+
+
+def test_rows_need_the_unpadded_path_and_one_output_layer():
+    model = build_model(ModelConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64,
+                                    max_position=64), seed=0)
+    batch = _batch()
+    packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
+    with pytest.raises(ValueError, match="needs packed"):
+        model.encode(batch["input_ids"], batch["attention_mask"], rows_S=torch.tensor([0]))
+    with pytest.raises(ValueError, match="not all_layers"):
+        model.encode(None, None, packed=packed, rows_S=torch.tensor([0]), all_layers=True)
+
+
+def test_dropout_in_the_trimmed_layer_trains():
+    """With dropout the trimmed step runs, is finite and reaches every parameter the full step reaches."""
+    full, trimmed = (_module(t, dropout=0.1, attention_dropout=0.1) for t in (False, True))
+    full.train(), trimmed.train()
+    _, _, grads_f = _run(full, _batch())
+    loss, _, grads_t = _run(trimmed, _batch())
+    assert torch.isfinite(loss) and grads_t.keys() == grads_f.keys()
+    assert all(torch.isfinite(g).all() for g in grads_t.values())
