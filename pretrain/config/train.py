@@ -111,14 +111,14 @@ class TrainConfig:
     used under train.compile (each batch's attention-group layout would be a new graph: measured, one recompile a
     step)."""
     trim_last_layer: bool = True
-    """An unpadded pass (train.unpadded) computes its last layer only for the tokens a loss reads: the MLM rows'
-    labelled tokens (about 15%) and, under [CLS] pooling with no mean pooling blended in and no autoencoder, each
-    contrastive row's [CLS]. That layer still computes keys and values for every token (the kept ones attend to
-    all), and attention, its output projection, the FFN and the norms for the kept rows only, as MosaicBERT's last
+    """The training step's MLM and pair passes compute their last layer only for the tokens a loss reads: the MLM
+    rows' labelled tokens (about 15%) and, under [CLS] pooling with no mean pooling blended in and no autoencoder,
+    each contrastive row's [CLS]. That layer still computes keys, values and attention for every token (the kept
+    ones attend to all), and its output projection, FFN and norms for the kept rows only, as MosaicBERT's last
     layer does: the same losses and gradients up to float rounding (tests/unit/test_trim_last_layer.py), about 70%
     of one layer's arithmetic saved (a sixth of a 4-layer model's, a twelfth of BERT-base's encoder's at the
-    CLEAR recipe's lengths). Dropout in that layer draws other noise than the full layer (fewer elements).
-    false computes every token's output."""
+    CLEAR recipe's lengths). Unpadded, padded and compiled steps alike. Dropout in that layer draws other noise than
+    the full layer (fewer elements). false computes every token's output."""
     flat_params: bool = True
     """Each encoder layer's parameters held in two flat tensors (decayed and not) instead of 16 (model/flat.py):
     DeepSpeed's per-parameter work (gradient hooks, bucket copies, norms, casts) and the optimizer's run on 2 tensors

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
-from pretrain.model.packing import Packed
+from pretrain.model.packing import Packed, take_rows
 
 
 class SelfAttention(nn.Module):
@@ -34,8 +34,8 @@ class SelfAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
                 packed: Packed | None = None, rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """x_BTD -> y_BTD (before the output dropout and residual); with ``packed``, x_ND -> y_ND, or y_SD of
-        the stream positions ``rows_S``."""
+        """x_BTD -> y_BTD (before the output dropout and residual); with ``packed``, x_ND -> y_ND; with ``rows_S``
+        y_SD of those tokens only (``packing.take_rows``)."""
         if packed is not None:
             return self._forward_packed(x_BTD, packed, rows_S)
         b, t, d = x_BTD.shape
@@ -49,7 +49,7 @@ class SelfAttention(nn.Module):
             dropout_p=self.attention_dropout if self.training else 0.0,
         )
         y_BTD = y_BHTK.transpose(1, 2).reshape(b, t, d)
-        return self.out(y_BTD)
+        return self.out(take_rows(y_BTD, rows_S))
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v projections of x (..., D): one matmul over the fused span where a flat layer set it."""

@@ -13,7 +13,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.attention import SelfAttention
 from pretrain.model.flat import materialize
-from pretrain.model.packing import Packed
+from pretrain.model.packing import Packed, take_rows
 
 
 def activation_fn(name: str):
@@ -60,11 +60,11 @@ class Block(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
                 packed: Packed | None = None, rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """x_BTD (x_ND with ``packed``) -> the layer's output; with ``rows_S`` (packed) x_SD, only those tokens'
-        (keys and values from all: attention's output, the FFN and the norms then run on S rows)."""
+        """x_BTD (x_ND with ``packed``) -> the layer's output; with ``rows_S`` x_SD, only those tokens' (keys,
+        values and attention from all; the output projection, the FFN and the norms then run on S rows)."""
         materialize(self)  # a flattened layer's parameter views (model/flat.py)
         if rows_S is not None:
-            x_SD = x_BTD.index_select(0, rows_S)
+            x_SD = take_rows(x_BTD, rows_S)
             if self.pre_norm:
                 x_SD = x_SD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed, rows_S))
                 return x_SD + self.dropout(self.ffn(self.ffn_norm(x_SD)))

@@ -33,11 +33,12 @@ class Encoder(nn.Module):
         (L+1 tensors, as HF's ``hidden_states``; for pre-LN the last one is after the final LayerNorm).
         ``padded``: whether the mask has padding, when the caller knows it from the host; None looks on the device
         (a host sync). ``packed``: the unpadded batch (its ids; the other inputs are not used) -> h_ND.
-        ``rows_S`` (with ``packed``): only these stream positions' states, h_SD. Every layer but the last still
-        runs on all N tokens (each token's keys and values reach the others); the last computes its keys and values
-        for all, and its queries' attention, output projection, FFN and norms for the S rows only: what a loss
-        that reads S rows needs (the MLM head's masked tokens, [CLS] pooling), as MosaicBERT's last layer."""
-        check_rows(rows_S, packed, all_layers)
+        ``rows_S``: only these tokens' states, h_SD (stream positions with ``packed``, else flat indices into
+        B*T). Every layer but the last still runs on every token (each token's keys and values reach the
+        others); the last computes keys, values and attention for all, and its output projection, FFN and norms for
+        the S rows only: what a loss that reads S rows needs (the MLM head's labelled tokens, [CLS] pooling), as
+        MosaicBERT's last layer."""
+        check_rows(rows_S, all_layers)
         if packed is not None:
             if packed.width > self.embeddings.max_tokens:
                 raise ValueError(f"sequence length {packed.width} exceeds the {self.embeddings.max_tokens} positions "
@@ -54,7 +55,7 @@ class Encoder(nn.Module):
             if padded:
                 keep_B11T = attention_mask_BT.bool()[:, None, None, :]
         x_BTD = self.embeddings(input_ids_BT, token_type_ids_BT, attention_mask_BT=attention_mask_BT if padded else None)
-        return self._layers(x_BTD, keep_B11T, None, all_layers)
+        return self._layers(x_BTD, keep_B11T, None, all_layers, rows_S)
 
     def _layers(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None, packed: Packed | None,
                 all_layers: bool, rows_S: torch.Tensor | None = None) -> torch.Tensor | list[torch.Tensor]:

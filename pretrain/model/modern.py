@@ -42,7 +42,7 @@ class ModernEncoder(nn.Module):
     ) -> torch.Tensor | list[torch.Tensor]:
         """As ``Encoder.forward`` (token types are accepted and ignored: ModernBERT has none). There is no
         length limit: rotary positions work at any length (model.max_position is only what the export states)."""
-        check_rows(rows_S, packed, all_layers)
+        check_rows(rows_S, all_layers)
         if packed is not None:
             x_ND = self.embeddings(packed.ids_N)
             return self._layers(x_ND, self._inputs(packed.position_ids_N, x_ND.dtype, None, packed), packed,
@@ -55,7 +55,7 @@ class ModernEncoder(nn.Module):
                 keep_B11T = attention_mask_BT.bool()[:, None, None, :]
         x_BTD = self.embeddings(input_ids_BT)
         pos_T = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device)
-        return self._layers(x_BTD, self._inputs(pos_T, x_BTD.dtype, keep_B11T, None), None, all_layers)
+        return self._layers(x_BTD, self._inputs(pos_T, x_BTD.dtype, keep_B11T, None), None, all_layers, rows_S)
 
     def _inputs(self, position_ids: torch.Tensor, dtype: torch.dtype, keep_B11T: torch.Tensor | None,
                 packed: Packed | None) -> dict[bool, AttentionInputs]:

@@ -17,7 +17,7 @@ from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, banded_attention
 from pretrain.model.block import activation_fn
 from pretrain.model.flat import materialize
-from pretrain.model.packing import Packed
+from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope
 
 
@@ -63,8 +63,8 @@ class ModernAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None,
                 rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """x_BTD -> y_BTD (x_ND -> y_ND with ``packed``, or y_SD of the stream positions ``rows_S``), before the
-        residual."""
+        """x_BTD -> y_BTD (x_ND -> y_ND with ``packed``; y_SD of the tokens ``rows_S``, ``packing.take_rows``),
+        before the residual."""
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
         if packed is not None:
@@ -83,7 +83,7 @@ class ModernAttention(nn.Module):
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
         q_BHTK, k_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin), apply_rope(k_BHTK, inputs.cos, inputs.sin)
         y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p)
-        return self.out(y_BHTK.transpose(1, 2).reshape(b, t, d))
+        return self.out(take_rows(y_BHTK.transpose(1, 2).reshape(b, t, d), rows_S))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Band | None,
@@ -121,11 +121,9 @@ class ModernBlock(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None = None,
                 rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """As ``Block.forward``: with ``rows_S`` (packed) only those tokens' outputs, x_SD."""
+        """As ``Block.forward``: with ``rows_S`` only those tokens' outputs, x_SD."""
         materialize(self)  # a flattened layer's parameter views (model/flat.py)
         a_BTD = x_BTD if self.attn_norm is None else self.attn_norm(x_BTD)
         y_BTD = self.attn(a_BTD, inputs, packed, rows_S)
-        if rows_S is not None:
-            x_BTD = x_BTD.index_select(0, rows_S)
-        x_BTD = x_BTD + self.dropout(y_BTD)
+        x_BTD = take_rows(x_BTD, rows_S) + self.dropout(y_BTD)
         return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))

@@ -99,11 +99,16 @@ class Packed:
         return out.view(self.num_rows, self.width, h_ND.shape[1])
 
 
-def check_rows(rows_S: torch.Tensor | None, packed: Packed | None, all_layers: bool) -> None:
-    """An encoder's ``rows_S`` (the stream positions whose last-layer states are wanted) needs the unpadded path
-    and one output layer."""
-    if rows_S is not None and (packed is None or all_layers):
-        raise ValueError("rows_S (the last layer's rows) needs packed (the unpadded path) and not all_layers")
+def check_rows(rows_S: torch.Tensor | None, all_layers: bool) -> None:
+    """An encoder's ``rows_S`` (the tokens whose last-layer states are wanted) gives one output layer."""
+    if rows_S is not None and all_layers:
+        raise ValueError("rows_S (the last layer's rows) gives the last layer only; it cannot go with all_layers")
+
+
+def take_rows(x: torch.Tensor, rows_S: torch.Tensor | None) -> torch.Tensor:
+    """x_SD: the tokens ``rows_S`` of x_ND (stream positions) or of x_BTD (flat indices into B*T); x itself without
+    ``rows_S``."""
+    return x if rows_S is None else x.flatten(0, -2).index_select(0, rows_S)
 
 
 def pack(parts: list[tuple[np.ndarray, np.ndarray]]) -> Packed:

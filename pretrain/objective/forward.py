@@ -37,8 +37,8 @@ class Context:
     """objective.matryoshka's sizes, largest first (set by Objective): the pair's, views' and hard negatives'
     embeddings are then one block per size, side by side (``embed(nested=True)``); () = off."""
     trim_last_layer: bool = False
-    """train.trim_last_layer: an unpadded pass computes its last layer only where a loss reads it (the MLM rows'
-    labelled tokens; the pair's [CLS] when it is pooled so and nothing else reads its tokens)."""
+    """train.trim_last_layer: the MLM and pair passes compute their last layer only where a loss reads it (the MLM
+    rows' labelled tokens; the pair's [CLS] when it is pooled so and nothing else reads its tokens)."""
 
 
 def mean_pool_mix(step: int, warmup_steps: int) -> float:
@@ -64,25 +64,25 @@ class Forward:
         last layer is trimmed (``_mlm_trimmed``)."""
         if "mlm" not in self._cache:
             packed = self.batch.get("packed_mlm")
+            rows = _known(rows_S=self.batch["mlm_positions"] if self._mlm_trimmed() else None)
             if packed is not None:
-                rows = self.batch["mlm_positions"] if self._mlm_trimmed() else None
-                self._cache["mlm"] = self.model.encode(None, None, packed=packed, **_known(rows_S=rows))
+                self._cache["mlm"] = self.model.encode(None, None, packed=packed, **rows)
             else:
                 self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"],
-                                                       **_known(padded=self._padded("attention_mask")))
+                                                       **_known(padded=self._padded("attention_mask")), **rows)
         return self._cache["mlm"]
 
     def _mlm_trimmed(self) -> bool:
-        """Whether the MLM pass computes its last layer for the labelled tokens only: unpadded, with the host's
-        positions, and train.trim_last_layer."""
-        return self.ctx.trim_last_layer and "packed_mlm" in self.batch and "mlm_positions" in self.batch
+        """Whether the MLM pass computes its last layer for the labelled tokens only: train.trim_last_layer and the
+        host's positions of them (flat indices into the stream, or into B*T when padded)."""
+        return self.ctx.trim_last_layer and "mlm_positions" in self.batch
 
     def mlm_logits(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits_MV, labels_M): the MLM head on the M labelled tokens of the MLM rows, and their labels."""
-        if self._mlm_trimmed():
-            labels_M = self.batch["mlm_labels_packed"].index_select(0, self.batch["mlm_positions"])
-            return self.model.mlm_head(self.mlm_hidden()), labels_M
         labels = self.batch["mlm_labels_packed"] if "packed_mlm" in self.batch else self.batch["mlm_labels"]
+        if self._mlm_trimmed():
+            labels_M = labels.flatten().index_select(0, self.batch["mlm_positions"])
+            return self.model.mlm_head(self.mlm_hidden()), labels_M
         return self.model.mlm_logits(self.mlm_hidden(), labels, self.batch.get("mlm_positions"))
 
     def _padded(self, mask_key: str) -> bool | None:
@@ -125,10 +125,14 @@ class Forward:
                 same_len = b[f"{first}_ids"].shape[1] == b[f"{second}_ids"].shape[1]
                 padded = None if a is None or z is None else (a or z or not same_len)
                 packed = b.get("packed_sentences" if self.ctx.stage == "sentences" else "packed_views")
-            if packed is not None and self._pair_trimmed():
+            if self._pair_trimmed():
                 # Only each row's [CLS] leaves the last layer: h_2B1D, pooled as a padded pass's first column.
-                h = self.model.encode(None, None, packed=packed, rows_S=packed.first_B)[:, None]
-                mask, packed = None, None
+                if packed is not None:
+                    h = self.model.encode(None, None, packed=packed, rows_S=packed.first_B)
+                else:
+                    first_2B = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
+                    h = self.model.encode(ids, mask, **_known(padded=padded), rows_S=first_2B)
+                h, mask, packed = h[:, None], None, None
             elif packed is not None:
                 h = self.model.encode(None, None, packed=packed)
             else:
@@ -137,8 +141,8 @@ class Forward:
         return self._cache["pair_h"]
 
     def _pair_trimmed(self) -> bool:
-        """Whether the pair's unpadded pass needs its [CLS] states only: train.trim_last_layer, [CLS] pooling, no
-        mean pooling blended in (CLEAR's views early on) and no autoencoder reading every token."""
+        """Whether the pair's pass needs its [CLS] states only: train.trim_last_layer, [CLS] pooling, no mean pooling
+        blended in (CLEAR's views early on) and no autoencoder reading every token."""
         mixed = self.ctx.stage != "sentences" and self.ctx.view_mean_mix > 0.0
         return (self.ctx.trim_last_layer and self.ctx.pooling in ("cls", "cls_before_pooler") and not mixed
                 and "autoencoder" not in self.heads)

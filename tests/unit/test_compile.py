@@ -32,10 +32,16 @@ MODERN = {"arch": "modernbert", "pooler": False, "local_window": 16}
 """model.arch=modernbert with a window under the batch's lengths (rotary tables and window masks in the graph)."""
 
 
-@pytest.mark.parametrize("unpadded", [False, True])
+def _trimmed(module: TrainModule, trim: bool = True) -> TrainModule:
+    """The module with train.trim_last_layer's setting in its objective's context (test_unpadded's has it off)."""
+    module.objective.ctx.trim_last_layer = trim
+    return module
+
+
+@pytest.mark.parametrize("unpadded, trim", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
-def test_mlm_and_nt_xent_trace_as_one_graph(unpadded, arch):
-    module = _train_module(**(MODERN if arch == "modernbert" else {}))
+def test_mlm_and_nt_xent_trace_as_one_graph(unpadded, trim, arch):
+    module = _trimmed(_train_module(**(MODERN if arch == "modernbert" else {})), trim)
     assert _graph_breaks(module, host_facts(_batch(), unpadded=unpadded)) == (0, [])
 
 
@@ -49,9 +55,11 @@ def test_simcse_and_arccse_trace_as_one_graph(term):
     assert _graph_breaks(module, host_facts(_sentence_batch(), unpadded=True)) == (0, [])
 
 
-def test_compiled_step_gives_the_eager_loss_and_gradients():
-    """aot_eager: the traced graph itself, without inductor's kernels (whose fusions round differently)."""
-    eager, compiled = _train_module(), _train_module()
+@pytest.mark.parametrize("trim", [False, True])
+def test_compiled_step_gives_the_eager_loss_and_gradients(trim):
+    """aot_eager: the traced graph itself, without inductor's kernels (whose fusions round differently); with
+    train.trim_last_layer the graph indexes the last layer's rows by the host's positions."""
+    eager, compiled = _trimmed(_train_module(), trim), _trimmed(_train_module(), trim)
     compiled.compile_step(backend="aot_eager")
     for seed in (0, 1):  # a second batch: other masked positions, the cached graph (or a dynamic one) runs
         batch = host_facts(_batch(seed))

@@ -1,7 +1,7 @@
-"""train.trim_last_layer: the unpadded pass's last layer computes only the tokens a loss reads, with the losses and
-gradients of the full last layer.
+"""train.trim_last_layer: the last layer computes only the tokens a loss reads, with the losses and gradients of
+the full last layer, unpadded and padded.
 
-Both arms are unpadded and run in float64, so only the order of summation may differ (a matmul over S rows instead
+Both arms run the same path in float64, so only the order of summation may differ (a matmul over S rows instead
 of N blocks its sums otherwise): the comparison is at 1e-10 of each tensor's largest entry, where a wrong row (a
 shifted position, another sequence's token, a missing residual) is off at the percent level
 (test_the_comparison_sees_a_wrong_row).
@@ -57,23 +57,23 @@ def _last_layer_rows(module) -> list[int]:
     """Run-time record: how many rows the last layer's FFN computed, per pass."""
     seen: list[int] = []
     layer = module.model.encoder.layers[-1]
-    layer.ffn.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
+    layer.ffn.register_forward_hook(lambda mod, args, out: seen.append(args[0].numel() // args[0].shape[-1]))
     return seen
 
 
-def _run(module, batch):
+def _run(module, batch, unpadded=True):
     module.zero_grad(set_to_none=True)
-    loss, metrics = module(host_facts(batch, unpadded=True))
+    loss, metrics = module(host_facts(batch, unpadded=unpadded))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     return loss.detach(), {k: v[0].detach() for k, v in metrics.items()}, grads
 
 
-def _assert_same(batch, terms, **kw):
+def _assert_same(batch, terms, unpadded=True, **kw):
     full, trimmed = _module(False, **kw), _module(True, **kw)
     rows_full, rows_trimmed = _last_layer_rows(full), _last_layer_rows(trimmed)
-    loss_f, metrics_f, grads_f = _run(full, batch)
-    loss_t, metrics_t, grads_t = _run(trimmed, batch)
+    loss_f, metrics_f, grads_f = _run(full, batch, unpadded)
+    loss_t, metrics_t, grads_t = _run(trimmed, batch, unpadded)
     for term in terms:
         torch.testing.assert_close(metrics_t[term], metrics_f[term], rtol=TOL, atol=TOL)
     torch.testing.assert_close(loss_t, loss_f, rtol=TOL, atol=TOL)
@@ -97,6 +97,19 @@ def test_mlm_and_cls_views_equal_the_full_last_layer(norm, pooler):
     tokens, labelled, views = _counts(batch)
     assert rows_full == [tokens, views]
     assert rows_trimmed == [labelled, 2 * batch["view_a_ids"].shape[0]]  # the labelled tokens; one [CLS] per view
+
+
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_the_padded_path_is_trimmed_alike(arch):
+    """train.unpadded=false (and the compiled step, which runs it): the rows index B*T; padding is computed in every
+    layer but the last, which keeps the labelled tokens and each row's [CLS]."""
+    batch = _batch(4)
+    kw = dict(arch="modernbert", pooler=False, num_layers=3, local_window=16, layer_norm_eps=1e-5) \
+        if arch == "modernbert" else {}
+    rows_full, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), unpadded=False, **kw)
+    _, labelled, _ = _counts(batch)
+    assert rows_full[0] == batch["input_ids"].numel()
+    assert rows_trimmed == [labelled, 2 * batch["view_a_ids"].shape[0]]
 
 
 def test_modernbert_equals_the_full_last_layer():
@@ -140,15 +153,15 @@ def test_the_comparison_sees_a_wrong_row():
                                    rtol=TOL, atol=TOL)
 
 
-def test_rows_need_the_unpadded_path_and_one_output_layer():
+def test_rows_give_one_output_layer():
     model = build_model(ModelConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64,
                                     max_position=64), seed=0)
     batch = _batch()
     packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
-    with pytest.raises(ValueError, match="needs packed"):
-        model.encode(batch["input_ids"], batch["attention_mask"], rows_S=torch.tensor([0]))
-    with pytest.raises(ValueError, match="not all_layers"):
-        model.encode(None, None, packed=packed, rows_S=torch.tensor([0]), all_layers=True)
+    for kw in (dict(packed=packed), {}):
+        with pytest.raises(ValueError, match="cannot go with all_layers"):
+            model.encode(batch["input_ids"], batch["attention_mask"], rows_S=torch.tensor([0]), all_layers=True,
+                         **kw)
 
 
 def test_dropout_in_the_trimmed_layer_trains():
