@@ -197,18 +197,23 @@ class Forward:
 
     def hard_negatives(self) -> torch.Tensor | None:
         """z3_BP: data.pairs' hard negatives (batch ``negative_ids``), embedded as the pair is (pool -> projection,
-        or the autoencoder's Z) in a pass of their own, padded; None when the batch has none."""
+        or the autoencoder's Z; the last layer trimmed to [CLS] as the pair's) in a pass of their own, padded; None
+        when the batch has none."""
         if "negative" not in self._cache:
             b = self.batch
             z = None
             if "negative_ids" in b:
                 ids, mask = b["negative_ids"], b["negative_mask"]
-                h = self.model.encode(ids, mask, **_known(padded=self._padded("negative_mask")))
-                if "autoencoder" in self.heads:
+                padded = _known(padded=self._padded("negative_mask"))
+                if self._pair_trimmed():  # pooled as the pair is: each row's [CLS] only (h_B1D)
+                    first_B = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
+                    z = self.embed(self.model.encode(ids, mask, **padded, rows_S=first_B)[:, None], None, nested=True)
+                elif "autoencoder" in self.heads:
+                    h = self.model.encode(ids, mask, **padded)
                     x, content_mask, _ = _content_tokens(h, mask, ids)
                     z = self.heads["autoencoder"](x, content_mask)[0]
                 else:
-                    z = self.embed(h, mask, nested=True)
+                    z = self.embed(self.model.encode(ids, mask, **padded), mask, nested=True)
             self._cache["negative"] = z
         return self._cache["negative"]
 
