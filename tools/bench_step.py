@@ -379,6 +379,10 @@ def measure(args, size: str) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         res["hf"] = _timed_arm("hf", hf, batch, args.steps, "cuda", args.profile_out)
+        if args.trim_ab:
+            gc.collect()
+            torch.cuda.empty_cache()
+            res["ours_full"] = _timed_arm("ours_full", lambda: ours(trim=False), host_batch, args.steps, "cuda")
         return res
     # --trim-ab: a third arm, ours with train.trim_last_layer=false, in the same alternation.
     full = ours(trim=False) if args.trim_ab else None
@@ -565,7 +569,8 @@ def main(argv=None) -> int:
                    help="the views' embedding in both arms: their mean (the quickstart's) or their [CLS] state (the "
                    "CLEAR recipes')")
     p.add_argument("--trim-ab", action="store_true",
-                   help="CPU: a third arm, ours with train.trim_last_layer=false, alternating with the other two")
+                   help="a third arm, ours with train.trim_last_layer=false (CPU: alternating with the other two; "
+                   "CUDA: after them)")
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "
                    "padded), HF's whole model")
@@ -639,7 +644,7 @@ def main(argv=None) -> int:
                                 mfu=sps * flops / 1e12 / args.peak_tflops,
                                 frac_of_matmul=(sps * flops / 1e12 / mm) if mm else None,
                                 peak_gib=a.get("peak_gib"), num_params=a.get("num_params"))
-            if "ours_full" in r:
+            if "ours_full" in r and not r["ours_full"].get("oom"):
                 row["ours_full"] = dict(samples_per_s=b / r["ours_full"]["s"])
             rows.append(row)
             if row["ours"].get("oom") and row["hf"].get("oom"):
