@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_unpadded import pairs_batch
 
 from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
 from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
@@ -139,14 +140,9 @@ def test_the_sentence_stage_pair_is_trimmed_to_its_cls():
 
 def test_data_pairs_hard_negatives_are_trimmed_to_their_cls():
     """data.pairs: anchors and positives in one unpadded pass, hard negatives in a padded pass of their own."""
-    gen = torch.Generator().manual_seed(5)
-    ids, mask = _rows([12, 3, 30, 30, 7, 2], 30, gen)
-    pos, pos_mask = _rows([5, 20, 2, 9, 24, 24], 24, gen)
-    neg, neg_mask = _rows([7, 7, 16, 3, 11, 2], 16, gen)
-    batch = dict(sentence_ids=ids, sentence_mask=mask, positive_ids=pos, positive_mask=pos_mask, negative_ids=neg,
-                 negative_mask=neg_mask)
+    batch = pairs_batch(5)
     _, rows_trimmed = _assert_same(batch, ("info_nce", "info_nce_hard_neg_cos"), stage="sentences")
-    assert rows_trimmed == [2 * ids.shape[0], neg.shape[0]]
+    assert rows_trimmed == [2 * batch["sentence_ids"].shape[0], batch["negative_ids"].shape[0]]
 
 
 def test_the_comparison_sees_a_wrong_row():

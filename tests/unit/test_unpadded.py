@@ -110,15 +110,19 @@ def test_the_sentence_stage_pair_equals_the_padded_path():
     _assert_same(_train_module("mean", stage="sentences"), dict(sentence_ids=ids, sentence_mask=mask), ("info_nce",))
 
 
-def test_data_pairs_anchor_and_positive_equal_the_padded_path():
-    """data.pairs: anchors and positives of other widths packed into one pass, hard negatives padded (their own pass)."""
-    gen = torch.Generator().manual_seed(2)
+def pairs_batch(seed: int) -> dict:
+    """A data.pairs batch: 6 anchors (width 30), positives (24) and hard negatives (16) of very different lengths."""
+    gen = torch.Generator().manual_seed(seed)
     ids, mask = _rows([12, 3, 30, 30, 7, 2], 30, gen)
     pos, pos_mask = _rows([5, 20, 2, 9, 24, 24], 24, gen)
     neg, neg_mask = _rows([7, 7, 16, 3, 11, 2], 16, gen)
-    batch = dict(sentence_ids=ids, sentence_mask=mask, positive_ids=pos, positive_mask=pos_mask, negative_ids=neg,
-                 negative_mask=neg_mask)
-    _assert_same(_train_module("mean", stage="sentences"), batch, ("info_nce", "info_nce_hard_neg_cos"))
+    return dict(sentence_ids=ids, sentence_mask=mask, positive_ids=pos, positive_mask=pos_mask, negative_ids=neg,
+                negative_mask=neg_mask)
+
+
+def test_data_pairs_anchor_and_positive_equal_the_padded_path():
+    """data.pairs: anchors and positives of other widths packed into one pass, hard negatives padded (their own pass)."""
+    _assert_same(_train_module("mean", stage="sentences"), pairs_batch(2), ("info_nce", "info_nce_hard_neg_cos"))
 
 
 def test_hidden_states_equal_the_padded_path_at_every_real_token():
