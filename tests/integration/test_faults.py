@@ -335,8 +335,8 @@ def slow(src, dst, *a, **k):
         time.sleep(600)
     return real(src, dst, *a, **k)
 store.shutil.copyfile = slow
-from pretrain.train import main
-sys.exit(main(sys.argv[1:]))
+from pretrain.train import cli  # the trainer's own exit: flushed, no interpreter teardown
+cli()
 """
 
 
@@ -720,8 +720,8 @@ def slow(self, *a, **k):
     time.sleep(1.5)  # a long step: a second Ctrl-C lands inside it
     return out
 Trainer.train_step = slow
-from pretrain.train import main
-sys.exit(main(sys.argv[1:]))
+from pretrain.train import cli  # the trainer's own exit: flushed, no interpreter teardown
+cli()
 """
 
 

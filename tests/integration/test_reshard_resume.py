@@ -46,9 +46,9 @@ def _recording(self, loader):
 
 
 Trainer._next_batch = _recording
-from pretrain.train import main
+from pretrain.train import cli  # the trainer's own exit: flushed, no interpreter teardown (train.py: cli)
 
-sys.exit(main(sys.argv[1:]))
+cli()
 '''
 
 
