@@ -63,15 +63,9 @@ class Block(nn.Module):
         """x_BTD (x_ND with ``packed``) -> the layer's output; with ``rows_S`` x_SD, only those tokens' (keys,
         values and attention from all; the output projection, the FFN and the norms then run on S rows)."""
         materialize(self)  # a flattened layer's parameter views (model/flat.py)
-        if rows_S is not None:
-            x_SD = take_rows(x_BTD, rows_S)
-            if self.pre_norm:
-                x_SD = x_SD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed, rows_S))
-                return x_SD + self.dropout(self.ffn(self.ffn_norm(x_SD)))
-            x_SD = self.attn_norm(x_SD + self.dropout(self.attn(x_BTD, keep_B11T, packed, rows_S)))
-            return self.ffn_norm(x_SD + self.dropout(self.ffn(x_SD)))
+        x_SD = take_rows(x_BTD, rows_S)  # x_BTD itself without rows_S
         if self.pre_norm:
-            x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed))
-            return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))
-        x_BTD = self.attn_norm(x_BTD + self.dropout(self.attn(x_BTD, keep_B11T, packed)))
-        return self.ffn_norm(x_BTD + self.dropout(self.ffn(x_BTD)))
+            x_SD = x_SD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed, rows_S))
+            return x_SD + self.dropout(self.ffn(self.ffn_norm(x_SD)))
+        x_SD = self.attn_norm(x_SD + self.dropout(self.attn(x_BTD, keep_B11T, packed, rows_S)))
+        return self.ffn_norm(x_SD + self.dropout(self.ffn(x_SD)))

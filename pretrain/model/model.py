@@ -52,8 +52,9 @@ class PretrainModel(nn.Module):
         rows_S: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """h_BTD of the last layer, or with ``all_layers`` [embeddings, layer 1, ..., layer L]; with ``packed``
-        (the unpadded batch: ids and attention groups; ids and mask are then not used) h_ND, or with ``rows_S``
-        too h_SD of those stream positions only (the last layer computes no other token's output).
+        (the unpadded batch: ids and attention groups; ids and mask are then not used) h_ND; with ``rows_S`` h_SD of
+        those tokens only (stream positions, or flat indices into B*T; the last layer computes no other token's
+        output).
 
         ``token_type_ids_BT`` (segment ids, sentence pairs) defaults to all zeros; ``padded`` as in
         ``Encoder.forward``."""

@@ -125,20 +125,21 @@ class Forward:
                 same_len = b[f"{first}_ids"].shape[1] == b[f"{second}_ids"].shape[1]
                 padded = None if a is None or z is None else (a or z or not same_len)
                 packed = b.get("packed_sentences" if self.ctx.stage == "sentences" else "packed_views")
-            if self._pair_trimmed():
-                # Only each row's [CLS] leaves the last layer: h_2B1D, pooled as a padded pass's first column.
-                if packed is not None:
-                    h = self.model.encode(None, None, packed=packed, rows_S=packed.first_B)
-                else:
-                    first_2B = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
-                    h = self.model.encode(ids, mask, **_known(padded=padded), rows_S=first_2B)
-                h, mask, packed = h[:, None], None, None
+            if self._pair_trimmed():  # h_2B1D, pooled as a padded pass's first column
+                h, mask, packed = self._cls_states(ids, mask, _known(padded=padded), packed), None, None
             elif packed is not None:
                 h = self.model.encode(None, None, packed=packed)
             else:
                 h = self.model.encode(ids, mask, **_known(padded=padded))
             self._cache["pair_h"] = (h, mask, ids, n, packed)
         return self._cache["pair_h"]
+
+    def _cls_states(self, ids_BT, mask_BT, padded: dict, packed=None) -> torch.Tensor:
+        """h_B1D: each row's [CLS] state, the last layer run for those tokens only (train.trim_last_layer)."""
+        if packed is not None:
+            return self.model.encode(None, None, packed=packed, rows_S=packed.first_B)[:, None]
+        first_B = torch.arange(ids_BT.shape[0], device=ids_BT.device) * ids_BT.shape[1]
+        return self.model.encode(ids_BT, mask_BT, **padded, rows_S=first_B)[:, None]
 
     def _pair_trimmed(self) -> bool:
         """Whether the pair's pass needs its [CLS] states only: train.trim_last_layer, [CLS] pooling, no mean pooling
@@ -205,9 +206,8 @@ class Forward:
             if "negative_ids" in b:
                 ids, mask = b["negative_ids"], b["negative_mask"]
                 padded = _known(padded=self._padded("negative_mask"))
-                if self._pair_trimmed():  # pooled as the pair is: each row's [CLS] only (h_B1D)
-                    first_B = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
-                    z = self.embed(self.model.encode(ids, mask, **padded, rows_S=first_B)[:, None], None, nested=True)
+                if self._pair_trimmed():  # pooled as the pair is: each row's [CLS] only
+                    z = self.embed(self._cls_states(ids, mask, padded), None, nested=True)
                 elif "autoencoder" in self.heads:
                     h = self.model.encode(ids, mask, **padded)
                     x, content_mask, _ = _content_tokens(h, mask, ids)
