@@ -157,11 +157,12 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
-               micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True):
+               micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True,
+               fast_dropout: bool = True):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
-    unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer, both on by
-    default). ``step.num_params``: the trained module's parameters (bert: with BERT's pooler, which
+    unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
+    ``fast_dropout``: train.fast_dropout, all on by default). ``step.num_params``: the trained module's parameters (bert: with BERT's pooler, which
     BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
@@ -174,6 +175,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     from pretrain.distributed.env import detect_env, init_process_group
     from pretrain.metrics.accumulate import MetricSums
     from pretrain.model import build_model
+    from pretrain.model.dropout import set_fast_dropout
     from pretrain.objective import Context, Objective, TrainModule
     from pretrain.training.build import apply_param_layout, compile_options
     from pretrain.training.optim import build_param_groups, lr_lambda
@@ -183,9 +185,10 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     init_process_group(env, backend="auto", timeout_s=600)
     model = build_model(ours_model_config(size, vocab, seq, arch, pooling))
     train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat,
-                        trim_last_layer=trim)
+                        trim_last_layer=trim, fast_dropout=fast_dropout)
     ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer)
     module = TrainModule(model, Objective(ObjectiveConfig(), ctx))
+    set_fast_dropout(module, train.fast_dropout)
     num_params = sum(p.numel() for p in module.parameters())  # before flat layers change the tensors
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
     dist = DistributedConfig(zero_stage=zero_stage)
@@ -206,6 +209,9 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     step.engine, step.num_params = engine, num_params
     return step
 
+
+AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false"}
+"""--ab: the option the third arm turns off."""
 
 POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
 """--pooling -> ours' model.pooling: the views' embedding is the mean of their tokens (the quickstart's) or their
@@ -361,9 +367,9 @@ def measure(args, size: str) -> dict:
     batch = batches[0]
     torch.manual_seed(0)
 
-    def ours(trim: bool = True):
+    def ours(off: str = ""):  # off: the AB_OPTIONS option turned off in this arm
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
-                          arch=args.arch, pooling=args.pooling, trim=trim)
+                          arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout")
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
@@ -379,13 +385,13 @@ def measure(args, size: str) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         res["hf"] = _timed_arm("hf", hf, batch, args.steps, "cuda", args.profile_out)
-        if args.trim_ab:
+        if args.ab:
             gc.collect()
             torch.cuda.empty_cache()
-            res["ours_full"] = _timed_arm("ours_full", lambda: ours(trim=False), host_batch, args.steps, "cuda")
+            res["ours_full"] = _timed_arm("ours_full", lambda: ours(args.ab), host_batch, args.steps, "cuda")
         return res
-    # --trim-ab: a third arm, ours with train.trim_last_layer=false, in the same alternation.
-    full = ours(trim=False) if args.trim_ab else None
+    # --ab: a third arm, ours with that option off, in the same alternation.
+    full = ours(args.ab) if args.ab else None
     ours, hf = ours(), hf()
     ours(host_batches[-1]), hf(batches[-1])  # warm-up
     if full is not None:
@@ -568,9 +574,10 @@ def main(argv=None) -> int:
     p.add_argument("--pooling", choices=sorted(POOLINGS), default="mean",
                    help="the views' embedding in both arms: their mean (the quickstart's) or their [CLS] state (the "
                    "CLEAR recipes')")
-    p.add_argument("--trim-ab", action="store_true",
-                   help="a third arm, ours with train.trim_last_layer=false (CPU: alternating with the other two; "
-                   "CUDA: after them)")
+    p.add_argument("--ab", choices=sorted(AB_OPTIONS), default="",
+                   help="a third arm, ours with this option off: trim (train.trim_last_layer=false) or dropout "
+                   "(train.fast_dropout=false) (CPU: alternating with the other two; CUDA: after them)")
+    p.add_argument("--trim-ab", dest="ab", action="store_const", const="trim", help="--ab trim")
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "
                    "padded), HF's whole model")
@@ -621,7 +628,7 @@ def main(argv=None) -> int:
                    str(args.view_len), "--batch", str(b), "--vocab", str(args.vocab), "--steps", str(args.steps),
                    "--zero-stage", str(args.zero_stage), "--device", args.device, "--precision", args.precision]
             cmd += ["--compile"] if args.compile else []
-            cmd += ["--pooling", args.pooling] + (["--trim-ab"] if args.trim_ab else [])
+            cmd += ["--pooling", args.pooling] + (["--ab", args.ab] if args.ab else [])
             cmd += ["--data", args.data] if args.data else []
             cmd += ["--profile-out", args.profile_out] if args.profile_out else []
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -669,9 +676,9 @@ def main(argv=None) -> int:
     for row in rows:
         if row.get("ours_full") and not row["ours"].get("oom"):
             full, hf_sps = row["ours_full"]["samples_per_s"], row["hf"].get("samples_per_s")
-            print(f"{row['size']} batch {row['batch']}: ours with train.trim_last_layer=false {full:.1f} samples/s "
-                  f"({full / hf_sps:.2f}x HF); trimmed / full {row['ours']['samples_per_s'] / full:.2f}x"
-                  if hf_sps else f"{row['size']}: ours full last layer {full:.1f} samples/s")
+            print(f"{row['size']} batch {row['batch']}: ours with {AB_OPTIONS[args.ab]} {full:.1f} samples/s "
+                  f"({full / hf_sps:.2f}x HF); ours / that arm {row['ours']['samples_per_s'] / full:.2f}x"
+                  if hf_sps else f"{row['size']}: ours with {AB_OPTIONS[args.ab]} {full:.1f} samples/s")
     for row in rows:
         if row.get("padding"):
             print(f"{row['size']} batch {row['batch']}: padding in the timed batches: {row['padding']['mlm']:.1%} of "

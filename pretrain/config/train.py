@@ -119,6 +119,13 @@ class TrainConfig:
     of one layer's arithmetic saved (a sixth of a 4-layer model's, a twelfth of BERT-base's encoder's at the
     CLEAR recipe's lengths). Unpadded, padded and compiled steps alike. Dropout in that layer draws other noise than
     the full layer (fewer elements). false computes every token's output."""
+    fast_dropout: bool = True
+    """Dropout on the CPU draws its masks from 16 random bits per element (model/dropout.py) instead of torch's
+    per-element Bernoulli sample, about 40% of its cost (torch's dropout was a tenth of a mini model's CPU step,
+    docs/performance.md): the drop probability is rounded to a multiple of 1/65536 and the kept values scaled by
+    the exact inverse, keyed by (seed, step, rank) like torch's. The attention probabilities' dropout too (SDPA's CPU
+    math path written out). CUDA and compiled steps use torch's dropout either way. false: torch's dropout on the
+    CPU as well (other noise, the same distribution up to that rounding)."""
     flat_params: bool = True
     """Each encoder layer's parameters held in two flat tensors (decayed and not) instead of 16 (model/flat.py):
     DeepSpeed's per-parameter work (gradient hooks, bucket copies, norms, casts) and the optimizer's run on 2 tensors

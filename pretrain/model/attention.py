@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
+from pretrain.model.dropout import attention
 from pretrain.model.packing import Packed, take_rows
 
 
@@ -28,6 +29,8 @@ class SelfAttention(nn.Module):
         self.v = nn.Linear(d, d)
         self.out = nn.Linear(d, d)
         self.attention_dropout = cfg.attention_dropout
+        self.fast_dropout = True
+        """Attention dropout on the CPU with model/dropout.py's masks (train.fast_dropout)."""
         self.qkv_span: tuple[torch.Tensor, torch.Tensor] | None = None
         """q/k/v's weights and biases as one (3D, D) weight and (3D,) bias: views that a flattened layer
         (model/flat.py, Block.FLAT_SPANS) sets at each forward, so the three projections are one matmul."""
@@ -41,13 +44,8 @@ class SelfAttention(nn.Module):
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = (z_BTD.view(b, t, self.num_heads, self.head_size).transpose(1, 2)
                                   for z_BTD in self._qkv(x_BTD))
-        y_BHTK = F.scaled_dot_product_attention(
-            q_BHTK,
-            k_BHTK,
-            v_BHTK,
-            attn_mask=keep_B11T,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-        )
+        y_BHTK = attention(q_BHTK, k_BHTK, v_BHTK, keep_B11T, self.attention_dropout if self.training else 0.0,
+                           self.fast_dropout)
         y_BTD = y_BHTK.transpose(1, 2).reshape(b, t, d)
         return self.out(take_rows(y_BTD, rows_S))
 
@@ -74,7 +72,7 @@ class SelfAttention(nn.Module):
             else:
                 q_nHtK, k_nHtK, v_nHtK = (z_ND.index_select(0, g.index_P).view(g.num_rows, g.length, h, k)
                                           .transpose(1, 2) for z_ND in (q_ND, k_ND, v_ND))
-            y_nHtK = F.scaled_dot_product_attention(q_nHtK, k_nHtK, v_nHtK, attn_mask=g.keep_n11t, dropout_p=dropout_p)
+            y_nHtK = attention(q_nHtK, k_nHtK, v_nHtK, g.keep_n11t, dropout_p, self.fast_dropout)
             y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
         y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
         return self.out(y_PD.index_select(0, packed.slots(rows_S)))

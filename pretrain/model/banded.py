@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pretrain.model.dropout import attention
+
 MIN_BLOCKS = 6
 """The band is used from this many blocks on (T > 5 * half): below it the three key blocks are most of T and the
 blocking's copies cost more than the scores saved (CPU, fp32: at half 64 the band was 1.2x slower at T = 256 and
@@ -60,7 +62,7 @@ def make_band(keep_B11T: torch.Tensor | None, length: int, half: int, device: to
 
 
 def banded_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor, band: Band,
-                     dropout_p: float = 0.0) -> torch.Tensor:
+                     dropout_p: float = 0.0, fast_dropout: bool = True) -> torch.Tensor:
     """SDPA of queries on the keys within ``band.half`` positions (and real): (B, H, T, K)."""
     bsz, heads, length, size = q_BHTK.shape
     w = band.half
@@ -75,5 +77,5 @@ def banded_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.T
     mask = band.mask_bw3
     if mask.shape[0] != bsz * nb:  # one band for every row (no padding)
         mask = mask.view(-1, nb, 1, w, 3 * w).expand(bsz, nb, 1, w, 3 * w).reshape(bsz * nb, 1, w, 3 * w)
-    y = F.scaled_dot_product_attention(q_bHwK, k_bH3K, v_bH3K, attn_mask=mask, dropout_p=dropout_p)
+    y = attention(q_bHwK, k_bH3K, v_bH3K, mask, dropout_p, fast_dropout)
     return y.view(bsz, nb, heads, w, size).transpose(1, 2).reshape(bsz, heads, nb * w, size)[:, :, :length]

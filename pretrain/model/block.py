@@ -12,6 +12,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.attention import SelfAttention
+from pretrain.model.dropout import Dropout
 from pretrain.model.flat import materialize
 from pretrain.model.packing import Packed, take_rows
 
@@ -56,7 +57,7 @@ class Block(nn.Module):
         self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.ffn = FeedForward(cfg)
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None,
                 packed: Packed | None = None, rows_S: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pretrain.config.model import ModelConfig
+from pretrain.model.dropout import Dropout
 
 
 class Embeddings(nn.Module):
@@ -29,7 +30,7 @@ class Embeddings(nn.Module):
         # token_type_ids_BT with 1 on the second segment, as BERT does.
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     @property
     def max_tokens(self) -> int:

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, banded_attention
 from pretrain.model.block import activation_fn
+from pretrain.model.dropout import Dropout, attention
 from pretrain.model.flat import materialize
 from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope
@@ -44,7 +44,7 @@ class ModernEmbeddings(nn.Module):
         super().__init__()
         self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=False)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.norm(self.word(input_ids)))
@@ -60,6 +60,8 @@ class ModernAttention(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.out = nn.Linear(d, d, bias=False)
         self.attention_dropout = cfg.attention_dropout
+        self.fast_dropout = True
+        """Attention dropout on the CPU with model/dropout.py's masks (train.fast_dropout)."""
 
     def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None,
                 rows_S: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,22 +77,22 @@ class ModernAttention(nn.Module):
             for g, mask in zip(packed.groups, inputs.group_masks):
                 q_nHtK, k_nHtK, v_nHtK = (z.index_select(0, g.index_P).view(g.num_rows, g.length, h, k).transpose(1, 2)
                                           for z in (q_NHK, k_NHK, v_NHK))
-                y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p)
+                y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
             return self.out(y_PD.index_select(0, packed.slots(rows_S)))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
         q_BHTK, k_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin), apply_rope(k_BHTK, inputs.cos, inputs.sin)
-        y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p)
+        y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p, self.fast_dropout)
         return self.out(take_rows(y_BHTK.transpose(1, 2).reshape(b, t, d), rows_S))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Band | None,
-            dropout_p: float) -> torch.Tensor:
+            dropout_p: float, fast: bool = True) -> torch.Tensor:
     if isinstance(mask, Band):
-        return banded_attention(q, k, v, mask, dropout_p)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        return banded_attention(q, k, v, mask, dropout_p, fast)
+    return attention(q, k, v, mask, dropout_p, fast)
 
 
 class GeGLU(nn.Module):
@@ -117,7 +119,7 @@ class ModernBlock(nn.Module):
         self.attn = ModernAttention(cfg)
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=False)
         self.ffn = GeGLU(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x_BTD: torch.Tensor, inputs: AttentionInputs, packed: Packed | None = None,
                 rows_S: torch.Tensor | None = None) -> torch.Tensor:

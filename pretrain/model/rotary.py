@@ -29,11 +29,44 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """fp32 x * cos + sign * rotate_half(x) * sin, written into one new tensor: the product with cos, then each half's
+    rotated term added in place (``sign`` -1: the inverse rotation, RoPE's backward). The tables' two halves are
+    equal (``rope_tables``), so either half serves."""
+    half = x.shape[-1] // 2
+    y = x.float() * cos
+    x1, x2, s = x[..., :half], x[..., half:], sin[..., :half]
+    y[..., :half].addcmul_(x2, s, value=-sign)
+    y[..., half:].addcmul_(x1, s, value=sign)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE with the backward written out (the inverse rotation of the gradient): two fused passes each way instead
+    of autograd's chain through ``_rotate_half``'s negation, slices and concatenation (whose backward fills
+    zeros for every slice), and nothing saved but the tables."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return _rotate(x, cos, sin, 1.0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1.0).to(ctx.dtype), None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x rotated by its positions' angles; cos/sin broadcast against x (e.g. x_BHTK with cos_TK, x_NHK with
-    cos_N1K). Computed in fp32 and cast back, as transformers does."""
-    xf = x.float()
-    return (xf * cos.float() + _rotate_half(xf) * sin.float()).to(x.dtype)
+    cos_N1K). Computed in fp32 and cast back, as transformers does. The tables carry no gradient (they are functions
+    of the positions); eagerly, ``_Rope``'s written-out backward; compiled, the formula itself (inductor fuses it)."""
+    cos, sin = cos.float(), sin.float()
+    if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:
+        xf = x.float()
+        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    return _Rope.apply(x, cos, sin)
 
 
 def window_mask(keep_B11T: torch.Tensor | None, length: int, half_window: int,

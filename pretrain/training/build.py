@@ -18,6 +18,7 @@ from pretrain.data.loader import build_loader
 from pretrain.export.resolve import open_weights, run_model_config
 from pretrain.metrics.writer import print_progress
 from pretrain.model import build_model
+from pretrain.model.dropout import set_fast_dropout
 from pretrain.model.flat import flatten_layers
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.prep.tokenizer import load_tokenizer
@@ -144,6 +145,7 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
         ctx = Context(env=env, ops=cfg.ops, pooling=cfg.model.pooling, stage=cfg.data.stage,
                       trim_last_layer=cfg.train.trim_last_layer)
         module = TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
+        set_fast_dropout(module, cfg.train.fast_dropout)
     if cfg.train.compile:
         module.compile_step(**compile_options(cfg.train))
     return module

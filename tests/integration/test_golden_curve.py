@@ -82,10 +82,11 @@ def _overrides(tmp_path: Path, run_dir: Path) -> list[str]:
         "model.max_position": 64, "model.pooling": "mean", "model.dropout": 0.1,
         "train.micro_batch_size": 8, "train.max_steps": STEPS, "train.log_every": 1,
         "optim.lr": 1e-3, "optim.warmup_steps": 5, "checkpoint.every": 0, "distributed.zero_stage": 0,
-        # The padded reference path with every token's last layer: the stored curve and the old run directory
-        # predate train.unpadded and train.trim_last_layer, whose dropout draws other noise;
-        # tests/unit/test_unpadded.py and tests/unit/test_trim_last_layer.py hold those paths to this one.
-        "train.unpadded": "false", "train.trim_last_layer": "false",
+        # The padded reference path with every token's last layer and torch's dropout: the stored curve and the
+        # old run directory predate train.unpadded, train.trim_last_layer and train.fast_dropout, whose dropout
+        # draws other noise; tests/unit/test_unpadded.py, test_trim_last_layer.py and test_fast_dropout.py hold
+        # those paths to this one.
+        "train.unpadded": "false", "train.trim_last_layer": "false", "train.fast_dropout": "false",
     }
     config = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
     return [str(config), *(f"{k}={v}" for k, v in overrides.items())]

@@ -1,0 +1,108 @@
+"""Dropout on the CPU at about 40% of torch's cost: masks from 16 random bits per element.
+
+torch's CPU dropout draws one Bernoulli sample per element from its MT19937 generator (``bernoulli_``, ~10 ns an
+element: 60x the multiply it masks, a tenth of a mini model's training step; docs/performance.md). Here one 64-bit
+draw (``random_`` over the whole int64 range) gives four elements 16 bits each, and an element is kept where its
+bits, read as int16, reach a threshold: the drop probability is p rounded to a multiple of 1/65536 (p = 0.1 drops
+6554/65536 = 0.100006) and the kept elements are scaled by the inverse of the exact keep probability, so the
+expectation is exact. Only the boolean mask is kept for the backward, as torch's dropout keeps it (here the dropped
+elements': ``masked_fill_`` with it is a third of the cost of multiplying by a kept mask, which converts it first).
+
+The draw uses torch's default CPU generator, so ``training.step.dropout_rng`` keys it by (seed, step, rank) as it
+keys torch's dropout, and a resume is as exact. On CUDA (torch's dropout is one fused Philox kernel there) and
+inside torch.compile (inductor draws its own noise) torch's dropout runs. ``train.fast_dropout=false`` runs torch's
+everywhere (``set_fast_dropout``).
+
+Attention-probability dropout lives inside SDPA, whose CPU path with dropout is the math one (scores, softmax,
+``bernoulli_``, matmul); ``attention`` runs that same math with this mask instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LEVELS = 1 << 16
+"""Resolution of the drop probability: 16 bits per element."""
+
+
+def drop_mask(shape, p: float, device) -> tuple[torch.Tensor, float]:
+    """(bool mask of ``shape``, True where an element is dropped, and the scale of the kept ones): each element
+    dropped with probability round(p * 65536) / 65536, independently; one int64 draw per four elements."""
+    n = math.prod(shape)
+    drop = round(p * LEVELS)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-2**63, 2**63 - 1)
+    dropped = words.view(torch.int16)[:n].view(shape) < drop - LEVELS // 2
+    return dropped, LEVELS / (LEVELS - drop)
+
+
+class _DropScale(torch.autograd.Function):
+    """x * scale with the ``dropped`` elements 0, saving only the boolean mask for the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dropped: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(dropped)
+        ctx.scale = scale
+        return x.mul(scale).masked_fill_(dropped, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (dropped,) = ctx.saved_tensors
+        return grad.mul(ctx.scale).masked_fill_(dropped, 0), None, None
+
+
+def uses_fast(x: torch.Tensor, p: float, training: bool, fast: bool) -> bool:
+    """Whether ``dropout`` draws its own mask: training, 0 < p < 1, on the CPU, not being compiled."""
+    return (fast and training and 0.0 < p < 1.0 and x.device.type == "cpu"
+            and not torch.compiler.is_compiling())
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True, fast: bool = True) -> torch.Tensor:
+    """``F.dropout(x, p, training)``; with ``fast``, on the CPU the mask comes from ``drop_mask``."""
+    if not uses_fast(x, p, training, fast):
+        return F.dropout(x, p, training)
+    dropped, scale = drop_mask(x.shape, p, x.device)
+    return _DropScale.apply(x, dropped, scale)
+
+
+class Dropout(nn.Module):
+    """``nn.Dropout`` (no state: the state dict is unchanged) drawing its CPU masks with ``drop_mask`` while
+    ``fast_dropout`` (set for a whole model by ``set_fast_dropout``)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.fast_dropout = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.training, self.fast_dropout)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, fast={self.fast_dropout}"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+              fast: bool = True) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)`` (a boolean mask is True
+    where a key may be attended to; a float one is added). With dropout on the CPU and ``fast``, SDPA's math path
+    written out (scores, masked softmax, this module's dropout of the probabilities, matmul): the same tensors
+    kept for the backward. A row with no key to attend to gets weights over its masked keys, not NaN (such a row
+    is padding, read by no loss)."""
+    if not uses_fast(q, dropout_p, True, fast):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
+                  else scores + mask)
+    return dropout(scores.softmax(-1), dropout_p) @ v
+
+
+def set_fast_dropout(module: nn.Module, on: bool) -> None:
+    """``train.fast_dropout``: every submodule with a ``fast_dropout`` switch (``Dropout``, the attention layers)
+    set to ``on``."""
+    for m in module.modules():
+        if hasattr(m, "fast_dropout"):
+            m.fast_dropout = on

@@ -1,0 +1,150 @@
+"""train.fast_dropout (model/dropout.py): CPU dropout masks from 16 random bits per element.
+
+The masks are checked statistically (rate per position within a 64-bit draw, independence of neighbours, the
+exact scale), the attention-probability path against a float64 reference built from the same mask, and the model
+switch by the ops it dispatches (no ``bernoulli_`` with it on, torch's dropout with it off).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_trim_last_layer import _batch, _module
+
+from pretrain.metrics.op_count import OpCounter
+from pretrain.model.dropout import LEVELS, attention, drop_mask, dropout, set_fast_dropout, uses_fast
+from pretrain.training.step import dropout_rng, host_facts
+
+N = 1 << 20
+
+
+def _sigmas(count: float, n: int, q: float) -> float:
+    """How many binomial standard deviations ``count`` is from n * q."""
+    return abs(count - n * q) / (n * q * (1 - q)) ** 0.5
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 1e-3])
+def test_drop_rate_and_scale_are_exact(p):
+    torch.manual_seed(0)
+    q = round(p * LEVELS) / LEVELS  # the drop probability the 16 bits can express
+    y = dropout(torch.ones(N), p)
+    kept = y != 0
+    assert torch.equal(y[kept], torch.full_like(y[kept], 1 / (1 - q)))  # kept values scaled by the exact inverse
+    assert _sigmas(float((~kept).sum()), N, q) < 5
+    # Each of the four 16-bit elements of a 64-bit draw drops at the rate (a draw whose top bit is always 0, as
+    # ``random_()`` without a range gives, would never drop the fourth).
+    for j in range(4):
+        assert _sigmas(float((~kept).view(-1, 4)[:, j].sum()), N // 4, q) < 5
+
+
+def test_neighbouring_masks_are_uncorrelated():
+    torch.manual_seed(1)
+    dropped, _ = drop_mask((N,), 0.3, "cpu")
+    d = dropped.double() - dropped.double().mean()
+    for lag in (1, 2, 3, 4, 5, 8):
+        corr = float((d[lag:] * d[:-lag]).mean() / d.var())
+        assert abs(corr) < 5 / N ** 0.5, (lag, corr)
+
+
+def test_masks_follow_the_generator():
+    x = torch.randn(64, 33)
+    torch.manual_seed(3)
+    a = dropout(x, 0.2)
+    torch.manual_seed(3)
+    b = dropout(x, 0.2)
+    torch.manual_seed(4)
+    c = dropout(x, 0.2)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    with dropout_rng(seed=0, step=5, rank=1, device=torch.device("cpu")):
+        d = dropout(x, 0.2)
+    with dropout_rng(seed=0, step=5, rank=1, device=torch.device("cpu")):
+        e = dropout(x, 0.2)
+    assert torch.equal(d, e)
+
+
+def test_forward_and_backward_against_the_mask():
+    torch.manual_seed(5)
+    x = torch.randn(257, 31, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(257, 31, dtype=torch.float64)
+    torch.manual_seed(6)
+    y = dropout(x, 0.25)
+    torch.manual_seed(6)
+    dropped, scale = drop_mask(x.shape, 0.25, "cpu")
+    keep = (~dropped).double()
+    assert torch.equal(y, x.detach() * keep * scale)
+    (y * w).sum().backward()
+    assert torch.equal(x.grad, w * keep * scale)
+
+
+def test_the_backward_keeps_only_a_boolean_mask():
+    saved = []
+    x = torch.randn(40, 50, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.shape)) or t, lambda t: t):
+        dropout(x * 1.0, 0.1)
+    assert saved == [(torch.bool, x.shape)]
+
+
+def test_off_cases_run_torch_dropout():
+    x = torch.randn(8, 8)
+    assert not uses_fast(x, 0.1, False, True)  # eval
+    assert not uses_fast(x, 0.0, True, True) and not uses_fast(x, 1.0, True, True)
+    assert not uses_fast(x, 0.1, True, False)
+    assert not uses_fast(torch.empty(8, device="meta"), 0.1, True, True)  # not a CPU tensor: torch's kernel
+    assert torch.equal(dropout(x, 0.1, training=False), x)
+    assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_attention_equals_the_float64_reference(mask_kind):
+    """Scores, masked softmax, the probabilities' dropout with ``drop_mask``'s mask, values: output and gradients."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(3, 2, 9, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
+    keep = torch.rand(3, 1, 1, 9, generator=gen) > 0.3
+    keep[..., 0] = True
+    mask = {"bool": keep, "float": torch.where(keep, 0.0, -1e4).double(), "none": None}[mask_kind]
+    torch.manual_seed(8)
+    y = attention(q, k, v, mask, 0.2)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (q, k, v), g)
+    torch.manual_seed(8)
+    dropped, scale = drop_mask((3, 2, 9, 9), 0.2, "cpu")
+    scores = q @ k.transpose(-1, -2) / 8 ** 0.5
+    if mask_kind == "bool":
+        scores = scores.masked_fill(~keep, float("-inf"))
+    elif mask_kind == "float":
+        scores = scores + mask
+    ref = (scores.softmax(-1) * (~dropped).double() * scale) @ v
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    assert (y - ref).abs().max() < 1e-12
+    for a, b in zip(grads, ref_grads):
+        assert (a - b).abs().max() < 1e-12
+    # Without dropout, SDPA itself.
+    assert torch.equal(attention(q, k, v, mask, 0.0), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_the_model_switch(arch):
+    """A training step draws no Bernoulli sample with fast dropout (its masks are ``random_`` draws) and torch's
+    dropout (embeddings, layers, attention probabilities) with it off."""
+    kw = dict(arch="modernbert", pooler=False, local_window=16, layer_norm_eps=1e-5) if arch == "modernbert" else {}
+    module = _module(False, dropout=0.1, attention_dropout=0.1, num_layers=3, **kw)
+    module.train()
+    batch = host_facts(_batch(), unpadded=True)
+
+    def ops():
+        with OpCounter() as c:
+            loss, _ = module(batch)
+            loss.backward()
+        return {name.split(".")[1]: n for name, n in c.ops.items() if name.startswith("aten.")}
+
+    switches = [m for m in module.modules() if hasattr(m, "fast_dropout")]
+    assert len(switches) >= 2 * 3 + 1  # per layer the dropout and the attention, and the embeddings'
+    on = ops()
+    set_fast_dropout(module, False)
+    assert not any(m.fast_dropout for m in switches)
+    off = ops()
+    assert on.get("bernoulli_", 0) == 0 and on.get("random_", 0) > 0
+    assert off.get("bernoulli_", 0) > 0 and off.get("random_", 0) == 0
+    module.eval()
+    assert "random_" not in ops()
