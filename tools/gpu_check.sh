@@ -80,7 +80,7 @@ stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 5
   --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
 # shellcheck disable=SC2086
 stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
-  --zero-stage 2 --trim-ab --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
+  --zero-stage 2 --ab trim --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
 # shellcheck disable=SC2086
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --compile --json-out "$OUT/bench_step_compile.json"
