@@ -426,11 +426,13 @@ def measure_host_cost(args) -> dict:
     hc = HOST_COST
     batch = make_batch(hc["batch"], hc["seq"], hc["view_len"], hc["vocab"], torch.Generator().manual_seed(0))
     torch.manual_seed(0)
+    # torch's dropout in ours, as a CUDA step runs it (train.fast_dropout is a CPU path; this mode stands in for
+    # the host work of a GPU step).
     arms = {"ours": build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision, args.compile,
-                               micro_batch=hc["batch"])}
+                               micro_batch=hc["batch"], fast_dropout=False)}
     # The layout before train.flat_params (2026-11-25), same process, same trials: what flattening saves.
     arms["ours_per_tensor"] = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
-                                         args.compile, micro_batch=hc["batch"], flat=False)
+                                         args.compile, micro_batch=hc["batch"], flat=False, fast_dropout=False)
     # HF gets the AdamW implementation the Engine chose (fused, CPU and CUDA; before 2026-11-24 torch's per-parameter
     # one on the CPU, whose step count .item() per parameter would otherwise count as syncs in one arm only).
     fused = bool(arms["ours"].engine._adamw.defaults.get("fused"))
