@@ -89,15 +89,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)`` (a boolean mask is True
     where a key may be attended to; a float one is added). With dropout on the CPU and ``fast``, SDPA's math path
     written out (scores, masked softmax, this module's dropout of the probabilities, matmul): the same tensors
-    kept for the backward. A row with no key to attend to gets weights over its masked keys, not NaN (such a row
-    is padding, read by no loss)."""
+    kept for the backward; bf16/fp16 inputs computed in fp32 and the output cast back, as that path does on the
+    CPU. A row with no key to attend to gets weights over its masked keys, not NaN (such a row is padding, read by
+    no loss)."""
     if not uses_fast(q, dropout_p, True, fast):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-    if mask is not None:
-        scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
-                  else scores + mask)
-    return dropout(scores.softmax(-1), dropout_p) @ v
+    dtype = q.dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        q, k, v = q.float(), k.float(), v.float()
+        mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
+    with torch.autocast("cpu", enabled=False):  # under autocast too: fp32 matmuls, as inside SDPA
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        if mask is not None:
+            scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
+                      else scores + mask)
+        return (dropout(scores.softmax(-1), dropout_p) @ v).to(dtype)
 
 
 def set_fast_dropout(module: nn.Module, on: bool) -> None:

@@ -123,6 +123,21 @@ def test_attention_equals_the_float64_reference(mask_kind):
     assert torch.equal(attention(q, k, v, mask, 0.0), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
+def test_low_precision_attention_is_computed_in_fp32():
+    """bf16 in, bf16 out, the arithmetic in fp32 as SDPA's CPU math path does: equal to the fp32 computation under
+    the same mask, cast."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=gen).bfloat16() for _ in range(3))
+    torch.manual_seed(10)
+    y = attention(q, k, v, None, 0.1)
+    torch.manual_seed(10)
+    ref = attention(q.float(), k.float(), v.float(), None, 0.1)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref.bfloat16())
+    torch.manual_seed(10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(attention(q, k, v, None, 0.1), y)
+
+
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
 def test_the_model_switch(arch):
     """A training step draws no Bernoulli sample with fast dropout (its masks are ``random_`` draws) and torch's
