@@ -63,7 +63,8 @@ def make_band(keep_B11T: torch.Tensor | None, length: int, half: int, device: to
 
 def banded_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor, band: Band,
                      dropout_p: float = 0.0, fast_dropout: bool = True) -> torch.Tensor:
-    """SDPA of queries on the keys within ``band.half`` positions (and real): (B, H, T, K)."""
+    """SDPA of queries on the keys within ``band.half`` positions (and real): (B, H, T, K); dropout on the CPU with
+    ``fast_dropout`` as ``dropout.attention`` draws it."""
     bsz, heads, length, size = q_BHTK.shape
     w = band.half
     nb = -(-length // w)
