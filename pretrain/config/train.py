@@ -114,11 +114,12 @@ class TrainConfig:
     """The training step's MLM and pair passes compute their last layer only for the tokens a loss reads: the MLM
     rows' labelled tokens (about 15%) and, under [CLS] pooling with no mean pooling blended in and no autoencoder,
     each contrastive row's [CLS] (the pair's, and data.pairs' hard negatives'). That layer still computes keys,
-    values and attention for every token (the kept ones attend to all), and its output projection, FFN and norms for the kept rows only, as MosaicBERT's last
-    layer does: the same losses and gradients up to float rounding (tests/unit/test_trim_last_layer.py), about 70%
-    of one layer's arithmetic saved (a sixth of a 4-layer model's, a twelfth of BERT-base's encoder's at the
-    CLEAR recipe's lengths). Unpadded, padded and compiled steps alike. Dropout in that layer draws other noise than
-    the full layer (fewer elements). false computes every token's output."""
+    values and attention for every token (the kept ones attend to all), and its output projection, FFN and norms
+    for the kept rows only, as MosaicBERT's last layer does: the same losses and gradients up to float rounding
+    (tests/unit/test_trim_last_layer.py), about 70% of one layer's arithmetic saved (a sixth of a 4-layer model's, a
+    twelfth of BERT-base's encoder's at the CLEAR recipe's lengths). Unpadded, padded and compiled steps alike.
+    Dropout in that layer draws other noise than the full layer (fewer elements). false computes every token's
+    output."""
     fast_dropout: bool = True
     """Dropout on the CPU draws its masks from 16 random bits per element (model/dropout.py) instead of torch's
     per-element Bernoulli sample, about 40% of its cost (torch's dropout was a tenth of a mini model's CPU step,

@@ -49,13 +49,12 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        ctx.dtype = x.dtype
         return _rotate(x, cos, sin, 1.0).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):  # grad has x's dtype (the output's)
         cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, -1.0).to(ctx.dtype), None, None
+        return _rotate(grad, cos, sin, -1.0).to(grad.dtype), None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
