@@ -80,9 +80,9 @@ def _text_column(path: str, schema, text_field: str) -> None:
 
 
 def plan_parquet(path: str, text_field: str, target_bytes: int,
-                 max_slices: int = 64) -> list[tuple[int, int, int]]:
+                 max_slices: int = 64) -> Iterator[tuple[int, int, int]]:
     """(first row, end row, input bytes attributed) covering the file, each about ``target_bytes`` of uncompressed
-    text column (``_plan_rows``); the attributed bytes sum to the file size (for progress)."""
+    text column (``plan_rows``), planned lazily; the attributed bytes sum to the file size (for progress)."""
     import pyarrow.parquet as pq
 
     with _named(path, "parquet"):
@@ -100,7 +100,7 @@ def plan_parquet(path: str, text_field: str, target_bytes: int,
             return _lengths(pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=[i], columns=[text_field],
                                             use_threads=False), 0)
 
-    return _plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices, row_sizes)
+    return plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices, row_sizes)
 
 
 def _lengths(batches, column) -> "np.ndarray":
@@ -153,19 +153,19 @@ def _open_arrow(path: str):
 
 
 def plan_arrow(path: str, text_field: str, target_bytes: int,
-               max_slices: int = 64) -> list[tuple[int, int, int]]:
+               max_slices: int = 64) -> Iterator[tuple[int, int, int]]:
     """(first row, end row, input bytes attributed), as ``plan_parquet``, over the file's record batches."""
     with _named(path, "Arrow"):
         schema, batches = _open_arrow(path)
         _text_column(path, schema, text_field)
         batches = list(batches)  # memory-mapped: no copy, no decoding
         units = [(b.num_rows, b.column(text_field).nbytes) for b in batches]
-    return _plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices,
-                      lambda i: _lengths([batches[i]], text_field))
+    return plan_rows(units, target_bytes, Path(path).stat().st_size, max_slices,
+                     lambda i: _lengths([batches[i]], text_field))
 
 
-def _plan_rows(units: list[tuple[int, int]], target_bytes: int, file_bytes: int,
-               max_slices: int = 64, row_sizes=None) -> list[tuple[int, int, int]]:
+def plan_rows(units: list[tuple[int, int]], target_bytes: int, file_bytes: int,
+              max_slices: int = 64, row_sizes=None) -> Iterator[tuple[int, int, int]]:
     """Parts of about ``target_bytes`` of text, as (first row, end row, file bytes attributed), from the file's
     units (row groups, record batches) given as (rows, text bytes): consecutive small units are joined, a unit
     larger than ``target_bytes`` is cut into row slices of about that size, at most ``max_slices`` (a parquet
@@ -174,31 +174,42 @@ def _plan_rows(units: list[tuple[int, int]], target_bytes: int, file_bytes: int,
     a file of one big row group; 1 for one worker: no cut). ``row_sizes(i)``, where given, is unit i's text bytes
     row by row: its slices then hold equal text, not equal rows (rows are documents of any length: equal rows
     left one worker with 40% more text than the other on the wiki articles). File bytes are shared by text
-    size."""
-    runs: list[tuple[int, int, int]] = []
+    size.
+
+    A generator: a unit is cut (``row_sizes``, a pass over its text) only when its parts are asked for, so the
+    workers start on the first part while the rest of a file of many big row groups is still unplanned (planned
+    all at once, a file of 20 groups of 100 MB had the main process decode 2 GB before any worker started)."""
+    last_row = sum(rows for rows, _ in units)
+    if last_row == 0:
+        yield 0, 0, file_bytes
+        return
+    total = max(sum(size for _, size in units), 1)
+    done = 0  # file bytes attributed so far; the last part takes the rest (the shares are floors)
+
+    def share(text: int, last: bool) -> int:
+        nonlocal done
+        n = file_bytes - done if last else min(file_bytes * text // total, file_bytes - done)
+        done += n
+        return n
+
     row = start = acc = 0
     for i, (rows, size) in enumerate(units):
         if size > target_bytes and rows > 1 and max_slices > 1:
             if row > start:
-                runs.append((start, row, acc))
+                yield start, row, share(acc, False)
             k = min(rows, max_slices, -(-size // max(target_bytes, 1)))
-            runs += _slices(row, rows, size, k, row_sizes(i) if row_sizes is not None else None)
+            for a, b, text in _slices(row, rows, size, k, row_sizes(i) if row_sizes is not None else None):
+                yield a, b, share(text, b == last_row)
             row += rows
             start, acc = row, 0
             continue
         row += rows
         acc += size
         if acc >= target_bytes:
-            runs.append((start, row, acc))
+            yield start, row, share(acc, row == last_row)
             start, acc = row, 0
     if row > start:
-        runs.append((start, row, acc))
-    if not runs:
-        return [(0, 0, file_bytes)]
-    total = sum(r[2] for r in runs) or 1
-    shares = [file_bytes * r[2] // total for r in runs]
-    shares[-1] += file_bytes - sum(shares)
-    return [(a, b, s) for (a, b, _), s in zip(runs, shares)]
+        yield start, row, share(acc, True)
 
 
 def _slices(row: int, rows: int, size: int, k: int, sizes=None) -> list[tuple[int, int, int]]:

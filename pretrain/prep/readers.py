@@ -159,16 +159,27 @@ def plan_parts(path: str, target_bytes: int, *, fmt: str = "auto", max_line_byte
     """The parts of one file, each about ``target_bytes``, that read one after another give exactly
     ``read_file``'s documents: byte ranges of a plain text file (``plan_ranges``), row ranges of a columnar file
     (``columnar.plan_parquet`` / ``plan_arrow``: a big row group cut into at most ``max_slices``), the whole
-    stream of a compressed one."""
+    stream of a compressed one. ``iter_parts`` gives them one at a time."""
+    return list(iter_parts(path, target_bytes, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors,
+                           text_field=text_field, max_slices=max_slices))
+
+
+def iter_parts(path: str, target_bytes: int, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
+               errors: str = "strict", text_field: str = "text", max_slices: int = 64) -> Iterator[Part]:
+    """``plan_parts``, lazily: a columnar file's big row groups are cut (a pass over each one's text) only as
+    their parts are reached, so preprocessing starts on the first part of a file of many big groups at once."""
     kind, comp = sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
     if kind in COLUMNAR:
         plan = columnar.plan_parquet if kind == "parquet" else columnar.plan_arrow
-        return [Part(path, a, b, kind, num_bytes=n) for a, b, n in plan(path, text_field, target_bytes, max_slices)]
+        for a, b, n in plan(path, text_field, target_bytes, max_slices):
+            yield Part(path, a, b, kind, num_bytes=n)
+        return
     size = os.path.getsize(path)
     if comp:
-        return [Part(path, 0, size, kind, compression=comp)]
-    return [Part(path, a, b, kind, before) for a, b, before in
-            plan_ranges(path, kind, target_bytes, max_line_bytes=max_line_bytes)]
+        yield Part(path, 0, size, kind, compression=comp)
+        return
+    for a, b, before in plan_ranges(path, kind, target_bytes, max_line_bytes=max_line_bytes):
+        yield Part(path, a, b, kind, before)
 
 
 def read_part(part: Part, stats: ReadStats, *, max_line_bytes: int = 1_000_000, errors: str = "strict",
@@ -302,7 +313,7 @@ def read_file(path: str, stats: ReadStats, *, fmt: str = "auto", max_line_bytes:
     kwargs = {"max_line_bytes": max_line_bytes, "errors": errors, "text_field": text_field,
               "max_document_chars": max_document_chars}
     if kind in COLUMNAR:  # the whole file as one part
-        for part in plan_parts(path, 1 << 62, fmt=kind, text_field=text_field):
+        for part in iter_parts(path, 1 << 62, fmt=kind, text_field=text_field):
             yield from read_part(part, stats, **kwargs)
     elif comp:
         yield from _read_stream(path, kind, comp, stats, **kwargs)

@@ -31,6 +31,13 @@ WORDS = ("alpha beta gamma delta river mountain forest city music science histor
          "government war king church island ocean planet").split()
 
 
+def _plan_rows(*args, **kwargs):
+    """The planner's parts as a list (it yields them one at a time)."""
+    from pretrain.prep.columnar import plan_rows
+
+    return list(plan_rows(*args, **kwargs))
+
+
 def _sentence(rng) -> str:
     words = [WORDS[i] for i in rng.integers(0, len(WORDS), size=rng.integers(4, 12))]
     return " ".join(words).capitalize() + rng.choice([".", "!", "?"])
@@ -120,8 +127,6 @@ def test_one_big_row_group_is_cut_into_row_slices_that_read_back_the_whole_file(
     """A file of one row group (what many writers produce) gives every worker a part: row slices of about the
     chunk size, at most ``max_slices`` of them (none for one worker); read one after another they are the
     file's documents, and the dataset is the same with 1 and 2 workers."""
-    from pretrain.prep.columnar import _plan_rows
-
     path = tmp_path / "one.parquet"
     _write_parquet(path, corpus["docs"], row_group_size=10_000)
     assert pq.ParquetFile(path).metadata.num_row_groups == 1
@@ -178,7 +183,7 @@ def test_a_cut_row_group_is_cut_into_slices_of_equal_text_not_equal_rows(corpus,
     the rows' sizes (one streamed pass over the group's text column) the slices hold about equal text."""
     import numpy as np
 
-    from pretrain.prep.columnar import _plan_rows, _slices
+    from pretrain.prep.columnar import _slices
 
     sizes = np.array([90] * 10 + [10] * 90)  # the first tenth of the rows holds half the text
     even_rows = _slices(0, 100, 1800, 2)
@@ -190,6 +195,18 @@ def test_a_cut_row_group_is_cut_into_slices_of_equal_text_not_equal_rows(corpus,
     plan = _plan_rows([(100, 1800)], 450, 1800, 4, lambda i: sizes)
     text = [int(sizes[a:b].sum()) for a, b, _ in plan]
     assert max(text) - min(text) <= 90 and sum(n for *_, n in plan) == 1800
+    # planned lazily: a group's rows are sized only when its parts are asked for (the workers start meanwhile)
+    from pretrain.prep.columnar import plan_rows
+
+    sized = []
+    units = [(100, 1800), (3, 10), (100, 1800)]
+    parts = plan_rows(units, 450, 3610, 4, lambda i: sized.append(i) or sizes)
+    assert next(parts)[:2] == (0, 5) and sized == [0]
+    rest = list(parts)
+    assert sized == [0, 2]
+    assert [p[:2] for p in rest] == [(5, 10), (10, 55), (55, 100), (100, 103), (103, 108), (108, 113), (113, 158),
+                                     (158, 203)]
+    assert sum(n for *_, n in _plan_rows(units, 450, 3610, 4, lambda i: sizes)) == 3610
     # on a real file: a big row group of documents of mixed lengths, cut for 2 workers
     docs = [d * 8 if i % 7 == 0 else d for i, d in enumerate(corpus["docs"])]
     path = tmp_path / "mixed.parquet"

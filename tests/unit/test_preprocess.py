@@ -72,6 +72,42 @@ def test_split_sentences(text, expected):
     assert split_sentences(text) == expected
 
 
+def _spans_with_the_former_pattern(text):
+    """sentence_spans with the boundary regex as first written, ``([.!?]+|…)`` behind a lookahead: the reference
+    for the faster pattern (which starts with a plain character class)."""
+    import re
+
+    from pretrain.prep import sentence_split as ss
+
+    boundary = re.compile(r"(?=[.!?\u2026])([.!?]+|\u2026)([\"'\u201d\u2019)\]]*)\s+"
+                          r"(?=[\"'\u201c\u2018(\[]*[A-Z0-9\u00c0-\u00dd])")
+    out, start, a = [], 0, len(text) - len(text.lstrip())
+    for m in boundary.finditer(text):
+        if m.group(1) == "." and ss._is_abbreviation(text, start, m):
+            continue
+        out.append((a, m.end(2)))
+        start = a = m.end()
+    b = len(text.rstrip())
+    return out + [(a, b)] if b > a else out
+
+
+def test_sentence_spans_equal_the_former_pattern_on_punctuation_soup():
+    """Random strings dense in . ! ? …, closing quotes, abbreviations and capitals (where a run's first character
+    decides which alternative matched), and the real wiki text: the same spans as the former pattern."""
+    from pretrain.prep.sentence_split import sentence_spans
+
+    pieces = [".", "!", "?", "\u2026", " ", "  ", "A", "b", "5", '"', "\u201d", ")", "(", "Mr", "U.S", "No", "e.g",
+              "Messrs", "approx", "Sept", "Smithson", "pp",
+              "x", "Word", "\u00c9"]
+    rng = np.random.default_rng(0)
+    texts = ["".join(rng.choice(pieces, size=rng.integers(1, 30))) for _ in range(20000)]
+    texts += ["Mr\u2026. Smith went.", "He said \u2026. Then", "Wait!\u2026 No.", "Huh\u2026! Yes.", "A\u2026\u2026 B",
+              "x.\u2026 Y", "No\u2026. 5 then", "U.S\u2026. Army"]
+    diffs = [t for t in texts if sentence_spans(t) != _spans_with_the_former_pattern(t)]
+    assert not diffs, diffs[:5]
+    assert sum(len(sentence_spans(t)) > 1 for t in texts) > 1000  # the soup does have boundaries
+
+
 # ---------------------------------------------------------------------------------------------- readers
 
 
@@ -375,3 +411,33 @@ def test_cli_warnings_are_one_line(tmp_path, tiny_corpus):
     assert proc.returncode == 2
     assert f"pretrain-preprocess: warning: skipping empty input file {tmp_path / 'empty.txt'}" in proc.stderr
     assert "UserWarning" not in proc.stderr and proc.stderr.count("\n") == 2, proc.stderr
+
+
+def test_sentence_spans_equal_the_former_pattern_on_real_text(data_dir):
+    """Two real wiki files and two books, paragraph by paragraph (~25k paragraphs)."""
+    from pretrain.prep.sentence_split import sentence_spans
+
+    corpus = data_dir / "corpus"
+    files = sorted((corpus / "wiki").rglob("wiki_*"))[:2] + sorted((corpus / "books").glob("*.txt"))[:2]
+    paragraphs = [p for f in files for doc in read_file(str(f), ReadStats()) for p in doc.paragraphs]
+    assert len(paragraphs) > 5000
+    assert all(sentence_spans(p) == _spans_with_the_former_pattern(p) for p in paragraphs)
+
+
+def test_forked_workers_inherit_the_tokenizer_and_others_load_it(tokenizer):
+    """The pool's initializer takes the tokenizer the main process left before forking (same file and SHA-256),
+    and loads it from its file otherwise (another start method, or a different tokenizer left behind)."""
+    from pretrain.prep import preprocess as pp
+
+    try:
+        pp._WORKER["inherited"] = tokenizer
+        pp._init_worker(tokenizer.path, tokenizer.sha256, 8, {})
+        assert pp._WORKER["processor"].tokenizer is tokenizer and "inherited" not in pp._WORKER
+        pp._init_worker(tokenizer.path, tokenizer.sha256, 8, {})  # nothing left behind: loaded
+        loaded = pp._WORKER["processor"].tokenizer
+        assert loaded is not tokenizer and loaded.sha256 == tokenizer.sha256
+        pp._WORKER["inherited"] = tokenizer
+        with pytest.raises(ValueError, match="SHA-256|sha256"):
+            pp._init_worker(tokenizer.path, "0" * 64, 8, {})  # not the expected file: not used, and refused
+    finally:
+        pp._WORKER.clear()
