@@ -45,10 +45,8 @@ def preflight(cfg: RunConfig) -> None:
     """Config-only checks of paths later steps open (after the tokenizer, data and model) and of train.compile's
     ZeRO stage: a wrong one fails in the first seconds."""
     if cfg.eval.stsb_every:
-
         stsb_data_dir(cfg.eval, cfg.distributed.zero_stage)
     if cfg.objective.rank_distill is not None:
-
         check_teacher_paths(cfg.objective.rank_distill.teachers)
     if cfg.train.compile and cfg.distributed.zero_stage == 3:
         # DeepSpeed 0.19's ZeRO-3 gathers each module's parameters in forward hooks it marks
