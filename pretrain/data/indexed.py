@@ -182,6 +182,22 @@ class IndexedDatasetBuilder:
         self._sizes.frombytes(sizes.astype(np.int32).tobytes())  # array('i') is int32 on every platform we run
         self.num_tokens += int(flat.size)
 
+    def add_documents(self, flat_ids: np.ndarray, sizes: np.ndarray, doc_sentences: np.ndarray) -> None:
+        """Append whole documents at once: ``doc_sentences[d]`` sequences each (0: none, skipped), their lengths
+        ``sizes`` and ids ``flat_ids`` end to end; the same files as ``add_items`` + ``end_document`` per document,
+        in one write (the preprocessing's main process writes every worker's output: one call a chunk, not one
+        a document). The current document, if any sequences were added to it, is closed first."""
+        counts = np.asarray(doc_sentences, dtype=np.int64)
+        if counts.size and counts.min() < 0:
+            raise ValueError("doc_sentences must be >= 0")
+        if int(counts.sum()) != len(sizes):
+            raise ValueError(f"doc_sentences sum to {int(counts.sum())} but {len(sizes)} sizes were given")
+        self.end_document()
+        base = len(self._sizes)
+        self.add_items(flat_ids, sizes)
+        ends = base + np.cumsum(counts[counts > 0])
+        self._doc_idx.frombytes(ends.astype(np.int64).tobytes())  # array('q') is int64
+
     def end_document(self) -> None:
         """Close the current document; a document with no sequences is ignored."""
         if len(self._sizes) > self._doc_idx[-1]:

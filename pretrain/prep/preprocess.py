@@ -226,18 +226,28 @@ class _ShardWriter:
         self.builder: IndexedDatasetBuilder | None = None
 
     def add(self, r: ChunkResult) -> None:
+        """The chunk's documents, in order; a shard ends after the document that takes it to
+        ``shard_size_tokens``. The documents that go into one shard are written in one call (the main process
+        writes every worker's output: per document, its Python overhead grew with the number of documents)."""
+        n = len(r.doc_sentences)
         sent_end = np.cumsum(r.doc_sentences)
-        tok_end = np.concatenate([[0], np.cumsum(r.sizes, dtype=np.int64)])
-        s0 = 0
-        for n, s1 in zip(r.doc_sentences, sent_end):
-            if n == 0:
-                continue
+        tok_end = np.concatenate([[0], np.cumsum(r.sizes, dtype=np.int64)])[sent_end]  # tokens up to each doc's end
+        d0 = 0  # the first document not written yet
+        while d0 < n:
             if self.builder is None:
-                name = f"shard-{len(self.shards):05d}"
-                self.builder = IndexedDatasetBuilder(str(self.directory / name), self.vocab_size)
-            self.builder.add_items(r.flat_ids[tok_end[s0]:tok_end[s1]], r.sizes[s0:s1])
-            self.builder.end_document()
-            s0 = s1
+                left = np.flatnonzero(r.doc_sentences[d0:])
+                if not left.size:  # only dropped documents are left: no shard is started for them
+                    return
+                d0 += int(left[0])
+                self.builder = IndexedDatasetBuilder(str(self.directory / f"shard-{len(self.shards):05d}"),
+                                                     self.vocab_size)
+            t0, s0 = (int(tok_end[d0 - 1]), int(sent_end[d0 - 1])) if d0 else (0, 0)
+            # The document that takes the shard to its size goes in last.
+            last = int(np.searchsorted(tok_end, t0 + self.shard_size_tokens - self.builder.num_tokens, side="left"))
+            d1 = min(last + 1, n)
+            self.builder.add_documents(r.flat_ids[t0:tok_end[d1 - 1]], r.sizes[s0:sent_end[d1 - 1]],
+                                       r.doc_sentences[d0:d1])
+            d0 = d1
             if self.builder.num_tokens >= self.shard_size_tokens:
                 self._finish()
 

@@ -75,6 +75,35 @@ def test_add_items_equals_add_item(tmp_path):
     assert ia["bin_sha256"] == ib["bin_sha256"] and ia["idx_sha256"] == ib["idx_sha256"]
 
 
+def test_add_documents_equals_a_document_at_a_time(tmp_path):
+    """Whole documents in one call (dropped ones with no sentences among them, after a document left open by
+    add_item) give the files of add_items + end_document per document; bad counts are refused."""
+    rng = np.random.default_rng(1)
+    counts = np.array([2, 0, 3, 1, 0, 0, 4])
+    sizes = rng.integers(1, 6, size=int(counts.sum()))
+    flat = rng.integers(0, 300, size=int(sizes.sum()))
+    a = IndexedDatasetBuilder(str(tmp_path / "a"), 300)
+    a.add_item([7, 8])
+    a.end_document()  # add_documents closes the open document first
+    s = t = 0
+    for n in counts:
+        a.add_items(flat[t:t + sizes[s:s + n].sum()], sizes[s:s + n])
+        a.end_document()
+        s, t = s + n, t + int(sizes[s:s + n].sum())
+    b = IndexedDatasetBuilder(str(tmp_path / "b"), 300)
+    b.add_item([7, 8])
+    b.add_documents(flat, sizes, counts)
+    ia, ib = a.finalize(), b.finalize()
+    assert ia == ib and ib["num_documents"] == 5
+    assert IndexedDataset(str(tmp_path / "b")).doc_idx.tolist() == [0, 1, 3, 6, 7, 11]
+    c = IndexedDatasetBuilder(str(tmp_path / "c"), 300)
+    with pytest.raises(ValueError, match="sum to 9"):
+        c.add_documents(flat, sizes, counts - np.array([1, 0, 0, 0, 0, 0, 0]))
+    with pytest.raises(ValueError, match=">= 0"):
+        c.add_documents(flat, sizes, np.array([11, -1]))
+    c.abort()
+
+
 def test_empty_documents_ignored_and_empty_shard(tmp_path):
     b = IndexedDatasetBuilder(str(tmp_path / "e"), 10)
     b.end_document()

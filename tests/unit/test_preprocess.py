@@ -441,3 +441,59 @@ def test_forked_workers_inherit_the_tokenizer_and_others_load_it(tokenizer):
             pp._init_worker(tokenizer.path, "0" * 64, 8, {})  # not the expected file: not used, and refused
     finally:
         pp._WORKER.clear()
+
+
+def _write_per_document(directory, vocab_size, shard_size_tokens, results):
+    """The shard writer as first written, the reference: one add_items + end_document a document, a new shard
+    after the document that reaches shard_size_tokens."""
+    from pretrain.data.indexed import IndexedDatasetBuilder
+
+    shards, builder = [], None
+    for r in results:
+        sent_end = np.cumsum(r.doc_sentences)
+        tok_end = np.concatenate([[0], np.cumsum(r.sizes, dtype=np.int64)])
+        s0 = 0
+        for n, s1 in zip(r.doc_sentences, sent_end):
+            if n == 0:
+                continue
+            if builder is None:
+                builder = IndexedDatasetBuilder(str(directory / f"shard-{len(shards):05d}"), vocab_size)
+            builder.add_items(r.flat_ids[tok_end[s0]:tok_end[s1]], r.sizes[s0:s1])
+            builder.end_document()
+            s0 = s1
+            if builder.num_tokens >= shard_size_tokens:
+                shards.append(builder.finalize())
+                builder = None
+    if builder is not None and builder.num_sequences:
+        shards.append(builder.finalize())
+    return shards
+
+
+def test_shard_writer_writes_the_per_document_reference_files(tmp_path):
+    """Chunks of documents (some dropped: no sentences) written a shard's run of documents at a time give the
+    same shard files, byte for byte, as one document at a time: shard sizes from 1 token to more than the input."""
+    import filecmp
+
+    from pretrain.prep.preprocess import ChunkResult, _ShardWriter
+
+    rng = np.random.default_rng(0)
+    results = []
+    for _ in range(12):
+        docs = rng.integers(0, 5, size=rng.integers(0, 9))  # sentences per document, 0 = dropped
+        sizes = rng.integers(1, 7, size=int(docs.sum())).astype(np.int32)
+        flat = rng.integers(0, 50, size=int(sizes.sum())).astype(np.int32)
+        results.append(ChunkResult(flat, sizes, docs.astype(np.int64), 0, 0, 0))
+    results.append(ChunkResult(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(3, np.int64), 0, 0, 0))
+    total = sum(int(r.sizes.sum()) for r in results)
+    for shard_size in (1, 5, 17, 40, total - 1, total, 10 * total):
+        ref, got = tmp_path / f"ref{shard_size}", tmp_path / f"got{shard_size}"
+        ref.mkdir(), got.mkdir()
+        want = _write_per_document(ref, 50, shard_size, results)
+        writer = _ShardWriter(got, 50, shard_size)
+        for r in results:
+            writer.add(r)
+        assert [{k: v for k, v in shard.items() if k != "name"} for shard in writer.close()] == want
+        names = sorted(p.name for p in ref.iterdir())
+        assert names == sorted(p.name for p in got.iterdir()) and len(names) == 2 * len(want)
+        assert all(filecmp.cmp(ref / n, got / n, shallow=False) for n in names)
+    assert len(_write_per_document(tmp_path / "ref1", 50, 1, [])) == 0
