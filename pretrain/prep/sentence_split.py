@@ -13,7 +13,7 @@ import re
 # character: 0.89 s for the 46,803 wiki paragraphs, against 0.62 s for this one). A punctuation run is one of
 # . ! ? … followed by . ! ? only: a … after a . ! ? (or a second …) starts its own match, exactly as in the
 # former `([.!?]+|…)`; where they differ ("…." as one run instead of "." alone) the run is not a single "." and the
-# abbreviation rule could not have applied to it, so the spans are the same (tests/unit/test_sentence_split.py).
+# abbreviation rule could not have applied to it, so the spans are the same (tests/unit/test_preprocess.py).
 _BOUNDARY = re.compile(r"([.!?\u2026][.!?]*)([\"'\u201d\u2019)\]]*)\s+(?=[\"'\u201c\u2018(\[]*[A-Z0-9\u00c0-\u00dd])")
 _ABBREVIATIONS = frozenset(
     "mr mrs ms dr prof sr jr st mt ft vs gen col lt sgt capt cmdr adm gov sen rep rev hon pres messrs mme mlle "
