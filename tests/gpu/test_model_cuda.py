@@ -1,0 +1,141 @@
+"""The model's own CUDA paths against float64 references on the CPU (skipped without a GPU): the paths the CPU
+suite runs only on the CPU.
+
+- RoPE's autograd Function (its backward is the inverse rotation, written out), fp32 and bf16;
+- the banded sliding-window attention of ModernBERT's local layers, forward and gradients;
+- ``train.fast_dropout`` is a CPU path: on CUDA, ``Dropout`` and attention dropout are torch's own draws;
+- a tiny ModernBERT, unpadded on the GPU (local layers through the band), against the padded float64 model.
+
+``PRETRAIN_GPU_TEST_DEVICE=cpu`` runs this file on the CPU to check the tests themselves: everything passes there
+but the dropout test, which must fail (the CPU draws its own masks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.config.model import ModelConfig
+from pretrain.model import build_model
+from pretrain.model.banded import banded_attention, make_band, use_band
+from pretrain.model.dropout import Dropout, attention
+from pretrain.model.packing import pack
+from pretrain.model.rotary import apply_rope, rope_tables, window_mask
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = os.environ.get("PRETRAIN_GPU_TEST_DEVICE", "cuda")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+"""Largest error allowed, relative to the reference's largest magnitude."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_cuda():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.detach().double().cpu() - ref.detach().double().cpu()).abs().max()
+            / ref.detach().double().abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["BHTK", "NHK"])
+def test_rope_function_on_the_device_matches_the_float64_formula(dtype, layout):
+    g = torch.Generator().manual_seed(1)
+    cos, sin = rope_tables(torch.arange(37) * 5, 64, 10_000.0, torch.float32)
+    shape = (3, 4, 37, 64) if layout == "BHTK" else (37, 4, 64)
+    if layout == "NHK":
+        cos, sin = cos[:, None], sin[:, None]
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(*shape, generator=g)
+    x64 = x.double().requires_grad_()
+    half = shape[-1] // 2
+    ref = x64 * cos.double() + torch.cat((-x64[..., half:], x64[..., :half]), dim=-1) * sin.double()
+    (ref_grad,) = torch.autograd.grad(ref, x64, w.double())
+    xd = x.to(DEVICE, dtype).requires_grad_()
+    y = apply_rope(xd, cos.to(DEVICE), sin.to(DEVICE))
+    (grad,) = torch.autograd.grad(y, xd, w.to(DEVICE, dtype))
+    assert y.dtype == grad.dtype == dtype and y.device.type == DEVICE
+    assert _rel(y, ref) < TOL[dtype] and _rel(grad, ref_grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length,half,padded", [(200, 16, True), (131, 8, False), (64, 4, True)])
+def test_banded_attention_on_the_device_matches_the_dense_window_in_float64(dtype, length, half, padded):
+    assert use_band(length, half)
+    g = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(3, 4, length, 32, generator=g) for _ in range(3))
+    keep_B11T = None
+    if padded:
+        lengths = torch.tensor([length, length // 2, 7])
+        keep_B11T = (torch.arange(length)[None] < lengths[:, None])[:, None, None, :]
+    real_B1T1 = torch.ones(3, 1, length, 1, dtype=torch.bool) if keep_B11T is None else keep_B11T[:, :, 0, :, None]
+    upstream = torch.randn(3, 4, length, 32, generator=g) * real_B1T1  # padding queries: read by nothing
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=window_mask(keep_B11T, length, half, q.device))
+    ref_grads = torch.autograd.grad((ref * upstream.double()).sum(), ref_in)
+    dev_in = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    band = make_band(None if keep_B11T is None else keep_B11T.to(DEVICE), length, half, torch.device(DEVICE))
+    got = banded_attention(*dev_in, band)
+    grads = torch.autograd.grad((got.float() * upstream.to(DEVICE)).sum(), dev_in)
+    real = real_B1T1.to(DEVICE)
+    assert torch.isfinite(got).all() and _rel(got * real, ref * real_B1T1) < TOL[dtype]
+    for a, b in zip(grads, ref_grads):
+        assert _rel(a, b) < TOL[dtype]
+
+
+def test_dropout_on_the_device_is_torchs_own_draw():
+    """With fast_dropout on (the default), the GPU draws exactly what torch's dropout draws from the same seed: the
+    fast masks are a CPU path (on the CPU this test fails, as it should)."""
+    x = torch.randn(64, 256, device=DEVICE)
+    drop = Dropout(0.1).train()
+    assert drop.fast_dropout
+    torch.manual_seed(3)
+    got = drop(x)
+    torch.manual_seed(3)
+    want = F.dropout(x, 0.1, True)
+    assert torch.equal(got, want)
+    q, k, v = (torch.randn(2, 4, 33, 16, device=DEVICE) for _ in range(3))
+    mask = torch.rand(2, 1, 33, 33, device=DEVICE) > 0.2
+    torch.manual_seed(4)
+    got = attention(q, k, v, mask, 0.1, fast=True)
+    torch.manual_seed(4)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
+    assert torch.equal(got, want)
+
+
+def test_modernbert_unpadded_on_the_device_matches_the_padded_float64_model():
+    """A tiny ModernBERT (window 8: the local layers take the band from 21 tokens on), unpadded on the device in
+    fp32, against the same weights padded in float64 on the CPU: hidden states of the real tokens and the
+    gradient of every parameter."""
+    cfg = ModelConfig(arch="modernbert", vocab_size=60, hidden_size=64, num_heads=4, ffn_size=96, num_layers=4,
+                      local_window=8, pooler=False, layer_norm_eps=1e-5, dropout=0.0, attention_dropout=0.0)
+    ref = build_model(cfg, seed=1).double().train()
+    model = build_model(cfg, seed=1).to(DEVICE).train()
+    lengths = [70, 3, 33, 70, 21, 9]
+    g = torch.Generator().manual_seed(2)
+    t = max(lengths)
+    mask_BT = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).long()
+    ids_BT = torch.randint(4, 60, (len(lengths), t), generator=g) * mask_BT
+    upstream_BTD = torch.randn(len(lengths), t, 64, generator=g, dtype=torch.float64) * mask_BT[..., None]
+    h_BTD = ref.encode(ids_BT, mask_BT)
+    (h_BTD * upstream_BTD).sum().backward()
+    packed = pack([(ids_BT.numpy(), mask_BT.numpy())])
+    h_ND = model.encode(None, None, packed=packed.to(DEVICE))
+    upstream_ND = upstream_BTD.flatten(0, 1)[packed.index_N].to(DEVICE, torch.float32)
+    (h_ND * upstream_ND).sum().backward()
+    assert _rel(h_ND, h_BTD.flatten(0, 1)[packed.index_N]) < 1e-4
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            assert ref_params[name].grad is None, name
+            continue
+        assert _rel(p.grad, ref_params[name].grad) < 1e-4, name
+        checked += 1
+    assert checked > 20
