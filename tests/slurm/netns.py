@@ -260,8 +260,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
     def kill_job(job_id: str) -> list[int]:
         """SIGKILL every process of Slurm job `job_id` (those whose environment names it: the batch script, srun,
         torchrun, the trainer's ranks), as Slurm does once KillWait has passed; Slurm's daemons stay. The nodes'
-        namespaces share this machine's PID space. Returns the PIDs."""
-        killed = []
+        namespaces share this machine's PID space. Returns the PIDs.
+
+        Each one is frozen (SIGSTOP) as the scan of /proc finds it, and all are killed once the scan is done: killed
+        one by one as found, srun's death made its step end the ranks before the scan reached them (3 of the
+        job's 7+ processes seen, stop 38's CI), so what was killed depended on how fast this machine was."""
+        found = []
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
                 continue
@@ -271,10 +275,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 continue
             if f"SLURM_JOB_ID={job_id}".encode() in environ:
                 try:
-                    os.kill(int(proc.name), signal.SIGKILL)
-                    killed.append(int(proc.name))
+                    os.kill(int(proc.name), signal.SIGSTOP)
+                    found.append(int(proc.name))
                 except ProcessLookupError:
                     pass
+        killed = []
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
         return sorted(killed)
 
     # -- daemons -----------------------------------------------------------------------------------
