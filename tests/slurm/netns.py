@@ -262,9 +262,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         torchrun, the trainer's ranks), as Slurm does once KillWait has passed; Slurm's daemons stay. The nodes'
         namespaces share this machine's PID space. Returns the PIDs.
 
-        Each one is frozen (SIGSTOP) as the scan of /proc finds it, and all are killed once the scan is done: killed
-        one by one as found, srun's death made its step end the ranks before the scan reached them (3 of the
-        job's 7+ processes seen, stop 38's CI), so what was killed depended on how fast this machine was."""
+        Each one is frozen (SIGSTOP) as the scan of /proc finds it, and all are killed once the scan is done. Killed
+        one by one as found, the ranks were gone before the scan reached them (stop 38's CI saw 3 of the job's 7+
+        processes; most likely their step ended them once srun was killed), so what was killed depended on how
+        fast this machine was."""
         found = []
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
