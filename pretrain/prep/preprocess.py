@@ -153,16 +153,14 @@ _WORKER: dict = {}
 """Per-worker-process handle set by the pool initializer (the only process-level state here)."""
 
 
-def _init_worker(tokenizer_path: str, sha256: str, min_sentence_chars: int, read_kwargs: dict,
+def _init_worker(tokenizer: Tokenizer, min_sentence_chars: int, read_kwargs: dict,
                  spill: dict | None = None) -> None:
+    """``tokenizer``: a forked worker gets the main process's object itself (fork passes the arguments without
+    pickling; it has encoded nothing, so no thread pool is copied; loading it again cost each worker 0.06 s before
+    its first part); a spawned one unpickles it, which loads the file and checks its SHA-256 (``Tokenizer``'s
+    ``__setstate__``)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; avoid oversubscription
-    # A forked worker has the main process's tokenizer already (``_map_ordered`` leaves it here before the fork;
-    # it has encoded nothing, so no thread pool is copied): loading it again cost each worker 0.06 s before its
-    # first part. A spawned worker (another start method) loads it, checked against the same SHA-256.
-    inherited = _WORKER.pop("inherited", None)
-    tok = inherited if inherited is not None and (inherited.path, inherited.sha256) == (tokenizer_path, sha256) \
-        else Tokenizer(tokenizer_path, expected_sha256=sha256)
-    _WORKER["processor"] = ChunkProcessor(tok, min_sentence_chars)
+    _WORKER["processor"] = ChunkProcessor(tokenizer, min_sentence_chars)
     _WORKER["read_kwargs"] = read_kwargs
     _WORKER["spill"] = spill
 
@@ -194,14 +192,9 @@ def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_work
     if first is None:
         return
     tasks = itertools.chain([first], tasks)
-    tok = processor.tokenizer
-    _WORKER["inherited"] = tok
-    try:
-        pool = mp.get_context().Pool(num_workers, initializer=_init_worker,
-                                     initargs=(tok.path, tok.sha256, processor.min_sentence_chars, read_kwargs, spill))
-    finally:
-        _WORKER.pop("inherited", None)
-    with pool:
+    with mp.get_context().Pool(num_workers, initializer=_init_worker,
+                               initargs=(processor.tokenizer, processor.min_sentence_chars, read_kwargs,
+                                         spill)) as pool:
         window: deque = deque()
         for task in tasks:
             window.append((pool.apply_async(_run_in_worker, (task,)), task))

@@ -424,22 +424,32 @@ def test_sentence_spans_equal_the_former_pattern_on_real_text(data_dir):
     assert all(sentence_spans(p) == _spans_with_the_former_pattern(p) for p in paragraphs)
 
 
-def test_forked_workers_inherit_the_tokenizer_and_others_load_it(tokenizer):
-    """The pool's initializer takes the tokenizer the main process left before forking (same file and SHA-256),
-    and loads it from its file otherwise (another start method, or a different tokenizer left behind)."""
+def _worker_tokenizer_marker(_):
     from pretrain.prep import preprocess as pp
 
+    return getattr(pp._WORKER["processor"].tokenizer, "marker", None)
+
+
+def test_forked_workers_inherit_the_tokenizer_and_others_load_it(tokenizer):
+    """A forked worker's initializer gets the main process's tokenizer object itself (an attribute set on it here
+    is there in the worker, so it was not loaded again); another start method passes it pickled, which loads the
+    file (a new object, the same SHA-256) and refuses a file whose SHA-256 is not the expected one."""
+    import multiprocessing as mp
+    import pickle
+
+    from pretrain.prep import preprocess as pp
+
+    tokenizer.marker = "main process's object"
     try:
-        pp._WORKER["inherited"] = tokenizer
-        pp._init_worker(tokenizer.path, tokenizer.sha256, 8, {})
-        assert pp._WORKER["processor"].tokenizer is tokenizer and "inherited" not in pp._WORKER
-        pp._init_worker(tokenizer.path, tokenizer.sha256, 8, {})  # nothing left behind: loaded
-        loaded = pp._WORKER["processor"].tokenizer
-        assert loaded is not tokenizer and loaded.sha256 == tokenizer.sha256
-        pp._WORKER["inherited"] = tokenizer
+        with mp.get_context("fork").Pool(2, initializer=pp._init_worker, initargs=(tokenizer, 8, {})) as pool:
+            assert pool.map(_worker_tokenizer_marker, range(2)) == ["main process's object"] * 2
+        loaded = pickle.loads(pickle.dumps(tokenizer))  # what a spawned worker receives
+        assert loaded is not tokenizer and loaded.sha256 == tokenizer.sha256 and not hasattr(loaded, "marker")
+        state = tokenizer.__getstate__() | {"sha256": "0" * 64}
         with pytest.raises(ValueError, match="SHA-256|sha256"):
-            pp._init_worker(tokenizer.path, "0" * 64, 8, {})  # not the expected file: not used, and refused
+            type(tokenizer).__new__(type(tokenizer)).__setstate__(state)  # not the expected file: refused
     finally:
+        del tokenizer.marker
         pp._WORKER.clear()
 
 
