@@ -16,6 +16,7 @@ the status (``signal_exit_code``): 75 when they checkpointed for a requeue.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
@@ -105,12 +106,40 @@ def _record_stop_codes() -> None:
     api.SubprocessContext._close = _close
 
 
+class _PlainTracebacks(logging.Filter):
+    """Formats a record's traceback with the standard library's formatter before torch's handler sees it.
+
+    torch's log formatter imports ``torch._dynamo`` (sympy and the rest: ~2 s of CPU on an idle machine) to format
+    any record that carries an exception. In torchrun that happens in the exit barrier's benign race: the last node
+    to arrive completes the barrier, the head node's agent (which hosts the store) leaves at once, and the last
+    node's own wait then fails with "Failed to recv" and is logged with its traceback. On a loaded 2-node job that
+    import outlasted srun's ``--wait`` and the node was SIGKILLed after its workers had finished (exit 137, stop
+    38's CI). The same text is printed; only the import is gone."""
+
+    _formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            if not record.exc_text:
+                record.exc_text = self._formatter.formatException(record.exc_info)
+            record.exc_info = None
+        return True
+
+
+def _plain_tracebacks() -> None:
+    """Install ``_PlainTracebacks`` on the handlers torch's elastic loggers write through ("torch.distributed")."""
+    for handler in logging.getLogger("torch.distributed").handlers:
+        if not any(isinstance(f, _PlainTracebacks) for f in handler.filters):
+            handler.addFilter(_PlainTracebacks())
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     _record_stop_codes()
+    _plain_tracebacks()
     try:
         torchrun(argv)
     except ChildFailedError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -89,3 +90,48 @@ def test_sigterm_to_the_launcher_ends_in_the_workers_requeue_code_not_a_tracebac
     assert ("[launch] SIGTERM: torchrun stopped its workers: local rank 0 exit 75, local rank 1 exit 75: "
             "checkpointed and stopped for a requeue; exit 75") in err
     assert "Traceback" not in err and "SignalException" not in err, err
+
+
+LATE_NODE = """import os, sys, time
+import torch.distributed.elastic.utils.store as store_util
+joined = store_util._barrier_nonblocking
+def join_then_stall(*args, **kwargs):  # node 1 joins the exit barrier, then is descheduled before it waits
+    key = joined(*args, **kwargs)
+    if os.environ["NODE"] == "1":
+        time.sleep(2.0)
+    return key
+store_util._barrier_nonblocking = join_then_stall
+from pretrain.distributed.launch import main
+code = main(sys.argv[1:])
+print(f"node {os.environ['NODE']}: torch._dynamo imported: {'torch._dynamo' in sys.modules}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_the_exit_barriers_race_is_logged_without_importing_dynamo(tmp_path):
+    """Two nodes' torchrun on localhost. Node 1 completes the exit barrier, and the head node (which hosts the store)
+    leaves before node 1 waits on it: torch logs node 1's "Failed to recv" with its traceback. torch's formatter
+    imports torch._dynamo for any traceback, seconds of CPU, and on a loaded 2-node Slurm job that outlasted srun's
+    --wait and node 1 was SIGKILLed after training had finished (stop 38's CI). The traceback is still printed."""
+    import socket
+
+    (tmp_path / "late_node.py").write_text(LATE_NODE)
+    (tmp_path / "worker.py").write_text("print('worker done')\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "late_node.py"), "--nnodes=2", f"--node-rank={n}",
+                               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+                               "--max-restarts=0", str(tmp_path / "worker.py")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "NODE": str(n)})
+             for n in (0, 1)]
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert "Error waiting on exit barrier" in errs[1] and "Failed to recv" in errs[1], errs[1]  # the race happened
+    assert "Traceback (most recent call last)" in errs[1]  # and its traceback is still there
+    assert "node 1: torch._dynamo imported: False" in errs[1], errs[1]
+    assert "node 0: torch._dynamo imported: False" in errs[0], errs[0]
