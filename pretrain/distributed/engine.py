@@ -9,6 +9,7 @@ typed configs (``build_ds_config``) — users never write one by hand.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -37,7 +38,59 @@ def _import_deepspeed():
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    _import_muon_uncompiled()
     return deepspeed
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer module with its ``torch.compile`` wrappers made on first call.
+
+    DeepSpeed 0.19 imports that module during every ZeRO-1/2 gradient reduction, in its bf16 optimizer and in
+    ZeRO-3 (``isinstance(optimizer, MuonWithAuxAdam)``), and the module wraps three functions in
+    ``torch.compile`` (``@compiler.compile()``) as it is imported: that imports torch._dynamo and torch._inductor,
+    ~2-4 s of CPU in every rank, for an optimizer this trainer never builds. Here ``compiler.compile`` hands out a
+    decorator that calls ``torch.compile`` on the function the first time it is called, so a Muon run compiles as
+    before and every other run imports neither. Without the ``compiler.compile`` this relies on (another
+    DeepSpeed), the module is left to be imported as DeepSpeed does it."""
+    import importlib
+    import sys
+
+    if MUON_MODULE in sys.modules:
+        return
+    try:
+        from deepspeed.runtime import compiler
+    except ImportError:
+        return
+    original = getattr(compiler, "compile", None)
+    if original is None:
+        return
+
+    def compile_on_first_call():
+        def decorate(fn):
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = original()(fn)
+                return compiled(*args, **kwargs)
+
+            call.compiles_on_first_call = True
+            return call
+
+        return decorate
+
+    compiler.compile = compile_on_first_call
+    try:
+        importlib.import_module(MUON_MODULE)
+    except ImportError:
+        pass
+    finally:
+        compiler.compile = original
 
 
 def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedConfig, world_size: int, *,

@@ -18,17 +18,30 @@ from pretrain.config.model import ModelConfig
 from pretrain.model.dropout import Dropout
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that leaves its default N(0, 1) init out on the meta device.
+
+    ``build_model`` builds the model on the meta device and initialises it after allocation; there nn.Embedding's own
+    ``normal_`` would be thrown away, and on a meta tensor it runs torch's Python reference kernel, whose first call
+    imports ``torch._dynamo`` (~2 s of CPU for every process that builds a model). Built on a real device, it is
+    nn.Embedding."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class Embeddings(nn.Module):
     """ids_BT -> x_BTD = LayerNorm(word[ids] + token_type[types or 0] + position[offset + i]), then dropout."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position = nn.Embedding(cfg.max_position, cfg.hidden_size)
+        self.word = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position = Embedding(cfg.max_position, cfg.hidden_size)
         self.offset = cfg.position_offset
         # BERT's segment embeddings: pretraining uses type 0 only; sentence-pair fine-tuning (GLUE) passes
         # token_type_ids_BT with 1 on the second segment, as BERT does.
-        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.token_type = Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = Dropout(cfg.dropout)
 

@@ -103,10 +103,12 @@ class PretrainModel(nn.Module):
 def build_model(cfg: ModelConfig, *, seed: int | None = None, init: bool = True) -> PretrainModel:
     """A PretrainModel with its architecture's init (BERT's or ModernBERT's; ``seed`` gives a private generator,
     otherwise torch's default generator is used). ``init=False`` only allocates (for loading weights right after)."""
-    # Built on the meta device and then allocated, so nn's own default init is not run for nothing.
+    # Built on the meta device and then allocated, so nn's own default init is not run for nothing. Allocated with
+    # torch.empty rather than to_empty: empty_like of a meta tensor runs torch's Python reference kernel, whose first
+    # call imports torch.fx's symbolic shapes (~0.5 s of CPU in every process that builds a model).
     with torch.device("meta"):
         model = PretrainModel(cfg)
-    model.to_empty(device="cpu")
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
     model.tie_weights()
     if init:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -16,6 +16,7 @@ from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, banded_attention
 from pretrain.model.block import activation_fn
 from pretrain.model.dropout import Dropout, attention
+from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import materialize
 from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope
@@ -42,7 +43,7 @@ class ModernEmbeddings(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.word = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=False)
         self.dropout = Dropout(cfg.dropout)
 

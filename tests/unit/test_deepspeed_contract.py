@@ -14,12 +14,17 @@ fails first (and pyproject.toml's deepspeed range must move with a reviewed Engi
   gradients as a tensor, -1 where it is not finite (Engine.step's norm under ZeRO 1-2).
 - DeepSpeed calls the client optimizer's ``step()`` once per parameter group under ZeRO 1-2, with ``param_groups``
   narrowed to that group (the ScheduledAdamW reads its schedule position from the group it is handed).
+- DeepSpeed imports its Muon module in every run (ZeRO 1-2's gradient reduction, the bf16 optimizer, ZeRO-3), and
+  that module wraps its functions in ``torch.compile`` through ``deepspeed.runtime.compiler.compile()`` as it is
+  imported; the Engine imports it first with those wrappers made on first call (no torch._dynamo / _inductor).
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import deepspeed
@@ -60,3 +65,54 @@ def test_zero_keeps_the_switches_the_engine_sets_and_reports_a_bad_norm_as_minus
     assert callable(DeepSpeedZeroOptimizer.scaled_global_norm)
     step = inspect.getsource(DeepSpeedZeroOptimizer._optimizer_step)
     assert "self.optimizer.param_groups = [original_param_groups[group_no]]" in step
+
+
+def test_deepspeed_imports_muon_in_every_run_and_wraps_it_at_import():
+    from deepspeed.runtime import bf16_optimizer
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    from pretrain.distributed.engine import MUON_MODULE
+
+    muon_import = f"from {MUON_MODULE} import MuonWithAuxAdam"
+    assert muon_import in inspect.getsource(stage_1_and_2.DeepSpeedZeroOptimizer.average_tensor)
+    assert muon_import in inspect.getsource(bf16_optimizer.BF16_Optimizer.__init__)
+    assert muon_import in inspect.getsource(stage3)
+    original_muon = Path(stage_1_and_2.__file__).parent / "muon" / "original_muon.py"
+    assert "from deepspeed.runtime import compiler" in original_muon.read_text()
+    assert original_muon.read_text().count("@compiler.compile()") >= 2
+
+
+MUON_FIRST_CALL = """
+import functools, sys
+import torch
+from pretrain.distributed.engine import MUON_MODULE, _import_deepspeed
+_import_deepspeed()
+from deepspeed.runtime import compiler
+import deepspeed.runtime.zero.muon.original_muon as om
+print("imported", MUON_MODULE in sys.modules, sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+print("restored", compiler.compile() is torch.compile)
+print("lazy", sorted(n for n, f in vars(om).items() if getattr(f, "compiles_on_first_call", False)))
+# The first call compiles: torch.compile itself, with its eager backend here (the graph dynamo captures, no C++ build).
+torch.compile = functools.partial(torch.compile, backend="eager")
+import torch._dynamo
+G = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
+out = om.zeropower_via_newtonschulz5(G, 5)
+graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+again = om.zeropower_via_newtonschulz5(G, 5)
+print("graphs", graphs, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+print("equal", torch.equal(out, om.zeropower_via_newtonschulz5.__wrapped__(G, 5)), torch.equal(out, again))
+"""
+
+
+def test_the_engine_imports_muon_without_compiling_and_its_first_call_compiles():
+    """DeepSpeed's import of its Muon module compiled three functions at import: torch._dynamo and torch._inductor,
+    ~2-4 s of CPU in every rank of every run (1.8 s of a 7.5 s tiny single-process run, measured)."""
+    proc = subprocess.run([sys.executable, "-c", MUON_FIRST_CALL], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert lines["imported"] == "True []"
+    assert lines["restored"] == "True"
+    assert "zeropower_via_newtonschulz5" in lines["lazy"] and "muon_update" in lines["lazy"]
+    first, second = map(int, lines["graphs"].split())
+    assert first >= 1 and second == first  # compiled on the first call, once
+    assert lines["equal"] == "True True"

@@ -222,3 +222,37 @@ def test_cuda_matches_cpu_and_bf16_autocast_runs():
     keep = mask_BT.bool()
     assert (h_cpu - h_gpu)[keep].abs().max() < 1e-4
     assert torch.isfinite(h_bf16).all() and (h_cpu - h_bf16)[keep].abs().max() < 0.1
+
+
+BUILD_IN_A_FRESH_PROCESS = """
+import sys
+from pretrain.config.model import ModelConfig
+from pretrain.model import build_model
+for arch in ("bert", "modernbert"):
+    build_model(ModelConfig(arch=arch, vocab_size=100, hidden_size=16, num_layers=3, num_heads=2, ffn_size=32,
+                            max_position=32, pooler=arch == "bert"), seed=0)
+print(sorted(m for m in ("torch._dynamo", "torch._inductor", "torch.fx.experimental.symbolic_shapes")
+             if m in sys.modules))
+"""
+
+
+def test_building_a_model_imports_no_compiler_and_embeddings_init_as_nn_does():
+    """build_model builds on the meta device: nn.Embedding's normal_ and to_empty's empty_like there run torch's
+    Python reference kernels, which imported torch._dynamo and torch.fx's symbolic shapes (~2.5 s of CPU in every
+    process that built a model). Off the meta device the project's Embedding is nn.Embedding, init included."""
+    import subprocess
+    import sys
+
+    from pretrain.model.embeddings import Embedding
+
+    proc = subprocess.run([sys.executable, "-c", BUILD_IN_A_FRESH_PROCESS], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+    torch.manual_seed(3)
+    ours = Embedding(50, 8, padding_idx=0)
+    torch.manual_seed(3)
+    theirs = torch.nn.Embedding(50, 8, padding_idx=0)
+    assert torch.equal(ours.weight, theirs.weight) and ours.weight.std() > 0.5
+    with torch.device("meta"):
+        assert Embedding(50, 8).weight.is_meta
