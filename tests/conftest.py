@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from tiny_roberta import save_roberta_dir, train_roberta_tokenizer  # noqa: E402  (tools/, and re-exported to tests)
 _SESSION_VAR = "PRETRAIN_TEST_SESSION"
-os.environ.setdefault(_SESSION_VAR, uuid.uuid4().hex)
+# A fresh mark per session, also in a pytest that a test runs (tools/gpu_check.sh's tests stage): with the outer
+# session's mark inherited, the inner one's reaper killed the outer test's processes as its own.
+os.environ[_SESSION_VAR] = uuid.uuid4().hex
 _SESSION_MARK = f"{_SESSION_VAR}={os.environ[_SESSION_VAR]}".encode()
 _first_seen: dict[int, str] = {}  # pid of a marked process -> the test after which it was first seen alive
 

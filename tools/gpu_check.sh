@@ -7,12 +7,17 @@
 #
 # Environment:
 #   PYTHON             interpreter with a CUDA torch (default python3)
-#   PRETRAIN_WHEELS    directory of wheels to install offline when DeepSpeed is missing (default .whl;
-#                      see docs/performance.md for the list); without it, pip installs from the index
-#   GPU_CHECK_STAGES   comma list of stages to run (default: all, in this order)
-#                      install,tests,smoke,bench_similarity,bench_step,bench_step_compile
+#   PRETRAIN_WHEELS    directory of wheels to install offline when DeepSpeed is missing (default .whl, made by
+#                      tools/gpu_wheels.sh); without it, pip installs from the index
+#   GPU_CHECK_STAGES   comma list of stages to run (default: all; they run in this order, the figures the
+#                      issues still wait for first) install,tests,bench_step,bench_similarity,smoke,bench_step_compile
 #   GPU_CHECK_BATCHES  micro-batches for bench_step (default "256 512"; on an 80 GB H100, HF's arm needs
 #                      67 GB at 512, so 1024 does not fit)
+#   GPU_CHECK_BUDGET_S the whole pass's wall-clock budget in seconds (default: none). Each stage's time limit is
+#                      cut to what is left less 20 s, and a stage with under 30 s left is skipped (recorded in
+#                      stages.jsonl with rc "skipped"), so the pass ends inside a device lease.
+#   GPU_CHECK_TAR      also pack OUTDIR (logs and JSON, not the built extension) into this .tar.gz, one file to
+#                      bring back (the device tool returns at most 8 files)
 # A prebuilt pretrain/_C*.so that imports is reused (PRETRAIN_BUILD_CUDA=0); delete it to rebuild.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +26,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
-STAGES=${GPU_CHECK_STAGES:-install,tests,smoke,bench_similarity,bench_step,bench_step_compile}
+STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_similarity,smoke,bench_step_compile}
+BUDGET=${GPU_CHECK_BUDGET_S:-0}
 BATCHES=${GPU_CHECK_BATCHES:-256 512}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PY WHEELS
 : >"$OUT/stages.jsonl"
@@ -31,6 +37,16 @@ stage() {  # stage NAME TIME_LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
   case ",$STAGES," in *",$name,"*) ;; *) return 0 ;; esac
+  if [ "$BUDGET" -gt 0 ]; then
+    local left=$((BUDGET - SECONDS - 20))
+    if [ "$left" -lt 30 ]; then
+      echo "[gpu_check] $name skipped: $((BUDGET - SECONDS))s of the ${BUDGET}s budget left"
+      echo "{\"stage\": \"$name\", \"rc\": \"skipped\", \"seconds\": 0}" >>"$OUT/stages.jsonl"
+      status=1
+      return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "[gpu_check] $(date +%T) $name (limit ${limit}s)"
   local t0=$SECONDS
   timeout --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -50,7 +66,7 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
 EOF
   if ! $PY -c "import deepspeed" 2>/dev/null; then
     if [ -d "$WHEELS" ]; then
-      $PY -m pip install -q --no-index --no-deps --no-cache-dir "$WHEELS"/*.whl || return 1
+      $PY -m pip install -q --no-index --find-links "$WHEELS" --no-cache-dir deepspeed || return 1
     else
       $PY -m pip install -q deepspeed || return 1
     fi
@@ -74,13 +90,13 @@ export -f install_deps
 stage install 600 bash -c install_deps
 cp pretrain/_C*.so "$OUT/" 2>/dev/null || true
 stage tests 900 $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
-stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke"
-cp "$OUT/smoke/smoke.json" "$OUT/" 2>/dev/null || true
-stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
-  --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
 # shellcheck disable=SC2086
 stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --ab trim --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
+stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
+  --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
+stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke"
+cp "$OUT/smoke/smoke.json" "$OUT/" 2>/dev/null || true
 # shellcheck disable=SC2086
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --compile --json-out "$OUT/bench_step_compile.json"
@@ -103,4 +119,8 @@ if xml.is_file():
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str))
 print("[gpu_check] stages:", ", ".join(f"{s['stage']} rc={s['rc']} {s['seconds']}s" for s in summary["stages"]))
 EOF
+if [ -n "${GPU_CHECK_TAR:-}" ]; then
+  tar -czf "$GPU_CHECK_TAR" -C "$(dirname "$OUT")" --exclude='*.so' "$(basename "$OUT")" \
+    && echo "[gpu_check] packed $OUT into $GPU_CHECK_TAR ($(du -h "$GPU_CHECK_TAR" | cut -f1))"
+fi
 exit $status

@@ -39,6 +39,36 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path, clean_env):  # clean_env: no launche
     assert run["valid_mlm"][0][0] == 0 and run["valid_mlm"][-1][0] == 20 and run["loss_falls"]
 
 
+def test_gpu_check_keeps_to_its_budget_and_packs_one_file(tmp_path):
+    """A lease has 15 minutes of device time: with GPU_CHECK_BUDGET_S a stage's limit is cut to what is left (less
+    20 s), a stage with under 30 s left is skipped and recorded, and GPU_CHECK_TAR packs the logs and JSON into one
+    file (the device tool brings back at most 8). The tests stage runs for real here (tests/gpu skips on a CPU)."""
+    import tarfile
+
+    def check(out: Path, stages: str, budget: int) -> tuple[subprocess.CompletedProcess, list[dict]]:
+        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("GPU_CHECK_")}
+        env |= {"PYTHON": sys.executable, "GPU_CHECK_STAGES": stages, "GPU_CHECK_BUDGET_S": str(budget),
+                "GPU_CHECK_TAR": str(out) + ".tar.gz"}
+        proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
+                              cwd=REPO, env=env, timeout=300)
+        return proc, [json.loads(line) for line in (out / "stages.jsonl").read_text().splitlines()]
+
+    proc, stages = check(tmp_path / "spent", "tests,bench_step,smoke", 40)
+    assert proc.returncode == 1, proc.stdout
+    assert stages == [{"stage": s, "rc": "skipped", "seconds": 0} for s in ("tests", "bench_step", "smoke")]
+    assert "tests skipped: " in proc.stdout and "of the 40s budget left" in proc.stdout
+
+    proc, stages = check(tmp_path / "run", "tests", 200)
+    assert [(s["stage"], s["rc"]) for s in stages] == [("tests", 0)], proc.stdout + proc.stderr
+    limit = int(proc.stdout.split("tests (limit ")[1].split("s)")[0])
+    assert 150 <= limit <= 180  # 900 cut to the budget left less 20 s
+    summary = json.loads((tmp_path / "run" / "gpu_check.json").read_text())
+    assert summary["tests"]["skipped"] == summary["tests"]["tests"] != "0"
+    with tarfile.open(tmp_path / "run.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"run/stages.jsonl", "run/tests.log", "run/gpu_check.json", "run/tests_gpu.xml"} <= names, names
+
+
 def test_bench_step_padding_shares_count_the_masks():
     """--data's printed padding shares: padded slots over all slots of the MLM rows, and of both views together."""
     bench_step = _bench_step()
