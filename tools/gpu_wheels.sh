@@ -9,8 +9,8 @@
 # tools/gpu_check.sh installs deepspeed from DIR with pip's resolver (--no-index --find-links), which takes the
 # wheels that fit the machine's Python and what it already has.
 #
-# .whl/ is ignored by git; name it in the device call's `carry` (a few MB). The GPU image had torch, numpy,
-# packaging, psutil and tqdm; everything else DeepSpeed imports is here. Needs a package index (pip download).
+# .whl/ is ignored by git; name it in the device call's `carry` (about 8 MB). The GPU image had torch, numpy and
+# transformers (2026-11-22); every other package DeepSpeed needs is here. Needs a package index (pip download).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYVS=${1:-3.11 3.12 3.13}
@@ -22,7 +22,8 @@ DS=$(version deepspeed)
 echo "[gpu_wheels] deepspeed $DS for python $PYVS into $DIR"
 DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" "deepspeed==$DS"
 pins=()
-for pkg in pydantic pydantic_core annotated-types typing-inspection hjson einops msgpack ninja py-cpuinfo; do
+for pkg in pydantic pydantic_core annotated-types typing-inspection hjson einops msgpack ninja py-cpuinfo psutil tqdm \
+    packaging; do
   pins+=("$pkg==$(version "$pkg")")
 done
 for pyv in $PYVS; do
