@@ -92,13 +92,19 @@ def test_sigterm_to_the_launcher_ends_in_the_workers_requeue_code_not_a_tracebac
     assert "Traceback" not in err and "SignalException" not in err, err
 
 
-LATE_NODE = """import os, sys, time
+LATE_NODE = """import os, socket, sys, time
 import torch.distributed.elastic.utils.store as store_util
 joined = store_util._barrier_nonblocking
 def join_then_stall(*args, **kwargs):  # node 1 joins the exit barrier, then is descheduled before it waits
     key = joined(*args, **kwargs)
-    if os.environ["NODE"] == "1":
-        time.sleep(2.0)
+    if os.environ["NODE"] == "1":  # ... until the head node has left and its store is closed
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", int(os.environ["PORT"])), timeout=1).close()
+            except OSError:
+                break
+            time.sleep(0.05)
     return key
 store_util._barrier_nonblocking = join_then_stall
 from pretrain.distributed.launch import main
@@ -123,7 +129,8 @@ def test_the_exit_barriers_race_is_logged_without_importing_dynamo(tmp_path):
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "late_node.py"), "--nnodes=2", f"--node-rank={n}",
                                "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
                                "--max-restarts=0", str(tmp_path / "worker.py")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "NODE": str(n)})
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "NODE": str(n), "PORT": str(port)})
              for n in (0, 1)]
     try:
         errs = [p.communicate(timeout=180)[1] for p in procs]
