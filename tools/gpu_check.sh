@@ -33,6 +33,10 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONP
 : >"$OUT/stages.jsonl"
 status=0
 
+record() {  # record NAME RC SECONDS: one line of stages.jsonl
+  echo "{\"stage\": \"$1\", \"rc\": $2, \"seconds\": $3}" >>"$OUT/stages.jsonl"
+}
+
 stage() {  # stage NAME TIME_LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
@@ -41,7 +45,7 @@ stage() {  # stage NAME TIME_LIMIT_S COMMAND...
     local left=$((BUDGET - SECONDS - 20))
     if [ "$left" -lt 30 ]; then
       echo "[gpu_check] $name skipped: $((BUDGET - SECONDS))s of the ${BUDGET}s budget left"
-      echo "{\"stage\": \"$name\", \"rc\": \"skipped\", \"seconds\": 0}" >>"$OUT/stages.jsonl"
+      record "$name" '"skipped"' 0
       status=1
       return 0
     fi
@@ -51,7 +55,7 @@ stage() {  # stage NAME TIME_LIMIT_S COMMAND...
   local t0=$SECONDS
   timeout --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >>"$OUT/stages.jsonl"
+  record "$name" "$rc" $((SECONDS - t0))
   tail -n "${GPU_CHECK_TAIL:-15}" "$OUT/$name.log"
   echo "[gpu_check] $name rc=$rc in $((SECONDS - t0))s"
   [ "$rc" = 0 ] || status=1

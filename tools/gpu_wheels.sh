@@ -17,15 +17,12 @@ PYVS=${1:-3.11 3.12 3.13}
 DIR=${2:-.whl}
 PY=${PYTHON:-python3}
 mkdir -p "$DIR"
-version() { $PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
-DS=$(version deepspeed)
+DS=$($PY -c "import importlib.metadata as m; print(m.version('deepspeed'))")
 echo "[gpu_wheels] deepspeed $DS for python $PYVS into $DIR"
 DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" "deepspeed==$DS"
-pins=()
-for pkg in pydantic pydantic_core annotated-types typing-inspection hjson einops msgpack ninja py-cpuinfo psutil tqdm \
-    packaging; do
-  pins+=("$pkg==$(version "$pkg")")
-done
+# shellcheck disable=SC2207
+pins=($($PY -c "import importlib.metadata as m, sys; print(*(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" \
+  pydantic pydantic_core annotated-types typing-inspection hjson einops msgpack ninja py-cpuinfo psutil tqdm packaging))
 for pyv in $PYVS; do
   $PY -m pip download -q --no-deps --only-binary=:all: --python-version "$pyv" --implementation cp \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \

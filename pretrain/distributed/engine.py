@@ -53,20 +53,16 @@ def _import_muon_uncompiled() -> None:
     ``torch.compile`` (``@compiler.compile()``) as it is imported: that imports torch._dynamo and torch._inductor,
     ~2-4 s of CPU in every rank, for an optimizer this trainer never builds. Here ``compiler.compile`` hands out a
     decorator that calls ``torch.compile`` on the function the first time it is called, so a Muon run compiles as
-    before and every other run imports neither. Without the ``compiler.compile`` this relies on (another
-    DeepSpeed), the module is left to be imported as DeepSpeed does it."""
+    before and every other run imports neither. What this relies on in DeepSpeed is pinned in
+    tests/unit/test_deepspeed_contract.py."""
     import importlib
     import sys
 
+    from deepspeed.runtime import compiler
+
     if MUON_MODULE in sys.modules:
         return
-    try:
-        from deepspeed.runtime import compiler
-    except ImportError:
-        return
-    original = getattr(compiler, "compile", None)
-    if original is None:
-        return
+    original = compiler.compile
 
     def compile_on_first_call():
         def decorate(fn):
@@ -87,8 +83,6 @@ def _import_muon_uncompiled() -> None:
     compiler.compile = compile_on_first_call
     try:
         importlib.import_module(MUON_MODULE)
-    except ImportError:
-        pass
     finally:
         compiler.compile = original
 

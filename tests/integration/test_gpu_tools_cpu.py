@@ -10,6 +10,7 @@ between, so that the next lent GPU is not spent on a broken script.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_gpu_check_keeps_to_its_budget_and_packs_one_file(tmp_path):
     import tarfile
 
     def check(out: Path, stages: str, budget: int) -> tuple[subprocess.CompletedProcess, list[dict]]:
-        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("GPU_CHECK_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
         env |= {"PYTHON": sys.executable, "GPU_CHECK_STAGES": stages, "GPU_CHECK_BUDGET_S": str(budget),
                 "GPU_CHECK_TAR": str(out) + ".tar.gz"}
         proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
