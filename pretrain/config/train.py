@@ -91,7 +91,12 @@ class TrainConfig:
     it can be captured as a CUDA graph). The counts' reduction over ranks, backward and the optimizer step stay
     eager. The first steps compile, and each new batch shape once more until dynamic shapes take over (the
     sequence length and the number of MLM positions vary per batch). The step then runs the padded path
-    (train.unpadded has no effect: each batch's packing layout would be a new graph). ZeRO 0-2 only."""
+    (train.unpadded has no effect: each batch's packing layout would be a new graph). Under ZeRO-3 the whole
+    module gathers its parameters once before the compiled forward and once before the backward (DeepSpeed's
+    leaf-module mode, ``Engine``) instead of module by module, where DeepSpeed's hooks would break the graph:
+    parameter memory in the step is then the whole model's, as at ZeRO 1-2, with gradients and optimizer states
+    still partitioned. (A CUDA graph there, compile_mode=reduce-overhead, is untested: ZeRO-3 gathers into new
+    memory every step.)"""
     compile_backend: str = "inductor"
     """torch.compile's backend: inductor (fused kernels) in training; tests use aot_eager (no C++ build)."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"

@@ -235,6 +235,18 @@ class Engine:
         self._adamw = optimizer
         self.ds_config = build_ds_config(optim, train, dist, world_size, load_universal=load_universal)
         self.load_universal = load_universal
+        self._anchor = dist.zero_stage == 3 and bool(getattr(module, "compiled_step", False))
+        if self._anchor:
+            # ZeRO-3 with the compiled step: DeepSpeed's gather and release hooks on every submodule are marked
+            # torch.compiler.disable (a graph break per module). As a leaf, the whole module gathers its
+            # parameters once before its forward, once before its backward (hooks around the compiled region,
+            # not in it), and reduces their gradients in its full backward hook, which fires when the
+            # gradients of its inputs are computed: the anchor that Engine.forward passes is that input, its
+            # gradient produced by the same compiled backward node as the parameters'. Parameter memory in the
+            # step is the whole model's (as ZeRO 1-2); gradients and optimizer states stay partitioned.
+            from deepspeed.utils import set_z3_leaf_module
+
+            set_z3_leaf_module(module, True)
         with quiet_third_party():  # "DeepSpeed ... shm_comm_op built successfully" and the like
             # No LR scheduler for DeepSpeed to step: the optimizer sets its own from its count of applied updates.
             self.ds, self.optimizer, _, _ = deepspeed.initialize(
@@ -247,6 +259,8 @@ class Engine:
         return self.ds.module
 
     def forward(self, *args, **kwargs):
+        if self._anchor:  # see __init__
+            args = (*args, torch.zeros((), device=self.device, requires_grad=True))
         return self.ds(*args, **kwargs)
 
     def micro_step(self, loss: torch.Tensor, *, finite: torch.Tensor | None = None) -> None:

@@ -88,10 +88,11 @@ class Objective:
         return Forward(model, batch, self.ctx, heads=heads, gather=self.gather if gather is None else gather,
                        teachers=self.teachers, token_freq_V=self.token_freq_V)
 
-    def __call__(self, model, batch: dict, heads=None, *, run_terms=None):
+    def __call__(self, model, batch: dict, heads=None, *, run_terms=None, anchor=None):
         """-> (loss, metrics). ``run_terms``: ``self.run_terms`` or its compiled form (``TrainModule.compile_step``);
-        the counts' reduction over ranks (host values, one collective) and the weighting stay outside it."""
-        sums, counts, metrics = (run_terms or self.run_terms)(model, batch, heads)
+        the counts' reduction over ranks (host values, one collective) and the weighting stay outside it.
+        ``anchor``: see ``run_terms``."""
+        sums, counts, metrics = (run_terms or self.run_terms)(model, batch, heads, anchor)
         loss = self.weighted(self.terms, sums, self.global_counts([counts[n] for n, _, _ in self.terms]))
         for name, _, _ in self.terms:
             metrics[name] = (sums[name].detach(), counts[name])  # a tensor: no host sync mid-step
@@ -99,14 +100,21 @@ class Objective:
             loss = sum(s for s in sums.values()) * 0.0
         return loss, metrics
 
-    def run_terms(self, model, batch: dict, heads=None) -> tuple[dict, dict, dict]:
+    def run_terms(self, model, batch: dict, heads=None, anchor=None) -> tuple[dict, dict, dict]:
         """The encoder passes and every term on a micro-batch -> (loss_sum, count and metrics per term): the
-        forward and the losses, what ``train.compile`` compiles as one graph."""
+        forward and the losses, what ``train.compile`` compiles as one graph.
+
+        ``anchor``: a 0-dim zero that requires grad (``Engine.forward`` under ZeRO-3 with the compiled step), added
+        x 0 to every term's sum, which it leaves bit for bit as it was. Its gradient comes out of the same backward
+        node as every parameter's, and DeepSpeed reduces the gradients of a whole-module gather when the module's
+        inputs' gradients are computed (see ``Engine``)."""
         fwd = self.forward_cache(model, batch, heads)
         sums, counts, metrics = {}, {}, {}
         for name, fn, term_cfg in self.terms:
             loss_sum, count, term_metrics = run_term(name, fn, fwd, term_cfg, self.ctx,
                                                      self.sizes if name in CONTRASTIVE else None)
+            if anchor is not None:
+                loss_sum = loss_sum + (anchor * 0.0).to(loss_sum.dtype)
             sums[name], counts[name] = loss_sum, count
             metrics.update(term_metrics)
         return sums, counts, metrics
@@ -145,18 +153,24 @@ class TrainModule(torch.nn.Module):
         self._run_terms = None
         """The compiled ``objective.run_terms`` after ``compile_step``; None runs it eagerly."""
 
+    @property
+    def compiled_step(self) -> bool:
+        """Whether the step's forward and losses run compiled (``compile_step``)."""
+        return self._run_terms is not None
+
     def compile_step(self, **compile_kwargs) -> None:
         """torch.compile the forward and the loss terms of a micro-batch as one graph (``Objective.run_terms``;
         ``compile_kwargs`` go to torch.compile: backend, mode, dynamic). The gradient cache's passes stay eager."""
         self._run_terms = torch.compile(self.objective.run_terms, **compile_kwargs)
 
-    def forward(self, batch: dict, *, embed_only: bool = False, cached: ChunkGrads | None = None):
+    def forward(self, batch: dict, anchor=None, *, embed_only: bool = False, cached: ChunkGrads | None = None):
         """The objective on a micro-batch -> (loss, metrics). Under objective.gradient_cache (every pass runs through
         here, so that DeepSpeed's ZeRO-3 hooks gather the parameters): ``embed_only``, pass 1 of a chunk ->
-        its embeddings; ``cached``, pass 2 -> (loss for backward, per-sample loss, metrics)."""
+        its embeddings; ``cached``, pass 2 -> (loss for backward, per-sample loss, metrics). ``anchor``: a
+        positional tensor input, so that DeepSpeed's module backward hook sees one (``Objective.run_terms``)."""
         release_views(self.model)  # flat parameters: this pass's graph gets views of its own (model/flat.py)
         if embed_only:
             return embed_chunk(self.objective, self.model, batch, self.heads)
         if cached is not None:
             return replay_chunk(self.objective, self.model, batch, self.heads, cached)
-        return self.objective(self.model, batch, self.heads, run_terms=self._run_terms)
+        return self.objective(self.model, batch, self.heads, run_terms=self._run_terms, anchor=anchor)

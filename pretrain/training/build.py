@@ -42,20 +42,12 @@ def objective_resources(cfg: RunConfig, tokenizer, train_set) -> dict:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Config-only checks of paths later steps open (after the tokenizer, data and model) and of train.compile's
-    ZeRO stage: a wrong one fails in the first seconds."""
+    """Config-only checks of paths later steps open (after the tokenizer, data and model): a wrong one fails in the
+    first seconds."""
     if cfg.eval.stsb_every:
         stsb_data_dir(cfg.eval, cfg.distributed.zero_stage)
     if cfg.objective.rank_distill is not None:
         check_teacher_paths(cfg.objective.rank_distill.teachers)
-    if cfg.train.compile and cfg.distributed.zero_stage == 3:
-        # DeepSpeed 0.19's ZeRO-3 gathers each module's parameters in forward hooks it marks
-        # torch.compiler.disable (a graph break at every module); torch.compile of our step instead traces the
-        # partitioned (empty) parameters and fails. Its DeepCompile (engine.compile + a "z3" pass) is the route,
-        # a CUDA op (DeepCompileBuilder): it waits for a GPU to be tried on.
-        raise ValueError("train.compile=true is not supported with distributed.zero_stage=3: ZeRO-3 gathers each "
-                         "module's parameters in hooks torch.compile cannot trace through (a graph break per "
-                         "module); use ZeRO 0-2 or train.compile=false")
 
 
 def build_train_set(cfg: RunConfig, tokenizer):
@@ -144,7 +136,7 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
                       trim_last_layer=cfg.train.trim_last_layer)
         module = TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
         set_fast_dropout(module, cfg.train.fast_dropout)
-    if cfg.train.compile:
+    if cfg.train.compile and not cfg.objective.gradient_cache:  # the cache's passes run eagerly (config lint)
         module.compile_step(**compile_options(cfg.train))
     return module
 

@@ -7,6 +7,7 @@ single-process update on the concatenated batch (up to float reduction order).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import socket
@@ -73,6 +74,8 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
         module = TrainModule(build_model(mcfg), Objective(objective, Context(env, OpsConfig(), "mean")))
         if compile_:  # train.compile (aot_eager: the traced graph, no C++ build)
             module.compile_step(backend="aot_eager")
+        if zero_stage == 3:
+            _partition_everything()
         # eps >> |grad| makes Adam's first step ~ lr*grad (smooth), so float reduction order shows up as
         # ~1e-9 differences instead of sign flips of near-zero gradients.
         optim = OptimConfig(lr=1.0, eps=1.0, warmup_steps=0, clip_grad_norm=0.0)
@@ -88,8 +91,10 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
         loss, _ = engine.forward(batch)
         engine.micro_step(loss)
         engine.step()
+        with _whole(module, zero_stage):
+            weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
         if rank == 0:
-            torch.save({k: v.detach().clone() for k, v in module.model.state_dict().items()}, out)
+            torch.save(weights, out)
             if compile_:
                 from torch._dynamo.utils import counters
 
@@ -102,6 +107,26 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
         gc.collect()
     finally:
         dist.destroy_process_group()
+
+
+def _partition_everything() -> None:
+    """ZeRO-3 keeps no parameter whole between uses (tests/zero3_partitioned.py), in this rank's process."""
+    from zero3_partitioned import partitioned
+
+    from pretrain.distributed import engine as engine_mod
+
+    engine_mod.build_ds_config = partitioned(engine_mod.build_ds_config)
+
+
+def _whole(module, zero_stage: int):
+    """A context in which every parameter is whole on this rank (ZeRO-3: gathered, every rank joining)."""
+    if zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    params = list(module.parameters())
+    assert all(p.ds_status.name == "NOT_AVAILABLE" for p in params)  # partitioned between steps: gathers happened
+    return deepspeed.zero.GatheredParameters(params)
 
 
 def _run(world: int, zero_stage: int, out: str, *, permute: bool = False, gather: bool = True,
@@ -177,3 +202,19 @@ def test_zero2_two_ranks_compiled_match_single_process(tmp_path):
     compiled = _run(2, 2, str(tmp_path / "compiled.pt"), compile_=True)
     assert _update_mismatch(compiled, single, init) == []
     assert torch.load(str(tmp_path / "compiled.pt.breaks")) == {}  # the gather traced too
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_compiled_match_single_process(tmp_path):
+    """train.compile under ZeRO-3 (every parameter partitioned between uses): the whole module gathers around the
+    compiled region, no graph break inside, and the two ranks take the single process's eager update."""
+    single = _run(1, 0, str(tmp_path / "single.pt"))
+    torch.manual_seed(0)
+    from pretrain.model import build_model
+
+    init = build_model(ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
+                                   max_position=64, dropout=0.0, attention_dropout=0.0, pooling="mean")).state_dict()
+    compiled = _run(2, 3, str(tmp_path / "compiled.pt"), compile_=True)
+    assert compiled.keys() == single.keys()
+    assert _update_mismatch(compiled, single, init) == []
+    assert torch.load(str(tmp_path / "compiled.pt.breaks")) == {}

@@ -1,5 +1,6 @@
 """train.compile in the trainer's own step (real Engine, CPU, gloo): one graph, no graph break, and the same losses
-as the eager step, step after step, at ZeRO 0 and 2 (ZeRO-3 is refused: training/build.py says why). Dropout is off
+as the eager step, step after step, at ZeRO 0, 2 and 3 (ZeRO-3 with every parameter partitioned between uses: the
+whole module gathers around the compiled region, ``Engine``). Dropout is off
 (the compiled graph draws its noise in another order) and both runs take the padded path (the compiled step does,
 train.unpadded notwithstanding); aot_eager (train.compile_backend) traces the same graph as inductor without
 building C++ kernels, whose fusions would round differently."""
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from zero3_partitioned import partitioned
 
 from pretrain.config import load_run_config
 from pretrain.distributed.env import (
@@ -57,8 +59,13 @@ def _losses(overrides: list[str]) -> tuple[list[float], int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrides, clean_env, fresh_deepspeed):
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrides, clean_env, fresh_deepspeed,
+                                              monkeypatch):
+    if zero_stage == 3:  # every parameter partitioned between uses (at these sizes DeepSpeed would keep them whole)
+        from pretrain.distributed import engine as engine_mod
+
+        monkeypatch.setattr(engine_mod, "build_ds_config", partitioned(engine_mod.build_ds_config))
     common = {"data__valid": "[]", "distributed__zero_stage": zero_stage, "model__dropout": 0.0,
               "model__attention_dropout": 0.0, "train__unpadded": "false", "train__compile_backend": "aot_eager"}
     eager, no_graphs = _losses(tiny_overrides(tmp_path / "eager", **common))

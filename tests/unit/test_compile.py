@@ -76,10 +76,41 @@ def test_compiled_step_gives_the_eager_loss_and_gradients(trim):
             torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_zero3_is_refused_before_anything_loads():
-    from pretrain.config import load_run_config
-    from pretrain.training.build import preflight
+def test_the_zero3_anchor_leaves_the_loss_alone_and_gets_its_gradient_from_the_compiled_graph():
+    """Under ZeRO-3 the compiled step takes a 0-dim anchor (``Engine.forward``): the loss and every gradient are
+    the anchor-free step's bit for bit, the anchor's gradient (zero) comes out of the compiled backward, and the
+    graph has no break with it."""
+    plain, anchored = _train_module(), _train_module()
+    for module in (plain, anchored):
+        module.compile_step(backend="aot_eager")
+    batch = host_facts(_batch())
+    loss_p, _ = plain(batch)
+    loss_p.backward()
+    anchor = torch.zeros((), requires_grad=True)
+    loss_a, _ = anchored(batch, anchor)
+    loss_a.backward()
+    assert torch.equal(loss_a, loss_p)
+    for (name, p), q in zip(plain.named_parameters(), anchored.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(q.grad, p.grad), name
+    assert anchor.grad is not None and float(anchor.grad) == 0.0
+    assert _anchor_reached_by_compiled(loss_a)
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(anchored.objective.run_terms)(anchored.model, batch, anchored.heads, anchor)
+    assert (out.graph_break_count, out.graph_count) == (0, 1)
 
-    with pytest.raises(ValueError, match="train.compile=true is not supported with distributed.zero_stage=3"):
-        preflight(load_run_config(None, ["train.compile=true", "distributed.zero_stage=3"]))
-    preflight(load_run_config(None, ["train.compile=true", "distributed.zero_stage=2"]))
+
+def _anchor_reached_by_compiled(loss: torch.Tensor) -> bool:
+    """Whether the anchor (an AccumulateGrad leaf) hangs off the compiled region's backward node."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None and type(child).__name__ == "AccumulateGrad" and child.variable.dim() == 0 \
+                    and "CompiledFunction" in type(node).__name__:
+                return True
+            todo.append(child)
+    return False
