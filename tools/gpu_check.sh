@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU pass in one command: install what the GPU machine lacks, build the CUDA extension, run
-# tests/gpu, the training smoke runs (every ZeRO stage, bf16/fp16, resume) and the benchmarks, and write
+# tests/gpu, the training smoke runs (every ZeRO stage, bf16/fp16, ZeRO-3 compiled, resume) and the benchmarks, and write
 # a log per stage plus OUTDIR/gpu_check.json with every figure.
 #
 #   bash tools/gpu_check.sh OUTDIR

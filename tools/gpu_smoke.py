@@ -1,5 +1,5 @@
 """Training smoke runs on a GPU: `pretrain-train` through DeepSpeed on CUDA/NCCL, every ZeRO stage,
-bf16 and fp16, with the fused similarity kernel (`ops.similarity=cuda`); the held-out loss must fall,
+bf16 and fp16, and ZeRO-3 with train.compile, with the fused similarity kernel (`ops.similarity=cuda`); the held-out loss must fall,
 and a checkpoint written on the GPU must resume and continue as the uninterrupted run did. Then a
 BERT-base CLEAR run measures whether the data pipeline keeps the GPU fed (`data_wait_frac`).
 
@@ -64,17 +64,24 @@ def base_overrides(paths: dict, run_dir: Path, steps: int, model: str = "mini") 
 
 
 def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3), precisions=("bf16", "fp16"),
-           similarity: str = "cuda", model: str = "mini") -> list[dict]:
-    """ZeRO stages x precisions: run to `steps`, then resume a copy from the half-way checkpoint."""
-    cases = [(z, p) for z in stages for p in precisions]
+           similarity: str = "cuda", model: str = "mini", compiled_stages=(), compile_backend: str = "inductor"
+           ) -> list[dict]:
+    """ZeRO stages x precisions, and ``compiled_stages`` in the first precision with train.compile: run to `steps`,
+    then resume a copy from the half-way checkpoint."""
+    cases = [(z, p, False) for z in stages for p in precisions] + [(z, precisions[0], True) for z in compiled_stages]
+
+    def case_overrides(z: int, p: str, compiled: bool) -> list[str]:
+        compile_ = ["train.compile=true", f"train.compile_backend={compile_backend}", "train.unpadded=false"]
+        return [f"distributed.zero_stage={z}", f"train.precision={p}", f"ops.similarity={similarity}",
+                *(compile_ if compiled else [])]
 
     def full(case):
-        z, p = case
-        run_dir = out / f"z{z}_{p}"
+        z, p, compiled = case
+        name = f"z{z}_{p}" + ("_compiled" if compiled else "")
+        run_dir = out / name
         shutil.rmtree(run_dir, ignore_errors=True)
-        r = _run(f"z{z}_{p}", out, base_overrides(paths, run_dir, steps, model) +
-                 [f"distributed.zero_stage={z}", f"train.precision={p}", f"ops.similarity={similarity}"])
-        return dict(r, zero=z, precision=p, run_dir=str(run_dir))
+        r = _run(name, out, base_overrides(paths, run_dir, steps, model) + case_overrides(z, p, compiled))
+        return dict(r, zero=z, precision=p, compiled=compiled, run_dir=str(run_dir))
 
     def resume(res):
         src = Path(res["run_dir"])
@@ -87,8 +94,7 @@ def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3
         shutil.copytree(src / "checkpoints" / tag, dst / "checkpoints" / tag)
         (dst / "checkpoints" / "latest").write_text(tag + "\n")
         r = _run(dst.name, out, base_overrides(paths, dst, steps, model) +
-                 [f"distributed.zero_stage={res['zero']}", f"train.precision={res['precision']}",
-                  f"ops.similarity={similarity}"])
+                 case_overrides(res["zero"], res["precision"], res["compiled"]))
         return dict(r, run_dir=str(dst))
 
     with ThreadPoolExecutor(parallel) as pool:
@@ -151,8 +157,11 @@ def main(argv=None) -> int:
     p.add_argument("--feed-batch", type=int, default=128)
     p.add_argument("--feed-steps", type=int, default=50)
     p.add_argument("--only", choices=["matrix", "feed"], default=None)
-    p.add_argument("--zero-stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--zero-stages", type=int, nargs="*", default=[0, 1, 2, 3])
     p.add_argument("--precisions", nargs="+", default=["bf16", "fp16"], choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--compiled-zero-stages", type=int, nargs="*", default=[3],
+                   help="ZeRO stages also run in the first precision with train.compile (ZeRO-3's whole-module gather, issue 24)")
+    p.add_argument("--compile-backend", default="inductor", help="their train.compile_backend (aot_eager: CPU)")
     p.add_argument("--similarity", default="cuda", help="ops.similarity of the matrix runs (torch: a CPU dry run)")
     p.add_argument("--model", choices=sorted(MODELS), default="mini",
                    help="the matrix runs' model (quickstart: the quickstart's tiny one, for a fast CPU dry run)")
@@ -167,9 +176,9 @@ def main(argv=None) -> int:
     summary: dict = {}
     if args.only in (None, "matrix"):
         summary["matrix"] = matrix(paths, out, args.steps, args.parallel, args.zero_stages, args.precisions,
-                                   args.similarity, args.model)
+                                   args.similarity, args.model, args.compiled_zero_stages, args.compile_backend)
         for r in summary["matrix"]:
-            print(f"zero {r['zero']} {r['precision']}: rc {r['rc']} {r['seconds']}s valid mlm "
+            print(f"zero {r['zero']} {r['precision']}{' compiled' if r['compiled'] else ''}: rc {r['rc']} {r['seconds']}s valid mlm "
                   f"{r['valid_mlm']} falls={r['loss_falls']} resume={r.get('resume')}", flush=True)
     if args.only in (None, "feed"):
         summary["feed"] = feed(paths, out, args.feed_workers, args.feed_steps, args.feed_batch)
