@@ -158,7 +158,7 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
                micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True,
-               fast_dropout: bool = True):
+               fast_dropout: bool = True, compile_mode: str = "default"):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
     unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
@@ -185,7 +185,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     init_process_group(env, backend="auto", timeout_s=600)
     model = build_model(ours_model_config(size, vocab, seq, arch, pooling))
     train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat,
-                        trim_last_layer=trim, fast_dropout=fast_dropout)
+                        trim_last_layer=trim, fast_dropout=fast_dropout, compile_mode=compile_mode)
     ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer)
     module = TrainModule(model, Objective(ObjectiveConfig(), ctx))
     set_fast_dropout(module, train.fast_dropout)
@@ -270,14 +270,15 @@ def _hf_modernbert(size: str, vocab: int, seq: int, device: str):
 
 
 def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp32", compile_: bool = False,
-             temperature: float = 0.1, fused: bool = True, arch: str = "bert", pooling: str = "mean"):
+             temperature: float = 0.1, fused: bool = True, arch: str = "bert", pooling: str = "mean",
+             compile_mode: str = "default"):
     """HF's step; ``fused``: fused AdamW (the Engine's on CPU and CUDA alike); ``pooling``: the views' masked
     mean, or their first token's state (cls). ``step.num_params``: the model's and the projection's parameters
     (the tied decoder weight once)."""
     model, encoder = _hf_modernbert(size, vocab, seq, device) if arch == "modernbert" else _hf_bert(size, vocab, seq)
     model.to(device)
     if compile_:
-        model.compile()
+        model.compile(mode=None if compile_mode == "default" else compile_mode)
     d = model.config.hidden_size
     proj = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)).to(device)
     params = list(model.parameters()) + list(proj.parameters())
@@ -327,6 +328,9 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
     """Build one arm, warm it up (2 steps) and time `steps` steps; {"oom": True} when it does not fit.
 
     ``profile_out``: afterwards profile 3 more steps and write the kernel table (by device time) there."""
+    from torch._dynamo.utils import counters
+
+    skips_before = sum(counters["inductor"].get(k, 0) for k in CUDAGRAPH_SKIPS)
     try:
         step = build()
         step(batch), step(batch)
@@ -352,7 +356,13 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
     out = {"s": statistics.median(times), "all_s": times, "num_params": step.num_params}
     if device == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        # --compile-mode reduce-overhead: graphs inductor ran without CUDA graphs (a CPU input, a mutation, ...)
+        out["cudagraph_skips"] = sum(counters["inductor"].get(k, 0) for k in CUDAGRAPH_SKIPS) - skips_before
     return out
+
+
+CUDAGRAPH_SKIPS = ("cudagraph_skips",)
+"""torch._dynamo.utils.counters["inductor"] keys counting graphs run without CUDA graphs under reduce-overhead."""
 
 
 def measure(args, size: str) -> dict:
@@ -369,11 +379,12 @@ def measure(args, size: str) -> dict:
 
     def ours(off: str = ""):  # off: the AB_OPTIONS option turned off in this arm
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
-                          arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout")
+                          arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout",
+                          compile_mode=args.compile_mode)
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
-                        pooling=args.pooling)
+                        pooling=args.pooling, compile_mode=args.compile_mode)
 
     res = {}
     # One arm after the other (not interleaved): on a GPU both models' activations would otherwise have
@@ -583,6 +594,10 @@ def main(argv=None) -> int:
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "
                    "padded), HF's whole model")
+    p.add_argument("--compile-mode", default="default",
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="--compile: torch.compile's mode in both arms (ours: train.compile_mode); reduce-overhead "
+                   "captures CUDA graphs (a GPU)")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak for MFU (H100 SXM 989, H200 989, A100 312)")
     p.add_argument("--json-out", default="", help="also write every figure to this JSON file")
@@ -614,7 +629,8 @@ def main(argv=None) -> int:
     mm = matmul_tflops() if args.device == "cuda" else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, transformers {_version('transformers')}, arch {args.arch}, "
-          f"precision {args.precision}, zero {args.zero_stage}, compile {args.compile}, pooling {args.pooling}, "
+          f"precision {args.precision}, zero {args.zero_stage}, compile {args.compile}"
+          f"{f' ({args.compile_mode})' if args.compile else ''}, pooling {args.pooling}, "
           f"seq {args.seq} (+2 views x "
           f"{args.view_len}), vocab {args.vocab}, median of {args.steps} steps, "
           f"{f'real batches of the shared {args.data} (a new one each step)' if args.data else 'synthetic batch'}"
@@ -629,7 +645,7 @@ def main(argv=None) -> int:
                    "--view-len",
                    str(args.view_len), "--batch", str(b), "--vocab", str(args.vocab), "--steps", str(args.steps),
                    "--zero-stage", str(args.zero_stage), "--device", args.device, "--precision", args.precision]
-            cmd += ["--compile"] if args.compile else []
+            cmd += ["--compile", "--compile-mode", args.compile_mode] if args.compile else []
             cmd += ["--pooling", args.pooling] + (["--ab", args.ab] if args.ab else [])
             cmd += ["--data", args.data] if args.data else []
             cmd += ["--profile-out", args.profile_out] if args.profile_out else []
@@ -652,7 +668,8 @@ def main(argv=None) -> int:
                 row[arm] = dict(step_s=a["s"], samples_per_s=sps, tflops=sps * flops / 1e12,
                                 mfu=sps * flops / 1e12 / args.peak_tflops,
                                 frac_of_matmul=(sps * flops / 1e12 / mm) if mm else None,
-                                peak_gib=a.get("peak_gib"), num_params=a.get("num_params"))
+                                peak_gib=a.get("peak_gib"), num_params=a.get("num_params"),
+                                cudagraph_skips=a.get("cudagraph_skips"))
             if "ours_full" in r and not r["ours_full"].get("oom"):
                 row["ours_full"] = dict(samples_per_s=b / r["ours_full"]["s"])
             rows.append(row)
@@ -682,6 +699,11 @@ def main(argv=None) -> int:
                   f"({full / hf_sps:.2f}x HF); ours / that arm {row['ours']['samples_per_s'] / full:.2f}x"
                   if hf_sps else f"{row['size']}: ours with {AB_OPTIONS[args.ab]} {full:.1f} samples/s")
     for row in rows:
+        skips = {arm: row[arm].get("cudagraph_skips") for arm in ("ours", "hf") if isinstance(row.get(arm), dict)}
+        if args.compile and args.compile_mode == "reduce-overhead" and any(skips.values()):
+            print(f"{row['size']} batch {row['batch']}: graphs run without CUDA graphs (inductor's cudagraph_skips): "
+                  f"{skips}")
+    for row in rows:
         if row.get("padding"):
             print(f"{row['size']} batch {row['batch']}: padding in the timed batches: {row['padding']['mlm']:.1%} of "
                   f"the MLM rows' tokens, {row['padding']['views']:.1%} of the views' (MFU counts full-length FLOPs)")
@@ -689,7 +711,8 @@ def main(argv=None) -> int:
         with open(args.json_out, "w") as f:
             json.dump(dict(device=name, torch=torch.__version__, arch=args.arch, hf_attention=hf_attention(
                            args.arch, args.device), precision=args.precision,
-                           zero_stage=args.zero_stage, compile=args.compile, seq=args.seq,
+                           zero_stage=args.zero_stage, compile=args.compile,
+                           compile_mode=args.compile_mode if args.compile else None, seq=args.seq,
                            view_len=args.view_len, vocab=args.vocab, matmul_tflops=mm,
                            peak_tflops=args.peak_tflops, rows=rows), f, indent=1)
     return 0

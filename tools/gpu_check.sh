@@ -10,7 +10,7 @@
 #   PRETRAIN_WHEELS    directory of wheels to install offline when DeepSpeed is missing (default .whl, made by
 #                      tools/gpu_wheels.sh); without it, pip installs from the index
 #   GPU_CHECK_STAGES   comma list of stages to run (default: all; they run in this order, the figures the
-#                      issues still wait for first) install,tests,bench_step,bench_similarity,smoke,bench_step_compile
+#                      issues still wait for first) install,tests,bench_step,bench_similarity,bench_step_compile,smoke
 #   GPU_CHECK_BATCHES  micro-batches for bench_step (default "256 512"; on an 80 GB H100, HF's arm needs
 #                      67 GB at 512, so 1024 does not fit)
 #   GPU_CHECK_BUDGET_S the whole pass's wall-clock budget in seconds (default: none). Each stage's time limit is
@@ -26,7 +26,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
-STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_similarity,smoke,bench_step_compile}
+STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_similarity,bench_step_compile,smoke}
 BUDGET=${GPU_CHECK_BUDGET_S:-0}
 BATCHES=${GPU_CHECK_BATCHES:-256 512}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PY WHEELS
@@ -99,11 +99,11 @@ stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch 
   --zero-stage 2 --ab trim --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
 stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
   --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
-stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke"
-cp "$OUT/smoke/smoke.json" "$OUT/" 2>/dev/null || true
 # shellcheck disable=SC2086
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
-  --zero-stage 2 --compile --json-out "$OUT/bench_step_compile.json"
+  --zero-stage 2 --compile --compile-mode reduce-overhead --json-out "$OUT/bench_step_compile.json"
+stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke"
+cp "$OUT/smoke/smoke.json" "$OUT/" 2>/dev/null || true
 
 $PY - "$OUT" <<'EOF'
 import json, sys
