@@ -78,8 +78,7 @@ def test_compiled_step_gives_the_eager_loss_and_gradients(trim):
 
 def test_the_zero3_anchor_leaves_the_loss_alone_and_gets_its_gradient_from_the_compiled_graph():
     """Under ZeRO-3 the compiled step takes a 0-dim anchor (``Engine.forward``): the loss and every gradient are
-    the anchor-free step's bit for bit, the anchor's gradient (zero) comes out of the compiled backward, and the
-    graph has no break with it."""
+    the anchor-free step's bit for bit, and the anchor's gradient (zero) comes out of the compiled backward."""
     plain, anchored = _train_module(), _train_module()
     for module in (plain, anchored):
         module.compile_step(backend="aot_eager")
@@ -94,10 +93,7 @@ def test_the_zero3_anchor_leaves_the_loss_alone_and_gets_its_gradient_from_the_c
         assert (p.grad is None) == (q.grad is None), name
         assert p.grad is None or torch.equal(q.grad, p.grad), name
     assert anchor.grad is not None and float(anchor.grad) == 0.0
-    assert _anchor_reached_by_compiled(loss_a)
-    torch._dynamo.reset()
-    out = torch._dynamo.explain(anchored.objective.run_terms)(anchored.model, batch, anchored.heads, anchor)
-    assert (out.graph_break_count, out.graph_count) == (0, 1)
+    assert _anchor_reached_by_compiled(loss_a)  # (no graph break with it: tests/distributed/test_zero_step.py)
 
 
 def _anchor_reached_by_compiled(loss: torch.Tensor) -> bool:
