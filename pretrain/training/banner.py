@@ -54,12 +54,18 @@ def _tokens_per_sequence(cfg) -> list[int]:
     return lengths or [cfg.data.max_len]
 
 
+def whole_weights_in_step(cfg) -> bool:
+    """ZeRO-3 with the compiled step: every rank gathers the whole model for the step (``Engine``: DeepSpeed's
+    leaf-module mode), so its weights count whole, as at ZeRO 0-2."""
+    return cfg.distributed.zero_stage >= 3 and cfg.train.compile and not cfg.objective.gradient_cache
+
+
 def memory_estimate(cfg, num_params: int, world_size: int, vocab_size: int) -> dict[str, float]:
     """Estimated GiB per rank: ``weights``, ``gradients``, ``optimizer``, ``activations`` and ``total``."""
     mixed = cfg.train.precision in ("bf16", "fp16")
     w, g, o = (2, 2, 12) if mixed else (4, 4, 8)
     stage, n = cfg.distributed.zero_stage, max(1, world_size)
-    weights = num_params * w / (n if stage >= 3 else 1)
+    weights = num_params * w / (n if stage >= 3 and not whole_weights_in_step(cfg) else 1)
     grads = num_params * g / (n if stage >= 2 else 1)
     optim = num_params * o / (n if stage >= 1 else 1)
     m = cfg.model
@@ -115,8 +121,9 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str
     mem = memory_estimate(cfg, total, world_size, vocab_size)
     lines.append(f"memory per rank (estimate, +-30%): {mem['total']:.2f} GiB = weights {mem['weights']:.2f} + "
                  f"gradients {mem['gradients']:.2f} + optimizer {mem['optimizer']:.2f} (ZeRO-"
-                 f"{cfg.distributed.zero_stage} over {world_size}) + activations {mem['activations']:.2f} per "
-                 f"micro-batch")
+                 f"{cfg.distributed.zero_stage} over {world_size}"
+                 f"{'; weights whole in the step: train.compile' if whole_weights_in_step(cfg) else ''}) + "
+                 f"activations {mem['activations']:.2f} per micro-batch")
     warnings = inert_settings(cfg)
     if cfg.train.precision == "bf16" and not _on_gpu():
         warnings.append(BF16_ON_CPU)
@@ -165,7 +172,8 @@ def check_memory_fits(mem: dict[str, float], device: str, *, ranks_per_device: i
                        "data.max_len / data.view_max_len",
         "optimizer": "raise distributed.zero_stage or run on more ranks (ZeRO shards the optimizer state)",
         "gradients": "raise distributed.zero_stage to 2 or 3",
-        "weights": "use a smaller model (model=tiny|mini|small) or distributed.zero_stage=3 over more ranks",
+        "weights": "use a smaller model (model=tiny|mini|small) or distributed.zero_stage=3 over more ranks (and "
+                   "train.compile=false: the compiled ZeRO-3 step gathers the whole model)",
     }
     parts = sorted(advice, key=lambda k: -mem[k])
     todo = "; ".join(f"{k} {mem[k]:.2f} GiB: {advice[k]}" for k in parts[:2])

@@ -47,6 +47,17 @@ def test_model_state_memory_follows_the_zero_paper(precision, stage, want):
     assert memory_estimate(twice, P, 8, 1000)["activations"] == pytest.approx(2 * est["activations"])
 
 
+def test_the_compiled_zero3_step_counts_the_whole_models_weights():
+    """train.compile at ZeRO-3 gathers every parameter for the step (Engine: DeepSpeed's leaf module): weights
+    count whole, gradients and Adam state stay sharded; under objective.gradient_cache nothing is compiled."""
+    P = 10_000_000
+    base = ["train.precision=fp32", "distributed.zero_stage=3", "objective.mlm=null"]
+    for overrides, want in ((["train.compile=true"], 4 + 12 / 8), ([], 16 / 8),
+                            (["train.compile=true", "objective.gradient_cache=true"], 16 / 8)):
+        est = memory_estimate(load_run_config(None, base + overrides), P, 8, vocab_size=1000)
+        assert (est["weights"] + est["gradients"] + est["optimizer"]) * GIB / P == pytest.approx(want), overrides
+
+
 def test_dry_run_prints_the_banner_and_writes_nothing(tmp_path, tiny_overrides, capsys):
     run_dir = tmp_path / "run"
     assert main([*tiny_overrides(run_dir), "--dry-run", "--ranks", "4", "train.max_steps=50"]) == 0
