@@ -330,7 +330,7 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
     ``profile_out``: afterwards profile 3 more steps and write the kernel table (by device time) there."""
     from torch._dynamo.utils import counters
 
-    skips_before = sum(counters["inductor"].get(k, 0) for k in CUDAGRAPH_SKIPS)
+    skips_before = counters["inductor"]["cudagraph_skips"]
     try:
         step = build()
         step(batch), step(batch)
@@ -357,12 +357,8 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
     if device == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         # --compile-mode reduce-overhead: graphs inductor ran without CUDA graphs (a CPU input, a mutation, ...)
-        out["cudagraph_skips"] = sum(counters["inductor"].get(k, 0) for k in CUDAGRAPH_SKIPS) - skips_before
+        out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
     return out
-
-
-CUDAGRAPH_SKIPS = ("cudagraph_skips",)
-"""torch._dynamo.utils.counters["inductor"] keys counting graphs run without CUDA graphs under reduce-overhead."""
 
 
 def measure(args, size: str) -> dict:

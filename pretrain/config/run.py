@@ -34,3 +34,9 @@ class RunConfig:
     given: frozenset[str] = field(default=frozenset(), repr=False, compare=False, metadata={"internal": True})
     """Not a config key: the dotted keys the YAML files and overrides set (filled by ``config.load``), so that
     ``checkpoint.init_from`` can tell the model.* settings chosen from the defaults it may fill in."""
+
+    @property
+    def step_compiled(self) -> bool:
+        """Whether train.compile compiles the step: not under objective.gradient_cache, whose passes run eagerly
+        (config/lint.py says so)."""
+        return self.train.compile and not self.objective.gradient_cache

@@ -57,7 +57,7 @@ def _tokens_per_sequence(cfg) -> list[int]:
 def whole_weights_in_step(cfg) -> bool:
     """ZeRO-3 with the compiled step: every rank gathers the whole model for the step (``Engine``: DeepSpeed's
     leaf-module mode), so its weights count whole, as at ZeRO 0-2."""
-    return cfg.distributed.zero_stage >= 3 and cfg.train.compile and not cfg.objective.gradient_cache
+    return cfg.distributed.zero_stage >= 3 and cfg.step_compiled
 
 
 def memory_estimate(cfg, num_params: int, world_size: int, vocab_size: int) -> dict[str, float]:

@@ -136,7 +136,7 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
                       trim_last_layer=cfg.train.trim_last_layer)
         module = TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
         set_fast_dropout(module, cfg.train.fast_dropout)
-    if cfg.train.compile and not cfg.objective.gradient_cache:  # the cache's passes run eagerly (config lint)
+    if cfg.step_compiled:
         module.compile_step(**compile_options(cfg.train))
     return module
 
