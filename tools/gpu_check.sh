@@ -10,12 +10,15 @@
 #   PRETRAIN_WHEELS    directory of wheels to install offline when DeepSpeed is missing (default .whl, made by
 #                      tools/gpu_wheels.sh); without it, pip installs from the index
 #   GPU_CHECK_STAGES   comma list of stages to run (default: all; they run in this order, the figures the
-#                      issues still wait for first) install,tests,bench_step,bench_similarity,bench_step_compile,smoke
+#                      issues still wait for first) install,tests,bench_step,bench_step_compile,smoke,bench_modernbert,
+#                      bench_similarity (the similarity kernel was measured on the H100 of 2026-11-22 and is unchanged)
 #   GPU_CHECK_BATCHES  micro-batches for bench_step (default "256 512"; on an 80 GB H100, HF's arm needs
 #                      67 GB at 512, so 1024 does not fit)
 #   GPU_CHECK_BUDGET_S the whole pass's wall-clock budget in seconds (default: none). Each stage's time limit is
 #                      cut to what is left less 20 s, and a stage with under 30 s left is skipped (recorded in
 #                      stages.jsonl with rc "skipped"), so the pass ends inside a device lease.
+#   GPU_CHECK_SMOKE_ARGS extra arguments of tools/gpu_smoke.py (e.g. "--only matrix --precisions bf16" in a short
+#                      lease: every ZeRO stage and the feed were already checked on the H100 of 2026-11-22)
 #   GPU_CHECK_TAR      also pack OUTDIR (logs and JSON, not the built extension) into this .tar.gz, one file to
 #                      bring back (the device tool returns at most 8 files)
 # A prebuilt pretrain/_C*.so that imports is reused (PRETRAIN_BUILD_CUDA=0); delete it to rebuild.
@@ -26,7 +29,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
-STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_similarity,bench_step_compile,smoke}
+STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_step_compile,smoke,bench_modernbert,bench_similarity}
+SMOKE_ARGS=${GPU_CHECK_SMOKE_ARGS:-}
 BUDGET=${GPU_CHECK_BUDGET_S:-0}
 BATCHES=${GPU_CHECK_BATCHES:-256 512}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PY WHEELS
@@ -97,12 +101,16 @@ stage tests 900 $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/
 # shellcheck disable=SC2086
 stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --ab trim --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
-stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
-  --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
 # shellcheck disable=SC2086
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --compile --compile-mode reduce-overhead --json-out "$OUT/bench_step_compile.json"
-stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke"
+# shellcheck disable=SC2086
+stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke" $SMOKE_ARGS
+# shellcheck disable=SC2086
+stage bench_modernbert 600 $PY tools/bench_step.py --device cuda --arch modernbert --sizes base --batch $BATCHES \
+  --steps 10 --zero-stage 2 --json-out "$OUT/bench_modernbert.json"
+stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
+  --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
 cp "$OUT/smoke/smoke.json" "$OUT/" 2>/dev/null || true
 
 $PY - "$OUT" <<'EOF'
@@ -110,7 +118,7 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 summary = {"stages": [json.loads(l) for l in (out / "stages.jsonl").read_text().splitlines() if l.strip()]}
-for name in ("bench_similarity", "bench_step", "bench_step_compile", "smoke"):
+for name in ("bench_similarity", "bench_step", "bench_step_compile", "bench_modernbert", "smoke"):
     p = out / f"{name}.json"
     if p.is_file():
         summary[name] = json.loads(p.read_text())
