@@ -70,13 +70,15 @@ static PyObject *pack(PyObject *self, PyObject *args) {
   long long budget;
   int full = 0;
   if (!PyArg_ParseTuple(args, "y*y*L|p", &sizes, &doc, &budget, &full)) return NULL;
-  PyObject *result = NULL;
+  /* Declared before the first goto: torch's BuildExtension compiles this file as C++ too (g++ on the CUDA build),
+     where a jump may not cross an initialisation. */
+  PyObject *result = NULL, *first = NULL, *end = NULL;
+  Py_ssize_t num_docs, count;
   if ((sizes.itemsize != 4 && sizes.itemsize != 8) || doc.itemsize != 8 || doc.len < 8) {
     PyErr_SetString(PyExc_ValueError, "pack: sizes must be int32/int64 and doc_idx int64 with >= 1 entry");
     goto done;
   }
-  const Py_ssize_t num_docs = doc.len / 8 - 1;
-  Py_ssize_t count;
+  num_docs = doc.len / 8 - 1;
   Py_BEGIN_ALLOW_THREADS
   count = walk(&sizes, (const int64_t *)doc.buf, num_docs, budget, full, NULL, NULL, 0, 0, NULL);
   Py_END_ALLOW_THREADS
@@ -84,8 +86,8 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "pack: doc_idx is not a non-decreasing list of offsets into sizes");
     goto done;
   }
-  PyObject *first = PyBytes_FromStringAndSize(NULL, count * 8);
-  PyObject *end = PyBytes_FromStringAndSize(NULL, count * 8);
+  first = PyBytes_FromStringAndSize(NULL, count * 8);
+  end = PyBytes_FromStringAndSize(NULL, count * 8);
   if (first && end) {
     int64_t *f = (int64_t *)PyBytes_AS_STRING(first), *e = (int64_t *)PyBytes_AS_STRING(end);
     Py_BEGIN_ALLOW_THREADS

@@ -173,4 +173,10 @@ class TrainModule(torch.nn.Module):
             return embed_chunk(self.objective, self.model, batch, self.heads)
         if cached is not None:
             return replay_chunk(self.objective, self.model, batch, self.heads, cached)
-        return self.objective(self.model, batch, self.heads, run_terms=self._run_terms, anchor=anchor)
+        # Only the training step enters the compiled function. Validation's batches come without the host's facts
+        # (training/step.py: host_facts), so the MLM head's boolean gather would break the graph there, and
+        # torch.compile then skips the function for good: every later training step would run it eagerly, its
+        # callees compiled one by one (measured on the H200, 2026-11-27). Validation runs no backward, so it
+        # gains nothing from the compiled step anyway.
+        compiled = self._run_terms if self.training and torch.is_grad_enabled() else None
+        return self.objective(self.model, batch, self.heads, run_terms=compiled, anchor=anchor)

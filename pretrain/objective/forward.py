@@ -88,6 +88,10 @@ class Forward:
     def _padded(self, mask_key: str) -> bool | None:
         """Whether the batch's ``mask_key`` has padding, as the host recorded it (training/step.py: host_facts);
         None when it did not (the encoder then looks on the device)."""
+        if torch.compiler.is_compiling():
+            # The compiled step applies every mask (the encoder's choice when this is None): a set of full masks
+            # read here would be a guard, and each new combination of them a recompile.
+            return None
         full = self.batch.get("full_masks")
         return None if full is None else mask_key not in full
 

@@ -73,3 +73,48 @@ def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrid
     assert no_graphs == 0 and graphs >= 1  # a new batch shape compiles once more, until shapes turn dynamic
     assert len(eager) == STEPS
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_validation_before_the_first_step_leaves_the_training_step_one_graph(tmp_path, tiny_overrides, clean_env,
+                                                                            fresh_deepspeed):
+    """The trainer validates at step 0 before it trains. Validation batches come without the host's facts, so in
+    the compiled function their MLM gather breaks the graph, and torch.compile then skips that function for good:
+    on the H200 (2026-11-27) every later training step ran eagerly with its callees compiled one by one. The step
+    must stay one graph after validation, and batches of new shapes (and of other full masks) must not recompile
+    it more than once or twice (static, then dynamic shapes)."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and hasattr(groups, "_release_process_group_references"):
+        groups._release_process_group_references(None)
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=60)
+    trainer = None
+    steps = 6
+    try:
+        trainer = Trainer(load_run_config(None, tiny_overrides(
+            tmp_path / "run", train__compile="true", train__compile_backend="aot_eager", train__unpadded="false",
+            train__eval_batches=2)), env)
+        torch._dynamo.reset()
+        counters.clear()
+        assert trainer.validate()  # it ran, eagerly
+        assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+        shapes, masks = set(), set()
+        forward = trainer.engine.forward
+
+        def forward_seen(batch, **kwargs):
+            shapes.add((tuple(batch["input_ids"].shape), tuple(batch["mlm_positions"].shape)))
+            masks.add(batch["full_masks"])
+            return forward(batch, **kwargs)
+
+        trainer.engine.forward = forward_seen
+        loader = iter(trainer._loader(trainer.train_set, 0))
+        for _ in range(steps):
+            trainer.train_step(loader)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert len(shapes) >= 3, shapes  # the batches did change shape (else the recompile bound says nothing)
+        graphs = counters["stats"]["unique_graphs"]
+        assert 1 <= graphs <= 3, (graphs, shapes, masks)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_process_group()
