@@ -89,8 +89,9 @@ class TrainConfig:
     """torch.compile a micro-batch's forward and loss terms as one graph (``TrainModule.compile_step``: every
     encoder pass, pooling, projection, the MLM head and the losses; no graph break and no host sync inside, so
     it can be captured as a CUDA graph). The counts' reduction over ranks, backward and the optimizer step stay
-    eager. The first steps compile, and each new batch shape once more until dynamic shapes take over (the
-    sequence length and the number of MLM positions vary per batch). The step then runs the padded path
+    eager, and so does validation (only the training step enters the compiled function). The first steps compile,
+    and a new batch shape once more until dynamic shapes take over (the sequence length and the number of MLM
+    positions vary per batch; every attention mask is applied, so which rows are full is no guard). The step then runs the padded path
     (train.unpadded has no effect: each batch's packing layout would be a new graph). Under ZeRO-3 the whole
     module gathers its parameters once before the compiled forward and once before the backward (DeepSpeed's
     leaf-module mode, ``Engine``) instead of module by module, where DeepSpeed's hooks would break the graph:

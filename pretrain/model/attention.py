@@ -13,6 +13,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.dropout import attention
+from pretrain.model.gather import gather_slots, gather_unique
 from pretrain.model.packing import Packed, take_rows
 
 
@@ -56,23 +57,29 @@ class SelfAttention(nn.Module):
         return self.q(x), self.k(x), self.v(x)
 
     def _forward_packed(self, x_ND: torch.Tensor, packed: Packed, rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """Projections on the stream; each group's slots gathered into (n, H, t, K), attended to with SDPA (dropout
-        as in the padded path), laid end to end (P, D), and every token's output (or ``rows_S``') taken back from
-        its slot and projected."""
+        """Projections on the stream, gathered into every group's slots at once (P, 3D) and split into each group's
+        (n, H, t, K); each group attended to with SDPA (dropout as in the padded path), laid end to end (P, D), and
+        every token's output (or ``rows_S``') taken back from its slot and projected. Both gathers' backwards copy
+        (model/gather.py)."""
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
         # Fused: one gather per group of the (N, 3D) projections; otherwise one each of q, k and v.
-        qkv_N3D = F.linear(x_ND, *self.qkv_span) if self.qkv_span is not None else None
-        q_ND, k_ND, v_ND = self._qkv(x_ND) if qkv_N3D is None else (None, None, None)
+        sizes = packed.group_sizes
+        if self.qkv_span is not None:  # fused: one gather of the (N, 3D) projections into every group's slots
+            parts = [(z.view(n, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)) for z, n, t in
+                     zip(gather_slots(F.linear(x_ND, *self.qkv_span), packed).split(sizes), *_rows_lengths(packed))]
+        else:  # one gather each of q, k and v
+            q_P, k_P, v_P = (gather_slots(z_ND, packed).split(sizes) for z_ND in self._qkv(x_ND))
+            parts = [tuple(z.view(n, t, h, k).transpose(1, 2) for z in qkv)
+                     for qkv, n, t in zip(zip(q_P, k_P, v_P), *_rows_lengths(packed))]
         y_parts = []
-        for g in packed.groups:
-            if qkv_N3D is not None:
-                q_nHtK, k_nHtK, v_nHtK = (qkv_N3D.index_select(0, g.index_P).view(g.num_rows, g.length, 3, h, k)
-                                          .permute(2, 0, 3, 1, 4).unbind(0))
-            else:
-                q_nHtK, k_nHtK, v_nHtK = (z_ND.index_select(0, g.index_P).view(g.num_rows, g.length, h, k)
-                                          .transpose(1, 2) for z_ND in (q_ND, k_ND, v_ND))
+        for g, (q_nHtK, k_nHtK, v_nHtK) in zip(packed.groups, parts):
             y_nHtK = attention(q_nHtK, k_nHtK, v_nHtK, g.keep_n11t, dropout_p, self.fast_dropout)
             y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
         y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
-        return self.out(y_PD.index_select(0, packed.slots(rows_S)))
+        return self.out(gather_unique(y_PD, packed.slots(rows_S)))
+
+
+def _rows_lengths(packed: Packed) -> tuple[list[int], list[int]]:
+    """([n], [t]) of the attention groups."""
+    return [g.num_rows for g in packed.groups], [g.length for g in packed.groups]

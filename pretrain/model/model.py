@@ -13,6 +13,7 @@ from torch import nn
 from pretrain.config.data import IGNORE_INDEX
 from pretrain.config.model import ModelConfig
 from pretrain.model.encoder import Encoder
+from pretrain.model.gather import gather_unique
 from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, SentenceDense, pool
 from pretrain.model.init import init_bert_weights, init_modern_weights
 from pretrain.model.modern import ModernEncoder
@@ -73,7 +74,7 @@ class PretrainModel(nn.Module):
         if positions_M is None:
             keep_BT = labels_BT != IGNORE_INDEX
             return self.mlm_head(h_BTD[keep_BT]), labels_BT[keep_BT]
-        h_MD = h_BTD.flatten(0, -2).index_select(0, positions_M)
+        h_MD = gather_unique(h_BTD.flatten(0, -2), positions_M)
         return self.mlm_head(h_MD), labels_BT.flatten().index_select(0, positions_M)
 
     def pool(

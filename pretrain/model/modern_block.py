@@ -18,6 +18,7 @@ from pretrain.model.block import activation_fn
 from pretrain.model.dropout import Dropout, attention
 from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import materialize
+from pretrain.model.gather import gather_slots, gather_unique
 from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope
 
@@ -74,14 +75,14 @@ class ModernAttention(nn.Module):
             q_NHK, k_NHK, v_NHK = self.qkv(x_BTD).view(-1, 3, h, k).unbind(1)
             cos_N1K, sin_N1K = inputs.cos[:, None], inputs.sin[:, None]
             q_NHK, k_NHK = apply_rope(q_NHK, cos_N1K, sin_N1K), apply_rope(k_NHK, cos_N1K, sin_N1K)
-            y_parts = []
-            for g, mask in zip(packed.groups, inputs.group_masks):
-                q_nHtK, k_nHtK, v_nHtK = (z.index_select(0, g.index_P).view(g.num_rows, g.length, h, k).transpose(1, 2)
-                                          for z in (q_NHK, k_NHK, v_NHK))
+            y_parts, sizes = [], packed.group_sizes
+            per_group = zip(*(gather_slots(z, packed).split(sizes) for z in (q_NHK, k_NHK, v_NHK)))
+            for g, mask, qkv in zip(packed.groups, inputs.group_masks, per_group):
+                q_nHtK, k_nHtK, v_nHtK = (z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
-            return self.out(y_PD.index_select(0, packed.slots(rows_S)))
+            return self.out(gather_unique(y_PD, packed.slots(rows_S)))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
         q_BHTK, k_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin), apply_rope(k_BHTK, inputs.cos, inputs.sin)

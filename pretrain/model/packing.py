@@ -28,6 +28,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from pretrain.model.gather import gather_unique
+
 MAX_GROUPS = 16
 """At most this many attention calls per layer (each is three gathers and an SDPA). Real MLM rows spread over
 most lengths (books, max_len 128: 6.5% of rows full, median 113 tokens), so padding falls slowly with the groups:
@@ -38,10 +40,9 @@ MAX_WASTE = 0.01
 
 @dataclass
 class AttentionGroup:
-    """n sequences attended to as one (n, H, t, K) block."""
+    """n sequences attended to as one (n, H, t, K) block: its n * t slots, row-major, are a run of
+    ``Packed.gather_P``."""
 
-    index_P: torch.Tensor
-    """(n * t,) stream position of each slot, row-major; a padding slot repeats its row's last token (masked)."""
     keep_n11t: torch.Tensor | None
     """True on real key slots; None when all n rows have length t."""
     num_rows: int
@@ -64,6 +65,9 @@ class Packed:
     """Flat index of each token in the padded (B, T) layout (``unpack``; the host gathers labels with it)."""
     back_N: torch.Tensor
     """Each token's slot in the groups' slots laid end to end (attention output back to the stream)."""
+    gather_P: torch.Tensor
+    """(P,) stream position of each slot of every group, groups end to end, each group's row-major; a padding slot
+    repeats its row's last token (masked). ``gather.gather_slots``."""
     groups: tuple[AttentionGroup, ...]
     num_rows: int
     width: int
@@ -76,9 +80,14 @@ class Packed:
         def move(v):
             return v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
 
-        groups = tuple(AttentionGroup(move(g.index_P), move(g.keep_n11t), g.num_rows, g.length) for g in self.groups)
+        groups = tuple(AttentionGroup(move(g.keep_n11t), g.num_rows, g.length) for g in self.groups)
         return Packed(**{f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "groups"},
                       groups=groups)
+
+    @property
+    def group_sizes(self) -> list[int]:
+        """Slots per group (n * t), in order: how gather_P's rows split into the groups."""
+        return [g.num_rows * g.length for g in self.groups]
 
     def slots(self, rows_S: torch.Tensor | None = None) -> torch.Tensor:
         """Attention slots of every token (back_N), or of the stream positions ``rows_S``."""
@@ -86,7 +95,7 @@ class Packed:
 
     def first(self, h_ND: torch.Tensor) -> torch.Tensor:
         """h_BD: each sequence's first token."""
-        return h_ND.index_select(0, self.first_B)
+        return gather_unique(h_ND, self.first_B)
 
     def mean(self, h_ND: torch.Tensor) -> torch.Tensor:
         """h_BD: the mean over each sequence's tokens."""
@@ -108,7 +117,7 @@ def check_rows(rows_S: torch.Tensor | None, all_layers: bool) -> None:
 def take_rows(x: torch.Tensor, rows_S: torch.Tensor | None) -> torch.Tensor:
     """x_SD: the tokens ``rows_S`` of x_ND (stream positions) or of x_BTD (flat indices into B*T); x itself without
     ``rows_S``."""
-    return x if rows_S is None else x.flatten(0, -2).index_select(0, rows_S)
+    return x if rows_S is None else gather_unique(x.flatten(0, -2), rows_S)
 
 
 def pack(parts: list[tuple[np.ndarray, np.ndarray]]) -> Packed:
@@ -131,20 +140,21 @@ def pack(parts: list[tuple[np.ndarray, np.ndarray]]) -> Packed:
         raise ValueError("unpadded sequences need at least one token per row; got an empty row")
     offsets_B = np.concatenate([[0], np.cumsum(lengths_B)[:-1]]).astype(np.int64)
     row_N = np.repeat(np.arange(len(lengths_B)), lengths_B)
-    groups, back_N = _attention_groups(lengths_B, offsets_B)
+    groups, back_N, gather_P = _attention_groups(lengths_B, offsets_B)
 
     def t(a):
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
     return Packed(ids_N=t(np.concatenate(ids)), position_ids_N=t(np.arange(row_N.size) - offsets_B[row_N]),
                   row_N=t(row_N), first_B=t(offsets_B), lengths_B=t(lengths_B), index_N=t(np.concatenate(index)),
-                  back_N=t(back_N), groups=groups, num_rows=len(lengths_B), width=width)
+                  back_N=t(back_N), gather_P=t(gather_P), groups=groups, num_rows=len(lengths_B), width=width)
 
 
-def _attention_groups(lengths_B: np.ndarray, offsets_B: np.ndarray) -> tuple[tuple[AttentionGroup, ...], np.ndarray]:
-    """The groups of ``plan_groups`` as gather indices and key masks, and back_N (see ``Packed``)."""
+def _attention_groups(lengths_B: np.ndarray, offsets_B: np.ndarray
+                      ) -> tuple[tuple[AttentionGroup, ...], np.ndarray, np.ndarray]:
+    """The groups of ``plan_groups`` with their key masks, back_N and gather_P (see ``Packed``)."""
     back_N = np.empty(int(lengths_B.sum()), dtype=np.int64)
-    groups, base = [], 0
+    groups, gather, base = [], [], 0
     for rows in plan_groups(lengths_B):
         lens_n, t = lengths_B[rows], int(lengths_B[rows].max())
         col_t = np.arange(t)
@@ -152,9 +162,10 @@ def _attention_groups(lengths_B: np.ndarray, offsets_B: np.ndarray) -> tuple[tup
         slot_nt = offsets_B[rows][:, None] + np.minimum(col_t, lens_n[:, None] - 1)
         back_N[slot_nt[keep_nt]] = base + np.flatnonzero(keep_nt)
         keep = None if keep_nt.all() else torch.from_numpy(keep_nt[:, None, None, :].copy())
-        groups.append(AttentionGroup(torch.from_numpy(slot_nt.reshape(-1)), keep, len(rows), t))
+        groups.append(AttentionGroup(keep, len(rows), t))
+        gather.append(slot_nt.reshape(-1))
         base += len(rows) * t
-    return tuple(groups), back_N
+    return tuple(groups), back_N, np.concatenate(gather) if gather else np.zeros(0, dtype=np.int64)
 
 
 def plan_groups(lengths_B: np.ndarray, max_groups: int = MAX_GROUPS, max_waste: float = MAX_WASTE) -> list[np.ndarray]:

@@ -29,11 +29,58 @@ class StepResult:
     """This rank's mean loss over the micro-batches, a device scalar (not read here: NaN when one was not finite)."""
 
 
+@dataclass(frozen=True)
+class Buckets:
+    """train.compile_shapes=bucketed: the compiled step sees a few shapes, each a static graph (one CUDA graph each
+    under compile_mode=reduce-overhead) instead of a new shape almost every batch. ``bucket_batch`` pads every
+    (ids, mask) pair's width up to a multiple of ``width`` (at most ``max_width``, the model's positions, and
+    never below the batch's own width), and ``host_facts`` pads the MLM positions up to a multiple of
+    ``positions`` with unlabelled tokens, whose cross-entropy is ignored; the term's count stays the real one
+    (``host_counts``)."""
+
+    width: int = 64
+    positions: int = 64
+    max_width: int | None = None
+
+    def round(self, n: int, multiple: int, cap: int | None = None) -> int:
+        up = -(-n // multiple) * multiple
+        return up if cap is None else max(n, min(up, cap))
+
+
+_WITH_INPUT = {"mlm_labels": IGNORE_INDEX, "token_type_ids": 0}
+"""Per-token tensors that share input_ids' width, and their padding values."""
+
+
+def bucket_batch(batch: dict, buckets: Buckets) -> dict:
+    """The batch (host tensors) with each (``*_ids``, ``*_mask``) pair padded on the right to its bucket's width
+    (``Buckets``): padding ids repeat the batch's own padding id (the value under a False mask; 0 where there is
+    none), masks False, ``mlm_labels`` IGNORE_INDEX."""
+    out = dict(batch)
+    for ids_key in [k for k in batch if k.endswith("_ids") and k not in _WITH_INPUT]:
+        mask_key = "attention_mask" if ids_key == "input_ids" else ids_key[: -len("ids")] + "mask"
+        if mask_key not in batch or batch[ids_key].dim() != 2:
+            continue
+        ids, mask = batch[ids_key], batch[mask_key]
+        width = ids.shape[1]
+        pad = buckets.round(width, buckets.width, buckets.max_width) - width
+        if pad == 0:
+            continue
+        pad_id = int(ids[~mask][0]) if (~mask).any() else 0
+        out[ids_key] = torch.nn.functional.pad(ids, (0, pad), value=pad_id)
+        out[mask_key] = torch.nn.functional.pad(mask, (0, pad), value=False)
+        if ids_key == "input_ids":
+            for key, value in _WITH_INPUT.items():
+                if key in batch:
+                    out[key] = torch.nn.functional.pad(batch[key], (0, pad), value=value)
+    return out
+
+
 def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int, step: int,
-                   precision: str, unpadded: bool = False) -> StepResult:
+                   precision: str, unpadded: bool = False, buckets: Buckets | None = None) -> StepResult:
     """grad_accum micro-batches from ``next_batch()`` through forward -> loss -> backward, then the update (or its
     skip when any rank saw a non-finite loss or gradient); finite micro-batches' metrics are added to ``sums``.
-    ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences (``host_facts``)."""
+    ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences; ``buckets``: the compiled step's
+    bucketed shapes (both ``host_facts``)."""
     n_samples, n_tokens, all_finite_t, loss_sum = 0, 0, None, 0.0
     # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
     with dropout_rng(seed, step, env.rank, engine.device):
@@ -41,7 +88,8 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
             batch = next_batch()  # counted on the host, then moved: no device sync
             n_samples += batch["input_ids"].shape[0]
             n_tokens += count_tokens(batch)
-            loss, metrics = engine.forward(to_device(host_facts(batch, unpadded=unpadded), engine.device))
+            loss, metrics = engine.forward(to_device(host_facts(batch, unpadded=unpadded, buckets=buckets),
+                                                     engine.device))
             # Decided on the device, no host sync: a non-finite micro-batch's figures are dropped, and its
             # gradients become NaN (micro_step), so the update is skipped on every rank (the NaN reaches every
             # rank's gradients through their reduction, and every optimizer DeepSpeed runs refuses them).
@@ -75,7 +123,7 @@ def count_tokens(batch: dict) -> int:
     return int(sum(batch[k].numpy().sum() for k in keys if k in batch))
 
 
-def host_facts(batch: dict, *, unpadded: bool = False) -> dict:
+def host_facts(batch: dict, *, unpadded: bool = False, buckets: Buckets | None = None) -> dict:
     """The batch (host tensors, from the loader) with what the device would otherwise be asked for, read here
     with numpy before it moves: ``mlm_positions`` (flat indices of the MLM-labelled tokens: the MLM head's
     rows, a shape the device cannot know without a sync) and ``full_masks`` (the attention masks without
@@ -85,8 +133,14 @@ def host_facts(batch: dict, *, unpadded: bool = False) -> dict:
     attention groups are shapes too): ``packed_mlm`` (the MLM rows; ``mlm_labels_packed`` and ``mlm_positions``
     then index the stream), ``packed_views`` (view A's rows, then view B's: the pair's one pass) and
     ``packed_sentences`` (the sentence stage's rows twice, or data.pairs' anchors then positives). Triplets, data.pairs'
-    hard negatives and RankCSE's teachers stay padded."""
-    out = dict(batch)
+    hard negatives and RankCSE's teachers stay padded.
+
+    ``buckets`` (train.compile_shapes=bucketed, the compiled step, never with ``unpadded``): widths and the MLM
+    positions padded to their buckets, and ``host_counts`` = {"mlm": the real number of labelled tokens}."""
+    if buckets is not None and unpadded:
+        raise ValueError("bucketed shapes are for the compiled step, which runs padded")
+    out = dict(batch) if buckets is None else bucket_batch(batch, buckets)
+    batch = out
     if unpadded and "attention_mask" in batch:
         out["packed_mlm"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
     if "mlm_labels" in batch:
@@ -94,7 +148,13 @@ def host_facts(batch: dict, *, unpadded: bool = False) -> dict:
         if "packed_mlm" in out:
             labels = labels[out["packed_mlm"].index_N.numpy()]
             out["mlm_labels_packed"] = torch.from_numpy(labels)
-        out["mlm_positions"] = torch.from_numpy(np.flatnonzero(labels != IGNORE_INDEX))
+        positions = np.flatnonzero(labels != IGNORE_INDEX)
+        if buckets is not None:  # unlabelled tokens up to the bucket: their loss is ignored, the count kept
+            out["host_counts"] = {"mlm": int(positions.size)}
+            extra = buckets.round(positions.size, buckets.positions, labels.size) - positions.size
+            unlabelled = np.flatnonzero(labels == IGNORE_INDEX)[:extra]
+            positions = np.concatenate([positions, unlabelled])
+        out["mlm_positions"] = torch.from_numpy(positions)
     if unpadded and "view_a_ids" in batch:
         out["packed_views"] = pack([(batch[f"view_{v}_ids"].numpy(), batch[f"view_{v}_mask"].numpy()) for v in "ab"])
     if unpadded and "sentence_ids" in batch:

@@ -1,0 +1,59 @@
+"""Row gathers whose backward copies instead of accumulating.
+
+``x.index_select(0, index)``'s backward is ``index_add_`` into zeros: an atomic add per element on CUDA, which in
+bf16 is slow. On the H200 (docs/performance.md, 2026-11-27) the unpadded step's gathers cost 15% of BERT-base's
+GPU time that way (``indexFuncLargeIndex``, 50 calls a step, 0.42 ms each). Where the rows are known to be unique,
+or each source row has one slot whose gradient is its whole gradient, the backward is a plain copy:
+
+- ``gather_unique(x, index)``: ``index`` has no repeats; backward writes each row's gradient into zeros with
+  ``index_copy_`` (rows not gathered get zero, as before).
+- ``gather_slots(x_N, packed)``: every token's rows laid out in the attention groups' slots
+  (``Packed.gather_P``), where padding slots repeat their row's last token. Backward gathers each token's
+  gradient from its own slot (``Packed.back_N``): exact when the padding slots' gradients are zero, which they
+  are in attention (a padding slot's query output is never read; its key and value are masked: probability
+  exactly 0), the one place it is used.
+
+Both give the same gradients as ``index_select`` (tests/unit/test_gather.py, against float64 and through the
+unpadded encoder's gradients in tests/unit/test_unpadded.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _GatherUnique(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.num_rows, *grad.shape[1:]))
+        return out.index_copy_(0, index, grad), None
+
+
+class _GatherSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gather_P: torch.Tensor, back_N: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(back_N)
+        return x.index_select(0, gather_P)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (back_N,) = ctx.saved_tensors
+        return grad.index_select(0, back_N), None, None
+
+
+def gather_unique(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, index)`` for an ``index`` without repeats (not checked: a host-built index)."""
+    return _GatherUnique.apply(x, index)
+
+
+def gather_slots(x_N: torch.Tensor, packed) -> torch.Tensor:
+    """x_P...: the rows of x_N (stream order) in every attention group's slots, groups end to end
+    (``Packed.gather_P``); backward assumes zero gradient on the padding slots (see the module docstring)."""
+    return _GatherSlots.apply(x_N, packed.gather_P, packed.back_N)

@@ -1,0 +1,113 @@
+"""model/gather.py: the gathers whose backward copies give index_select's gradients (float64), also compiled."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain.model.gather import gather_slots, gather_unique
+from pretrain.model.packing import pack
+
+
+def _grads(fn, x, upstream):
+    x = x.detach().clone().requires_grad_(True)
+    y = fn(x)
+    (y * upstream).sum().backward()
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("trailing", [(), (5,), (3, 4)])
+def test_gather_unique_gives_index_selects_gradient(trailing):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn((40, *trailing), dtype=torch.float64, generator=gen)
+    index = torch.randperm(40, generator=gen)[:23]  # a subset, shuffled: rows not gathered get zero gradient
+    upstream = torch.randn((23, *trailing), dtype=torch.float64, generator=gen)
+    want_y, want_g = _grads(lambda t: t.index_select(0, index), x, upstream)
+    got_y, got_g = _grads(lambda t: gather_unique(t, index), x, upstream)
+    assert torch.equal(got_y, want_y)
+    assert torch.equal(got_g, want_g)
+    assert (got_g[torch.tensor([i for i in range(40) if i not in set(index.tolist())])] == 0).all()
+
+
+def _packed():
+    lengths = [9, 2, 7, 9, 4, 8, 1, 9, 3]
+    mask = np.arange(9)[None, :] < np.array(lengths)[:, None]
+    ids = np.where(mask, 7, 0)
+    packed = pack([(ids, mask)])
+    assert any(g.keep_n11t is not None for g in packed.groups)  # some group has padding slots
+    return packed
+
+
+def _padding_slots(packed) -> torch.Tensor:
+    real = torch.zeros(packed.gather_P.shape[0], dtype=torch.bool)
+    real[packed.back_N] = True
+    return ~real
+
+
+def test_gather_slots_gives_index_selects_gradient_when_padding_slots_get_none():
+    packed = _packed()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(packed.num_tokens, 6, dtype=torch.float64, generator=gen)
+    upstream = torch.randn(packed.gather_P.shape[0], 6, dtype=torch.float64, generator=gen)
+    upstream[_padding_slots(packed)] = 0.0  # as attention leaves them (see model/gather.py)
+    want_y, want_g = _grads(lambda t: t.index_select(0, packed.gather_P), x, upstream)
+    got_y, got_g = _grads(lambda t: gather_slots(t, packed), x, upstream)
+    assert torch.equal(got_y, want_y)
+    torch.testing.assert_close(got_g, want_g, rtol=0, atol=0)
+
+
+def test_gather_slots_relies_on_the_padding_slots_getting_no_gradient():
+    """The assumption is real: a gradient on a padding slot (which attention never gives) would be dropped."""
+    packed = _packed()
+    x = torch.randn(packed.num_tokens, 6, dtype=torch.float64)
+    upstream = torch.ones(packed.gather_P.shape[0], 6, dtype=torch.float64)
+    _, want_g = _grads(lambda t: t.index_select(0, packed.gather_P), x, upstream)
+    _, got_g = _grads(lambda t: gather_slots(t, packed), x, upstream)
+    assert not torch.equal(got_g, want_g)
+
+
+def test_attention_leaves_padding_slots_without_gradient():
+    """What gather_slots relies on, through the packed attention of a real layer (fp64)."""
+    from pretrain.config import ModelConfig
+    from pretrain.model.attention import SelfAttention
+
+    packed = _packed()
+    cfg = ModelConfig(vocab_size=20, hidden_size=8, num_layers=1, num_heads=2, ffn_size=16, max_position=16,
+                      dropout=0.0, attention_dropout=0.0)
+    attn = SelfAttention(cfg).double()
+    x = torch.randn(packed.num_tokens, 8, dtype=torch.float64, requires_grad=True)
+    seen = []
+
+    def keep_grad(t):
+        t.register_hook(seen.append)
+        return t
+
+    import pretrain.model.attention as attention_mod
+
+    real = attention_mod.gather_slots
+    try:
+        attention_mod.gather_slots = lambda z, p: keep_grad(z.index_select(0, p.gather_P))
+        attn(x, None, packed).sum().backward()
+    finally:
+        attention_mod.gather_slots = real
+    assert len(seen) == 3  # q, k and v
+    for g in seen:
+        assert g[_padding_slots(packed)].abs().max() == 0.0
+        assert g[~_padding_slots(packed)].abs().max() > 0.0
+
+
+def test_both_gathers_compile_without_a_graph_break():
+    packed = _packed()
+    index = torch.tensor([4, 0, 7, 2])
+
+    def f(x):
+        return gather_slots(x, packed).sum() + (gather_unique(x, index) ** 2).sum()
+
+    x = torch.randn(packed.num_tokens, 3, dtype=torch.float64, requires_grad=True)
+    f(x).backward()
+    want = x.grad.clone()
+    x.grad = None
+    torch._dynamo.reset()
+    torch.compile(f, backend="aot_eager", fullgraph=True)(x).backward()
+    torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
