@@ -42,14 +42,21 @@ def _compile_lines(cfg) -> list[str]:
     """train.compile's options without it, and what train.compile leaves out."""
     t = cfg.train
     if not t.compile:
-        options = _changed(t, TrainConfig(), ("compile_backend", "compile_mode", "compile_shapes"))
+        options = _changed(t, TrainConfig(), ("compile_backend", "compile_mode", "compile_shapes", "compile_bucket"))
         return [f"train.{', train.'.join(options)} do nothing: train.compile=false"] if options else []
     if cfg.objective.gradient_cache:
         return ["train.compile=true compiles nothing under objective.gradient_cache (its passes run eagerly)"]
+    lines = []
     if t.unpadded:
-        return [("train.unpadded=true does nothing with train.compile=true: the compiled step runs the padded path "
-                 "(each batch's packing layout would be a new graph); set train.unpadded=false to say so")]
-    return []
+        lines.append("train.unpadded=true does nothing with train.compile=true: the compiled step runs the padded "
+                     "path (each batch's packing layout would be a new graph); set train.unpadded=false to say so")
+    if t.compile_mode == "reduce-overhead" and t.compile_shapes != "bucketed":
+        lines.append(f"train.compile_mode=reduce-overhead with train.compile_shapes={t.compile_shapes}: CUDA graphs "
+                     "record one graph per distinct batch shape, and padded batches change width and MLM count "
+                     "almost every step; train.compile_shapes=bucketed pads them to a few shapes")
+    if t.compile_bucket != TrainConfig().compile_bucket and t.compile_shapes != "bucketed":
+        lines.append("train.compile_bucket does nothing without train.compile_shapes=bucketed")
+    return lines
 
 
 CONTRASTIVE_TERMS = ("nt_xent", "info_nce", "arccon", "consistency", "rank_distill")

@@ -40,3 +40,9 @@ class RunConfig:
         """Whether train.compile compiles the step: not under objective.gradient_cache, whose passes run eagerly
         (config/lint.py says so)."""
         return self.train.compile and not self.objective.gradient_cache
+
+    @property
+    def step_bucketed(self) -> bool:
+        """Whether the compiled step's batches are bucketed (train.compile_shapes=bucketed: training/step.py's
+        Buckets)."""
+        return self.step_compiled and self.train.compile_shapes == "bucketed"

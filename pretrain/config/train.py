@@ -103,10 +103,17 @@ class TrainConfig:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     """torch.compile's mode; reduce-overhead captures the step as CUDA graphs (a GPU; one graph per distinct input
     shape, see compile_shapes)."""
-    compile_shapes: Literal["auto", "dynamic", "static"] = "auto"
+    compile_shapes: Literal["auto", "dynamic", "static", "bucketed"] = "auto"
     """auto: static until a shape changes, then dynamic (torch.compile's dynamic=None); dynamic: symbolic from the
     start; static: a graph per shape (what CUDA graphs record anyway). Padded batches change shape every step
-    (longest row, masked positions), so static recompiles until torch's recompile limit, then runs eagerly."""
+    (longest row, masked positions), so static recompiles until torch's recompile limit, then runs eagerly.
+    bucketed: static graphs over a few shapes, for compile_mode=reduce-overhead on real data (under auto or dynamic
+    CUDA graphs still record one graph per distinct size): each batch's widths padded up to a multiple of
+    ``compile_bucket`` tokens (at most the model's positions), its MLM positions up to a multiple of
+    ``compile_bucket`` with unlabelled tokens whose loss is ignored (training/step.py: Buckets). The same losses
+    and gradients; the padding costs arithmetic where a batch's rows are shorter than their bucket."""
+    compile_bucket: int = 64
+    """compile_shapes=bucketed: the width and MLM-position multiple (seq 128: widths 64 or 128)."""
     unpadded: bool = True
     """The training step runs the MLM rows and the contrastive pair unpadded: each micro-batch's sequences packed
     into one token stream on the host (model/packing.py), so embeddings, linear layers, LayerNorm, FFN and the MLM
@@ -166,6 +173,8 @@ class TrainConfig:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.compile_bucket <= 0:
+            raise ValueError(f"train.compile_bucket must be positive, got {self.compile_bucket}")
         if self.eval_every < 0 or self.eval_batches < 0:
             raise ValueError("train.eval_every and train.eval_batches must be >= 0")
         if self.malloc_mmap_threshold_kib < 0:

@@ -93,6 +93,12 @@ class Objective:
         the counts' reduction over ranks (host values, one collective) and the weighting stay outside it.
         ``anchor``: see ``run_terms``."""
         sums, counts, metrics = (run_terms or self.run_terms)(model, batch, heads, anchor)
+        for name, count in batch.get("host_counts", {}).items():  # bucketed MLM positions (training/step.py)
+            if name in counts:
+                counts[name] = count
+                acc = metrics.get(f"{name}_acc")
+                if acc is not None:
+                    metrics[f"{name}_acc"] = (acc[0], count)
         loss = self.weighted(self.terms, sums, self.global_counts([counts[n] for n, _, _ in self.terms]))
         for name, _, _ in self.terms:
             metrics[name] = (sums[name].detach(), counts[name])  # a tensor: no host sync mid-step

@@ -157,7 +157,7 @@ def apply_param_layout(module: TrainModule, train, dist) -> None:
 def compile_options(train) -> dict:
     """torch.compile's arguments from train.compile_backend, compile_mode and compile_shapes."""
     return {"backend": train.compile_backend, "mode": None if train.compile_mode == "default" else train.compile_mode,
-            "dynamic": {"auto": None, "dynamic": True, "static": False}[train.compile_shapes]}
+            "dynamic": {"auto": None, "dynamic": True, "static": False, "bucketed": False}[train.compile_shapes]}
 
 
 def _load_init_weights(model: torch.nn.Module, init) -> None:

@@ -49,13 +49,12 @@ from pretrain.training.resume import last_good_checkpoint, plan_resume
 from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, lock_run_dir
 from pretrain.training.spikes import (
     SpikeWatch,
-    TrainingDiverged,
     plan_rollback,
     rollback_line,
 )
 from pretrain.training.state import TrainState
 from pretrain.training.stop_record import STOP_RECORD, write_stop_record
-from pretrain.training.step import optimizer_step, to_device
+from pretrain.training.step import Buckets, optimizer_step, to_device
 
 REQUEUE_EXIT_CODE = 75
 """Exit status after a signal-triggered checkpoint (EX_TEMPFAIL): the launcher requeues the job."""
@@ -95,6 +94,10 @@ class Trainer:
         self.cfg = cfg = dataclasses.replace(parts.cfg, train=plan.train)
         self._universal_tag = plan.tag_dir if plan.universal else None
         apply_param_layout(self.module, cfg.train, cfg.distributed)  # the checkpoint's layout on resume (plan)
+        embeddings = getattr(self.module.model.encoder, "embeddings", None)
+        self.buckets = Buckets(cfg.train.compile_bucket, cfg.train.compile_bucket,
+                               getattr(embeddings, "max_tokens", None)) if cfg.step_bucketed else None
+        """train.compile_shapes=bucketed: the compiled step's shapes (training/step.py: Buckets)."""
         self.engine = Engine(self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
                              train=cfg.train, dist=cfg.distributed, env=env,
                              lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps), load_universal=plan.universal)
@@ -184,7 +187,8 @@ class Trainer:
                    if self.cfg.objective.gradient_cache else optimizer_step)
         result = step_fn(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
                          grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
-                         precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded)
+                         precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded,
+                         **({"buckets": self.buckets} if self.buckets is not None else {}))  # not the cached step's
         st.step += 1
         self.spikes.record(st.step, result.loss, result.bad)  # device scalars, read when they are judged
         st.consumed_samples += st.global_batch

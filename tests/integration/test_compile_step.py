@@ -25,8 +25,8 @@ from pretrain.training.trainer import Trainer
 STEPS = 3
 
 
-def _losses(overrides: list[str]) -> tuple[list[float], int]:
-    """The loss of each of the trainer's first STEPS steps, and the number of graphs torch.compile made."""
+def _losses(overrides: list[str], steps: int = STEPS) -> tuple[list[float], int]:
+    """The loss of each of the trainer's first ``steps`` steps, and the number of graphs torch.compile made."""
     groups = sys.modules.get("deepspeed.utils.groups")  # the previous run's process group (as fresh_deepspeed)
     if groups is not None and hasattr(groups, "_release_process_group_references"):
         groups._release_process_group_references(None)
@@ -48,7 +48,7 @@ def _losses(overrides: list[str]) -> tuple[list[float], int]:
         counters.clear()
         loader = iter(trainer._loader(trainer.train_set, 0))
         trainer.engine.train()
-        for _ in range(STEPS):
+        for _ in range(steps):
             trainer.train_step(loader)
         assert not counters["graph_break"], dict(counters["graph_break"])
         return [float(x) for x in losses], counters["stats"]["unique_graphs"]
@@ -118,3 +118,22 @@ def test_validation_before_the_first_step_leaves_the_training_step_one_graph(tmp
         if trainer is not None:
             trainer.close()
         destroy_process_group()
+
+
+@pytest.mark.slow
+def test_bucketed_shapes_compile_few_static_graphs_with_the_eager_losses(tmp_path, tiny_overrides, clean_env,
+                                                                         fresh_deepspeed):
+    """train.compile_shapes=bucketed: batches of changing width and MLM count run as a few static graphs (what
+    CUDA graphs need: each is recorded once) with the eager step's losses."""
+    steps = 6
+    common = {"data__valid": "[]", "model__dropout": 0.0, "model__attention_dropout": 0.0,
+              "train__unpadded": "false", "train__compile_backend": "aot_eager"}
+    eager, _ = _losses(tiny_overrides(tmp_path / "eager", **common), steps)
+    static, static_graphs = _losses(tiny_overrides(tmp_path / "static", train__compile="true",
+                                                   train__compile_shapes="static", **common), steps)
+    bucketed, graphs = _losses(tiny_overrides(tmp_path / "bucketed", train__compile="true",
+                                              train__compile_shapes="bucketed", train__compile_bucket=32, **common),
+                               steps)
+    assert static_graphs >= 4  # the batches' shapes do change: a graph per new one without buckets
+    assert 1 <= graphs <= 2, graphs  # tiny runs: widths 64 and 32 -> buckets 64 and 32; MLM counts -> 1-2 buckets
+    torch.testing.assert_close(torch.tensor(bucketed), torch.tensor(eager), rtol=1e-5, atol=0)

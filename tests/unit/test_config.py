@@ -197,6 +197,15 @@ def test_settings_that_cannot_act_are_named():
     assert any("train.unpadded=true does nothing with train.compile=true" in ln
                for ln in lines(["train.compile=true", "optim.warmup_steps=100"]))
     assert lines(["train.compile=true", "train.unpadded=false", "optim.warmup_steps=100"]) == []
+    graphs = ["train.compile=true", "train.unpadded=false", "train.compile_mode=reduce-overhead",
+              "optim.warmup_steps=100"]
+    assert any("record one graph per distinct batch shape" in ln for ln in lines(graphs))
+    assert lines(graphs + ["train.compile_shapes=bucketed"]) == []
+    assert any("train.compile_bucket does nothing without train.compile_shapes=bucketed" in ln
+               for ln in lines(["train.compile=true", "train.unpadded=false", "train.compile_bucket=32",
+                                "optim.warmup_steps=100"]))
+    assert any("train.compile_bucket do nothing: train.compile=false" in ln
+               for ln in lines(["train.compile_bucket=32", "optim.warmup_steps=100"]))
     assert any("compiles nothing under objective.gradient_cache" in ln
                for ln in lines(["train.compile=true", "objective.gradient_cache=true", "train.grad_accum=2",
                                 "optim.warmup_steps=100"]))
