@@ -1,6 +1,6 @@
 """Training smoke runs on a GPU: `pretrain-train` through DeepSpeed on CUDA/NCCL, every ZeRO stage,
-bf16 and fp16, and ZeRO-3 with train.compile, with the fused similarity kernel (`ops.similarity=cuda`); the held-out loss must fall,
-and a checkpoint written on the GPU must resume and continue as the uninterrupted run did. Then a
+bf16 and fp16, and ZeRO-3 with train.compile (plain, and as CUDA graphs over bucketed batches), with the fused
+similarity kernel (`ops.similarity=cuda`); the held-out loss must fall, and a checkpoint written on the GPU must resume and continue as the uninterrupted run did. Then a
 BERT-base CLEAR run measures whether the data pipeline keeps the GPU fed (`data_wait_frac`).
 
     python tools/gpu_smoke.py OUTDIR [--steps 60] [--parallel 8]
@@ -64,20 +64,26 @@ def base_overrides(paths: dict, run_dir: Path, steps: int, model: str = "mini") 
 
 
 def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3), precisions=("bf16", "fp16"),
-           similarity: str = "cuda", model: str = "mini", compiled_stages=(), compile_backend: str = "inductor"
-           ) -> list[dict]:
+           similarity: str = "cuda", model: str = "mini", compiled_stages=(), compile_backend: str = "inductor",
+           compile_variants=("default:auto",)) -> list[dict]:
     """ZeRO stages x precisions, and ``compiled_stages`` in the first precision with train.compile: run to `steps`,
     then resume a copy from the half-way checkpoint."""
-    cases = [(z, p, False) for z in stages for p in precisions] + [(z, precisions[0], True) for z in compiled_stages]
+    cases = [(z, p, False) for z in stages for p in precisions] + [(z, precisions[0], v) for z in compiled_stages
+                                                                   for v in compile_variants]
 
-    def case_overrides(z: int, p: str, compiled: bool) -> list[str]:
-        compile_ = ["train.compile=true", f"train.compile_backend={compile_backend}", "train.unpadded=false"]
-        return [f"distributed.zero_stage={z}", f"train.precision={p}", f"ops.similarity={similarity}",
-                *(compile_ if compiled else [])]
+    def case_overrides(z: int, p: str, compiled) -> list[str]:
+        """``compiled``: False, or a "compile_mode:compile_shapes" variant."""
+        compile_ = []
+        if compiled:
+            mode, shapes = compiled.split(":")
+            compile_ = ["train.compile=true", f"train.compile_backend={compile_backend}", "train.unpadded=false",
+                        f"train.compile_mode={mode}", f"train.compile_shapes={shapes}"]
+        return [f"distributed.zero_stage={z}", f"train.precision={p}", f"ops.similarity={similarity}", *compile_]
 
     def full(case):
         z, p, compiled = case
-        name = f"z{z}_{p}" + ("_compiled" if compiled else "")
+        name = f"z{z}_{p}" + ("" if not compiled else "_compiled" if compiled == "default:auto"
+                               else "_compiled_" + compiled.replace(":", "_"))
         run_dir = out / name
         shutil.rmtree(run_dir, ignore_errors=True)
         r = _run(name, out, base_overrides(paths, run_dir, steps, model) + case_overrides(z, p, compiled))
@@ -170,6 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--compiled-zero-stages", type=int, nargs="*", default=[3],
                    help="ZeRO stages also run in the first precision with train.compile (ZeRO-3's whole-module gather, issue 24)")
     p.add_argument("--compile-backend", default="inductor", help="their train.compile_backend (aot_eager: CPU)")
+    p.add_argument("--compile-variants", nargs="+", default=["default:auto", "reduce-overhead:bucketed"],
+                   help="the compiled runs' train.compile_mode:train.compile_shapes, one run each (e.g. "
+                        "reduce-overhead:bucketed: CUDA graphs over bucketed batches)")
     p.add_argument("--similarity", default="cuda", help="ops.similarity of the matrix runs (torch: a CPU dry run)")
     p.add_argument("--model", choices=sorted(MODELS), default="mini",
                    help="the matrix runs' model (quickstart: the quickstart's tiny one, for a fast CPU dry run)")
@@ -184,9 +193,10 @@ def main(argv=None) -> int:
     summary: dict = {}
     if args.only in (None, "matrix"):
         summary["matrix"] = matrix(paths, out, args.steps, args.parallel, args.zero_stages, args.precisions,
-                                   args.similarity, args.model, args.compiled_zero_stages, args.compile_backend)
+                                   args.similarity, args.model, args.compiled_zero_stages, args.compile_backend,
+                                   args.compile_variants)
         for r in summary["matrix"]:
-            print(f"zero {r['zero']} {r['precision']}{' compiled' if r['compiled'] else ''}: rc {r['rc']} {r['seconds']}s valid mlm "
+            print(f"zero {r['zero']} {r['precision']}{' compiled ' + r['compiled'] if r['compiled'] else ''}: rc {r['rc']} {r['seconds']}s valid mlm "
                   f"{r['valid_mlm']} falls={r['loss_falls']} resume={r.get('resume')}"
                   + (f" held-out mlm / eager {r['valid_mlm_vs_eager']}" if "valid_mlm_vs_eager" in r else ""), flush=True)
     if args.only in (None, "feed"):
