@@ -1,7 +1,8 @@
 """Training smoke runs on a GPU: `pretrain-train` through DeepSpeed on CUDA/NCCL, every ZeRO stage,
 bf16 and fp16, and ZeRO-3 with train.compile (plain, and as CUDA graphs over bucketed batches), with the fused
 similarity kernel (`ops.similarity=cuda`); the held-out loss must fall, and a checkpoint written on the GPU must
-resume and continue as the uninterrupted run did. Then a BERT-base CLEAR run measures whether the data pipeline keeps the GPU fed (`data_wait_frac`).
+resume and continue as the uninterrupted run did. Then a BERT-base CLEAR run measures whether the data pipeline
+keeps the GPU fed (`data_wait_frac`).
 
     python tools/gpu_smoke.py OUTDIR [--steps 60] [--parallel 8]
 
