@@ -63,7 +63,6 @@ class SelfAttention(nn.Module):
         (model/gather.py)."""
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
-        # Fused: one gather per group of the (N, 3D) projections; otherwise one each of q, k and v.
         sizes = packed.group_sizes
         if self.qkv_span is not None:  # fused: one gather of the (N, 3D) projections into every group's slots
             parts = [(z.view(n, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)) for z, n, t in

@@ -31,7 +31,7 @@ import torch
 from pretrain.model.gather import gather_unique
 
 MAX_GROUPS = 16
-"""At most this many attention calls per layer (each is three gathers and an SDPA). Real MLM rows spread over
+"""At most this many attention calls per layer (each an SDPA; the slots of all groups are gathered at once). Real MLM rows spread over
 most lengths (books, max_len 128: 6.5% of rows full, median 113 tokens), so padding falls slowly with the groups:
 27% of the scores with one, 9% with 4, 4.3% with 8, 1.7% with 16 (tools/padding_share.py's data)."""
 MAX_WASTE = 0.01
