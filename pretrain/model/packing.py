@@ -31,9 +31,10 @@ import torch
 from pretrain.model.gather import gather_unique
 
 MAX_GROUPS = 16
-"""At most this many attention calls per layer (each an SDPA; the slots of all groups are gathered at once). Real MLM rows spread over
-most lengths (books, max_len 128: 6.5% of rows full, median 113 tokens), so padding falls slowly with the groups:
-27% of the scores with one, 9% with 4, 4.3% with 8, 1.7% with 16 (tools/padding_share.py's data)."""
+"""At most this many attention calls per layer (each an SDPA; the slots of all groups are gathered at once). Real
+MLM rows spread over most lengths (books, max_len 128: 6.5% of rows full, median 113 tokens), so padding falls
+slowly with the groups: 27% of the scores with one, 9% with 4, 4.3% with 8, 1.7% with 16 (tools/padding_share.py's
+data)."""
 MAX_WASTE = 0.01
 """Padding share of the attention scores at which ``plan_groups`` stops adding groups (the goal is <= 2%)."""
 
