@@ -13,7 +13,7 @@ or each source row has one slot whose gradient is its whole gradient, the backwa
   are in attention (a padding slot's query output is never read; its key and value are masked: probability
   exactly 0), the one place it is used.
 
-Both give the same gradients as ``index_select`` (tests/unit/test_gather.py, against float64 and through the
+Both give the same gradients as ``index_select`` (tests/unit/test_row_gather.py, against float64 and through the
 unpadded encoder's gradients in tests/unit/test_unpadded.py).
 """
 
