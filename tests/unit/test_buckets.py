@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_unpadded import _batch, _train_module
+from test_unpadded import _batch, _train_module, pairs_batch
 
 from pretrain.config import load_run_config
 from pretrain.config.data import IGNORE_INDEX
@@ -44,17 +44,21 @@ def test_mlm_positions_fill_their_bucket_with_unlabelled_tokens_and_keep_the_cou
         host_facts(batch, unpadded=True, buckets=Buckets())
 
 
-@pytest.mark.parametrize("trim", [True, False])
-def test_bucketed_batches_give_the_same_losses_metrics_and_gradients(trim):
-    module = _train_module(pooling="cls")
+@pytest.mark.parametrize("stage, trim", [("pretrain", True), ("pretrain", False), ("sentences", True)])
+def test_bucketed_batches_give_the_same_losses_metrics_and_gradients(stage, trim):
+    """MLM + CLEAR views ([CLS], the last layer trimmed or not), and the sentence stage's data.pairs (anchors,
+    positives and hard negatives, each of another width)."""
+    module = _train_module(pooling="cls" if stage == "pretrain" else "mean", stage=stage)
     module.objective.ctx.trim_last_layer = trim
-    batch = _batch()
+    batch = _batch() if stage == "pretrain" else pairs_batch(3)
     results = []
     for buckets in (None, Buckets(width=48, positions=64, max_width=64)):  # the model's 64 positions
         module.zero_grad(set_to_none=True)
         facts = host_facts(batch, buckets=buckets)
-        if buckets is not None:
+        if buckets is not None and stage == "pretrain":
             assert facts["view_a_ids"].shape[1] == 48 and facts["mlm_positions"].numel() % 64 == 0
+        elif buckets is not None:
+            assert {facts[k].shape[1] for k in ("sentence_ids", "positive_ids", "negative_ids")} == {48}
         loss, metrics = module(facts)
         loss.backward()
         results.append((loss.detach(), {k: (float(v[0]), float(v[1])) for k, v in metrics.items()},
