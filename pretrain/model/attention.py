@@ -63,22 +63,18 @@ class SelfAttention(nn.Module):
         (model/gather.py)."""
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
-        sizes = packed.group_sizes
+        groups, sizes = packed.groups, packed.group_sizes
         if self.qkv_span is not None:  # fused: one gather of the (N, 3D) projections into every group's slots
-            parts = [(z.view(n, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)) for z, n, t in
-                     zip(gather_slots(F.linear(x_ND, *self.qkv_span), packed).split(sizes), *_rows_lengths(packed))]
+            qkv_P = gather_slots(F.linear(x_ND, *self.qkv_span), packed).split(sizes)
+            parts = [z.view(g.num_rows, g.length, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
+                     for g, z in zip(groups, qkv_P)]
         else:  # one gather each of q, k and v
             q_P, k_P, v_P = (gather_slots(z_ND, packed).split(sizes) for z_ND in self._qkv(x_ND))
-            parts = [tuple(z.view(n, t, h, k).transpose(1, 2) for z in qkv)
-                     for qkv, n, t in zip(zip(q_P, k_P, v_P), *_rows_lengths(packed))]
+            parts = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
+                     for g, qkv in zip(groups, zip(q_P, k_P, v_P))]
         y_parts = []
-        for g, (q_nHtK, k_nHtK, v_nHtK) in zip(packed.groups, parts):
+        for g, (q_nHtK, k_nHtK, v_nHtK) in zip(groups, parts):
             y_nHtK = attention(q_nHtK, k_nHtK, v_nHtK, g.keep_n11t, dropout_p, self.fast_dropout)
             y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
         y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
         return self.out(gather_unique(y_PD, packed.slots(rows_S)))
-
-
-def _rows_lengths(packed: Packed) -> tuple[list[int], list[int]]:
-    """([n], [t]) of the attention groups."""
-    return [g.num_rows for g in packed.groups], [g.length for g in packed.groups]

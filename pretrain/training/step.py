@@ -42,7 +42,9 @@ class Buckets:
     positions: int = 64
     max_width: int | None = None
 
-    def round(self, n: int, multiple: int, cap: int | None = None) -> int:
+    @staticmethod
+    def round(n: int, multiple: int, cap: int | None = None) -> int:
+        """n rounded up to a multiple, at most ``cap`` (but never below n)."""
         up = -(-n // multiple) * multiple
         return up if cap is None else max(n, min(up, cap))
 

@@ -184,11 +184,10 @@ class Trainer:
         st = self.state
         self._set_view_mean_mix()
         step_fn = (partial(cached_optimizer_step, trim_heap=self.cfg.train.malloc_trim_chunks)
-                   if self.cfg.objective.gradient_cache else optimizer_step)
+                   if self.cfg.objective.gradient_cache else partial(optimizer_step, buckets=self.buckets))
         result = step_fn(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
                          grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
-                         precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded,
-                         **({"buckets": self.buckets} if self.buckets is not None else {}))  # not the cached step's
+                         precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded)
         st.step += 1
         self.spikes.record(st.step, result.loss, result.bad)  # device scalars, read when they are judged
         st.consumed_samples += st.global_batch
