@@ -427,8 +427,8 @@ def count_ops(step, batch) -> dict:
 
 
 def measure_host_cost(args) -> dict:
-    """One (ZeRO stage, precision) of --host-cost: both arms built, warmed up (3 steps), their ops counted over one
-    step, then ``args.steps`` alternating timed steps on one thread."""
+    """One (ZeRO stage, precision) of --host-cost: the arms built, warmed up (3 steps), ``args.steps`` alternating
+    timed steps on one thread, then their ops counted over one more step."""
     torch.set_num_threads(1)
     hc = HOST_COST
     batch = make_batch(hc["batch"], hc["seq"], hc["view_len"], hc["vocab"], torch.Generator().manual_seed(0))
@@ -444,14 +444,19 @@ def measure_host_cost(args) -> dict:
     # one on the CPU, whose step count .item() per parameter would otherwise count as syncs in one arm only).
     fused = bool(arms["ours"].engine._adamw.defaults.get("fused"))
     arms["hf"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, args.compile, fused=fused)
+    if args.compile:  # HF as most of its users run it: eager
+        arms["hf_eager"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, False, fused=fused)
     for _ in range(3):
         for step in arms.values():
             step(batch)
-    res = {arm: count_ops(step, batch) for arm, step in arms.items()}
     times: dict = {arm: [] for arm in arms}
     for _ in range(args.steps):  # alternate so drifting machine load hits every arm alike
         for arm, step in arms.items():
             times[arm].append(time_one(step, batch))
+    # Ops are counted after the timed steps: a compiled function called once under a TorchDispatchMode (the
+    # counter) runs eagerly from then on (measured 2026-11-27: 36 instead of 17 ms a step), which made every
+    # --compile row before that date an eager one.
+    res = {arm: count_ops(step, batch) for arm, step in arms.items()}
     for arm, t in times.items():
         res[arm].update(s=statistics.median(t), all_s=t, adamw_fused=fused)
     res["threads"] = torch.get_num_threads()  # still 1 after DeepSpeed and HF were built
@@ -484,6 +489,12 @@ def host_cost_table(rows: list[dict]) -> list[str]:
         for arm in ("ours", "hf"):
             named = ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in r[arm]["syncs"].items())
             lines.append(f"- ZeRO {r['zero_stage']} {r['precision']} {arm}: {named or 'none'}")
+    eager = [r for r in done if "hf_eager" in r]
+    if eager:
+        lines += ["", "Compiled ours against HF eager (the same runs):", "",
+                  "| ZeRO | precision | ours compiled ms | HF eager ms | ours / HF eager |", "|---:|---|---:|---:|---:|"]
+        lines += [f"| {r['zero_stage']} | {r['precision']} | {r['ours']['s'] * 1e3:.1f} | "
+                  f"{r['hf_eager']['s'] * 1e3:.1f} | {r['ours']['s'] / r['hf_eager']['s']:.2f}x |" for r in eager]
     if done:
         lines.append("AdamW in both arms: " + ("fused" if done[0]["hf"]["adamw_fused"] else
                      "torch's per-parameter one: its .item() of each parameter's step count is one sync per "

@@ -13,7 +13,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.attention import SelfAttention
 from pretrain.model.dropout import Dropout
-from pretrain.model.flat import materialize
+from pretrain.model.flat import forget_traced_views, materialize
 from pretrain.model.packing import Packed, take_rows
 
 
@@ -67,6 +67,9 @@ class Block(nn.Module):
         x_SD = take_rows(x_BTD, rows_S)  # x_BTD itself without rows_S
         if self.pre_norm:
             x_SD = x_SD + self.dropout(self.attn(self.attn_norm(x_BTD), keep_B11T, packed, rows_S))
-            return x_SD + self.dropout(self.ffn(self.ffn_norm(x_SD)))
-        x_SD = self.attn_norm(x_SD + self.dropout(self.attn(x_BTD, keep_B11T, packed, rows_S)))
-        return self.ffn_norm(x_SD + self.dropout(self.ffn(x_SD)))
+            x_SD = x_SD + self.dropout(self.ffn(self.ffn_norm(x_SD)))
+        else:
+            x_SD = self.attn_norm(x_SD + self.dropout(self.attn(x_BTD, keep_B11T, packed, rows_S)))
+            x_SD = self.ffn_norm(x_SD + self.dropout(self.ffn(x_SD)))
+        forget_traced_views(self)
+        return x_SD

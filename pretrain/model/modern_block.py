@@ -17,7 +17,7 @@ from pretrain.model.banded import Band, banded_attention
 from pretrain.model.block import activation_fn
 from pretrain.model.dropout import Dropout, attention
 from pretrain.model.embeddings import Embedding
-from pretrain.model.flat import materialize
+from pretrain.model.flat import forget_traced_views, materialize
 from pretrain.model.gather import gather_slots, gather_unique
 from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope
@@ -130,4 +130,6 @@ class ModernBlock(nn.Module):
         a_BTD = x_BTD if self.attn_norm is None else self.attn_norm(x_BTD)
         y_BTD = self.attn(a_BTD, inputs, packed, rows_S)
         x_BTD = take_rows(x_BTD, rows_S) + self.dropout(y_BTD)
-        return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))
+        x_BTD = x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))
+        forget_traced_views(self)
+        return x_BTD
