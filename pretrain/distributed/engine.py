@@ -279,15 +279,24 @@ class Engine:
             self.ds.step()  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
 
     def _grad_norm(self) -> torch.Tensor:
-        """The L2 norm of this step's (rank-averaged) gradients, on the device: ZeRO-0 holds them whole in
-        ``p.grad``; ZeRO 1-2 hold a partition each, whose squares DeepSpeed's ``scaled_global_norm`` sums over
-        ranks (a collective, no host sync; it reports a non-finite norm as -1)."""
+        """The L2 norm of this step's (rank-averaged) gradients, on the device, non-finite where any is: ZeRO-0
+        holds them whole in ``p.grad``; ZeRO 1-2 hold a partition each (DeepSpeed's ``averaged_gradients``, its
+        alignment padding left out), whose squares are summed over the ranks (one collective, no host sync). This
+        is DeepSpeed's ``scaled_global_norm`` without its model- and pipeline-parallel cases, which the Engine
+        never sets up, in one ``_foreach_norm`` instead of a norm per tensor and a collective per group
+        (tests/unit/test_deepspeed_contract.py compares the two)."""
         if self.zero_stage == 0:
             grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
-            if not grads:
-                return torch.zeros((), device=self.device)
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, dtype=torch.float32)))
-        return self.ds.optimizer.scaled_global_norm().reshape(()).float()
+        else:
+            opt = self.ds.optimizer
+            grads = [g for i in range(len(opt.bit16_groups)) for g in (opt.averaged_gradients.get(i) or ())
+                     if not getattr(g, "_zero_padding", False)]
+        squares = (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum() if grads
+                   else torch.zeros((), device=self.device))
+        if self.zero_stage > 0 and torch.distributed.is_initialized():
+            squares = squares.clone()
+            torch.distributed.all_reduce(squares, group=self.ds.optimizer.dp_process_group)
+        return squares.sqrt()
 
     def step(self) -> StepInfo:
         """The optimizer step at an accumulation boundary (after the last ``micro_step``).

@@ -56,7 +56,7 @@ def _batch(permute: bool = False) -> dict:
 
 
 def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: bool, gather: bool,
-          compile_: bool = False) -> None:
+          compile_: bool = False, nan_rank: int | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -89,6 +89,13 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
 
             batch = host_facts(batch)
         loss, _ = engine.forward(batch)
+        if nan_rank is not None:  # the gradient norms only: the Engine's and DeepSpeed's, one rank's gradients NaN
+            engine.micro_step(loss, finite=torch.tensor(rank != nan_rank))
+            norms = (engine._grad_norm(), engine.ds.optimizer.scaled_global_norm().reshape(()))
+            if rank == 0:
+                torch.save(norms, out)
+            dist.barrier()
+            return
         engine.micro_step(loss)
         engine.step()
         with _whole(module, zero_stage):
@@ -130,10 +137,25 @@ def _whole(module, zero_stage: int):
 
 
 def _run(world: int, zero_stage: int, out: str, *, permute: bool = False, gather: bool = True,
-         compile_: bool = False) -> dict:
-    """The model's weights after the step (under ``compile_``, rank 0's graph breaks in ``out``.breaks)."""
-    mp.spawn(_step, args=(world, _free_port(), zero_stage, out, permute, gather, compile_), nprocs=world, join=True)
+         compile_: bool = False, nan_rank: int | None = None) -> dict:
+    """The model's weights after the step (under ``compile_``, rank 0's graph breaks in ``out``.breaks); with
+    ``nan_rank`` (-1: none) no step, but (the Engine's gradient norm, DeepSpeed's) after the backward."""
+    mp.spawn(_step, args=(world, _free_port(), zero_stage, out, permute, gather, compile_, nan_rank), nprocs=world,
+             join=True)
     return torch.load(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_the_engines_gradient_norm_is_deepspeeds_over_two_ranks(zero_stage, tmp_path):
+    """Engine._grad_norm (one _foreach_norm over this rank's partition, one collective) equals DeepSpeed's
+    ``scaled_global_norm`` (a norm per tensor, a collective per group), and is not finite where one rank's
+    gradients are NaN (DeepSpeed's inf or -1), so that every rank skips the step."""
+    ours, theirs = _run(2, zero_stage, str(tmp_path / "norms.pt"), nan_rank=-1)
+    assert float(theirs) > 0
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    ours, theirs = _run(2, zero_stage, str(tmp_path / "nan.pt"), nan_rank=1)
+    assert not torch.isfinite(ours) and (not torch.isfinite(theirs) or float(theirs) < 0)
 
 
 UPDATE_RTOL = 2e-5

@@ -10,8 +10,10 @@ fails first (and pyproject.toml's deepspeed range must move with a reviewed Engi
   DeepSpeed checks).
 - ZeRO 1-2's optimizer takes ``check_grad_overflow`` and ``compute_grad_norm`` (how the engine hands its settings
   down; ``zero_optimization.compute_grad_norm`` is the config key), keeps them as attributes of those names with
-  ``clip_grad`` (Engine.load sets them around a load), and ``scaled_global_norm()`` returns the norm of all ranks'
-  gradients as a tensor, -1 where it is not finite (Engine.step's norm under ZeRO 1-2).
+  ``clip_grad`` (Engine.load sets them around a load), and at the boundary holds this rank's gradient partition in
+  ``averaged_gradients[group]`` (a list of tensors; alignment padding marked ``_zero_padding``) for the groups of
+  ``bit16_groups``, what Engine._grad_norm reads under ZeRO 1-2 (tests/distributed/test_zero_step.py compares it
+  with DeepSpeed's own ``scaled_global_norm``).
 - DeepSpeed calls the client optimizer's ``step()`` once per parameter group under ZeRO 1-2, with ``param_groups``
   narrowed to that group (the ScheduledAdamW reads its schedule position from the group it is handed).
 - DeepSpeed imports its Muon module in every run (ZeRO 1-2's gradient reduction, the bf16 optimizer, ZeRO-3), and
@@ -63,6 +65,9 @@ def test_zero_keeps_the_switches_the_engine_sets_and_reports_a_bad_norm_as_minus
     assert "self.compute_grad_norm = compute_grad_norm" in init and "self.clip_grad = clip_grad" in init
     assert "checkpoint_clip_grad" in inspect.getsource(DeepSpeedZeroOptimizer._load_global_state)
     assert callable(DeepSpeedZeroOptimizer.scaled_global_norm)
+    assert "self.averaged_gradients = {}" in init and "self.bit16_groups = []" in init
+    norm = inspect.getsource(DeepSpeedZeroOptimizer.get_grad_norm_direct)
+    assert 'getattr(g, "_zero_padding", False)' in norm  # the padding the Engine leaves out as DeepSpeed does
     step = inspect.getsource(DeepSpeedZeroOptimizer._optimizer_step)
     assert "self.optimizer.param_groups = [original_param_groups[group_no]]" in step
 
