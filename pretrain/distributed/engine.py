@@ -284,7 +284,7 @@ class Engine:
         alignment padding left out), whose squares are summed over the ranks (one collective, no host sync). This
         is DeepSpeed's ``scaled_global_norm`` without its model- and pipeline-parallel cases, which the Engine
         never sets up, in one ``_foreach_norm`` instead of a norm per tensor and a collective per group
-        (tests/unit/test_deepspeed_contract.py compares the two)."""
+        (tests/distributed/test_zero_step.py compares the two)."""
         if self.zero_stage == 0:
             grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
         else:
@@ -294,7 +294,6 @@ class Engine:
         squares = (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum() if grads
                    else torch.zeros((), device=self.device))
         if self.zero_stage > 0 and torch.distributed.is_initialized():
-            squares = squares.clone()
             torch.distributed.all_reduce(squares, group=self.ds.optimizer.dp_process_group)
         return squares.sqrt()
 
