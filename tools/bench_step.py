@@ -489,16 +489,16 @@ def host_cost_table(rows: list[dict]) -> list[str]:
         for arm in ("ours", "hf"):
             named = ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in r[arm]["syncs"].items())
             lines.append(f"- ZeRO {r['zero_stage']} {r['precision']} {arm}: {named or 'none'}")
+    if done:
+        lines.append("AdamW in both arms: " + ("fused" if done[0]["hf"]["adamw_fused"] else
+                     "torch's per-parameter one: its .item() of each parameter's step count is one sync per "
+                     "parameter tensor it updates"))
     eager = [r for r in done if "hf_eager" in r]
     if eager:
         lines += ["", "Compiled ours against HF eager (the same runs):", "",
                   "| ZeRO | precision | ours compiled ms | HF eager ms | ours / HF eager |", "|---:|---|---:|---:|---:|"]
         lines += [f"| {r['zero_stage']} | {r['precision']} | {r['ours']['s'] * 1e3:.1f} | "
                   f"{r['hf_eager']['s'] * 1e3:.1f} | {r['ours']['s'] / r['hf_eager']['s']:.2f}x |" for r in eager]
-    if done:
-        lines.append("AdamW in both arms: " + ("fused" if done[0]["hf"]["adamw_fused"] else
-                     "torch's per-parameter one: its .item() of each parameter's step count is one sync per "
-                     "parameter tensor it updates"))
     return lines
 
 
@@ -516,7 +516,7 @@ def run_host_cost(args) -> int:
     print(f"host cost: torch {torch.__version__}, deepspeed {_version('deepspeed')}, transformers "
           f"{_version('transformers')}, 1 thread, {SIZES[hc['size']]}, batch {hc['batch']} x seq "
           f"{hc['seq']} (+2 views x {hc['view_len']}), vocab {hc['vocab']}, median of {args.steps} alternating "
-          f"steps; ops over 1 step after 3 warm-up; compile {args.compile} (both arms); ours with train.flat_params (default), per-tensor without; "
+          f"steps after 3 warm-up, then ops over 1 more step; compile {args.compile} (ours and HF{'; HF eager beside' if args.compile else ''}); ours with train.flat_params (default), per-tensor without; "
           f"load average {load_start[0]:.2f}")
     rows = []
     for zero in args.zero_stages:

@@ -289,8 +289,12 @@ class Engine:
             grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
         else:
             opt = self.ds.optimizer
-            grads = [g for i in range(len(opt.bit16_groups)) for g in (opt.averaged_gradients.get(i) or ())
-                     if not getattr(g, "_zero_padding", False)]
+            parts = [opt.averaged_gradients.get(i) for i in range(len(opt.bit16_groups))]
+            if any(p is None for p in parts):  # a host check: a norm of 0 would neither clip nor skip
+                raise RuntimeError("DeepSpeed holds no gradient partition at the step (its ZeRO 1-2 optimizer's "
+                                   "averaged_gradients): the Engine's norm relies on it; has DeepSpeed's gradient "
+                                   "path changed? (tests/unit/test_deepspeed_contract.py)")
+            grads = [g for part in parts for g in part if not getattr(g, "_zero_padding", False)]
         squares = (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum() if grads
                    else torch.zeros((), device=self.device))
         if self.zero_stage > 0 and torch.distributed.is_initialized():

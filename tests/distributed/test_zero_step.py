@@ -56,7 +56,7 @@ def _batch(permute: bool = False) -> dict:
 
 
 def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: bool, gather: bool,
-          compile_: bool = False, nan_rank: int | None = None) -> None:
+          compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -80,7 +80,7 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
         # ~1e-9 differences instead of sign flips of near-zero gradients.
         optim = OptimConfig(lr=1.0, eps=1.0, warmup_steps=0, clip_grad_norm=0.0)
         engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
-                        train=TrainConfig(micro_batch_size=B // world), env=env,
+                        train=TrainConfig(micro_batch_size=B // world, precision=precision, grad_accum=grad_accum), env=env,
                         dist=DistributedConfig(zero_stage=zero_stage), lr_lambda=lr_lambda(optim, 10))
         per = B // world
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in _batch(permute).items()}
@@ -90,7 +90,10 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
             batch = host_facts(batch)
         loss, _ = engine.forward(batch)
         if nan_rank is not None:  # the gradient norms only: the Engine's and DeepSpeed's, one rank's gradients NaN
-            engine.micro_step(loss, finite=torch.tensor(rank != nan_rank))
+            for micro in range(grad_accum):
+                if micro:
+                    loss, _ = engine.forward(batch)
+                engine.micro_step(loss, finite=torch.tensor(rank != nan_rank or micro < grad_accum - 1))
             norms = (engine._grad_norm(), engine.ds.optimizer.scaled_global_norm().reshape(()))
             if rank == 0:
                 torch.save(norms, out)
@@ -137,24 +140,25 @@ def _whole(module, zero_stage: int):
 
 
 def _run(world: int, zero_stage: int, out: str, *, permute: bool = False, gather: bool = True,
-         compile_: bool = False, nan_rank: int | None = None) -> dict:
+         compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1) -> dict:
     """The model's weights after the step (under ``compile_``, rank 0's graph breaks in ``out``.breaks); with
     ``nan_rank`` (-1: none) no step, but (the Engine's gradient norm, DeepSpeed's) after the backward."""
-    mp.spawn(_step, args=(world, _free_port(), zero_stage, out, permute, gather, compile_, nan_rank), nprocs=world,
-             join=True)
+    mp.spawn(_step, args=(world, _free_port(), zero_stage, out, permute, gather, compile_, nan_rank, precision,
+                          grad_accum), nprocs=world, join=True)
     return torch.load(out)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [1, 2])
-def test_the_engines_gradient_norm_is_deepspeeds_over_two_ranks(zero_stage, tmp_path):
+@pytest.mark.parametrize("zero_stage,precision,grad_accum", [(1, "fp32", 1), (2, "fp32", 1), (2, "bf16", 2)])
+def test_the_engines_gradient_norm_is_deepspeeds_over_two_ranks(zero_stage, precision, grad_accum, tmp_path):
     """Engine._grad_norm (one _foreach_norm over this rank's partition, one collective) equals DeepSpeed's
     ``scaled_global_norm`` (a norm per tensor, a collective per group), and is not finite where one rank's
-    gradients are NaN (DeepSpeed's inf or -1), so that every rank skips the step."""
-    ours, theirs = _run(2, zero_stage, str(tmp_path / "norms.pt"), nan_rank=-1)
+    last micro-batch's gradients are NaN (DeepSpeed's inf or -1), so that every rank skips the step."""
+    kw = dict(precision=precision, grad_accum=grad_accum)
+    ours, theirs = _run(2, zero_stage, str(tmp_path / "norms.pt"), nan_rank=-1, **kw)
     assert float(theirs) > 0
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
-    ours, theirs = _run(2, zero_stage, str(tmp_path / "nan.pt"), nan_rank=1)
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    ours, theirs = _run(2, zero_stage, str(tmp_path / "nan.pt"), nan_rank=1, **kw)
     assert not torch.isfinite(ours) and (not torch.isfinite(theirs) or float(theirs) < 0)
 
 

@@ -180,3 +180,6 @@ def test_host_cost_table_ratios_and_goal():
     assert "- ZeRO 2 bf16 ours: none" in text and "- ZeRO 0 fp32 ours: nonzero 3" in text
     rows[1]["ours"] = arm(26, 7001, 0)
     assert "host 0.52x (not met), aten ops 1.00x (not met)" in "\n".join(bench_step.host_cost_table(rows))
+    assert "HF eager" not in text
+    rows[1]["hf_eager"] = arm(65, 7000, 1)  # --compile: HF eager timed beside the compiled arms
+    assert "| 2 | bf16 | 26.0 | 65.0 | 0.40x |" in "\n".join(bench_step.host_cost_table(rows))
