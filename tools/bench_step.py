@@ -158,11 +158,11 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
                micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True,
-               fast_dropout: bool = True, compile_mode: str = "default"):
+               fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
     unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
-    ``fast_dropout``: train.fast_dropout, all on by default). ``step.num_params``: the trained module's parameters
+    ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, all on by default). ``step.num_params``: the trained module's parameters
     (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
@@ -185,7 +185,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     init_process_group(env, backend="auto", timeout_s=600)
     model = build_model(ours_model_config(size, vocab, seq, arch, pooling))
     train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat,
-                        trim_last_layer=trim, fast_dropout=fast_dropout, compile_mode=compile_mode)
+                        trim_last_layer=trim, fast_dropout=fast_dropout, compile_mode=compile_mode, pin_memory=pin)
     ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer)
     module = TrainModule(model, Objective(ObjectiveConfig(), ctx))
     set_fast_dropout(module, train.fast_dropout)
@@ -202,7 +202,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
         result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
-                                precision=precision, unpadded=train.step_unpadded)
+                                precision=precision, unpadded=train.step_unpadded, pin_memory=train.pin_memory)
         done[0] += 1
         return result
 
@@ -210,7 +210,8 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     return step
 
 
-AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false"}
+AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false",
+              "pin": "train.pin_memory=false"}
 """--ab: the option the third arm turns off."""
 
 POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
@@ -376,7 +377,7 @@ def measure(args, size: str) -> dict:
     def ours(off: str = ""):  # off: the AB_OPTIONS option turned off in this arm
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
                           arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout",
-                          compile_mode=args.compile_mode)
+                          pin=off != "pin", compile_mode=args.compile_mode)
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
@@ -595,8 +596,9 @@ def main(argv=None) -> int:
                    help="the views' embedding in both arms: their mean (the quickstart's) or their [CLS] state (the "
                    "CLEAR recipes')")
     p.add_argument("--ab", choices=sorted(AB_OPTIONS), default="",
-                   help="a third arm, ours with this option off: trim (train.trim_last_layer=false) or dropout "
-                   "(train.fast_dropout=false) (CPU: alternating with the other two; CUDA: after them)")
+                   help="a third arm, ours with this option off: trim (train.trim_last_layer=false), dropout "
+                   "(train.fast_dropout=false) or pin (train.pin_memory=false; CUDA only) (CPU: alternating with the "
+                   "other two; CUDA: after them)")
     p.add_argument("--trim-ab", dest="ab", action="store_const", const="trim", help="--ab trim")
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "

@@ -133,6 +133,12 @@ class TrainConfig:
     twelfth of BERT-base's encoder's at the CLEAR recipe's lengths). Unpadded, padded and compiled steps alike.
     Dropout in that layer draws other noise than the full layer (fewer elements). false computes every token's
     output."""
+    pin_memory: bool = True
+    """On CUDA, each micro-batch's host tensors (the loader's and the host's packing facts) are copied into pinned
+    memory before their asynchronous copy to the GPU. From pageable memory the driver stages the copy and may
+    first wait for the stream (CUDA's API synchronisation rules), so the host could not run ahead into the next
+    step while the GPU finishes this one; DataLoader's pin_memory and Hugging Face's Trainer pin for the same
+    reason. No effect on the CPU. The GPU pass measures it against false (``tools/bench_step.py --ab pin``)."""
     fast_dropout: bool = True
     """Dropout on the CPU draws its masks from 16 random bits per element (model/dropout.py) instead of torch's
     per-element Bernoulli sample, about 40% of its cost (torch's dropout was a tenth of a mini model's CPU step,

@@ -77,9 +77,10 @@ class Packed:
     def num_tokens(self) -> int:
         return self.ids_N.shape[0]
 
-    def to(self, device, non_blocking: bool = False) -> Packed:
+    def to(self, device, non_blocking: bool = False, pin: bool = False) -> Packed:
+        """Every tensor moved to ``device``; ``pin``: through pinned host memory (a host -> CUDA copy)."""
         def move(v):
-            return v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
+            return (v.pin_memory() if pin else v).to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
 
         groups = tuple(AttentionGroup(move(g.keep_n11t), g.num_rows, g.length) for g in self.groups)
         return Packed(**{f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "groups"},

@@ -27,7 +27,8 @@ from pretrain.training.step import (
 
 
 def cached_optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int, step: int,
-                          precision: str, unpadded: bool = False, trim_heap: bool = False) -> StepResult:
+                          precision: str, unpadded: bool = False, trim_heap: bool = False,
+                          pin_memory: bool = False) -> StepResult:
     """``step.optimizer_step`` with the contrastive batch the whole step: the same arguments and result.
     ``trim_heap`` (train.malloc_trim_chunks; CPU only): glibc's heap is trimmed after each chunk's backward, so
     that the freed activations of chunks of different sizes do not pile up in it (heap.trim)."""
@@ -37,7 +38,7 @@ def cached_optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, see
         batch = next_batch()  # counted on the host, then moved: no device sync
         n_samples += batch["input_ids"].shape[0]
         n_tokens += count_tokens(batch)
-        batches.append(to_device(host_facts(batch, unpadded=unpadded), engine.device))
+        batches.append(to_device(host_facts(batch, unpadded=unpadded), engine.device, pin=pin_memory))
     embedded = []
     with torch.no_grad():
         for k, batch in enumerate(batches):

@@ -78,11 +78,12 @@ def bucket_batch(batch: dict, buckets: Buckets) -> dict:
 
 
 def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int, step: int,
-                   precision: str, unpadded: bool = False, buckets: Buckets | None = None) -> StepResult:
+                   precision: str, unpadded: bool = False, buckets: Buckets | None = None,
+                   pin_memory: bool = False) -> StepResult:
     """grad_accum micro-batches from ``next_batch()`` through forward -> loss -> backward, then the update (or its
     skip when any rank saw a non-finite loss or gradient); finite micro-batches' metrics are added to ``sums``.
     ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences; ``buckets``: the compiled step's
-    bucketed shapes (both ``host_facts``)."""
+    bucketed shapes (both ``host_facts``); ``pin_memory``: train.pin_memory (``to_device``)."""
     n_samples, n_tokens, all_finite_t, loss_sum = 0, 0, None, 0.0
     # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
     with dropout_rng(seed, step, env.rank, engine.device):
@@ -91,7 +92,7 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
             n_samples += batch["input_ids"].shape[0]
             n_tokens += count_tokens(batch)
             loss, metrics = engine.forward(to_device(host_facts(batch, unpadded=unpadded, buckets=buckets),
-                                                     engine.device))
+                                                     engine.device, pin=pin_memory))
             # Decided on the device, no host sync: a non-finite micro-batch's figures are dropped, and its
             # gradients become NaN (micro_step), so the update is skipped on every rank (the NaN reaches every
             # rank's gradients through their reduction, and every optimizer DeepSpeed runs refuses them).
@@ -167,8 +168,13 @@ def host_facts(batch: dict, *, unpadded: bool = False, buckets: Buckets | None =
     return out
 
 
-def to_device(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) or isinstance(v, Packed) else v
+def to_device(batch: dict, device, pin: bool = False) -> dict:
+    """The batch's tensors (and packed streams) copied to ``device`` without waiting for it; ``pin``
+    (train.pin_memory): to a CUDA device through pinned host memory, so that the copy is asynchronous (ignored for
+    any other device)."""
+    pin = pin and torch.device(device).type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) if torch.is_tensor(v)
+            else v.to(device, non_blocking=True, pin=pin) if isinstance(v, Packed) else v
             for k, v in batch.items()}
 
 

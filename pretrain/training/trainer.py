@@ -187,7 +187,8 @@ class Trainer:
                    if self.cfg.objective.gradient_cache else partial(optimizer_step, buckets=self.buckets))
         result = step_fn(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
                          grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
-                         precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded)
+                         precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded,
+                         pin_memory=self.cfg.train.pin_memory)
         st.step += 1
         self.spikes.record(st.step, result.loss, result.bad)  # device scalars, read when they are judged
         st.consumed_samples += st.global_batch
@@ -328,7 +329,7 @@ class Trainer:
         try:
             loader = iter(valid_loader)
             for _ in range(self.cfg.train.eval_batches):
-                batch = to_device(next(loader), self.engine.device)
+                batch = to_device(next(loader), self.engine.device, pin=self.cfg.train.pin_memory)
                 _, metrics = self.engine.forward(batch)
                 sums.update(metrics)
         finally:

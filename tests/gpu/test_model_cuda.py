@@ -5,6 +5,7 @@ suite runs only on the CPU.
 - the banded sliding-window attention of ModernBERT's local layers, forward and gradients;
 - ``train.fast_dropout`` is a CPU path: on CUDA, ``Dropout`` and attention dropout are torch's own draws;
 - a tiny ModernBERT, unpadded on the GPU (local layers through the band), against the padded float64 model.
+- train.pin_memory: the step's host batch and packed streams reach the GPU whole through pinned memory.
 
 ``PRETRAIN_GPU_TEST_DEVICE=cpu`` runs this file on the CPU to check the tests themselves: everything passes there
 but the dropout test, which must fail (the CPU draws its own masks).
@@ -139,3 +140,38 @@ def test_modernbert_unpadded_on_the_device_matches_the_padded_float64_model():
         assert _rel(p.grad, ref_params[name].grad) < 1e-4, name
         checked += 1
     assert checked > 20
+
+
+def test_a_pinned_batch_arrives_whole_on_the_device():
+    """train.pin_memory: the step's host batch (the loader's tensors and the host's packing facts) goes to the GPU
+    through pinned memory, asynchronously; after a synchronize every tensor and packed stream equals the host's.
+    (Whether it keeps the host from waiting for the GPU is bench_step.py --ab pin's question, not this test's.)"""
+    from pretrain.model.packing import Packed
+    from pretrain.training.step import host_facts, to_device
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 50, (4, 16), generator=gen)
+    mask = torch.arange(16)[None, :] < torch.tensor([16, 3, 9, 12])[:, None]
+    labels = torch.where(mask & (torch.rand(mask.shape, generator=gen) < 0.3), ids, -100)
+    batch = host_facts(dict(input_ids=ids, attention_mask=mask, mlm_labels=labels, view_a_ids=ids[:, :8],
+                            view_a_mask=mask[:, :8], view_b_ids=ids[:, 4:12], view_b_mask=mask[:, :8]),
+                      unpadded=True)
+    moved = to_device(batch, DEVICE, pin=True)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+    def tensors(v):
+        if torch.is_tensor(v):
+            return [v]
+        if isinstance(v, Packed):
+            return [t for f in vars(v).values() for t in tensors(f)] + [g.keep_n11t for g in v.groups
+                                                                         if torch.is_tensor(g.keep_n11t)]
+        return []
+
+    packed = [k for k, v in batch.items() if isinstance(v, Packed)]
+    assert packed, "host_facts(unpadded=True) packed nothing: the test would not see the packed path"
+    for key, value in batch.items():
+        host, dev = tensors(value), tensors(moved[key])
+        assert len(host) == len(dev), key
+        for h, d in zip(host, dev):
+            assert d.device.type == torch.device(DEVICE).type and torch.equal(d.cpu(), h), key

@@ -207,3 +207,20 @@ def _combinations(items, k):
     import itertools
 
     return itertools.combinations(items, k)
+
+
+def test_to_device_leaves_a_cpu_step_unpinned_and_whole():
+    """train.pin_memory pins only on the way to a CUDA device: on the CPU (where torch without CUDA cannot pin)
+    ``to_device(pin=True)`` hands over the host's tensors and packed streams as they are. The CUDA path is
+    tests/gpu/test_model_cuda.py::test_a_pinned_batch_arrives_whole_on_the_device."""
+    from pretrain.model.packing import Packed
+    from pretrain.training.step import to_device
+
+    batch = host_facts(_batch(), unpadded=True)
+    moved = to_device(batch, "cpu", pin=True)
+    assert moved.keys() == batch.keys()
+    for key, value in batch.items():
+        if torch.is_tensor(value):
+            assert moved[key] is value and not moved[key].is_pinned(), key
+        elif isinstance(value, Packed):
+            assert torch.equal(moved[key].ids_N, value.ids_N) and not moved[key].ids_N.is_pinned(), key
