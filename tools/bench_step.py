@@ -339,6 +339,13 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         times = [time_one(step, batch, cuda=device == "cuda") for _ in range(steps)]
+        run_s = None
+        if device == "cuda":  # as the trainer runs: steps back to back, one synchronize after the last
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(batch)
+            torch.cuda.synchronize()
+            run_s = (time.perf_counter() - t0) / steps
         if profile_out:
             from torch.profiler import ProfilerActivity, profile
 
@@ -355,7 +362,8 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
     except torch.OutOfMemoryError:
         return {"oom": True}
     out = {"s": statistics.median(times), "all_s": times, "num_params": step.num_params}
-    if device == "cuda":
+    if run_s is not None:
+        out["run_s"] = run_s
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         # --compile-mode reduce-overhead: graphs inductor ran without CUDA graphs (a CPU input, a mutation, ...)
         out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
@@ -548,6 +556,24 @@ def run_host_cost(args) -> int:
     return 0 if all("error" not in r for r in rows) else 1
 
 
+def back_to_back_lines(rows: list[dict], steps: int, ab: str = "") -> list[str]:
+    """CUDA rows: the table times each step up to its last kernel (a synchronize after each); these lines give
+    ``steps`` steps run back to back with one synchronize after the last, as the trainer runs them (its step ends
+    without a sync, so the host may start the next step while the GPU finishes this one; HF's step still reads
+    its loss). With --ab, the third arm too."""
+    lines = []
+    for row in rows:
+        runs = {arm: row[arm].get("run_samples_per_s") for arm in ("ours", "hf", "ours_full")
+                if isinstance(row.get(arm), dict) and row[arm].get("run_samples_per_s")}
+        if "ours" in runs and "hf" in runs:
+            extra = (f"; ours with {AB_OPTIONS[ab]} {runs['ours_full']:.1f} (ours / that arm "
+                     f"{runs['ours'] / runs['ours_full']:.2f}x)" if "ours_full" in runs and ab else "")
+            lines.append(f"{row['size']} batch {row['batch']}, {steps} steps back to back (one synchronize at the "
+                         f"end): ours {runs['ours']:.1f} samples/s, HF {runs['hf']:.1f}, "
+                         f"{runs['ours'] / runs['hf']:.2f}x{extra}")
+    return lines
+
+
 def matmul_tflops(size: int = 8192) -> float:
     """Measured bf16 TFLOP/s of a size^3 matmul on random data (median of 10 after 3 warm-ups)."""
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -679,8 +705,12 @@ def main(argv=None) -> int:
                                 frac_of_matmul=(sps * flops / 1e12 / mm) if mm else None,
                                 peak_gib=a.get("peak_gib"), num_params=a.get("num_params"),
                                 cudagraph_skips=a.get("cudagraph_skips"))
+                if a.get("run_s"):
+                    row[arm]["run_samples_per_s"] = b / a["run_s"]
             if "ours_full" in r and not r["ours_full"].get("oom"):
-                row["ours_full"] = dict(samples_per_s=b / r["ours_full"]["s"])
+                row["ours_full"] = dict(samples_per_s=b / r["ours_full"]["s"],
+                                        run_samples_per_s=b / r["ours_full"]["run_s"] if r["ours_full"].get("run_s")
+                                        else None)
             rows.append(row)
             if row["ours"].get("oom") and row["hf"].get("oom"):
                 break
@@ -707,6 +737,8 @@ def main(argv=None) -> int:
             print(f"{row['size']} batch {row['batch']}: ours with {AB_OPTIONS[args.ab]} {full:.1f} samples/s "
                   f"({full / hf_sps:.2f}x HF); ours / that arm {row['ours']['samples_per_s'] / full:.2f}x"
                   if hf_sps else f"{row['size']}: ours with {AB_OPTIONS[args.ab]} {full:.1f} samples/s")
+    for line in back_to_back_lines(rows, args.steps, args.ab):
+        print(line)
     for row in rows:
         skips = {arm: row[arm].get("cudagraph_skips") for arm in ("ours", "hf") if isinstance(row.get(arm), dict)}
         if args.compile and args.compile_mode == "reduce-overhead" and any(skips.values()):

@@ -183,3 +183,17 @@ def test_host_cost_table_ratios_and_goal():
     assert "HF eager" not in text
     rows[1]["hf_eager"] = arm(65, 7000, 1)  # --compile: HF eager timed beside the compiled arms
     assert "| 2 | bf16 | 26.0 | 65.0 | 0.40x |" in "\n".join(bench_step.host_cost_table(rows))
+
+
+def test_back_to_back_lines_compare_the_runs_and_the_third_arm():
+    """CUDA rows carry a back-to-back run per arm (steps without a synchronize between them): the lines give each
+    arm's rate, ours / HF and ours / the --ab arm; a CPU row (no runs) gives none."""
+    bench_step = _bench_step()
+    rows = [{"size": "base", "batch": 256, "ours": {"run_samples_per_s": 2000.0}, "hf": {"run_samples_per_s": 1600.0},
+             "ours_full": {"run_samples_per_s": 1900.0}},
+            {"size": "base", "batch": 512, "ours": {"oom": True}, "hf": {"run_samples_per_s": 1500.0}},
+            {"size": "mini", "batch": 32, "ours": {"samples_per_s": 20.0}, "hf": {"samples_per_s": 9.0}}]
+    lines = bench_step.back_to_back_lines(rows, 10, "pin")
+    assert lines == ["base batch 256, 10 steps back to back (one synchronize at the end): ours 2000.0 samples/s, "
+                     "HF 1600.0, 1.25x; ours with train.pin_memory=false 1900.0 (ours / that arm 1.05x)"]
+    assert "that arm" not in bench_step.back_to_back_lines(rows, 10, "")[0]
