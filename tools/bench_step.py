@@ -339,7 +339,6 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         times = [time_one(step, batch, cuda=device == "cuda") for _ in range(steps)]
-        run_s = None
         if device == "cuda":  # as the trainer runs: steps back to back, one synchronize after the last
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -362,7 +361,7 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
     except torch.OutOfMemoryError:
         return {"oom": True}
     out = {"s": statistics.median(times), "all_s": times, "num_params": step.num_params}
-    if run_s is not None:
+    if device == "cuda":
         out["run_s"] = run_s
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         # --compile-mode reduce-overhead: graphs inductor ran without CUDA graphs (a CPU input, a mutation, ...)

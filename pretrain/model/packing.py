@@ -50,6 +50,14 @@ class AttentionGroup:
     length: int
 
 
+def move_tensor(t: torch.Tensor, device, non_blocking: bool = False, pin: bool = False) -> torch.Tensor:
+    """``t.to(device, non_blocking=...)``; ``pin`` (train.pin_memory): a host -> CUDA copy goes through pinned
+    memory, so that it is asynchronous (ignored for any other device)."""
+    if pin and torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
+
+
 @dataclass
 class Packed:
     """The real tokens of B right-padded sequences, row after row, and where each came from."""
@@ -78,9 +86,9 @@ class Packed:
         return self.ids_N.shape[0]
 
     def to(self, device, non_blocking: bool = False, pin: bool = False) -> Packed:
-        """Every tensor moved to ``device``; ``pin``: through pinned host memory (a host -> CUDA copy)."""
+        """Every tensor moved to ``device`` (``move_tensor``)."""
         def move(v):
-            return (v.pin_memory() if pin else v).to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
+            return move_tensor(v, device, non_blocking, pin) if torch.is_tensor(v) else v
 
         groups = tuple(AttentionGroup(move(g.keep_n11t), g.num_rows, g.length) for g in self.groups)
         return Packed(**{f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "groups"},

@@ -12,7 +12,7 @@ import torch
 
 from pretrain.config.data import IGNORE_INDEX
 from pretrain.distributed.comm import all_reduce_host
-from pretrain.model.packing import Packed, pack
+from pretrain.model.packing import Packed, move_tensor, pack
 
 
 @dataclass
@@ -169,11 +169,9 @@ def host_facts(batch: dict, *, unpadded: bool = False, buckets: Buckets | None =
 
 
 def to_device(batch: dict, device, pin: bool = False) -> dict:
-    """The batch's tensors (and packed streams) copied to ``device`` without waiting for it; ``pin``
-    (train.pin_memory): to a CUDA device through pinned host memory, so that the copy is asynchronous (ignored for
-    any other device)."""
-    pin = pin and torch.device(device).type == "cuda"
-    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) if torch.is_tensor(v)
+    """The batch's tensors (and packed streams) copied to ``device`` without waiting for it; ``pin``:
+    train.pin_memory (``packing.move_tensor``)."""
+    return {k: move_tensor(v, device, True, pin) if torch.is_tensor(v)
             else v.to(device, non_blocking=True, pin=pin) if isinstance(v, Packed) else v
             for k, v in batch.items()}
 
