@@ -600,6 +600,18 @@ def hf_arm_note(arch: str, device: str) -> str:
             f"CLEAR loss as usually written")
 
 
+def trainer_heap() -> str:
+    """glibc's thresholds set as the trainer sets them (train.malloc_mmap_threshold_kib's default; each arm runs in
+    the same process, so both get them) -> what the header says of it."""
+    from pretrain.config.train import TrainConfig
+    from pretrain.training.heap import set_mmap_threshold
+
+    kib = TrainConfig().malloc_mmap_threshold_kib
+    if set_mmap_threshold(kib):
+        return f"glibc mmap threshold {kib} KiB for both arms (the trainer's train.malloc_mmap_threshold_kib)"
+    return "glibc's own mmap threshold (MALLOC_MMAP_THRESHOLD_ set, or no glibc)"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -644,6 +656,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one (size, batch) as JSON (internal)
     args = p.parse_args(argv)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    heap = trainer_heap()
     if args.host_cost and args.device != "cpu":
         p.error("--host-cost measures the host on the CPU (wall time = host time there); leave out --device")
     if args.host_cost and args.arch != "bert":
@@ -668,7 +681,7 @@ def main(argv=None) -> int:
           f"seq {args.seq} (+2 views x "
           f"{args.view_len}), vocab {args.vocab}, median of {args.steps} steps, "
           f"{f'real batches of the shared {args.data} (a new one each step)' if args.data else 'synthetic batch'}"
-          + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else ""))
+          + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else "") + f", {heap}")
     print(hf_arm_note(args.arch, args.device))
     rows = []
     for size in args.sizes:

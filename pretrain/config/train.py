@@ -154,14 +154,16 @@ class TrainConfig:
     A resumed run keeps the layout its checkpoint was written with (one from before 2026-11-25: per-tensor);
     resumes are bitwise on any rank count (the views are remade at every micro-step: ``flat.release_views``)."""
 
-    malloc_mmap_threshold_kib: int = 0
-    """glibc's mmap threshold in KiB, fixed for the trainer process (training/heap.py); 0 (the default) leaves glibc's
-    dynamic threshold. Fixed, every freed block of at least this size goes straight back to the system instead of
-    staying in a heap that grows with each micro-batch's differently sized activations (measured: a cached-gradient
-    step of 2,048 in 8 chunks peaked at 1.11x the RSS of one chunk uncached with glibc's dynamic threshold, 0.98x
-    with 128 KiB), but every large allocation then costs an mmap and fresh page faults: the quickstart trained at
-    0.70x the samples/s with 128 (docs/performance.md), so it is opt-in. A ``MALLOC_MMAP_THRESHOLD_`` in the
-    environment wins. No effect without glibc, or on GPU memory."""
+    malloc_mmap_threshold_kib: int = 1 << 20
+    """glibc's mmap threshold in KiB, fixed for the trainer process (training/heap.py; its trim threshold at twice
+    it); 0 leaves glibc's dynamic threshold, which stops rising at 32 MiB. The default, 1 GiB, serves every
+    activation from the heap and keeps it there between steps, where glibc's default maps each tensor over 32 MiB
+    (BERT-small's FFN activations, the MLM logits) afresh at every step and faults its pages in again (measured:
+    BERT-small's CPU step 5-8% faster with it, the same peak RSS; docs/performance.md). A small value (128) does the
+    opposite: every freed block goes straight back to the system, which keeps a cached-gradient step's peak RSS flat
+    (1.11x with glibc's default, 0.98x with 128 for a cached 2,048 in 8 chunks) but costs page faults on every large
+    allocation (the quickstart at 0.70x the samples/s); ``malloc_trim_chunks`` is the cheaper cure. A
+    ``MALLOC_MMAP_THRESHOLD_`` in the environment wins. No effect without glibc, or on GPU memory."""
 
     malloc_trim_chunks: bool = True
     """Under objective.gradient_cache on a CPU: glibc's ``malloc_trim`` after each chunk's backward, so the heap gives

@@ -63,13 +63,13 @@ class SelfAttention(nn.Module):
         (model/gather.py)."""
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
-        groups, sizes = packed.groups, packed.group_sizes
+        groups = packed.groups
         if self.qkv_span is not None:  # fused: one gather of the (N, 3D) projections into every group's slots
-            qkv_P = gather_slots(F.linear(x_ND, *self.qkv_span), packed).split(sizes)
+            qkv_P = packed.split_groups(gather_slots(F.linear(x_ND, *self.qkv_span), packed))
             parts = [z.view(g.num_rows, g.length, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
                      for g, z in zip(groups, qkv_P)]
         else:  # one gather each of q, k and v
-            q_P, k_P, v_P = (gather_slots(z_ND, packed).split(sizes) for z_ND in self._qkv(x_ND))
+            q_P, k_P, v_P = (packed.split_groups(gather_slots(z_ND, packed)) for z_ND in self._qkv(x_ND))
             parts = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
                      for g, qkv in zip(groups, zip(q_P, k_P, v_P))]
         y_parts = []

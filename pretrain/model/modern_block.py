@@ -75,8 +75,8 @@ class ModernAttention(nn.Module):
             q_NHK, k_NHK, v_NHK = self.qkv(x_BTD).view(-1, 3, h, k).unbind(1)
             cos_N1K, sin_N1K = inputs.cos[:, None], inputs.sin[:, None]
             q_NHK, k_NHK = apply_rope(q_NHK, cos_N1K, sin_N1K), apply_rope(k_NHK, cos_N1K, sin_N1K)
-            y_parts, sizes = [], packed.group_sizes
-            per_group = zip(*(gather_slots(z, packed).split(sizes) for z in (q_NHK, k_NHK, v_NHK)))
+            y_parts = []
+            per_group = zip(*(packed.split_groups(gather_slots(z, packed)) for z in (q_NHK, k_NHK, v_NHK)))
             for g, mask, qkv in zip(packed.groups, inputs.group_masks, per_group):
                 q_nHtK, k_nHtK, v_nHtK = (z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout)

@@ -99,6 +99,11 @@ class Packed:
         """Slots per group (n * t), in order: how gather_P's rows split into the groups."""
         return [g.num_rows * g.length for g in self.groups]
 
+    def split_groups(self, x_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x_P (slots of every group, end to end) split into the groups' parts; one group's part is x_P itself
+        (a one-piece ``split`` would copy the whole gradient in its backward)."""
+        return (x_P,) if len(self.groups) == 1 else x_P.split(self.group_sizes)
+
     def slots(self, rows_S: torch.Tensor | None = None) -> torch.Tensor:
         """Attention slots of every token (back_N), or of the stream positions ``rows_S``."""
         return self.back_N if rows_S is None else self.back_N.index_select(0, rows_S)

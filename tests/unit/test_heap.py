@@ -51,8 +51,50 @@ def test_a_fixed_threshold_keeps_mmapping_after_a_large_free():
     assert _probe(128, MALLOC_MMAP_THRESHOLD_="134217728") == (0, 0)  # the user's variable wins (128 MiB)
 
 
-def test_the_setting_defaults_off_and_refuses_a_negative():
-    assert load_run_config(None, []).train.malloc_mmap_threshold_kib == 0  # opt-in: it costs step time on CPU
+# In a fresh interpreter: a 64 MiB block (over glibc's 32 MiB cap on its dynamic threshold) allocated, touched and
+# freed twice; the page faults of the second round (getrusage's minor faults).
+FAULT_PROBE = r"""
+import ctypes, resource, sys
+sys.path.insert(0, sys.argv[2])
+from pretrain.training.heap import set_mmap_threshold
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+applied = set_mmap_threshold(int(sys.argv[1]))
+def round_():
+    p = libc.malloc(64 << 20)
+    ctypes.memset(p, 1, 64 << 20)
+    libc.free(p)
+round_()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+round_()
+print(int(applied), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc only")
+def test_the_default_threshold_keeps_a_large_block_in_the_heap_between_steps():
+    """glibc's default maps a 64 MiB tensor afresh each time and faults its 16,384 pages in again; the trainer's
+    default serves it from the heap the second time, with its pages still there (mmap and trim thresholds both)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+    def faults(kib: int) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", FAULT_PROBE, str(kib), str(REPO)], capture_output=True,
+                             text=True, env=env, timeout=60, check=True).stdout.split()
+        return int(out[0]), int(out[1])
+
+    default = load_run_config(None, []).train.malloc_mmap_threshold_kib
+    assert default >= 64 << 10
+    applied, kept = faults(default)
+    assert applied == 1 and kept < 1000, kept
+    applied, mapped = faults(0)
+    assert applied == 0 and mapped > 15000, mapped  # 64 MiB / 4 KiB pages
+
+
+def test_the_setting_defaults_to_1_gib_and_refuses_a_negative():
+    assert load_run_config(None, []).train.malloc_mmap_threshold_kib == 1 << 20
+    assert load_run_config(None, ["train.malloc_mmap_threshold_kib=0"]).train.malloc_mmap_threshold_kib == 0
     assert load_run_config(None, ["train.malloc_mmap_threshold_kib=128"]).train.malloc_mmap_threshold_kib == 128
     with pytest.raises(ValueError, match="malloc_mmap_threshold_kib"):
         load_run_config(None, ["train.malloc_mmap_threshold_kib=-1"])
