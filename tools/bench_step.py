@@ -421,6 +421,9 @@ def measure(args, size: str) -> dict:
            "hf": {"s": statistics.median(t_hf), "num_params": hf.num_params}}
     if full is not None:
         out["ours_full"] = {"s": statistics.median(t_full)}
+    if args.matmul_bound:  # after the timed steps, one more of each
+        out["ours"]["matmul_s"] = matmul_seconds(ours, host_batches[0])
+        out["hf"]["matmul_s"] = matmul_seconds(hf, batches[0])
     if args.data:
         out["padding"] = padding_shares(host_batches[:args.steps])
     return out
@@ -600,16 +603,44 @@ def hf_arm_note(arch: str, device: str) -> str:
             f"CLEAR loss as usually written")
 
 
-def trainer_heap() -> str:
-    """glibc's thresholds set as the trainer sets them (train.malloc_mmap_threshold_kib's default; each arm runs in
-    the same process, so both get them) -> what the header says of it."""
+def set_heap(heap: str) -> str:
+    """--heap: ``trainer``, glibc's thresholds as the trainer sets them (train.malloc_mmap_threshold_kib's default),
+    or ``glibc``, its own dynamic ones; the arms share the process, so both get the same -> the header's words."""
     from pretrain.config.train import TrainConfig
     from pretrain.training.heap import set_mmap_threshold
 
     kib = TrainConfig().malloc_mmap_threshold_kib
-    if set_mmap_threshold(kib):
+    if heap == "trainer" and set_mmap_threshold(kib):
         return f"glibc mmap threshold {kib} KiB for both arms (the trainer's train.malloc_mmap_threshold_kib)"
-    return "glibc's own mmap threshold (MALLOC_MMAP_THRESHOLD_ set, or no glibc)"
+    return "glibc's own mmap threshold for both arms" + (" (MALLOC_MMAP_THRESHOLD_ set, or no glibc)"
+                                                        if heap == "trainer" else "")
+
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_addmm_activation")
+"""The ops whose self time --matmul-bound counts as matrix multiplication (CPU: each one kernel)."""
+
+
+def matmul_seconds(step, batch) -> float:
+    """Seconds of one step (after warm-up) spent inside matrix multiplications (MATMUL_OPS' self time, CPU
+    profiler): the part of the step that neither arm's host or elementwise work can make cheaper."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(batch)
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS) / 1e6
+
+
+def matmul_bound_lines(rows: list[dict]) -> list[str]:
+    """--matmul-bound: per row, each arm's matmul seconds against its step, and the ratio ours / HF would reach if
+    ours did nothing but its matmuls (HF's median step over ours' matmul seconds)."""
+    lines = []
+    for row in rows:
+        o, h = row.get("ours") or {}, row.get("hf") or {}
+        if o.get("matmul_s") and h.get("matmul_s"):
+            lines.append(f"{row['size']} batch {row['batch']}: matmuls take ours {o['matmul_s']:.2f} s of its "
+                         f"{o['step_s']:.2f} s step ({o['matmul_s'] / o['step_s']:.0%}), HF {h['matmul_s']:.2f} s "
+                         f"of {h['step_s']:.2f} s ({h['matmul_s'] / h['step_s']:.0%}); ours doing nothing but its "
+                         f"matmuls would be {h['step_s'] / o['matmul_s']:.2f}x HF (now "
+                         f"{h['step_s'] / o['step_s']:.2f}x)")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -653,10 +684,18 @@ def main(argv=None) -> int:
     p.add_argument("--zero-stages", type=int, nargs="+", default=[0, 2], help="--host-cost: ZeRO stages")
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                    help="--host-cost: precisions")
+    p.add_argument("--heap", choices=["trainer", "glibc"], default="trainer",
+                   help="glibc's heap thresholds for both arms (one process): the trainer's "
+                   "(train.malloc_mmap_threshold_kib) or glibc's own")
+    p.add_argument("--matmul-bound", action="store_true",
+                   help="CPU: also profile one step of each arm and print the seconds spent in matmuls, and the "
+                   "ratio ours would reach doing nothing else")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one (size, batch) as JSON (internal)
     args = p.parse_args(argv)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
-    heap = trainer_heap()
+    heap = set_heap(args.heap)
+    if args.matmul_bound and args.device != "cpu":
+        p.error("--matmul-bound profiles CPU steps; leave out --device")
     if args.host_cost and args.device != "cpu":
         p.error("--host-cost measures the host on the CPU (wall time = host time there); leave out --device")
     if args.host_cost and args.arch != "bert":
@@ -696,6 +735,7 @@ def main(argv=None) -> int:
             cmd += ["--pooling", args.pooling] + (["--ab", args.ab] if args.ab else [])
             cmd += ["--data", args.data] if args.data else []
             cmd += ["--profile-out", args.profile_out] if args.profile_out else []
+            cmd += ["--heap", args.heap] + (["--matmul-bound"] if args.matmul_bound else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
@@ -719,6 +759,8 @@ def main(argv=None) -> int:
                                 cudagraph_skips=a.get("cudagraph_skips"))
                 if a.get("run_s"):
                     row[arm]["run_samples_per_s"] = b / a["run_s"]
+                if a.get("matmul_s"):
+                    row[arm]["matmul_s"] = a["matmul_s"]
             if "ours_full" in r and not r["ours_full"].get("oom"):
                 row["ours_full"] = dict(samples_per_s=b / r["ours_full"]["s"],
                                         run_samples_per_s=b / r["ours_full"]["run_s"] if r["ours_full"].get("run_s")
@@ -749,7 +791,7 @@ def main(argv=None) -> int:
             print(f"{row['size']} batch {row['batch']}: ours with {AB_OPTIONS[args.ab]} {full:.1f} samples/s "
                   f"({full / hf_sps:.2f}x HF); ours / that arm {row['ours']['samples_per_s'] / full:.2f}x"
                   if hf_sps else f"{row['size']}: ours with {AB_OPTIONS[args.ab]} {full:.1f} samples/s")
-    for line in back_to_back_lines(rows, args.steps, args.ab):
+    for line in back_to_back_lines(rows, args.steps, args.ab) + matmul_bound_lines(rows):
         print(line)
     for row in rows:
         skips = {arm: row[arm].get("cudagraph_skips") for arm in ("ours", "hf") if isinstance(row.get(arm), dict)}

@@ -197,3 +197,19 @@ def test_back_to_back_lines_compare_the_runs_and_the_third_arm():
     assert lines == ["base batch 256, 10 steps back to back (one synchronize at the end): ours 2000.0 samples/s, "
                      "HF 1600.0, 1.25x; ours with train.pin_memory=false 1900.0 (ours / that arm 1.05x)"]
     assert "that arm" not in bench_step.back_to_back_lines(rows, 10, "")[0]
+
+
+def test_matmul_seconds_count_matmuls_only_and_the_bound_line():
+    """--matmul-bound: the profiled seconds are the matmuls' (none in an elementwise step, most of a GEMM-heavy
+    one), and the line's bound is HF's step over ours' matmul seconds."""
+    bench_step = _bench_step()
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    assert bench_step.matmul_seconds(lambda x: (x * 2 + 1).exp(), a) == 0.0
+    t = bench_step.matmul_seconds(lambda x: [(x @ b).relu_() @ b for _ in range(4)], a)
+    assert t > 0
+    rows = [{"size": "small", "batch": 32, "ours": {"step_s": 4.0, "matmul_s": 3.5},
+             "hf": {"step_s": 7.0, "matmul_s": 6.0}},
+            {"size": "mini", "batch": 32, "ours": {"step_s": 1.0}, "hf": {"step_s": 2.0}}]
+    (line,) = bench_step.matmul_bound_lines(rows)
+    assert line == ("small batch 32: matmuls take ours 3.50 s of its 4.00 s step (88%), HF 6.00 s of 7.00 s (86%); "
+                    "ours doing nothing but its matmuls would be 2.00x HF (now 1.75x)")
