@@ -2,19 +2,18 @@
 
 torch's CPU dropout draws one Bernoulli sample per element from its MT19937 generator (``bernoulli_``, ~10 ns an
 element: 60x the multiply it masks, a tenth of a mini model's training step; docs/performance.md). Here one 64-bit
-draw gives four elements 16 bits each, and an element is kept where its bits, read as int16, reach a threshold: the drop probability is p rounded to a multiple of 1/65536 (p = 0.1 drops
-6554/65536 = 0.100006) and the kept elements are scaled by the inverse of the exact keep probability, so the
-expectation is exact. Only the boolean mask of the kept elements is kept for the backward, as torch's dropout keeps
-it, and both passes multiply by it read as bytes (``mul`` by a uint8 tensor, then by the scale: half the cost of
-``masked_fill_`` with a boolean mask, which torch's CPU kernel does not vectorise; the same values, a dropped
-element of a negative input being -0.0).
+draw gives four elements 16 bits each, and an element is kept where its bits, read as int16, reach a threshold: the
+drop probability is p rounded to a multiple of 1/65536 (p = 0.1 drops 6554/65536 = 0.100006) and the kept elements
+are scaled by the inverse of the exact keep probability, so the expectation is exact. Only the boolean mask of the
+kept elements is kept for the backward, as torch's dropout keeps it, and both passes multiply by it read as bytes
+(``mul`` by a uint8 tensor, then by the scale: half the cost of ``masked_fill_`` with a boolean mask, which torch's
+CPU kernel does not vectorise; the same values, a dropped element of a negative input being -0.0).
 
 The 64-bit draws come from numpy's SFC64 (a third of the time of torch's MT19937 ``random_`` over the int64 range),
 seeded for each mask by 128 bits drawn from torch's default CPU generator, so that generator alone decides every
 mask: ``training.step.dropout_rng`` keys it by (seed, step, rank) as it keys torch's dropout, and a resume is as
-exact. On CUDA (torch's dropout is one fused Philox kernel there) and
-inside torch.compile (inductor draws its own noise) torch's dropout runs. ``train.fast_dropout=false`` runs torch's
-everywhere (``set_fast_dropout``).
+exact. On CUDA (torch's dropout is one fused Philox kernel there) and inside torch.compile (inductor draws its own
+noise) torch's dropout runs. ``train.fast_dropout=false`` runs torch's everywhere (``set_fast_dropout``).
 
 Attention-probability dropout lives inside SDPA, whose CPU path with dropout is the math one (scores, softmax,
 ``bernoulli_``, matmul); ``attention`` runs that same math with this mask instead.
