@@ -37,6 +37,12 @@ one process each, ours and HF alternating in it. Per arm: median host ms per ste
 warm-up the aten ops dispatched and those that would force a host-device sync on CUDA (``metrics.op_count``).
 
     python tools/bench_step.py --host-cost --steps 50 --json-out host_cost.json
+
+The arms share one process, so they share glibc's heap: ``--heap trainer`` (the default) sets it as the trainer
+does (``train.malloc_mmap_threshold_kib``: every activation from the heap, none re-mapped each step), ``--heap
+glibc`` leaves glibc's own (which re-maps every tensor over 32 MiB each step, and costs HF's padded step more than
+ours). ``--matmul-bound`` (CPU) profiles one more step of each arm and prints the seconds each spends in matmuls and
+the ratio ours would reach if it did nothing else: how much of a ratio goal the arithmetic alone allows.
 """
 
 from __future__ import annotations
