@@ -51,12 +51,6 @@ def _words(count: int, device) -> torch.Tensor:
     return torch.from_numpy(np.random.SFC64(seed.numpy().view(np.uint64)).random_raw(count).view(np.int64))
 
 
-def drop_mask(shape, p: float, device) -> tuple[torch.Tensor, float]:
-    """``keep_mask``'s draw as (bool mask, True where an element is dropped; the scale of the kept ones)."""
-    kept, scale = keep_mask(shape, p, device)
-    return ~kept, scale
-
-
 def _keep_scale(x: torch.Tensor, kept: torch.Tensor, scale: float) -> torch.Tensor:
     """x * scale where ``kept``, 0 elsewhere: two vectorised multiplies (the mask read as uint8)."""
     return x.mul(kept.view(torch.uint8)).mul_(scale)
@@ -84,7 +78,7 @@ def uses_fast(x: torch.Tensor, p: float, training: bool, fast: bool) -> bool:
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True, fast: bool = True) -> torch.Tensor:
-    """``F.dropout(x, p, training)``; with ``fast``, on the CPU the mask comes from ``drop_mask``."""
+    """``F.dropout(x, p, training)``; with ``fast``, on the CPU the mask comes from ``keep_mask``."""
     if not uses_fast(x, p, training, fast):
         return F.dropout(x, p, training)
     kept, scale = keep_mask(x.shape, p, x.device)
@@ -92,7 +86,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True, fast: bool = True)
 
 
 class Dropout(nn.Module):
-    """``nn.Dropout`` (no state: the state dict is unchanged) drawing its CPU masks with ``drop_mask`` while
+    """``nn.Dropout`` (no state: the state dict is unchanged) drawing its CPU masks with ``keep_mask`` while
     ``fast_dropout`` (set for a whole model by ``set_fast_dropout``)."""
 
     def __init__(self, p: float) -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from test_trim_last_layer import _batch, _module
 
 from pretrain.metrics.op_count import OpCounter
-from pretrain.model.dropout import LEVELS, attention, drop_mask, dropout, set_fast_dropout, uses_fast
+from pretrain.model.dropout import LEVELS, attention, dropout, keep_mask, set_fast_dropout, uses_fast
 from pretrain.training.step import dropout_rng, host_facts
 
 N = 1 << 20
@@ -40,7 +40,8 @@ def test_drop_rate_and_scale_are_exact(p):
 
 def test_neighbouring_masks_are_uncorrelated():
     torch.manual_seed(1)
-    dropped, _ = drop_mask((N,), 0.3, "cpu")
+    kept, _ = keep_mask((N,), 0.3, "cpu")
+    dropped = ~kept
     d = dropped.double() - dropped.double().mean()
     for lag in (1, 2, 3, 4, 5, 8):
         corr = float((d[lag:] * d[:-lag]).mean() / d.var())
@@ -70,8 +71,8 @@ def test_forward_and_backward_against_the_mask():
     torch.manual_seed(6)
     y = dropout(x, 0.25)
     torch.manual_seed(6)
-    dropped, scale = drop_mask(x.shape, 0.25, "cpu")
-    keep = (~dropped).double()
+    kept, scale = keep_mask(x.shape, 0.25, "cpu")
+    keep = kept.double()
     assert torch.equal(y, x.detach() * keep * scale)
     (y * w).sum().backward()
     assert torch.equal(x.grad, w * keep * scale)
@@ -97,7 +98,7 @@ def test_off_cases_run_torch_dropout():
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
 def test_attention_equals_the_float64_reference(mask_kind):
-    """Scores, masked softmax, the probabilities' dropout with ``drop_mask``'s mask, values: output and gradients."""
+    """Scores, masked softmax, the probabilities' dropout with ``keep_mask``'s mask, values: output and gradients."""
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(3, 2, 9, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
     keep = torch.rand(3, 1, 1, 9, generator=gen) > 0.3
@@ -108,13 +109,13 @@ def test_attention_equals_the_float64_reference(mask_kind):
     g = torch.randn_like(y)
     grads = torch.autograd.grad(y, (q, k, v), g)
     torch.manual_seed(8)
-    dropped, scale = drop_mask((3, 2, 9, 9), 0.2, "cpu")
+    kept, scale = keep_mask((3, 2, 9, 9), 0.2, "cpu")
     scores = q @ k.transpose(-1, -2) / 8 ** 0.5
     if mask_kind == "bool":
         scores = scores.masked_fill(~keep, float("-inf"))
     elif mask_kind == "float":
         scores = scores + mask
-    ref = (scores.softmax(-1) * (~dropped).double() * scale) @ v
+    ref = (scores.softmax(-1) * kept.double() * scale) @ v
     ref_grads = torch.autograd.grad(ref, (q, k, v), g)
     assert (y - ref).abs().max() < 1e-12
     for a, b in zip(grads, ref_grads):
