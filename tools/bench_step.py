@@ -164,11 +164,13 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
                micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True,
-               fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True):
+               fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True,
+               joint: bool | None = None):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
     unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
-    ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, all on by default). ``step.num_params``: the
+    ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, all on by default; ``joint``: train.joint_pass,
+    None for its default, auto: on a GPU). ``step.num_params``: the
     trained module's parameters (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
@@ -191,8 +193,10 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     init_process_group(env, backend="auto", timeout_s=600)
     model = build_model(ours_model_config(size, vocab, seq, arch, pooling))
     train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat,
-                        trim_last_layer=trim, fast_dropout=fast_dropout, compile_mode=compile_mode, pin_memory=pin)
-    ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer)
+                        trim_last_layer=trim, fast_dropout=fast_dropout, compile_mode=compile_mode, pin_memory=pin,
+                        **({} if joint is None else {"joint_pass": joint}))
+    ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer,
+                  joint_pass=train.joint_pass is not False)
     module = TrainModule(model, Objective(ObjectiveConfig(), ctx))
     set_fast_dropout(module, train.fast_dropout)
     num_params = sum(p.numel() for p in module.parameters())  # before flat layers change the tensors
@@ -208,7 +212,8 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
         result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
-                                precision=precision, unpadded=train.step_unpadded, pin_memory=train.pin_memory)
+                                precision=precision, unpadded=train.step_unpadded, joint=train.joint_on(engine.device),
+                                pin_memory=train.pin_memory)
         done[0] += 1
         return result
 
@@ -217,8 +222,9 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
 
 AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false",
-              "pin": "train.pin_memory=false"}
-"""--ab: the option the third arm turns off."""
+              "pin": "train.pin_memory=false", "joint": "train.joint_pass=false"}
+"""--ab: the option the third arm turns off (joint: the main arm runs train.joint_pass=true, also on the CPU,
+where its default, auto, is off)."""
 
 POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
 """--pooling -> ours' model.pooling: the views' embedding is the mean of their tokens (the quickstart's) or their
@@ -390,7 +396,8 @@ def measure(args, size: str) -> dict:
     def ours(off: str = ""):  # off: the AB_OPTIONS option turned off in this arm
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
                           arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout",
-                          pin=off != "pin", compile_mode=args.compile_mode)
+                          pin=off != "pin", joint=(off != "joint") if args.ab == "joint" else None,
+                          compile_mode=args.compile_mode)
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
@@ -450,17 +457,21 @@ def measure_host_cost(args) -> dict:
     hc = HOST_COST
     batch = make_batch(hc["batch"], hc["seq"], hc["view_len"], hc["vocab"], torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    # torch's dropout in ours, as a CUDA step runs it (train.fast_dropout is a CPU path; this mode stands in for
-    # the host work of a GPU step).
+    # torch's dropout and the joint pass in ours, as a CUDA step runs them (train.fast_dropout is a CPU path,
+    # train.joint_pass's default a GPU one; this mode stands in for the host work of a GPU step).
     arms = {"ours": build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision, args.compile,
-                               micro_batch=hc["batch"], fast_dropout=False)}
+                               micro_batch=hc["batch"], fast_dropout=False, joint=True)}
     # The layout before train.flat_params (2026-11-25), same process, same trials: what flattening saves.
     arms["ours_per_tensor"] = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
-                                         args.compile, micro_batch=hc["batch"], flat=False, fast_dropout=False)
+                                         args.compile, micro_batch=hc["batch"], flat=False, fast_dropout=False,
+                                         joint=True)
     # HF gets the AdamW implementation the Engine chose (fused, CPU and CUDA; before 2026-11-24 torch's per-parameter
     # one on the CPU, whose step count .item() per parameter would otherwise count as syncs in one arm only).
     fused = bool(arms["ours"].engine._adamw.defaults.get("fused"))
     arms["hf"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, args.compile, fused=fused)
+    if args.ab == "joint":  # the two passes the joint pass replaced, same process, same trials
+        arms["ours_two_passes"] = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
+                                             args.compile, micro_batch=hc["batch"], fast_dropout=False, joint=False)
     if args.compile:  # HF as most of its users run it: eager
         arms["hf_eager"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, False, fused=fused)
     for _ in range(3):
@@ -516,6 +527,14 @@ def host_cost_table(rows: list[dict]) -> list[str]:
                   "| ZeRO | precision | ours compiled ms | HF eager ms | ours / HF eager |", "|---:|---|---:|---:|---:|"]
         lines += [f"| {r['zero_stage']} | {r['precision']} | {r['ours']['s'] * 1e3:.1f} | "
                   f"{r['hf_eager']['s'] * 1e3:.1f} | {r['ours']['s'] / r['hf_eager']['s']:.2f}x |" for r in eager]
+    two = [r for r in done if "ours_two_passes" in r]
+    if two:
+        lines += ["", "Ours with train.joint_pass=false (the MLM rows and the views in two passes; the same runs):", "",
+                  "| ZeRO | precision | two passes ms | / HF | aten ops | joint / two passes |",
+                  "|---:|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['zero_stage']} | {r['precision']} | {r['ours_two_passes']['s'] * 1e3:.1f} | "
+                  f"{r['ours_two_passes']['s'] / r['hf']['s']:.2f}x | {r['ours_two_passes']['aten_ops']:,} | "
+                  f"{r['ours']['s'] / r['ours_two_passes']['s']:.2f}x |" for r in two]
     return lines
 
 
@@ -533,13 +552,14 @@ def run_host_cost(args) -> int:
     print(f"host cost: torch {torch.__version__}, deepspeed {_version('deepspeed')}, transformers "
           f"{_version('transformers')}, 1 thread, {SIZES[hc['size']]}, batch {hc['batch']} x seq "
           f"{hc['seq']} (+2 views x {hc['view_len']}), vocab {hc['vocab']}, median of {args.steps} alternating "
-          f"steps after 3 warm-up, then ops over 1 more step; compile {args.compile} (ours and HF{'; HF eager beside' if args.compile else ''}); ours with train.flat_params (default), per-tensor without; "
+          f"steps after 3 warm-up, then ops over 1 more step; compile {args.compile} (ours and HF{'; HF eager beside' if args.compile else ''}); ours with train.flat_params (default), per-tensor without, both with the joint pass (as on a GPU); "
           f"load average {load_start[0]:.2f}")
     rows = []
     for zero in args.zero_stages:
         for precision in args.precisions:
             cmd = [sys.executable, __file__, "--json", "--host-cost", "--zero-stage", str(zero), "--precision",
-                   precision, "--steps", str(args.steps)] + (["--compile"] if args.compile else [])
+                   precision, "--steps", str(args.steps)] + (["--compile"] if args.compile else []) + \
+                (["--ab", "joint"] if args.ab == "joint" else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
@@ -671,8 +691,8 @@ def main(argv=None) -> int:
                    "CLEAR recipes')")
     p.add_argument("--ab", choices=sorted(AB_OPTIONS), default="",
                    help="a third arm, ours with this option off: trim (train.trim_last_layer=false), dropout "
-                   "(train.fast_dropout=false) or pin (train.pin_memory=false; CUDA only) (CPU: alternating with the "
-                   "other two; CUDA: after them)")
+                   "(train.fast_dropout=false), pin (train.pin_memory=false; CUDA only) or joint "
+                   "(train.joint_pass=false) (CPU: alternating with the other two; CUDA: after them)")
     p.add_argument("--trim-ab", dest="ab", action="store_const", const="trim", help="--ab trim")
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "

@@ -61,6 +61,12 @@ class Objective:
                 raise ValueError(f"objective.{name} is configured but no loss term implements it; "
                                  f"available: {', '.join(OBJECTIVES)}")
             self.terms.append((name, OBJECTIVES[name], getattr(cfg, name)))
+        names = [name for name, _, _ in self.terms]
+        # One pass for the MLM rows and the views serves only an objective that reads both (every term but MLM's
+        # reads the views in pretraining); the gradient cache runs its own passes (grad_cache.py).
+        joint = "mlm" in names and len(names) > 1 and self.ctx.stage == "pretrain" and not cfg.gradient_cache
+        if self.ctx.joint_pass and not joint:
+            self.ctx = dataclasses.replace(self.ctx, joint_pass=False)
         pair_cfg = cfg.info_nce or cfg.arccon
         self.gather = bool(pair_cfg is not None and pair_cfg.gather)
         self.teachers = teachers

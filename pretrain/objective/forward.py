@@ -6,7 +6,8 @@ encodes the same sentence twice (independent dropout), or with data.pairs the an
 negatives in a pass of their own); pretraining encodes CLEAR's two augmented views.
 Under ``train.unpadded`` the host has packed the MLM rows and the pair (training/step.py: host_facts): the batch
 carries ``packed_mlm`` and ``packed_views``/``packed_sentences`` (model/packing.py: Packed), the passes return
-h_ND and pooling runs on the stream; without them every pass is the padded reference.
+h_ND and pooling runs on the stream; without them every pass is the padded reference. With ``packed_joint`` too
+(train.joint_pass) the MLM rows and the views share one pass (``Forward._joint_pass``).
 Legend: B local rows, M = W * B gathered rows, T tokens, D hidden, P embedding dim, N packed tokens.
 """
 
@@ -39,6 +40,10 @@ class Context:
     trim_last_layer: bool = False
     """train.trim_last_layer: the MLM and pair passes compute their last layer only where a loss reads it (the MLM
     rows' labelled tokens; the pair's [CLS] when it is pooled so and nothing else reads its tokens)."""
+    joint_pass: bool = False
+    """train.joint_pass not false: the MLM rows and CLEAR's views through one encoder pass when the host packed them
+    together (``packed_joint``; the step does on the devices train.joint_pass picks). ``Objective`` keeps it only
+    where one pass serves both: an MLM term beside a term of the views, in pretraining."""
 
 
 def mean_pool_mix(step: int, warmup_steps: int) -> float:
@@ -62,6 +67,8 @@ class Forward:
     def mlm_hidden(self) -> torch.Tensor:
         """h_BTD of the MLM rows, h_ND when the host packed them, or h_MD of their labelled tokens only when the
         last layer is trimmed (``_mlm_trimmed``)."""
+        if "mlm" not in self._cache and self._joint():
+            self._joint_pass()
         if "mlm" not in self._cache:
             packed = self.batch.get("packed_mlm")
             rows = _known(rows_S=self.batch["mlm_positions"] if self._mlm_trimmed() else None)
@@ -109,26 +116,30 @@ class Forward:
                              dim=-1)
         return self.model.projection(e_BD)
 
+    def _pair_inputs(self) -> tuple[torch.Tensor, torch.Tensor, int, bool | None, object]:
+        """(ids_2BT, mask_2BT, B, padded, packed): the pair's halves stacked as one padded batch (``padded`` as the
+        host recorded it, see ``_padded``) and their Packed stream when the host packed them (else None)."""
+        b = self.batch
+        if self.ctx.stage == "sentences" and "positive_ids" not in b:  # one sentence twice, independent dropout
+            ids = torch.cat([b["sentence_ids"], b["sentence_ids"]])
+            mask = torch.cat([b["sentence_mask"], b["sentence_mask"]])
+            return ids, mask, b["sentence_ids"].shape[0], self._padded("sentence_mask"), b.get("packed_sentences")
+        # two sentences: CLEAR's two augmented views, or data.pairs' (anchor, positive)
+        first, second = ("sentence", "positive") if self.ctx.stage == "sentences" else ("view_a", "view_b")
+        ids, mask = _stack_padded([b[f"{first}_ids"], b[f"{second}_ids"]], [b[f"{first}_mask"], b[f"{second}_mask"]])
+        a, z = self._padded(f"{first}_mask"), self._padded(f"{second}_mask")
+        same_len = b[f"{first}_ids"].shape[1] == b[f"{second}_ids"].shape[1]
+        padded = None if a is None or z is None else (a or z or not same_len)
+        packed = b.get("packed_sentences" if self.ctx.stage == "sentences" else "packed_views")
+        return ids, mask, b[f"{first}_ids"].shape[0], padded, packed
+
     def _pair_pass(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, object]:
         """(h, mask_2BT, ids_2BT, B, packed): both halves of the pair through one encoder pass; h is h_2BTD, or
         h_ND when the host packed the pair (``packed`` is then its Packed, else None)."""
+        if "pair_h" not in self._cache and self._joint():
+            self._joint_pass()
         if "pair_h" not in self._cache:
-            b = self.batch
-            if self.ctx.stage == "sentences" and "positive_ids" not in b:  # one sentence twice, independent dropout
-                ids = torch.cat([b["sentence_ids"], b["sentence_ids"]])
-                mask = torch.cat([b["sentence_mask"], b["sentence_mask"]])
-                n = b["sentence_ids"].shape[0]
-                padded = self._padded("sentence_mask")
-                packed = b.get("packed_sentences")
-            else:  # two sentences: CLEAR's two augmented views, or data.pairs' (anchor, positive)
-                first, second = ("sentence", "positive") if self.ctx.stage == "sentences" else ("view_a", "view_b")
-                ids, mask = _stack_padded([b[f"{first}_ids"], b[f"{second}_ids"]],
-                                          [b[f"{first}_mask"], b[f"{second}_mask"]])
-                n = b[f"{first}_ids"].shape[0]
-                a, z = self._padded(f"{first}_mask"), self._padded(f"{second}_mask")
-                same_len = b[f"{first}_ids"].shape[1] == b[f"{second}_ids"].shape[1]
-                padded = None if a is None or z is None else (a or z or not same_len)
-                packed = b.get("packed_sentences" if self.ctx.stage == "sentences" else "packed_views")
+            ids, mask, n, padded, packed = self._pair_inputs()
             if self._pair_trimmed():  # h_2B1D, pooled as a padded pass's first column
                 h, mask, packed = self._cls_states(ids, mask, _known(padded=padded), packed), None, None
             elif packed is not None:
@@ -137,6 +148,39 @@ class Forward:
                 h = self.model.encode(ids, mask, **_known(padded=padded))
             self._cache["pair_h"] = (h, mask, ids, n, packed)
         return self._cache["pair_h"]
+
+    def _joint(self) -> bool:
+        """Whether the MLM rows and the views go through one pass (``_joint_pass``): train.joint_pass kept by the
+        objective, the host's joint stream in the batch, and neither pass run yet."""
+        return (self.ctx.joint_pass and "packed_joint" in self.batch and "mlm" not in self._cache
+                and "pair_h" not in self._cache)
+
+    def _joint_pass(self) -> None:
+        """The MLM rows and CLEAR's views through one encoder pass over the host's joint stream (``packed_joint``:
+        the MLM rows' stream, then the views', as ``packed_mlm`` and ``packed_views`` hold them), its result split
+        into the two passes' cache entries, each as its own pass would have returned it. Every layer then runs
+        once per micro-batch instead of twice: half the kernel launches (and, under ZeRO-3, half the parameter
+        gathers), larger matrix products; sequences still attend only to themselves. A trimmed last layer
+        (train.trim_last_layer) computes the union of the rows the two would keep."""
+        b = self.batch
+        mlm, views = b["packed_mlm"], b["packed_views"]
+        n_mlm = mlm.num_tokens
+        ids, mask, n, _, _ = self._pair_inputs()
+        mlm_rows = b["mlm_positions"] if self._mlm_trimmed() else None
+        pair_rows = views.first_B if self._pair_trimmed() else None
+        if mlm_rows is None and pair_rows is None:
+            rows_S, sizes = None, [n_mlm, views.num_tokens]
+        else:
+            device = views.ids_N.device
+            mlm_rows = torch.arange(n_mlm, device=device) if mlm_rows is None else mlm_rows
+            pair_rows = torch.arange(views.num_tokens, device=device) if pair_rows is None else pair_rows
+            rows_S, sizes = torch.cat([mlm_rows, pair_rows + n_mlm]), [mlm_rows.shape[0], pair_rows.shape[0]]
+        h_mlm, h_pair = self.model.encode(None, None, packed=b["packed_joint"], rows_S=rows_S).split(sizes)
+        self._cache["mlm"] = h_mlm
+        if self._pair_trimmed():  # h_2B1D, as _cls_states returns it
+            self._cache["pair_h"] = (h_pair[:, None], None, ids, n, None)
+        else:
+            self._cache["pair_h"] = (h_pair, mask, ids, n, views)
 
     def _cls_states(self, ids_BT, mask_BT, padded: dict, packed=None) -> torch.Tensor:
         """h_B1D: each row's [CLS] state, the last layer run for those tokens only (train.trim_last_layer)."""

@@ -78,12 +78,13 @@ def bucket_batch(batch: dict, buckets: Buckets) -> dict:
 
 
 def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int, step: int,
-                   precision: str, unpadded: bool = False, buckets: Buckets | None = None,
+                   precision: str, unpadded: bool = False, joint: bool = False, buckets: Buckets | None = None,
                    pin_memory: bool = False) -> StepResult:
     """grad_accum micro-batches from ``next_batch()`` through forward -> loss -> backward, then the update (or its
     skip when any rank saw a non-finite loss or gradient); finite micro-batches' metrics are added to ``sums``.
-    ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences; ``buckets``: the compiled step's
-    bucketed shapes (both ``host_facts``); ``pin_memory``: train.pin_memory (``to_device``)."""
+    ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences; ``joint`` (train.joint_pass): also
+    the MLM rows and views as one stream; ``buckets``: the compiled step's bucketed shapes (all ``host_facts``);
+    ``pin_memory``: train.pin_memory (``to_device``)."""
     n_samples, n_tokens, all_finite_t, loss_sum = 0, 0, None, 0.0
     # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
     with dropout_rng(seed, step, env.rank, engine.device):
@@ -91,8 +92,8 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
             batch = next_batch()  # counted on the host, then moved: no device sync
             n_samples += batch["input_ids"].shape[0]
             n_tokens += count_tokens(batch)
-            loss, metrics = engine.forward(to_device(host_facts(batch, unpadded=unpadded, buckets=buckets),
-                                                     engine.device, pin=pin_memory))
+            facts = host_facts(batch, unpadded=unpadded, joint=joint, buckets=buckets)
+            loss, metrics = engine.forward(to_device(facts, engine.device, pin=pin_memory))
             # Decided on the device, no host sync: a non-finite micro-batch's figures are dropped, and its
             # gradients become NaN (micro_step), so the update is skipped on every rank (the NaN reaches every
             # rank's gradients through their reduction, and every optimizer DeepSpeed runs refuses them).
@@ -126,7 +127,7 @@ def count_tokens(batch: dict) -> int:
     return int(sum(batch[k].numpy().sum() for k in keys if k in batch))
 
 
-def host_facts(batch: dict, *, unpadded: bool = False, buckets: Buckets | None = None) -> dict:
+def host_facts(batch: dict, *, unpadded: bool = False, joint: bool = False, buckets: Buckets | None = None) -> dict:
     """The batch (host tensors, from the loader) with what the device would otherwise be asked for, read here
     with numpy before it moves: ``mlm_positions`` (flat indices of the MLM-labelled tokens: the MLM head's
     rows, a shape the device cannot know without a sync) and ``full_masks`` (the attention masks without
@@ -136,7 +137,10 @@ def host_facts(batch: dict, *, unpadded: bool = False, buckets: Buckets | None =
     attention groups are shapes too): ``packed_mlm`` (the MLM rows; ``mlm_labels_packed`` and ``mlm_positions``
     then index the stream), ``packed_views`` (view A's rows, then view B's: the pair's one pass) and
     ``packed_sentences`` (the sentence stage's rows twice, or data.pairs' anchors then positives). Triplets, data.pairs'
-    hard negatives and RankCSE's teachers stay padded.
+    hard negatives and RankCSE's teachers stay padded. ``joint`` (train.joint_pass, with ``unpadded``): also
+    ``packed_joint``, the MLM rows then both views as one stream, for the objective's one pass over both
+    (objective/forward.py: ``Forward._joint_pass``); its first tokens are ``packed_mlm``'s stream, the rest
+    ``packed_views``'.
 
     ``buckets`` (train.compile_shapes=bucketed, the compiled step, never with ``unpadded``): widths and the MLM
     positions padded to their buckets, and ``host_counts`` = {"mlm": the real number of labelled tokens}."""
@@ -159,7 +163,10 @@ def host_facts(batch: dict, *, unpadded: bool = False, buckets: Buckets | None =
             positions = np.concatenate([positions, unlabelled])
         out["mlm_positions"] = torch.from_numpy(positions)
     if unpadded and "view_a_ids" in batch:
-        out["packed_views"] = pack([(batch[f"view_{v}_ids"].numpy(), batch[f"view_{v}_mask"].numpy()) for v in "ab"])
+        views = [(batch[f"view_{v}_ids"].numpy(), batch[f"view_{v}_mask"].numpy()) for v in "ab"]
+        out["packed_views"] = pack(views)
+        if joint and "packed_mlm" in out:
+            out["packed_joint"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy()), *views])
     if unpadded and "sentence_ids" in batch:
         second = "positive" if "positive_ids" in batch else "sentence"  # data.pairs' positive, or the sentence again
         out["packed_sentences"] = pack([(batch["sentence_ids"].numpy(), batch["sentence_mask"].numpy()),

@@ -45,36 +45,39 @@ MODERN = {"model__arch": "modernbert", "model__pooler": "false", "model__num_lay
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage, precision, grad_accum, unpadded, cached, modern",
-                         [(0, "fp32", 1, True, False, False), (0, "fp32", 2, True, False, False),
-                          (2, "fp32", 1, True, False, False), (2, "bf16", 2, True, False, False),
-                          (1, "bf16", 1, True, False, False), (0, "fp32", 1, False, False, False),
-                          (0, "fp32", 2, True, True, False), (2, "fp32", 2, True, True, False),
-                          (0, "fp32", 1, True, False, True), (0, "fp32", 1, False, False, True)])
-def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, unpadded, cached, modern,
+@pytest.mark.parametrize("zero_stage, precision, grad_accum, unpadded, cached, modern, joint",
+                         [(0, "fp32", 1, True, False, False, True), (0, "fp32", 2, True, False, False, False),
+                          (2, "fp32", 1, True, False, False, True), (2, "bf16", 2, True, False, False, True),
+                          (1, "bf16", 1, True, False, False, False), (0, "fp32", 1, False, False, False, True),
+                          (0, "fp32", 2, True, True, False, True), (2, "fp32", 2, True, True, False, True),
+                          (0, "fp32", 1, True, False, True, True), (0, "fp32", 1, False, False, True, True)])
+def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, unpadded, cached, modern, joint,
                                                   tmp_path, tiny_overrides, clean_env, fresh_deepspeed, capsys):
     """``cached``: objective.gradient_cache (training/cached_step.py) on the same steps; ``modern``:
-    model.arch=modernbert."""
+    model.arch=modernbert; ``joint``: train.joint_pass=true (its default, auto, is off on the CPU: two passes)."""
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
                                                train__grad_accum=grad_accum, train__precision=precision,
                                                train__unpadded=unpadded, objective__gradient_cache=cached,
+                                               train__joint_pass="true" if joint else "auto",
                                                **(MODERN if modern else {})))
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     trainer = None
     try:
         trainer = Trainer(cfg, env)
-        forward, packed = trainer.engine.forward, []
+        forward, packed, joined = trainer.engine.forward, [], []
 
         def forward_seen(batch, **kwargs):  # which path the trainer's step took
             packed.append("packed_mlm" in batch and "packed_views" in batch)
+            joined.append("packed_joint" in batch and trainer.module.objective.ctx.joint_pass)
             return forward(batch, **kwargs)
 
         trainer.engine.forward = forward_seen
         outer, inner = _count_steps(trainer, steps=2)
         with capsys.disabled():
             print(f"\nZeRO-{zero_stage} {precision} grad_accum {grad_accum} unpadded {unpadded}"
-                  f"{' cached' if cached else ''}{' modernbert' if modern else ''}, per step: trainer "
+                  f"{' cached' if cached else ''}{' modernbert' if modern else ''}{' joint' if joint else ''}, "
+                  f"per step: trainer "
                   f"{outer.num_aten / 2:.0f} aten ops, "
                   f"{outer.num_sync / 2:g} syncs {dict(outer.syncs)}; Engine.step {inner.num_aten / 2:.0f} ops, "
                   f"{inner.num_sync / 2:g} syncs {dict(inner.syncs)}")
@@ -82,6 +85,7 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_acc
         assert outer.num_sync == 0, dict(outer.where)
         assert inner.num_aten > 10 and inner.num_sync == 0, dict(inner.where)
         assert set(packed) == {unpadded}
+        assert set(joined) == {unpadded and joint and not cached}  # train.joint_pass: one encoder pass
         # The metrics the step accumulated are still there, fetched in one go at the log step.
         scalars = trainer.window.sums.reduce(env)
         assert torch.isfinite(torch.tensor(scalars["loss"])) and "mlm" in scalars

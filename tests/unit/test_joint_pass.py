@@ -1,0 +1,157 @@
+"""train.joint_pass: the MLM rows and CLEAR's views through one encoder pass over the host's joint stream, against
+the two passes they replace (both unpadded).
+
+Both arms run in float64 with dropout off, so only the order of summation may differ (matrix products over the
+joint stream's rows instead of each pass's): losses and metrics are compared at 1e-10, gradients at 1e-10 of each
+tensor's largest entry plus 1e-15 absolute (the key bias's gradient is 0 in exact arithmetic, ~1e-19 of rounding
+noise in either arm). A sequence attending across the MLM rows / views boundary, a view read from the MLM rows'
+part of the stream, or a trimmed row taken from the wrong offset is off at the percent level
+(test_the_comparison_sees_a_shifted_split).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_trim_last_layer import _batch
+
+from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
+from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
+from pretrain.distributed.env import single_process_env
+from pretrain.model import build_model
+from pretrain.objective import Context, Objective, TrainModule
+from pretrain.objective.forward import Forward
+from pretrain.training.step import host_facts
+
+TOL = 1e-10
+
+
+def _module(*, trim: bool = True, pooling: str = "cls", mean_mix: float = 0.0, objective: ObjectiveConfig | None = None,
+            stage: str = "pretrain", joint: bool = True, **model_kw) -> TrainModule:
+    base = dict(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=64,
+                dropout=0.0, attention_dropout=0.0, pooling=pooling)
+    model = build_model(ModelConfig(**{**base, **model_kw}), seed=0).double()
+    ctx = Context(env=single_process_env(), ops=OpsConfig(similarity="eager"), pooling=pooling,
+                  view_mean_mix=mean_mix, stage=stage, trim_last_layer=trim, joint_pass=joint)
+    objective = objective or ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False))
+    return TrainModule(model, Objective(objective, ctx))
+
+
+def _run(module, batch, joint: bool):
+    """(loss, metrics, grads, encoder passes, rows of the last layer's FFN per pass) of one step's forward and
+    backward, with the host's joint stream in the batch or not."""
+    passes, rows = [], []
+    hooks = [module.model.encoder.layers[0].register_forward_hook(lambda *a: passes.append(1)),
+             module.model.encoder.layers[-1].ffn.register_forward_hook(
+                 lambda mod, args, out: rows.append(args[0].numel() // args[0].shape[-1]))]
+    module.zero_grad(set_to_none=True)
+    loss, metrics = module(host_facts(batch, unpadded=True, joint=joint))
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), {k: v[0].detach() for k, v in metrics.items()}, grads, len(passes), rows
+
+
+def _assert_same(module, batch, terms=("mlm", "nt_xent")) -> tuple[list[int], list[int]]:
+    """The joint pass equals the two passes; -> the last layer's FFN rows of (two passes, joint pass)."""
+    loss_s, metrics_s, grads_s, passes_s, rows_s = _run(module, batch, joint=False)
+    loss_j, metrics_j, grads_j, passes_j, rows_j = _run(module, batch, joint=True)
+    assert (passes_s, passes_j) == (2, 1)
+    for term in terms:
+        torch.testing.assert_close(metrics_j[term], metrics_s[term], rtol=TOL, atol=TOL)
+    torch.testing.assert_close(loss_j, loss_s, rtol=TOL, atol=TOL)
+    assert grads_j.keys() == grads_s.keys() and len(grads_s) > 15
+    for name, g in grads_s.items():
+        torch.testing.assert_close(grads_j[name], g, rtol=0, atol=TOL * float(g.abs().max()) + 1e-15,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    return rows_s, rows_j
+
+
+@pytest.mark.parametrize("norm, pooler", [("post", True), ("pre", False)])
+@pytest.mark.parametrize("trim", [True, False])
+def test_cls_views_and_mlm_equal_two_passes(norm, pooler, trim):
+    batch = _batch()
+    rows_s, rows_j = _assert_same(_module(trim=trim, norm=norm, pooler=pooler), batch)
+    assert rows_j == [sum(rows_s)]  # the union of what the two passes' last layers computed
+    if trim:  # the labelled tokens, then one [CLS] per view
+        assert rows_s == [int((batch["mlm_labels"] != -100).sum()), 2 * batch["view_a_ids"].shape[0]]
+
+
+@pytest.mark.parametrize("mean_mix", [0.0, 0.5])
+def test_mean_pooled_views_keep_every_token_of_the_last_layer(mean_mix):
+    """Mean pooling (or CLEAR's early blend of it into [CLS]): the views' part of the trimmed last layer is every
+    view token, the MLM rows' part their labelled tokens."""
+    batch = _batch(2)
+    pooling = "mean" if mean_mix == 0.0 else "cls"
+    rows_s, rows_j = _assert_same(_module(pooling=pooling, mean_mix=mean_mix), batch)
+    views = int(batch["view_a_mask"].sum() + batch["view_b_mask"].sum())
+    assert rows_s == [int((batch["mlm_labels"] != -100).sum()), views] and rows_j == [sum(rows_s)]
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_modernbert_equals_two_passes(pooling):
+    """Rotary positions restart per sequence in the joint stream; the local window (16 under rows of 64) and the
+    global layers (0 and 3 of 4) keep every sequence to itself."""
+    module = _module(pooling=pooling, arch="modernbert", pooler=False, num_layers=4, local_window=16,
+                     layer_norm_eps=1e-5)
+    _assert_same(module, _batch(1))
+
+
+def test_the_joint_stream_is_the_two_streams_end_to_end():
+    """What ``_joint_pass`` splits by: the MLM rows' stream, then the views', positions restarting per sequence;
+    attention groups over all of them (each row in exactly one)."""
+    out = host_facts(_batch(), unpadded=True, joint=True)
+    joint, mlm, views = out["packed_joint"], out["packed_mlm"], out["packed_views"]
+    assert torch.equal(joint.ids_N, torch.cat([mlm.ids_N, views.ids_N]))
+    assert torch.equal(joint.position_ids_N, torch.cat([mlm.position_ids_N, views.position_ids_N]))
+    assert torch.equal(joint.lengths_B, torch.cat([mlm.lengths_B, views.lengths_B]))
+    assert sum(g.num_rows for g in joint.groups) == mlm.num_rows + views.num_rows
+    assert "packed_joint" not in host_facts(_batch(), unpadded=True)  # only when asked (train.joint_pass)
+
+
+def test_the_comparison_sees_a_shifted_split():
+    """The same check fails when the views' part is read one token off (a wrong offset into the joint stream)."""
+    module = _module(trim=False, pooling="mean")
+    batch = _batch()
+    reference = _run(module, batch, joint=False)[0]
+    original = Forward._joint_pass
+
+    def shifted(self):
+        original(self)
+        h, *rest = self._cache["pair_h"]
+        self._cache["pair_h"] = (torch.roll(h, 1, 0), *rest)
+
+    Forward._joint_pass = shifted
+    try:
+        loss = _run(module, batch, joint=True)[0]
+    finally:
+        Forward._joint_pass = original
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(loss, reference, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("objective, stage", [
+    (ObjectiveConfig(mlm=MLMConfig(), nt_xent=None), "pretrain"),  # no views to share the pass with
+    (ObjectiveConfig(mlm=None, nt_xent=NTXentConfig(gather=False)), "pretrain"),  # no MLM rows
+    (ObjectiveConfig(mlm=None, nt_xent=None, info_nce=InfoNCEConfig(gather=False)), "sentences"),
+    (ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False), gradient_cache=True), "pretrain"),
+])
+def test_the_objective_keeps_the_joint_pass_only_where_one_pass_serves_both(objective, stage):
+    assert not _module(objective=objective, stage=stage).objective.ctx.joint_pass
+    assert _module().objective.ctx.joint_pass
+    assert not _module(joint=False).objective.ctx.joint_pass
+
+
+def test_without_the_setting_the_joint_stream_is_not_used():
+    """train.joint_pass=false with a joint stream in the batch: two passes, as before."""
+    module = _module(joint=False)
+    assert _run(module, _batch(), joint=True)[3] == 2
+
+
+def test_a_mlm_only_objective_runs_one_pass_of_its_rows():
+    module = _module(objective=ObjectiveConfig(mlm=MLMConfig(), nt_xent=None))
+    loss, _, _, passes, rows = _run(module, _batch(), joint=True)
+    assert passes == 1 and rows == [int((_batch()["mlm_labels"] != -100).sum())] and torch.isfinite(loss)
