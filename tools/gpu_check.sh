@@ -98,10 +98,11 @@ export -f install_deps
 stage install 600 bash -c install_deps
 cp pretrain/_C*.so "$OUT/" 2>/dev/null || true
 stage tests 900 $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
-# --ab pin: ours with train.pin_memory=false beside (unmeasured on a GPU so far; trim was measured on the H200)
+# --ab joint: ours with train.joint_pass=false (two encoder passes) beside; --ab pin in bench_modernbert below:
+# ours with train.pin_memory=false beside (both unmeasured on a GPU so far; trim was measured on the H200)
 # shellcheck disable=SC2086
 stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
-  --zero-stage 2 --ab pin --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
+  --zero-stage 2 --ab joint --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
 # shellcheck disable=SC2086
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --compile --compile-mode reduce-overhead --json-out "$OUT/bench_step_compile.json"
@@ -109,7 +110,7 @@ stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base 
 stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke" $SMOKE_ARGS
 # shellcheck disable=SC2086
 stage bench_modernbert 600 $PY tools/bench_step.py --device cuda --arch modernbert --sizes base --batch $BATCHES \
-  --steps 10 --zero-stage 2 --json-out "$OUT/bench_modernbert.json"
+  --steps 10 --zero-stage 2 --ab pin --json-out "$OUT/bench_modernbert.json"
 stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
   --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
 cp "$OUT/smoke/smoke.json" "$OUT/" 2>/dev/null || true

@@ -6,6 +6,7 @@ suite runs only on the CPU.
 - ``train.fast_dropout`` is a CPU path: on CUDA, ``Dropout`` and attention dropout are torch's own draws;
 - a tiny ModernBERT, unpadded on the GPU (local layers through the band), against the padded float64 model.
 - train.pin_memory: the step's host batch and packed streams reach the GPU whole through pinned memory.
+- train.joint_pass: the MLM rows and views in one packed pass on the GPU, against two passes in float64.
 
 ``PRETRAIN_GPU_TEST_DEVICE=cpu`` runs this file on the CPU to check the tests themselves: everything passes there
 but the dropout test, which must fail (the CPU draws its own masks).
@@ -175,3 +176,45 @@ def test_a_pinned_batch_arrives_whole_on_the_device():
         assert len(host) == len(dev), key
         for h, d in zip(host, dev):
             assert d.device.type == torch.device(DEVICE).type and torch.equal(d.cpu(), h), key
+
+
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch):
+    """train.joint_pass (its default on CUDA): the MLM rows and both views in one packed pass on the device, against
+    the two packed passes of the same model in float64 on the CPU: the loss and every gradient."""
+    from pretrain.config import ObjectiveConfig, OpsConfig
+    from pretrain.config.objective import MLMConfig, NTXentConfig
+    from pretrain.distributed.env import single_process_env
+    from pretrain.objective import Context, Objective, TrainModule
+    from pretrain.training.step import host_facts, to_device
+
+    extra = dict(arch="modernbert", pooler=False, num_layers=3, local_window=16) if arch == "modernbert" else {}
+    cfg = ModelConfig(**{**dict(vocab_size=60, hidden_size=64, num_layers=2, num_heads=4, ffn_size=128,
+                                max_position=64, dropout=0.0, attention_dropout=0.0, pooling="cls"), **extra})
+
+    def module(device, dtype):
+        ctx = Context(env=single_process_env(), ops=OpsConfig(similarity="eager"), pooling="cls",
+                      trim_last_layer=True, joint_pass=True)
+        objective = Objective(ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False)), ctx)
+        return TrainModule(build_model(cfg, seed=3).to(device, dtype), objective)
+
+    gen = torch.Generator().manual_seed(4)
+    lengths, view_lengths = [64, 3, 40, 64, 17, 9], [32, 5, 20, 32, 2, 11]
+    mask = torch.arange(64)[None, :] < torch.tensor(lengths)[:, None]
+    ids = torch.randint(5, 60, mask.shape, generator=gen) * mask
+    labels = torch.where(mask & (torch.rand(mask.shape, generator=gen) < 0.3), ids, -100)
+    labels[:, 1] = ids[:, 1]
+    view_mask = torch.arange(32)[None, :] < torch.tensor(view_lengths)[:, None]
+    batch = dict(input_ids=ids, attention_mask=mask, mlm_labels=labels, view_a_ids=ids[:, :32] * view_mask,
+                 view_a_mask=view_mask, view_b_ids=ids[:, 8:40] * view_mask.flip(0), view_b_mask=view_mask.flip(0))
+    results = []
+    for device, dtype, joint in ((DEVICE, torch.float32, True), ("cpu", torch.float64, False)):
+        m = module(device, dtype)
+        loss, _ = m(to_device(host_facts(batch, unpadded=True, joint=joint), device))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (loss_j, grads_j), (loss_ref, grads_ref) = results
+    assert _rel(loss_j, loss_ref) < 1e-4
+    assert grads_j.keys() == grads_ref.keys() and len(grads_ref) > 15
+    for name, g in grads_ref.items():
+        assert _rel(grads_j[name], g) < 1e-4 or float(g.abs().max()) < 1e-12, name

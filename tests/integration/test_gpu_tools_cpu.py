@@ -183,6 +183,9 @@ def test_host_cost_table_ratios_and_goal():
     assert "HF eager" not in text
     rows[1]["hf_eager"] = arm(65, 7000, 1)  # --compile: HF eager timed beside the compiled arms
     assert "| 2 | bf16 | 26.0 | 65.0 | 0.40x |" in "\n".join(bench_step.host_cost_table(rows))
+    assert "two passes" not in text
+    rows[1]["ours_two_passes"] = arm(32.5, 8000, 0)  # --ab joint: ours with train.joint_pass=false beside
+    assert "| 2 | bf16 | 32.5 | 0.65x | 8,000 | 0.80x |" in "\n".join(bench_step.host_cost_table(rows))
 
 
 def test_back_to_back_lines_compare_the_runs_and_the_third_arm():
