@@ -5,7 +5,9 @@ the micro-batches the trainer would get (``build_dataset`` + ``build_loader``, t
 ``data.max_len`` 128 / ``data.view_max_len`` 64, micro-batch 128) go through the trainer's own host step
 (``training.step.host_facts(batch, unpadded=True)``), and ``model.packing.compute_counts`` counts, for the MLM rows
 and for the two views (one pass), the tokens and attention scores the padded path computes (every row at the
-batch's padded width) and the unpadded one (no padding in tokens; attention groups padded to their longest row).
+batch's padded width) and the unpadded one (no padding in tokens; attention groups padded to their longest row);
+and for both in one pass (train.joint_pass: ``host_facts(..., joint=True)``'s joint stream, its attention groups
+cut over the MLM rows' and views' lengths together; its padded figures are the two padded passes').
 
     python tools/padding_share.py [--recipe configs/recipes/clear_del_span_reorder.yaml] [--batches 200]
                                   [--wiki-mb 20] [--tokenizer TOKENIZER.json] [--dir /tmp/pretrain-padding-share]
@@ -34,6 +36,8 @@ from pretrain.prep.tokenizer import load_tokenizer  # noqa: E402
 from pretrain.training.step import host_facts  # noqa: E402
 
 PASSES = {"MLM rows": "packed_mlm", "views": "packed_views"}
+JOINT = "MLM rows + views, one pass"
+"""train.joint_pass's stream (``packed_joint``)."""
 
 
 def bert_tokenizer() -> str:
@@ -80,14 +84,19 @@ def recipe_batches(recipe: str, tokenizer: str, sources: list[tuple[str, str]], 
 
 def count(recipe: str, tokenizer: str, sources: list[tuple[str, str]], batches: int, micro_batch: int) -> dict:
     """{pass: summed compute_counts} over ``batches`` micro-batches of the blend of ``sources``."""
-    totals = {p: {"groups": 0} for p in PASSES}
+    totals = {p: {"groups": 0} for p in [*PASSES, JOINT]}
     it = recipe_batches(recipe, tokenizer, sources, micro_batch)
     for _ in range(batches):
-        facts = host_facts(next(it), unpadded=True)
+        facts = host_facts(next(it), unpadded=True, joint=True)
         for name, key in PASSES.items():
             for k, v in compute_counts(facts[key]).items():
                 totals[name][k] = totals[name].get(k, 0) + v
+                if k != "unpadded_scores":  # the padded path runs the two passes, each at its own width
+                    totals[JOINT][k] = totals[JOINT].get(k, 0) + v
             totals[name]["groups"] += len(facts[key].groups)
+        joint = compute_counts(facts["packed_joint"])
+        totals[JOINT]["unpadded_scores"] = totals[JOINT].get("unpadded_scores", 0) + joint["unpadded_scores"]
+        totals[JOINT]["groups"] += len(facts["packed_joint"].groups)
     return totals
 
 
@@ -121,7 +130,7 @@ def main(argv=None) -> int:
     print("| source | pass | padding share of tokens: padded | unpadded | of attention scores: padded | unpadded "
           "| attention groups per layer (mean) |\n|---|---|---:|---:|---:|---:|---:|")
     for name, res in results.items():
-        for pass_name in PASSES:
+        for pass_name in [*PASSES, JOINT]:
             s = shares(res[pass_name])
             print(f"| {name} | {pass_name} | {s['tokens_padded']:.1%} | {s['tokens_unpadded']:.1%} | "
                   f"{s['scores_padded']:.1%} | {s['scores_unpadded']:.2%} | "
