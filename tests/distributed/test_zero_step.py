@@ -56,7 +56,8 @@ def _batch(permute: bool = False) -> dict:
 
 
 def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: bool, gather: bool,
-          compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1) -> None:
+          compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1,
+          joint: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -71,7 +72,8 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
         mcfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_position=64,
                            dropout=0.0, attention_dropout=0.0, pooling="mean")
         objective = ObjectiveConfig(nt_xent=dataclasses.replace(ObjectiveConfig().nt_xent, gather=gather))
-        module = TrainModule(build_model(mcfg), Objective(objective, Context(env, OpsConfig(), "mean")))
+        module = TrainModule(build_model(mcfg), Objective(objective, Context(env, OpsConfig(), "mean",
+                                                                             joint_pass=joint)))
         if compile_:  # train.compile (aot_eager: the traced graph, no C++ build)
             module.compile_step(backend="aot_eager")
         if zero_stage == 3:
@@ -84,10 +86,11 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
                         dist=DistributedConfig(zero_stage=zero_stage), lr_lambda=lr_lambda(optim, 10))
         per = B // world
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in _batch(permute).items()}
-        if compile_:  # as the trainer's step hands it over (MLM positions known: no data-dependent shape)
+        if compile_ or joint:  # as the trainer's step hands it over (MLM positions known: no data-dependent shape;
+            # joint: the MLM rows and views packed as one stream, train.joint_pass)
             from pretrain.training.step import host_facts
 
-            batch = host_facts(batch)
+            batch = host_facts(batch, unpadded=joint, joint=joint)
         loss, _ = engine.forward(batch)
         if nan_rank is not None:  # the gradient norms only: the Engine's and DeepSpeed's, one rank's gradients NaN
             for micro in range(grad_accum):
@@ -140,11 +143,12 @@ def _whole(module, zero_stage: int):
 
 
 def _run(world: int, zero_stage: int, out: str, *, permute: bool = False, gather: bool = True,
-         compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1) -> dict:
+         compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1,
+         joint: bool = False) -> dict:
     """The model's weights after the step (under ``compile_``, rank 0's graph breaks in ``out``.breaks); with
     ``nan_rank`` (-1: none) no step, but (the Engine's gradient norm, DeepSpeed's) after the backward."""
     mp.spawn(_step, args=(world, _free_port(), zero_stage, out, permute, gather, compile_, nan_rank, precision,
-                          grad_accum), nprocs=world, join=True)
+                          grad_accum, joint), nprocs=world, join=True)
     return torch.load(out)
 
 
@@ -244,3 +248,19 @@ def test_zero3_two_ranks_compiled_match_single_process(tmp_path):
     assert compiled.keys() == single.keys()
     assert _update_mismatch(compiled, single, init) == []
     assert torch.load(str(tmp_path / "compiled.pt.breaks")) == {}
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_joint_pass_match_single_process(tmp_path):
+    """train.joint_pass under ZeRO-3 (every parameter partitioned between uses): the MLM rows and both views of each
+    rank in one unpadded pass, so each module is gathered once per forward and once per backward; the two ranks
+    take the single process's (padded, two passes) update."""
+    single = _run(1, 0, str(tmp_path / "single.pt"))
+    torch.manual_seed(0)
+    from pretrain.model import build_model
+
+    init = build_model(ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
+                                   max_position=64, dropout=0.0, attention_dropout=0.0, pooling="mean")).state_dict()
+    joint = _run(2, 3, str(tmp_path / "joint.pt"), joint=True)
+    assert joint.keys() == single.keys()
+    assert _update_mismatch(joint, single, init) == []
