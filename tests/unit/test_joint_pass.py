@@ -18,7 +18,13 @@ import torch
 from test_trim_last_layer import _batch
 
 from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
-from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
+from pretrain.config.objective import (
+    InfoNCEConfig,
+    MatryoshkaConfig,
+    MLMConfig,
+    NTXentConfig,
+    ReconstructionConfig,
+)
 from pretrain.distributed.env import single_process_env
 from pretrain.model import build_model
 from pretrain.objective import Context, Objective, TrainModule
@@ -29,14 +35,14 @@ TOL = 1e-10
 
 
 def _module(*, trim: bool = True, pooling: str = "cls", mean_mix: float = 0.0, objective: ObjectiveConfig | None = None,
-            stage: str = "pretrain", joint: bool = True, **model_kw) -> TrainModule:
+            stage: str = "pretrain", joint: bool = True, token_freq_V=None, **model_kw) -> TrainModule:
     base = dict(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=64,
                 dropout=0.0, attention_dropout=0.0, pooling=pooling)
     model = build_model(ModelConfig(**{**base, **model_kw}), seed=0).double()
     ctx = Context(env=single_process_env(), ops=OpsConfig(similarity="eager"), pooling=pooling,
                   view_mean_mix=mean_mix, stage=stage, trim_last_layer=trim, joint_pass=joint)
     objective = objective or ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False))
-    return TrainModule(model, Objective(objective, ctx))
+    return TrainModule(model, Objective(objective, ctx, token_freq_V=token_freq_V)).double()  # heads too
 
 
 def _run(module, batch, joint: bool):
@@ -98,6 +104,21 @@ def test_modernbert_equals_two_passes(pooling):
     module = _module(pooling=pooling, arch="modernbert", pooler=False, num_layers=4, local_window=16,
                      layer_norm_eps=1e-5)
     _assert_same(module, _batch(1))
+
+
+def test_sarcse_reconstruction_reads_the_views_part_unpacked():
+    """SARCSE's autoencoder beside MLM in pretraining: it reads every view token in rows (``pair_hidden`` unpacks the
+    views' part of the joint pass with the views' own stream); the last layer is not trimmed for the views."""
+    objective = ObjectiveConfig(mlm=MLMConfig(), nt_xent=None, info_nce=InfoNCEConfig(gather=False),
+                                reconstruction=ReconstructionConfig(channels=6, integrate_channels=2))
+    module = _module(objective=objective, token_freq_V=torch.linspace(1.0, 2.0, 50, dtype=torch.float64))
+    _assert_same(module, _batch(3), ("mlm", "info_nce", "reconstruction"))
+
+
+def test_matryoshka_nested_view_embeddings_equal_two_passes():
+    objective = ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False),
+                                matryoshka=MatryoshkaConfig(dims=[32, 8]))
+    _assert_same(_module(objective=objective), _batch(5))
 
 
 def test_the_joint_stream_is_the_two_streams_end_to_end():
