@@ -9,8 +9,9 @@ Shapes: B batch, T sequence length, D hidden size, N packed tokens (unpadded, se
     h = norm(x)                                                                                 (final norm)
 attn_i is global when i % global_every == 0, else local: a token sees keys within local_window // 2 positions,
 in its own sequence. No linear layer or norm has a bias. Everything but attention is per token, so the unpadded
-path runs it on the (N, D) stream; attention rotates q and k by the packed position ids (each sequence restarts
-at 0) and composes the window with each attention group's key mask (a group's row is one sequence).
+path runs it on the (N, D) stream; attention gathers the q/k/v projections into the attention groups' slots, where
+each row is one sequence starting at slot 0, rotates q and k by their slot column (the sequence's own positions),
+and composes the window with each group's key mask.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class ModernEncoder(nn.Module):
         check_rows(rows_S, all_layers)
         if packed is not None:
             x_ND = self.embeddings(packed.ids_N)
-            return self._layers(x_ND, self._inputs(packed.position_ids_N, x_ND.dtype, None, packed), packed,
-                                all_layers, rows_S)
+            # A group's row is one sequence from its slot 0, so the tables are per slot column: (T, K).
+            positions_T = torch.arange(packed.width, device=x_ND.device)
+            return self._layers(x_ND, self._inputs(positions_T, x_ND.dtype, None, packed), packed, all_layers, rows_S)
         keep_B11T = None
         if attention_mask_BT is not None:
             if padded is None:

@@ -72,13 +72,14 @@ class ModernAttention(nn.Module):
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
         if packed is not None:
-            q_NHK, k_NHK, v_NHK = self.qkv(x_BTD).view(-1, 3, h, k).unbind(1)
-            cos_N1K, sin_N1K = inputs.cos[:, None], inputs.sin[:, None]
-            q_NHK, k_NHK = apply_rope(q_NHK, cos_N1K, sin_N1K), apply_rope(k_NHK, cos_N1K, sin_N1K)
+            # One gather of the (N, 3D) projections into every group's slots; RoPE by slot column (tables (T, K)),
+            # which writes q and k head-major (n, H, t, K) for attention.
             y_parts = []
-            per_group = zip(*(packed.split_groups(gather_slots(z, packed)) for z in (q_NHK, k_NHK, v_NHK)))
-            for g, mask, qkv in zip(packed.groups, inputs.group_masks, per_group):
-                q_nHtK, k_nHtK, v_nHtK = (z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
+            qkv_P = packed.split_groups(gather_slots(self.qkv(x_BTD), packed))
+            for g, mask, z in zip(packed.groups, inputs.group_masks, qkv_P):
+                q_nHtK, k_nHtK, v_nHtK = z.view(g.num_rows, g.length, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
+                cos_tK, sin_tK = inputs.cos[:g.length], inputs.sin[:g.length]
+                q_nHtK, k_nHtK = apply_rope(q_nHtK, cos_tK, sin_tK), apply_rope(k_nHtK, cos_tK, sin_tK)
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
