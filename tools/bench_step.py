@@ -164,13 +164,12 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
                micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True,
-               fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True,
-               joint: bool | None = None):
+               fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True, joint: bool = True):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
     unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
-    ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, all on by default; ``joint``: train.joint_pass,
-    None for its default, auto: on a GPU). ``step.num_params``: the
+    ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, ``joint``: train.joint_pass, all on by
+    default). ``step.num_params``: the
     trained module's parameters (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
@@ -194,9 +193,9 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     model = build_model(ours_model_config(size, vocab, seq, arch, pooling))
     train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat,
                         trim_last_layer=trim, fast_dropout=fast_dropout, compile_mode=compile_mode, pin_memory=pin,
-                        **({} if joint is None else {"joint_pass": joint}))
+                        joint_pass=joint)
     ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer,
-                  joint_pass=train.joint_pass is not False)
+                  joint_pass=train.joint_pass)
     module = TrainModule(model, Objective(ObjectiveConfig(), ctx))
     set_fast_dropout(module, train.fast_dropout)
     num_params = sum(p.numel() for p in module.parameters())  # before flat layers change the tensors
@@ -212,7 +211,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
         result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
-                                precision=precision, unpadded=train.step_unpadded, joint=train.joint_on(engine.device),
+                                precision=precision, unpadded=train.step_unpadded, joint=train.joint_pass,
                                 pin_memory=train.pin_memory)
         done[0] += 1
         return result
@@ -223,8 +222,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
 AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false",
               "pin": "train.pin_memory=false", "joint": "train.joint_pass=false"}
-"""--ab: the option the third arm turns off (joint: the main arm runs train.joint_pass=true, also on the CPU,
-where its default, auto, is off)."""
+"""--ab: the option the third arm turns off."""
 
 POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
 """--pooling -> ours' model.pooling: the views' embedding is the mean of their tokens (the quickstart's) or their
@@ -396,8 +394,7 @@ def measure(args, size: str) -> dict:
     def ours(off: str = ""):  # off: the AB_OPTIONS option turned off in this arm
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
                           arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout",
-                          pin=off != "pin", joint=(off != "joint") if args.ab == "joint" else None,
-                          compile_mode=args.compile_mode)
+                          pin=off != "pin", joint=off != "joint", compile_mode=args.compile_mode)
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
@@ -457,14 +454,13 @@ def measure_host_cost(args) -> dict:
     hc = HOST_COST
     batch = make_batch(hc["batch"], hc["seq"], hc["view_len"], hc["vocab"], torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    # torch's dropout and the joint pass in ours, as a CUDA step runs them (train.fast_dropout is a CPU path,
-    # train.joint_pass's default a GPU one; this mode stands in for the host work of a GPU step).
+    # torch's dropout in ours, as a CUDA step runs it (train.fast_dropout is a CPU path; this mode stands in for
+    # the host work of a GPU step).
     arms = {"ours": build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision, args.compile,
-                               micro_batch=hc["batch"], fast_dropout=False, joint=True)}
+                               micro_batch=hc["batch"], fast_dropout=False)}
     # The layout before train.flat_params (2026-11-25), same process, same trials: what flattening saves.
     arms["ours_per_tensor"] = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
-                                         args.compile, micro_batch=hc["batch"], flat=False, fast_dropout=False,
-                                         joint=True)
+                                         args.compile, micro_batch=hc["batch"], flat=False, fast_dropout=False)
     # HF gets the AdamW implementation the Engine chose (fused, CPU and CUDA; before 2026-11-24 torch's per-parameter
     # one on the CPU, whose step count .item() per parameter would otherwise count as syncs in one arm only).
     fused = bool(arms["ours"].engine._adamw.defaults.get("fused"))
@@ -552,7 +548,7 @@ def run_host_cost(args) -> int:
     print(f"host cost: torch {torch.__version__}, deepspeed {_version('deepspeed')}, transformers "
           f"{_version('transformers')}, 1 thread, {SIZES[hc['size']]}, batch {hc['batch']} x seq "
           f"{hc['seq']} (+2 views x {hc['view_len']}), vocab {hc['vocab']}, median of {args.steps} alternating "
-          f"steps after 3 warm-up, then ops over 1 more step; compile {args.compile} (ours and HF{'; HF eager beside' if args.compile else ''}); ours with train.flat_params (default), per-tensor without, both with the joint pass (as on a GPU); "
+          f"steps after 3 warm-up, then ops over 1 more step; compile {args.compile} (ours and HF{'; HF eager beside' if args.compile else ''}); ours with train.flat_params (default), per-tensor without; "
           f"load average {load_start[0]:.2f}")
     rows = []
     for zero in args.zero_stages:

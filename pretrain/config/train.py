@@ -133,16 +133,13 @@ class TrainConfig:
     twelfth of BERT-base's encoder's at the CLEAR recipe's lengths). Unpadded, padded and compiled steps alike.
     Dropout in that layer draws other noise than the full layer (fewer elements). false computes every token's
     output."""
-    joint_pass: bool | Literal["auto"] = "auto"
+    joint_pass: bool = True
     """With unpadded (and an objective of MLM and a contrastive term of CLEAR's views, no gradient cache), the MLM
     rows and both views go through the encoder as one packed stream instead of two passes: every layer runs once
-    per micro-batch, so half the kernel launches and per-layer host work (and, under ZeRO-3, half the parameter
-    gathers), over matrix products twice as tall. Each sequence still attends only to itself; the same losses and
-    gradients as two passes up to float rounding (tests/unit/test_joint_pass.py); dropout draws other noise.
-    auto: on a CUDA device only. On the CPU the two passes' smaller tensors stay in cache and the host work is
-    a small part of a step: measured on a 2-core EPYC (32 MiB L3), BERT mini/small 1-3% faster joint, ModernBERT
-    mini 3-6% slower (docs/performance.md). true: on any device; false: the two passes."""
-
+    per micro-batch, so half the kernel launches and per-layer host work (and, under ZeRO-3, half the module
+    fetches), over matrix products twice as tall, and one set of attention groups for both. Each sequence still
+    attends only to itself; the same losses and gradients as two passes up to float rounding
+    (tests/unit/test_joint_pass.py); dropout draws other noise. false runs the two passes."""
     pin_memory: bool = True
     """On CUDA, each micro-batch's host tensors (the loader's and the host's packing facts) are copied into pinned
     memory before their asynchronous copy to the GPU. From pageable memory the driver stages the copy and may
@@ -186,10 +183,6 @@ class TrainConfig:
     def step_unpadded(self) -> bool:
         """Whether the training step runs unpadded: ``unpadded``, except under ``compile`` (see above)."""
         return self.unpadded and not self.compile
-
-    def joint_on(self, device) -> bool:
-        """Whether the step on ``device`` runs the joint pass (``joint_pass``; auto: on CUDA)."""
-        return self.joint_pass is True or (self.joint_pass == "auto" and str(device).startswith("cuda"))
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):

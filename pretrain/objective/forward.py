@@ -41,9 +41,9 @@ class Context:
     """train.trim_last_layer: the MLM and pair passes compute their last layer only where a loss reads it (the MLM
     rows' labelled tokens; the pair's [CLS] when it is pooled so and nothing else reads its tokens)."""
     joint_pass: bool = False
-    """train.joint_pass not false: the MLM rows and CLEAR's views through one encoder pass when the host packed them
-    together (``packed_joint``; the step does on the devices train.joint_pass picks). ``Objective`` keeps it only
-    where one pass serves both: an MLM term beside a term of the views, in pretraining."""
+    """train.joint_pass: the MLM rows and CLEAR's views through one encoder pass when the host packed them together
+    (``packed_joint``). ``Objective`` keeps it only where one pass serves both: an MLM term beside a term of the
+    views, in pretraining."""
 
 
 def mean_pool_mix(step: int, warmup_steps: int) -> float:

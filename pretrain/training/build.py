@@ -133,8 +133,7 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
         if init is not None:
             _load_init_weights(model, init)
         ctx = Context(env=env, ops=cfg.ops, pooling=cfg.model.pooling, stage=cfg.data.stage,
-                      trim_last_layer=cfg.train.trim_last_layer,
-                      joint_pass=cfg.train.joint_pass is not False)  # the step builds the stream where it is on
+                      trim_last_layer=cfg.train.trim_last_layer, joint_pass=cfg.train.joint_pass)
         module = TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
         set_fast_dropout(module, cfg.train.fast_dropout)
     if cfg.step_compiled:

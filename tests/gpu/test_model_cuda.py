@@ -180,7 +180,7 @@ def test_a_pinned_batch_arrives_whole_on_the_device():
 
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
 def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch):
-    """train.joint_pass (its default on CUDA): the MLM rows and both views in one packed pass on the device, against
+    """train.joint_pass (the default): the MLM rows and both views in one packed pass on the device, against
     the two packed passes of the same model in float64 on the CPU: the loss and every gradient."""
     from pretrain.config import ObjectiveConfig, OpsConfig
     from pretrain.config.objective import MLMConfig, NTXentConfig

@@ -54,11 +54,11 @@ MODERN = {"model__arch": "modernbert", "model__pooler": "false", "model__num_lay
 def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, unpadded, cached, modern, joint,
                                                   tmp_path, tiny_overrides, clean_env, fresh_deepspeed, capsys):
     """``cached``: objective.gradient_cache (training/cached_step.py) on the same steps; ``modern``:
-    model.arch=modernbert; ``joint``: train.joint_pass=true (its default, auto, is off on the CPU: two passes)."""
+    model.arch=modernbert; ``joint``: train.joint_pass (the default; false: the MLM rows and views in two passes)."""
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
                                                train__grad_accum=grad_accum, train__precision=precision,
                                                train__unpadded=unpadded, objective__gradient_cache=cached,
-                                               train__joint_pass="true" if joint else "auto",
+                                               train__joint_pass=joint,
                                                **(MODERN if modern else {})))
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
