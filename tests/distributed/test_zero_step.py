@@ -196,14 +196,20 @@ def _update_mismatch(got: dict, want: dict, init: dict) -> list[str]:
     return bad
 
 
-@pytest.mark.slow
-def test_zero2_two_ranks_match_single_process(tmp_path):
+def _single_process(tmp_path) -> tuple[dict, dict]:
+    """(weights after the single process's step, the initial weights): the reference the two-rank runs match."""
     single = _run(1, 0, str(tmp_path / "single.pt"))
     torch.manual_seed(0)
     from pretrain.model import build_model
 
     init = build_model(ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
                                    max_position=64, dropout=0.0, attention_dropout=0.0, pooling="mean")).state_dict()
+    return single, init
+
+
+@pytest.mark.slow
+def test_zero2_two_ranks_match_single_process(tmp_path):
+    single, init = _single_process(tmp_path)
     moved = sum(not torch.equal(single[k], init[k]) for k in single)
     assert moved > len(single) // 2  # the step really changed the weights
 
@@ -223,12 +229,7 @@ def test_zero2_two_ranks_match_single_process(tmp_path):
 def test_zero2_two_ranks_compiled_match_single_process(tmp_path):
     """train.compile with NT-Xent's negatives gathered across the two ranks: no graph break (the all-gather with
     gradient traced), the single process's update."""
-    single = _run(1, 0, str(tmp_path / "single.pt"))
-    torch.manual_seed(0)
-    from pretrain.model import build_model
-
-    init = build_model(ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
-                                   max_position=64, dropout=0.0, attention_dropout=0.0, pooling="mean")).state_dict()
+    single, init = _single_process(tmp_path)
     compiled = _run(2, 2, str(tmp_path / "compiled.pt"), compile_=True)
     assert _update_mismatch(compiled, single, init) == []
     assert torch.load(str(tmp_path / "compiled.pt.breaks")) == {}  # the gather traced too
@@ -238,12 +239,7 @@ def test_zero2_two_ranks_compiled_match_single_process(tmp_path):
 def test_zero3_two_ranks_compiled_match_single_process(tmp_path):
     """train.compile under ZeRO-3 (every parameter partitioned between uses): the whole module gathers around the
     compiled region, no graph break inside, and the two ranks take the single process's eager update."""
-    single = _run(1, 0, str(tmp_path / "single.pt"))
-    torch.manual_seed(0)
-    from pretrain.model import build_model
-
-    init = build_model(ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
-                                   max_position=64, dropout=0.0, attention_dropout=0.0, pooling="mean")).state_dict()
+    single, init = _single_process(tmp_path)
     compiled = _run(2, 3, str(tmp_path / "compiled.pt"), compile_=True)
     assert compiled.keys() == single.keys()
     assert _update_mismatch(compiled, single, init) == []
@@ -255,12 +251,7 @@ def test_zero3_two_ranks_joint_pass_match_single_process(tmp_path):
     """train.joint_pass under ZeRO-3 (every parameter partitioned between uses): the MLM rows and both views of each
     rank in one unpadded pass, so each module is gathered once per forward and once per backward; the two ranks
     take the single process's (padded, two passes) update."""
-    single = _run(1, 0, str(tmp_path / "single.pt"))
-    torch.manual_seed(0)
-    from pretrain.model import build_model
-
-    init = build_model(ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
-                                   max_position=64, dropout=0.0, attention_dropout=0.0, pooling="mean")).state_dict()
+    single, init = _single_process(tmp_path)
     joint = _run(2, 3, str(tmp_path / "joint.pt"), joint=True)
     assert joint.keys() == single.keys()
     assert _update_mismatch(joint, single, init) == []

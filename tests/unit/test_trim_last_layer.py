@@ -70,18 +70,23 @@ def _run(module, batch, unpadded=True):
     return loss.detach(), {k: v[0].detach() for k, v in metrics.items()}, grads
 
 
+def assert_same_step(got, want, terms) -> None:
+    """Two (loss, metrics, grads) of the same float64 step agree: the terms' metrics and the loss at TOL, every
+    gradient at TOL of its tensor's largest entry plus 1e-15 (the key bias's exact gradient is 0)."""
+    (loss_g, metrics_g, grads_g), (loss_w, metrics_w, grads_w) = got, want
+    for term in terms:
+        torch.testing.assert_close(metrics_g[term], metrics_w[term], rtol=TOL, atol=TOL)
+    torch.testing.assert_close(loss_g, loss_w, rtol=TOL, atol=TOL)
+    assert grads_g.keys() == grads_w.keys() and len(grads_w) > 15
+    for name, g in grads_w.items():
+        torch.testing.assert_close(grads_g[name], g, rtol=0, atol=TOL * float(g.abs().max()) + 1e-15,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _assert_same(batch, terms, unpadded=True, **kw):
     full, trimmed = _module(False, **kw), _module(True, **kw)
     rows_full, rows_trimmed = _last_layer_rows(full), _last_layer_rows(trimmed)
-    loss_f, metrics_f, grads_f = _run(full, batch, unpadded)
-    loss_t, metrics_t, grads_t = _run(trimmed, batch, unpadded)
-    for term in terms:
-        torch.testing.assert_close(metrics_t[term], metrics_f[term], rtol=TOL, atol=TOL)
-    torch.testing.assert_close(loss_t, loss_f, rtol=TOL, atol=TOL)
-    assert grads_t.keys() == grads_f.keys() and len(grads_f) > 15
-    for name, g in grads_f.items():
-        torch.testing.assert_close(grads_t[name], g, rtol=0, atol=TOL * float(g.abs().max()) + 1e-15,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_step(_run(trimmed, batch, unpadded), _run(full, batch, unpadded), terms)
     return rows_full, rows_trimmed
 
 
