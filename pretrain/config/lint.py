@@ -59,6 +59,20 @@ def _compile_lines(cfg) -> list[str]:
     return lines
 
 
+def _joint_lines(cfg) -> list[str]:
+    """train.joint_pass=false where the step has no joint pass to turn off (objective/__init__.py: Objective)."""
+    t, o = cfg.train, cfg.objective
+    if t.joint_pass:
+        return []
+    enabled = o.enabled()
+    why = ("the step runs padded (train.unpadded=false or train.compile=true)" if not t.step_unpadded
+           else "objective.gradient_cache runs its own passes" if o.gradient_cache
+           else "data.stage=sentences has no MLM rows and views" if cfg.data.stage == "sentences"
+           else "the objective does not have both objective.mlm and a term of the views"
+           if "mlm" not in enabled or len(enabled) < 2 else None)
+    return [f"train.joint_pass=false does nothing: {why}"] if why else []
+
+
 CONTRASTIVE_TERMS = ("nt_xent", "info_nce", "arccon", "consistency", "rank_distill")
 """The terms that compare sentences with each other (objective/grad_cache.py: CONTRASTIVE; config/ imports no
 objective)."""
@@ -74,6 +88,7 @@ def inert_settings(cfg) -> list[str]:
     out += _sentence_stage_lines(cfg) if d.stage == "sentences" else _pretrain_stage_lines(cfg)
     out += _objective_lines(cfg)
     out += _compile_lines(cfg)
+    out += _joint_lines(cfg)
     if not cfg.eval.stsb_every:
         ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
         if ev:

@@ -209,6 +209,11 @@ def test_settings_that_cannot_act_are_named():
     assert any("compiles nothing under objective.gradient_cache" in ln
                for ln in lines(["train.compile=true", "objective.gradient_cache=true", "train.grad_accum=2",
                                 "optim.warmup_steps=100"]))
+    assert lines(["train.joint_pass=false", "optim.warmup_steps=100"]) == []  # MLM + NT-Xent, unpadded: it acts
+    assert any("train.joint_pass=false does nothing: the step runs padded" in ln
+               for ln in lines(["train.joint_pass=false", "train.unpadded=false", "optim.warmup_steps=100"]))
+    assert any("train.joint_pass=false does nothing: the objective does not have both" in ln
+               for ln in lines(["train.joint_pass=false", "objective.nt_xent=null", "optim.warmup_steps=100"]))
     for recipe in sorted((CONFIGS / "recipes").glob("*.yaml")) + [CONFIGS / "wiki_books_mini.yaml",
                                                                   CONFIGS / "sentence_stage_quick.yaml"]:
         assert lines([], recipe) == [], recipe.name
