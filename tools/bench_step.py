@@ -211,8 +211,8 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
         result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
-                                precision=precision, unpadded=train.step_unpadded, joint=train.joint_pass,
-                                pin_memory=train.pin_memory)
+                                precision=precision, unpadded=train.step_unpadded,
+                                joint=module.objective.ctx.joint_pass, pin_memory=train.pin_memory)
         done[0] += 1
         return result
 

@@ -87,7 +87,9 @@ def count(recipe: str, tokenizer: str, sources: list[tuple[str, str]], batches: 
     totals = {p: {"groups": 0} for p in [*PASSES, JOINT]}
     it = recipe_batches(recipe, tokenizer, sources, micro_batch)
     for _ in range(batches):
-        facts = host_facts(next(it), unpadded=True, joint=True)
+        batch = next(it)
+        facts = host_facts(batch, unpadded=True)  # the two passes' streams, each with its attention layout
+        facts["packed_joint"] = host_facts(batch, unpadded=True, joint=True)["packed_joint"]
         for name, key in PASSES.items():
             for k, v in compute_counts(facts[key]).items():
                 totals[name][k] = totals[name].get(k, 0) + v

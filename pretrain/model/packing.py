@@ -102,6 +102,10 @@ class Packed:
     def split_groups(self, x_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x_P (slots of every group, end to end) split into the groups' parts; one group's part is x_P itself
         (a one-piece ``split`` would copy the whole gradient in its backward)."""
+        if not self.groups and self.num_rows:
+            raise ValueError("this stream was packed without its attention layout (pack(..., attention=False): the "
+                             "MLM rows' and views' own streams beside the joint one, train.joint_pass); run the "
+                             "encoder over the joint stream, or pack with host_facts(..., joint=False)")
         return (x_P,) if len(self.groups) == 1 else x_P.split(self.group_sizes)
 
     def slots(self, rows_S: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,9 +139,11 @@ def take_rows(x: torch.Tensor, rows_S: torch.Tensor | None) -> torch.Tensor:
     return x if rows_S is None else gather_unique(x.flatten(0, -2), rows_S)
 
 
-def pack(parts: list[tuple[np.ndarray, np.ndarray]]) -> Packed:
+def pack(parts: list[tuple[np.ndarray, np.ndarray]], attention: bool = True) -> Packed:
     """The rows of the padded (ids_BT, mask_BT) pairs in ``parts``, stacked (rows of the first pair, then of the
-    next, as ``torch.cat`` of the padded pairs right-padded to the widest), as one stream (host tensors)."""
+    next, as ``torch.cat`` of the padded pairs right-padded to the widest), as one stream (host tensors).
+    ``attention=False``: without the attention layout (no groups, empty ``gather_P``/``back_N``; most of the
+    packing's host time), for a stream the encoder does not run over (pooling, labels and unpacking only)."""
     width = max(ids.shape[1] for ids, _ in parts)
     lengths, ids, index, base = [], [], [], 0
     for ids_BT, mask_BT in parts:
@@ -155,7 +161,10 @@ def pack(parts: list[tuple[np.ndarray, np.ndarray]]) -> Packed:
         raise ValueError("unpadded sequences need at least one token per row; got an empty row")
     offsets_B = np.concatenate([[0], np.cumsum(lengths_B)[:-1]]).astype(np.int64)
     row_N = np.repeat(np.arange(len(lengths_B)), lengths_B)
-    groups, back_N, gather_P = _attention_groups(lengths_B, offsets_B)
+    if attention:
+        groups, back_N, gather_P = _attention_groups(lengths_B, offsets_B)
+    else:
+        groups, back_N, gather_P = (), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
 
     def t(a):
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))

@@ -82,9 +82,9 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
                    pin_memory: bool = False) -> StepResult:
     """grad_accum micro-batches from ``next_batch()`` through forward -> loss -> backward, then the update (or its
     skip when any rank saw a non-finite loss or gradient); finite micro-batches' metrics are added to ``sums``.
-    ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences; ``joint`` (train.joint_pass): also
-    the MLM rows and views as one stream; ``buckets``: the compiled step's bucketed shapes (all ``host_facts``);
-    ``pin_memory``: train.pin_memory (``to_device``)."""
+    ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences; ``joint`` (train.joint_pass where
+    the objective keeps it, ``Context.joint_pass``): also the MLM rows and views as one stream; ``buckets``: the
+    compiled step's bucketed shapes (all ``host_facts``); ``pin_memory``: train.pin_memory (``to_device``)."""
     n_samples, n_tokens, all_finite_t, loss_sum = 0, 0, None, 0.0
     # Dropout noise is a function of (seed, step, rank): exact resume needs no RNG replay.
     with dropout_rng(seed, step, env.rank, engine.device):
@@ -137,10 +137,11 @@ def host_facts(batch: dict, *, unpadded: bool = False, joint: bool = False, buck
     attention groups are shapes too): ``packed_mlm`` (the MLM rows; ``mlm_labels_packed`` and ``mlm_positions``
     then index the stream), ``packed_views`` (view A's rows, then view B's: the pair's one pass) and
     ``packed_sentences`` (the sentence stage's rows twice, or data.pairs' anchors then positives). Triplets, data.pairs'
-    hard negatives and RankCSE's teachers stay padded. ``joint`` (train.joint_pass, with ``unpadded``): also
-    ``packed_joint``, the MLM rows then both views as one stream, for the objective's one pass over both
-    (objective/forward.py: ``Forward._joint_pass``); its first tokens are ``packed_mlm``'s stream, the rest
-    ``packed_views``'.
+    hard negatives and RankCSE's teachers stay padded. ``joint`` (train.joint_pass where the objective keeps it,
+    with ``unpadded``): also ``packed_joint``, the MLM rows then both views as one stream, for the objective's one
+    pass over both (objective/forward.py: ``Forward._joint_pass``); its first tokens are ``packed_mlm``'s stream,
+    the rest ``packed_views``', and those two then carry no attention layout (``pack(attention=False)``): the
+    encoder runs over the joint stream only.
 
     ``buckets`` (train.compile_shapes=bucketed, the compiled step, never with ``unpadded``): widths and the MLM
     positions padded to their buckets, and ``host_counts`` = {"mlm": the real number of labelled tokens}."""
@@ -148,8 +149,9 @@ def host_facts(batch: dict, *, unpadded: bool = False, joint: bool = False, buck
         raise ValueError("bucketed shapes are for the compiled step, which runs padded")
     out = dict(batch) if buckets is None else bucket_batch(batch, buckets)
     batch = out
+    joint = joint and unpadded and "attention_mask" in batch and "view_a_ids" in batch
     if unpadded and "attention_mask" in batch:
-        out["packed_mlm"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
+        out["packed_mlm"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())], attention=not joint)
     if "mlm_labels" in batch:
         labels = batch["mlm_labels"].numpy().reshape(-1)
         if "packed_mlm" in out:
@@ -164,8 +166,8 @@ def host_facts(batch: dict, *, unpadded: bool = False, joint: bool = False, buck
         out["mlm_positions"] = torch.from_numpy(positions)
     if unpadded and "view_a_ids" in batch:
         views = [(batch[f"view_{v}_ids"].numpy(), batch[f"view_{v}_mask"].numpy()) for v in "ab"]
-        out["packed_views"] = pack(views)
-        if joint and "packed_mlm" in out:
+        out["packed_views"] = pack(views, attention=not joint)
+        if joint:
             out["packed_joint"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy()), *views])
     if unpadded and "sentence_ids" in batch:
         second = "positive" if "positive_ids" in batch else "sentence"  # data.pairs' positive, or the sentence again

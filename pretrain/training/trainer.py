@@ -185,7 +185,7 @@ class Trainer:
         self._set_view_mean_mix()
         step_fn = (partial(cached_optimizer_step, trim_heap=self.cfg.train.malloc_trim_chunks)
                    if self.cfg.objective.gradient_cache
-                   else partial(optimizer_step, buckets=self.buckets, joint=self.cfg.train.joint_pass))
+                   else partial(optimizer_step, buckets=self.buckets, joint=self.module.objective.ctx.joint_pass))
         result = step_fn(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
                          grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
                          precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded,

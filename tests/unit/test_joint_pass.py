@@ -160,13 +160,23 @@ def test_the_objective_keeps_the_joint_pass_only_where_one_pass_serves_both(obje
     assert not _module(joint=False).objective.ctx.joint_pass
 
 
-def test_without_the_setting_the_joint_stream_is_not_used():
-    """train.joint_pass=false with a joint stream in the batch: two passes, as before."""
-    module = _module(joint=False)
-    assert _run(module, _batch(), joint=True)[3] == 2
+def test_beside_the_joint_stream_the_two_streams_carry_no_attention_layout():
+    """With the joint stream the encoder never runs over the MLM rows' or views' own streams, so the host skips
+    their attention groups (most of the packing's time); run over anyway, one says what is wrong."""
+    facts = host_facts(_batch(), unpadded=True, joint=True)
+    assert facts["packed_mlm"].groups == () and facts["packed_views"].groups == ()
+    assert facts["packed_mlm"].gather_P.numel() == 0 and len(facts["packed_joint"].groups) >= 2
+    separate = host_facts(_batch(), unpadded=True)
+    assert separate["packed_mlm"].groups and separate["packed_views"].groups
+    assert torch.equal(facts["packed_views"].first_B, separate["packed_views"].first_B)
+    module = _module(joint=False)  # a two-pass objective handed the joint step's batch
+    with pytest.raises(ValueError, match="packed without its attention layout"):
+        module(facts)
 
 
 def test_a_mlm_only_objective_runs_one_pass_of_its_rows():
+    """train.joint_pass on, an MLM-only objective: the step asks the host for no joint stream (it packs as the
+    objective decided, ``Context.joint_pass``) and the MLM rows run their own pass."""
     module = _module(objective=ObjectiveConfig(mlm=MLMConfig(), nt_xent=None))
-    loss, _, _, passes, rows = _run(module, _batch(), joint=True)
+    loss, _, _, passes, rows = _run(module, _batch(), joint=module.objective.ctx.joint_pass)
     assert passes == 1 and rows == [int((_batch()["mlm_labels"] != -100).sum())] and torch.isfinite(loss)
