@@ -6,8 +6,9 @@ the micro-batches the trainer would get (``build_dataset`` + ``build_loader``, t
 (``training.step.host_facts(batch, unpadded=True)``), and ``model.packing.compute_counts`` counts, for the MLM rows
 and for the two views (one pass), the tokens and attention scores the padded path computes (every row at the
 batch's padded width) and the unpadded one (no padding in tokens; attention groups padded to their longest row);
-and for both in one pass (train.joint_pass: ``host_facts(..., joint=True)``'s joint stream, its attention groups
-cut over the MLM rows' and views' lengths together; its padded figures are the two padded passes').
+and for both in one pass (train.joint_pass: the joint stream ``host_facts(..., joint=True)`` builds with
+``packing.join``, its attention groups cut over the MLM rows' and views' lengths together; its padded figures are
+the two padded passes').
 
     python tools/padding_share.py [--recipe configs/recipes/clear_del_span_reorder.yaml] [--batches 200]
                                   [--wiki-mb 20] [--tokenizer TOKENIZER.json] [--dir /tmp/pretrain-padding-share]
@@ -30,7 +31,7 @@ from pretrain.config import load_run_config  # noqa: E402
 from pretrain.data.datasets import build_dataset  # noqa: E402
 from pretrain.data.loader import build_loader  # noqa: E402
 from pretrain.eval import default_data_dir  # noqa: E402
-from pretrain.model.packing import compute_counts  # noqa: E402
+from pretrain.model.packing import compute_counts, join  # noqa: E402
 from pretrain.prep.preprocess import preprocess  # noqa: E402
 from pretrain.prep.tokenizer import load_tokenizer  # noqa: E402
 from pretrain.training.step import host_facts  # noqa: E402
@@ -87,9 +88,8 @@ def count(recipe: str, tokenizer: str, sources: list[tuple[str, str]], batches: 
     totals = {p: {"groups": 0} for p in [*PASSES, JOINT]}
     it = recipe_batches(recipe, tokenizer, sources, micro_batch)
     for _ in range(batches):
-        batch = next(it)
-        facts = host_facts(batch, unpadded=True)  # the two passes' streams, each with its attention layout
-        facts["packed_joint"] = host_facts(batch, unpadded=True, joint=True)["packed_joint"]
+        facts = host_facts(next(it), unpadded=True)  # the two passes' streams, each with its attention layout
+        facts["packed_joint"] = join([facts["packed_mlm"], facts["packed_views"]])  # as host_facts(joint=True)
         for name, key in PASSES.items():
             for k, v in compute_counts(facts[key]).items():
                 totals[name][k] = totals[name].get(k, 0) + v

@@ -156,7 +156,27 @@ def pack(parts: list[tuple[np.ndarray, np.ndarray]], attention: bool = True) -> 
         ids.append(np.asarray(ids_BT)[rows, cols])
         lengths.append(lengths_B)
         base += mask_BT.shape[0]
-    lengths_B = np.concatenate(lengths).astype(np.int64)
+    return _stream(np.concatenate(ids), np.concatenate(lengths), np.concatenate(index), width, attention)
+
+
+def join(streams: list[Packed]) -> Packed:
+    """Host streams one after the other as one stream with its attention layout: what ``pack`` of all their parts
+    gives (``index_N`` into their rows stacked at the widest width), from their tokens, not their masks again.
+    train.joint_pass's stream is the MLM rows' and the views' (training/step.py: host_facts)."""
+    width = max(s.width for s in streams)
+    ids, lengths, index, base = [], [], [], 0
+    for s in streams:
+        rows, cols = np.divmod(s.index_N.numpy(), s.width)
+        index.append((rows + base) * width + cols)
+        ids.append(s.ids_N.numpy())
+        lengths.append(s.lengths_B.numpy())
+        base += s.num_rows
+    return _stream(np.concatenate(ids), np.concatenate(lengths), np.concatenate(index), width, True)
+
+
+def _stream(ids_N: np.ndarray, lengths_B: np.ndarray, index_N: np.ndarray, width: int, attention: bool) -> Packed:
+    """The Packed of real tokens ``ids_N`` in rows of ``lengths_B`` (``pack``, ``join``)."""
+    lengths_B = lengths_B.astype(np.int64)
     if lengths_B.size and lengths_B.min() < 1:
         raise ValueError("unpadded sequences need at least one token per row; got an empty row")
     offsets_B = np.concatenate([[0], np.cumsum(lengths_B)[:-1]]).astype(np.int64)
@@ -169,9 +189,9 @@ def pack(parts: list[tuple[np.ndarray, np.ndarray]], attention: bool = True) -> 
     def t(a):
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
-    return Packed(ids_N=t(np.concatenate(ids)), position_ids_N=t(np.arange(row_N.size) - offsets_B[row_N]),
-                  row_N=t(row_N), first_B=t(offsets_B), lengths_B=t(lengths_B), index_N=t(np.concatenate(index)),
-                  back_N=t(back_N), gather_P=t(gather_P), groups=groups, num_rows=len(lengths_B), width=width)
+    return Packed(ids_N=t(ids_N), position_ids_N=t(np.arange(row_N.size) - offsets_B[row_N]), row_N=t(row_N),
+                  first_B=t(offsets_B), lengths_B=t(lengths_B), index_N=t(index_N), back_N=t(back_N),
+                  gather_P=t(gather_P), groups=groups, num_rows=len(lengths_B), width=width)
 
 
 def _attention_groups(lengths_B: np.ndarray, offsets_B: np.ndarray

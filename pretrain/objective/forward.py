@@ -150,10 +150,9 @@ class Forward:
         return self._cache["pair_h"]
 
     def _joint(self) -> bool:
-        """Whether the MLM rows and the views go through one pass (``_joint_pass``): train.joint_pass kept by the
-        objective, the host's joint stream in the batch, and neither pass run yet."""
-        return (self.ctx.joint_pass and "packed_joint" in self.batch and "mlm" not in self._cache
-                and "pair_h" not in self._cache)
+        """Whether the MLM rows and the views go through one pass (``_joint_pass``, which caches both): train.joint_pass
+        kept by the objective, and the host's joint stream in the batch."""
+        return self.ctx.joint_pass and "packed_joint" in self.batch
 
     def _joint_pass(self) -> None:
         """The MLM rows and CLEAR's views through one encoder pass over the host's joint stream (``packed_joint``:

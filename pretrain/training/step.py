@@ -12,7 +12,7 @@ import torch
 
 from pretrain.config.data import IGNORE_INDEX
 from pretrain.distributed.comm import all_reduce_host
-from pretrain.model.packing import Packed, move_tensor, pack
+from pretrain.model.packing import Packed, join, move_tensor, pack
 
 
 @dataclass
@@ -168,7 +168,7 @@ def host_facts(batch: dict, *, unpadded: bool = False, joint: bool = False, buck
         views = [(batch[f"view_{v}_ids"].numpy(), batch[f"view_{v}_mask"].numpy()) for v in "ab"]
         out["packed_views"] = pack(views, attention=not joint)
         if joint:
-            out["packed_joint"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy()), *views])
+            out["packed_joint"] = join([out["packed_mlm"], out["packed_views"]])
     if unpadded and "sentence_ids" in batch:
         second = "positive" if "positive_ids" in batch else "sentence"  # data.pairs' positive, or the sentence again
         out["packed_sentences"] = pack([(batch["sentence_ids"].numpy(), batch["sentence_mask"].numpy()),

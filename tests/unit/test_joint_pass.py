@@ -11,8 +11,6 @@ part of the stream, or a trimmed row taken from the wrong offset is off at the p
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from test_trim_last_layer import _batch, assert_same_step
@@ -27,6 +25,7 @@ from pretrain.config.objective import (
 )
 from pretrain.distributed.env import single_process_env
 from pretrain.model import build_model
+from pretrain.model.packing import pack
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.objective.forward import Forward
 from pretrain.training.step import host_facts
@@ -124,6 +123,15 @@ def test_the_joint_stream_is_the_two_streams_end_to_end():
     assert torch.equal(joint.position_ids_N, torch.cat([mlm.position_ids_N, views.position_ids_N]))
     assert torch.equal(joint.lengths_B, torch.cat([mlm.lengths_B, views.lengths_B]))
     assert sum(g.num_rows for g in joint.groups) == mlm.num_rows + views.num_rows
+    b = _batch()  # joined from the two streams' tokens: what packing all their padded rows at once gives
+    whole = pack([(b["input_ids"].numpy(), b["attention_mask"].numpy()),
+                  *((b[f"view_{v}_ids"].numpy(), b[f"view_{v}_mask"].numpy()) for v in "ab")])
+    for field in ("ids_N", "position_ids_N", "row_N", "first_B", "lengths_B", "index_N", "back_N", "gather_P"):
+        assert torch.equal(getattr(joint, field), getattr(whole, field)), field
+    assert [(g.num_rows, g.length) for g in joint.groups] == [(g.num_rows, g.length) for g in whole.groups]
+    assert all(torch.equal(a.keep_n11t, w.keep_n11t) if w.keep_n11t is not None else a.keep_n11t is None
+               for a, w in zip(joint.groups, whole.groups))
+    assert joint.width == whole.width == 64
     assert "packed_joint" not in host_facts(_batch(), unpadded=True)  # only when asked (train.joint_pass)
 
 
