@@ -169,8 +169,8 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
     unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
     ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, ``joint``: train.joint_pass, all on by
-    default). ``step.num_params``: the
-    trained module's parameters (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
+    default). ``step.num_params``: the trained module's parameters (bert: with BERT's pooler, which BertForMaskedLM
+    lacks)."""
     from pretrain.config import (
         DistributedConfig,
         ObjectiveConfig,
@@ -456,18 +456,19 @@ def measure_host_cost(args) -> dict:
     torch.manual_seed(0)
     # torch's dropout in ours, as a CUDA step runs it (train.fast_dropout is a CPU path; this mode stands in for
     # the host work of a GPU step).
-    arms = {"ours": build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision, args.compile,
-                               micro_batch=hc["batch"], fast_dropout=False)}
+    def ours(**options):
+        return build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision, args.compile,
+                          micro_batch=hc["batch"], fast_dropout=False, **options)
+
+    arms = {"ours": ours()}
     # The layout before train.flat_params (2026-11-25), same process, same trials: what flattening saves.
-    arms["ours_per_tensor"] = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
-                                         args.compile, micro_batch=hc["batch"], flat=False, fast_dropout=False)
+    arms["ours_per_tensor"] = ours(flat=False)
     # HF gets the AdamW implementation the Engine chose (fused, CPU and CUDA; before 2026-11-24 torch's per-parameter
     # one on the CPU, whose step count .item() per parameter would otherwise count as syncs in one arm only).
     fused = bool(arms["ours"].engine._adamw.defaults.get("fused"))
     arms["hf"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, args.compile, fused=fused)
     if args.ab == "joint":  # the two passes the joint pass replaced, same process, same trials
-        arms["ours_two_passes"] = build_ours(hc["size"], hc["vocab"], hc["seq"], args.zero_stage, args.precision,
-                                             args.compile, micro_batch=hc["batch"], fast_dropout=False, joint=False)
+        arms["ours_two_passes"] = ours(joint=False)
     if args.compile:  # HF as most of its users run it: eager
         arms["hf_eager"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, False, fused=fused)
     for _ in range(3):

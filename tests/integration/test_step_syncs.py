@@ -77,8 +77,7 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_acc
         with capsys.disabled():
             print(f"\nZeRO-{zero_stage} {precision} grad_accum {grad_accum} unpadded {unpadded}"
                   f"{' cached' if cached else ''}{' modernbert' if modern else ''}{' joint' if joint else ''}, "
-                  f"per step: trainer "
-                  f"{outer.num_aten / 2:.0f} aten ops, "
+                  f"per step: trainer {outer.num_aten / 2:.0f} aten ops, "
                   f"{outer.num_sync / 2:g} syncs {dict(outer.syncs)}; Engine.step {inner.num_aten / 2:.0f} ops, "
                   f"{inner.num_sync / 2:g} syncs {dict(inner.syncs)}")
         assert outer.num_aten > 100  # the counter saw the step
