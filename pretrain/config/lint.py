@@ -65,8 +65,7 @@ def _joint_lines(cfg) -> list[str]:
     if t.joint_pass:
         return []
     enabled = o.enabled()
-    why = ("the step runs padded (train.unpadded=false or train.compile=true)" if not t.step_unpadded
-           else "objective.gradient_cache runs its own passes" if o.gradient_cache
+    why = ("objective.gradient_cache runs its own passes" if o.gradient_cache
            else "data.stage=sentences has no MLM rows and views" if cfg.data.stage == "sentences"
            else "the objective does not have both objective.mlm and a term of the views"
            if "mlm" not in enabled or len(enabled) < 2 else None)

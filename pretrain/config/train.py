@@ -134,12 +134,13 @@ class TrainConfig:
     Dropout in that layer draws other noise than the full layer (fewer elements). false computes every token's
     output."""
     joint_pass: bool = True
-    """With unpadded (and an objective of MLM and a contrastive term of CLEAR's views, no gradient cache), the MLM
-    rows and both views go through the encoder as one packed stream instead of two passes: every layer runs once
-    per micro-batch, so half the kernel launches and per-layer host work (and, under ZeRO-3, half the module
-    fetches), over matrix products twice as tall, and one set of attention groups for both. Each sequence still
-    attends only to itself; the same losses and gradients as two passes up to float rounding
-    (tests/unit/test_joint_pass.py); dropout draws other noise. false runs the two passes."""
+    """With an objective of MLM and a contrastive term of CLEAR's views (no gradient cache), the MLM rows and both
+    views go through the encoder as one stream instead of two passes: every layer runs once per micro-batch, so
+    half the kernel launches and per-layer host work (and, under ZeRO-3, half the module fetches), over matrix
+    products twice as tall. Unpadded, the stream is packed with one set of attention groups for both; padded (and
+    so compiled), it is the two padded batches end to end, each attended to at its own width (static shapes: one
+    graph). Each sequence still attends only to itself; the same losses and gradients as two passes up to float
+    rounding (tests/unit/test_joint_pass.py); dropout draws other noise. false runs the two passes."""
     pin_memory: bool = True
     """On CUDA, each micro-batch's host tensors (the loader's and the host's packing facts) are copied into pinned
     memory before their asynchronous copy to the GPU. From pageable memory the driver stages the copy and may

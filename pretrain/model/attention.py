@@ -13,7 +13,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.dropout import attention
-from pretrain.model.gather import gather_slots, gather_unique
+from pretrain.model.gather import gather_slots
 from pretrain.model.packing import Packed, take_rows
 
 
@@ -77,4 +77,4 @@ class SelfAttention(nn.Module):
             y_nHtK = attention(q_nHtK, k_nHtK, v_nHtK, g.keep_n11t, dropout_p, self.fast_dropout)
             y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
         y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
-        return self.out(gather_unique(y_PD, packed.slots(rows_S)))
+        return self.out(take_rows(y_PD, packed.slots(rows_S)))

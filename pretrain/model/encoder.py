@@ -12,7 +12,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.block import Block
 from pretrain.model.embeddings import Embeddings
-from pretrain.model.packing import Packed, check_rows
+from pretrain.model.packing import Packed, check_rows, keep_mask
 
 
 class Encoder(nn.Module):
@@ -46,15 +46,10 @@ class Encoder(nn.Module):
                                  f"(data.max_len)")
             return self._layers(self.embeddings(packed.ids_N, position_ids_N=packed.position_ids_N), None, packed,
                                 all_layers, rows_S)
-        # The padding mask is built once and shared by every layer (True = real key token). A batch without
-        # padding passes no mask, so SDPA may pick its flash kernel (a mask rules it out on CUDA).
-        keep_B11T = None
-        if attention_mask_BT is not None:
-            if padded is None:
-                padded = torch.compiler.is_compiling() or not bool(attention_mask_BT.all())
-            if padded:
-                keep_B11T = attention_mask_BT.bool()[:, None, None, :]
-        x_BTD = self.embeddings(input_ids_BT, token_type_ids_BT, attention_mask_BT=attention_mask_BT if padded else None)
+        # The padding mask is built once and shared by every layer (packing.keep_mask).
+        keep_B11T = None if attention_mask_BT is None else keep_mask(attention_mask_BT, padded)
+        x_BTD = self.embeddings(input_ids_BT, token_type_ids_BT,
+                                attention_mask_BT=attention_mask_BT if keep_B11T is not None else None)
         return self._layers(x_BTD, keep_B11T, None, all_layers, rows_S)
 
     def _layers(self, x_BTD: torch.Tensor, keep_B11T: torch.Tensor | None, packed: Packed | None,

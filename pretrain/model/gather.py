@@ -56,4 +56,6 @@ def gather_unique(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def gather_slots(x_N: torch.Tensor, packed) -> torch.Tensor:
     """x_P...: the rows of x_N (stream order) in every attention group's slots, groups end to end
     (``Packed.gather_P``); backward assumes zero gradient on the padding slots (see the module docstring)."""
+    if packed.gather_P is None:  # the stream is its slots (packing.padded_stream)
+        return x_N
     return _GatherSlots.apply(x_N, packed.gather_P, packed.back_N)

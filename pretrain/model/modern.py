@@ -22,7 +22,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, make_band, use_band
 from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings
-from pretrain.model.packing import Packed, check_rows
+from pretrain.model.packing import Packed, check_rows, keep_mask
 from pretrain.model.rotary import rope_tables, window_mask
 
 
@@ -49,12 +49,7 @@ class ModernEncoder(nn.Module):
             # A group's row is one sequence from its slot 0, so the tables are per slot column: (T, K).
             positions_T = torch.arange(packed.width, device=x_ND.device)
             return self._layers(x_ND, self._inputs(positions_T, x_ND.dtype, None, packed), packed, all_layers, rows_S)
-        keep_B11T = None
-        if attention_mask_BT is not None:
-            if padded is None:
-                padded = torch.compiler.is_compiling() or not bool(attention_mask_BT.all())
-            if padded:
-                keep_B11T = attention_mask_BT.bool()[:, None, None, :]
+        keep_B11T = None if attention_mask_BT is None else keep_mask(attention_mask_BT, padded)
         x_BTD = self.embeddings(input_ids_BT)
         pos_T = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device)
         return self._layers(x_BTD, self._inputs(pos_T, x_BTD.dtype, keep_B11T, None), None, all_layers, rows_S)

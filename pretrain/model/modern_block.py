@@ -18,7 +18,7 @@ from pretrain.model.block import activation_fn
 from pretrain.model.dropout import Dropout, attention
 from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import forget_traced_views, materialize
-from pretrain.model.gather import gather_slots, gather_unique
+from pretrain.model.gather import gather_slots
 from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope
 
@@ -83,7 +83,7 @@ class ModernAttention(nn.Module):
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
-            return self.out(gather_unique(y_PD, packed.slots(rows_S)))
+            return self.out(take_rows(y_PD, packed.slots(rows_S)))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
         q_BHTK, k_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin), apply_rope(k_BHTK, inputs.cos, inputs.sin)

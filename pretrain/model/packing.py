@@ -65,16 +65,17 @@ class Packed:
     ids_N: torch.Tensor
     position_ids_N: torch.Tensor
     """Position within its own sequence: restarts at 0 for each (the padded path's column index)."""
-    row_N: torch.Tensor
-    """Which sequence each token belongs to (mean pooling)."""
-    first_B: torch.Tensor
+    row_N: torch.Tensor | None
+    """Which sequence each token belongs to (mean pooling). None in a ``padded_stream``, as the three below."""
+    first_B: torch.Tensor | None
     """Stream position of each sequence's first token ([CLS] pooling)."""
-    lengths_B: torch.Tensor
-    index_N: torch.Tensor
+    lengths_B: torch.Tensor | None
+    index_N: torch.Tensor | None
     """Flat index of each token in the padded (B, T) layout (``unpack``; the host gathers labels with it)."""
-    back_N: torch.Tensor
-    """Each token's slot in the groups' slots laid end to end (attention output back to the stream)."""
-    gather_P: torch.Tensor
+    back_N: torch.Tensor | None
+    """Each token's slot in the groups' slots laid end to end (attention output back to the stream); None when the
+    stream is its slots (``padded_stream``), as ``gather_P``."""
+    gather_P: torch.Tensor | None
     """(P,) stream position of each slot of every group, groups end to end, each group's row-major; a padding slot
     repeats its row's last token (masked). ``gather.gather_slots``."""
     groups: tuple[AttentionGroup, ...]
@@ -108,8 +109,11 @@ class Packed:
                              "encoder over the joint stream, or pack with host_facts(..., joint=False)")
         return (x_P,) if len(self.groups) == 1 else x_P.split(self.group_sizes)
 
-    def slots(self, rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention slots of every token (back_N), or of the stream positions ``rows_S``."""
+    def slots(self, rows_S: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Attention slots of every token (back_N), or of the stream positions ``rows_S``; for a stream that is its
+        slots (``padded_stream``) ``rows_S`` itself (None: all). ``take_rows`` of the slots' outputs by them."""
+        if self.back_N is None:
+            return rows_S
         return self.back_N if rows_S is None else self.back_N.index_select(0, rows_S)
 
     def first(self, h_ND: torch.Tensor) -> torch.Tensor:
@@ -125,6 +129,32 @@ class Packed:
         """h_BTD in the padded layout, zeros on padding (for consumers that need rows, e.g. SARCSE's autoencoder)."""
         out = h_ND.new_zeros((self.num_rows * self.width, h_ND.shape[1])).index_copy(0, self.index_N, h_ND)
         return out.view(self.num_rows, self.width, h_ND.shape[1])
+
+
+def keep_mask(mask_BT: torch.Tensor, padded: bool | None) -> torch.Tensor | None:
+    """keep_B11T (True = a real key token) of a padded batch's mask, shared by every layer; None when the batch has
+    no padding, so SDPA may pick its flash kernel (a mask rules it out on CUDA). ``padded``: whether the mask has
+    padding, when the host knows it; None looks on the device (a host sync), except in a compiled step, which
+    applies every mask."""
+    if padded is None:
+        padded = torch.compiler.is_compiling() or not bool(mask_BT.all())
+    return mask_BT.bool()[:, None, None, :] if padded else None
+
+
+def padded_stream(blocks: list[tuple[torch.Tensor, torch.Tensor | None]]) -> Packed:
+    """Padded batches one after the other as one stream, padding included: train.joint_pass on the padded path (the
+    compiled step's). Each block (ids_BT, keep_B11T or None, ``keep_mask``) is one attention group of its B rows
+    at its width T, and the stream is already in the groups' slot order, so attention gathers nothing
+    (``gather_P``/``back_N`` None). Positions are each row's columns, as the padded path's. Device tensors and
+    static shapes: nothing here reads a value, so it traces into a compiled step. Only the encoder runs over it
+    (no pooling fields): its h_ND, split at the blocks' B * T, is each block's padded pass."""
+    ids = torch.cat([ids_BT.reshape(-1) for ids_BT, _ in blocks])
+    positions = torch.cat([torch.arange(ids_BT.shape[1], device=ids.device).repeat(ids_BT.shape[0])
+                           for ids_BT, _ in blocks])
+    groups = tuple(AttentionGroup(keep, ids_BT.shape[0], ids_BT.shape[1]) for ids_BT, keep in blocks)
+    return Packed(ids_N=ids, position_ids_N=positions, row_N=None, first_B=None, lengths_B=None, index_N=None,
+                  back_N=None, gather_P=None, groups=groups, num_rows=sum(g.num_rows for g in groups),
+                  width=max(g.length for g in groups))
 
 
 def check_rows(rows_S: torch.Tensor | None, all_layers: bool) -> None:

@@ -21,6 +21,7 @@ import torch
 from pretrain.config.train import OpsConfig
 from pretrain.distributed.comm import all_gather_with_grad
 from pretrain.model.autoencoder import content_tokens
+from pretrain.model.packing import keep_mask, padded_stream
 
 
 @dataclass
@@ -151,30 +152,43 @@ class Forward:
 
     def _joint(self) -> bool:
         """Whether the MLM rows and the views go through one pass (``_joint_pass``, which caches both): train.joint_pass
-        kept by the objective, and the host's joint stream in the batch."""
-        return self.ctx.joint_pass and "packed_joint" in self.batch
+        kept by the objective, and either the host's joint stream in the batch or neither packed (the padded path)."""
+        b = self.batch
+        return self.ctx.joint_pass and ("packed_joint" in b or (
+            "packed_mlm" not in b and "packed_views" not in b and "input_ids" in b and "view_a_ids" in b))
 
     def _joint_pass(self) -> None:
-        """The MLM rows and CLEAR's views through one encoder pass over the host's joint stream (``packed_joint``:
-        the MLM rows' stream, then the views', as ``packed_mlm`` and ``packed_views`` hold them), its result split
-        into the two passes' cache entries, each as its own pass would have returned it. Every layer then runs
-        once per micro-batch instead of twice: half the kernel launches (and, under ZeRO-3, half the parameter
-        gathers), larger matrix products; sequences still attend only to themselves. A trimmed last layer
-        (train.trim_last_layer) computes the union of the rows the two would keep."""
+        """The MLM rows and CLEAR's views through one encoder pass, its result split into the two passes' cache
+        entries, each as its own pass would have returned it. Unpadded, the stream is the host's ``packed_joint``
+        (the MLM rows' stream, then the views', as ``packed_mlm`` and ``packed_views`` hold them); padded (the
+        compiled step's path), ``packing.padded_stream`` of the two padded batches, pads included, each attended to
+        at its own width. Every layer then runs once per micro-batch instead of twice: half the kernel launches
+        (and, under ZeRO-3, half the parameter gathers), larger matrix products; sequences still attend only to
+        themselves. A trimmed last layer (train.trim_last_layer) computes the union of the rows the two would
+        keep."""
         b = self.batch
-        mlm, views = b["packed_mlm"], b["packed_views"]
-        n_mlm = mlm.num_tokens
-        ids, mask, n, _, _ = self._pair_inputs()
-        mlm_rows = b["mlm_positions"] if self._mlm_trimmed() else None
-        pair_rows = views.first_B if self._pair_trimmed() else None
-        if mlm_rows is None and pair_rows is None:
-            rows_S, sizes = None, [n_mlm, views.num_tokens]
+        ids, mask, n, padded, views = self._pair_inputs()
+        if "packed_joint" in b:
+            stream, sizes = b["packed_joint"], [b["packed_mlm"].num_tokens, views.num_tokens]
+            pair_first = views.first_B
         else:
-            device = views.ids_N.device
-            mlm_rows = torch.arange(n_mlm, device=device) if mlm_rows is None else mlm_rows
-            pair_rows = torch.arange(views.num_tokens, device=device) if pair_rows is None else pair_rows
-            rows_S, sizes = torch.cat([mlm_rows, pair_rows + n_mlm]), [mlm_rows.shape[0], pair_rows.shape[0]]
-        h_mlm, h_pair = self.model.encode(None, None, packed=b["packed_joint"], rows_S=rows_S).split(sizes)
+            ids_m = b["input_ids"]
+            stream = padded_stream([(ids_m, keep_mask(b["attention_mask"], self._padded("attention_mask"))),
+                                    (ids, keep_mask(mask, padded))])
+            sizes, views = [ids_m.numel(), ids.numel()], None
+            pair_first = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
+        mlm_rows = b["mlm_positions"] if self._mlm_trimmed() else None
+        pair_rows = pair_first if self._pair_trimmed() else None
+        rows_S = None
+        if mlm_rows is not None or pair_rows is not None:
+            device = ids.device
+            mlm_rows = torch.arange(sizes[0], device=device) if mlm_rows is None else mlm_rows
+            pair_rows = torch.arange(sizes[1], device=device) if pair_rows is None else pair_rows
+            rows_S, sizes = torch.cat([mlm_rows, pair_rows + sizes[0]]), [mlm_rows.shape[0], pair_rows.shape[0]]
+        h_mlm, h_pair = self.model.encode(None, None, packed=stream, rows_S=rows_S).split(sizes)
+        if views is None:  # padded: each pass's tokens back to its batch's (rows, width), unless trimmed to rows
+            h_mlm = h_mlm if self._mlm_trimmed() else h_mlm.view(*b["input_ids"].shape, -1)
+            h_pair = h_pair if self._pair_trimmed() else h_pair.view(*ids.shape, -1)
         self._cache["mlm"] = h_mlm
         if self._pair_trimmed():  # h_2B1D, as _cls_states returns it
             self._cache["pair_h"] = (h_pair[:, None], None, ids, n, None)

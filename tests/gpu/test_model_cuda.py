@@ -6,7 +6,8 @@ suite runs only on the CPU.
 - ``train.fast_dropout`` is a CPU path: on CUDA, ``Dropout`` and attention dropout are torch's own draws;
 - a tiny ModernBERT, unpadded on the GPU (local layers through the band), against the padded float64 model.
 - train.pin_memory: the step's host batch and packed streams reach the GPU whole through pinned memory.
-- train.joint_pass: the MLM rows and views in one packed pass on the GPU, against two passes in float64.
+- train.joint_pass: the MLM rows and views in one pass on the GPU (packed, or padded), against two passes in
+  float64.
 
 ``PRETRAIN_GPU_TEST_DEVICE=cpu`` runs this file on the CPU to check the tests themselves: everything passes there
 but the dropout test, which must fail (the CPU draws its own masks).
@@ -178,10 +179,12 @@ def test_a_pinned_batch_arrives_whole_on_the_device():
             assert d.device.type == torch.device(DEVICE).type and torch.equal(d.cpu(), h), key
 
 
+@pytest.mark.parametrize("unpadded", [True, False])
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
-def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch):
-    """train.joint_pass (the default): the MLM rows and both views in one packed pass on the device, against
-    the two packed passes of the same model in float64 on the CPU: the loss and every gradient."""
+def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch, unpadded):
+    """train.joint_pass (the default): the MLM rows and both views in one pass on the device, against the two
+    passes of the same model in float64 on the CPU: the loss and every gradient. Packed, or padded (the compiled
+    step's path: ``packing.padded_stream``)."""
     from pretrain.config import ObjectiveConfig, OpsConfig
     from pretrain.config.objective import MLMConfig, NTXentConfig
     from pretrain.distributed.env import single_process_env
@@ -192,9 +195,9 @@ def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch):
     cfg = ModelConfig(**{**dict(vocab_size=60, hidden_size=64, num_layers=2, num_heads=4, ffn_size=128,
                                 max_position=64, dropout=0.0, attention_dropout=0.0, pooling="cls"), **extra})
 
-    def module(device, dtype):
+    def module(device, dtype, joint):
         ctx = Context(env=single_process_env(), ops=OpsConfig(similarity="eager"), pooling="cls",
-                      trim_last_layer=True, joint_pass=True)
+                      trim_last_layer=True, joint_pass=joint)
         objective = Objective(ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False)), ctx)
         return TrainModule(build_model(cfg, seed=3).to(device, dtype), objective)
 
@@ -209,8 +212,8 @@ def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch):
                  view_a_mask=view_mask, view_b_ids=ids[:, 8:40] * view_mask.flip(0), view_b_mask=view_mask.flip(0))
     results = []
     for device, dtype, joint in ((DEVICE, torch.float32, True), ("cpu", torch.float64, False)):
-        m = module(device, dtype)
-        loss, _ = m(to_device(host_facts(batch, unpadded=True, joint=joint), device))
+        m = module(device, dtype, joint)
+        loss, _ = m(to_device(host_facts(batch, unpadded=unpadded, joint=joint), device))
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
     (loss_j, grads_j), (loss_ref, grads_ref) = results

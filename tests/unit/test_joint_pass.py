@@ -1,5 +1,6 @@
-"""train.joint_pass: the MLM rows and CLEAR's views through one encoder pass over the host's joint stream, against
-the two passes they replace (both unpadded).
+"""train.joint_pass: the MLM rows and CLEAR's views through one encoder pass, against the two passes they replace:
+unpadded, over the host's joint stream; padded (the compiled step's path), over the two padded batches end to end
+(``packing.padded_stream``).
 
 Both arms run in float64 with dropout off, so only the order of summation may differ (matrix products over the
 joint stream's rows instead of each pass's): losses and metrics are compared at 1e-10, gradients at 1e-10 of each
@@ -10,6 +11,8 @@ part of the stream, or a trimmed row taken from the wrong offset is off at the p
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -25,8 +28,9 @@ from pretrain.config.objective import (
 )
 from pretrain.distributed.env import single_process_env
 from pretrain.model import build_model
-from pretrain.model.packing import pack
+from pretrain.model.packing import pack, padded_stream
 from pretrain.objective import Context, Objective, TrainModule
+from pretrain.objective import forward as forward_module
 from pretrain.objective.forward import Forward
 from pretrain.training.step import host_facts
 
@@ -44,15 +48,21 @@ def _module(*, trim: bool = True, pooling: str = "cls", mean_mix: float = 0.0, o
     return TrainModule(model, Objective(objective, ctx, token_freq_V=token_freq_V)).double()  # heads too
 
 
-def _run(module, batch, joint: bool):
+def _run(module, batch, joint: bool, unpadded: bool = True):
     """(loss, metrics, grads, encoder passes, rows of the last layer's FFN per pass) of one step's forward and
-    backward, with the host's joint stream in the batch or not."""
+    backward, with the host's joint stream in the batch or not; ``unpadded=False``: the padded step, its joint
+    pass on or off as ``joint`` says (where the objective keeps it)."""
     passes, rows = [], []
     hooks = [module.model.encoder.layers[0].register_forward_hook(lambda *a: passes.append(1)),
              module.model.encoder.layers[-1].ffn.register_forward_hook(
                  lambda mod, args, out: rows.append(args[0].numel() // args[0].shape[-1]))]
+    ctx = module.objective.ctx
+    module.objective.ctx = dataclasses.replace(ctx, joint_pass=ctx.joint_pass and (joint or unpadded))
     module.zero_grad(set_to_none=True)
-    loss, metrics = module(host_facts(batch, unpadded=True, joint=joint))
+    try:
+        loss, metrics = module(host_facts(batch, unpadded=unpadded, joint=joint))
+    finally:
+        module.objective.ctx = ctx
     loss.backward()
     for hook in hooks:
         hook.remove()
@@ -60,10 +70,10 @@ def _run(module, batch, joint: bool):
     return loss.detach(), {k: v[0].detach() for k, v in metrics.items()}, grads, len(passes), rows
 
 
-def _assert_same(module, batch, terms=("mlm", "nt_xent")) -> tuple[list[int], list[int]]:
+def _assert_same(module, batch, terms=("mlm", "nt_xent"), unpadded: bool = True) -> tuple[list[int], list[int]]:
     """The joint pass equals the two passes; -> the last layer's FFN rows of (two passes, joint pass)."""
-    *two, passes_s, rows_s = _run(module, batch, joint=False)
-    *joint, passes_j, rows_j = _run(module, batch, joint=True)
+    *two, passes_s, rows_s = _run(module, batch, joint=False, unpadded=unpadded)
+    *joint, passes_j, rows_j = _run(module, batch, joint=True, unpadded=unpadded)
     assert (passes_s, passes_j) == (2, 1)
     assert_same_step(joint, two, terms)
     return rows_s, rows_j
@@ -135,11 +145,12 @@ def test_the_joint_stream_is_the_two_streams_end_to_end():
     assert "packed_joint" not in host_facts(_batch(), unpadded=True)  # only when asked (train.joint_pass)
 
 
-def test_the_comparison_sees_a_shifted_split():
+@pytest.mark.parametrize("unpadded", [True, False])
+def test_the_comparison_sees_a_shifted_split(unpadded):
     """The same check fails when the views' part is read one token off (a wrong offset into the joint stream)."""
     module = _module(trim=False, pooling="mean")
     batch = _batch()
-    reference = _run(module, batch, joint=False)[0]
+    reference = _run(module, batch, joint=False, unpadded=unpadded)[0]
     original = Forward._joint_pass
 
     def shifted(self):
@@ -149,7 +160,7 @@ def test_the_comparison_sees_a_shifted_split():
 
     Forward._joint_pass = shifted
     try:
-        loss = _run(module, batch, joint=True)[0]
+        loss = _run(module, batch, joint=True, unpadded=unpadded)[0]
     finally:
         Forward._joint_pass = original
     with pytest.raises(AssertionError):
@@ -188,3 +199,54 @@ def test_a_mlm_only_objective_runs_one_pass_of_its_rows():
     module = _module(objective=ObjectiveConfig(mlm=MLMConfig(), nt_xent=None))
     loss, _, _, passes, rows = _run(module, _batch(), joint=module.objective.ctx.joint_pass)
     assert passes == 1 and rows == [int((_batch()["mlm_labels"] != -100).sum())] and torch.isfinite(loss)
+
+
+PADDED_MODELS = {
+    "post-LN, pooler": dict(norm="post", pooler=True),
+    "pre-LN": dict(norm="pre", pooler=False),
+    "RoBERTa positions": dict(position_offset=2, max_position=66),
+    "modernbert": dict(arch="modernbert", pooler=False, num_layers=4, local_window=16, layer_norm_eps=1e-5),
+}
+
+
+@pytest.mark.parametrize("model", list(PADDED_MODELS))
+@pytest.mark.parametrize("pooling, trim", [("cls", True), ("cls", False), ("mean", True)])
+def test_padded_joint_pass_equals_two_padded_passes(model, pooling, trim):
+    """The padded step (train.unpadded=false, and the compiled step's path): one pass over both padded batches end
+    to end, each attended to at its own width, equals the two padded passes; trimmed, the last layer computes
+    the union of their rows (flat indices into the MLM batch, then each view's [CLS] past it)."""
+    batch = _batch(1)
+    rows_s, rows_j = _assert_same(_module(trim=trim, pooling=pooling, **PADDED_MODELS[model]), batch, unpadded=False)
+    assert rows_j == [sum(rows_s)]
+    if trim and pooling == "cls":
+        assert rows_s == [int((batch["mlm_labels"] != -100).sum()), 2 * batch["view_a_ids"].shape[0]]
+
+
+def test_padded_joint_pass_without_padding_passes_no_mask(monkeypatch):
+    """Rows the host knows to be full attend with no mask (SDPA may take its flash kernel), as the padded pass."""
+    batch = _batch(1)
+    for key in ("attention_mask", "view_a_mask", "view_b_mask"):
+        batch[key] = torch.ones_like(batch[key])
+    _assert_same(_module(), batch, unpadded=False)
+    streams = []
+    monkeypatch.setattr(forward_module, "padded_stream", lambda blocks: streams.append(padded_stream(blocks))
+                        or streams[-1])
+    _run(_module(), batch, joint=True, unpadded=False)
+    assert [g.keep_n11t for g in streams[0].groups] == [None, None]
+
+
+def test_the_padded_stream_is_the_padded_batches_end_to_end():
+    """Its tokens are the batches' rows, pads included; positions restart at each row; one attention group per
+    batch at its width with its key mask; no gather (the stream is its slots)."""
+    b = _batch()
+    keep = b["attention_mask"].bool()[:, None, None, :]
+    views = torch.cat([b["view_a_ids"], b["view_b_ids"]])
+    s = padded_stream([(b["input_ids"], keep), (views, None)])
+    (n, t), (nv, tv) = b["input_ids"].shape, views.shape
+    assert torch.equal(s.ids_N, torch.cat([b["input_ids"].flatten(), views.flatten()]))
+    assert torch.equal(s.position_ids_N, torch.cat([torch.arange(t).repeat(n), torch.arange(tv).repeat(nv)]))
+    assert [(g.num_rows, g.length) for g in s.groups] == [(n, t), (nv, tv)]
+    assert s.groups[0].keep_n11t is keep and s.groups[1].keep_n11t is None
+    assert s.gather_P is None and s.slots() is None and s.num_rows == n + nv and s.width == max(t, tv)
+    rows = torch.tensor([3, 0])
+    assert s.slots(rows) is rows
