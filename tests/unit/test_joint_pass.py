@@ -109,19 +109,22 @@ def test_modernbert_equals_two_passes(pooling):
     _assert_same(module, _batch(1))
 
 
-def test_sarcse_reconstruction_reads_the_views_part_unpacked():
+@pytest.mark.parametrize("unpadded", [True, False])
+def test_sarcse_reconstruction_reads_the_views_part_unpacked(unpadded):
     """SARCSE's autoencoder beside MLM in pretraining: it reads every view token in rows (``pair_hidden`` unpacks the
-    views' part of the joint pass with the views' own stream); the last layer is not trimmed for the views."""
+    views' part of the joint pass with the views' own stream, or views it back as the padded batch); the last layer
+    is not trimmed for the views."""
     objective = ObjectiveConfig(mlm=MLMConfig(), nt_xent=None, info_nce=InfoNCEConfig(gather=False),
                                 reconstruction=ReconstructionConfig(channels=6, integrate_channels=2))
     module = _module(objective=objective, token_freq_V=torch.linspace(1.0, 2.0, 50, dtype=torch.float64))
-    _assert_same(module, _batch(3), ("mlm", "info_nce", "reconstruction"))
+    _assert_same(module, _batch(3), ("mlm", "info_nce", "reconstruction"), unpadded=unpadded)
 
 
-def test_matryoshka_nested_view_embeddings_equal_two_passes():
+@pytest.mark.parametrize("unpadded", [True, False])
+def test_matryoshka_nested_view_embeddings_equal_two_passes(unpadded):
     objective = ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False),
                                 matryoshka=MatryoshkaConfig(dims=[32, 8]))
-    _assert_same(_module(objective=objective), _batch(5))
+    _assert_same(_module(objective=objective), _batch(5), unpadded=unpadded)
 
 
 def test_the_joint_stream_is_the_two_streams_end_to_end():
