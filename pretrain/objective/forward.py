@@ -168,17 +168,17 @@ class Forward:
         keep."""
         b = self.batch
         ids, mask, n, padded, views = self._pair_inputs()
+        mlm_trimmed, pair_trimmed = self._mlm_trimmed(), self._pair_trimmed()
         if "packed_joint" in b:
             stream, sizes = b["packed_joint"], [b["packed_mlm"].num_tokens, views.num_tokens]
-            pair_first = views.first_B
+            pair_rows = views.first_B if pair_trimmed else None
         else:
             ids_m = b["input_ids"]
             stream = padded_stream([(ids_m, keep_mask(b["attention_mask"], self._padded("attention_mask"))),
                                     (ids, keep_mask(mask, padded))])
             sizes, views = [ids_m.numel(), ids.numel()], None
-            pair_first = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
-        mlm_rows = b["mlm_positions"] if self._mlm_trimmed() else None
-        pair_rows = pair_first if self._pair_trimmed() else None
+            pair_rows = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1] if pair_trimmed else None
+        mlm_rows = b["mlm_positions"] if mlm_trimmed else None
         rows_S = None
         if mlm_rows is not None or pair_rows is not None:
             device = ids.device
@@ -187,10 +187,10 @@ class Forward:
             rows_S, sizes = torch.cat([mlm_rows, pair_rows + sizes[0]]), [mlm_rows.shape[0], pair_rows.shape[0]]
         h_mlm, h_pair = self.model.encode(None, None, packed=stream, rows_S=rows_S).split(sizes)
         if views is None:  # padded: each pass's tokens back to its batch's (rows, width), unless trimmed to rows
-            h_mlm = h_mlm if self._mlm_trimmed() else h_mlm.view(*b["input_ids"].shape, -1)
-            h_pair = h_pair if self._pair_trimmed() else h_pair.view(*ids.shape, -1)
+            h_mlm = h_mlm if mlm_trimmed else h_mlm.view(*b["input_ids"].shape, -1)
+            h_pair = h_pair if pair_trimmed else h_pair.view(*ids.shape, -1)
         self._cache["mlm"] = h_mlm
-        if self._pair_trimmed():  # h_2B1D, as _cls_states returns it
+        if pair_trimmed:  # h_2B1D, as _cls_states returns it
             self._cache["pair_h"] = (h_pair[:, None], None, ids, n, None)
         else:
             self._cache["pair_h"] = (h_pair, mask, ids, n, views)

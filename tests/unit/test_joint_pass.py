@@ -253,3 +253,26 @@ def test_the_padded_stream_is_the_padded_batches_end_to_end():
     assert s.gather_P is None and s.slots() is None and s.num_rows == n + nv and s.width == max(t, tv)
     rows = torch.tensor([3, 0])
     assert s.slots(rows) is rows
+
+
+def test_a_batch_without_the_hosts_facts_takes_the_padded_joint_pass():
+    """Validation's batches come without the host's facts (no MLM positions, no record of full masks): the padded
+    joint pass then trims the views' last layer to their [CLS] but not the MLM rows', and looks at the masks on the
+    device, as the two padded passes do."""
+    module = _module()
+    results = []
+    for joint in (False, True):
+        ctx = module.objective.ctx
+        module.objective.ctx = dataclasses.replace(ctx, joint_pass=joint)
+        try:
+            with torch.no_grad():
+                loss, metrics = module(_batch(2))
+        finally:
+            module.objective.ctx = ctx
+        results.append((loss, {k: v[0] for k, v in metrics.items()}))
+    (loss_two, metrics_two), (loss_one, metrics_one) = results
+    torch.testing.assert_close(loss_one, loss_two, rtol=TOL, atol=TOL)
+    assert metrics_one.keys() == metrics_two.keys()
+    for key, value in metrics_two.items():
+        torch.testing.assert_close(torch.as_tensor(metrics_one[key], dtype=torch.float64),
+                                   torch.as_tensor(value, dtype=torch.float64), rtol=TOL, atol=TOL)
