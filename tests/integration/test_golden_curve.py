@@ -82,11 +82,13 @@ def _overrides(tmp_path: Path, run_dir: Path) -> list[str]:
         "model.max_position": 64, "model.pooling": "mean", "model.dropout": 0.1,
         "train.micro_batch_size": 8, "train.max_steps": STEPS, "train.log_every": 1,
         "optim.lr": 1e-3, "optim.warmup_steps": 5, "checkpoint.every": 0, "distributed.zero_stage": 0,
-        # The padded reference path with every token's last layer and torch's dropout: the stored curve and the
-        # old run directory predate train.unpadded, train.trim_last_layer and train.fast_dropout, whose dropout
-        # draws other noise; tests/unit/test_unpadded.py, test_trim_last_layer.py and test_fast_dropout.py hold
+        # The padded reference path with every token's last layer, two passes and torch's dropout: the stored
+        # curve and the old run directory predate train.unpadded, train.trim_last_layer, train.joint_pass (which
+        # also acts on the padded path) and train.fast_dropout, whose dropout draws other noise;
+        # tests/unit/test_unpadded.py, test_trim_last_layer.py, test_joint_pass.py and test_fast_dropout.py hold
         # those paths to this one.
-        "train.unpadded": "false", "train.trim_last_layer": "false", "train.fast_dropout": "false",
+        "train.unpadded": "false", "train.trim_last_layer": "false", "train.joint_pass": "false",
+        "train.fast_dropout": "false",
     }
     config = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
     return [str(config), *(f"{k}={v}" for k, v in overrides.items())]
