@@ -169,7 +169,8 @@ class Forward:
         b = self.batch
         ids, mask, n, padded, views = self._pair_inputs()
         mlm_trimmed, pair_trimmed = self._mlm_trimmed(), self._pair_trimmed()
-        if "packed_joint" in b:
+        unpadded = "packed_joint" in b
+        if unpadded:
             stream, sizes = b["packed_joint"], [b["packed_mlm"].num_tokens, views.num_tokens]
             pair_rows = views.first_B if pair_trimmed else None
         else:
@@ -177,7 +178,7 @@ class Forward:
             stream = padded_stream([(ids_m, keep_mask(b["attention_mask"], self._padded("attention_mask"))),
                                     (ids, keep_mask(mask, padded))])
             sizes, views = [ids_m.numel(), ids.numel()], None
-            pair_rows = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1] if pair_trimmed else None
+            pair_rows = _first_tokens(ids) if pair_trimmed else None
         mlm_rows = b["mlm_positions"] if mlm_trimmed else None
         rows_S = None
         if mlm_rows is not None or pair_rows is not None:
@@ -186,7 +187,7 @@ class Forward:
             pair_rows = torch.arange(sizes[1], device=device) if pair_rows is None else pair_rows
             rows_S, sizes = torch.cat([mlm_rows, pair_rows + sizes[0]]), [mlm_rows.shape[0], pair_rows.shape[0]]
         h_mlm, h_pair = self.model.encode(None, None, packed=stream, rows_S=rows_S).split(sizes)
-        if views is None:  # padded: each pass's tokens back to its batch's (rows, width), unless trimmed to rows
+        if not unpadded:  # each pass's tokens back to its batch's (rows, width), unless trimmed to rows
             h_mlm = h_mlm if mlm_trimmed else h_mlm.view(*b["input_ids"].shape, -1)
             h_pair = h_pair if pair_trimmed else h_pair.view(*ids.shape, -1)
         self._cache["mlm"] = h_mlm
@@ -199,8 +200,7 @@ class Forward:
         """h_B1D: each row's [CLS] state, the last layer run for those tokens only (train.trim_last_layer)."""
         if packed is not None:
             return self.model.encode(None, None, packed=packed, rows_S=packed.first_B)[:, None]
-        first_B = torch.arange(ids_BT.shape[0], device=ids_BT.device) * ids_BT.shape[1]
-        return self.model.encode(ids_BT, mask_BT, **padded, rows_S=first_B)[:, None]
+        return self.model.encode(ids_BT, mask_BT, **padded, rows_S=_first_tokens(ids_BT))[:, None]
 
     def _pair_trimmed(self) -> bool:
         """Whether the pair's pass needs its [CLS] states only: train.trim_last_layer, [CLS] pooling, no mean pooling
@@ -359,6 +359,11 @@ def _stack_padded(ids_list, mask_list):
 def _content_tokens(h_BTD, mask_BT, ids_BT):
     """Drop [CLS] (position 0) and [SEP] (last real token) -> (x_B(T-2)D, mask, ids), SARCSE sec. 2.1."""
     return content_tokens(h_BTD, mask_BT, ids_BT)
+
+
+def _first_tokens(ids_BT: torch.Tensor) -> torch.Tensor:
+    """first_B: each row's first token as a flat index into B*T (a padded pass's [CLS] rows, ``rows_S``)."""
+    return torch.arange(ids_BT.shape[0], device=ids_BT.device) * ids_BT.shape[1]
 
 
 def _known(**kwargs) -> dict:

@@ -12,6 +12,7 @@ part of the stream, or a trimmed row taken from the wrong offset is off at the p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -48,6 +49,17 @@ def _module(*, trim: bool = True, pooling: str = "cls", mean_mix: float = 0.0, o
     return TrainModule(model, Objective(objective, ctx, token_freq_V=token_freq_V)).double()  # heads too
 
 
+@contextlib.contextmanager
+def _joint_pass(module, on: bool):
+    """The objective's joint pass turned off for a while (``on=False``), where it had kept it."""
+    ctx = module.objective.ctx
+    module.objective.ctx = dataclasses.replace(ctx, joint_pass=ctx.joint_pass and on)
+    try:
+        yield
+    finally:
+        module.objective.ctx = ctx
+
+
 def _run(module, batch, joint: bool, unpadded: bool = True):
     """(loss, metrics, grads, encoder passes, rows of the last layer's FFN per pass) of one step's forward and
     backward, with the host's joint stream in the batch or not; ``unpadded=False``: the padded step, its joint
@@ -56,13 +68,9 @@ def _run(module, batch, joint: bool, unpadded: bool = True):
     hooks = [module.model.encoder.layers[0].register_forward_hook(lambda *a: passes.append(1)),
              module.model.encoder.layers[-1].ffn.register_forward_hook(
                  lambda mod, args, out: rows.append(args[0].numel() // args[0].shape[-1]))]
-    ctx = module.objective.ctx
-    module.objective.ctx = dataclasses.replace(ctx, joint_pass=ctx.joint_pass and (joint or unpadded))
     module.zero_grad(set_to_none=True)
-    try:
+    with _joint_pass(module, joint or unpadded):
         loss, metrics = module(host_facts(batch, unpadded=unpadded, joint=joint))
-    finally:
-        module.objective.ctx = ctx
     loss.backward()
     for hook in hooks:
         hook.remove()
@@ -262,13 +270,8 @@ def test_a_batch_without_the_hosts_facts_takes_the_padded_joint_pass():
     module = _module()
     results = []
     for joint in (False, True):
-        ctx = module.objective.ctx
-        module.objective.ctx = dataclasses.replace(ctx, joint_pass=joint)
-        try:
-            with torch.no_grad():
-                loss, metrics = module(_batch(2))
-        finally:
-            module.objective.ctx = ctx
+        with _joint_pass(module, joint), torch.no_grad():
+            loss, metrics = module(_batch(2))
         results.append((loss, {k: v[0] for k, v in metrics.items()}))
     (loss_two, metrics_two), (loss_one, metrics_one) = results
     torch.testing.assert_close(loss_one, loss_two, rtol=TOL, atol=TOL)
