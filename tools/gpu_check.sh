@@ -103,9 +103,11 @@ stage tests 900 $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/
 # shellcheck disable=SC2086
 stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --ab joint --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
+# --profile-out: each arm's GPU busy share (issue 24's >= 95%) under CUDA graphs, as well as eagerly above
 # shellcheck disable=SC2086
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
-  --zero-stage 2 --compile --compile-mode reduce-overhead --json-out "$OUT/bench_step_compile.json"
+  --zero-stage 2 --compile --compile-mode reduce-overhead --profile-out "$OUT/profile_step_compile.txt" \
+  --json-out "$OUT/bench_step_compile.json"
 # shellcheck disable=SC2086
 stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke" $SMOKE_ARGS
 # shellcheck disable=SC2086

@@ -10,6 +10,7 @@ between, so that the next lent GPU is not spent on a broken script.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -216,3 +217,29 @@ def test_matmul_seconds_count_matmuls_only_and_the_bound_line():
     (line,) = bench_step.matmul_bound_lines(rows)
     assert line == ("small batch 32: matmuls take ours 3.50 s of its 4.00 s step (88%), HF 6.00 s of 7.00 s (86%); "
                     "ours doing nothing but its matmuls would be 2.00x HF (now 1.75x)")
+
+
+def test_device_busy_is_the_union_of_the_device_intervals_over_the_window():
+    """GPU busy (issue 24 item 7): overlapping kernels count once, time outside the window is cut off, and the
+    profile's CUDA events are the ones counted, against the span of all its events."""
+    bench_step = _bench_step()
+    assert bench_step.device_busy([], 0, 10) == 0.0
+    assert bench_step.device_busy([(0, 10)], 0, 10) == 1.0
+    assert bench_step.device_busy([(1, 4), (2, 3), (3, 6), (8, 9)], 0, 10) == pytest.approx(0.6)  # 1-6 and 8-9
+    assert bench_step.device_busy([(-5, 2), (9, 20)], 0, 10) == pytest.approx(0.3)
+    assert bench_step.device_busy([(1, 2)], 5, 5) == 0.0
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def ev(a, b, dev):
+        return NS(time_range=NS(start=a, end=b), device_type=dev)
+
+    prof = NS(events=lambda: [ev(0, 40, DeviceType.CPU), ev(10, 30, DeviceType.CUDA), ev(20, 50, DeviceType.CUDA),
+                              ev(45, 100, DeviceType.CPU)])
+    assert bench_step._profile_busy(prof) == pytest.approx(0.4)  # 10-50 of 0-100
+    assert math.isnan(bench_step._profile_busy(NS(events=lambda: [ev(0, 5, DeviceType.CPU)])))  # no device
+    rows = [{"size": "base", "batch": 256, "ours": {"busy": 0.951}, "hf": {"busy": 0.9}},
+            {"size": "mini", "batch": 32, "ours": {"samples_per_s": 20.0}, "hf": {"samples_per_s": 9.0}}]
+    assert bench_step.busy_lines(rows) == ["base batch 256: GPU busy over 3 profiled steps back to back (a lower "
+                                           "bound: the profiler adds host work): ours 95.1%, HF 90.0%"]
