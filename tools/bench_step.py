@@ -781,6 +781,7 @@ def main(argv=None) -> int:
     if args.host_cost:
         return run_host_cost(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    load_start = os.getloadavg()[0]
     mm = matmul_tflops() if args.device == "cuda" else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, transformers {_version('transformers')}, arch {args.arch}, "
@@ -871,6 +872,8 @@ def main(argv=None) -> int:
         if row.get("padding"):
             print(f"{row['size']} batch {row['batch']}: padding in the timed batches: {row['padding']['mlm']:.1%} of "
                   f"the MLM rows' tokens, {row['padding']['views']:.1%} of the views' (MFU counts full-length FLOPs)")
+    load_end = os.getloadavg()[0]
+    print(f"load average {load_start:.2f} at the start, {load_end:.2f} at the end")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(dict(device=name, torch=torch.__version__, arch=args.arch, hf_attention=hf_attention(
@@ -878,7 +881,8 @@ def main(argv=None) -> int:
                            zero_stage=args.zero_stage, compile=args.compile,
                            compile_mode=args.compile_mode if args.compile else None, seq=args.seq,
                            view_len=args.view_len, vocab=args.vocab, matmul_tflops=mm,
-                           peak_tflops=args.peak_tflops, rows=rows), f, indent=1)
+                           peak_tflops=args.peak_tflops, load_avg_start=load_start, load_avg_end=load_end,
+                           rows=rows), f, indent=1)
     return 0
 
 

@@ -117,6 +117,7 @@ def test_bench_step_modernbert_runs_both_arms_with_equal_parameters(tmp_path, cl
     assert "| modernbert | tiny | 2 |" in proc.stdout
     report = json.loads(out.read_text())
     assert (report["arch"], report["hf_attention"]) == ("modernbert", "sdpa")
+    assert "load average " in proc.stdout and report["load_avg_end"] >= 0  # benchmarks state the machine's load
     (row,) = report["rows"]
     assert row["ours"]["samples_per_s"] > 0 and row["hf"]["samples_per_s"] > 0
     # The same shapes on both sides: embeddings 512 x 128, 3 layers, head, decoder bias, projection MLP.
