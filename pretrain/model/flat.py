@@ -63,7 +63,7 @@ def flatten_unit(unit: nn.Module) -> None:
             flat = nn.Parameter(torch.cat(values[kind]), requires_grad=grad == {True})
             unit.register_parameter(f"flat_{kind}", flat)
     unit._flat_slots = {kind: s for kind, s in slots.items() if s}
-    unit._flat_spans = _spans(unit, unit._flat_slots)
+    unit._flat_segments, unit._flat_spans = _plan(unit, unit._flat_slots)
     unit._flat_cache = None
     unit.register_state_dict_post_hook(_state_dict_per_tensor)
     unit.register_load_state_dict_pre_hook(_load_per_tensor)
@@ -80,32 +80,79 @@ def flatten_layers(model: nn.Module) -> int:
     return before - sum(1 for _ in model.parameters())
 
 
-def _spans(unit: nn.Module, slots: dict[str, list[_Slot]]) -> list[tuple]:
-    """The unit's ``FLAT_SPANS`` ({"attn.qkv_span": (("attn.q.weight", "attn.k.weight", "attn.v.weight"), (...
-    biases))}): each target gets a tuple of tensors, each one view over consecutive parameters of one flat
-    tensor (concatenated along dim 0), e.g. a fused q/k/v projection. [(owner, attr, [(kind, start, numel,
-    shape)])]; a span whose parameters are not consecutive is left out (the target stays None)."""
+class _Segment:
+    """One piece of a flat tensor as ``materialize`` splits it: one parameter (``slot``), or the consecutive
+    parameters of a ``FLAT_SPANS`` group viewed as one tensor of their rows (``members``: each parameter with its
+    rows in it)."""
+
+    __slots__ = ("numel", "shape", "slot", "members")
+
+    def __init__(self, numel: int, shape: tuple, slot: _Slot | None = None,
+                 members: list[tuple[_Slot, int, int]] | None = None) -> None:
+        self.numel, self.shape, self.slot, self.members = numel, shape, slot, members
+
+
+def _plan(unit: nn.Module, slots: dict[str, list[_Slot]]) -> tuple[dict[str, list[_Segment]], list[tuple]]:
+    """How ``materialize`` splits each flat tensor, and what the unit's ``FLAT_SPANS`` targets get.
+
+    ``FLAT_SPANS`` ({"attn.qkv_span": (("attn.q.weight", "attn.k.weight", "attn.v.weight"), (... biases))}): each
+    target gets a tuple of tensors, each one view over consecutive parameters of one flat tensor (concatenated along
+    dim 0), e.g. a fused q/k/v projection. Such a group is one segment of the split, and its parameters are views of
+    that segment, so that the fused projection's gradient reaches the flat tensor through the split's backward
+    alone: a ``narrow`` of the flat tensor beside the split would add, to every backward, a zero tensor of the whole
+    flat tensor's size, a copy into it and a sum per group. A group whose parameters are not consecutive in one flat
+    tensor, differ in their trailing dimensions or belong to another group is left out (the target stays None).
+
+    Returns ({kind: [_Segment]}, [(owner, attr, [(kind, segment index)])])."""
     where = {}
     for kind, kind_slots in slots.items():
-        start = 0
         for i, slot in enumerate(kind_slots):
-            where[slot.name] = (kind, i, start, slot)
-            start += slot.numel
-    spans = []
+            where[slot.name] = (kind, i, slot)
+    claimed: dict[tuple[str, int], int] = {}  # (kind, first slot index) -> last slot index of a group
+    taken: set[tuple[str, int]] = set()  # (kind, slot index) of every parameter in a group
+    targets = []
     for target, groups in getattr(unit, "FLAT_SPANS", {}).items():
-        pieces = []
+        pieces, mine = [], set()
         for names in groups:
             found = [where.get(n) for n in names]
-            if None in found or len({f[0] for f in found}) != 1 or \
-                    [f[1] for f in found] != list(range(found[0][1], found[0][1] + len(found))):
+            if None in found or len({f[0] for f in found}) != 1:
                 break
-            first = found[0][3].shape
-            rows = sum(f[3].shape[0] for f in found)
-            pieces.append((found[0][0], found[0][2], sum(f[3].numel for f in found), (rows, *first[1:])))
+            kind, first = found[0][0], found[0][1]
+            indices = [f[1] for f in found]
+            keys = {(kind, i) for i in indices}
+            if indices != list(range(first, first + len(found))) or keys & (taken | mine) or \
+                    len({tuple(f[2].shape[1:]) for f in found}) != 1:
+                break
+            mine |= keys
+            pieces.append((kind, first, indices[-1]))
         else:
+            taken |= mine
+            for kind, first, last in pieces:
+                claimed[(kind, first)] = last
             *path, attr = target.split(".")
-            spans.append((unit.get_submodule(".".join(path)), attr, pieces))
-    return spans
+            targets.append((unit.get_submodule(".".join(path)), attr, pieces))
+    segments: dict[str, list[_Segment]] = {}
+    index_of: dict[tuple[str, int], int] = {}  # (kind, first slot index) -> its segment's index
+    for kind, kind_slots in slots.items():
+        segments[kind] = []
+        i = 0
+        while i < len(kind_slots):
+            last = claimed.get((kind, i))
+            if last is None:
+                slot = kind_slots[i]
+                segments[kind].append(_Segment(slot.numel, tuple(slot.shape), slot=slot))
+                i += 1
+                continue
+            group, members, row = kind_slots[i:last + 1], [], 0
+            for slot in group:
+                members.append((slot, row, row + slot.shape[0]))
+                row += slot.shape[0]
+            index_of[(kind, i)] = len(segments[kind])
+            segments[kind].append(_Segment(sum(s.numel for s in group), (row, *group[0].shape[1:]), members=members))
+            i = last + 1
+    spans = [(owner, attr, [(kind, index_of[(kind, first)]) for kind, first, _ in pieces])
+             for owner, attr, pieces in targets]
+    return segments, spans
 
 
 def release_views(model: nn.Module) -> None:
@@ -139,12 +186,18 @@ def materialize(unit: nn.Module) -> None:
     # tensor whose name is no parameter, buffer or submodule (flatten_unit removed the parameter), without its
     # checks (~5 us each, 17 a BERT layer, a tenth of a BERT-base-depth step's host time). Traced, setattr.
     put = setattr if compiling else _put
-    for kind, kind_slots in slots.items():
-        parts = torch.split(flats[kind], [s.numel for s in kind_slots])
-        for slot, part in zip(kind_slots, parts):
-            put(slot.owner, slot.attr, part.view(slot.shape))
-    for owner, attr, pieces in unit._flat_spans:
-        put(owner, attr, tuple(flats[kind].narrow(0, start, n).view(shape) for kind, start, n, shape in pieces))
+    views = {}
+    for kind, segments in unit._flat_segments.items():
+        views[kind] = [part.view(seg.shape) for seg, part in
+                       zip(segments, torch.split(flats[kind], [seg.numel for seg in segments]))]
+        for seg, view in zip(segments, views[kind]):
+            if seg.members is None:
+                put(seg.slot.owner, seg.slot.attr, view)
+            else:  # a span's parameters: row ranges of its one view
+                for slot, start, end in seg.members:
+                    put(slot.owner, slot.attr, view[start:end])
+    for owner, attr, refs in unit._flat_spans:
+        put(owner, attr, tuple(views[kind][i] for kind, i in refs))
     if not compiling:
         unit._flat_cache = key
 

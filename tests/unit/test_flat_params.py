@@ -16,7 +16,7 @@ from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
 from pretrain.config.objective import MLMConfig, NTXentConfig
 from pretrain.distributed.env import single_process_env
 from pretrain.model import build_model
-from pretrain.model.flat import flatten_layers, layout_of, materialize, unflatten_state
+from pretrain.model.flat import _Segment, flatten_layers, layout_of, materialize, unflatten_state
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.training.optim import build_param_groups
 from pretrain.training.step import host_facts
@@ -89,14 +89,48 @@ def test_the_comparison_sees_a_span_off_by_one_matrix():
     """The check above fails when the fused q/k/v span is misplaced (its weights start one D x D matrix late)."""
     _, grads_a = _loss_and_grads(_module(False), True)
     flat = _module(True)
-    for layer in flat.model.encoder.layers:
-        owner, attr, pieces = layer._flat_spans[0]
-        (kind, start, n, shape), bias = pieces
-        layer._flat_spans = [(owner, attr, [(kind, start + 32 * 32, n, shape), bias])]
+    for layer in flat.model.encoder.layers:  # the span's segment one matrix late: k, v and out instead of q, k, v
+        (span, out, *rest) = layer._flat_segments["decay"]
+        (q, _, _), (k, _, _), (v, _, _) = span.members
+        d = q.shape[0]
+        layer._flat_segments["decay"] = [
+            _Segment(q.numel, tuple(q.shape), slot=q),
+            _Segment(span.numel, span.shape, members=[(k, 0, d), (v, d, 2 * d), (out.slot, 2 * d, 3 * d)]), *rest]
+        owner, attr, (weights, bias) = layer._flat_spans[0]
+        layer._flat_spans = [(owner, attr, [("decay", 1), bias])]
         layer._flat_cache = None
     _, grads_b = _loss_and_grads(flat, True)
     far = [n for n, g in grads_a.items() if not torch.allclose(grads_b[n], g, rtol=0, atol=1e-3 * float(g.abs().max()))]
     assert "model.encoder.layers.0.attn.q.weight" in far and len(far) > 10
+
+
+def test_the_fused_span_reaches_its_flat_tensor_through_the_split_alone():
+    """The q/k/v span is one segment of the flat tensor's split, so its gradient needs no flat-sized zero tensor:
+    a narrow of the flat tensor beside the split made one (slice_backward), plus a zero part for each of q, k and v
+    in the split's backward and a sum, in every layer of every step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    module = _module(True)
+    flat_sizes = {p.numel() for layer in module.model.encoder.layers for p in layer.parameters()}
+    made = []  # the size of every tensor the backward fills with zeros: slice_backward's input, zeros
+
+    class Zeros(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("slice_backward", "zeros", "new_zeros"):
+                made.append((name, int(torch.Size(args[1] if name != "zeros" else args[0]).numel())))
+            return func(*args, **(kwargs or {}))
+
+    loss, _ = module(host_facts(_batch(), unpadded=True))
+    with Zeros():
+        loss.backward()
+    assert not [m for m in made if m[1] in flat_sizes], made
+    unused = [m for m in made if m[0] == "zeros" and m[1] in (32 * 32, 32)]  # q, k, v's own parts of the split
+    assert not unused, unused
+    for layer in module.model.encoder.layers:  # the attributes are still views of the flat tensors
+        weight, bias = layer.attn.qkv_span
+        assert layer.attn.k.weight.data_ptr() == weight.data_ptr() + weight[:32].numel() * weight.element_size()
+        assert torch.equal(layer.attn.v.bias, bias[64:]) and layer.attn.q.weight.grad_fn is not None
 
 
 def test_loading_moves_values_both_ways_and_names_what_is_missing_or_misshapen():
