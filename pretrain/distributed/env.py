@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -215,6 +216,12 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What the Engine (for DeepSpeed, which reads them even when the group exists) and DeepSpeed itself put into
+os.environ during a run; ``destroy_process_group`` puts them back as ``init_process_group`` found them."""
+_launch_vars_before: dict[str, str | None] | None = None
+
+
 def init_process_group(env: DistEnv, *, backend: str, timeout_s: int) -> None:
     """Create the default process group for `env` (also for one process: DeepSpeed needs a group).
 
@@ -229,6 +236,8 @@ def init_process_group(env: DistEnv, *, backend: str, timeout_s: int) -> None:
             raise ValueError(f"a process group already exists with rank {dist.get_rank()}/"
                              f"{dist.get_world_size()}, but the environment says {env.rank}/{env.world_size}")
         return
+    global _launch_vars_before
+    _launch_vars_before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
     backend = resolve_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs: dict = {}
@@ -250,11 +259,28 @@ def init_process_group(env: DistEnv, *, backend: str, timeout_s: int) -> None:
 
 
 def destroy_process_group() -> None:
-    """Tear down the default group if there is one (safe to call twice)."""
+    """Tear down the default group if there is one (safe to call twice), and drop the sub-groups DeepSpeed cached
+    of it (its world clone, data-parallel and ZeRO groups). Without that, a later process group in the same
+    process (a second run in one Python process: a sweep, a notebook, the tests) is handed the destroyed group's
+    sub-groups by DeepSpeed and fails in ``deepspeed.initialize`` ("Group ... is not registered"). DeepSpeed is
+    not imported here: its cache is dropped only where it is loaded. The launcher variables the run put into
+    os.environ (``_LAUNCH_VARS``) are put back as the group found them, so that a later run in one process does not
+    take them for a launcher's."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    release = getattr(groups, "_release_process_group_references", None)  # DeepSpeed 0.19 (pyproject's pin)
+    if release is not None:
+        release(None)
+    global _launch_vars_before
+    for key, value in (_launch_vars_before or {}).items():  # a later run must not read this one's rank as a launch
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _launch_vars_before = None
 
 
 def job_id(environ=os.environ) -> str:

@@ -13,7 +13,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.dropout import attention
-from pretrain.model.gather import gather_slots
+from pretrain.model.gather import gather_slots, group_heads
 from pretrain.model.packing import Packed, take_rows
 
 
@@ -65,9 +65,7 @@ class SelfAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         groups = packed.groups
         if self.qkv_span is not None:  # fused: one gather of the (N, 3D) projections into every group's slots
-            qkv_P = packed.split_groups(gather_slots(F.linear(x_ND, *self.qkv_span), packed))
-            parts = [z.view(g.num_rows, g.length, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
-                     for g, z in zip(groups, qkv_P)]
+            parts = group_heads(gather_slots(F.linear(x_ND, *self.qkv_span), packed), packed, h, k)
         else:  # one gather each of q, k and v
             q_P, k_P, v_P = (packed.split_groups(gather_slots(z_ND, packed)) for z_ND in self._qkv(x_ND))
             parts = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)

@@ -48,6 +48,49 @@ class _GatherSlots(torch.autograd.Function):
         return grad.index_select(0, back_N), None, None
 
 
+class _GroupHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv_P: torch.Tensor, shapes: tuple[tuple[int, int], ...], heads: int, size: int):
+        ctx.set_materialize_grads(False)
+        ctx.shapes, ctx.heads, ctx.size = shapes, heads, size
+        ctx.like = (qkv_P.shape, qkv_P.dtype, qkv_P.device)
+        return tuple(_heads(qkv_P, shapes, heads, size))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shape, dtype, device = ctx.like
+        grad_P = torch.empty(shape, dtype=dtype, device=device)
+        for z, g in zip(_heads(grad_P, ctx.shapes, ctx.heads, ctx.size), grads):
+            if g is None:  # an output no loss read
+                z.zero_()
+            else:
+                z.copy_(g)
+        return grad_P, None, None, None
+
+
+def _heads(qkv_P: torch.Tensor, shapes, heads: int, size: int) -> list[torch.Tensor]:
+    """Views of qkv_P (slots, 3 * heads * size): each group's q, k and v as (n, heads, t, size), groups in order."""
+    out, start = [], 0
+    for n, t in shapes:
+        z = qkv_P[start:start + n * t].view(n, t, 3, heads, size)
+        out += [z[:, :, i].transpose(1, 2) for i in range(3)]
+        start += n * t
+    return out
+
+
+def group_heads(qkv_P: torch.Tensor, packed, heads: int, size: int) -> list[tuple[torch.Tensor, ...]]:
+    """[(q, k, v)] of every attention group of ``packed``, each (n, heads, t, size), from the fused projections in
+    the groups' slots (qkv_P: (P, 3 * heads * size), ``gather_slots``). Views, as the split, view, permute and
+    unbind they replace; eagerly their backward writes the gradients of all groups' q, k and v into one (P, 3 *
+    heads * size) tensor, one copy where autograd's unbind, reshape and split backwards made three (traced,
+    inductor fuses those itself)."""
+    packed.check_layout()
+    shapes = tuple((g.num_rows, g.length) for g in packed.groups)
+    views = (_heads(qkv_P, shapes, heads, size) if torch.compiler.is_compiling()
+             else _GroupHeads.apply(qkv_P, shapes, heads, size))
+    return [tuple(views[i:i + 3]) for i in range(0, len(views), 3)]
+
+
 def gather_unique(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x.index_select(0, index)`` for an ``index`` without repeats (not checked: a host-built index)."""
     return _GatherUnique.apply(x, index)

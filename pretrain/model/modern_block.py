@@ -18,7 +18,7 @@ from pretrain.model.block import activation_fn
 from pretrain.model.dropout import Dropout, attention
 from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import forget_traced_views, materialize
-from pretrain.model.gather import gather_slots
+from pretrain.model.gather import gather_slots, group_heads
 from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope
 
@@ -75,9 +75,8 @@ class ModernAttention(nn.Module):
             # One gather of the (N, 3D) projections into every group's slots; RoPE by slot column (tables (T, K)),
             # which writes q and k head-major (n, H, t, K) for attention.
             y_parts = []
-            qkv_P = packed.split_groups(gather_slots(self.qkv(x_BTD), packed))
-            for g, mask, z in zip(packed.groups, inputs.group_masks, qkv_P):
-                q_nHtK, k_nHtK, v_nHtK = z.view(g.num_rows, g.length, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
+            qkv = group_heads(gather_slots(self.qkv(x_BTD), packed), packed, h, k)
+            for g, mask, (q_nHtK, k_nHtK, v_nHtK) in zip(packed.groups, inputs.group_masks, qkv):
                 cos_tK, sin_tK = inputs.cos[:g.length], inputs.sin[:g.length]
                 q_nHtK, k_nHtK = apply_rope(q_nHtK, cos_tK, sin_tK), apply_rope(k_nHtK, cos_tK, sin_tK)
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout)

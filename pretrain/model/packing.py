@@ -100,13 +100,17 @@ class Packed:
         """Slots per group (n * t), in order: how gather_P's rows split into the groups."""
         return [g.num_rows * g.length for g in self.groups]
 
-    def split_groups(self, x_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x_P (slots of every group, end to end) split into the groups' parts; one group's part is x_P itself
-        (a one-piece ``split`` would copy the whole gradient in its backward)."""
+    def check_layout(self) -> None:
+        """Raises where the encoder is to attend over a stream packed without its attention groups."""
         if not self.groups and self.num_rows:
             raise ValueError("this stream was packed without its attention layout (pack(..., attention=False): the "
                              "MLM rows' and views' own streams beside the joint one, train.joint_pass); run the "
                              "encoder over the joint stream, or pack with host_facts(..., joint=False)")
+
+    def split_groups(self, x_P: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x_P (slots of every group, end to end) split into the groups' parts; one group's part is x_P itself
+        (a one-piece ``split`` would copy the whole gradient in its backward)."""
+        self.check_layout()
         return (x_P,) if len(self.groups) == 1 else x_P.split(self.group_sizes)
 
     def slots(self, rows_S: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -111,3 +111,52 @@ def test_both_gathers_compile_without_a_graph_break():
     torch._dynamo.reset()
     torch.compile(f, backend="aot_eager", fullgraph=True)(x).backward()
     torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
+
+
+def _heads_by_autograd(qkv_P, packed, heads, size):
+    """What group_heads replaces: split into the groups, view, permute and unbind."""
+    return [z.view(g.num_rows, g.length, 3, heads, size).permute(2, 0, 3, 1, 4).unbind(0)
+            for g, z in zip(packed.groups, packed.split_groups(qkv_P))]
+
+
+@pytest.mark.parametrize("unused", [None, (0, 0), (1, 2)], ids=["all read", "a q unread", "a v unread"])
+def test_group_heads_gives_the_split_view_permute_unbind_gradient_in_one_copy(unused):
+    """Every group's q, k and v as the views autograd's chain gives, and the same gradient (float64), also where
+    a loss reads none of some group's q or v; the backward makes no stack and no cat (one copy of the gradient)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pretrain.model.gather import group_heads
+
+    packed, heads, size = _packed(), 2, 3
+    assert len(packed.groups) > 1
+    gen = torch.Generator().manual_seed(1)
+    slots = sum(packed.group_sizes)
+    x = torch.randn(slots, 3 * heads * size, dtype=torch.float64, generator=gen)
+    ups = [[torch.randn((g.num_rows, heads, g.length, size), dtype=torch.float64, generator=gen) for _ in range(3)]
+           for g in packed.groups]
+
+    def loss(parts):
+        return sum((t * u).sum() for i, (qkv, up) in enumerate(zip(parts, ups)) for j, (t, u) in enumerate(zip(qkv, up))
+                   if unused != (i, j))
+
+    want_x = x.clone().requires_grad_(True)
+    want_parts = _heads_by_autograd(want_x, packed, heads, size)
+    loss(want_parts).backward()
+    got_x = x.clone().requires_grad_(True)
+    got_parts = group_heads(got_x, packed, heads, size)
+    for got, want in zip(got_parts, want_parts):
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    total = loss(got_parts)
+    with Ops():
+        total.backward()
+    torch.testing.assert_close(got_x.grad, want_x.grad, rtol=0, atol=0)
+    assert not {"stack", "cat", "clone", "slice_backward", "select_backward", "add", "add_"} & set(ops), ops
+    assert ops.count("copy_") + ops.count("zero_") == 3 * len(packed.groups), ops  # each part written once
