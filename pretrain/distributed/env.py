@@ -238,6 +238,7 @@ def init_process_group(env: DistEnv, *, backend: str, timeout_s: int) -> None:
         return
     global _launch_vars_before
     _launch_vars_before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    _forget_deepspeed_groups()
     backend = resolve_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs: dict = {}
@@ -258,22 +259,25 @@ def init_process_group(env: DistEnv, *, backend: str, timeout_s: int) -> None:
                                 timeout=timeout, **kwargs)
 
 
-def destroy_process_group() -> None:
-    """Tear down the default group if there is one (safe to call twice), and drop the sub-groups DeepSpeed cached
-    of it (its world clone, data-parallel and ZeRO groups). Without that, a later process group in the same
-    process (a second run in one Python process: a sweep, a notebook, the tests) is handed the destroyed group's
-    sub-groups by DeepSpeed and fails in ``deepspeed.initialize`` ("Group ... is not registered"). DeepSpeed is
-    not imported here: its cache is dropped only where it is loaded. The launcher variables the run put into
-    os.environ (``_LAUNCH_VARS``) are put back as the group found them, so that a later run in one process does not
-    take them for a launcher's."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def _forget_deepspeed_groups() -> None:
+    """Drops the sub-groups DeepSpeed cached of an earlier default group (its world clone, data-parallel and ZeRO
+    groups), however that group was torn down. A new group is otherwise handed them, and ``deepspeed.initialize``
+    fails ("Group ... is not registered"): a second run in one Python process (a sweep, a notebook, the tests).
+    DeepSpeed is not imported here: its cache is dropped only where it is loaded."""
     groups = sys.modules.get("deepspeed.utils.groups")
     release = getattr(groups, "_release_process_group_references", None)  # DeepSpeed 0.19 (pyproject's pin)
     if release is not None:
         release(None)
+
+
+def destroy_process_group() -> None:
+    """Tear down the default group if there is one (safe to call twice). The launcher variables the run put into
+    os.environ (``_LAUNCH_VARS``) are put back as ``init_process_group`` found them, so that a later run in one
+    process does not take them for a launcher's."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     global _launch_vars_before
     for key, value in (_launch_vars_before or {}).items():  # a later run must not read this one's rank as a launch
         if value is None:

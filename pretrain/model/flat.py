@@ -100,15 +100,22 @@ def _plan(unit: nn.Module, slots: dict[str, list[_Slot]]) -> tuple[dict[str, lis
     dim 0), e.g. a fused q/k/v projection. Such a group is one segment of the split, and its parameters are views of
     that segment, so that the fused projection's gradient reaches the flat tensor through the split's backward
     alone: a ``narrow`` of the flat tensor beside the split would add, to every backward, a zero tensor of the whole
-    flat tensor's size, a copy into it and a sum per group. A group whose parameters are not consecutive in one flat
-    tensor, differ in their trailing dimensions or belong to another group is left out (the target stays None).
+    flat tensor's size, a copy into it and a sum per group.
 
     Returns ({kind: [_Segment]}, [(owner, attr, [(kind, segment index)])])."""
-    where = {}
-    for kind, kind_slots in slots.items():
-        for i, slot in enumerate(kind_slots):
-            where[slot.name] = (kind, i, slot)
-    claimed: dict[tuple[str, int], int] = {}  # (kind, first slot index) -> last slot index of a group
+    targets = _span_groups(unit, slots)
+    groups = {(kind, first): last for _, _, pieces in targets for kind, first, last in pieces}
+    segments, index_of = _segments(slots, groups)
+    spans = [(owner, attr, [(kind, index_of[(kind, first)]) for kind, first, _ in pieces])
+             for owner, attr, pieces in targets]
+    return segments, spans
+
+
+def _span_groups(unit: nn.Module, slots: dict[str, list[_Slot]]) -> list[tuple]:
+    """The ``FLAT_SPANS`` targets that can be served: [(owner, attr, [(kind, first slot index, last)])]. A group
+    whose parameters are not consecutive in one flat tensor, differ in their trailing dimensions or belong to an
+    earlier group leaves its target out (it stays None)."""
+    where = {slot.name: (kind, i, slot) for kind, kind_slots in slots.items() for i, slot in enumerate(kind_slots)}
     taken: set[tuple[str, int]] = set()  # (kind, slot index) of every parameter in a group
     targets = []
     for target, groups in getattr(unit, "FLAT_SPANS", {}).items():
@@ -127,32 +134,33 @@ def _plan(unit: nn.Module, slots: dict[str, list[_Slot]]) -> tuple[dict[str, lis
             pieces.append((kind, first, indices[-1]))
         else:
             taken |= mine
-            for kind, first, last in pieces:
-                claimed[(kind, first)] = last
             *path, attr = target.split(".")
             targets.append((unit.get_submodule(".".join(path)), attr, pieces))
+    return targets
+
+
+def _segments(slots: dict[str, list[_Slot]], groups: dict[tuple[str, int], int]):
+    """Each flat tensor's segments in order: one per parameter, one per span group ``groups`` ((kind, first slot
+    index) -> last), whose members are row ranges of its view. Returns (segments, (kind, first) -> segment index)."""
     segments: dict[str, list[_Segment]] = {}
-    index_of: dict[tuple[str, int], int] = {}  # (kind, first slot index) -> its segment's index
+    index_of: dict[tuple[str, int], int] = {}
     for kind, kind_slots in slots.items():
         segments[kind] = []
         i = 0
         while i < len(kind_slots):
-            last = claimed.get((kind, i))
-            if last is None:
+            if (kind, i) not in groups:
                 slot = kind_slots[i]
                 segments[kind].append(_Segment(slot.numel, tuple(slot.shape), slot=slot))
                 i += 1
                 continue
-            group, members, row = kind_slots[i:last + 1], [], 0
+            group, members, row = kind_slots[i:groups[(kind, i)] + 1], [], 0
             for slot in group:
                 members.append((slot, row, row + slot.shape[0]))
                 row += slot.shape[0]
             index_of[(kind, i)] = len(segments[kind])
             segments[kind].append(_Segment(sum(s.numel for s in group), (row, *group[0].shape[1:]), members=members))
-            i = last + 1
-    spans = [(owner, attr, [(kind, index_of[(kind, first)]) for kind, first, _ in pieces])
-             for owner, attr, pieces in targets]
-    return segments, spans
+            i += len(group)
+    return segments, index_of
 
 
 def release_views(model: nn.Module) -> None:
