@@ -211,18 +211,14 @@ def one_thread():
 
 @pytest.fixture
 def clean_env():
-    """For in-process trainer runs: start as a single process (no launcher variables) and afterwards drop
-    DeepSpeed's cached sub-groups of the old process group and restore the whole environment."""
-    import sys
-
+    """For in-process trainer runs: start as a single process (no launcher variables) and afterwards restore the
+    whole environment. (DeepSpeed's cached sub-groups of an old process group are dropped by the next
+    ``distributed.env.init_process_group``.)"""
     saved = dict(os.environ)
     for k in _LAUNCHER_VARS:
         os.environ.pop(k, None)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     yield
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None and hasattr(groups, "_release_process_group_references"):
-        groups._release_process_group_references(None)
     os.environ.clear()
     os.environ.update(saved)
 
@@ -242,15 +238,6 @@ def _restore_launcher_env():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-@pytest.fixture
-def fresh_deepspeed():
-    """DeepSpeed caches sub-groups of the first process group it saw; drop them, so that a Trainer built in this
-    test process (after another test's process group was destroyed) gets groups of its own."""
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None and hasattr(groups, "_release_process_group_references"):
-        groups._release_process_group_references(None)
 
 
 @pytest.fixture(scope="module")

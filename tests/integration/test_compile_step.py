@@ -7,7 +7,6 @@ building C++ kernels, whose fusions would round differently."""
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -28,9 +27,6 @@ STEPS = 3
 def _losses(overrides: list[str], steps: int = STEPS, shapes: set | None = None) -> tuple[list[float], int]:
     """The loss of each of the trainer's first ``steps`` steps, and the number of graphs torch.compile made;
     ``shapes`` collects each batch's (input_ids, mlm_positions) shapes as the step's forward sees them."""
-    groups = sys.modules.get("deepspeed.utils.groups")  # the previous run's process group (as fresh_deepspeed)
-    if groups is not None and hasattr(groups, "_release_process_group_references"):
-        groups._release_process_group_references(None)
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     trainer = None
@@ -63,7 +59,7 @@ def _losses(overrides: list[str], steps: int = STEPS, shapes: set | None = None)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 2, 3])
-def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrides, clean_env, fresh_deepspeed,
+def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrides, clean_env,
                                               monkeypatch):
     if zero_stage == 3:  # every parameter partitioned between uses (at these sizes DeepSpeed would keep them whole)
         from pretrain.distributed import engine as engine_mod
@@ -79,16 +75,12 @@ def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrid
 
 
 @pytest.mark.slow
-def test_validation_before_the_first_step_leaves_the_training_step_one_graph(tmp_path, tiny_overrides, clean_env,
-                                                                            fresh_deepspeed):
+def test_validation_before_the_first_step_leaves_the_training_step_one_graph(tmp_path, tiny_overrides, clean_env):
     """The trainer validates at step 0 before it trains. Validation batches come without the host's facts, so in
     the compiled function their MLM gather breaks the graph, and torch.compile then skips that function for good:
     on the H200 (2026-11-27) every later training step ran eagerly with its callees compiled one by one. The step
     must stay one graph after validation, and batches of new shapes (and of other full masks) must not recompile
     it more than once or twice (static, then dynamic shapes)."""
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None and hasattr(groups, "_release_process_group_references"):
-        groups._release_process_group_references(None)
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     trainer = None
@@ -124,8 +116,7 @@ def test_validation_before_the_first_step_leaves_the_training_step_one_graph(tmp
 
 
 @pytest.mark.slow
-def test_bucketed_shapes_compile_few_static_graphs_with_the_eager_losses(tmp_path, tiny_overrides, clean_env,
-                                                                         fresh_deepspeed):
+def test_bucketed_shapes_compile_few_static_graphs_with_the_eager_losses(tmp_path, tiny_overrides, clean_env):
     """train.compile_shapes=bucketed: batches of changing width and MLM count run as a few static graphs (what
     CUDA graphs need: each is recorded once) with the eager step's losses."""
     steps = 6

@@ -32,20 +32,10 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 
 # ------------------------------------------------------------------------------------------- helpers
 
-def _release_deepspeed_groups() -> None:
-    """DeepSpeed caches sub-groups of the first process group; drop them so a later in-process run works."""
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None and hasattr(groups, "_release_process_group_references"):
-        groups._release_process_group_references(None)
-
-
 def _main(argv: list[str], capsys) -> tuple[int, str]:
     from pretrain.train import main
 
-    _release_deepspeed_groups()
     code = main(argv)
-    for k in _LAUNCH_VARS:
-        os.environ.pop(k, None)
     out = capsys.readouterr()
     return code, out.out + out.err
 
@@ -136,7 +126,6 @@ def test_nan_loss_or_gradient_step_is_skipped_parameters_unchanged(zero_stage, p
         assert flags == [(False, False), (True, True), (True, True), (False, False)]
     finally:
         destroy_process_group()
-        _release_deepspeed_groups()
 
 
 def _optimizer_snapshot(engine) -> list[dict]:

@@ -52,7 +52,7 @@ MODERN = {"model__arch": "modernbert", "model__pooler": "false", "model__num_lay
                           (0, "fp32", 2, True, True, False, True), (2, "fp32", 2, True, True, False, True),
                           (0, "fp32", 1, True, False, True, True), (0, "fp32", 1, False, False, True, True)])
 def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_accum, unpadded, cached, modern, joint,
-                                                  tmp_path, tiny_overrides, clean_env, fresh_deepspeed, capsys):
+                                                  tmp_path, tiny_overrides, clean_env, capsys):
     """``cached``: objective.gradient_cache (training/cached_step.py) on the same steps; ``modern``:
     model.arch=modernbert; ``joint``: train.joint_pass (the default; false: the MLM rows and views in two passes)."""
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
@@ -95,7 +95,7 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_acc
 
 
 @pytest.mark.slow
-def test_a_compiled_step_that_does_not_log_forces_no_sync(tmp_path, tiny_overrides, clean_env, fresh_deepspeed):
+def test_a_compiled_step_that_does_not_log_forces_no_sync(tmp_path, tiny_overrides, clean_env):
     """train.compile (aot_eager: the traced graph's own aten ops) at ZeRO-2: the compiled forward and loss add none
     (what CUDA graphs need: no host sync inside the captured region)."""
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=2,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -40,15 +38,11 @@ def _stsb_dev(root) -> str:
 
 
 def _train(argv: list[str]) -> None:
-    """One in-process run; afterwards drop what DeepSpeed left behind so the next one starts as a single process."""
+    """One in-process run (the next one starts as a single process: distributed.env puts the launcher variables
+    back and drops DeepSpeed's old groups)."""
     from pretrain.train import main as train_main
 
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None and hasattr(groups, "_release_process_group_references"):
-        groups._release_process_group_references(None)
     assert train_main(argv) == 0
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(k, None)
 
 
 def _colour_pixels(img: np.ndarray, hex_colour: str) -> int:

@@ -82,14 +82,8 @@ def test_a_run_prints_banner_first_step_eta_and_summary(tmp_path, tiny_overrides
     assert first and "| eta " in first[0]
     assert "done: step 3/3 (3 in this launch" in out and "held-out at the end: " in out
     assert f"artifacts in {run}" in out and "model.safetensors" in out
-    import os
-    import sys
-
-    # What the clean_env fixture does after a run, so that a second in-process run starts afresh: DeepSpeed
-    # exported the launcher variables and cached sub-groups of the old process group.
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(k, None)
-    sys.modules["deepspeed.utils.groups"]._release_process_group_references(None)
+    # A second in-process run: the first one's main put back the launcher variables and its group's end left
+    # nothing of DeepSpeed's behind (distributed.env), so it starts afresh.
     assert main([*tiny_overrides(run), "train.max_steps=5", "train.log_every=10", "optim.warmup_steps=1"]) == 0
     out = capsys.readouterr().out
     assert "resuming at step 3 with train.max_steps 3 -> 5" in out and "step 4/5" in out
