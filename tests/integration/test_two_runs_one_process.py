@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_second_run_in_the_same_process_trains(tmp_path, tiny_overrides, capsys):
-    """Nothing between the runs but what a user's script would do. Before distributed.env.destroy_process_group
+    """Nothing between the runs but what a user's script would do. Before distributed.env.init_process_group
     dropped DeepSpeed's cached groups, a run after one whose group the caller tore down stopped in
     deepspeed.initialize: "Group ... is not registered" (exit 2); and a run after one the CLI ran read the RANK and
     WORLD_SIZE the Engine had set as a launcher's, and asked for MASTER_ADDR."""
