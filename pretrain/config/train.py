@@ -103,9 +103,12 @@ class TrainConfig:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     """torch.compile's mode; reduce-overhead captures the step as CUDA graphs (a GPU; one graph per distinct input
     shape, see compile_shapes)."""
-    compile_shapes: Literal["auto", "dynamic", "static", "bucketed"] = "auto"
-    """auto: static until a shape changes, then dynamic (torch.compile's dynamic=None); dynamic: symbolic from the
-    start; static: a graph per shape (what CUDA graphs record anyway). Padded batches change shape every step
+    compile_shapes: Literal["auto", "dynamic", "static", "bucketed"] = "dynamic"
+    """dynamic: symbolic from the start, one graph for every batch, the same graph whichever step a process starts
+    at, so a resumed run computes what the uninterrupted one did bit for bit (docs/operations.md); auto: static
+    until a shape changes, then dynamic (torch.compile's dynamic=None; the default until 2026-11-28: a resumed run
+    began with a static graph where the uninterrupted one had long gone dynamic, and rounded differently from
+    there); static: a graph per shape (what CUDA graphs record anyway). Padded batches change shape every step
     (longest row, masked positions), so static recompiles until torch's recompile limit, then runs eagerly.
     bucketed: static graphs over a few shapes, for compile_mode=reduce-overhead on real data (under auto or dynamic
     CUDA graphs still record one graph per distinct size): each batch's widths padded up to a multiple of
@@ -152,8 +155,9 @@ class TrainConfig:
     per-element Bernoulli sample, about 40% of its cost (torch's dropout was a tenth of a mini model's CPU step,
     docs/performance.md): the drop probability is rounded to a multiple of 1/65536 and the kept values scaled by
     the exact inverse, keyed by (seed, step, rank) like torch's. The attention probabilities' dropout too (SDPA's CPU
-    math path written out). CUDA and compiled steps use torch's dropout either way. false: torch's dropout on the
-    CPU as well (other noise, the same distribution up to that rounding)."""
+    math path written out). CUDA and compiled steps use torch's dropout either way, and so do tensors under 32k
+    elements (``dropout.FAST_MIN_NUMEL``: there the mask's fixed host cost exceeds torch's). false: torch's dropout
+    on the CPU as well (other noise, the same distribution up to that rounding)."""
     flat_params: bool = True
     """Each encoder layer's parameters held in two flat tensors (decayed and not) instead of 16 (model/flat.py):
     DeepSpeed's per-parameter work (gradient hooks, bucket copies, norms, casts) and the optimizer's run on 2 tensors

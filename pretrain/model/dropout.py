@@ -15,6 +15,11 @@ mask: ``training.step.dropout_rng`` keys it by (seed, step, rank) as it keys tor
 exact. On CUDA (torch's dropout is one fused Philox kernel there) and inside torch.compile (inductor draws its own
 noise) torch's dropout runs. ``train.fast_dropout=false`` runs torch's everywhere (``set_fast_dropout``).
 
+Below ``FAST_MIN_NUMEL`` elements torch's dropout runs too: drawing a mask here costs a fixed ~0.15 ms of host work
+(the generator's seeding, a custom autograd function, a few more ops) that a small tensor's Bernoulli samples do not
+repay (2-core AMD EPYC, one thread, forward + backward: 0.26-0.53x torch's speed at 2k-8k elements, 1.1-1.7x at 32k,
+1.6-2x at 64k; docs/performance.md).
+
 Attention-probability dropout lives inside SDPA, whose CPU path with dropout is the math one (scores, softmax,
 ``bernoulli_``, matmul); ``attention`` runs that same math with this mask instead.
 """
@@ -30,6 +35,10 @@ from torch import nn
 
 LEVELS = 1 << 16
 """Resolution of the drop probability: 16 bits per element."""
+
+FAST_MIN_NUMEL = 1 << 15
+"""The fewest elements (of the tensor dropped; for attention, of the probabilities) for which the mask is drawn
+here; a smaller tensor gets torch's dropout, which costs the host less than this module's fixed overhead."""
 
 
 def keep_mask(shape, p: float, device) -> tuple[torch.Tensor, float]:
@@ -71,9 +80,11 @@ class _DropScale(torch.autograd.Function):
         return _keep_scale(grad, kept, ctx.scale), None, None
 
 
-def uses_fast(x: torch.Tensor, p: float, training: bool, fast: bool) -> bool:
-    """Whether ``dropout`` draws its own mask: training, 0 < p < 1, on the CPU, not being compiled."""
+def uses_fast(x: torch.Tensor, p: float, training: bool, fast: bool, numel: int | None = None) -> bool:
+    """Whether ``dropout`` draws its own mask: training, 0 < p < 1, on the CPU, not being compiled, and a mask of
+    at least ``FAST_MIN_NUMEL`` elements (``numel``, by default ``x``'s)."""
     return (fast and training and 0.0 < p < 1.0 and x.device.type == "cpu"
+            and (x.numel() if numel is None else numel) >= FAST_MIN_NUMEL
             and not torch.compiler.is_compiling())
 
 
@@ -109,7 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     kept for the backward; bf16/fp16 inputs computed in fp32 and the output cast back, as that path does on the
     CPU. A row with no key to attend to gets weights over its masked keys, not NaN (such a row is padding, read by
     no loss)."""
-    if not uses_fast(q, dropout_p, True, fast):
+    if not uses_fast(q, dropout_p, True, fast, q.numel() // q.shape[-1] * k.shape[-2]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     dtype = q.dtype
     if dtype in (torch.bfloat16, torch.float16):

@@ -12,23 +12,67 @@ attention mask: the same for tokenizer output), so padding's outputs equal trans
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.dropout import Dropout
 
 
+@torch.library.custom_op("pretrain::embedding_grad", mutates_args=())
+def embedding_grad(grad: torch.Tensor, ids: torch.Tensor, rows: int, padding_idx: int) -> torch.Tensor:
+    """The gradient of an embedding table (``rows`` x D) from its lookup's output gradient: aten's own kernel, as an
+    op torch.compile keeps whole (see ``Embedding``)."""
+    return torch.ops.aten.embedding_dense_backward(grad, ids, rows, padding_idx, False)
+
+
+@embedding_grad.register_fake
+def _embedding_grad_shape(grad, ids, rows, padding_idx):
+    return grad.new_empty((rows, grad.shape[-1]))
+
+
+class _Lookup(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose backward is ``embedding_grad``."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.padding_idx = weight.shape[0], padding_idx
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        return embedding_grad(grad.contiguous(), ids, ctx.rows, ctx.padding_idx), None, None
+
+
 class Embedding(nn.Embedding):
-    """nn.Embedding that leaves its default N(0, 1) init out on the meta device.
+    """nn.Embedding that leaves its default N(0, 1) init out on the meta device, and whose gradient is the same
+    however it runs.
 
     ``build_model`` builds the model on the meta device and initialises it after allocation; there nn.Embedding's own
     ``normal_`` would be thrown away, and on a meta tensor it runs torch's Python reference kernel, whose first call
     imports ``torch._dynamo`` (~2 s of CPU for every process that builds a model). Built on a real device, it is
-    nn.Embedding."""
+    nn.Embedding.
+
+    Compiled (train.compile), inductor would decompose the lookup's backward into a scatter-add whose threads add
+    into the table's rows with atomic adds (its CPU code's ``atomic_add_vec``; Triton's ``atomic_add`` on a GPU): a
+    token that occurs several times gets its gradients summed in whatever order the threads arrive, so two
+    identical compiled runs drifted apart in the last bits from their fourth step on (2 threads, fp32, 2e-7
+    relative after 30 steps; bitwise equal with one thread; docs/operations.md), and no compiled run resumed
+    exactly. Under torch.compile the lookup's backward is therefore ``embedding_grad``, which the compiler runs as
+    aten's kernel (deterministic on CPU and CUDA, the one the eager step runs); the forward stays an ordinary
+    gather that fuses with what follows."""
 
     def reset_parameters(self) -> None:
         if self.weight.device.type != "meta":
             super().reset_parameters()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if (torch.compiler.is_compiling() and self.max_norm is None and not self.scale_grad_by_freq
+                and not self.sparse):
+            return _Lookup.apply(self.weight, ids, -1 if self.padding_idx is None else self.padding_idx)
+        return super().forward(ids)
 
 
 class Embeddings(nn.Module):

@@ -76,6 +76,65 @@ def test_compiled_step_gives_the_eager_loss_and_gradients(trim):
             torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_the_compiled_steps_embedding_gradient_is_atens_kernel(arch):
+    """In the compiled step's backward graph the word embedding's gradient is ``pretrain::embedding_grad`` (an op
+    inductor keeps whole and runs as aten's deterministic kernel), not ``embedding_dense_backward``, which inductor
+    turns into a scatter with atomic adds (see the next test)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_ops = set()
+
+    def keep_backward(gm, _):
+        backward_ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    module = _train_module(**(MODERN if arch == "modernbert" else {}))
+    module.compile_step(backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                                             bw_compiler=keep_backward))
+    loss, _ = module(host_facts(_batch(), unpadded=False))
+    loss.backward()
+    # (The graph's one index_put, the backward of the similarity op's gather of each row's positive, adds to
+    # distinct rows: a permutation.)
+    assert "pretrain.embedding_grad.default" in backward_ops
+    assert not {op for op in backward_ops if "embedding" in op and op != "pretrain.embedding_grad.default"}
+
+
+def test_inductor_sums_an_embeddings_gradient_without_atomic_adds():
+    """Inductor itself (C++ kernels, 2 threads), an Embedding looked up with many repeats: no ``atomic_add`` in
+    the generated code (nn.Embedding's lookup has one: its threads add a repeated token's rows in the order they
+    arrive, so identical compiled runs differ in the last bits), and the gradient equals the eager one bit for
+    bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    from pretrain.model.embeddings import Embedding
+
+    torch.manual_seed(0)
+    table = Embedding(50, 64)
+    ids = torch.randint(0, 5, (32, 128))
+    scale = torch.arange(64.0)
+
+    def loss_of(ids):
+        return (table(ids) * scale).sum()
+
+    loss_of(ids).backward()
+    eager = table.weight.grad.clone()
+    table.weight.grad = None
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        compiled = torch.compile(loss_of, backend="inductor")
+        _, code = run_and_get_code(lambda: compiled(ids).backward())
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    assert code and not any("atomic_add" in c for c in code)
+    assert any("embedding_grad" in c for c in code)
+    assert torch.equal(table.weight.grad, eager)
+
+
 def test_the_zero3_anchor_leaves_the_loss_alone_and_gets_its_gradient_from_the_compiled_graph():
     """Under ZeRO-3 the compiled step takes a 0-dim anchor (``Engine.forward``): the loss and every gradient are
     the anchor-free step's bit for bit, and the anchor's gradient (zero) comes out of the compiled backward."""

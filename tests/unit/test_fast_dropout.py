@@ -2,7 +2,8 @@
 
 The masks are checked statistically (rate per position within a 64-bit draw, independence of neighbours, the
 exact scale), the attention-probability path against a float64 reference built from the same mask, and the model
-switch by the ops it dispatches (no ``bernoulli_`` with it on, torch's dropout with it off).
+switch by the ops it dispatches (no ``bernoulli_`` with it on, torch's dropout with it off). The tests below the
+size threshold's own run with it at 0, so that their small tensors take this module's path.
 """
 
 from __future__ import annotations
@@ -13,10 +14,42 @@ import torch.nn.functional as F
 from test_trim_last_layer import _batch, _module
 
 from pretrain.metrics.op_count import OpCounter
+from pretrain.model import dropout as dropout_module
 from pretrain.model.dropout import LEVELS, attention, dropout, keep_mask, set_fast_dropout, uses_fast
 from pretrain.training.step import dropout_rng, host_facts
 
 N = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def no_size_threshold(request, monkeypatch):
+    """Every tensor takes the fast path, however small (except in the threshold's own test)."""
+    if "threshold" not in request.node.name:
+        monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", 0)
+
+
+def _aten_ops(fn) -> dict[str, int]:
+    with OpCounter() as c:
+        fn()
+    return {name.split(".")[1]: n for name, n in c.ops.items() if name.startswith("aten.")}
+
+
+def test_tensors_under_the_size_threshold_get_torchs_dropout():
+    """A tensor (or attention probabilities) of FAST_MIN_NUMEL elements draws its mask here, one element fewer gets
+    torch's Bernoulli dropout; the attention's count is that of its probabilities (rows x keys), not of q."""
+    limit = dropout_module.FAST_MIN_NUMEL
+    assert 1 << 12 < limit <= 1 << 17  # where fast and torch's cross on a CPU (docs/performance.md)
+    for n, fast in ((limit, True), (limit - 1, False)):
+        x = torch.randn(n, requires_grad=True)
+        assert uses_fast(x, 0.1, True, True) is fast
+        ops = _aten_ops(lambda: dropout(x, 0.1).sum().backward())
+        assert (ops.get("random_", 0) > 0, ops.get("bernoulli_", 0) > 0) == (fast, not fast)
+    k = torch.randn(2, 2, 64, 8)
+    for rows, fast in ((limit // 256, True), (limit // 256 - 1, False)):  # probabilities: 2 x 2 x rows x 64
+        q = torch.randn(2, 2, rows, 8)
+        assert q.numel() < limit
+        ops = _aten_ops(lambda: attention(q, k, k, None, 0.1))
+        assert (ops.get("random_", 0) > 0, ops.get("bernoulli_", 0) > 0) == (fast, not fast)
 
 
 def _sigmas(count: float, n: int, q: float) -> float:
@@ -149,10 +182,7 @@ def test_the_model_switch(arch):
     batch = host_facts(_batch(), unpadded=True)
 
     def ops():
-        with OpCounter() as c:
-            loss, _ = module(batch)
-            loss.backward()
-        return {name.split(".")[1]: n for name, n in c.ops.items() if name.startswith("aten.")}
+        return _aten_ops(lambda: module(batch)[0].backward())
 
     switches = [m for m in module.modules() if hasattr(m, "fast_dropout")]
     assert len(switches) >= 2 * 3 + 1  # per layer the dropout and the attention, and the embeddings'

@@ -404,3 +404,30 @@ def test_recipe_loads_strictly(repo_root: Path, name: str):
         assert (cfg.optim.lr, cfg.train.micro_batch_size, cfg.eval.pooling) == (5e-5, 512, "cls")
     if name == "sarcse_roberta_base":
         assert obj.reconstruction.weight == 2.5e-4 and obj.info_nce.weight == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlm_accuracy_counts_the_rows_whose_label_has_the_largest_logit(dtype):
+    """mlm_loss's correct count against a loop over rows: a row is right when no logit exceeds its label's (a tie
+    for the top counts), wrong otherwise, NaN rows and unlabelled ones (-100, bucketed padding) wrong; the loss is
+    the summed float64 cross-entropy of the labelled rows."""
+    from pretrain.losses.mlm import mlm_loss
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=gen).to(dtype)
+    labels = torch.randint(0, 50, (64,), generator=gen)
+    labels[:20] = logits[:20].float().argmax(-1)  # some right
+    labels[20] = 49  # a tie for the top between the label and an earlier entry (argmax would say 0: wrong)
+    logits[20, 0] = logits[20, 49] = logits[20].max() + 1
+    logits[21] = float("nan")
+    labels[[0, 22]] = -100  # row 0 would be right if labelled
+    loss, count, metrics = mlm_loss(logits, labels)
+    want = sum(1 for row, y in zip(logits.float().tolist(), labels.tolist())
+               if y >= 0 and not any(math.isnan(v) for v in row) and all(v <= row[y] for v in row))
+    assert 20 <= want < 62  # rows 1-19 and the tie, and any the random logits got right
+    assert int(metrics["mlm_acc"][0]) == want and count == metrics["mlm_acc"][1] == 64
+    rows = [r for r in range(64) if r not in (0, 21, 22)]
+    ref = sum(-torch.log_softmax(logits[r].double(), -1)[labels[r]] for r in rows)
+    assert torch.isnan(loss)  # the NaN row poisons the sum, as it should (the step's finite check skips it)
+    loss_ok, _, _ = mlm_loss(logits[[r for r in range(64) if r != 21]], labels[[r for r in range(64) if r != 21]])
+    assert abs(float(loss_ok) - float(ref)) < 1e-4 * float(ref)
