@@ -47,30 +47,32 @@ class _Lookup(torch.autograd.Function):
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding that leaves its default N(0, 1) init out on the meta device, and whose gradient is the same
-    however it runs.
+    """nn.Embedding that leaves its default N(0, 1) init out on the meta device, and whose compiled gradient on the
+    CPU is the eager one.
 
     ``build_model`` builds the model on the meta device and initialises it after allocation; there nn.Embedding's own
     ``normal_`` would be thrown away, and on a meta tensor it runs torch's Python reference kernel, whose first call
     imports ``torch._dynamo`` (~2 s of CPU for every process that builds a model). Built on a real device, it is
     nn.Embedding.
 
-    Compiled (train.compile), inductor would decompose the lookup's backward into a scatter-add whose threads add
-    into the table's rows with atomic adds (its CPU code's ``atomic_add_vec``; Triton's ``atomic_add`` on a GPU): a
-    token that occurs several times gets its gradients summed in whatever order the threads arrive, so two
-    identical compiled runs drifted apart in the last bits from their fourth step on (2 threads, fp32, 2e-7
-    relative after 30 steps; bitwise equal with one thread; docs/operations.md), and no compiled run resumed
-    exactly. Under torch.compile the lookup's backward is therefore ``embedding_grad``, which the compiler runs as
-    aten's kernel (deterministic on CPU and CUDA, the one the eager step runs); the forward stays an ordinary
-    gather that fuses with what follows."""
+    Compiled (train.compile), inductor decomposes the lookup's backward into a scatter whose threads add into the
+    table's rows with atomic adds (its CPU code's ``atomic_add_vec``): a token that occurs several times gets its
+    gradients summed in whatever order the threads arrive, so two identical compiled CPU runs drifted apart in the
+    last bits from their fourth step on (2 threads, fp32, 2e-7 relative after 30 steps; bitwise equal with one
+    thread; docs/operations.md), and no compiled run resumed exactly. On the CPU the compiled lookup's backward is
+    therefore ``embedding_grad``, which inductor runs as aten's kernel (deterministic, the one the eager step runs);
+    the forward stays an ordinary gather that fuses with what follows. On a GPU the compiled step keeps inductor's
+    scatter (Triton's ``atomic_add``, so not bitwise reproducible): aten's CUDA kernel sorts the ids with a Thrust
+    call that waits for the host past ~4k ids, which a CUDA graph (compile_mode=reduce-overhead) cannot capture and
+    which would put a host sync back into every step (pytorch/pytorch#82886)."""
 
     def reset_parameters(self) -> None:
         if self.weight.device.type != "meta":
             super().reset_parameters()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if (torch.compiler.is_compiling() and self.max_norm is None and not self.scale_grad_by_freq
-                and not self.sparse):
+        if (torch.compiler.is_compiling() and self.weight.device.type == "cpu" and self.max_norm is None
+                and not self.scale_grad_by_freq and not self.sparse):
             return _Lookup.apply(self.weight, ids, -1 if self.padding_idx is None else self.padding_idx)
         return super().forward(ids)
 
