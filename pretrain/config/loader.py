@@ -205,7 +205,8 @@ def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ValueError(f"config {path}: expected a string, got {type(value).__name__} {value!r}")
+        hint = f"; to leave it unset, give an empty string: {path}=''" if value is None else ""
+        raise ValueError(f"config {path}: expected a string, got {type(value).__name__} {value!r}{hint}")
     raise ValueError(f"config {path}: unsupported field type {tp!r}")
 
 

@@ -242,3 +242,14 @@ def test_an_empty_data_path_names_its_key(capsys):
     err = capsys.readouterr().err
     assert err.startswith("pretrain-train: error: data.tokenizer is empty") and "data.sources is empty" in err
     assert "--prepare-only" in err and err.count("\n") == 1
+
+
+def test_null_for_a_string_key_names_the_empty_string_that_unsets_it():
+    """checkpoint.init_from=null (how one would unset a recipe's init_from) is refused with the spelling that works;
+    that spelling then starts from scratch."""
+    with pytest.raises(ValueError, match=r"expected a string, got NoneType None; to leave it unset, give an empty "
+                                         r"string: checkpoint.init_from=''"):
+        load_run_config(None, ["checkpoint.init_from=null"])
+    with pytest.raises(ValueError, match=r"expected a string, got int 3$"):
+        load_run_config(None, ["checkpoint.init_from=3"])
+    assert load_run_config(None, ["checkpoint.init_from=some/dir", "checkpoint.init_from=''"]).checkpoint.init_from == ""
