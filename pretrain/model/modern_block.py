@@ -73,7 +73,7 @@ class ModernAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         if packed is not None:
             # One gather of the (N, 3D) projections into every group's slots; RoPE by slot column (tables (T, K)),
-            # which writes q and k head-major (n, H, t, K) for attention.
+            # which writes q and k head-major (n, H, t, K) for attention (rotary._rotate: contiguous output).
             y_parts = []
             qkv = group_heads(gather_slots(self.qkv(x_BTD), packed), packed, h, k)
             for g, mask, (q_nHtK, k_nHtK, v_nHtK) in zip(packed.groups, inputs.group_masks, qkv):

@@ -30,11 +30,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """fp32 x * cos + sign * rotate_half(x) * sin, written into one new tensor: the product with cos, then each half's
-    rotated term added in place (``sign`` -1: the inverse rotation, RoPE's backward). The tables' two halves are
-    equal (``rope_tables``), so either half serves."""
+    """fp32 x * cos + sign * rotate_half(x) * sin, written into one new contiguous tensor: the product with cos, then
+    each half's rotated term added in place (``sign`` -1: the inverse rotation, RoPE's backward). The tables' two
+    halves are equal (``rope_tables``), so either half serves.
+
+    Contiguous whatever x's strides: q and k arrive as head-major views of the fused projection ((n, H, t, K) over
+    (n, t, H, K) memory), and a product would keep that memory order, so attention's ``q @ k.T`` copied both into
+    head-major order again to fold (n, H) into one batch dimension (ModernBERT mini on the CPU: 12.7 ms of copies a
+    step, docs/performance.md). Written head-major here, they go to the matmul as they are."""
     half = x.shape[-1] // 2
-    y = x.float() * cos
+    y = torch.mul(x, cos, out=torch.empty(x.shape, dtype=torch.float32, device=x.device))
     x1, x2, s = x[..., :half], x[..., half:], sin[..., :half]
     y[..., :half].addcmul_(x2, s, value=-sign)
     y[..., half:].addcmul_(x1, s, value=sign)

@@ -90,6 +90,24 @@ def test_rope_and_its_written_out_backward(layout):
     assert (yb.double() - ref).abs().max() < 0.05 and (gb.double() - ref_grad).abs().max() < 0.05
 
 
+def test_rope_writes_head_major_views_contiguous_so_attention_copies_nothing():
+    """q and k come as (n, H, t, K) views of the fused projection's (n, t, H, K) memory: RoPE's output is contiguous
+    (head-major), so the attention's matmuls fold (n, H) without a copy; the values are the view's rotation."""
+    from pretrain.metrics.op_count import OpCounter
+    from pretrain.model.dropout import attention
+
+    n, t, h, k = 3, 10, 4, 16
+    qkv = torch.randn(n * t, 3 * h * k, generator=torch.Generator().manual_seed(0))
+    q, key = (qkv[:, i * h * k:(i + 1) * h * k].view(n, t, h, k).permute(0, 2, 1, 3) for i in (0, 1))
+    cos, sin = rope_tables(torch.arange(t), k, 500.0, torch.float32)
+    rq, rk = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+    assert rq.is_contiguous() and rk.is_contiguous()
+    assert torch.equal(rq, apply_rope(q.contiguous(), cos, sin))
+    with OpCounter() as c:
+        attention(rq, rk, rk, None, 0.0)
+    assert not {op for op in c.ops if op.split(".")[1] in ("clone", "contiguous", "copy_")}, c.ops
+
+
 def test_key_table_both_ways_is_exact():
     transformers = pytest.importorskip("transformers")
     hf = _hf_modernbert(transformers, "sdpa", seed=1)
