@@ -36,7 +36,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
 
     Contiguous whatever x's strides: q and k arrive as head-major views of the fused projection ((n, H, t, K) over
     (n, t, H, K) memory), and a product would keep that memory order, so attention's ``q @ k.T`` copied both into
-    head-major order again to fold (n, H) into one batch dimension (ModernBERT mini on the CPU: 12.7 ms of copies a
+    head-major order again to fold (n, H) into one batch dimension (ModernBERT mini on the CPU: 7-13 ms of copies a
     step, docs/performance.md). Written head-major here, they go to the matmul as they are."""
     half = x.shape[-1] // 2
     y = torch.mul(x, cos, out=torch.empty(x.shape, dtype=torch.float32, device=x.device))
