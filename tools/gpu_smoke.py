@@ -23,6 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PLAIN_COMPILE = "default:dynamic"
+"""The trainer's own train.compile_mode:train.compile_shapes (TrainConfig's defaults): the compiled variant run
+first, and named plainly ``_compiled``."""
 LOG_EVERY = 10
 MINI = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.ffn_size=1024"]
 MODELS = {"mini": MINI, "quickstart": []}
@@ -66,7 +69,7 @@ def base_overrides(paths: dict, run_dir: Path, steps: int, model: str = "mini") 
 
 def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3), precisions=("bf16", "fp16"),
            similarity: str = "cuda", model: str = "mini", compiled_stages=(), compile_backend: str = "inductor",
-           compile_variants=("default:dynamic",)) -> list[dict]:
+           compile_variants=(PLAIN_COMPILE,)) -> list[dict]:
     """ZeRO stages x precisions, and ``compiled_stages`` in the first precision with train.compile: run to `steps`,
     then resume a copy from the half-way checkpoint."""
     cases = [(z, p, False) for z in stages for p in precisions] + [(z, precisions[0], v) for z in compiled_stages
@@ -83,7 +86,7 @@ def matrix(paths: dict, out: Path, steps: int, parallel: int, stages=(0, 1, 2, 3
 
     def full(case):
         z, p, compiled = case
-        name = f"z{z}_{p}" + ("" if not compiled else "_compiled" if compiled == "default:dynamic"
+        name = f"z{z}_{p}" + ("" if not compiled else "_compiled" if compiled == PLAIN_COMPILE
                                else "_compiled_" + compiled.replace(":", "_"))
         run_dir = out / name
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--compiled-zero-stages", type=int, nargs="*", default=[3],
                    help="ZeRO stages also run in the first precision with train.compile (ZeRO-3's whole-module gather, issue 24)")
     p.add_argument("--compile-backend", default="inductor", help="their train.compile_backend (aot_eager: CPU)")
-    p.add_argument("--compile-variants", nargs="+", default=["default:dynamic", "reduce-overhead:bucketed"],
+    p.add_argument("--compile-variants", nargs="+", default=[PLAIN_COMPILE, "reduce-overhead:bucketed"],
                    help="the compiled runs' train.compile_mode:train.compile_shapes, one run each (e.g. "
                         "reduce-overhead:bucketed: CUDA graphs over bucketed batches)")
     p.add_argument("--similarity", default="cuda", help="ops.similarity of the matrix runs (torch: a CPU dry run)")

@@ -43,7 +43,7 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (ids,) = ctx.saved_tensors
-        return embedding_grad(grad.contiguous(), ids, ctx.rows, ctx.padding_idx), None, None
+        return embedding_grad(grad, ids, ctx.rows, ctx.padding_idx), None, None
 
 
 class Embedding(nn.Embedding):

@@ -41,6 +41,13 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path, clean_env):  # clean_env: no launche
     assert run["valid_mlm"][0][0] == 0 and run["valid_mlm"][-1][0] == 20 and run["loss_falls"]
 
 
+def test_gpu_smokes_plain_compiled_variant_is_the_trainers_default():
+    """The smoke's first compiled run (``_compiled``) is what train.compile does unless told otherwise."""
+    from pretrain.config import TrainConfig
+
+    assert _tool("gpu_smoke").PLAIN_COMPILE == f"{TrainConfig().compile_mode}:{TrainConfig().compile_shapes}"
+
+
 def test_gpu_check_keeps_to_its_budget_and_packs_one_file(tmp_path):
     """A lease has 15 minutes of device time: with GPU_CHECK_BUDGET_S a stage's limit is cut to what is left (less
     20 s), a stage with under 30 s left is skipped and recorded, and GPU_CHECK_TAR packs the logs and JSON into one
@@ -130,13 +137,19 @@ def test_bench_step_refuses_a_size_the_arch_lacks():
     assert proc.returncode == 2 and "--arch modernbert has sizes tiny, mini, base, large" in proc.stderr
 
 
-def _bench_step():
+def _tool(name: str):
+    """The module tools/<name>.py."""
+    import importlib
+
     sys.path.insert(0, str(REPO / "tools"))
     try:
-        import bench_step
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return bench_step
+
+
+def _bench_step():
+    return _tool("bench_step")
 
 
 def test_bench_step_host_cost_runs_both_arms(tmp_path, clean_env):
