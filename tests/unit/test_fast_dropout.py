@@ -21,11 +21,14 @@ from pretrain.training.step import dropout_rng, host_facts
 N = 1 << 20
 
 
+FAST_MIN_NUMEL = dropout_module.FAST_MIN_NUMEL
+"""The module's own threshold (the fixture below sets it to 0)."""
+
+
 @pytest.fixture(autouse=True)
-def no_size_threshold(request, monkeypatch):
-    """Every tensor takes the fast path, however small (except in the threshold's own test)."""
-    if "threshold" not in request.node.name:
-        monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", 0)
+def no_size_threshold(monkeypatch):
+    """Every tensor takes the fast path, however small (the threshold's own test puts it back)."""
+    monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", 0)
 
 
 def _aten_ops(fn) -> dict[str, int]:
@@ -34,10 +37,11 @@ def _aten_ops(fn) -> dict[str, int]:
     return {name.split(".")[1]: n for name, n in c.ops.items() if name.startswith("aten.")}
 
 
-def test_tensors_under_the_size_threshold_get_torchs_dropout():
+def test_tensors_under_the_size_threshold_get_torchs_dropout(monkeypatch):
     """A tensor (or attention probabilities) of FAST_MIN_NUMEL elements draws its mask here, one element fewer gets
     torch's Bernoulli dropout; the attention's count is that of its probabilities (rows x keys), not of q."""
-    limit = dropout_module.FAST_MIN_NUMEL
+    monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", FAST_MIN_NUMEL)
+    limit = FAST_MIN_NUMEL
     assert 1 << 12 < limit <= 1 << 17  # where fast and torch's cross on a CPU (docs/performance.md)
     for n, fast in ((limit, True), (limit - 1, False)):
         x = torch.randn(n, requires_grad=True)
