@@ -164,13 +164,14 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
                micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True,
-               fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True, joint: bool = True):
+               fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True, joint: bool = True,
+               attention: str = "auto"):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
     unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
     ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, ``joint``: train.joint_pass, all on by
-    default). ``step.num_params``: the trained module's parameters (bert: with BERT's pooler, which BertForMaskedLM
-    lacks)."""
+    default; ``attention``: train.unpadded_attention). ``step.num_params``: the trained module's parameters
+    (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
         ObjectiveConfig,
@@ -193,7 +194,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     model = build_model(ours_model_config(size, vocab, seq, arch, pooling))
     train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat,
                         trim_last_layer=trim, fast_dropout=fast_dropout, compile_mode=compile_mode, pin_memory=pin,
-                        joint_pass=joint)
+                        joint_pass=joint, unpadded_attention=attention)
     ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer,
                   joint_pass=train.joint_pass)
     module = TrainModule(model, Objective(ObjectiveConfig(), ctx))
@@ -208,10 +209,11 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
                     dist=dist, env=env, lr_lambda=lr_lambda(optim, 1000))
     engine.train()
     sums, done = MetricSums(), [0]
+    unpadded = train.unpadded_layout(arch, torch.device(engine.device).type)
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
         result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
-                                precision=precision, unpadded=train.step_unpadded,
+                                precision=precision, unpadded=unpadded,
                                 joint=module.objective.ctx.joint_pass, pin_memory=train.pin_memory)
         done[0] += 1
         return result
@@ -221,7 +223,8 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
 
 AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false",
-              "pin": "train.pin_memory=false", "joint": "train.joint_pass=false"}
+              "pin": "train.pin_memory=false", "joint": "train.joint_pass=false",
+              "varlen": "train.unpadded_attention=groups"}
 """--ab: the option the third arm turns off."""
 
 POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
@@ -426,7 +429,8 @@ def measure(args, size: str) -> dict:
     def ours(off: str = ""):  # off: the AB_OPTIONS option turned off in this arm
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
                           arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout",
-                          pin=off != "pin", joint=off != "joint", compile_mode=args.compile_mode)
+                          pin=off != "pin", joint=off != "joint", compile_mode=args.compile_mode,
+                          attention="groups" if off == "varlen" else "auto")
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
@@ -734,8 +738,9 @@ def main(argv=None) -> int:
                    "CLEAR recipes')")
     p.add_argument("--ab", choices=sorted(AB_OPTIONS), default="",
                    help="a third arm, ours with this option off: trim (train.trim_last_layer=false), dropout "
-                   "(train.fast_dropout=false), pin (train.pin_memory=false; CUDA only) or joint "
-                   "(train.joint_pass=false) (CPU: alternating with the other two; CUDA: after them)")
+                   "(train.fast_dropout=false), pin (train.pin_memory=false; CUDA only), joint "
+                   "(train.joint_pass=false) or varlen (train.unpadded_attention=groups; BERT on CUDA, where auto "
+                   "is varlen) (CPU: alternating with the other two; CUDA: after them)")
     p.add_argument("--trim-ab", dest="ab", action="store_const", const="trim", help="--ab trim")
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "

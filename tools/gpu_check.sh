@@ -12,7 +12,8 @@
 #   GPU_CHECK_STAGES   comma list of stages to run (default: all; they run in this order, the figures the
 #                      issues still wait for first) install,tests,bench_step,bench_step_compile,smoke,bench_modernbert,
 #                      bench_similarity (the similarity kernel was measured on the H100 of 2026-11-22 and is unchanged),
-#                      bench_modernbert_compile (issue 27 item 4 compiled, both arms: last, as it runs only when time is left)
+#                      bench_modernbert_compile (issue 27 item 4 compiled, both arms), bench_step_joint (ours
+#                      with train.joint_pass=false beside): the last two run only when time is left
 #   GPU_CHECK_BATCHES  micro-batches for bench_step (default "256 512"; on an 80 GB H100, HF's arm needs
 #                      67 GB at 512, so 1024 does not fit)
 #   GPU_CHECK_BUDGET_S the whole pass's wall-clock budget in seconds (default: none). Each stage's time limit is
@@ -30,7 +31,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
-STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_step_compile,smoke,bench_modernbert,bench_similarity,bench_modernbert_compile}
+STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_step_compile,smoke,bench_modernbert,bench_similarity,bench_modernbert_compile,bench_step_joint}
 SMOKE_ARGS=${GPU_CHECK_SMOKE_ARGS:-}
 BUDGET=${GPU_CHECK_BUDGET_S:-0}
 BATCHES=${GPU_CHECK_BATCHES:-256 512}
@@ -99,11 +100,13 @@ export -f install_deps
 stage install 600 bash -c install_deps
 cp pretrain/_C*.so "$OUT/" 2>/dev/null || true
 stage tests 900 $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
-# --ab joint: ours with train.joint_pass=false (two encoder passes) beside; --ab pin in bench_modernbert below:
-# ours with train.pin_memory=false beside (both unmeasured on a GPU so far; trim was measured on the H200)
+# --ab varlen: ours with train.unpadded_attention=groups (attention per group of rows, as on the CPU) beside ours'
+# default on CUDA (one nested-jagged SDPA a layer); --ab pin in bench_modernbert below: ours with
+# train.pin_memory=false beside; --ab joint in the last stage: ours with train.joint_pass=false (all three
+# unmeasured on a GPU so far; trim was measured on the H200)
 # shellcheck disable=SC2086
 stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
-  --zero-stage 2 --ab joint --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
+  --zero-stage 2 --ab varlen --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
 # --profile-out: each arm's GPU busy share (issue 24's >= 95%) under CUDA graphs, as well as eagerly above
 # shellcheck disable=SC2086
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
@@ -120,6 +123,9 @@ stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 5
 stage bench_modernbert_compile 600 $PY tools/bench_step.py --device cuda --arch modernbert --sizes base \
   --batch $BATCHES --steps 10 --zero-stage 2 --compile --compile-mode reduce-overhead \
   --json-out "$OUT/bench_modernbert_compile.json"
+# shellcheck disable=SC2086
+stage bench_step_joint 600 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
+  --zero-stage 2 --ab joint --json-out "$OUT/bench_step_joint.json"
 cp "$OUT/smoke/smoke.json" "$OUT/" 2>/dev/null || true
 
 $PY - "$OUT" <<'EOF'
@@ -128,7 +134,7 @@ from pathlib import Path
 out = Path(sys.argv[1])
 summary = {"stages": [json.loads(l) for l in (out / "stages.jsonl").read_text().splitlines() if l.strip()]}
 for name in ("bench_similarity", "bench_step", "bench_step_compile", "bench_modernbert", "bench_modernbert_compile",
-             "smoke"):
+             "bench_step_joint", "smoke"):
     p = out / f"{name}.json"
     if p.is_file():
         summary[name] = json.loads(p.read_text())

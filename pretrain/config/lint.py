@@ -88,6 +88,9 @@ def inert_settings(cfg) -> list[str]:
     out += _objective_lines(cfg)
     out += _compile_lines(cfg)
     out += _joint_lines(cfg)
+    if t.unpadded_attention != "auto" and not t.step_unpadded:
+        out.append(f"train.unpadded_attention={t.unpadded_attention} does nothing: the step runs padded "
+                   f"({'train.compile=true' if t.unpadded else 'train.unpadded=false'})")
     if not cfg.eval.stsb_every:
         ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
         if ev:

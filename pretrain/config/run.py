@@ -35,6 +35,12 @@ class RunConfig:
     """Not a config key: the dotted keys the YAML files and overrides set (filled by ``config.load``), so that
     ``checkpoint.init_from`` can tell the model.* settings chosen from the defaults it may fill in."""
 
+    def __post_init__(self) -> None:
+        if self.train.unpadded_attention == "varlen" and self.model.arch != "bert":
+            raise ValueError(f"train.unpadded_attention=varlen is for model.arch=bert; model.arch={self.model.arch} "
+                             "attends per group (a local layer's window is a mask the varlen path does not take): "
+                             "set train.unpadded_attention=groups or auto")
+
     @property
     def step_compiled(self) -> bool:
         """Whether train.compile compiles the step: not under objective.gradient_cache, whose passes run eagerly

@@ -126,6 +126,13 @@ class TrainConfig:
     docs/performance.md); false runs the padded path, which validation, evaluation and export always use. Not yet
     used under train.compile (each batch's attention-group layout would be a new graph: measured, one recompile a
     step)."""
+    unpadded_attention: Literal["auto", "groups", "varlen"] = "auto"
+    """How the unpadded step attends (model/packing.py): ``groups`` runs the stream's sequences in at most 16
+    groups of nearly equal length, each one SDPA (any device, both architectures); ``varlen`` runs one SDPA a layer
+    over nested jagged tensors (flash or mem-efficient attention over cumulative lengths on CUDA: no gathers, no
+    per-group calls; BERT only, as a ModernBERT local layer's window is a mask that path does not take; on the CPU
+    it works but loops over sequences with a host read each). ``auto``: varlen for BERT on CUDA, groups otherwise.
+    Not yet measured on a GPU (docs/performance.md)."""
     trim_last_layer: bool = True
     """The training step's MLM and pair passes compute their last layer only for the tokens a loss reads: the MLM
     rows' labelled tokens (about 15%) and, under [CLS] pooling with no mean pooling blended in and no autoencoder,
@@ -188,6 +195,16 @@ class TrainConfig:
     def step_unpadded(self) -> bool:
         """Whether the training step runs unpadded: ``unpadded``, except under ``compile`` (see above)."""
         return self.unpadded and not self.compile
+
+    def unpadded_layout(self, arch: str, device_type: str) -> str | bool:
+        """What the training step's ``unpadded`` is on a ``device_type`` ("cuda", "cpu") for ``model.arch``: False
+        where it runs padded (``step_unpadded``), else its attention layout (model/packing.py's ``LAYOUTS``),
+        ``unpadded_attention`` with auto as varlen for BERT on CUDA and groups otherwise."""
+        if not self.step_unpadded:
+            return False
+        if self.unpadded_attention == "auto":
+            return "varlen" if arch == "bert" and device_type == "cuda" else "groups"
+        return self.unpadded_attention
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):

@@ -1,4 +1,5 @@
-"""Multi-head self-attention over SDPA: padded (a boolean padding mask) or unpadded (packed.py's groups).
+"""Multi-head self-attention over SDPA: padded (a boolean padding mask) or unpadded (packing.py's groups, or
+its varlen layout: nested jagged tensors).
 
 Shapes: B batch, T sequence length, D hidden size, H heads, K head size (D = H*K), N packed tokens,
 n rows and t length of an attention group, P attention slots of all groups.
@@ -63,6 +64,10 @@ class SelfAttention(nn.Module):
         (model/gather.py)."""
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
+        if packed.cu_seqlens_B1 is not None:
+            qkv = (F.linear(x_ND, *self.qkv_span).chunk(3, dim=-1) if self.qkv_span is not None
+                   else self._qkv(x_ND))
+            return self.out(take_rows(varlen_attention(*qkv, packed, h, dropout_p), rows_S))
         groups = packed.groups
         if self.qkv_span is not None:  # fused: one gather of the (N, 3D) projections into every group's slots
             parts = group_heads(gather_slots(F.linear(x_ND, *self.qkv_span), packed), packed, h, k)
@@ -76,3 +81,23 @@ class SelfAttention(nn.Module):
             y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
         y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
         return self.out(take_rows(y_PD, packed.slots(rows_S)))
+
+
+def varlen_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, packed: Packed, num_heads: int,
+                     dropout_p: float) -> torch.Tensor:
+    """y_ND: each sequence of the stream attending to itself in one SDPA over nested jagged tensors (``packed``'s
+    varlen layout: ``cu_seqlens_B1`` and the host's shortest and longest length). On CUDA that is flash or
+    mem-efficient attention over cumulative lengths, reading q/k/v where they lie (strided columns of the fused
+    projection included); on the CPU torch's math path, which needs them contiguous and loops over sequences
+    with a host read each (tests only: training on a CPU takes the groups). Dropout is SDPA's own."""
+    n, d = q_ND.shape
+    cpu = q_ND.device.type == "cpu"
+
+    def nested(z_ND: torch.Tensor) -> torch.Tensor:
+        z_NHK = z_ND.view(n, num_heads, d // num_heads)
+        return torch.nested.nested_tensor_from_jagged(
+            z_NHK.contiguous() if cpu else z_NHK, packed.cu_seqlens_B1, min_seqlen=packed.min_length,
+            max_seqlen=packed.max_length).transpose(1, 2)
+
+    y = F.scaled_dot_product_attention(nested(q_ND), nested(k_ND), nested(v_ND), dropout_p=dropout_p)
+    return y.transpose(1, 2).values().reshape(n, d)

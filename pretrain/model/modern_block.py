@@ -72,6 +72,9 @@ class ModernAttention(nn.Module):
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
         if packed is not None:
+            if packed.cu_seqlens_B1 is not None:
+                raise ValueError("model.arch=modernbert attends per attention group: a local layer's window is a mask, "
+                                 "which the varlen layout does not take; set train.unpadded_attention=groups (or auto)")
             # One gather of the (N, 3D) projections into every group's slots; RoPE by slot column (tables (T, K)),
             # which writes q and k head-major (n, H, t, K) for attention (rotary._rotate: contiguous output).
             y_parts = []

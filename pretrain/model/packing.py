@@ -17,8 +17,11 @@ varlen kernel, in torch 2.13:
 - Groups are plain SDPA on CPU and CUDA alike: dropout, the padded path's kernels (flash for a group of equal
   lengths, mem-efficient for a masked one) and a few calls per layer. ``plan_groups`` picks the cut that computes
   the fewest attention scores, using more groups only while padding is above ``MAX_WASTE`` of them.
-On a GPU a varlen kernel (flash attention over cu_seqlens) would do the same in one call per layer; it waits for a
-GPU to be tested on.
+On CUDA the ``varlen`` layout (train.unpadded_attention) does the same in one call per layer: SDPA over nested
+jagged tensors made from the stream and its ``cu_seqlens_B1`` (flash or mem-efficient attention over cumulative
+lengths; the host gives the longest and shortest length, so nothing is read back). No groups, no gathers. BERT
+only: a ModernBERT local layer's window is a mask, which that path does not take. On the CPU it runs too (the
+math path's loop over sequences, with a host read per sequence): tests only.
 """
 
 from __future__ import annotations
@@ -81,6 +84,13 @@ class Packed:
     groups: tuple[AttentionGroup, ...]
     num_rows: int
     width: int
+    cu_seqlens_B1: torch.Tensor | None = None
+    """The ``varlen`` layout (``pack(..., attention="varlen")``): (B + 1,) stream offset of each sequence and the
+    stream's length, for attention over nested jagged tensors; then no groups, and the stream is its own slots
+    (``back_N``/``gather_P`` None)."""
+    min_length: int = 0
+    max_length: int = 0
+    """Shortest and longest sequence (the varlen layout's kernel sizes, given so the device is not asked)."""
 
     @property
     def num_tokens(self) -> int:
@@ -101,8 +111,8 @@ class Packed:
         return [g.num_rows * g.length for g in self.groups]
 
     def check_layout(self) -> None:
-        """Raises where the encoder is to attend over a stream packed without its attention groups."""
-        if not self.groups and self.num_rows:
+        """Raises where the encoder is to attend over a stream packed without its attention layout."""
+        if not self.groups and self.cu_seqlens_B1 is None and self.num_rows:
             raise ValueError("this stream was packed without its attention layout (pack(..., attention=False): the "
                              "MLM rows' and views' own streams beside the joint one, train.joint_pass); run the "
                              "encoder over the joint stream, or pack with host_facts(..., joint=False)")
@@ -173,11 +183,17 @@ def take_rows(x: torch.Tensor, rows_S: torch.Tensor | None) -> torch.Tensor:
     return x if rows_S is None else gather_unique(x.flatten(0, -2), rows_S)
 
 
-def pack(parts: list[tuple[np.ndarray, np.ndarray]], attention: bool = True) -> Packed:
+LAYOUTS = ("groups", "varlen")
+"""A stream's attention layouts (train.unpadded_attention): ``groups`` (attention groups, any device, any model)
+or ``varlen`` (``cu_seqlens_B1``: one nested-jagged SDPA a layer; CUDA, BERT)."""
+
+
+def pack(parts: list[tuple[np.ndarray, np.ndarray]], attention: bool | str = True) -> Packed:
     """The rows of the padded (ids_BT, mask_BT) pairs in ``parts``, stacked (rows of the first pair, then of the
     next, as ``torch.cat`` of the padded pairs right-padded to the widest), as one stream (host tensors).
-    ``attention=False``: without the attention layout (no groups, empty ``gather_P``/``back_N``; most of the
-    packing's host time), for a stream the encoder does not run over (pooling, labels and unpacking only)."""
+    ``attention``: the attention layout, one of ``LAYOUTS`` (True: groups); False: none (no groups, empty
+    ``gather_P``/``back_N``; most of the packing's host time), for a stream the encoder does not run over
+    (pooling, labels and unpacking only)."""
     width = max(ids.shape[1] for ids, _ in parts)
     lengths, ids, index, base = [], [], [], 0
     for ids_BT, mask_BT in parts:
@@ -193,10 +209,10 @@ def pack(parts: list[tuple[np.ndarray, np.ndarray]], attention: bool = True) -> 
     return _stream(np.concatenate(ids), np.concatenate(lengths), np.concatenate(index), width, attention)
 
 
-def join(streams: list[Packed]) -> Packed:
-    """Host streams one after the other as one stream with its attention layout: what ``pack`` of all their parts
-    gives (``index_N`` into their rows stacked at the widest width), from their tokens, not their masks again.
-    train.joint_pass's stream is the MLM rows' and the views' (training/step.py: host_facts)."""
+def join(streams: list[Packed], attention: str = "groups") -> Packed:
+    """Host streams one after the other as one stream with its attention layout (``LAYOUTS``): what ``pack`` of
+    all their parts gives (``index_N`` into their rows stacked at the widest width), from their tokens, not their
+    masks again. train.joint_pass's stream is the MLM rows' and the views' (training/step.py: host_facts)."""
     width = max(s.width for s in streams)
     ids, lengths, index, base = [], [], [], 0
     for s in streams:
@@ -205,27 +221,37 @@ def join(streams: list[Packed]) -> Packed:
         ids.append(s.ids_N.numpy())
         lengths.append(s.lengths_B.numpy())
         base += s.num_rows
-    return _stream(np.concatenate(ids), np.concatenate(lengths), np.concatenate(index), width, True)
+    return _stream(np.concatenate(ids), np.concatenate(lengths), np.concatenate(index), width, attention)
 
 
-def _stream(ids_N: np.ndarray, lengths_B: np.ndarray, index_N: np.ndarray, width: int, attention: bool) -> Packed:
+def _stream(ids_N: np.ndarray, lengths_B: np.ndarray, index_N: np.ndarray, width: int,
+            attention: bool | str) -> Packed:
     """The Packed of real tokens ``ids_N`` in rows of ``lengths_B`` (``pack``, ``join``)."""
+    layout = "groups" if attention is True else attention
+    if layout and layout not in LAYOUTS:
+        raise ValueError(f"unknown attention layout {attention!r}; one of {', '.join(LAYOUTS)}")
     lengths_B = lengths_B.astype(np.int64)
     if lengths_B.size and lengths_B.min() < 1:
         raise ValueError("unpadded sequences need at least one token per row; got an empty row")
     offsets_B = np.concatenate([[0], np.cumsum(lengths_B)[:-1]]).astype(np.int64)
     row_N = np.repeat(np.arange(len(lengths_B)), lengths_B)
-    if attention:
+    cu_seqlens = None
+    if layout == "groups":
         groups, back_N, gather_P = _attention_groups(lengths_B, offsets_B)
+    elif layout == "varlen":  # the stream is its own slots
+        groups, back_N, gather_P = (), None, None
+        cu_seqlens = np.append(offsets_B, row_N.size)
     else:
         groups, back_N, gather_P = (), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
 
     def t(a):
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
     return Packed(ids_N=t(ids_N), position_ids_N=t(np.arange(row_N.size) - offsets_B[row_N]), row_N=t(row_N),
                   first_B=t(offsets_B), lengths_B=t(lengths_B), index_N=t(index_N), back_N=t(back_N),
-                  gather_P=t(gather_P), groups=groups, num_rows=len(lengths_B), width=width)
+                  gather_P=t(gather_P), groups=groups, num_rows=len(lengths_B), width=width,
+                  cu_seqlens_B1=t(cu_seqlens), min_length=int(lengths_B.min()) if lengths_B.size else 0,
+                  max_length=int(lengths_B.max()) if lengths_B.size else 0)
 
 
 def _attention_groups(lengths_B: np.ndarray, offsets_B: np.ndarray

@@ -27,7 +27,7 @@ from pretrain.training.step import (
 
 
 def cached_optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int, step: int,
-                          precision: str, unpadded: bool = False, trim_heap: bool = False,
+                          precision: str, unpadded: bool | str = False, trim_heap: bool = False,
                           pin_memory: bool = False) -> StepResult:
     """``step.optimizer_step`` with the contrastive batch the whole step: the same arguments and result.
     ``trim_heap`` (train.malloc_trim_chunks; CPU only): glibc's heap is trimmed after each chunk's backward, so

@@ -78,11 +78,12 @@ def bucket_batch(batch: dict, buckets: Buckets) -> dict:
 
 
 def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int, step: int,
-                   precision: str, unpadded: bool = False, joint: bool = False, buckets: Buckets | None = None,
+                   precision: str, unpadded: bool | str = False, joint: bool = False, buckets: Buckets | None = None,
                    pin_memory: bool = False) -> StepResult:
     """grad_accum micro-batches from ``next_batch()`` through forward -> loss -> backward, then the update (or its
     skip when any rank saw a non-finite loss or gradient); finite micro-batches' metrics are added to ``sums``.
-    ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences; ``joint`` (train.joint_pass where
+    ``unpadded`` (train.unpadded): the host packs each micro-batch's sequences, with the attention layout it names
+    (True: groups; ``TrainConfig.unpadded_layout``); ``joint`` (train.joint_pass where
     the objective keeps it, ``Context.joint_pass``): also the MLM rows and views as one stream; ``buckets``: the
     compiled step's bucketed shapes (all ``host_facts``); ``pin_memory``: train.pin_memory (``to_device``)."""
     n_samples, n_tokens, all_finite_t, loss_sum = 0, 0, None, 0.0
@@ -127,14 +128,16 @@ def count_tokens(batch: dict) -> int:
     return int(sum(batch[k].numpy().sum() for k in keys if k in batch))
 
 
-def host_facts(batch: dict, *, unpadded: bool = False, joint: bool = False, buckets: Buckets | None = None) -> dict:
+def host_facts(batch: dict, *, unpadded: bool | str = False, joint: bool = False,
+               buckets: Buckets | None = None) -> dict:
     """The batch (host tensors, from the loader) with what the device would otherwise be asked for, read here
     with numpy before it moves: ``mlm_positions`` (flat indices of the MLM-labelled tokens: the MLM head's
     rows, a shape the device cannot know without a sync) and ``full_masks`` (the attention masks without
     padding: the encoder then passes no mask).
 
     ``unpadded``: also the sequences packed into streams (model/packing.py: ``pack``; lengths, positions and
-    attention groups are shapes too): ``packed_mlm`` (the MLM rows; ``mlm_labels_packed`` and ``mlm_positions``
+    attention groups are shapes too; ``unpadded`` may name the layout, model/packing.py's ``LAYOUTS``, True
+    being groups): ``packed_mlm`` (the MLM rows; ``mlm_labels_packed`` and ``mlm_positions``
     then index the stream), ``packed_views`` (view A's rows, then view B's: the pair's one pass) and
     ``packed_sentences`` (the sentence stage's rows twice, or data.pairs' anchors then positives). Triplets, data.pairs'
     hard negatives and RankCSE's teachers stay padded. ``joint`` (train.joint_pass where the objective keeps it,
@@ -149,9 +152,11 @@ def host_facts(batch: dict, *, unpadded: bool = False, joint: bool = False, buck
         raise ValueError("bucketed shapes are for the compiled step, which runs padded")
     out = dict(batch) if buckets is None else bucket_batch(batch, buckets)
     batch = out
+    layout = ("groups" if unpadded is True else unpadded) if unpadded else False
     joint = joint and unpadded and "attention_mask" in batch and "view_a_ids" in batch
     if unpadded and "attention_mask" in batch:
-        out["packed_mlm"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())], attention=not joint)
+        out["packed_mlm"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())],
+                                 attention=not joint and layout)
     if "mlm_labels" in batch:
         labels = batch["mlm_labels"].numpy().reshape(-1)
         if "packed_mlm" in out:
@@ -166,13 +171,13 @@ def host_facts(batch: dict, *, unpadded: bool = False, joint: bool = False, buck
         out["mlm_positions"] = torch.from_numpy(positions)
     if unpadded and "view_a_ids" in batch:
         views = [(batch[f"view_{v}_ids"].numpy(), batch[f"view_{v}_mask"].numpy()) for v in "ab"]
-        out["packed_views"] = pack(views, attention=not joint)
+        out["packed_views"] = pack(views, attention=not joint and layout)
         if joint:
-            out["packed_joint"] = join([out["packed_mlm"], out["packed_views"]])
+            out["packed_joint"] = join([out["packed_mlm"], out["packed_views"]], layout)
     if unpadded and "sentence_ids" in batch:
         second = "positive" if "positive_ids" in batch else "sentence"  # data.pairs' positive, or the sentence again
         out["packed_sentences"] = pack([(batch["sentence_ids"].numpy(), batch["sentence_mask"].numpy()),
-                                        (batch[f"{second}_ids"].numpy(), batch[f"{second}_mask"].numpy())])
+                                        (batch[f"{second}_ids"].numpy(), batch[f"{second}_mask"].numpy())], layout)
     out["full_masks"] = frozenset(k for k, v in batch.items() if k.endswith("_mask") and v.numpy().all())
     return out
 

@@ -101,6 +101,8 @@ class Trainer:
         self.engine = Engine(self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
                              train=cfg.train, dist=cfg.distributed, env=env,
                              lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps), load_universal=plan.universal)
+        self.unpadded = cfg.train.unpadded_layout(cfg.model.arch, torch.device(self.engine.device).type)
+        """The step's ``unpadded``: False (padded) or its attention layout (train.unpadded_attention)."""
         if plan.tag_dir is None:
             self.state = TrainState(world_size=env.world_size, micro_batch_size=cfg.train.micro_batch_size,
                                     grad_accum=cfg.train.grad_accum, seed=cfg.seed, sample_stream=stream,
@@ -188,7 +190,7 @@ class Trainer:
                    else partial(optimizer_step, buckets=self.buckets, joint=self.module.objective.ctx.joint_pass))
         result = step_fn(self.engine, lambda: self._next_batch(loader), self.window.sums, env=self.env,
                          grad_accum=self.cfg.train.grad_accum, seed=self.cfg.seed, step=st.step,
-                         precision=self.cfg.train.precision, unpadded=self.cfg.train.step_unpadded,
+                         precision=self.cfg.train.precision, unpadded=self.unpadded,
                          pin_memory=self.cfg.train.pin_memory)
         st.step += 1
         self.spikes.record(st.step, result.loss, result.bad)  # device scalars, read when they are judged

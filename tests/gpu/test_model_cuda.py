@@ -8,6 +8,8 @@ suite runs only on the CPU.
 - train.pin_memory: the step's host batch and packed streams reach the GPU whole through pinned memory.
 - train.joint_pass: the MLM rows and views in one pass on the GPU (packed, or padded), against two passes in
   float64.
+- train.unpadded_attention=varlen (the default for BERT on CUDA): one nested-jagged SDPA a layer (flash in bf16,
+  mem-efficient in fp32), against the padded float64 model, with CUDA's sync debug mode raising on any host wait.
 
 ``PRETRAIN_GPU_TEST_DEVICE=cpu`` runs this file on the CPU to check the tests themselves: everything passes there
 but the dropout test, which must fail (the CPU draws its own masks).
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from pretrain.config.model import ModelConfig
 from pretrain.model import build_model
 from pretrain.model.banded import banded_attention, make_band, use_band
-from pretrain.model.dropout import Dropout, attention
+from pretrain.model.dropout import FAST_MIN_NUMEL, Dropout, attention
 from pretrain.model.packing import pack
 from pretrain.model.rotary import apply_rope, rope_tables, window_mask
 
@@ -95,7 +97,8 @@ def test_banded_attention_on_the_device_matches_the_dense_window_in_float64(dtyp
 def test_dropout_on_the_device_is_torchs_own_draw():
     """With fast_dropout on (the default), the GPU draws exactly what torch's dropout draws from the same seed: the
     fast masks are a CPU path (on the CPU this test fails, as it should)."""
-    x = torch.randn(64, 256, device=DEVICE)
+    x = torch.randn(256, 256, device=DEVICE)
+    assert x.numel() >= FAST_MIN_NUMEL  # on the CPU, large enough for the fast masks (smaller ones are torch's)
     drop = Dropout(0.1).train()
     assert drop.fast_dropout
     torch.manual_seed(3)
@@ -103,8 +106,8 @@ def test_dropout_on_the_device_is_torchs_own_draw():
     torch.manual_seed(3)
     want = F.dropout(x, 0.1, True)
     assert torch.equal(got, want)
-    q, k, v = (torch.randn(2, 4, 33, 16, device=DEVICE) for _ in range(3))
-    mask = torch.rand(2, 1, 33, 33, device=DEVICE) > 0.2
+    q, k, v = (torch.randn(2, 4, 96, 16, device=DEVICE) for _ in range(3))
+    mask = torch.rand(2, 1, 96, 96, device=DEVICE) > 0.2
     torch.manual_seed(4)
     got = attention(q, k, v, mask, 0.1, fast=True)
     torch.manual_seed(4)
@@ -112,36 +115,55 @@ def test_dropout_on_the_device_is_torchs_own_draw():
     assert torch.equal(got, want)
 
 
-def test_modernbert_unpadded_on_the_device_matches_the_padded_float64_model():
-    """A tiny ModernBERT (window 8: the local layers take the band from 21 tokens on), unpadded on the device in
-    fp32, against the same weights padded in float64 on the CPU: hidden states of the real tokens and the
-    gradient of every parameter."""
-    cfg = ModelConfig(arch="modernbert", vocab_size=60, hidden_size=64, num_heads=4, ffn_size=96, num_layers=4,
-                      local_window=8, pooler=False, layer_norm_eps=1e-5, dropout=0.0, attention_dropout=0.0)
+def _unpadded_against_float64(cfg: ModelConfig, layout: str = "groups", dtype=torch.float32,
+                              tol: float = 1e-4, no_host_waits: bool = False) -> None:
+    """``cfg``'s model unpadded on the device (``layout``, ``dtype``) against the same weights padded in float64 on
+    the CPU, over six rows of very different lengths (70 tokens at most): the hidden states of the real tokens and
+    the gradient of every parameter, each within ``tol`` of the reference's largest magnitude (a gradient that is
+    zero in exact arithmetic, as the key bias's, within 1e-9). ``no_host_waits``: the device's forward and backward
+    run under CUDA's sync debug mode set to raise."""
     ref = build_model(cfg, seed=1).double().train()
-    model = build_model(cfg, seed=1).to(DEVICE).train()
+    model = build_model(cfg, seed=1).to(DEVICE, dtype).train()
     lengths = [70, 3, 33, 70, 21, 9]
     g = torch.Generator().manual_seed(2)
     t = max(lengths)
     mask_BT = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).long()
-    ids_BT = torch.randint(4, 60, (len(lengths), t), generator=g) * mask_BT
-    upstream_BTD = torch.randn(len(lengths), t, 64, generator=g, dtype=torch.float64) * mask_BT[..., None]
+    ids_BT = torch.randint(4, cfg.vocab_size, (len(lengths), t), generator=g) * mask_BT
+    upstream_BTD = torch.randn(len(lengths), t, cfg.hidden_size, generator=g, dtype=torch.float64) * mask_BT[..., None]
     h_BTD = ref.encode(ids_BT, mask_BT)
     (h_BTD * upstream_BTD).sum().backward()
-    packed = pack([(ids_BT.numpy(), mask_BT.numpy())])
-    h_ND = model.encode(None, None, packed=packed.to(DEVICE))
-    upstream_ND = upstream_BTD.flatten(0, 1)[packed.index_N].to(DEVICE, torch.float32)
-    (h_ND * upstream_ND).sum().backward()
-    assert _rel(h_ND, h_BTD.flatten(0, 1)[packed.index_N]) < 1e-4
+    packed = pack([(ids_BT.numpy(), mask_BT.numpy())], layout)
+    on_device = packed.to(DEVICE)
+    upstream_ND = upstream_BTD.flatten(0, 1)[packed.index_N].to(DEVICE, dtype)
+    strict = no_host_waits and DEVICE == "cuda"
+    if strict:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        h_ND = model.encode(None, None, packed=on_device)
+        (h_ND * upstream_ND).sum().backward()
+    finally:
+        if strict:
+            torch.cuda.set_sync_debug_mode("default")
+    assert _rel(h_ND, h_BTD.flatten(0, 1)[packed.index_N]) < tol
     ref_params = dict(ref.named_parameters())
     checked = 0
     for name, p in model.named_parameters():
         if p.grad is None:
             assert ref_params[name].grad is None, name
             continue
-        assert _rel(p.grad, ref_params[name].grad) < 1e-4, name
+        assert _rel(p.grad, ref_params[name].grad) < tol or float(ref_params[name].grad.abs().max()) < 1e-9, name
         checked += 1
     assert checked > 20
+
+
+def test_modernbert_unpadded_on_the_device_matches_the_padded_float64_model():
+    """A tiny ModernBERT (window 8: the local layers take the band from 21 tokens on), unpadded on the device in
+    fp32, against the same weights padded in float64 on the CPU: hidden states of the real tokens and the
+    gradient of every parameter."""
+    _unpadded_against_float64(ModelConfig(arch="modernbert", vocab_size=60, hidden_size=64, num_heads=4, ffn_size=96,
+                                          num_layers=4, local_window=8, pooler=False, layer_norm_eps=1e-5,
+                                          dropout=0.0, attention_dropout=0.0))
 
 
 def test_a_pinned_batch_arrives_whole_on_the_device():
@@ -179,12 +201,14 @@ def test_a_pinned_batch_arrives_whole_on_the_device():
             assert d.device.type == torch.device(DEVICE).type and torch.equal(d.cpu(), h), key
 
 
-@pytest.mark.parametrize("unpadded", [True, False])
+@pytest.mark.parametrize("unpadded", [True, False, "varlen"])
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
 def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch, unpadded):
     """train.joint_pass (the default): the MLM rows and both views in one pass on the device, against the two
-    passes of the same model in float64 on the CPU: the loss and every gradient. Packed, or padded (the compiled
-    step's path: ``packing.padded_stream``)."""
+    passes of the same model in float64 on the CPU: the loss and every gradient. Packed (attention groups, or
+    BERT's varlen layout), or padded (the compiled step's path: ``packing.padded_stream``)."""
+    if arch == "modernbert" and unpadded == "varlen":
+        pytest.skip("ModernBERT attends per group (its window is a mask)")
     from pretrain.config import ObjectiveConfig, OpsConfig
     from pretrain.config.objective import MLMConfig, NTXentConfig
     from pretrain.distributed.env import single_process_env
@@ -213,7 +237,8 @@ def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch, unpadd
     results = []
     for device, dtype, joint in ((DEVICE, torch.float32, True), ("cpu", torch.float64, False)):
         m = module(device, dtype, joint)
-        loss, _ = m(to_device(host_facts(batch, unpadded=unpadded, joint=joint), device))
+        layout = unpadded if joint else bool(unpadded)  # the float64 reference: attention groups
+        loss, _ = m(to_device(host_facts(batch, unpadded=layout, joint=joint), device))
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
     (loss_j, grads_j), (loss_ref, grads_ref) = results
@@ -221,3 +246,15 @@ def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch, unpadd
     assert grads_j.keys() == grads_ref.keys() and len(grads_ref) > 15
     for name, g in grads_ref.items():
         assert _rel(grads_j[name], g) < 1e-4 or float(g.abs().max()) < 1e-12, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_attention_on_the_device_matches_the_padded_float64_model_without_host_waits(dtype):
+    """BERT's varlen layout (train.unpadded_attention, auto on CUDA): one SDPA over nested jagged tensors a layer,
+    on the device in fp32 (mem-efficient attention) and bf16 (flash), against the same weights padded in float64 on
+    the CPU: hidden states of the real tokens and every gradient. The forward and backward run under CUDA's sync
+    debug mode set to raise, so a host read of the lengths (the NJT math path's) fails the test."""
+    cfg = ModelConfig(vocab_size=60, hidden_size=64, num_heads=4, ffn_size=128, num_layers=2, max_position=80,
+                      dropout=0.0, attention_dropout=0.0)
+    _unpadded_against_float64(cfg, "varlen", dtype, 1e-4 if dtype == torch.float32 else TOL[dtype],
+                              no_host_waits=True)

@@ -115,3 +115,37 @@ def test_a_compiled_step_that_does_not_log_forces_no_sync(tmp_path, tiny_overrid
         if trainer is not None:
             trainer.close()
         destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_trainer_takes_the_attention_layout_it_is_given(tmp_path, tiny_overrides, clean_env):
+    """train.unpadded_attention: auto is the groups on the CPU; varlen reaches the step as streams with cumulative
+    lengths and no groups, and the step trains (on the CPU torch's nested-jagged math path reads each length on the
+    host, so no sync count here: tests/gpu checks the CUDA path waits for nothing)."""
+    env = single_process_env()
+    for choice, want in (("auto", "groups"), ("varlen", "varlen")):
+        cfg = load_run_config(None, tiny_overrides(tmp_path / choice, data__valid="[]",
+                                                   train__unpadded_attention=choice))
+        init_process_group(env, backend="gloo", timeout_s=60)
+        trainer = None
+        try:
+            trainer = Trainer(cfg, env)
+            assert trainer.unpadded == want
+            forward, seen = trainer.engine.forward, []
+
+            def forward_seen(batch, **kwargs):
+                stream = batch["packed_joint"]
+                seen.append("varlen" if stream.cu_seqlens_B1 is not None and not stream.groups else "groups")
+                return forward(batch, **kwargs)
+
+            trainer.engine.forward = forward_seen
+            loader = iter(trainer._loader(trainer.train_set, 0))
+            trainer.engine.train()
+            for _ in range(2):
+                trainer.train_step(loader)
+            assert seen == [want, want]
+            assert torch.isfinite(torch.tensor(trainer.window.sums.reduce(env)["loss"]))
+        finally:
+            if trainer is not None:
+                trainer.close()
+            destroy_process_group()

@@ -60,6 +60,7 @@ def test_include_order_and_local_keys_win(tmp_path):
     ("checkpoint.every_minutes=.inf", "checkpoint.every_minutes"),
     ("checkpoint.background=maybe", "checkpoint.background"),
     ("train.micro_batch_size=true", "train.micro_batch_size"),
+    ("train.unpadded_attention=flash", "train.unpadded_attention"),
 ])
 def test_bad_values_name_the_dotted_path(override, fragment):
     with pytest.raises(ValueError) as e:
@@ -197,6 +198,9 @@ def test_settings_that_cannot_act_are_named():
     assert any("train.unpadded=true does nothing with train.compile=true" in ln
                for ln in lines(["train.compile=true", "optim.warmup_steps=100"]))
     assert lines(["train.compile=true", "train.unpadded=false", "optim.warmup_steps=100"]) == []
+    assert any("train.unpadded_attention=groups does nothing: the step runs padded (train.unpadded=false)" in ln
+               for ln in lines(["train.unpadded=false", "train.unpadded_attention=groups", "optim.warmup_steps=100"]))
+    assert lines(["train.unpadded_attention=groups", "optim.warmup_steps=100"]) == []
     graphs = ["train.compile=true", "train.unpadded=false", "train.compile_mode=reduce-overhead",
               "optim.warmup_steps=100"]
     assert any("record one graph per distinct batch shape" in ln for ln in lines(graphs))
@@ -253,3 +257,15 @@ def test_null_for_a_string_key_names_the_empty_string_that_unsets_it():
     with pytest.raises(ValueError, match=r"expected a string, got int 3$"):
         load_run_config(None, ["checkpoint.init_from=3"])
     assert load_run_config(None, ["checkpoint.init_from=some/dir", "checkpoint.init_from=''"]).checkpoint.init_from == ""
+
+
+def test_the_unpadded_attention_layout_is_varlen_for_bert_on_cuda_and_refused_for_modernbert():
+    train = load_run_config(None, []).train
+    assert [train.unpadded_layout(arch, dev) for arch in ("bert", "modernbert") for dev in ("cuda", "cpu")] == \
+        ["varlen", "groups", "groups", "groups"]
+    assert load_run_config(None, ["train.unpadded_attention=groups"]).train.unpadded_layout("bert", "cuda") == "groups"
+    assert load_run_config(None, ["train.unpadded_attention=varlen"]).train.unpadded_layout("bert", "cpu") == "varlen"
+    assert load_run_config(None, ["train.unpadded=false"]).train.unpadded_layout("bert", "cuda") is False
+    assert load_run_config(None, ["train.compile=true"]).train.unpadded_layout("bert", "cuda") is False
+    with pytest.raises(ValueError, match="train.unpadded_attention=varlen is for model.arch=bert"):
+        load_run_config(str(CONFIGS / "models" / "modernbert-tiny.yaml"), ["train.unpadded_attention=varlen"])

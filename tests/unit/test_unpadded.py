@@ -22,6 +22,7 @@ from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
 from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
 from pretrain.distributed.env import single_process_env
 from pretrain.model import build_model
+from pretrain.model.attention import SelfAttention
 from pretrain.model.packing import MAX_GROUPS, compute_counts, pack, plan_groups
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.training.step import host_facts
@@ -55,9 +56,9 @@ def _batch(seed=0) -> dict:
                 view_b_ids=view_b, view_b_mask=mask_b)
 
 
-def _loss_and_grads(module, batch, unpadded: bool):
+def _loss_and_grads(module, batch, unpadded: bool | str, joint: bool = False):
     module.zero_grad(set_to_none=True)
-    loss, metrics = module(host_facts(batch, unpadded=unpadded))
+    loss, metrics = module(host_facts(batch, unpadded=unpadded, joint=joint))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     return loss.detach(), {k: v[0] for k, v in metrics.items()}, grads
@@ -74,24 +75,45 @@ def _train_module(pooling="cls", mean_mix=0.0, stage="pretrain", **model_kw):
     return TrainModule(model, Objective(cfg, ctx))
 
 
-def _assert_same(module, batch, terms):
+def _assert_same(module, batch, terms, layout="groups", min_grads=20, joint=False):
     loss_p, metrics_p, grads_p = _loss_and_grads(module, batch, unpadded=False)
-    loss_u, metrics_u, grads_u = _loss_and_grads(module, batch, unpadded=True)
+    loss_u, metrics_u, grads_u = _loss_and_grads(module, batch, unpadded=layout, joint=joint)
     for term in terms:
         torch.testing.assert_close(metrics_u[term], metrics_p[term], rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(loss_u, loss_p, rtol=RTOL, atol=ATOL)
-    assert grads_u.keys() == grads_p.keys() and len(grads_p) > 20
+    assert grads_u.keys() == grads_p.keys() and len(grads_p) > min_grads
     for name, g in grads_p.items():
         scale = float(g.abs().max())
         torch.testing.assert_close(grads_u[name], g, rtol=0, atol=RTOL * scale + 1e-9,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+LAYOUTS = ["groups", "varlen"]
+"""The unpadded path's attention layouts (train.unpadded_attention; varlen is nested-jagged SDPA, on the CPU
+torch's math path: the same arithmetic per sequence, so the same tolerance)."""
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("pooling, mean_mix, norm", [("cls", 0.0, "post"), ("cls", 0.5, "pre"),
                                                       ("mean", 0.0, "post")])
-def test_losses_and_gradients_equal_the_padded_path(pooling, mean_mix, norm):
+def test_losses_and_gradients_equal_the_padded_path(pooling, mean_mix, norm, layout):
     """MLM rows and CLEAR's two views (one pass), [CLS] and mean pooling, post- and pre-LN."""
-    _assert_same(_train_module(pooling, mean_mix, norm=norm), _batch(), ("mlm", "nt_xent"))
+    _assert_same(_train_module(pooling, mean_mix, norm=norm), _batch(), ("mlm", "nt_xent"), layout)
+
+
+def test_the_varlen_layout_with_flat_layers_and_two_passes_equals_the_padded_path():
+    """varlen with the fused q/k/v span of a flattened layer (train.flat_params: strided q, k, v columns), in the
+    joint pass (train.joint_pass: the MLM rows and both views as one stream) with the last layer trimmed to the
+    rows a loss reads (train.trim_last_layer), and in two passes (each stream with its own layout)."""
+    from pretrain.model.flat import flatten_layers
+
+    module = _train_module("cls")
+    flatten_layers(module.model)
+    module.objective.ctx.joint_pass = module.objective.ctx.trim_last_layer = True  # the last layer for some rows
+    _assert_same(module, _batch(), ("mlm", "nt_xent"), "varlen", min_grads=5, joint=True)  # flat: few tensors
+    assert all(m.qkv_span is not None for m in module.modules() if isinstance(m, SelfAttention))  # the fused span ran
+    module.objective.ctx.joint_pass = False
+    _assert_same(module, _batch(1), ("mlm", "nt_xent"), "varlen", min_grads=5)
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
@@ -107,7 +129,9 @@ def test_the_sentence_stage_pair_equals_the_padded_path():
     """The sentence stage's pair (each sentence twice in one pass), SimCSE's InfoNCE, mean pooling."""
     gen = torch.Generator().manual_seed(1)
     ids, mask = _rows([12, 3, 30, 30, 7, 2], 30, gen)
-    _assert_same(_train_module("mean", stage="sentences"), dict(sentence_ids=ids, sentence_mask=mask), ("info_nce",))
+    for layout in LAYOUTS:
+        _assert_same(_train_module("mean", stage="sentences"), dict(sentence_ids=ids, sentence_mask=mask),
+                     ("info_nce",), layout)
 
 
 def pairs_batch(seed: int) -> dict:
@@ -122,13 +146,16 @@ def pairs_batch(seed: int) -> dict:
 
 def test_data_pairs_anchor_and_positive_equal_the_padded_path():
     """data.pairs: anchors and positives of other widths packed into one pass, hard negatives padded (their own pass)."""
-    _assert_same(_train_module("mean", stage="sentences"), pairs_batch(2), ("info_nce", "info_nce_hard_neg_cos"))
+    for layout in LAYOUTS:
+        _assert_same(_train_module("mean", stage="sentences"), pairs_batch(2), ("info_nce", "info_nce_hard_neg_cos"),
+                     layout)
 
 
-def test_hidden_states_equal_the_padded_path_at_every_real_token():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hidden_states_equal_the_padded_path_at_every_real_token(layout):
     model = build_model(_model_cfg(), seed=0).eval()
     batch = _batch()
-    packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())])
+    packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())], layout)
     layers_p = model.encode(batch["input_ids"], batch["attention_mask"], all_layers=True)
     layers_u = model.encode(None, None, packed=packed, all_layers=True)
     for h_BTD, h_ND in zip(layers_p, layers_u, strict=True):
@@ -152,6 +179,33 @@ def test_the_comparison_sees_a_leak():
     assert packed.groups[0].num_rows > 1 or len(packed.groups) > 1
     with pytest.raises(AssertionError):
         torch.testing.assert_close(model.encode(None, None, packed=packed), reference, rtol=RTOL, atol=ATOL)
+
+
+def test_the_comparison_sees_a_leak_in_the_varlen_layout():
+    """Two sequences run together (one cumulative length dropped) are caught by the same check."""
+    model = build_model(_model_cfg(), seed=0).eval()
+    batch = _batch()
+    packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())], "varlen")
+    reference = model.encode(batch["input_ids"], batch["attention_mask"])[batch["attention_mask"]]
+    torch.testing.assert_close(model.encode(None, None, packed=packed), reference, rtol=RTOL, atol=ATOL)
+    cu = packed.cu_seqlens_B1
+    packed.cu_seqlens_B1 = torch.cat([cu[:1], cu[2:]])
+    packed.max_length = int((packed.cu_seqlens_B1[1:] - packed.cu_seqlens_B1[:-1]).max())
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(model.encode(None, None, packed=packed), reference, rtol=RTOL, atol=ATOL)
+
+
+def test_the_varlen_layout_is_offsets_without_groups_and_refused_by_modernbert():
+    batch = _batch()
+    packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())], "varlen")
+    assert packed.groups == () and packed.gather_P is None and packed.back_N is None
+    assert packed.cu_seqlens_B1.tolist() == np.cumsum([0, *LENGTHS]).tolist()
+    assert (packed.min_length, packed.max_length) == (min(LENGTHS), max(LENGTHS))
+    with pytest.raises(ValueError, match="unknown attention layout"):
+        pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())], "flash")
+    model = build_model(_model_cfg(arch="modernbert", pooler=False, local_window=16, layer_norm_eps=1e-5), seed=0)
+    with pytest.raises(ValueError, match="train.unpadded_attention=groups"):
+        model.encode(None, None, packed=packed)
 
 
 def test_attention_dropout_acts_in_the_packed_path():
