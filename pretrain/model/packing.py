@@ -307,8 +307,11 @@ def compute_counts(packed: Packed) -> dict[str, int]:
     """What each path computes for this batch, per layer (scores also per head): ``real_tokens`` (N, also what the
     unpadded path's linear layers see), ``padded_tokens`` (B * T: every row at the padded width, the padded path),
     ``real_scores`` (sum of L^2: each token against its own sequence), ``padded_scores`` (B * T^2) and
-    ``unpadded_scores`` (sum over attention groups of n * t^2). tools/padding_share.py sums them over real batches."""
+    ``unpadded_scores`` (sum over attention groups of n * t^2; the varlen layout's are the real ones).
+    tools/padding_share.py sums them over real batches."""
     lengths_B = packed.lengths_B.cpu().numpy().astype(np.int64)
+    real_scores = int((lengths_B**2).sum())
     return {"real_tokens": int(lengths_B.sum()), "padded_tokens": packed.num_rows * packed.width,
-            "real_scores": int((lengths_B**2).sum()), "padded_scores": packed.num_rows * packed.width**2,
-            "unpadded_scores": sum(g.num_rows * g.length**2 for g in packed.groups)}
+            "real_scores": real_scores, "padded_scores": packed.num_rows * packed.width**2,
+            "unpadded_scores": real_scores if packed.cu_seqlens_B1 is not None
+            else sum(g.num_rows * g.length**2 for g in packed.groups)}

@@ -116,14 +116,20 @@ def test_dropout_on_the_device_is_torchs_own_draw():
 
 
 def _unpadded_against_float64(cfg: ModelConfig, layout: str = "groups", dtype=torch.float32,
-                              tol: float = 1e-4, no_host_waits: bool = False) -> None:
+                              tol: float = 1e-4, no_host_waits: bool = False, flat: bool = False) -> None:
     """``cfg``'s model unpadded on the device (``layout``, ``dtype``) against the same weights padded in float64 on
     the CPU, over six rows of very different lengths (70 tokens at most): the hidden states of the real tokens and
     the gradient of every parameter, each within ``tol`` of the reference's largest magnitude (a gradient that is
     zero in exact arithmetic, as the key bias's, within 1e-9). ``no_host_waits``: the device's forward and backward
-    run under CUDA's sync debug mode set to raise."""
+    run under CUDA's sync debug mode set to raise. ``flat``: both models' layers flattened (train.flat_params: BERT's
+    q, k and v are then strided columns of one fused projection)."""
+    from pretrain.model.flat import flatten_layers
+
     ref = build_model(cfg, seed=1).double().train()
     model = build_model(cfg, seed=1).to(DEVICE, dtype).train()
+    if flat:
+        flatten_layers(ref)
+        flatten_layers(model)
     lengths = [70, 3, 33, 70, 21, 9]
     g = torch.Generator().manual_seed(2)
     t = max(lengths)
@@ -154,7 +160,7 @@ def _unpadded_against_float64(cfg: ModelConfig, layout: str = "groups", dtype=to
             continue
         assert _rel(p.grad, ref_params[name].grad) < tol or float(ref_params[name].grad.abs().max()) < 1e-9, name
         checked += 1
-    assert checked > 20
+    assert checked > (5 if flat else 20)
 
 
 def test_modernbert_unpadded_on_the_device_matches_the_padded_float64_model():
@@ -248,13 +254,15 @@ def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch, unpadd
         assert _rel(grads_j[name], g) < 1e-4 or float(g.abs().max()) < 1e-12, name
 
 
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_varlen_attention_on_the_device_matches_the_padded_float64_model_without_host_waits(dtype):
+def test_varlen_attention_on_the_device_matches_the_padded_float64_model_without_host_waits(dtype, flat):
     """BERT's varlen layout (train.unpadded_attention, auto on CUDA): one SDPA over nested jagged tensors a layer,
     on the device in fp32 (mem-efficient attention) and bf16 (flash), against the same weights padded in float64 on
     the CPU: hidden states of the real tokens and every gradient. The forward and backward run under CUDA's sync
-    debug mode set to raise, so a host read of the lengths (the NJT math path's) fails the test."""
+    debug mode set to raise, so a host read of the lengths (the NJT math path's) fails the test. Flattened layers
+    (train.flat_params, the default) hand the kernel q, k and v as strided columns of the fused projection."""
     cfg = ModelConfig(vocab_size=60, hidden_size=64, num_heads=4, ffn_size=128, num_layers=2, max_position=80,
                       dropout=0.0, attention_dropout=0.0)
     _unpadded_against_float64(cfg, "varlen", dtype, 1e-4 if dtype == torch.float32 else TOL[dtype],
-                              no_host_waits=True)
+                              no_host_waits=True, flat=flat)

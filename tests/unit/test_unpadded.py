@@ -201,6 +201,8 @@ def test_the_varlen_layout_is_offsets_without_groups_and_refused_by_modernbert()
     assert packed.groups == () and packed.gather_P is None and packed.back_N is None
     assert packed.cu_seqlens_B1.tolist() == np.cumsum([0, *LENGTHS]).tolist()
     assert (packed.min_length, packed.max_length) == (min(LENGTHS), max(LENGTHS))
+    counts = compute_counts(packed)
+    assert counts["unpadded_scores"] == counts["real_scores"] == sum(n * n for n in LENGTHS)
     with pytest.raises(ValueError, match="unknown attention layout"):
         pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())], "flash")
     model = build_model(_model_cfg(arch="modernbert", pooler=False, local_window=16, layer_norm_eps=1e-5), seed=0)
