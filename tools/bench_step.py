@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pretrain, not an installed one
+from pretrain.config import TrainConfig
 from pretrain.metrics.op_count import OpCounter
 
 SIZES = {  # configs/models/*.yaml
@@ -797,6 +798,9 @@ def main(argv=None) -> int:
           f"{f'real batches of the shared {args.data} (a new one each step)' if args.data else 'synthetic batch'}"
           + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else "") + f", {heap}")
     print(hf_arm_note(args.arch, args.device))
+    layout = TrainConfig(compile=args.compile).unpadded_layout(args.arch, args.device)
+    print(f"ours: {f'unpadded, attention layout {layout}' if layout else 'padded (the compiled step)'} "
+          "(train.unpadded_attention=auto)" + (f"; third arm {AB_OPTIONS[args.ab]}" if args.ab else ""))
     rows = []
     for size in args.sizes:
         for b in args.batch:
