@@ -36,10 +36,7 @@ class RunConfig:
     ``checkpoint.init_from`` can tell the model.* settings chosen from the defaults it may fill in."""
 
     def __post_init__(self) -> None:
-        if self.train.unpadded_attention == "varlen" and self.model.arch != "bert":
-            raise ValueError(f"train.unpadded_attention=varlen is for model.arch=bert; model.arch={self.model.arch} "
-                             "attends per group (a local layer's window is a mask the varlen path does not take): "
-                             "set train.unpadded_attention=groups or auto")
+        self.train.unpadded_layout(self.model.arch, "cpu")  # refuses train.unpadded_attention=varlen off BERT
 
     @property
     def step_compiled(self) -> bool:

@@ -199,7 +199,12 @@ class TrainConfig:
     def unpadded_layout(self, arch: str, device_type: str) -> str | bool:
         """What the training step's ``unpadded`` is on a ``device_type`` ("cuda", "cpu") for ``model.arch``: False
         where it runs padded (``step_unpadded``), else its attention layout (model/packing.py's ``LAYOUTS``),
-        ``unpadded_attention`` with auto as varlen for BERT on CUDA and groups otherwise."""
+        ``unpadded_attention`` with auto as varlen for BERT on CUDA and groups otherwise. varlen with another
+        architecture is a ValueError (a ModernBERT local layer's window is a mask, which that path does not take)."""
+        if self.unpadded_attention == "varlen" and arch != "bert":
+            raise ValueError(f"train.unpadded_attention=varlen is for model.arch=bert; model.arch={arch} attends per "
+                             "group (a local layer's window is a mask the varlen path does not take): set "
+                             "train.unpadded_attention=groups or auto")
         if not self.step_unpadded:
             return False
         if self.unpadded_attention == "auto":
