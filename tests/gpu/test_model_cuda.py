@@ -261,8 +261,10 @@ def test_varlen_attention_on_the_device_matches_the_padded_float64_model_without
     on the device in fp32 (mem-efficient attention) and bf16 (flash), against the same weights padded in float64 on
     the CPU: hidden states of the real tokens and every gradient. The forward and backward run under CUDA's sync
     debug mode set to raise, so a host read of the lengths (the NJT math path's) fails the test. Flattened layers
-    (train.flat_params, the default) hand the kernel q, k and v as strided columns of the fused projection."""
+    (train.flat_params, the default) hand the kernel q, k and v as strided columns of the fused projection.
+    bf16's bound is 6e-2 of the largest magnitude: the CPU's bf16 path measured 1.9e-2 through these two layers
+    (2026-11-28), flash keeps its probabilities in bf16, and a leak across sequences or a lost token is O(1)."""
     cfg = ModelConfig(vocab_size=60, hidden_size=64, num_heads=4, ffn_size=128, num_layers=2, max_position=80,
                       dropout=0.0, attention_dropout=0.0)
-    _unpadded_against_float64(cfg, "varlen", dtype, 1e-4 if dtype == torch.float32 else TOL[dtype],
+    _unpadded_against_float64(cfg, "varlen", dtype, 1e-4 if dtype == torch.float32 else 6e-2,
                               no_host_waits=True, flat=flat)
