@@ -148,7 +148,7 @@ def real_batches(source: str, batch: int, seq: int, view_len: int, count: int,
     import padding_share
 
     tok_path = padding_share.bert_tokenizer()
-    path = padding_share.prepare(Path(work), tok_path, 20)[source]
+    path = padding_share.prepare(Path(work), tok_path, 20, (source,))[source]
     recipe = Path(__file__).resolve().parents[1] / "configs" / "recipes" / "clear_del_span_reorder.yaml"
     it = padding_share.recipe_batches(str(recipe), tok_path, [(source, path)], batch, seq, view_len)
     return [dict(next(it)) for _ in range(count)]
@@ -451,6 +451,8 @@ def measure(args, size: str) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
             res["ours_full"] = _timed_arm("ours_full", lambda: ours(args.ab), host_batch, args.steps, "cuda")
+        if args.data:  # on the GPU every step reruns the first real batch
+            res["padding"] = padding_shares([host_batch])
         return res
     # --ab: a third arm, ours with that option off, in the same alternation.
     full = ours(args.ab) if args.ab else None
@@ -731,8 +733,10 @@ def main(argv=None) -> int:
                    help="micro-batch sizes, ascending; a size stops at the first batch that does not fit")
     p.add_argument("--vocab", type=int, default=30522)
     p.add_argument("--data", choices=DATA_SOURCES, default="",
-                   help="CPU: real micro-batches of this shared corpus (CLEAR's masking and views, padded as collate "
-                   "pads them; a new one each step) instead of the synthetic full-length batch; vocab 30522")
+                   help="real micro-batches of this shared corpus (CLEAR's masking and views, padded as collate "
+                   "pads them; on the CPU a new one each step, on CUDA the first one every step) instead of the "
+                   "synthetic full-length batch; vocab 30522 ($PRETRAIN_DATA_DIR, $PRETRAIN_BERT_TOKENIZER: "
+                   "tools/gpu_data.sh)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--pooling", choices=sorted(POOLINGS), default="mean",
                    help="the views' embedding in both arms: their mean (the quickstart's) or their [CLS] state (the "

@@ -9,8 +9,11 @@
 #   PYTHON             interpreter with a CUDA torch (default python3)
 #   PRETRAIN_WHEELS    directory of wheels to install offline when DeepSpeed is missing (default .whl, made by
 #                      tools/gpu_wheels.sh); without it, pip installs from the index
+#   PRETRAIN_GPU_DATA  the shared books and BERT's tokenizer.json for bench_step_books (default .gpu_data, made by
+#                      tools/gpu_data.sh); without it that stage is skipped
 #   GPU_CHECK_STAGES   comma list of stages to run (default: all; they run in this order, the figures the
-#                      issues still wait for first) install,tests,bench_step,bench_step_compile,smoke,bench_modernbert,
+#                      issues still wait for first) install,tests,bench_step,bench_step_compile,bench_step_books (real
+#                      padded batches of the shared books, when .gpu_data was carried: tools/gpu_data.sh),smoke,bench_modernbert,
 #                      bench_similarity (the similarity kernel was measured on the H100 of 2026-11-22 and is unchanged),
 #                      bench_modernbert_compile (issue 27 item 4 compiled, both arms), bench_step_joint (ours
 #                      with train.joint_pass=false beside): the last two run only when time is left
@@ -31,7 +34,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
-STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_step_compile,smoke,bench_modernbert,bench_similarity,bench_modernbert_compile,bench_step_joint}
+STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_step_compile,bench_step_books,smoke,bench_modernbert,bench_similarity,bench_modernbert_compile,bench_step_joint}
+GPU_DATA=${PRETRAIN_GPU_DATA:-$PWD/.gpu_data}
 SMOKE_ARGS=${GPU_CHECK_SMOKE_ARGS:-}
 BUDGET=${GPU_CHECK_BUDGET_S:-0}
 BATCHES=${GPU_CHECK_BATCHES:-256 512}
@@ -112,6 +116,18 @@ stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch 
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --compile --compile-mode reduce-overhead --profile-out "$OUT/profile_step_compile.txt" \
   --json-out "$OUT/bench_step_compile.json"
+# Real CLEAR micro-batches of the shared books (BERT's WordPiece, the recipe's masking and views, ~16% of the MLM
+# rows' tokens padding): the unpadded step where HF computes padding, with the attention groups as third arm.
+# Needs the books and tokenizer tools/gpu_data.sh stages on this side (carried as .gpu_data).
+if [ -d "$GPU_DATA/corpus/books" ] && [ -f "$GPU_DATA/tokenizer.json" ]; then
+  # shellcheck disable=SC2086
+  stage bench_step_books 900 env PRETRAIN_DATA_DIR="$GPU_DATA" PRETRAIN_BERT_TOKENIZER="$GPU_DATA/tokenizer.json" \
+    $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 --zero-stage 2 --data books \
+    --pooling cls --ab varlen --json-out "$OUT/bench_step_books.json"
+elif [[ ",$STAGES," == *",bench_step_books,"* ]]; then
+  echo "[gpu_check] bench_step_books skipped: no $GPU_DATA (bash tools/gpu_data.sh here, then carry .gpu_data)"
+  record bench_step_books '"skipped: no data"' 0
+fi
 # shellcheck disable=SC2086
 stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke" $SMOKE_ARGS
 # shellcheck disable=SC2086
@@ -133,8 +149,8 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 summary = {"stages": [json.loads(l) for l in (out / "stages.jsonl").read_text().splitlines() if l.strip()]}
-for name in ("bench_similarity", "bench_step", "bench_step_compile", "bench_modernbert", "bench_modernbert_compile",
-             "bench_step_joint", "smoke"):
+for name in ("bench_similarity", "bench_step", "bench_step_compile", "bench_step_books", "bench_modernbert",
+             "bench_modernbert_compile", "bench_step_joint", "smoke"):
     p = out / f"{name}.json"
     if p.is_file():
         summary[name] = json.loads(p.read_text())

