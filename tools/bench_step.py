@@ -794,12 +794,13 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()[0]
     mm = matmul_tflops() if args.device == "cuda" else None
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    each = "the first one every step" if args.device == "cuda" else "a new one each step"
     print(f"device {name}, torch {torch.__version__}, transformers {_version('transformers')}, arch {args.arch}, "
           f"precision {args.precision}, zero {args.zero_stage}, compile {args.compile}"
           f"{f' ({args.compile_mode})' if args.compile else ''}, pooling {args.pooling}, "
           f"seq {args.seq} (+2 views x "
           f"{args.view_len}), vocab {args.vocab}, median of {args.steps} steps, "
-          f"{f'real batches of the shared {args.data} (a new one each step)' if args.data else 'synthetic batch'}"
+          f"{f'real batches of the shared {args.data} ({each})' if args.data else 'synthetic batch'}"
           + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else "") + f", {heap}")
     print(hf_arm_note(args.arch, args.device))
     layout = TrainConfig(compile=args.compile).unpadded_layout(args.arch, args.device)

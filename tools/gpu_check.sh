@@ -36,6 +36,10 @@ PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
 STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_step_compile,bench_step_books,smoke,bench_modernbert,bench_similarity,bench_modernbert_compile,bench_step_joint}
 GPU_DATA=${PRETRAIN_GPU_DATA:-$PWD/.gpu_data}
+DATA_ENV=()  # the books and tokenizer tools/gpu_data.sh staged, when they were carried: --data books reads them
+if [ -d "$GPU_DATA/corpus/books" ] && [ -f "$GPU_DATA/tokenizer.json" ]; then
+  DATA_ENV=(env PRETRAIN_DATA_DIR="$GPU_DATA" PRETRAIN_BERT_TOKENIZER="$GPU_DATA/tokenizer.json")
+fi
 SMOKE_ARGS=${GPU_CHECK_SMOKE_ARGS:-}
 BUDGET=${GPU_CHECK_BUDGET_S:-0}
 BATCHES=${GPU_CHECK_BATCHES:-256 512}
@@ -119,11 +123,10 @@ stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base 
 # Real CLEAR micro-batches of the shared books (BERT's WordPiece, the recipe's masking and views, ~16% of the MLM
 # rows' tokens padding): the unpadded step where HF computes padding, with the attention groups as third arm.
 # Needs the books and tokenizer tools/gpu_data.sh stages on this side (carried as .gpu_data).
-if [ -d "$GPU_DATA/corpus/books" ] && [ -f "$GPU_DATA/tokenizer.json" ]; then
+if [ ${#DATA_ENV[@]} -gt 0 ]; then
   # shellcheck disable=SC2086
-  stage bench_step_books 900 env PRETRAIN_DATA_DIR="$GPU_DATA" PRETRAIN_BERT_TOKENIZER="$GPU_DATA/tokenizer.json" \
-    $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 --zero-stage 2 --data books \
-    --pooling cls --ab varlen --json-out "$OUT/bench_step_books.json"
+  stage bench_step_books 900 "${DATA_ENV[@]}" $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES \
+    --steps 10 --zero-stage 2 --data books --pooling cls --ab varlen --json-out "$OUT/bench_step_books.json"
 elif [[ ",$STAGES," == *",bench_step_books,"* ]]; then
   echo "[gpu_check] bench_step_books skipped: no $GPU_DATA (bash tools/gpu_data.sh here, then carry .gpu_data)"
   record bench_step_books '"skipped: no data"' 0
@@ -132,13 +135,9 @@ fi
 stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke" $SMOKE_ARGS
 # ModernBERT on the books' real padded batches when they were carried (the H200 measured the synthetic batch, where
 # HF's padded SDPA computes no padding), else on the synthetic one
-MODERN_DATA=()
-if [ -d "$GPU_DATA/corpus/books" ] && [ -f "$GPU_DATA/tokenizer.json" ]; then
-  MODERN_DATA=(env PRETRAIN_DATA_DIR="$GPU_DATA" PRETRAIN_BERT_TOKENIZER="$GPU_DATA/tokenizer.json")
-fi
 # shellcheck disable=SC2086
-stage bench_modernbert 600 "${MODERN_DATA[@]}" $PY tools/bench_step.py --device cuda --arch modernbert --sizes base \
-  --batch $BATCHES --steps 10 --zero-stage 2 --ab pin ${MODERN_DATA:+--data books --pooling cls} \
+stage bench_modernbert 600 "${DATA_ENV[@]}" $PY tools/bench_step.py --device cuda --arch modernbert --sizes base \
+  --batch $BATCHES --steps 10 --zero-stage 2 --ab pin ${DATA_ENV:+--data books --pooling cls} \
   --json-out "$OUT/bench_modernbert.json"
 stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
   --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"

@@ -65,9 +65,7 @@ class SelfAttention(nn.Module):
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
         if packed.cu_seqlens_B1 is not None:
-            qkv = (F.linear(x_ND, *self.qkv_span).chunk(3, dim=-1) if self.qkv_span is not None
-                   else self._qkv(x_ND))
-            return self.out(take_rows(varlen_attention(*qkv, packed, h, dropout_p), rows_S))
+            return self.out(take_rows(varlen_attention(*self._qkv(x_ND), packed, h, dropout_p), rows_S))
         groups = packed.groups
         if self.qkv_span is not None:  # fused: one gather of the (N, 3D) projections into every group's slots
             parts = group_heads(gather_slots(F.linear(x_ND, *self.qkv_span), packed), packed, h, k)

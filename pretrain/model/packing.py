@@ -209,8 +209,8 @@ def pack(parts: list[tuple[np.ndarray, np.ndarray]], attention: bool | str = Tru
     return _stream(np.concatenate(ids), np.concatenate(lengths), np.concatenate(index), width, attention)
 
 
-def join(streams: list[Packed], attention: str = "groups") -> Packed:
-    """Host streams one after the other as one stream with its attention layout (``LAYOUTS``): what ``pack`` of
+def join(streams: list[Packed], attention: bool | str = True) -> Packed:
+    """Host streams one after the other as one stream with its attention layout (as ``pack``'s): what ``pack`` of
     all their parts gives (``index_N`` into their rows stacked at the widest width), from their tokens, not their
     masks again. train.joint_pass's stream is the MLM rows' and the views' (training/step.py: host_facts)."""
     width = max(s.width for s in streams)

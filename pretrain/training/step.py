@@ -152,11 +152,10 @@ def host_facts(batch: dict, *, unpadded: bool | str = False, joint: bool = False
         raise ValueError("bucketed shapes are for the compiled step, which runs padded")
     out = dict(batch) if buckets is None else bucket_batch(batch, buckets)
     batch = out
-    layout = ("groups" if unpadded is True else unpadded) if unpadded else False
     joint = joint and unpadded and "attention_mask" in batch and "view_a_ids" in batch
     if unpadded and "attention_mask" in batch:
         out["packed_mlm"] = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())],
-                                 attention=not joint and layout)
+                                 attention=not joint and unpadded)
     if "mlm_labels" in batch:
         labels = batch["mlm_labels"].numpy().reshape(-1)
         if "packed_mlm" in out:
@@ -171,13 +170,13 @@ def host_facts(batch: dict, *, unpadded: bool | str = False, joint: bool = False
         out["mlm_positions"] = torch.from_numpy(positions)
     if unpadded and "view_a_ids" in batch:
         views = [(batch[f"view_{v}_ids"].numpy(), batch[f"view_{v}_mask"].numpy()) for v in "ab"]
-        out["packed_views"] = pack(views, attention=not joint and layout)
+        out["packed_views"] = pack(views, attention=not joint and unpadded)
         if joint:
-            out["packed_joint"] = join([out["packed_mlm"], out["packed_views"]], layout)
+            out["packed_joint"] = join([out["packed_mlm"], out["packed_views"]], unpadded)
     if unpadded and "sentence_ids" in batch:
         second = "positive" if "positive_ids" in batch else "sentence"  # data.pairs' positive, or the sentence again
         out["packed_sentences"] = pack([(batch["sentence_ids"].numpy(), batch["sentence_mask"].numpy()),
-                                        (batch[f"{second}_ids"].numpy(), batch[f"{second}_mask"].numpy())], layout)
+                                        (batch[f"{second}_ids"].numpy(), batch[f"{second}_mask"].numpy())], unpadded)
     out["full_masks"] = frozenset(k for k, v in batch.items() if k.endswith("_mask") and v.numpy().all())
     return out
 
