@@ -292,8 +292,10 @@ def build_hf(size: str, vocab: int, seq: int, device: str, precision: str = "fp3
     (the tied decoder weight once)."""
     model, encoder = _hf_modernbert(size, vocab, seq, device) if arch == "modernbert" else _hf_bert(size, vocab, seq)
     model.to(device)
-    if compile_:
-        model.compile(mode=None if compile_mode == "default" else compile_mode)
+    if compile_:  # the MLM model and the encoder the views go through (its own module, called directly)
+        mode = None if compile_mode == "default" else compile_mode
+        model.compile(mode=mode)
+        (model.model if arch == "modernbert" else model.bert).compile(mode=mode)
     d = model.config.hidden_size
     proj = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)).to(device)
     params = list(model.parameters()) + list(proj.parameters())

@@ -16,6 +16,8 @@ partitions and gathers per module, and would free the storage the views hold) ke
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -64,6 +66,8 @@ def flatten_unit(unit: nn.Module) -> None:
             unit.register_parameter(f"flat_{kind}", flat)
     unit._flat_slots = {kind: s for kind, s in slots.items() if s}
     unit._flat_segments, unit._flat_spans = _plan(unit, unit._flat_slots)
+    unit._flat_key = next(_KEYS)
+    _TRACED_PLANS[unit._flat_key] = _traced_plan_of(unit)
     unit._flat_cache = None
     unit.register_state_dict_post_hook(_state_dict_per_tensor)
     unit.register_load_state_dict_pre_hook(_load_per_tensor)
@@ -163,6 +167,46 @@ def _segments(slots: dict[str, list[_Slot]], groups: dict[tuple[str, int], int])
     return segments, index_of
 
 
+_KEYS = itertools.count()
+_TRACED_PLANS: dict[int, tuple] = {}
+"""``unit._flat_key`` -> the unit's plan as constants (``_traced_plan_of``), what a traced ``materialize`` reads."""
+
+
+def _traced_plan_of(unit: nn.Module) -> tuple:
+    """The unit's ``_flat_segments`` and ``_flat_spans`` as nested tuples of names and numbers, for the traced
+    ``materialize`` and ``forget_traced_views``: ((kind, split sizes, view shapes, ((segment index, owner path,
+    attr, first row or None, end row), ...)), ...), ((owner path, attr, ((kind, segment index), ...)), ...) and
+    every (owner path, attr) the views are set on; an owner path is the names from the unit down to the module."""
+    paths = {id(m): tuple(name.split(".")) if name else () for name, m in unit.named_modules()}
+    kinds, targets = [], []
+    for kind, segments in unit._flat_segments.items():
+        puts = []
+        for i, seg in enumerate(segments):
+            for slot, start, end in seg.members or [(seg.slot, None, None)]:
+                puts.append((i, paths[id(slot.owner)], slot.attr, start, end))
+                targets.append((paths[id(slot.owner)], slot.attr))
+        kinds.append((kind, tuple(seg.numel for seg in segments), tuple(tuple(seg.shape) for seg in segments),
+                      tuple(puts)))
+    spans = tuple((paths[id(owner)], attr, tuple((kind, i) for kind, i in refs))
+                  for owner, attr, refs in unit._flat_spans)
+    return tuple(kinds), spans, tuple(targets) + tuple((path, attr) for path, attr, _ in spans)
+
+
+@torch.compiler.assume_constant_result
+def _traced_plan(key: int) -> tuple:
+    """``_TRACED_PLANS[key]``, a constant to torch.compile: the trace reads the plan without a guard on each of its
+    numbers and names (about 3,000 guards at BERT-base depth, evaluated before every call of the compiled step:
+    ~2 ms of a 24 ms step's host time, docs/performance.md). The plan never changes after ``flatten_unit``; the
+    unit's key is guarded."""
+    return _TRACED_PLANS[key]
+
+
+def _owner(unit: nn.Module, path: tuple) -> nn.Module:
+    for name in path:
+        unit = getattr(unit, name)
+    return unit
+
+
 def release_views(model: nn.Module) -> None:
     """Drops the cached parameter views of the model's flattened layers (``flatten_layers``): their next forward makes new ones.
     Called at the start of every training forward (TrainModule.forward), so that each micro-step's graph has
@@ -180,34 +224,50 @@ def materialize(unit: nn.Module) -> None:
     for a unit that is not flattened). The views are made once per (storage, version, grad mode) and reused by
     the micro-step's other forwards until ``release_views``; traced by torch.compile, they are made inside the
     graph."""
+    if torch.compiler.is_compiling():
+        _materialize_traced(unit)
+        return
     slots = getattr(unit, "_flat_slots", None)
     if slots is None:
         return
     flats = {kind: getattr(unit, f"flat_{kind}") for kind in slots}
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-               tuple((f.data_ptr(), f._version, f.dtype, f.device) for f in flats.values()))
-        if unit._flat_cache == key:
-            return
-    # Eagerly the views go straight into the owners' __dict__: what nn.Module.__setattr__ ends in for a plain
-    # tensor whose name is no parameter, buffer or submodule (flatten_unit removed the parameter), without its
-    # checks (~5 us each, 17 a BERT layer, a tenth of a BERT-base-depth step's host time). Traced, setattr.
-    put = setattr if compiling else _put
+    key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+           tuple((f.data_ptr(), f._version, f.dtype, f.device) for f in flats.values()))
+    if unit._flat_cache == key:
+        return
+    # The views go straight into the owners' __dict__: what nn.Module.__setattr__ ends in for a plain tensor whose
+    # name is no parameter, buffer or submodule (flatten_unit removed the parameter), without its checks (~5 us
+    # each, 17 a BERT layer, a tenth of a BERT-base-depth step's host time).
     views = {}
     for kind, segments in unit._flat_segments.items():
         views[kind] = [part.view(seg.shape) for seg, part in
                        zip(segments, torch.split(flats[kind], [seg.numel for seg in segments]))]
         for seg, view in zip(segments, views[kind]):
             if seg.members is None:
-                put(seg.slot.owner, seg.slot.attr, view)
+                _put(seg.slot.owner, seg.slot.attr, view)
             else:  # a span's parameters: row ranges of its one view
                 for slot, start, end in seg.members:
-                    put(slot.owner, slot.attr, view[start:end])
+                    _put(slot.owner, slot.attr, view[start:end])
     for owner, attr, refs in unit._flat_spans:
-        put(owner, attr, tuple(views[kind][i] for kind, i in refs))
-    if not compiling:
-        unit._flat_cache = key
+        _put(owner, attr, tuple(views[kind][i] for kind, i in refs))
+    unit._flat_cache = key
+
+
+def _materialize_traced(unit: nn.Module) -> None:
+    """``materialize`` inside torch.compile: the same views from the unit's constant plan (``_traced_plan``),
+    set with setattr on owners reached by name from the unit."""
+    key = getattr(unit, "_flat_key", None)
+    if key is None:
+        return
+    kinds, spans, _ = _traced_plan(key)
+    views = {}
+    for kind, sizes, shapes, puts in kinds:
+        views[kind] = [part.view(shape) for part, shape in
+                       zip(torch.split(getattr(unit, f"flat_{kind}"), sizes), shapes)]
+        for i, path, attr, start, end in puts:
+            setattr(_owner(unit, path), attr, views[kind][i] if start is None else views[kind][i][start:end])
+    for path, attr, refs in spans:
+        setattr(_owner(unit, path), attr, tuple(views[kind][i] for kind, i in refs))
 
 
 def _put(owner: nn.Module, attr: str, value) -> None:
@@ -220,13 +280,13 @@ def forget_traced_views(unit: nn.Module) -> None:
     view made inside the graph is a graph output, and after each call AOTAutograd regenerates it as an alias of
     its flat tensor and Dynamo sets it on its module: 17 views a BERT layer, about a quarter of a compiled step's
     host time at BERT-base depth (docs/performance.md). The backward does not read the attributes."""
-    if getattr(unit, "_flat_slots", None) is None or not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
         return
-    for kind_slots in unit._flat_slots.values():
-        for slot in kind_slots:
-            setattr(slot.owner, slot.attr, None)
-    for owner, attr, _ in unit._flat_spans:
-        setattr(owner, attr, None)
+    key = getattr(unit, "_flat_key", None)
+    if key is None:
+        return
+    for path, attr in _traced_plan(key)[2]:
+        setattr(_owner(unit, path), attr, None)
     unit._flat_cache = None  # an eager forward after this one makes its views again
 
 
