@@ -192,13 +192,19 @@ def _traced_plan_of(unit: nn.Module) -> tuple:
     return tuple(kinds), spans, tuple(targets) + tuple((path, attr) for path, attr, _ in spans)
 
 
-@torch.compiler.assume_constant_result
 def _traced_plan(key: int) -> tuple:
-    """``_TRACED_PLANS[key]``, a constant to torch.compile: the trace reads the plan without a guard on each of its
-    numbers and names (about 3,000 guards at BERT-base depth, evaluated before every call of the compiled step:
-    ~2 ms of a 24 ms step's host time, docs/performance.md). The plan never changes after ``flatten_unit``; the
-    unit's key is guarded."""
+    """``_TRACED_PLANS[key]``; a constant to torch.compile once ``mark_plans_constant`` has run."""
     return _TRACED_PLANS[key]
+
+
+def mark_plans_constant() -> None:
+    """Makes ``_traced_plan`` a constant to torch.compile (``assume_constant_result``): a trace reads a layer's plan
+    without a guard on each of its numbers and names (about 3,000 guards at BERT-base depth, evaluated before every
+    call of the compiled step: ~1.3 ms of its host time, docs/performance.md); the unit's key is guarded, and the
+    plan never changes after ``flatten_unit``. Called before compiling (``TrainModule.compile_step``), not at
+    import, which would import torch._dynamo into every eager run. Without it a trace reads the plan entry by
+    entry: the same graph, with the guards."""
+    torch.compiler.assume_constant_result(_traced_plan)
 
 
 def _owner(unit: nn.Module, path: tuple) -> nn.Module:

@@ -31,7 +31,7 @@ import torch
 from pretrain.config.objective import ObjectiveConfig
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.model.autoencoder import TextCNNAutoencoder
-from pretrain.model.flat import release_views
+from pretrain.model.flat import mark_plans_constant, release_views
 from pretrain.objective.forward import Context, Forward
 from pretrain.objective.grad_cache import (
     CONTRASTIVE,
@@ -173,6 +173,7 @@ class TrainModule(torch.nn.Module):
     def compile_step(self, **compile_kwargs) -> None:
         """torch.compile the forward and the loss terms of a micro-batch as one graph (``Objective.run_terms``;
         ``compile_kwargs`` go to torch.compile: backend, mode, dynamic). The gradient cache's passes stay eager."""
+        mark_plans_constant()  # flat layers: their plans are constants to the trace (model/flat.py)
         self._run_terms = torch.compile(self.objective.run_terms, **compile_kwargs)
 
     def forward(self, batch: dict, anchor=None, *, embed_only: bool = False, cached: ChunkGrads | None = None):
