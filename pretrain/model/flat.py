@@ -200,7 +200,7 @@ def _traced_plan(key: int) -> tuple:
 def mark_plans_constant() -> None:
     """Makes ``_traced_plan`` a constant to torch.compile (``assume_constant_result``): a trace reads a layer's plan
     without a guard on each of its numbers and names (about 3,000 guards at BERT-base depth, evaluated before every
-    call of the compiled step: ~1.3 ms of its host time, docs/performance.md); the unit's key is guarded, and the
+    call of the compiled step: about 1 ms of its host time, docs/performance.md); the unit's key is guarded, and the
     plan never changes after ``flatten_unit``. Called before compiling (``TrainModule.compile_step``), not at
     import, which would import torch._dynamo into every eager run. Without it a trace reads the plan entry by
     entry: the same graph, with the guards."""

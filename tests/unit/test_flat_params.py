@@ -277,8 +277,8 @@ def test_the_compiled_step_guards_none_of_the_flat_plans_entries(arch):
     """A traced ``materialize`` reads the layer's plan (split sizes, shapes, which module gets which view) as one
     constant (``flat._traced_plan``), not entry by entry: read entry by entry, every number and name became a guard
     that torch.compile evaluates before each call of the compiled step (3,012 of 3,801 guards at BERT-base depth;
-    guard latency 2.3 ms before, 0.9 ms after, docs/performance.md). The guards are what torch.compile's
-    guard_filter_fn is shown (all kept); the compiled step still computes the eager step's loss."""
+    torch's one-shot guard latency 2.3 ms before, 0.9-1.5 ms after, docs/performance.md). The guards are what
+    torch.compile's guard_filter_fn is shown (all kept); the compiled step still computes the eager step's loss."""
     module = _module(True, num_layers=2, **arch)
     names = []
 
