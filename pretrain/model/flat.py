@@ -169,27 +169,24 @@ def _segments(slots: dict[str, list[_Slot]], groups: dict[tuple[str, int], int])
 
 _KEYS = itertools.count()
 _TRACED_PLANS: dict[int, tuple] = {}
-"""``unit._flat_key`` -> the unit's plan as constants (``_traced_plan_of``), what a traced ``materialize`` reads."""
+"""``unit._flat_key`` -> the unit's plan as constants (``_traced_plan_of``), what a traced ``materialize`` reads.
+Entries stay for the process (a few hundred names and numbers per layer flattened), so that a copy of a unit, which
+keeps its key, still finds its plan."""
 
 
 def _traced_plan_of(unit: nn.Module) -> tuple:
     """The unit's ``_flat_segments`` and ``_flat_spans`` as nested tuples of names and numbers, for the traced
     ``materialize`` and ``forget_traced_views``: ((kind, split sizes, view shapes, ((segment index, owner path,
-    attr, first row or None, end row), ...)), ...), ((owner path, attr, ((kind, segment index), ...)), ...) and
-    every (owner path, attr) the views are set on; an owner path is the names from the unit down to the module."""
+    attr, first row or None, end row), ...)), ...) and ((owner path, attr, ((kind, segment index), ...)), ...); an
+    owner path is the names from the unit down to the module."""
     paths = {id(m): tuple(name.split(".")) if name else () for name, m in unit.named_modules()}
-    kinds, targets = [], []
-    for kind, segments in unit._flat_segments.items():
-        puts = []
-        for i, seg in enumerate(segments):
-            for slot, start, end in seg.members or [(seg.slot, None, None)]:
-                puts.append((i, paths[id(slot.owner)], slot.attr, start, end))
-                targets.append((paths[id(slot.owner)], slot.attr))
-        kinds.append((kind, tuple(seg.numel for seg in segments), tuple(tuple(seg.shape) for seg in segments),
-                      tuple(puts)))
-    spans = tuple((paths[id(owner)], attr, tuple((kind, i) for kind, i in refs))
-                  for owner, attr, refs in unit._flat_spans)
-    return tuple(kinds), spans, tuple(targets) + tuple((path, attr) for path, attr, _ in spans)
+    kinds = tuple(
+        (kind, tuple(seg.numel for seg in segments), tuple(tuple(seg.shape) for seg in segments),
+         tuple((i, paths[id(slot.owner)], slot.attr, start, end) for i, seg in enumerate(segments)
+               for slot, start, end in seg.members or [(seg.slot, None, None)]))
+        for kind, segments in unit._flat_segments.items())
+    spans = tuple((paths[id(owner)], attr, tuple(refs)) for owner, attr, refs in unit._flat_spans)
+    return kinds, spans
 
 
 def _traced_plan(key: int) -> tuple:
@@ -265,7 +262,7 @@ def _materialize_traced(unit: nn.Module) -> None:
     key = getattr(unit, "_flat_key", None)
     if key is None:
         return
-    kinds, spans, _ = _traced_plan(key)
+    kinds, spans = _traced_plan(key)
     views = {}
     for kind, sizes, shapes, puts in kinds:
         views[kind] = [part.view(shape) for part, shape in
@@ -291,7 +288,9 @@ def forget_traced_views(unit: nn.Module) -> None:
     key = getattr(unit, "_flat_key", None)
     if key is None:
         return
-    for path, attr in _traced_plan(key)[2]:
+    kinds, spans = _traced_plan(key)
+    for path, attr in [(path, attr) for *_, puts in kinds for _, path, attr, _, _ in puts] + \
+            [(path, attr) for path, attr, _ in spans]:
         setattr(_owner(unit, path), attr, None)
     unit._flat_cache = None  # an eager forward after this one makes its views again
 
