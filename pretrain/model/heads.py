@@ -43,13 +43,15 @@ DECODER_CHUNK = 2048
 
 
 def decoder_logits(x_MD: torch.Tensor, w_VD: torch.Tensor, b_V: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x_MD, w_VD, b_V)``, the MLM decoder; on the CPU (eager, no autocast, a vocabulary of at least two
-    chunks) computed ``DECODER_CHUNK`` vocabulary rows at a time. One (M, D) x (D, 30,522) matmul runs at about 95
-    GFLOP/s on a 2-core AMD EPYC, the same work in 2,048-column pieces at 130-160 (its backward's two matmuls, whose
-    long dimension is the reduction or the rows, at 165-190 already): ModernBERT mini's decoder forward 83-97 ms ->
-    ~60 ms a step (docs/performance.md). Same arithmetic per element: each logit is one dot product of length D."""
+    """``F.linear(x_MD, w_VD, b_V)``, the MLM decoder; on the CPU (eager, float32, no autocast, a vocabulary of at
+    least two chunks) computed ``DECODER_CHUNK`` vocabulary rows at a time. One (M, D) x (D, 30,522) matmul runs at
+    about 95 GFLOP/s on a 2-core AMD EPYC, the same work in 2,048-column pieces at 130-160 (its backward's two
+    matmuls, whose long dimension is the reduction or the rows, at 165-190 already): ModernBERT mini's decoder
+    forward 83-97 ms -> 52-54 ms a step (docs/performance.md). Same arithmetic per element: each logit is one dot
+    product of length D. Other dtypes keep ``F.linear`` (not measured)."""
     if (x_MD.device.type != "cpu" or torch.compiler.is_compiling() or w_VD.shape[0] < 2 * DECODER_CHUNK
-            or torch.is_autocast_enabled("cpu") or x_MD.dtype != w_VD.dtype or x_MD.dim() != 2):
+            or torch.is_autocast_enabled("cpu") or x_MD.dtype != torch.float32 or w_VD.dtype != torch.float32
+            or x_MD.dim() != 2):
         return F.linear(x_MD, w_VD, b_V)
     return _ChunkedDecoder.apply(x_MD, w_VD, b_V)
 

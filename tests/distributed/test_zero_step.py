@@ -57,10 +57,17 @@ def _batch(permute: bool = False) -> dict:
 
 def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: bool, gather: bool,
           compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1,
-          joint: bool = False) -> None:
+          joint: bool = False, decoder_chunk: int = 0) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        chunked = []
+        if decoder_chunk:  # the CPU decoder's vocabulary chunks at this size (model/heads.py), its calls counted
+            from pretrain.model import heads
+
+            heads.DECODER_CHUNK = decoder_chunk
+            apply = heads._ChunkedDecoder.apply
+            heads._ChunkedDecoder.apply = lambda *a: chunked.append(1) or apply(*a)
         from pretrain.distributed.engine import Engine
         from pretrain.model import build_model
         from pretrain.objective import Context, Objective, TrainModule
@@ -108,6 +115,8 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
             weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
         if rank == 0:
             torch.save(weights, out)
+            if decoder_chunk:
+                torch.save(len(chunked), out + ".chunked")
             if compile_:
                 from torch._dynamo.utils import counters
 
@@ -144,11 +153,13 @@ def _whole(module, zero_stage: int):
 
 def _run(world: int, zero_stage: int, out: str, *, permute: bool = False, gather: bool = True,
          compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1,
-         joint: bool = False) -> dict:
-    """The model's weights after the step (under ``compile_``, rank 0's graph breaks in ``out``.breaks); with
-    ``nan_rank`` (-1: none) no step, but (the Engine's gradient norm, DeepSpeed's) after the backward."""
+         joint: bool = False, decoder_chunk: int = 0) -> dict:
+    """The model's weights after the step (under ``compile_``, rank 0's graph breaks in ``out``.breaks; with
+    ``decoder_chunk``, the MLM decoder in chunks of that many columns and rank 0's count of chunked calls in
+    ``out``.chunked); with ``nan_rank`` (-1: none) no step, but (the Engine's gradient norm, DeepSpeed's) after the
+    backward."""
     mp.spawn(_step, args=(world, _free_port(), zero_stage, out, permute, gather, compile_, nan_rank, precision,
-                          grad_accum, joint), nprocs=world, join=True)
+                          grad_accum, joint, decoder_chunk), nprocs=world, join=True)
     return torch.load(out)
 
 
@@ -255,3 +266,17 @@ def test_zero3_two_ranks_joint_pass_match_single_process(tmp_path):
     joint = _run(2, 3, str(tmp_path / "joint.pt"), joint=True)
     assert joint.keys() == single.keys()
     assert _update_mismatch(joint, single, init) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_the_chunked_decoder_over_two_ranks_matches_single_process(zero_stage, tmp_path):
+    """The CPU MLM decoder in vocabulary chunks (model/heads.py; here 64 of the 300 columns a piece) under ZeRO-2 and
+    ZeRO-3 (every parameter partitioned between uses: the tied word embeddings the chunks read are gathered for the
+    MLM head's forward and again for its backward): the single process's update, whose decoder is one linear."""
+    single, init = _single_process(tmp_path)
+    out = str(tmp_path / "chunked.pt")
+    chunked = _run(2, zero_stage, out, decoder_chunk=64)
+    assert torch.load(out + ".chunked") == 1  # the step's one MLM head call took the chunks
+    assert chunked.keys() == single.keys()
+    assert _update_mismatch(chunked, single, init) == []

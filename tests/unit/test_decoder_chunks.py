@@ -31,19 +31,7 @@ def _grads(fn, x, w, b, g):
 def test_chunked_logits_and_gradients_match_one_linear_in_float64(dtype, tol):
     vocab = 2 * DECODER_CHUNK + 77  # a last chunk shorter than the others
     x, w, b, g = _inputs(dtype, vocab)
-    calls = []
-    apply = _ChunkedDecoder.apply
-
-    def counted(*args):
-        calls.append(1)
-        return apply(*args)
-
-    _ChunkedDecoder.apply = counted
-    try:
-        ours = _grads(decoder_logits, x, w, b, g)
-    finally:
-        _ChunkedDecoder.apply = apply
-    assert calls, "the chunked path did not run"
+    ours = _grads(_ChunkedDecoder.apply, x, w, b, g)
     ref = _grads(F.linear, *(t.double() for t in (x, w, b, g)))
     for name, a, r in zip(("logits", "x", "w", "b"), ours, ref):
         assert a.dtype == dtype
@@ -56,24 +44,24 @@ def test_the_chunks_cover_every_column_once(monkeypatch):
     twice or skipped would hold another's value or garbage)."""
     monkeypatch.setattr(heads, "DECODER_CHUNK", 7)
     x, w, b, _ = _inputs(torch.float64, vocab=45)
-    got = decoder_logits(x, w, b)
+    got = _ChunkedDecoder.apply(x, w, b)
     want = torch.stack([x @ w[v] + b[v] for v in range(45)], dim=1)
     assert (got - want).abs().max().item() < 1e-12
 
 
-def test_small_vocabularies_and_autocast_take_linear():
-    x, w, b, _ = _inputs(torch.float32, vocab=DECODER_CHUNK)
+def test_the_decoder_is_chunked_in_float32_on_the_cpu_only(monkeypatch):
+    """decoder_logits takes the chunks for a float32 vocabulary of two chunks or more, eagerly and without autocast;
+    F.linear otherwise (one chunk, other dtypes, autocast)."""
     seen = []
     apply = _ChunkedDecoder.apply
-    _ChunkedDecoder.apply = lambda *a: seen.append(1) or apply(*a)
-    try:
-        decoder_logits(x, w, b)  # one chunk: nothing to split
-        x2, w2, b2, _ = _inputs(torch.float32, vocab=2 * DECODER_CHUNK)
-        with torch.autocast("cpu", torch.bfloat16):
-            out = decoder_logits(x2, w2, b2)
-        assert out.dtype == torch.bfloat16  # autocast's own linear
-        assert not seen
-        decoder_logits(x2, w2, b2)
-        assert seen
-    finally:
-        _ChunkedDecoder.apply = apply
+    monkeypatch.setattr(_ChunkedDecoder, "apply", lambda *a: seen.append(1) or apply(*a))
+    x, w, b, _ = _inputs(torch.float32, vocab=2 * DECODER_CHUNK)
+    decoder_logits(*_inputs(torch.float32, vocab=DECODER_CHUNK)[:3])  # one chunk: nothing to split
+    decoder_logits(*_inputs(torch.float64, vocab=2 * DECODER_CHUNK)[:3])
+    decoder_logits(*_inputs(torch.bfloat16, vocab=2 * DECODER_CHUNK)[:3])
+    with torch.autocast("cpu", torch.bfloat16):
+        assert decoder_logits(x, w, b).dtype == torch.bfloat16  # autocast's own linear
+    assert not seen
+    got = decoder_logits(x, w, b)
+    assert seen == [1]
+    assert (got - F.linear(x, w, b)).abs().max().item() < 1e-4
