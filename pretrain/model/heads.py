@@ -48,7 +48,8 @@ def decoder_logits(x_MD: torch.Tensor, w_VD: torch.Tensor, b_V: torch.Tensor) ->
     about 95 GFLOP/s on a 2-core AMD EPYC, the same work in 2,048-column pieces at 130-160 (its backward's two
     matmuls, whose long dimension is the reduction or the rows, at 165-190 already): ModernBERT mini's decoder
     forward 83-97 ms -> 52-54 ms a step (docs/performance.md). Same arithmetic per element: each logit is one dot
-    product of length D. Other dtypes keep ``F.linear`` (not measured)."""
+    product of length D. Other dtypes keep ``F.linear`` (bf16 on an avx512_bf16 CPU: 327 GFLOP/s in one piece,
+    303 in chunks)."""
     if (x_MD.device.type != "cpu" or torch.compiler.is_compiling() or w_VD.shape[0] < 2 * DECODER_CHUNK
             or torch.is_autocast_enabled("cpu") or x_MD.dtype != torch.float32 or w_VD.dtype != torch.float32
             or x_MD.dim() != 2):
