@@ -10,7 +10,8 @@ PARTITIONED = {"stage3_param_persistence_threshold": 0, "stage3_max_live_paramet
 
 
 def partitioned(build_ds_config):
-    """``engine.build_ds_config`` with ZeRO-3's configs made to partition every parameter between uses."""
+    """``ds_config.build_ds_config`` (as distributed/engine.py calls it) with ZeRO-3's configs made to partition
+    every parameter between uses."""
 
     def build(*args, **kwargs):
         cfg = build_ds_config(*args, **kwargs)

@@ -32,7 +32,7 @@ ON_CUDA = os.environ.get("PRETRAIN_GPU_TEST_DEVICE", "cuda") == "cuda"
                                                            ("fp32", 0, "auto")])
 def test_the_trainers_step_never_waits_for_the_device(precision, zero_stage, layout, tmp_path, tiny_overrides,
                                                       clean_env):
-    """Where the Engine decides the skip on the device (fp32 at ZeRO 0-2, bf16 at ZeRO 1-2: engine.checks_on_device),
+    """Where the Engine decides the skip on the device (fp32 at ZeRO 0-2, bf16 at ZeRO 1-2: ds_config.checks_on_device),
     a step that does not log issues no synchronizing CUDA call: loader batch to the device through pinned memory,
     forward, losses, backward, DeepSpeed's reduction and the fused AdamW update. ``layout``: the unpadded
     attention (auto: varlen for BERT on CUDA; groups: one SDPA per group of rows)."""

@@ -1,4 +1,4 @@
-"""ZeRO 1-2's gradient bucket is the model's size (``engine.reduce_bucket_size``), not DeepSpeed's 500M elements.
+"""ZeRO 1-2's gradient bucket is the model's size (``ds_config.reduce_bucket_size``), not DeepSpeed's 500M elements.
 
 DeepSpeed allocates that bucket at every micro-step and frees it after the reduction; at its default, a 2 GB fp32
 ``torch.empty`` for any model: on the CPU a fresh mapping whose touched pages fault in at every step, on a GPU 1-2 GB
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pretrain.config import load_run_config
-from pretrain.distributed.engine import DS_REDUCE_BUCKET, reduce_bucket_size
+from pretrain.distributed.ds_config import DS_REDUCE_BUCKET, reduce_bucket_size
 from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
 from pretrain.training.trainer import Trainer
 

@@ -2,7 +2,7 @@
 step that does not log runs forward, loss, backward, metrics and the optimizer step (``Engine.step``: the norm, the
 finite check, the clip and the fused AdamW update, all on the device) without the host waiting for the device.
 ``Engine.step`` is counted apart so that a failure says whose sync it is. Where DeepSpeed keeps its own checks
-(fp16, bf16 at ZeRO-0, ZeRO-3: ``engine.checks_on_device``) its syncs are reported by tools/bench_step.py. The step
+(fp16, bf16 at ZeRO-0, ZeRO-3: ``ds_config.checks_on_device``) its syncs are reported by tools/bench_step.py. The step
 runs unpadded (train.unpadded, the default: the host packs the sequences) and, once, padded."""
 
 from __future__ import annotations
