@@ -166,12 +166,12 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
                micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True,
                fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True, joint: bool = True,
-               attention: str = "auto"):
+               attention: str = "auto", unpadded: bool = True):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
     unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
     ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, ``joint``: train.joint_pass, all on by
-    default; ``attention``: train.unpadded_attention). ``step.num_params``: the trained module's parameters
+    default; ``attention``: train.unpadded_attention, ``unpadded``: train.unpadded). ``step.num_params``: the trained module's parameters
     (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
@@ -195,7 +195,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     model = build_model(ours_model_config(size, vocab, seq, arch, pooling))
     train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat,
                         trim_last_layer=trim, fast_dropout=fast_dropout, compile_mode=compile_mode, pin_memory=pin,
-                        joint_pass=joint, unpadded_attention=attention)
+                        joint_pass=joint, unpadded_attention=attention, unpadded=unpadded)
     ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer,
                   joint_pass=train.joint_pass)
     module = TrainModule(model, Objective(ObjectiveConfig(), ctx))
@@ -225,7 +225,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
 AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false",
               "pin": "train.pin_memory=false", "joint": "train.joint_pass=false",
-              "varlen": "train.unpadded_attention=groups"}
+              "varlen": "train.unpadded_attention=groups", "unpadded": "train.unpadded=false"}
 """--ab: the option the third arm turns off."""
 
 POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
@@ -433,7 +433,7 @@ def measure(args, size: str) -> dict:
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
                           arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout",
                           pin=off != "pin", joint=off != "joint", compile_mode=args.compile_mode,
-                          attention="groups" if off == "varlen" else "auto")
+                          attention="groups" if off == "varlen" else "auto", unpadded=off != "unpadded")
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
@@ -746,12 +746,13 @@ def main(argv=None) -> int:
     p.add_argument("--ab", choices=sorted(AB_OPTIONS), default="",
                    help="a third arm, ours with this option off: trim (train.trim_last_layer=false), dropout "
                    "(train.fast_dropout=false), pin (train.pin_memory=false; CUDA only), joint "
-                   "(train.joint_pass=false) or varlen (train.unpadded_attention=groups; BERT on CUDA, where auto "
-                   "is varlen) (CPU: alternating with the other two; CUDA: after them)")
+                   "(train.joint_pass=false), varlen (train.unpadded_attention=groups; BERT on CUDA, where auto "
+                   "is varlen) or unpadded (train.unpadded=false: the padded step) (CPU: alternating with the other "
+                   "two; CUDA: after them)")
     p.add_argument("--trim-ab", dest="ab", action="store_const", const="trim", help="--ab trim")
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile: ours as train.compile (forward + losses, "
-                   "padded), HF's whole model")
+                   "unpadded in the fixed attention layout), HF's whole model")
     p.add_argument("--compile-mode", default="default",
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="--compile: torch.compile's mode in both arms (ours: train.compile_mode); reduce-overhead "

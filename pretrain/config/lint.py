@@ -47,9 +47,9 @@ def _compile_lines(cfg) -> list[str]:
     if cfg.objective.gradient_cache:
         return ["train.compile=true compiles nothing under objective.gradient_cache (its passes run eagerly)"]
     lines = []
-    if t.unpadded:
-        lines.append("train.unpadded=true does nothing with train.compile=true: the compiled step runs the padded "
-                     "path (each batch's packing layout would be a new graph); set train.unpadded=false to say so")
+    if t.unpadded and not t.step_unpadded:
+        lines.append(f"train.unpadded=true does nothing with train.compile_shapes={t.compile_shapes}: the compiled "
+                     "step runs padded there (unpadded with dynamic or auto shapes); set train.unpadded=false to say so")
     if t.compile_mode == "reduce-overhead" and t.compile_shapes != "bucketed":
         lines.append(f"train.compile_mode=reduce-overhead with train.compile_shapes={t.compile_shapes}: CUDA graphs "
                      "record one graph per distinct batch shape, and padded batches change width and MLM count "
@@ -90,7 +90,7 @@ def inert_settings(cfg) -> list[str]:
     out += _joint_lines(cfg)
     if t.unpadded_attention != "auto" and not t.step_unpadded:
         out.append(f"train.unpadded_attention={t.unpadded_attention} does nothing: the step runs padded "
-                   f"({'train.compile=true' if t.unpadded else 'train.unpadded=false'})")
+                   f"({f'train.compile_shapes={t.compile_shapes}' if t.unpadded else 'train.unpadded=false'})")
     if not cfg.eval.stsb_every:
         ev = _changed(cfg.eval, EvalConfig(), ("data_dir", "pooling", "max_len", "keep_best"))
         if ev:

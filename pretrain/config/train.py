@@ -91,8 +91,9 @@ class TrainConfig:
     it can be captured as a CUDA graph). The counts' reduction over ranks, backward and the optimizer step stay
     eager, and so does validation (only the training step enters the compiled function). The first steps compile,
     and a new batch shape once more until dynamic shapes take over (the sequence length and the number of MLM
-    positions vary per batch; every attention mask is applied, so which rows are full is no guard). The step then runs the padded path
-    (train.unpadded has no effect: each batch's packing layout would be a new graph). Under ZeRO-3 the whole
+    positions vary per batch; every attention mask is applied, so which rows are full is no guard). Unpadded
+    (train.unpadded) under compile_shapes dynamic or auto, in the ``fixed`` attention layout (unpadded_attention);
+    padded under static and bucketed. Under ZeRO-3 the whole
     module gathers its parameters once before the compiled forward and once before the backward (DeepSpeed's
     leaf-module mode, ``Engine``) instead of module by module, where DeepSpeed's hooks would break the graph:
     parameter memory in the step is then the whole model's, as at ZeRO 1-2, with gradients and optimizer states
@@ -123,16 +124,18 @@ class TrainConfig:
     head compute no padding and attention nearly none, each sequence attending only to itself. The same losses
     and gradients as the padded path up to float rounding (tests/unit/test_unpadded.py); dropout draws other
     noise. On by default because real batches are padded (16% of the MLM rows' tokens on the shared books and wiki,
-    docs/performance.md); false runs the padded path, which validation, evaluation and export always use. Not yet
-    used under train.compile (each batch's attention-group layout would be a new graph: measured, one recompile a
-    step)."""
-    unpadded_attention: Literal["auto", "groups", "varlen"] = "auto"
+    docs/performance.md); false runs the padded path, which validation, evaluation and export always use. Under
+    train.compile the step is unpadded with compile_shapes dynamic or auto (the ``fixed`` layout below: the same
+    structure every batch, one graph), padded with static or bucketed (CUDA graphs' few shapes)."""
+    unpadded_attention: Literal["auto", "groups", "varlen", "fixed"] = "auto"
     """How the unpadded step attends (model/packing.py): ``groups`` runs the stream's sequences in at most 16
     groups of nearly equal length, each one SDPA (any device, both architectures); ``varlen`` runs one SDPA a layer
     over nested jagged tensors (flash or mem-efficient attention over cumulative lengths on CUDA: no gathers, no
     per-group calls; BERT only, as a ModernBERT local layer's window is a mask that path does not take; on the CPU
-    it works but loops over sequences with a host read each). ``auto``: varlen for BERT on CUDA, groups otherwise.
-    Not yet measured on a GPU (docs/performance.md)."""
+    it works but loops over sequences with a host read each); ``fixed`` always runs 4 groups, each masked, of two
+    rows or more (more padding than ``groups``, the same structure for every batch: what a compiled step traces
+    once). ``auto``: fixed under train.compile, else varlen for BERT on CUDA and groups otherwise. Not yet measured
+    on a GPU (docs/performance.md)."""
     trim_last_layer: bool = True
     """The training step's MLM and pair passes compute their last layer only for the tokens a loss reads: the MLM
     rows' labelled tokens (about 15%) and, under [CLS] pooling with no mean pooling blended in and no autoencoder,
@@ -193,20 +196,29 @@ class TrainConfig:
 
     @property
     def step_unpadded(self) -> bool:
-        """Whether the training step runs unpadded: ``unpadded``, except under ``compile`` (see above)."""
-        return self.unpadded and not self.compile
+        """Whether the training step runs unpadded: ``unpadded``, except under ``compile`` with static or bucketed
+        shapes (see above)."""
+        return self.unpadded and not (self.compile and self.compile_shapes in ("static", "bucketed"))
 
     def unpadded_layout(self, arch: str, device_type: str) -> str | bool:
         """What the training step's ``unpadded`` is on a ``device_type`` ("cuda", "cpu") for ``model.arch``: False
         where it runs padded (``step_unpadded``), else its attention layout (model/packing.py's ``LAYOUTS``),
-        ``unpadded_attention`` with auto as varlen for BERT on CUDA and groups otherwise. varlen with another
-        architecture is a ValueError (a ModernBERT local layer's window is a mask, which that path does not take)."""
+        ``unpadded_attention`` with auto as fixed under ``compile``, varlen for BERT on CUDA and groups otherwise.
+        varlen with another architecture is a ValueError (a ModernBERT local layer's window is a mask, which that
+        path does not take), and so is groups or varlen under ``compile`` (a new graph for every batch, or none)."""
         if self.unpadded_attention == "varlen" and arch != "bert":
             raise ValueError(f"train.unpadded_attention=varlen is for model.arch=bert; model.arch={arch} attends per "
                              "group (a local layer's window is a mask the varlen path does not take): set "
                              "train.unpadded_attention=groups or auto")
         if not self.step_unpadded:
             return False
+        if self.compile and self.unpadded_attention in ("groups", "varlen"):
+            why = "its number of groups" if self.unpadded_attention == "groups" else "nested tensors do not trace"
+            raise ValueError(f"train.unpadded_attention={self.unpadded_attention} with train.compile=true: each batch "
+                             f"would be a new graph ({why}); the compiled step attends in the fixed layout: set "
+                             "train.unpadded_attention=auto or fixed (or train.unpadded=false)")
+        if self.compile and self.unpadded_attention == "auto":
+            return "fixed"
         if self.unpadded_attention == "auto":
             return "varlen" if arch == "bert" and device_type == "cuda" else "groups"
         return self.unpadded_attention

@@ -43,10 +43,17 @@ def use_band(length: int, half: int) -> bool:
     return half > 0 and -(-length // half) >= MIN_BLOCKS
 
 
+def num_blocks(length: int, half: int) -> int:
+    """Blocks of ``half`` that cover ``length``; in a compiled step one more where they would fit exactly, so that
+    the last block is always padded: whether ``half`` divides the length (of an unpadded step's attention group,
+    other in every batch) would otherwise be a guard, and each change a recompile."""
+    return length // half + 1 if torch.compiler.is_compiling() else -(-length // half)
+
+
 def make_band(keep_B11T: torch.Tensor | None, length: int, half: int, device: torch.device) -> Band:
     """The band of sequences of ``length`` (``keep_B11T``: True on real key slots, one row per sequence; None when
     every slot is real)."""
-    w, nb = half, -(-length // half)
+    w, nb = half, num_blocks(length, half)
     pad = nb * w - length
     rows = 1 if keep_B11T is None else keep_B11T.shape[0]
     real_BT = torch.ones(1, length, dtype=torch.bool, device=device) if keep_B11T is None \
@@ -67,7 +74,7 @@ def banded_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.T
     ``fast_dropout`` as ``dropout.attention`` draws it."""
     bsz, heads, length, size = q_BHTK.shape
     w = band.half
-    nb = -(-length // w)
+    nb = num_blocks(length, w)
     pad = nb * w - length
     # Keys and values get one empty block on each side, so that every query block's neighbourhood is 3 blocks.
     kv_pad = (0, 0, w, pad + w)

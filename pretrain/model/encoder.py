@@ -40,8 +40,8 @@ class Encoder(nn.Module):
         MosaicBERT's last layer."""
         check_rows(rows_S, all_layers)
         if packed is not None:
-            if packed.width > self.embeddings.max_tokens:
-                raise ValueError(f"sequence length {packed.width} exceeds the {self.embeddings.max_tokens} positions "
+            if packed.longest > self.embeddings.max_tokens:
+                raise ValueError(f"sequence length {packed.longest} exceeds the {self.embeddings.max_tokens} positions "
                                  f"of model.max_position={self.embeddings.position.num_embeddings}; truncate inputs "
                                  f"(data.max_len)")
             return self._layers(self.embeddings(packed.ids_N, position_ids_N=packed.position_ids_N), None, packed,

@@ -47,7 +47,7 @@ class ModernEncoder(nn.Module):
         if packed is not None:
             x_ND = self.embeddings(packed.ids_N)
             # A group's row is one sequence from its slot 0, so the tables are per slot column: (T, K).
-            positions_T = torch.arange(packed.width, device=x_ND.device)
+            positions_T = torch.arange(packed.longest, device=x_ND.device)
             return self._layers(x_ND, self._inputs(positions_T, x_ND.dtype, None, packed), packed, all_layers, rows_S)
         keep_B11T = None if attention_mask_BT is None else keep_mask(attention_mask_BT, padded)
         x_BTD = self.embeddings(input_ids_BT)

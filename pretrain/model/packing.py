@@ -49,8 +49,19 @@ class AttentionGroup:
 
     keep_n11t: torch.Tensor | None
     """True on real key slots; None when all n rows have length t."""
-    num_rows: int
-    length: int
+    rows: int
+    cols: int
+
+    @property
+    def num_rows(self) -> int:
+        """n: the key mask's rows where there is one, so that a compiled step reads a (symbolic) tensor size, not an
+        int it would guard on (a new graph for every batch)."""
+        return self.rows if self.keep_n11t is None else self.keep_n11t.shape[0]
+
+    @property
+    def length(self) -> int:
+        """t (as ``num_rows``: the key mask's width where there is one)."""
+        return self.cols if self.keep_n11t is None else self.keep_n11t.shape[-1]
 
 
 def move_tensor(t: torch.Tensor, device, non_blocking: bool = False, pin: bool = False) -> torch.Tensor:
@@ -101,9 +112,18 @@ class Packed:
         def move(v):
             return move_tensor(v, device, non_blocking, pin) if torch.is_tensor(v) else v
 
-        groups = tuple(AttentionGroup(move(g.keep_n11t), g.num_rows, g.length) for g in self.groups)
+        groups = tuple(AttentionGroup(move(g.keep_n11t), g.rows, g.cols) for g in self.groups)
         return Packed(**{f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "groups"},
                       groups=groups)
+
+    @property
+    def longest(self) -> int:
+        """The longest sequence's length (what attention and positions need): the first group's, groups being
+        longest first, so that a compiled step reads a tensor size (``AttentionGroup.length``), not ``width``,
+        an int it would guard on; a ``padded_stream``'s or the varlen layout's width otherwise."""
+        if self.groups and self.back_N is not None:
+            return self.groups[0].length
+        return self.max_length if self.cu_seqlens_B1 is not None else self.width
 
     @property
     def group_sizes(self) -> list[int]:
@@ -136,7 +156,7 @@ class Packed:
 
     def mean(self, h_ND: torch.Tensor) -> torch.Tensor:
         """h_BD: the mean over each sequence's tokens."""
-        sum_BD = h_ND.new_zeros((self.num_rows, h_ND.shape[1])).index_add(0, self.row_N, h_ND)
+        sum_BD = h_ND.new_zeros((self.lengths_B.shape[0], h_ND.shape[1])).index_add(0, self.row_N, h_ND)
         return sum_BD / self.lengths_B.to(h_ND.dtype)[:, None]
 
     def unpack(self, h_ND: torch.Tensor) -> torch.Tensor:
@@ -183,9 +203,14 @@ def take_rows(x: torch.Tensor, rows_S: torch.Tensor | None) -> torch.Tensor:
     return x if rows_S is None else gather_unique(x.flatten(0, -2), rows_S)
 
 
-LAYOUTS = ("groups", "varlen")
-"""A stream's attention layouts (train.unpadded_attention): ``groups`` (attention groups, any device, any model)
-or ``varlen`` (``cu_seqlens_B1``: one nested-jagged SDPA a layer; CUDA, BERT)."""
+LAYOUTS = ("groups", "varlen", "fixed")
+"""A stream's attention layouts (train.unpadded_attention): ``groups`` (attention groups, any device, any model),
+``varlen`` (``cu_seqlens_B1``: one nested-jagged SDPA a layer; CUDA, BERT) or ``fixed`` (the compiled step's
+groups: always ``FIXED_GROUPS`` of them, each masked, see ``plan_fixed``)."""
+FIXED_GROUPS = 4
+"""Attention groups of the ``fixed`` layout. Every batch has as many (of at least two rows each), so a compiled step
+sees the same structure every step and the groups' sizes are symbolic: one graph. Books' MLM rows: 9% of the
+scores padding with 4 groups against 27% with one (``MAX_GROUPS``' note); the linear layers compute none."""
 
 
 def pack(parts: list[tuple[np.ndarray, np.ndarray]], attention: bool | str = True) -> Packed:
@@ -236,8 +261,8 @@ def _stream(ids_N: np.ndarray, lengths_B: np.ndarray, index_N: np.ndarray, width
     offsets_B = np.concatenate([[0], np.cumsum(lengths_B)[:-1]]).astype(np.int64)
     row_N = np.repeat(np.arange(len(lengths_B)), lengths_B)
     cu_seqlens = None
-    if layout == "groups":
-        groups, back_N, gather_P = _attention_groups(lengths_B, offsets_B)
+    if layout in ("groups", "fixed"):
+        groups, back_N, gather_P = _attention_groups(lengths_B, offsets_B, fixed=layout == "fixed")
     elif layout == "varlen":  # the stream is its own slots
         groups, back_N, gather_P = (), None, None
         cu_seqlens = np.append(offsets_B, row_N.size)
@@ -254,37 +279,41 @@ def _stream(ids_N: np.ndarray, lengths_B: np.ndarray, index_N: np.ndarray, width
                   max_length=int(lengths_B.max()) if lengths_B.size else 0)
 
 
-def _attention_groups(lengths_B: np.ndarray, offsets_B: np.ndarray
+def _attention_groups(lengths_B: np.ndarray, offsets_B: np.ndarray, fixed: bool = False
                       ) -> tuple[tuple[AttentionGroup, ...], np.ndarray, np.ndarray]:
-    """The groups of ``plan_groups`` with their key masks, back_N and gather_P (see ``Packed``)."""
+    """The groups of ``plan_groups`` (``fixed``: ``plan_fixed``, every group with its key mask, full or not) with
+    their key masks, back_N and gather_P (see ``Packed``)."""
     back_N = np.empty(int(lengths_B.sum()), dtype=np.int64)
     groups, gather, base = [], [], 0
-    for rows in plan_groups(lengths_B):
+    for rows in (plan_fixed(lengths_B) if fixed else plan_groups(lengths_B)):
         lens_n, t = lengths_B[rows], int(lengths_B[rows].max())
         col_t = np.arange(t)
         keep_nt = col_t < lens_n[:, None]
         slot_nt = offsets_B[rows][:, None] + np.minimum(col_t, lens_n[:, None] - 1)
         back_N[slot_nt[keep_nt]] = base + np.flatnonzero(keep_nt)
-        keep = None if keep_nt.all() else torch.from_numpy(keep_nt[:, None, None, :].copy())
+        keep = None if keep_nt.all() and not fixed else torch.from_numpy(keep_nt[:, None, None, :].copy())
         groups.append(AttentionGroup(keep, len(rows), t))
         gather.append(slot_nt.reshape(-1))
         base += len(rows) * t
     return tuple(groups), back_N, np.concatenate(gather) if gather else np.zeros(0, dtype=np.int64)
 
 
-def plan_groups(lengths_B: np.ndarray, max_groups: int = MAX_GROUPS, max_waste: float = MAX_WASTE) -> list[np.ndarray]:
+def plan_groups(lengths_B: np.ndarray, max_groups: int = MAX_GROUPS, max_waste: float = MAX_WASTE,
+                min_rows: int = 1) -> list[np.ndarray]:
     """Rows of each attention group, longest first: the sequences sorted by length, cut into runs so that the
     scores computed, sum over groups of n * t^2, are fewest for the number of groups; the fewest groups whose
-    padding share is <= ``max_waste``, else ``max_groups``. Exact dynamic programme over the U distinct lengths
-    (O(max_groups * U^2), U <= T)."""
+    padding share is <= ``max_waste``, else ``max_groups``; no group of fewer than ``min_rows`` rows (the batch
+    has at least that many). Exact dynamic programme over the U distinct lengths (O(max_groups * U^2), U <= T)."""
     order = np.argsort(-lengths_B, kind="stable")
     sorted_B = lengths_B[order]
     neg_u, start_U = np.unique(-sorted_B, return_index=True)  # distinct lengths, longest first
     size_U = -neg_u.astype(np.float64)
     end_U = np.append(start_U[1:], len(sorted_B))
     # cost_UU[k, m]: one group from distinct length k to m (k <= m): its rows times its longest length squared.
-    cost_UU = (end_U[None, :] - start_U[:, None]) * size_U[:, None] ** 2
+    rows_UU = end_U[None, :] - start_U[:, None]
+    cost_UU = rows_UU * size_U[:, None] ** 2
     cost_UU[np.tril_indices(len(size_U), -1)] = np.inf
+    cost_UU[rows_UU < min_rows] = np.inf
     budget = float((sorted_B.astype(np.float64) ** 2).sum()) / (1.0 - max_waste)
     best_U, starts = cost_UU[0].copy(), [np.zeros(len(size_U), dtype=np.int64)]
     while best_U[-1] > budget and len(starts) < max_groups:
@@ -301,6 +330,45 @@ def plan_groups(lengths_B: np.ndarray, max_groups: int = MAX_GROUPS, max_waste: 
             break
         m = k - 1
     return groups[::-1]
+
+
+def plan_fixed(lengths_B: np.ndarray, count: int = FIXED_GROUPS) -> list[np.ndarray]:
+    """The ``fixed`` layout's groups, longest first: ``plan_groups``' cheapest cut into at most ``count`` groups of
+    at least two rows, then the group with the most rows halved (by rows: the scores computed do not grow) until
+    there are ``count``; where no group has four rows left to halve, ``_exact_cut``. Fewer groups only when the
+    batch has fewer than 2 * ``count`` rows. Two rows at least, because a compiled graph treats a size of 1 as a
+    constant: a group of one row would be another graph."""
+    want = max(1, min(count, len(lengths_B) // 2))
+    groups = plan_groups(lengths_B, max_groups=want, max_waste=0.0, min_rows=min(2, len(lengths_B)))
+    while len(groups) < want:
+        i = max(range(len(groups)), key=lambda j: len(groups[j]))
+        if len(groups[i]) < 4:  # few rows in odd runs (3 + 2 + 3 of 8): the cheapest cut into exactly ``want``
+            return _exact_cut(lengths_B, want)
+        half = len(groups[i]) // 2
+        groups[i:i + 1] = [groups[i][:half], groups[i][half:]]
+    return groups
+
+
+def _exact_cut(lengths_B: np.ndarray, count: int) -> list[np.ndarray]:
+    """The sorted rows cut into exactly ``count`` runs of at least two rows, fewest scores first: a dynamic
+    programme over row positions, O(count * B^2), for the few-row batches ``plan_fixed`` hands it (B < 4 * count)."""
+    order = np.argsort(-lengths_B, kind="stable")
+    sq = lengths_B[order].astype(np.float64) ** 2
+    b = len(order)
+    best = np.full((count + 1, b + 1), np.inf)
+    cut = np.zeros((count + 1, b + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for g in range(1, count + 1):
+        for j in range(2 * g, b + 1):
+            i = np.arange(2 * (g - 1), j - 1)  # the run is rows i..j-1, two at least
+            cost = best[g - 1, i] + (j - i) * sq[i]
+            cut[g, j] = i[int(cost.argmin())]
+            best[g, j] = cost.min()
+    runs, j = [], b
+    for g in range(count, 0, -1):
+        runs.append(order[cut[g, j]:j])
+        j = cut[g, j]
+    return runs[::-1]
 
 
 def compute_counts(packed: Packed) -> dict[str, int]:

@@ -77,11 +77,12 @@ def window_mask(keep_B11T: torch.Tensor | None, length: int, half_window: int,
                 device: torch.device) -> torch.Tensor | None:
     """Boolean attention mask (True = may attend) of a local layer: key within ``half_window`` positions of the
     query, and a real token. Shape (T, T) without padding, else (B, 1, T, T). None when the window covers every
-    pair (T - 1 <= half_window): the global mask then serves.
+    pair (T - 1 <= half_window): the global mask then serves; not in a compiled step, where that choice would be a
+    guard on T (the unpadded step's attention groups cross it from batch to batch: a recompile each time).
 
     A padding query may attend to every real key, so that no row is fully masked (SDPA gives NaN for one, and a
     NaN, even in a row nobody reads, reaches the gradients); its output is never used."""
-    if length - 1 <= half_window:
+    if not torch.compiler.is_compiling() and length - 1 <= half_window:
         return keep_B11T
     pos_T = torch.arange(length, device=device)
     band_TT = (pos_T[:, None] - pos_T[None, :]).abs() <= half_window

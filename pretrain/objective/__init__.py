@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from pretrain.config.objective import ObjectiveConfig
 from pretrain.distributed.comm import all_reduce_host
@@ -174,7 +175,17 @@ class TrainModule(torch.nn.Module):
         """torch.compile the forward and the loss terms of a micro-batch as one graph (``Objective.run_terms``;
         ``compile_kwargs`` go to torch.compile: backend, mode, dynamic). The gradient cache's passes stay eager."""
         mark_plans_constant()  # flat layers: their plans are constants to the trace (model/flat.py)
-        self._run_terms = torch.compile(self.objective.run_terms, **compile_kwargs)
+        compiled = torch.compile(self.objective.run_terms, **compile_kwargs)
+
+        def run_terms(*args, **kwargs):
+            # No duck sizing: sizes equal in the batch that is traced would share one symbol, and a size that
+            # one of them is pinned to would pin the other (the unpadded step's attention groups: a group of the
+            # views' 64-token width took their row count's symbol, pinned by the micro-batch size, and the next
+            # batch recompiled).
+            with fx_config.patch(use_duck_shape=False):
+                return compiled(*args, **kwargs)
+
+        self._run_terms = run_terms
 
     def forward(self, batch: dict, anchor=None, *, embed_only: bool = False, cached: ChunkGrads | None = None):
         """The objective on a micro-batch -> (loss, metrics). Under objective.gradient_cache (every pass runs through

@@ -149,7 +149,7 @@ def host_facts(batch: dict, *, unpadded: bool | str = False, joint: bool = False
     ``buckets`` (train.compile_shapes=bucketed, the compiled step, never with ``unpadded``): widths and the MLM
     positions padded to their buckets, and ``host_counts`` = {"mlm": the real number of labelled tokens}."""
     if buckets is not None and unpadded:
-        raise ValueError("bucketed shapes are for the compiled step, which runs padded")
+        raise ValueError("bucketed shapes are for the compiled step, which then runs padded")
     out = dict(batch) if buckets is None else bucket_batch(batch, buckets)
     batch = out
     joint = joint and unpadded and "attention_mask" in batch and "view_a_ids" in batch

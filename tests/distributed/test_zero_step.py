@@ -57,7 +57,7 @@ def _batch(permute: bool = False) -> dict:
 
 def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: bool, gather: bool,
           compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1,
-          joint: bool = False, decoder_chunk: int = 0) -> None:
+          joint: bool | str = False, decoder_chunk: int = 0) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -98,6 +98,8 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
             from pretrain.training.step import host_facts
 
             batch = host_facts(batch, unpadded=joint, joint=joint)
+            if joint == "fixed":  # the compiled step's layout: its four groups
+                assert len(batch["packed_joint"].groups) == 4, batch["packed_joint"].groups
         loss, _ = engine.forward(batch)
         if nan_rank is not None:  # the gradient norms only: the Engine's and DeepSpeed's, one rank's gradients NaN
             for micro in range(grad_accum):
@@ -153,7 +155,7 @@ def _whole(module, zero_stage: int):
 
 def _run(world: int, zero_stage: int, out: str, *, permute: bool = False, gather: bool = True,
          compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1,
-         joint: bool = False, decoder_chunk: int = 0) -> dict:
+         joint: bool | str = False, decoder_chunk: int = 0) -> dict:
     """The model's weights after the step (under ``compile_``, rank 0's graph breaks in ``out``.breaks; with
     ``decoder_chunk``, the MLM decoder in chunks of that many columns and rank 0's count of chunked calls in
     ``out``.chunked); with ``nan_rank`` (-1: none) no step, but (the Engine's gradient norm, DeepSpeed's) after the
@@ -255,6 +257,18 @@ def test_zero3_two_ranks_compiled_match_single_process(tmp_path):
     assert compiled.keys() == single.keys()
     assert _update_mismatch(compiled, single, init) == []
     assert torch.load(str(tmp_path / "compiled.pt.breaks")) == {}
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_compiled_unpadded_match_single_process(tmp_path):
+    """The compiled step's own path (train.compile with train.unpadded: each rank's MLM rows and views as one stream
+    in the fixed layout's four attention groups) under ZeRO-3 with every parameter partitioned, the negatives
+    gathered: no graph break, the single process's (padded, eager) update."""
+    single, init = _single_process(tmp_path)
+    compiled = _run(2, 3, str(tmp_path / "fixed.pt"), compile_=True, joint="fixed")
+    assert compiled.keys() == single.keys()
+    assert _update_mismatch(compiled, single, init) == []
+    assert torch.load(str(tmp_path / "fixed.pt.breaks")) == {}
 
 
 @pytest.mark.slow

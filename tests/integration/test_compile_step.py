@@ -1,9 +1,9 @@
 """train.compile in the trainer's own step (real Engine, CPU, gloo): one graph, no graph break, and the same losses
 as the eager step, step after step, at ZeRO 0, 2 and 3 (ZeRO-3 with every parameter partitioned between uses: the
 whole module gathers around the compiled region, ``Engine``). Dropout is off
-(the compiled graph draws its noise in another order) and both runs take the padded path (the compiled step does,
-train.unpadded notwithstanding); aot_eager (train.compile_backend) traces the same graph as inductor without
-building C++ kernels, whose fusions would round differently."""
+(the compiled graph draws its noise in another order); the runs take the padded path (train.unpadded=false) except
+where a test says unpadded (the compiled step's ``fixed`` attention layout); aot_eager (train.compile_backend)
+traces the same graph as inductor without building C++ kernels, whose fusions would round differently."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from zero3_partitioned import partitioned
 
 from pretrain.config import load_run_config
+from pretrain.model.packing import FIXED_GROUPS
 from pretrain.distributed.env import (
     destroy_process_group,
     init_process_group,
@@ -24,9 +25,12 @@ from pretrain.training.trainer import Trainer
 STEPS = 3
 
 
-def _losses(overrides: list[str], steps: int = STEPS, shapes: set | None = None) -> tuple[list[float], int]:
+def _losses(overrides: list[str], steps: int = STEPS, shapes: set | None = None,
+            groups: int | None = None) -> tuple[list[float], int]:
     """The loss of each of the trainer's first ``steps`` steps, and the number of graphs torch.compile made;
-    ``shapes`` collects each batch's (input_ids, mlm_positions) shapes as the step's forward sees them."""
+    ``shapes`` collects each batch's (input_ids, mlm_positions) shapes as the step's forward sees them. The steps
+    must run padded, or with ``groups`` unpadded: the MLM rows and views as one stream in that many attention
+    groups (0: any number)."""
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     trainer = None
@@ -35,11 +39,15 @@ def _losses(overrides: list[str], steps: int = STEPS, shapes: set | None = None)
         forward, losses = trainer.engine.forward, []
 
         def forward_seen(batch, **kwargs):
-            assert "packed_mlm" not in batch  # the padded path, compiled or not
+            if groups is None:
+                assert "packed_mlm" not in batch  # the padded path, compiled or not
+            else:
+                assert groups in (0, len(batch["packed_joint"].groups)), batch["packed_joint"].groups
             loss, metrics = forward(batch, **kwargs)
             losses.append(loss.detach().clone())
             if shapes is not None:
-                shapes.add((tuple(batch["input_ids"].shape), tuple(batch["mlm_positions"].shape)))
+                shapes.add((tuple(batch["input_ids"].shape), tuple(batch["mlm_positions"].shape)) if groups is None
+                           else tuple((g.num_rows, g.length) for g in batch["packed_joint"].groups))
             return loss, metrics
 
         trainer.engine.forward = forward_seen
@@ -71,6 +79,30 @@ def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrid
     compiled, graphs = _losses(tiny_overrides(tmp_path / "compiled", train__compile="true", **common))
     assert no_graphs == 0 and graphs == 1  # shapes symbolic from the start (train.compile_shapes=dynamic)
     assert len(eager) == STEPS
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_the_compiled_step_runs_unpadded_in_one_graph_with_the_eager_losses(arch, tmp_path, tiny_overrides,
+                                                                            clean_env):
+    """train.unpadded (the default) under train.compile: the MLM rows and both views as one stream in
+    FIXED_GROUPS attention groups, every batch's groups of other sizes (each group's rows, its longest length, the
+    stream's tokens), and still one graph, no break, and the eager unpadded step's losses (its groups layout: other
+    groups, the same arithmetic on the real tokens). ModernBERT at window 8: the band (model/banded.py) in groups
+    longer than 20 tokens, the dense window mask in shorter ones; whether the window covers a group and whether the
+    half window divides its length were guards (a recompile whenever a batch's groups crossed them)."""
+    common = {"data__valid": "[]", "model__dropout": 0.0, "model__attention_dropout": 0.0,
+              "train__compile_backend": "aot_eager", "train__max_steps": 5}
+    if arch == "modernbert":
+        common.update(model__arch="modernbert", model__pooler="false", model__local_window=8,
+                      model__layer_norm_eps=1e-5)
+    shapes = set()
+    eager, no_graphs = _losses(tiny_overrides(tmp_path / "eager", **common), steps=5, groups=0)
+    compiled, graphs = _losses(tiny_overrides(tmp_path / "compiled", train__compile="true", **common), steps=5,
+                               shapes=shapes, groups=FIXED_GROUPS)
+    assert len(shapes) == 5, shapes  # every step's groups differed
+    assert no_graphs == 0 and graphs == 1
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
 
 

@@ -1,6 +1,6 @@
 """train.compile: a micro-batch's forward and loss terms trace as one graph (``TrainModule.compile_step``), no graph
-break and so no host sync inside, padded and unpadded (the trainer runs the padded path under compile: each packing
-layout would be a new graph), for MLM + CLEAR's NT-Xent (BERT and ModernBERT) and the sentence stage's SimCSE and
+break and so no host sync inside, padded and unpadded (the trainer's compiled step takes the fixed layout: the
+same structure every batch, tests/integration/test_compile_step.py), for MLM + CLEAR's NT-Xent (BERT and ModernBERT) and the sentence stage's SimCSE and
 ArcCSE terms."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _trimmed(module: TrainModule, trim: bool = True) -> TrainModule:
     return module
 
 
-@pytest.mark.parametrize("unpadded, trim", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("unpadded, trim", [(False, False), (True, False), (False, True), (True, True),
+                                            ("fixed", True)])
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
 def test_mlm_and_nt_xent_trace_as_one_graph(unpadded, trim, arch):
     module = _trimmed(_train_module(**(MODERN if arch == "modernbert" else {})), trim)

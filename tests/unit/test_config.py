@@ -195,8 +195,9 @@ def test_settings_that_cannot_act_are_named():
                for ln in lines(["model.local_window=64", "model.rope_theta=1e4", "optim.warmup_steps=100"]))
     assert any("train.compile_mode do nothing: train.compile=false" in ln
                for ln in lines(["train.compile_mode=reduce-overhead", "optim.warmup_steps=100"]))
-    assert any("train.unpadded=true does nothing with train.compile=true" in ln
-               for ln in lines(["train.compile=true", "optim.warmup_steps=100"]))
+    assert lines(["train.compile=true", "optim.warmup_steps=100"]) == []  # unpadded, the fixed layout
+    assert any("train.unpadded=true does nothing with train.compile_shapes=static" in ln
+               for ln in lines(["train.compile=true", "train.compile_shapes=static", "optim.warmup_steps=100"]))
     assert lines(["train.compile=true", "train.unpadded=false", "optim.warmup_steps=100"]) == []
     assert any("train.unpadded_attention=groups does nothing: the step runs padded (train.unpadded=false)" in ln
                for ln in lines(["train.unpadded=false", "train.unpadded_attention=groups", "optim.warmup_steps=100"]))
@@ -266,6 +267,15 @@ def test_the_unpadded_attention_layout_is_varlen_for_bert_on_cuda_and_refused_fo
     assert load_run_config(None, ["train.unpadded_attention=groups"]).train.unpadded_layout("bert", "cuda") == "groups"
     assert load_run_config(None, ["train.unpadded_attention=varlen"]).train.unpadded_layout("bert", "cpu") == "varlen"
     assert load_run_config(None, ["train.unpadded=false"]).train.unpadded_layout("bert", "cuda") is False
-    assert load_run_config(None, ["train.compile=true"]).train.unpadded_layout("bert", "cuda") is False
+    assert load_run_config(None, ["train.compile=true"]).train.unpadded_layout("bert", "cuda") == "fixed"
+    assert load_run_config(None, ["train.compile=true"]).train.unpadded_layout("modernbert", "cpu") == "fixed"
+    assert load_run_config(None, ["train.unpadded_attention=fixed"]).train.unpadded_layout("bert", "cpu") == "fixed"
+    for shapes in ("static", "bucketed"):
+        assert load_run_config(None, ["train.compile=true", f"train.compile_shapes={shapes}"]).train.unpadded_layout(
+            "bert", "cuda") is False
+    for layout in ("groups", "varlen"):
+        with pytest.raises(ValueError, match=f"train.unpadded_attention={layout} with train.compile=true"):
+            load_run_config(None, ["train.compile=true", f"train.unpadded_attention={layout}"]).train.unpadded_layout(
+                "bert", "cuda")
     with pytest.raises(ValueError, match="train.unpadded_attention=varlen is for model.arch=bert"):
         load_run_config(str(CONFIGS / "models" / "modernbert-tiny.yaml"), ["train.unpadded_attention=varlen"])

@@ -23,7 +23,15 @@ from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
 from pretrain.distributed.env import single_process_env
 from pretrain.model import build_model
 from pretrain.model.attention import SelfAttention
-from pretrain.model.packing import MAX_GROUPS, compute_counts, pack, plan_groups
+from pretrain.model.packing import (
+    FIXED_GROUPS,
+    MAX_GROUPS,
+    _exact_cut,
+    compute_counts,
+    pack,
+    plan_fixed,
+    plan_groups,
+)
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.training.step import host_facts
 
@@ -88,9 +96,9 @@ def _assert_same(module, batch, terms, layout="groups", min_grads=20, joint=Fals
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-LAYOUTS = ["groups", "varlen"]
+LAYOUTS = ["groups", "varlen", "fixed"]
 """The unpadded path's attention layouts (train.unpadded_attention; varlen is nested-jagged SDPA, on the CPU
-torch's math path: the same arithmetic per sequence, so the same tolerance)."""
+torch's math path: the same arithmetic per sequence, so the same tolerance; fixed is the compiled step's groups)."""
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -116,13 +124,13 @@ def test_the_varlen_layout_with_flat_layers_and_two_passes_equals_the_padded_pat
     _assert_same(module, _batch(1), ("mlm", "nt_xent"), "varlen", min_grads=5)
 
 
-@pytest.mark.parametrize("pooling", ["cls", "mean"])
-def test_modernbert_losses_and_gradients_equal_the_padded_path(pooling):
+@pytest.mark.parametrize("pooling, layout", [("cls", "groups"), ("mean", "groups"), ("cls", "fixed")])
+def test_modernbert_losses_and_gradients_equal_the_padded_path(pooling, layout):
     """model.arch=modernbert: rotary from the packed position ids, the local window (16 tokens, under rows of 64)
     composed with each attention group's mask; global layers 0 and 3 of 4."""
     module = _train_module(pooling, arch="modernbert", pooler=False, num_layers=4, local_window=16,
                            layer_norm_eps=1e-5)
-    _assert_same(module, _batch(), ("mlm", "nt_xent"))
+    _assert_same(module, _batch(), ("mlm", "nt_xent"), layout)
 
 
 def test_the_sentence_stage_pair_equals_the_padded_path():
@@ -182,8 +190,9 @@ def test_the_comparison_sees_a_leak():
 
 
 def test_the_comparison_sees_a_leak_in_the_varlen_layout():
-    """Two sequences run together (one cumulative length dropped) are caught by the same check."""
-    model = build_model(_model_cfg(), seed=0).eval()
+    """Two sequences run together (one cumulative length dropped) are caught by the same check (positions for
+    the run-together length, which the encoder checks against the longest sequence)."""
+    model = build_model(_model_cfg(max_position=128), seed=0).eval()
     batch = _batch()
     packed = pack([(batch["input_ids"].numpy(), batch["attention_mask"].numpy())], "varlen")
     reference = model.encode(batch["input_ids"], batch["attention_mask"])[batch["attention_mask"]]
@@ -258,6 +267,44 @@ def test_plan_groups_is_the_cheapest_cut_and_keeps_padding_low():
     assert len(packed.groups) <= MAX_GROUPS and counts["real_tokens"] == lengths.sum()
     assert 1 - counts["real_scores"] / counts["padded_scores"] > 0.15  # the padded path: > 15% of scores padding
     assert 1 - counts["real_scores"] / counts["unpadded_scores"] <= 0.02
+
+def test_the_fixed_layout_has_the_same_group_structure_for_every_batch():
+    """train.unpadded_attention=fixed (the compiled step's): exactly FIXED_GROUPS groups of two rows or more
+    (fewer only under 2 * FIXED_GROUPS rows), longest first, every row once, each with a key mask even where its
+    rows are equally long; never more scores than the cheapest cut into at most that many groups, and the cheapest
+    cut into exactly that many where few rows leave no group to halve (checked exhaustively)."""
+    rng = np.random.default_rng(0)
+    for _ in range(1500):
+        lengths = rng.integers(2, 12, rng.integers(1, 14))
+        if rng.random() < 0.2:
+            lengths[:] = lengths[0]  # one length: the groups come from halving alone
+        groups = plan_fixed(lengths)
+        want = max(1, min(FIXED_GROUPS, len(lengths) // 2))
+        assert len(groups) == want and sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
+        assert len(lengths) < 2 or min(len(g) for g in groups) >= 2
+        assert all(lengths[a].min() >= lengths[b].max() for a, b in zip(groups, groups[1:]))  # longest first
+        if len(lengths) < 2:
+            continue
+        cost = _scores(lengths, groups)
+        ordered = np.sort(lengths)[::-1]
+        exact = min(sum(len(p) * p.max() ** 2 for p in parts)
+                    for cuts in _combinations(range(2, len(lengths) - 1), want - 1)
+                    for parts in [np.split(ordered, list(cuts))] if min(map(len, parts)) >= 2)
+        assert _scores(lengths, _exact_cut(lengths, want)) == exact
+        at_most = plan_groups(lengths, max_groups=want, max_waste=0.0, min_rows=2)
+        assert cost <= _scores(lengths, at_most) or cost == exact  # halved, or the exact cut
+    lengths = np.full(32, 7)
+    lengths[:3] = 9
+    mask = np.arange(9) < lengths[:, None]
+    packed = pack([(np.zeros(mask.shape, dtype=np.int64), mask)], "fixed")
+    assert [(g.num_rows, g.length) for g in packed.groups] == [(3, 9), (14, 7), (7, 7), (8, 7)]
+    assert all(g.keep_n11t is not None for g in packed.groups) and packed.longest == 9
+    assert [g.keep_n11t is None for g in pack([(np.zeros(mask.shape, dtype=np.int64), mask)]).groups] == [True, True]
+
+
+def _scores(lengths, groups) -> int:
+    return sum(len(g) * lengths[g].max() ** 2 for g in groups)
+
 
 def _combinations(items, k):
     import itertools
