@@ -52,8 +52,9 @@ def _compile_lines(cfg) -> list[str]:
                      "step runs padded there (unpadded with dynamic or auto shapes); set train.unpadded=false to say so")
     if t.compile_mode == "reduce-overhead" and t.compile_shapes != "bucketed":
         lines.append(f"train.compile_mode=reduce-overhead with train.compile_shapes={t.compile_shapes}: CUDA graphs "
-                     "record one graph per distinct batch shape, and padded batches change width and MLM count "
-                     "almost every step; train.compile_shapes=bucketed pads them to a few shapes")
+                     "record one graph per distinct batch shape, and batches change shape almost every step (width "
+                     "and MLM count padded, group sizes unpadded); train.compile_shapes=bucketed pads them to a few "
+                     "shapes")
     if t.compile_bucket != TrainConfig().compile_bucket and t.compile_shapes != "bucketed":
         lines.append("train.compile_bucket does nothing without train.compile_shapes=bucketed")
     return lines
