@@ -169,9 +169,9 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
                attention: str = "auto", unpadded: bool = True):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
-    unpadded as train.unpadded's default; ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
+    ``unpadded``: train.unpadded, ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
     ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, ``joint``: train.joint_pass, all on by
-    default; ``attention``: train.unpadded_attention, ``unpadded``: train.unpadded). ``step.num_params``: the trained module's parameters
+    default; ``attention``: train.unpadded_attention). ``step.num_params``: the trained module's parameters
     (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,

@@ -35,7 +35,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
-STAGES=${GPU_CHECK_STAGES:-install,tests,bench_step,bench_step_compile,bench_step_books,smoke,bench_modernbert,bench_similarity,bench_modernbert_compile,bench_step_joint,bench_step_books_compile}
+DEFAULT_STAGES=install,tests,bench_step,bench_step_compile,bench_step_books,smoke,bench_modernbert,bench_similarity
+DEFAULT_STAGES+=,bench_modernbert_compile,bench_step_joint,bench_step_books_compile
+STAGES=${GPU_CHECK_STAGES:-$DEFAULT_STAGES}
 GPU_DATA=${PRETRAIN_GPU_DATA:-$PWD/.gpu_data}
 DATA_ENV=()  # the books and tokenizer tools/gpu_data.sh staged, when they were carried: --data books reads them
 if [ -d "$GPU_DATA/corpus/books" ] && [ -f "$GPU_DATA/tokenizer.json" ]; then

@@ -49,7 +49,8 @@ def _compile_lines(cfg) -> list[str]:
     lines = []
     if t.unpadded and not t.step_unpadded:
         lines.append(f"train.unpadded=true does nothing with train.compile_shapes={t.compile_shapes}: the compiled "
-                     "step runs padded there (unpadded with dynamic or auto shapes); set train.unpadded=false to say so")
+                     "step runs padded there (unpadded with dynamic or auto shapes); set train.unpadded=false to "
+                     "say so")
     if t.compile_mode == "reduce-overhead" and t.compile_shapes != "bucketed":
         lines.append(f"train.compile_mode=reduce-overhead with train.compile_shapes={t.compile_shapes}: CUDA graphs "
                      "record one graph per distinct batch shape, and batches change shape almost every step (width "

@@ -1,7 +1,7 @@
 """train.compile: a micro-batch's forward and loss terms trace as one graph (``TrainModule.compile_step``), no graph
 break and so no host sync inside, padded and unpadded (the trainer's compiled step takes the fixed layout: the
-same structure every batch, tests/integration/test_compile_step.py), for MLM + CLEAR's NT-Xent (BERT and ModernBERT) and the sentence stage's SimCSE and
-ArcCSE terms."""
+same structure every batch, tests/integration/test_compile_step.py), for MLM + CLEAR's NT-Xent (BERT and
+ModernBERT) and the sentence stage's SimCSE and ArcCSE terms."""
 
 from __future__ import annotations
 
