@@ -56,6 +56,34 @@ def test_simcse_and_arccse_trace_as_one_graph(term):
     assert _graph_breaks(module, host_facts(_sentence_batch(), unpadded=True)) == (0, [])
 
 
+@pytest.mark.parametrize("term", ["info_nce", "arccon"])
+def test_the_sentence_stage_compiles_one_graph_for_batches_of_other_lengths(term):
+    """The compiled step's fixed layout (train.compile's unpadded streams) in the sentence stage: each sentence twice
+    in one stream, batches whose groups differ in rows and lengths, one graph (the trainer's dynamic shapes), no
+    break, and the eager loss of the same layout. (MLM + NT-Xent through the trainer: test_compile_step.py.)"""
+    from torch._dynamo.utils import counters
+
+    cfg = ObjectiveConfig(mlm=None, nt_xent=None, **{term: (InfoNCEConfig if term == "info_nce" else ArcConConfig)()})
+    modules = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling="cls", stage="sentences")
+        modules.append(TrainModule(build_model(_model_cfg(), seed=0), Objective(cfg, ctx)))
+    eager, compiled = modules
+    torch._dynamo.reset()
+    counters.clear()
+    compiled.compile_step(backend="aot_eager", dynamic=True)
+    groups = set()
+    for seed, lengths in enumerate(([12, 3, 16, 7, 9, 5], [16, 16, 2, 11, 4, 8], [5, 6, 7, 8, 9, 10])):  # B fixed
+        ids, mask = _rows(lengths, 16, torch.Generator().manual_seed(seed))
+        batch = host_facts({"sentence_ids": ids, "sentence_mask": mask}, unpadded="fixed")
+        groups.add(tuple((g.num_rows, g.length) for g in batch["packed_sentences"].groups))
+        losses = [module(batch)[0] for module in (eager, compiled)]
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    assert len(groups) == 3 and all(len(g) == 4 for g in groups), groups
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+
+
 @pytest.mark.parametrize("trim", [False, True])
 def test_compiled_step_gives_the_eager_loss_and_gradients(trim):
     """aot_eager: the traced graph itself, without inductor's kernels (whose fusions round differently); with
