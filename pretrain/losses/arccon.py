@@ -28,6 +28,7 @@ def arccon(
     chunk_size: int = 1024,
     neg_MD: torch.Tensor | None = None,
     neg_weight: float = 1.0,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, int, Metrics]:
     """ArcCon loss -> (loss_sum, N, metrics); margin in degrees (paper: 10); margin_deg = 0 is exactly info_nce.
     ``neg_MD``/``neg_weight``: hard negatives as extra columns, as in ``info_nce``."""
@@ -36,4 +37,5 @@ def arccon(
     return info_nce(
         q_ND, k_MD, pos_idx_N, temperature=temperature, margin=math.radians(margin_deg),
         self_idx_N=self_idx_N, impl=impl, chunk_size=chunk_size, neg_MD=neg_MD, neg_weight=neg_weight,
+        check_values=check_values,
     )

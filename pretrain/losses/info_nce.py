@@ -40,12 +40,14 @@ def info_nce(
     chunk_size: int = 1024,
     neg_MD: torch.Tensor | None = None,
     neg_weight: float = 1.0,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, int, Metrics]:
     """-log softmax of the positive cosine / temperature, summed over rows -> (loss_sum, N, metrics).
 
     q and k need not be normalised (normalised here in fp32/fp64, then handed to ops in their
     own dtype). ``margin`` (radians) makes the positive logit cos(theta + margin) (ArcCon).
     ``neg_MD``: hard negatives as extra columns, row i's own weighted by ``neg_weight`` (>= 0).
+    ``check_values``: as ``info_nce_rows``' (off for indices the caller built).
     """
     if temperature <= 0:
         raise ValueError(f"info_nce temperature must be > 0, got {temperature}")
@@ -58,13 +60,13 @@ def info_nce(
     if neg_MD is None:
         loss_N = info_nce_rows(
             q_ND.to(dtype), k_MD.to(dtype), pos_idx_N, temperature=temperature, margin=margin,
-            self_idx_N=self_idx_N, impl=impl, chunk_size=chunk_size,
+            self_idx_N=self_idx_N, impl=impl, chunk_size=chunk_size, check_values=check_values,
         )
     else:
         neg_MD = F.normalize(_wide(neg_MD), dim=-1)
         loss_N = _with_hard_negatives(q_ND, k_MD, neg_MD, pos_idx_N, temperature=temperature, margin=margin,
                                       self_idx_N=self_idx_N, weight=neg_weight, dtype=dtype, impl=impl,
-                                      chunk_size=chunk_size)
+                                      chunk_size=chunk_size, check_values=check_values)
     with torch.no_grad():
         pos_cos_N = (q_ND * k_MD[pos_idx_N]).sum(-1)
         metrics: Metrics = {
@@ -77,7 +79,7 @@ def info_nce(
 
 
 def _with_hard_negatives(q_ND, k_MD, neg_MD, pos_idx_N, *, temperature: float, margin: float, self_idx_N,
-                         weight: float, dtype, impl: str, chunk_size: int) -> torch.Tensor:
+                         weight: float, dtype, impl: str, chunk_size: int, check_values: bool = True) -> torch.Tensor:
     """loss_N over the 2M columns [k; neg] (normalised inputs). With weight 1 the plain InfoNCE over them; else row
     i's own hard negative is left out of the fused softmax and added back as log(weight) + h_i,own."""
     if neg_MD.shape != k_MD.shape:
@@ -86,14 +88,15 @@ def _with_hard_negatives(q_ND, k_MD, neg_MD, pos_idx_N, *, temperature: float, m
     keys = torch.cat([k_MD, neg_MD]).to(dtype)
     if weight == 1.0:
         return info_nce_rows(q_ND.to(dtype), keys, pos_idx_N, temperature=temperature, margin=margin,
-                             self_idx_N=self_idx_N, impl=impl, chunk_size=chunk_size)
+                             self_idx_N=self_idx_N, impl=impl, chunk_size=chunk_size, check_values=check_values)
     if weight < 0:
         raise ValueError(f"info_nce: the hard-negative weight must be >= 0, got {weight}")
     if self_idx_N is not None:
         raise ValueError("info_nce: a hard-negative weight other than 1 cannot be combined with self_idx_N")
     own_N = pos_idx_N.to(q_ND.device, torch.long) + k_MD.shape[0]
     loss_N, lse_N = info_nce_rows(q_ND.to(dtype), keys, pos_idx_N, temperature=temperature, margin=margin,
-                                  self_idx_N=own_N, impl=impl, chunk_size=chunk_size, return_lse=True)
+                                  self_idx_N=own_N, impl=impl, chunk_size=chunk_size, return_lse=True,
+                                  check_values=check_values)
     if weight == 0.0:
         return loss_N
     h_own_N = (q_ND * neg_MD[pos_idx_N]).sum(-1).to(lse_N.dtype) / temperature

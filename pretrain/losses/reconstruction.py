@@ -31,8 +31,11 @@ def reconstruction_loss(
     mask_BT: torch.Tensor,
     *,
     detach_target: bool = False,
-) -> tuple[torch.Tensor, int, Metrics]:
-    """sum_b (1/N_b) sum_i w_bi * mean_d (x - x')^2 over sentences with N_b > 0 -> (loss_sum, count, metrics)."""
+    host_count: bool = True,
+) -> tuple[torch.Tensor, int | torch.Tensor, Metrics]:
+    """sum_b (1/N_b) sum_i w_bi * mean_d (x - x')^2 over sentences with N_b > 0 -> (loss_sum, count, metrics).
+    The count (sentences with N_b > 0) is an int read on the host, or with ``host_count`` false a device tensor
+    (the trainer's step, whose host knows it: no sync); the metrics' counts are device tensors."""
     if x_BTD.shape != recon_BTD.shape or x_BTD.shape[:2] != weight_BT.shape or weight_BT.shape != mask_BT.shape:
         raise ValueError(
             f"reconstruction shapes disagree: x {tuple(x_BTD.shape)}, recon {tuple(recon_BTD.shape)}, "
@@ -45,8 +48,9 @@ def reconstruction_loss(
     num_tokens_B = mask_BT.sum(-1)
     has_tokens_B = num_tokens_B > 0
     per_sentence_B = (weight_BT.to(dtype) * mse_BT * mask_BT).sum(-1) / num_tokens_B.clamp_min(1.0)
-    count = int(has_tokens_B.sum())
+    count = has_tokens_B.sum()
     with torch.no_grad():
-        num_tok = int(num_tokens_B.sum())
-        metrics: Metrics = {"mse": ((mse_BT * mask_BT).sum(), num_tok)}
+        metrics: Metrics = {"mse": ((mse_BT * mask_BT).sum(), num_tokens_B.sum())}
+    if host_count:
+        count = int(count)
     return (per_sentence_B * has_tokens_B).sum(), count, metrics

@@ -100,7 +100,8 @@ class Objective:
         the counts' reduction over ranks (host values, one collective) and the weighting stay outside it.
         ``anchor``: see ``run_terms``."""
         sums, counts, metrics = (run_terms or self.run_terms)(model, batch, heads, anchor)
-        for name, count in batch.get("host_counts", {}).items():  # bucketed MLM positions (training/step.py)
+        # Counts the host knows (training/step.py: host_facts): bucketed MLM positions, SARCSE's sentences.
+        for name, count in batch.get("host_counts", {}).items():
             if name in counts:
                 counts[name] = count
                 acc = metrics.get(f"{name}_acc")

@@ -61,6 +61,9 @@ def _triplet_count(fwd: Forward) -> int:
 
 
 def _reconstruction_count(fwd: Forward) -> int:
+    known = fwd.batch.get("host_counts", {}).get("reconstruction")
+    if known is not None:  # the host counted them (training/step.py: host_facts)
+        return known
     _, _, _, content_mask, _, n = fwd.autoencoded()  # computed for the pair already
     return int((content_mask[:n].sum(-1) > 0).sum())  # reconstruction_loss's count (a host sync, as there)
 

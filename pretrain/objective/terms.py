@@ -77,9 +77,10 @@ def info_nce_term(fwd: Forward, cfg, ctx: Context):
     (supervised SimCSE)."""
     z1, _ = fwd.pair()
     _, keys, pos = fwd.gathered_pair()
+    # The positives' indices are the pair's own (``gathered_pair``): no range check, which reads them on the host.
     loss, count, metrics = info_nce(z1, keys, pos, temperature=cfg.temperature, impl=ctx.ops.similarity,
                                     chunk_size=ctx.ops.chunk_size, neg_MD=fwd.gathered_negatives(),
-                                    neg_weight=cfg.hard_negative_weight)
+                                    neg_weight=cfg.hard_negative_weight, check_values=False)
     return loss, count, _prefixed("info_nce", {**metrics, **spread_metrics(*fwd.pair())})
 
 
@@ -89,7 +90,8 @@ def arccon_term(fwd: Forward, cfg, ctx: Context):
     _, keys, pos = fwd.gathered_pair()
     loss, count, metrics = arccon(z1, keys, pos, temperature=cfg.temperature, margin_deg=cfg.margin_deg,
                                   impl=ctx.ops.similarity, chunk_size=ctx.ops.chunk_size,
-                                  neg_MD=fwd.gathered_negatives(), neg_weight=cfg.hard_negative_weight)
+                                  neg_MD=fwd.gathered_negatives(), neg_weight=cfg.hard_negative_weight,
+                                  check_values=False)
     return loss, count, _prefixed("arccon", {**metrics, **spread_metrics(*fwd.pair())})
 
 
@@ -134,11 +136,16 @@ def rank_distill_term(fwd: Forward, cfg, ctx: Context):
 
 
 def reconstruction_term(fwd: Forward, cfg, ctx: Context):
-    """SARCSE: beta * L_R (first view) + gamma * L_R+ (second view); weights applied here (SELF_WEIGHTED)."""
+    """SARCSE: beta * L_R (first view) + gamma * L_R+ (second view); weights applied here (SELF_WEIGHTED). The count
+    (first-view sentences with content tokens) comes from the host where it counted them (training/step.py:
+    host_facts' ``host_counts``, applied by ``Objective``): here it stays a device tensor, so no sync."""
     _, recon, x, mask, ids, n = fwd.autoencoded()
     weight = frequency_weights(ids, fwd.token_freq_V, cfg.theta, cfg.lam)
-    l1, count, m1 = reconstruction_loss(x[:n], recon[:n], weight[:n], mask[:n], detach_target=cfg.detach_target)
-    l2, _, m2 = reconstruction_loss(x[n:], recon[n:], weight[n:], mask[n:], detach_target=cfg.detach_target)
+    known = "reconstruction" in fwd.batch.get("host_counts", {})
+    l1, count, m1 = reconstruction_loss(x[:n], recon[:n], weight[:n], mask[:n], detach_target=cfg.detach_target,
+                                        host_count=not known)
+    l2, _, m2 = reconstruction_loss(x[n:], recon[n:], weight[n:], mask[n:], detach_target=cfg.detach_target,
+                                    host_count=False)
     metrics = {"recon_mse": m1["mse"], "recon_pos_mse": m2["mse"], "recon_lr": (l1.detach(), count),
                "recon_lr_pos": (l2.detach(), count)}
     return cfg.weight * l1 + cfg.positive_weight * l2, count, metrics

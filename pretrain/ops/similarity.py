@@ -150,13 +150,16 @@ def info_nce_rows(
     impl: str = "auto",
     chunk_size: int = 1024,
     return_lse: bool = False,
+    check_values: bool = True,
 ):
     """Per-row InfoNCE/ArcCon loss_N (fp32, not reduced) of L2-normalised q against k; (loss_N, lse_N) if return_lse.
 
     Row i's positive is column pos_idx[i] (logit cos(acos(c) + margin)/T, margin in radians);
-    column self_idx[i] is left out of the softmax. Differentiable w.r.t. q and k.
+    column self_idx[i] is left out of the softmax. Differentiable w.r.t. q and k. ``check_values``: the indices'
+    range is checked (a host read of them: a sync on a GPU); off for indices the caller built itself (the
+    trainer's terms), so that its step syncs nothing.
     """
-    _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size)
+    _check_inputs(q_ND, k_MD, pos_idx_N, self_idx_N, temperature, chunk_size, check_values)
     backend = resolve_impl(impl, q_ND.device)
     pos_idx_N = pos_idx_N.to(q_ND.device, torch.long)
     if self_idx_N is not None:

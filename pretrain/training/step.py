@@ -147,7 +147,9 @@ def host_facts(batch: dict, *, unpadded: bool | str = False, joint: bool = False
     encoder runs over the joint stream only.
 
     ``buckets`` (train.compile_shapes=bucketed, the compiled step, never with ``unpadded``): widths and the MLM
-    positions padded to their buckets, and ``host_counts`` = {"mlm": the real number of labelled tokens}."""
+    positions padded to their buckets, and ``host_counts`` = {"mlm": the real number of labelled tokens}. In the
+    sentence stage ``host_counts["reconstruction"]``: the sentences with a content token (SARCSE's count; the
+    term then reads none on the device)."""
     if buckets is not None and unpadded:
         raise ValueError("bucketed shapes are for the compiled step, which then runs padded")
     out = dict(batch) if buckets is None else bucket_batch(batch, buckets)
@@ -177,6 +179,9 @@ def host_facts(batch: dict, *, unpadded: bool | str = False, joint: bool = False
         second = "positive" if "positive_ids" in batch else "sentence"  # data.pairs' positive, or the sentence again
         out["packed_sentences"] = pack([(batch["sentence_ids"].numpy(), batch["sentence_mask"].numpy()),
                                         (batch[f"{second}_ids"].numpy(), batch[f"{second}_mask"].numpy())], unpadded)
+    if "sentence_mask" in batch:  # SARCSE's count: sentences with a content token (beyond [CLS] and [SEP])
+        out["host_counts"] = {**out.get("host_counts", {}),
+                              "reconstruction": int((batch["sentence_mask"].numpy().sum(1) > 2).sum())}
     out["full_masks"] = frozenset(k for k, v in batch.items() if k.endswith("_mask") and v.numpy().all())
     return out
 

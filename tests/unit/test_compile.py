@@ -56,20 +56,49 @@ def test_simcse_and_arccse_trace_as_one_graph(term):
     assert _graph_breaks(module, host_facts(_sentence_batch(), unpadded=True)) == (0, [])
 
 
-@pytest.mark.parametrize("term", ["info_nce", "arccon"])
+def _sentence_module(term: str) -> TrainModule:
+    """A sentence-stage module with SimCSE's InfoNCE, ArcCSE's ArcCon, or SARCSE's InfoNCE + reconstruction."""
+    from pretrain.config.objective import ReconstructionConfig
+
+    terms = {"info_nce": {"info_nce": InfoNCEConfig()}, "arccon": {"arccon": ArcConConfig()},
+             "reconstruction": {"info_nce": InfoNCEConfig(),
+                                "reconstruction": ReconstructionConfig(channels=6, integrate_channels=2)}}[term]
+    freq = torch.rand(50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    torch.manual_seed(0)
+    ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling="cls", stage="sentences")
+    return TrainModule(build_model(_model_cfg(), seed=0),
+                       Objective(ObjectiveConfig(mlm=None, nt_xent=None, **terms), ctx, token_freq_V=freq / freq.sum()))
+
+
+@pytest.mark.parametrize("term", ["info_nce", "arccon", "reconstruction"])
+@pytest.mark.parametrize("unpadded", [False, True])
+def test_the_sentence_stage_step_forces_no_host_sync(term, unpadded):
+    """The sentence stage's step (forward, loss, backward) as the trainer hands it a batch (host_facts): no op that
+    waits for the device. Two were there: the similarity op's range check of the positives' indices (built by the
+    term itself), and SARCSE's count of sentences with content tokens (now the host's) and of their tokens."""
+    from pretrain.metrics.op_count import OpCounter
+
+    module = _sentence_module(term)
+    ids, mask = _rows([12, 3, 16, 7, 9, 2], 16, torch.Generator().manual_seed(0))
+    batch = host_facts({"sentence_ids": ids, "sentence_mask": mask}, unpadded=unpadded)
+    loss, metrics = module(batch)  # warm-up
+    with OpCounter() as counter:
+        loss, metrics = module(batch)
+        loss.backward()
+    assert counter.num_aten > 50 and counter.num_sync == 0, dict(counter.where)
+    if term == "reconstruction":  # the host's count: rows of more than [CLS] and [SEP] (the 2-token row has none)
+        assert batch["host_counts"]["reconstruction"] == 5 and metrics["reconstruction"][1] == 5
+
+
+@pytest.mark.parametrize("term", ["info_nce", "arccon", "reconstruction"])
 def test_the_sentence_stage_compiles_one_graph_for_batches_of_other_lengths(term):
     """The compiled step's fixed layout (train.compile's unpadded streams) in the sentence stage: each sentence twice
     in one stream, batches whose groups differ in rows and lengths, one graph (the trainer's dynamic shapes), no
-    break, and the eager loss of the same layout. (MLM + NT-Xent through the trainer: test_compile_step.py.)"""
+    break, and the eager loss of the same layout; SARCSE's reconstruction reads the stream back in padded rows of
+    each batch's width. (MLM + NT-Xent through the trainer: test_compile_step.py.)"""
     from torch._dynamo.utils import counters
 
-    cfg = ObjectiveConfig(mlm=None, nt_xent=None, **{term: (InfoNCEConfig if term == "info_nce" else ArcConConfig)()})
-    modules = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling="cls", stage="sentences")
-        modules.append(TrainModule(build_model(_model_cfg(), seed=0), Objective(cfg, ctx)))
-    eager, compiled = modules
+    eager, compiled = _sentence_module(term), _sentence_module(term)
     torch._dynamo.reset()
     counters.clear()
     compiled.compile_step(backend="aot_eager", dynamic=True)
