@@ -38,11 +38,13 @@ def mix_teacher_sims(sims: Sequence[torch.Tensor], weights: Sequence[float]) -> 
 
 
 def drop_positive(x_NM: torch.Tensor, pos_idx_N: torch.Tensor) -> torch.Tensor:
-    """Remove column pos_idx_N[i] from row i: N x M -> N x (M - 1), order of the rest kept."""
-    num_rows, num_cols = x_NM.shape
-    keep_NM = torch.ones_like(x_NM, dtype=torch.bool)
-    keep_NM[torch.arange(num_rows, device=x_NM.device), pos_idx_N] = False
-    return x_NM[keep_NM].view(num_rows, num_cols - 1)
+    """Remove column pos_idx_N[i] from row i: N x M -> N x (M - 1), order of the rest kept. A gather of the kept
+    columns (column j of the result is j, or j + 1 from the positive on), not a boolean mask, whose index the host
+    would have to read (a sync on a GPU, forward and backward)."""
+    num_cols = x_NM.shape[1]
+    cols_M = torch.arange(num_cols - 1, device=x_NM.device)
+    cols_NM = cols_M + (cols_M >= pos_idx_N.to(x_NM.device)[:, None]).to(cols_M.dtype)
+    return x_NM.gather(1, cols_NM)
 
 
 def js_consistency(

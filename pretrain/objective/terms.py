@@ -107,8 +107,10 @@ def triplet_term(fwd: Forward, cfg, ctx: Context):
         return zero, 0, {}
     ids = torch.cat([b["triplet_anchor_ids"], b["triplet_low_ids"], b["triplet_high_ids"]])
     mask = torch.cat([b["triplet_anchor_mask"], b["triplet_low_mask"], b["triplet_high_mask"]])
+    padded = [fwd._padded(f"triplet_{part}_mask") for part in ("anchor", "low", "high")]  # as the host saw them
+    known = {} if None in padded else {"padded": any(padded)}
     with dropout_off(fwd.model):
-        e = fwd.embed(fwd.model.encode(ids, mask), mask)
+        e = fwd.embed(fwd.model.encode(ids, mask, **known), mask)
     loss, count, metrics = triplet_entailment(e[:num], e[num:2 * num], e[2 * num:], margin=cfg.margin)
     return loss, count, _prefixed("triplet", metrics)
 
@@ -196,24 +198,28 @@ class Teachers:
         sentence stage, where both are the same: teachers run without dropout; data.pairs' anchor and positive)."""
         b = fwd.batch
         if fwd.ctx.stage == "sentences" and "positive_ids" in b:  # data.pairs: (anchor, positive)
-            sides = [(b["sentence_ids"], b["sentence_mask"]), (b["positive_ids"], b["positive_mask"])]
+            sides = ["sentence", "positive"]
         elif fwd.ctx.stage == "sentences":
-            sides = [(b["sentence_ids"], b["sentence_mask"])]
+            sides = ["sentence"]
         else:
-            sides = [(b["view_a_ids"], b["view_a_mask"]), (b["view_b_ids"], b["view_b_mask"])]
+            sides = ["view_a", "view_b"]
         vocab = fwd.model.cfg.vocab_size
         out = []
         for model in self.models:
             if model.cfg.vocab_size != vocab:
                 raise ValueError(f"a rank_distill teacher has vocabulary size {model.cfg.vocab_size}, the student "
                                  f"{vocab}; teachers must share the student's tokenizer")
-            device = sides[0][0].device
+            device = b[f"{sides[0]}_ids"].device
             if next(model.parameters()).device != device:
                 model.to(device)
             embs = []
-            for ids, mask in sides:
-                ids, mask = _truncate(ids, mask, self.cfg.teacher_max_len)
-                h = model.encode(ids, mask, all_layers=self.cfg.teacher_pooling == "first_last_avg")
+            for side in sides:
+                ids, mask = _truncate(b[f"{side}_ids"], b[f"{side}_mask"], self.cfg.teacher_max_len)
+                # Whether the mask has padding, as the host recorded it (a cut keeps a full mask full): else
+                # the encoder would look on the device.
+                padded = fwd._padded(f"{side}_mask")
+                h = model.encode(ids, mask, all_layers=self.cfg.teacher_pooling == "first_last_avg",
+                                 **({} if padded is None else {"padded": padded}))
                 layers = h if isinstance(h, list) else None
                 h = h[-1] if isinstance(h, list) else h
                 embs.append(model.pool(h, mask, self.cfg.teacher_pooling, all_layers=layers))

@@ -199,3 +199,41 @@ def test_modernbert_simcse_rankcse_sarcse_and_arccse_stages(stage_inputs, single
         assert train and all(r[t] == r[t] and abs(r[t]) < 1e4 for r in train for t in terms), (name, train)
         assert (run_dir / "best" / "best.json").is_file()
         assert "arch: modernbert" in (run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["simcse_rankcse_sarcse", "arccse_mlm_triplet", "pairs_hard_negatives"])
+def test_a_sentence_stage_step_that_does_not_log_forces_no_sync(recipe, stage_inputs, single_env, tmp_path):
+    """The trainer's own non-logging steps of the sentence stage's objectives force no host-device sync
+    (metrics.op_count.SYNC_OPS), as the CLEAR step's (tests/integration/test_step_syncs.py): on a GPU each one
+    would drain the queue. The similarity op's range check and SARCSE's counts did (2-6 a step) until
+    2026-11-28."""
+    from test_step_syncs import _count_steps
+
+    from pretrain.config import load_run_config
+    from pretrain.config.model import ModelConfig
+    from pretrain.export.hf import write_init_dir
+    from pretrain.model import build_model
+    from pretrain.training.trainer import Trainer
+
+    extra = {"simcse_rankcse_sarcse": {
+        "objective.info_nce": "{temperature: 0.05}", "objective.consistency": "{weight: 1.0}",
+        "objective.rank_distill": f"{{teachers: [{tmp_path / 'teacher'}], teacher_pooling: mean}}",
+        "objective.reconstruction": "{channels: 8, integrate_channels: 2, weight: 0.01, positive_weight: 0.01}"},
+        "arccse_mlm_triplet": {"objective.mlm": "{weight: 1.0}", "objective.arccon": "{margin_deg: 10.0}",
+                               "objective.triplet": "{weight: 0.1, max_len: 64}"},
+        "pairs_hard_negatives": {"data.sentences": "", "data.pairs": stage_inputs["pairs"],
+                                 "objective.info_nce": "{temperature: 0.05}"}}[recipe]
+    if recipe == "simcse_rankcse_sarcse":
+        write_init_dir(build_model(ModelConfig(**{k.split(".")[1]: v for k, v in TINY.items()}), seed=3),
+                       stage_inputs["tokenizer"], str(tmp_path / "teacher"))
+    cfg = load_run_config(None, _overrides(stage_inputs, tmp_path / "run", **{
+        "train.log_every": 100, "eval.stsb_every": 0, **extra}))
+    trainer = Trainer(cfg, single_env)
+    try:
+        outer, inner = _count_steps(trainer, steps=2)
+    finally:
+        trainer.close()
+    assert outer.num_aten > 100
+    assert outer.num_sync == 0, dict(outer.where)
+    assert inner.num_sync == 0, dict(inner.where)
