@@ -202,7 +202,8 @@ def test_modernbert_simcse_rankcse_sarcse_and_arccse_stages(stage_inputs, single
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["simcse_rankcse_sarcse", "arccse_mlm_triplet", "pairs_hard_negatives"])
+@pytest.mark.parametrize("recipe", ["simcse_rankcse_sarcse", "simcse_rankcse_sarcse_cached", "arccse_mlm_triplet",
+                                    "pairs_hard_negatives"])
 def test_a_sentence_stage_step_that_does_not_log_forces_no_sync(recipe, stage_inputs, single_env, tmp_path):
     """The trainer's own non-logging steps of the sentence stage's objectives force no host-device sync
     (metrics.op_count.SYNC_OPS), as the CLEAR step's (tests/integration/test_step_syncs.py): on a GPU each one
@@ -216,6 +217,8 @@ def test_a_sentence_stage_step_that_does_not_log_forces_no_sync(recipe, stage_in
     from pretrain.model import build_model
     from pretrain.training.trainer import Trainer
 
+    cached = recipe.endswith("_cached")  # objective.gradient_cache over 2 micro-batches of 4
+    recipe = recipe.removesuffix("_cached")
     extra = {"simcse_rankcse_sarcse": {
         "objective.info_nce": "{temperature: 0.05}", "objective.consistency": "{weight: 1.0}",
         "objective.rank_distill": f"{{teachers: [{tmp_path / 'teacher'}], teacher_pooling: mean}}",
@@ -227,6 +230,8 @@ def test_a_sentence_stage_step_that_does_not_log_forces_no_sync(recipe, stage_in
     if recipe == "simcse_rankcse_sarcse":
         write_init_dir(build_model(ModelConfig(**{k.split(".")[1]: v for k, v in TINY.items()}), seed=3),
                        stage_inputs["tokenizer"], str(tmp_path / "teacher"))
+    if cached:
+        extra |= {"objective.gradient_cache": "true", "train.micro_batch_size": 4, "train.grad_accum": 2}
     cfg = load_run_config(None, _overrides(stage_inputs, tmp_path / "run", **{
         "train.log_every": 100, "eval.stsb_every": 0, **extra}))
     trainer = Trainer(cfg, single_env)
