@@ -95,14 +95,12 @@ def test_a_step_that_does_not_log_forces_no_sync(zero_stage, precision, grad_acc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("unpadded", ["false", "true"])
-def test_a_compiled_step_that_does_not_log_forces_no_sync(unpadded, tmp_path, tiny_overrides, clean_env):
-    """train.compile (aot_eager: the traced graph's own aten ops) at ZeRO-2, padded and unpadded (the fixed attention
-    layout): the compiled forward and loss add none (what CUDA graphs need: no host sync inside the captured
-    region)."""
+def test_a_compiled_step_that_does_not_log_forces_no_sync(tmp_path, tiny_overrides, clean_env):
+    """train.compile (aot_eager: the traced graph's own aten ops) at ZeRO-2, unpadded (the fixed attention layout,
+    train.compile's default since 2026-11-28; the padded compiled step ran here before): the compiled forward and
+    loss add none (what CUDA graphs need: no host sync inside the captured region)."""
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=2,
-                                               train__compile="true", train__compile_backend="aot_eager",
-                                               train__unpadded=unpadded))
+                                               train__compile="true", train__compile_backend="aot_eager"))
     env = single_process_env()
     init_process_group(env, backend="gloo", timeout_s=60)
     trainer = None
