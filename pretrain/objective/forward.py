@@ -162,10 +162,10 @@ class Forward:
         entries, each as its own pass would have returned it. Unpadded, the stream is the host's ``packed_joint``
         (the MLM rows' stream, then the views', as ``packed_mlm`` and ``packed_views`` hold them); padded (also
         the compiled step's with static or bucketed shapes), ``packing.padded_stream`` of the two padded batches,
-        pads included, each attended to at its own width. Every layer then runs once per micro-batch instead of twice: half the kernel launches
-        (and, under ZeRO-3, half the parameter gathers), larger matrix products; sequences still attend only to
-        themselves. A trimmed last layer (train.trim_last_layer) computes the union of the rows the two would
-        keep."""
+        pads included, each attended to at its own width. Every layer then runs once per micro-batch instead of
+        twice: half the kernel launches (and, under ZeRO-3, half the parameter gathers), larger matrix products;
+        sequences still attend only to themselves. A trimmed last layer (train.trim_last_layer) computes the union
+        of the rows the two would keep."""
         b = self.batch
         ids, mask, n, padded, views = self._pair_inputs()
         mlm_trimmed, pair_trimmed = self._mlm_trimmed(), self._pair_trimmed()
