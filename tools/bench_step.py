@@ -807,7 +807,7 @@ def main(argv=None) -> int:
           + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else "") + f", {heap}")
     print(hf_arm_note(args.arch, args.device))
     layout = TrainConfig(compile=args.compile).unpadded_layout(args.arch, args.device)
-    print(f"ours: {f'unpadded, attention layout {layout}' if layout else 'padded (the compiled step)'} "
+    print(f"ours: {f'unpadded, attention layout {layout}' if layout else 'padded'} "
           "(train.unpadded_attention=auto)" + (f"; third arm {AB_OPTIONS[args.ab]}" if args.ab else ""))
     rows = []
     for size in args.sizes:

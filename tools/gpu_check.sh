@@ -119,11 +119,11 @@ stage tests 900 $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/
 stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --ab varlen --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
 # --profile-out: each arm's GPU busy share (issue 24's >= 95%) under CUDA graphs, as well as eagerly above
-# shellcheck disable=SC2086
 # ours compiled unpadded (the fixed layout, since 2026-11-28) with ours compiled padded as third arm
+# shellcheck disable=SC2086
 stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
-  --zero-stage 2 --compile --compile-mode reduce-overhead --ab unpadded --profile-out "$OUT/profile_step_compile.txt" \
-  --json-out "$OUT/bench_step_compile.json"
+  --zero-stage 2 --compile --compile-mode reduce-overhead --ab unpadded \
+  --profile-out "$OUT/profile_step_compile.txt" --json-out "$OUT/bench_step_compile.json"
 # Real CLEAR micro-batches of the shared books (BERT's WordPiece, the recipe's masking and views, ~16% of the MLM
 # rows' tokens padding): the unpadded step where HF computes padding, with the attention groups as third arm.
 # Needs the books and tokenizer tools/gpu_data.sh stages on this side (carried as .gpu_data).

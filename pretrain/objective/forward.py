@@ -77,7 +77,7 @@ class Forward:
                 self._cache["mlm"] = self.model.encode(None, None, packed=packed, **rows)
             else:
                 self._cache["mlm"] = self.model.encode(self.batch["input_ids"], self.batch["attention_mask"],
-                                                       **_known(padded=self._padded("attention_mask")), **rows)
+                                                       **self.padding_known("attention_mask"), **rows)
         return self._cache["mlm"]
 
     def _mlm_trimmed(self) -> bool:
@@ -102,6 +102,13 @@ class Forward:
             return None
         full = self.batch.get("full_masks")
         return None if full is None else mask_key not in full
+
+    def padding_known(self, *mask_keys: str) -> dict:
+        """``encode``'s ``padded`` keyword for a padded pass over these masks stacked: whether any has padding, as
+        the host recorded them (``_padded``); {} where it did not record one (the encoder then looks on the
+        device, a host sync)."""
+        padded = [self._padded(key) for key in mask_keys]
+        return {} if None in padded else {"padded": any(padded)}
 
     def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor | None, mean_mix: float = 0.0,
               packed=None, *, nested: bool = False) -> torch.Tensor:
@@ -266,7 +273,7 @@ class Forward:
             z = None
             if "negative_ids" in b:
                 ids, mask = b["negative_ids"], b["negative_mask"]
-                padded = _known(padded=self._padded("negative_mask"))
+                padded = self.padding_known("negative_mask")
                 if self._pair_trimmed():  # pooled as the pair is: each row's [CLS] only
                     z = self.embed(self._cls_states(ids, mask, padded), None, nested=True)
                 elif "autoencoder" in self.heads:

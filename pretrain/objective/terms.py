@@ -107,10 +107,9 @@ def triplet_term(fwd: Forward, cfg, ctx: Context):
         return zero, 0, {}
     ids = torch.cat([b["triplet_anchor_ids"], b["triplet_low_ids"], b["triplet_high_ids"]])
     mask = torch.cat([b["triplet_anchor_mask"], b["triplet_low_mask"], b["triplet_high_mask"]])
-    padded = [fwd._padded(f"triplet_{part}_mask") for part in ("anchor", "low", "high")]  # as the host saw them
-    known = {} if None in padded else {"padded": any(padded)}
+    padded = fwd.padding_known(*(f"triplet_{part}_mask" for part in ("anchor", "low", "high")))
     with dropout_off(fwd.model):
-        e = fwd.embed(fwd.model.encode(ids, mask, **known), mask)
+        e = fwd.embed(fwd.model.encode(ids, mask, **padded), mask)
     loss, count, metrics = triplet_entailment(e[:num], e[num:2 * num], e[2 * num:], margin=cfg.margin)
     return loss, count, _prefixed("triplet", metrics)
 
@@ -215,11 +214,9 @@ class Teachers:
             embs = []
             for side in sides:
                 ids, mask = _truncate(b[f"{side}_ids"], b[f"{side}_mask"], self.cfg.teacher_max_len)
-                # Whether the mask has padding, as the host recorded it (a cut keeps a full mask full): else
-                # the encoder would look on the device.
-                padded = fwd._padded(f"{side}_mask")
+                # The host's record of the mask's padding holds after the cut (a full mask stays full).
                 h = model.encode(ids, mask, all_layers=self.cfg.teacher_pooling == "first_last_avg",
-                                 **({} if padded is None else {"padded": padded}))
+                                 **fwd.padding_known(f"{side}_mask"))
                 layers = h if isinstance(h, list) else None
                 h = h[-1] if isinstance(h, list) else h
                 embs.append(model.pool(h, mask, self.cfg.teacher_pooling, all_layers=layers))
