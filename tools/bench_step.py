@@ -48,9 +48,11 @@ the ratio ours would reach if it did nothing else: how much of a ratio goal the 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.metadata
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -367,6 +369,35 @@ def _profile_busy(prof) -> float:
     return device_busy(device, min(e.time_range.start for e in events), max(e.time_range.end for e in events))
 
 
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+"""CUDA runtime calls in which the host waits for the device (``sync_sites``)."""
+SKIPPED_FRAMES = ("torch/", "pytest/", "pluggy/", "<frozen", "contextlib.py", "threading.py")
+"""Python frames ``sync_sites`` leaves out: torch's own, the test runner's, the interpreter's."""
+
+
+def sync_sites(prof, names=SYNC_EVENTS, frames: int = 4) -> list[tuple[int, str]]:
+    """Where the host waited for the device in a torch.profiler run recorded ``with_stack=True``: every event
+    named in ``names``, by what enclosed it, innermost first: the ops (``aten::...``), then up to ``frames``
+    Python frames ("path(line): function", as the profiler shortens the path) outside ``SKIPPED_FRAMES``.
+    [(count, site)], most frequent first. The H200 pass counted 5 ``cudaStreamSynchronize`` a step in ours without
+    saying where (docs/performance.md)."""
+    sites: collections.Counter = collections.Counter()
+    for event in prof.events():
+        if event.name not in names:
+            continue
+        chain, kept, parent = [event.name], 0, event.cpu_parent
+        while parent is not None and kept < frames:
+            name = parent.name
+            if name.startswith("aten::"):
+                chain.append(name)
+            elif re.search(r"\(\d+\): ", name) and not any(skip in name for skip in SKIPPED_FRAMES):
+                chain.append(name)
+                kept += 1
+            parent = parent.cpu_parent
+        sites[" <- ".join(chain)] += 1
+    return [(count, site) for site, count in sites.most_common()]
+
+
 def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: str = "") -> dict:
     """Build one arm, warm it up (2 steps) and time `steps` steps; {"oom": True} when it does not fit.
 
@@ -401,6 +432,15 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
             table = avg.table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
             table += "\n-- by self CPU time (where the host spends the step) --\n"
             table += avg.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
+            # One more step with Python stacks (their recording slows the host, so not in the busy share above),
+            # for where it waited for the device; the synchronize after it is outside the profile.
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+                step(batch)
+            torch.cuda.synchronize()
+            sites = sync_sites(prof)
+            syncs = sum(count for count, _ in sites)
+            table += f"\n-- where the host waited for the device: one step, {syncs} waits --\n"
+            table += "".join(f"{count:5d}  {site}\n" for count, site in sites) or "(none)\n"
             with open(profile_out, "a") as f:
                 f.write(f"== {name}: 3 steps, batch {batch['input_ids'].shape[0]}, median step "
                         f"{statistics.median(times):.4f} s, GPU busy {busy:.1%} of the profiled span\n{table}\n")
@@ -414,6 +454,7 @@ def _timed_arm(name: str, build, batch, steps: int, device: str, profile_out: st
         out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
         if busy is not None:
             out["busy"] = busy
+            out["syncs_per_step"], out["sync_sites"] = syncs, sites[:20]
     return out
 
 
@@ -648,9 +689,13 @@ def busy_lines(rows: list[dict]) -> list[str]:
         busy = {arm: row[arm]["busy"] for arm in ("ours", "hf")
                 if isinstance(row.get(arm), dict) and row[arm].get("busy") is not None}
         if busy:
+            syncs = {arm: row[arm]["syncs_per_step"] for arm in busy if "syncs_per_step" in row[arm]}
             lines.append(f"{row['size']} batch {row['batch']}: GPU busy over 3 profiled steps back to back "
                          "(a lower bound: the profiler adds host work): "
-                         + ", ".join(f"{'HF' if arm == 'hf' else arm} {v:.1%}" for arm, v in busy.items()))
+                         + ", ".join(f"{'HF' if arm == 'hf' else arm} {v:.1%}" for arm, v in busy.items())
+                         + ("; host waits for the device in one step (where: --profile-out): "
+                            + ", ".join(f"{'HF' if arm == 'hf' else arm} {n}" for arm, n in syncs.items())
+                            if syncs else ""))
     return lines
 
 

@@ -257,6 +257,35 @@ def test_device_busy_is_the_union_of_the_device_intervals_over_the_window():
             {"size": "mini", "batch": 32, "ours": {"samples_per_s": 20.0}, "hf": {"samples_per_s": 9.0}}]
     assert bench_step.busy_lines(rows) == ["base batch 256: GPU busy over 3 profiled steps back to back (a lower "
                                            "bound: the profiler adds host work): ours 95.1%, HF 90.0%"]
+    rows[0]["ours"]["syncs_per_step"], rows[0]["hf"]["syncs_per_step"] = 0, 3
+    assert bench_step.busy_lines(rows)[0].endswith("HF 90.0%; host waits for the device in one step (where: "
+                                                   "--profile-out): ours 0, HF 3")
+
+
+def _reads_a_value(x):
+    return float((x * 2).sum())  # .item(): what a CUDA device would be waited for
+
+
+def test_sync_sites_name_the_ops_and_python_frames_around_each_wait():
+    """Where the host waits (issue 24 item 7's profile): on the CPU no CUDA runtime call is recorded, so the
+    same walk is checked on aten's scalar read, which is one on CUDA: each wait by its enclosing ops and the
+    Python frames under the given roots, innermost first, counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bench_step = _bench_step()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(3):
+            _reads_a_value(torch.ones(4))
+        torch.ones(2).sum().item()
+    sites = bench_step.sync_sites(prof, names=("aten::_local_scalar_dense",))
+    assert [count for count, _ in sites] == [3, 1]
+    chain = sites[0][1].split(" <- ")
+    assert chain[:2] == ["aten::_local_scalar_dense", "aten::item"]
+    assert "test_gpu_tools_cpu.py(" in chain[2] and chain[2].endswith("): _reads_a_value")
+    assert chain[3].endswith("): test_sync_sites_name_the_ops_and_python_frames_around_each_wait")
+    assert len(chain) == 4  # the test runner's frames are left out
+    assert bench_step.sync_sites(prof, names=("aten::_local_scalar_dense",), frames=1)[0][1] == " <- ".join(chain[:3])
+    assert bench_step.sync_sites(prof) == []  # no CUDA runtime call on the CPU
 
 
 def test_gpu_data_stages_the_books_and_the_tokenizer_the_books_bench_reads(tmp_path, data_dir, monkeypatch):
