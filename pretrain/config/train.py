@@ -105,7 +105,8 @@ class TrainConfig:
     """torch.compile's mode; reduce-overhead captures the step as CUDA graphs (a GPU; one graph per distinct input
     shape, see compile_shapes)."""
     compile_shapes: Literal["auto", "dynamic", "static", "bucketed"] = "dynamic"
-    """dynamic: symbolic from the start, one graph for every batch, the same graph whichever step a process starts
+    """dynamic: symbolic from the start, one graph for every batch (on the CPU inductor adds a second for batches past
+    4,096 reduced elements, chosen by size, docs/performance.md), the same graph whichever step a process starts
     at, so a resumed run computes what the uninterrupted one did bit for bit (docs/operations.md); auto: static
     until a shape changes, then dynamic (torch.compile's dynamic=None; the default until 2026-11-28: a resumed run
     began with a static graph where the uninterrupted one had long gone dynamic, and rounded differently from
