@@ -175,6 +175,9 @@ def test_bench_step_host_cost_runs_both_arms(tmp_path, clean_env):
     assert row["hf"]["syncs"].get("aten._local_scalar_dense", 0) >= 1  # its loss.item()
     # Flat layers: DeepSpeed's per-parameter hooks and the optimizer see 2 tensors a layer instead of 16.
     assert row["ours"]["aten_ops"] < row["ours_per_tensor"]["aten_ops"] - 2000
+    for arm in ("ours", "hf"):  # the matrix products' share: part of the step, measured beside it
+        assert 0 < row[arm]["matmul_s"] < max(row[arm]["all_s"]) * 2
+    assert "Matrix products in those steps" in proc.stdout and "- ZeRO 2 bf16: ours " in proc.stdout
 
 
 def test_host_cost_table_ratios_and_goal():
@@ -201,6 +204,10 @@ def test_host_cost_table_ratios_and_goal():
     assert "two passes" not in text
     rows[1]["ours_two_passes"] = arm(32.5, 8000, 0)  # --ab joint: ours with train.joint_pass=false beside
     assert "| 2 | bf16 | 32.5 | 0.65x | 8,000 | 0.80x |" in "\n".join(bench_step.host_cost_table(rows))
+    assert "Matrix products" not in text
+    rows[1]["ours"]["matmul_s"], rows[1]["hf"]["matmul_s"] = 0.006, 0.010  # measured beside: the step without them
+    assert ("- ZeRO 2 bf16: ours 6.0 ms, HF 10.0 ms; the step without them ours 20.0 ms, HF 40.0 ms (0.50x)"
+            in "\n".join(bench_step.host_cost_table(rows)))
 
 
 def test_back_to_back_lines_compare_the_runs_and_the_third_arm():
