@@ -560,14 +560,16 @@ def measure_host_cost(args) -> dict:
     for _ in range(args.steps):  # alternate so drifting machine load hits every arm alike
         for arm, step in arms.items():
             times[arm].append(time_one(step, batch))
-    # Ops are counted after the timed steps: a compiled function called once under a TorchDispatchMode (the
-    # counter) runs eagerly from then on (measured 2026-11-27: 36 instead of 17 ms a step), which made every
-    # --compile row before that date an eager one.
+    # The matrix products' share of the "host" time (docs/performance.md: not negligible at these shapes), by the
+    # profiler, which is no dispatch mode. Ops are counted last: a compiled function called once under a
+    # TorchDispatchMode (the counter) runs eagerly from then on (measured 2026-11-27: 36 instead of 17 ms a step),
+    # which made every --compile row before that date an eager one.
+    matmul_s = {arm: matmul_seconds(arms[arm], batch) for arm in ("ours", "hf")}
     res = {arm: count_ops(step, batch) for arm, step in arms.items()}
     for arm, t in times.items():
         res[arm].update(s=statistics.median(t), all_s=t, adamw_fused=fused)
-    for arm in ("ours", "hf"):  # the arithmetic in the "host" time (docs/performance.md: not negligible here)
-        res[arm]["matmul_s"] = matmul_seconds(arms[arm], batch)
+    for arm, seconds in matmul_s.items():
+        res[arm]["matmul_s"] = seconds
     res["threads"] = torch.get_num_threads()  # still 1 after DeepSpeed and HF were built
     return res
 
