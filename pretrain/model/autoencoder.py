@@ -95,10 +95,20 @@ class TextCNNAutoencoder(nn.Module):
         return torch.stack(pooled, 1), argmax
 
 
+SPECIAL_TOKENS = 2
+"""Tokens of each row that ``content_tokens`` drops: [CLS] and [SEP]."""
+
+
+def sentences_with_content(lengths_B) -> int:
+    """How many rows of these token counts keep a content token after ``content_tokens`` (SARCSE's count; the host
+    reads it from the batch's masks before the step, training/step.py: host_facts)."""
+    return int((lengths_B > SPECIAL_TOKENS).sum())
+
+
 def content_tokens(
     h_BTD: torch.Tensor, mask_BT: torch.Tensor, ids_BT: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Drop [CLS] (position 0) and [SEP] (last valid position) of right-padded rows.
+    """Drop [CLS] (position 0) and [SEP] (last valid position) of right-padded rows (``SPECIAL_TOKENS``).
 
     Returns (h_B(T-2)D, mask_B(T-2), ids_B(T-2) or None): the AE's input, SARCSE section 2.1.
     """

@@ -12,6 +12,7 @@ import torch
 
 from pretrain.config.data import IGNORE_INDEX
 from pretrain.distributed.comm import all_reduce_host
+from pretrain.model.autoencoder import sentences_with_content
 from pretrain.model.packing import Packed, join, move_tensor, pack
 
 
@@ -181,7 +182,7 @@ def host_facts(batch: dict, *, unpadded: bool | str = False, joint: bool = False
                                         (batch[f"{second}_ids"].numpy(), batch[f"{second}_mask"].numpy())], unpadded)
     if "sentence_mask" in batch:  # SARCSE's count: sentences with a content token (beyond [CLS] and [SEP])
         out["host_counts"] = {**out.get("host_counts", {}),
-                              "reconstruction": int((batch["sentence_mask"].numpy().sum(1) > 2).sum())}
+                              "reconstruction": sentences_with_content(batch["sentence_mask"].numpy().sum(1))}
     out["full_masks"] = frozenset(k for k, v in batch.items() if k.endswith("_mask") and v.numpy().all())
     return out
 

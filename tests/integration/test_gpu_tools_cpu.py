@@ -275,8 +275,8 @@ def _reads_a_value(x):
 
 def test_sync_sites_name_the_ops_and_python_frames_around_each_wait():
     """Where the host waits (issue 24 item 7's profile): on the CPU no CUDA runtime call is recorded, so the
-    same walk is checked on aten's scalar read, which is one on CUDA: each wait by its enclosing ops and the
-    Python frames under the given roots, innermost first, counted."""
+    same walk is checked on aten's scalar read, which is one on CUDA: each wait by its enclosing ops and Python
+    frames (torch's and the test runner's left out), innermost first, counted."""
     from torch.profiler import ProfilerActivity, profile
 
     bench_step = _bench_step()
