@@ -500,9 +500,7 @@ def measure(args, size: str) -> dict:
     # --ab: a third arm, ours with that option off, in the same alternation.
     full = ours(args.ab) if args.ab else None
     ours, hf = ours(), hf()
-    ours(host_batches[-1]), hf(batches[-1])  # warm-up
-    if full is not None:
-        full(host_batches[-1])
+    warm_up(ours, hf, full, host_batches, batches)
     t_ours, t_hf, t_full = [], [], []
     for i in range(args.steps):  # alternate so drifting machine load hits every arm alike
         t_ours.append(time_one(ours, host_batches[i % len(host_batches)]))
@@ -519,6 +517,20 @@ def measure(args, size: str) -> dict:
     if args.data:
         out["padding"] = padding_shares(host_batches[:args.steps])
     return out
+
+
+def warm_up(ours, hf, full, host_batches: list[dict], batches: list[dict]) -> None:
+    """One step of every arm on every batch the timing will use, alternating (CPU), so that the timed steps run on
+    the heap a long run settles at. glibc's heap grows at each batch larger or differently shaped than any before,
+    and each new page is a fault on first touch: on this project's 2-core VM 10-15 us a fault, up to 250k faults
+    (3.5 s) in one BERT-base bf16 step of ours and 90k of HF's, over ours' first three books batches. Warmed up
+    with one step, ``--sizes base --batch 8 --steps 3 --data books --precision bf16`` measured ours at 0.80x HF;
+    in steady state it is 1.43x (docs/performance.md)."""
+    for host_batch, batch in zip(host_batches, batches):
+        ours(host_batch)
+        hf(batch)
+        if full is not None:
+            full(host_batch)
 
 
 def count_ops(step, batch) -> dict:

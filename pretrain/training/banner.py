@@ -17,13 +17,15 @@ from __future__ import annotations
 import math
 import os
 
+from pretrain.config import train as train_config
 from pretrain.config.lint import inert_settings
 
 GIB = 1024 ** 3
 
-BF16_ON_CPU = ("train.precision=bf16 on a CPU: PyTorch emulates bf16 matrix products on most CPUs, and the tiny "
-               "CLEAR recipe ran 14x slower than in fp32 on a 2-core x86 machine (3.5 against 48 samples/s); "
-               "set train.precision=auto (fp32 here, bf16 on a GPU that computes it fast) or fp32")
+BF16_ON_CPU = ("train.precision=bf16 on a CPU without AMX-BF16: PyTorch emulates bf16 matrix products on such CPUs "
+               "or runs them no faster than fp32, and the tiny CLEAR recipe ran 14x slower than in fp32 on a 2-core "
+               "x86 machine (3.5 against 48 samples/s); set train.precision=auto (fp32 here; bf16 on a GPU that "
+               "computes it fast or on a CPU with AMX-BF16) or fp32")
 
 
 def parameter_counts(module) -> dict[str, int]:
@@ -125,7 +127,7 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str
                  f"{'; weights whole in the step: train.compile' if whole_weights_in_step(cfg) else ''}) + "
                  f"activations {mem['activations']:.2f} per micro-batch")
     warnings = inert_settings(cfg)
-    if cfg.train.precision == "bf16" and not _on_gpu():
+    if cfg.train.precision == "bf16" and not _on_gpu() and not train_config.cpu_computes_bf16_fast():
         warnings.append(BF16_ON_CPU)
     return lines + [f"warning: {line}" for line in warnings]
 

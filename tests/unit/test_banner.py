@@ -107,12 +107,24 @@ def test_dry_run_of_a_base_recipe_refuses_a_plan_larger_than_this_machine(tmp_pa
     assert "dry run: config" not in capsys.readouterr().out
 
 
-def test_bf16_on_a_cpu_warns_with_its_cost(tmp_path, tiny_overrides, capsys):
+def test_bf16_on_a_cpu_warns_with_its_cost(tmp_path, tiny_overrides, capsys, monkeypatch):
+    """On a CPU without AMX-BF16 an explicit bf16 warns and auto is fp32; with it (the flags line of a Sapphire
+    Rapids), neither warning nor fp32: auto is bf16."""
     if torch.cuda.is_available():
         pytest.skip("the warning is for CPUs")
+    from pretrain.config import train
+
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(train, "CPUINFO", str(cpuinfo))
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
     assert main([*tiny_overrides(tmp_path / "run"), "train.precision=bf16", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.count("warning: train.precision=bf16 on a CPU") == 1 and "14x slower" in out
+    assert out.count("warning: train.precision=bf16 on a CPU without AMX-BF16") == 1 and "14x slower" in out
     assert main([*tiny_overrides(tmp_path / "run"), "train.precision=auto", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "precision fp32" in out and "bf16 on a CPU" not in out
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    for precision in ("bf16", "auto"):
+        assert main([*tiny_overrides(tmp_path / "run"), f"train.precision={precision}", "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert "precision bf16" in out and "bf16 on a CPU" not in out, precision

@@ -233,9 +233,43 @@ def test_precision_auto_is_bf16_only_where_the_device_computes_it_fast():
     assert resolve_precision("auto", fast_bf16=False) == "fp32"
     assert [resolve_precision(p, fast_bf16=True) for p in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
     cfg = load_run_config(str(CONFIGS / "recipes" / "clear_del_span.yaml"))  # the recipes say auto
-    assert cfg.train.precision == ("bf16" if torch.cuda.is_available() and
-                                   torch.cuda.get_device_capability()[0] >= 8 else "fp32")
+    assert cfg.train.precision == ("bf16" if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+                                   or not torch.cuda.is_available() and _cpu_flag("amx_bf16") else "fp32")
     assert "precision: auto" in (CONFIGS / "recipes" / "simcse_unsup_bert_base.yaml").read_text()
+
+
+def _cpu_flag(flag: str) -> bool:
+    """``flag`` among this machine's CPU flags (Linux), read here independently of pretrain.config.train."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in line.split(":", 1)[-1].split() for line in text.splitlines() if line.startswith("flags"))
+
+
+def test_a_cpu_computes_bf16_fast_with_amx_bf16_only(tmp_path, monkeypatch):
+    """The CPU's flags decide: AMX-BF16 (Sapphire Rapids on) yes; avx512_bf16 alone, AMX's tiles without bf16, a
+    flag only as part of another word or outside the flags line, or no /proc/cpuinfo: no. With no GPU, that is what
+    precision=auto resolves to."""
+    from pretrain.config import train
+
+    def flags(text: str) -> bool:
+        path = tmp_path / "cpuinfo"
+        path.write_text(text)
+        return train.cpu_computes_bf16_fast(str(path))
+
+    line = "flags\t\t: fpu vme sse sse2 avx2 avx512f avx512_bf16"
+    assert flags(f"processor\t: 0\n{line} amx_bf16 amx_tile amx_int8\n\nprocessor\t: 1\n{line} amx_bf16\n")
+    assert not flags(f"processor\t: 0\n{line}\n")
+    assert not flags(f"{line} amx_tile amx_int8\n")
+    assert not flags(f"{line} xamx_bf16\nmodel name\t: amx_bf16\n")
+    assert not train.cpu_computes_bf16_fast(str(tmp_path / "absent"))
+    assert train.cpu_computes_bf16_fast() == _cpu_flag("amx_bf16")
+    monkeypatch.setattr(train, "CPUINFO", str(tmp_path / "cpuinfo"))
+    for text, expected in ((f"{line} amx_bf16\n", "bf16"), (f"{line}\n", "fp32")):
+        (tmp_path / "cpuinfo").write_text(text)
+        monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+        assert train.resolve_precision("auto") == expected
 
 
 def test_an_empty_data_path_names_its_key(capsys):
