@@ -525,7 +525,7 @@ def warm_up(ours, hf, full, host_batches: list[dict], batches: list[dict]) -> No
     and each new page is a fault on first touch: on this project's 2-core VM 10-15 us a fault, up to 250k faults
     (3.5 s) in one BERT-base bf16 step of ours and 90k of HF's, over ours' first three books batches. Warmed up
     with one step, ``--sizes base --batch 8 --steps 3 --data books --precision bf16`` measured ours at 0.80x HF;
-    in steady state it is 1.43x (docs/performance.md)."""
+    warmed up on every batch, 1.27x (docs/performance.md)."""
     for host_batch, batch in zip(host_batches, batches):
         ours(host_batch)
         hf(batch)
@@ -873,7 +873,8 @@ def main(argv=None) -> int:
           f"precision {args.precision}, zero {args.zero_stage}, compile {args.compile}"
           f"{f' ({args.compile_mode})' if args.compile else ''}, pooling {args.pooling}, "
           f"seq {args.seq} (+2 views x "
-          f"{args.view_len}), vocab {args.vocab}, median of {args.steps} steps, "
+          f"{args.view_len}), vocab {args.vocab}, median of {args.steps} steps"
+          f"{' after one warm-up step of each arm on every batch' if args.device == 'cpu' else ''}, "
           f"{f'real batches of the shared {args.data} ({each})' if args.data else 'synthetic batch'}"
           + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else "") + f", {heap}")
     print(hf_arm_note(args.arch, args.device))

@@ -90,6 +90,24 @@ def test_bench_step_padding_shares_count_the_masks():
     assert got["mlm"] == pytest.approx(4 / 16) and got["views"] == pytest.approx(3 / 24)
 
 
+def test_bench_step_warms_every_arm_up_on_every_batch_it_times():
+    """The CPU timing starts on a settled heap: every arm (the third too, when there is one) has run once on every
+    batch, its own copy (ours the host batch, HF the device one), alternating as the timed steps do."""
+    bench_step = _bench_step()
+    calls = []
+
+    def arm(name):
+        return lambda batch: calls.append((name, batch["i"]))
+
+    host = [{"i": f"host{i}"} for i in range(3)]
+    moved = [{"i": f"dev{i}"} for i in range(3)]
+    bench_step.warm_up(arm("ours"), arm("hf"), arm("full"), host, moved)
+    assert calls == [c for i in range(3) for c in (("ours", f"host{i}"), ("hf", f"dev{i}"), ("full", f"host{i}"))]
+    calls.clear()
+    bench_step.warm_up(arm("ours"), arm("hf"), None, host[:1], moved[:1])
+    assert calls == [("ours", "host0"), ("hf", "dev0")]
+
+
 def test_bench_step_flop_count_matches_hand_count():
     bench_step = _bench_step()
     d, f, layers, vocab = 768, 3072, 12, 30522
