@@ -76,8 +76,8 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
     """auto: bf16 where the device computes it fast (a CUDA GPU of compute capability >= 8.0, ROCm with bf16, or a
     CPU with AMX-BF16), fp32 elsewhere (other CPUs: bf16 ran 14x slower than fp32 at tiny size on a 2-core x86 CPU
-    without AMX). Resolved when the config
-    is loaded (``load_run_config``), so config.yaml and checkpoints record what ran."""
+    without AMX). Resolved when the config is loaded (``load_run_config``), so config.yaml and checkpoints record
+    what ran."""
     log_every: int = 10
     eval_every: int = 0
     """Validation every N steps on data.valid (0 = only at the end)."""
@@ -247,9 +247,10 @@ def cpu_computes_bf16_fast(cpuinfo: str | None = None) -> bool:
     matrix products on its tile unit. On a 2-core Sapphire Rapids-class VM, a (8192, 256) x (256, 768) product ran at
     3.4 TFLOP/s in bf16 against 0.12 in fp32, and the trainer's step in bf16 at 1.28x / 1.78x / 2.21x / 1.94x its fp32
     speed at tiny / mini / small / base (docs/performance.md; the quickstart's tiny run, vocabulary 8,192, at 0.75x:
-    bf16 pays at the recipes' sizes, not at the smallest). Without AMX (avx512_bf16 alone, or emulated) bf16 is
-    no faster than fp32 on a CPU and much slower at small sizes. Read from ``cpuinfo`` (default ``CPUINFO``); False
-    where it cannot be read."""
+    bf16 pays at the recipes' sizes, not at the smallest). Without AMX, avx512_bf16 runs one large product at
+    under 2x fp32's rate (327 against ~180 GFLOP/s on the project's 2-core AMD EPYC) and older CPUs emulate bf16,
+    so bf16's elementwise cost decides: the tiny CLEAR recipe ran 14x slower than in fp32. Read from ``cpuinfo``
+    (default ``CPUINFO``); False where it cannot be read."""
     try:
         with open(cpuinfo or CPUINFO, encoding="utf-8", errors="replace") as f:
             text = f.read()

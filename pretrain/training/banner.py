@@ -22,9 +22,9 @@ from pretrain.config.lint import inert_settings
 
 GIB = 1024 ** 3
 
-BF16_ON_CPU = ("train.precision=bf16 on a CPU without AMX-BF16: PyTorch emulates bf16 matrix products on such CPUs "
-               "or runs them no faster than fp32, and the tiny CLEAR recipe ran 14x slower than in fp32 on a 2-core "
-               "x86 machine (3.5 against 48 samples/s); set train.precision=auto (fp32 here; bf16 on a GPU that "
+BF16_ON_CPU = ("train.precision=bf16 on a CPU without AMX-BF16: such CPUs emulate bf16 matrix products or run "
+               "them at most ~2x fp32's rate, and the tiny CLEAR recipe ran 14x slower than in fp32 on a 2-core x86 "
+               "machine (3.5 against 48 samples/s); set train.precision=auto (fp32 here; bf16 on a GPU that "
                "computes it fast or on a CPU with AMX-BF16) or fp32")
 
 

@@ -266,9 +266,9 @@ def test_a_cpu_computes_bf16_fast_with_amx_bf16_only(tmp_path, monkeypatch):
     assert not train.cpu_computes_bf16_fast(str(tmp_path / "absent"))
     assert train.cpu_computes_bf16_fast() == _cpu_flag("amx_bf16")
     monkeypatch.setattr(train, "CPUINFO", str(tmp_path / "cpuinfo"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     for text, expected in ((f"{line} amx_bf16\n", "bf16"), (f"{line}\n", "fp32")):
         (tmp_path / "cpuinfo").write_text(text)
-        monkeypatch.setattr("torch.cuda.is_available", lambda: False)
         assert train.resolve_precision("auto") == expected
 
 
