@@ -39,6 +39,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     head-major order again to fold (n, H) into one batch dimension (ModernBERT mini on the CPU: 7-13 ms of copies a
     step, docs/performance.md). Written head-major here, they go to the matmul as they are."""
     half = x.shape[-1] // 2
+    if x.dtype != torch.float32 and x.device.type == "cpu":  # the CPU casts a mixed-dtype op's operand into a new
+        x = x.to(torch.float32, memory_format=torch.contiguous_format)  # tensor: once here, not in each op below
     y = torch.mul(x, cos, out=torch.empty(x.shape, dtype=torch.float32, device=x.device))
     x1, x2, s = x[..., :half], x[..., half:], sin[..., :half]
     y[..., :half].addcmul_(x2, s, value=-sign)
