@@ -1,6 +1,5 @@
 """Typed configs: dataclass trees loaded from YAML with dotted overrides."""
 
-import os
 import sys
 
 from pretrain.config.data import AugmentConfig, DataConfig, MaskingConfig, SourceConfig
@@ -33,11 +32,13 @@ def load_run_config(path=None, overrides=None) -> RunConfig:
     (bf16 on a GPU or CPU that computes it fast, else fp32)."""
     import dataclasses
 
+    from pretrain.distributed.env import detect_env
+
     cfg = load(RunConfig, path, overrides)
     if cfg.train.precision == "auto":
         mine = resolve_precision("auto")
         precision = run_precision(cfg) or mine
-        if precision != mine and os.environ.get("RANK", "0") == "0":
+        if precision != mine and detect_env().is_main:
             print(f"train.precision=auto: {precision}, the precision {cfg.run_dir}'s checkpoints were trained in "
                   f"(this machine alone would pick {mine}); a resume cannot change it", file=sys.stderr, flush=True)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
