@@ -94,10 +94,11 @@ def main(argv=None) -> int:
     from pretrain.config.lint import missing_paths
     from pretrain.console import set_verbose
     from pretrain.distributed.env import detect_env
+    from pretrain.training.resume import run_precision
 
     set_verbose(args.verbose)
     try:
-        cfg = load_run_config(args.config, args.overrides)
+        cfg = load_run_config(args.config, args.overrides, run_precision=run_precision)
     except (ValueError, FileNotFoundError) as e:
         print(f"pretrain-train: error: {e}", file=sys.stderr)
         return 2

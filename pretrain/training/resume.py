@@ -16,6 +16,7 @@ from pretrain.config import RunConfig, TrainConfig
 from pretrain.config.loader import to_dict
 from pretrain.data.indexed import file_sha256
 from pretrain.data.loader import ORDER_RULE, ORDER_RULES
+from pretrain.distributed.env import detect_env
 from pretrain.metrics.writer import print_progress
 from pretrain.training.build import flat_params_apply
 from pretrain.training.progress import schedule_change
@@ -208,6 +209,30 @@ def checkpoint_param_layout(saved: dict, cfg: RunConfig, tag_dir: Path) -> tuple
 
 def n_ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def run_precision(cfg: RunConfig, mine: str) -> str | None:
+    """``load_run_config``'s ``run_precision`` for ``train.precision=auto`` (``mine``: what this machine would pick):
+    on a machine without a GPU, the fp32 or bf16 recorded in the config.yaml of the run directory's newest complete
+    checkpoint when this launch resumes (checkpoint.resume=auto), said on the main rank when it is not ``mine``;
+    None without one, when it cannot be read (the resume then verifies and names the damage), or on a GPU. A CPU
+    run on ``auto`` keeps the precision it started in when a requeue lands on a node that would pick the other (a
+    partition mixing CPUs with and without AMX-BF16): DeepSpeed's optimizer state cannot be loaded across
+    precisions, so ``refuse_incompatible`` would stop it, and a CPU runs either (bf16 slowly without AMX; the banner
+    says so). A GPU without bf16 cannot run a bf16 run on: there the refusal and its advice stay."""
+    if cfg.checkpoint.resume != "auto" or torch.cuda.is_available():
+        return None
+    ckpt_dir = store.checkpoints_dir(cfg.run_dir)
+    tag = store.find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    saved = saved_config(ckpt_dir / tag) if tag is not None else None
+    train = saved.get("train") if isinstance(saved, dict) else None
+    precision = train.get("precision") if isinstance(train, dict) else None
+    if precision not in ("fp32", "bf16"):
+        return None
+    if precision != mine and detect_env().is_main:
+        print_progress(f"train.precision=auto: {precision}, the precision {cfg.run_dir}'s checkpoints were trained in "
+                       f"(this machine alone would pick {mine}); a resume cannot change it")
+    return precision
 
 
 def saved_config(tag_dir: Path) -> dict:

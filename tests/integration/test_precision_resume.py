@@ -60,25 +60,31 @@ def test_auto_on_a_cpu_resumes_in_the_runs_precision_and_an_explicit_change_is_r
 
 
 def test_auto_without_a_checkpoint_or_without_resume_is_this_machines_choice(tmp_path, monkeypatch):
-    """No checkpoint, checkpoint.resume=never, an unreadable checkpoint config, or a GPU: the run's precision is not
-    consulted."""
-    from pretrain.config import load_run_config, run_precision
+    """``load_run_config`` with the trainer's ``run_precision``: no checkpoint, checkpoint.resume=never, an unreadable
+    checkpoint config or one with fp16, or a GPU: the run's precision is not consulted; without ``run_precision``
+    (other tools) neither."""
+    from pretrain.config import load_run_config
+    from pretrain.training.resume import run_precision
+
+    def load(overrides):
+        return load_run_config(None, overrides, run_precision=run_precision)
 
     run = tmp_path / "run"
     tag = run / "checkpoints" / "step_00000002"
     _cpu(monkeypatch, tmp_path, NO_AMX)
-    assert load_run_config(None, [f"run_dir={run}", "train.precision=auto"]).train.precision == "fp32"
+    assert load([f"run_dir={run}", "train.precision=auto"]).train.precision == "fp32"
     tag.mkdir(parents=True)
     (tag / "trainer_state.json").write_text("{}")
     (tag / "config.yaml").write_text("train:\n  precision: bf16\n")
-    assert load_run_config(None, [f"run_dir={run}", "train.precision=auto"]).train.precision == "bf16"
-    assert load_run_config(None, [f"run_dir={run}", "train.precision=fp32"]).train.precision == "fp32"
-    assert load_run_config(None, [f"run_dir={run}", "train.precision=auto",
-                                  "checkpoint.resume=never"]).train.precision == "fp32"
+    assert load([f"run_dir={run}", "train.precision=auto"]).train.precision == "bf16"
+    assert load([f"run_dir={run}", "train.precision=fp32"]).train.precision == "fp32"
+    assert load([f"run_dir={run}", "train.precision=auto", "checkpoint.resume=never"]).train.precision == "fp32"
     for text in ("- not a mapping\n", "train: [1, 2\n", "train:\n  precision: fp16\n"):
         (tag / "config.yaml").write_text(text)
-        assert load_run_config(None, [f"run_dir={run}", "train.precision=auto"]).train.precision == "fp32", text
+        assert load([f"run_dir={run}", "train.precision=auto"]).train.precision == "fp32", text
     (tag / "config.yaml").write_text("train:\n  precision: bf16\n")
-    cfg = load_run_config(None, [f"run_dir={run}", "train.precision=auto"])
+    assert load_run_config(None, [f"run_dir={run}", "train.precision=auto"]).train.precision == "fp32"  # not asked
+    cfg = load([f"run_dir={run}", "train.precision=auto"])
+    assert cfg.train.precision == "bf16"
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    assert run_precision(cfg) is None
+    assert run_precision(cfg, "bf16") is None
