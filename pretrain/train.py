@@ -116,6 +116,26 @@ def main(argv=None) -> int:
     return train(cfg, env)
 
 
+def agree_on_precision(cfg, env):
+    """``cfg`` with rank 0's ``train.precision`` on every rank: each rank resolves ``auto`` on its own machine, and
+    one job can span nodes of different kinds (CPUs with and without AMX-BF16, GPUs with and without bf16), where
+    DeepSpeed would otherwise be configured differently per rank; explicit values are the same on every rank
+    already. A rank whose own resolution differs says so. Collective (after ``init_process_group``)."""
+    import dataclasses
+
+    import torch
+
+    if not env.is_distributed:
+        return cfg
+    box = [cfg.train.precision]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0] == cfg.train.precision:
+        return cfg
+    print(f"rank {env.rank}: train.precision={box[0]} as rank 0 resolved it (this rank's machine resolved "
+          f"{cfg.train.precision}): the job spans nodes of different kinds", file=sys.stderr, flush=True)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=box[0]))
+
+
 def train(cfg, env) -> int:
     """Trains ``cfg`` in this process (one rank of ``env``); the exit code: 0 done, 2 bad config or input,
     3 diverged, 4 checkpoint not writable/readable or metrics not writable (after a checkpoint), 75 stopped for
@@ -128,6 +148,7 @@ def train(cfg, env) -> int:
     from pretrain.training.trainer import Trainer
 
     init_process_group(env, backend=cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s)
+    cfg = agree_on_precision(cfg, env)
     stop = StopSignal()
     trainer = None
     try:

@@ -1,7 +1,7 @@
 """Every decision about resuming, made once before DeepSpeed starts: ``plan_resume`` -> ``ResumePlan`` (which
 checkpoint, whether it loads through a universal copy, the batch split on this rank count, what may not change and
 what is refused). It reads checkpoints and returns a plan; it changes no config. Also the checkpoint a lost node's
-message names."""
+message names, and the precision ``train.precision=auto`` keeps when a CPU run resumes (``run_precision``)."""
 
 from __future__ import annotations
 
