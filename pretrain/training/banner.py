@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 
-from pretrain.config import train as train_config
+from pretrain.config.train import cpu_computes_bf16_fast
 from pretrain.config.lint import inert_settings
 
 GIB = 1024 ** 3
@@ -127,7 +127,7 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str
                  f"{'; weights whole in the step: train.compile' if whole_weights_in_step(cfg) else ''}) + "
                  f"activations {mem['activations']:.2f} per micro-batch")
     warnings = inert_settings(cfg)
-    if cfg.train.precision == "bf16" and not _on_gpu() and not train_config.cpu_computes_bf16_fast():
+    if cfg.train.precision == "bf16" and not _on_gpu() and not cpu_computes_bf16_fast():
         warnings.append(BF16_ON_CPU)
     return lines + [f"warning: {line}" for line in warnings]
 

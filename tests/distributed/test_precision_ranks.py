@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.integration.test_precision_resume import AMX, NO_AMX
+
 WORLD = 2
-AMX = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
-NO_AMX = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
 
 
 def _free_port() -> int:

@@ -7,13 +7,11 @@ the trainer runs in-process on the tiny corpus, real DeepSpeed."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from pretrain.config import train as train_config
-from tests.integration.test_faults import _main
+from tests.integration.test_faults import _losses, _main
 
 AMX = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
 NO_AMX = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
@@ -25,11 +23,6 @@ def _cpu(monkeypatch, tmp_path, flags: str) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(flags)
     monkeypatch.setattr(train_config, "CPUINFO", str(cpuinfo))
-
-
-def _losses(run_dir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r and r.get("split", "train") == "train"}
 
 
 def test_auto_on_a_cpu_resumes_in_the_runs_precision_and_an_explicit_change_is_refused(tmp_path, tiny_overrides,

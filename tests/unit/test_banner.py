@@ -113,17 +113,18 @@ def test_bf16_on_a_cpu_warns_with_its_cost(tmp_path, tiny_overrides, capsys, mon
     if torch.cuda.is_available():
         pytest.skip("the warning is for CPUs")
     from pretrain.config import train
+    from tests.integration.test_precision_resume import AMX, NO_AMX
 
     cpuinfo = tmp_path / "cpuinfo"
     monkeypatch.setattr(train, "CPUINFO", str(cpuinfo))
-    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    cpuinfo.write_text(NO_AMX)
     assert main([*tiny_overrides(tmp_path / "run"), "train.precision=bf16", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.count("warning: train.precision=bf16 on a CPU without AMX-BF16") == 1 and "14x slower" in out
     assert main([*tiny_overrides(tmp_path / "run"), "train.precision=auto", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "precision fp32" in out and "bf16 on a CPU" not in out
-    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    cpuinfo.write_text(AMX)
     for precision in ("bf16", "auto"):
         assert main([*tiny_overrides(tmp_path / "run"), f"train.precision={precision}", "--dry-run"]) == 0
         out = capsys.readouterr().out
