@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -217,7 +218,8 @@ def clean_env():
     saved = dict(os.environ)
     for k in _LAUNCHER_VARS:
         os.environ.pop(k, None)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not torch.cuda.is_available():  # as the Engine decides; on a GPU machine DeepSpeed must drive the GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     yield
     os.environ.clear()
     os.environ.update(saved)
