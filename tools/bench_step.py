@@ -212,7 +212,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
                     dist=dist, env=env, lr_lambda=lr_lambda(optim, 1000))
     engine.train()
     sums, done = MetricSums(), [0]
-    unpadded = train.unpadded_layout(arch, torch.device(engine.device).type)
+    unpadded = train.unpadded_layout(arch)
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
         result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
@@ -227,8 +227,8 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
 AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false",
               "pin": "train.pin_memory=false", "joint": "train.joint_pass=false",
-              "varlen": "train.unpadded_attention=groups", "unpadded": "train.unpadded=false"}
-"""--ab: the option the third arm turns off."""
+              "varlen": "train.unpadded_attention=varlen", "unpadded": "train.unpadded=false"}
+"""--ab: the option the third arm sets (turns off, but for varlen, which it turns on)."""
 
 POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
 """--pooling -> ours' model.pooling: the views' embedding is the mean of their tokens (the quickstart's) or their
@@ -474,7 +474,7 @@ def measure(args, size: str) -> dict:
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
                           arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout",
                           pin=off != "pin", joint=off != "joint", compile_mode=args.compile_mode,
-                          attention="groups" if off == "varlen" else "auto", unpadded=off != "unpadded")
+                          attention="varlen" if off == "varlen" else "auto", unpadded=off != "unpadded")
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
@@ -817,8 +817,8 @@ def main(argv=None) -> int:
     p.add_argument("--ab", choices=sorted(AB_OPTIONS), default="",
                    help="a third arm, ours with this option off: trim (train.trim_last_layer=false), dropout "
                    "(train.fast_dropout=false), pin (train.pin_memory=false; CUDA only), joint "
-                   "(train.joint_pass=false), varlen (train.unpadded_attention=groups; BERT on CUDA, where auto "
-                   "is varlen) or unpadded (train.unpadded=false: the padded step) (CPU: alternating with the other "
+                   "(train.joint_pass=false), varlen (train.unpadded_attention=varlen, where auto is groups; BERT) "
+                   "or unpadded (train.unpadded=false: the padded step) (CPU: alternating with the other "
                    "two; CUDA: after them)")
     p.add_argument("--trim-ab", dest="ab", action="store_const", const="trim", help="--ab trim")
     p.add_argument("--zero-stage", type=int, default=2)
@@ -878,7 +878,7 @@ def main(argv=None) -> int:
           f"{f'real batches of the shared {args.data} ({each})' if args.data else 'synthetic batch'}"
           + (f", measured bf16 matmul {mm:.0f} TFLOP/s" if mm else "") + f", {heap}")
     print(hf_arm_note(args.arch, args.device))
-    layout = TrainConfig(compile=args.compile).unpadded_layout(args.arch, args.device)
+    layout = TrainConfig(compile=args.compile).unpadded_layout(args.arch)
     print(f"ours: {f'unpadded, attention layout {layout}' if layout else 'padded'} "
           "(train.unpadded_attention=auto)" + (f"; third arm {AB_OPTIONS[args.ab]}" if args.ab else ""))
     rows = []

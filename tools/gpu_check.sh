@@ -11,13 +11,12 @@
 #                      tools/gpu_wheels.sh); without it, pip installs from the index
 #   PRETRAIN_GPU_DATA  the shared books and BERT's tokenizer.json for bench_step_books (default .gpu_data, made by
 #                      tools/gpu_data.sh); without it that stage is skipped
-#   GPU_CHECK_STAGES   comma list of stages to run (default: all; they run in this order, the figures the
-#                      issues still wait for first) install,tests,bench_step,bench_step_compile,bench_step_books (real
-#                      padded batches of the shared books, when .gpu_data was carried: tools/gpu_data.sh),smoke,bench_modernbert,
-#                      bench_similarity (the similarity kernel was measured on the H100 of 2026-11-22 and is unchanged),
-#                      bench_modernbert_compile (issue 27 item 4 compiled, both arms), bench_step_joint (ours
-#                      with train.joint_pass=false beside), bench_step_books_compile (the compiled step on the
-#                      books, unpadded and padded): the last three run only when time is left
+#   GPU_CHECK_STAGES   comma list of stages to run (default: all; they run in this order, the quick figures the
+#                      issues still wait for first) install,tests,bench_step,bench_step_books (real padded batches of
+#                      the shared books, when .gpu_data was carried: tools/gpu_data.sh),bench_similarity,
+#                      bench_modernbert,smoke,bench_step_compile (minutes of compiling), bench_modernbert_compile
+#                      (issue 27 item 4 compiled, both arms), bench_step_joint (ours with train.joint_pass=false
+#                      beside), bench_step_books_compile (the compiled step on the books, unpadded and padded)
 #   GPU_CHECK_BATCHES  micro-batches for bench_step (default "256 512"; on an 80 GB H100, HF's arm needs
 #                      67 GB at 512, so 1024 does not fit)
 #   GPU_CHECK_BUDGET_S the whole pass's wall-clock budget in seconds (default: none). Each stage's time limit is
@@ -35,7 +34,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
-DEFAULT_STAGES=install,tests,bench_step,bench_step_compile,bench_step_books,smoke,bench_modernbert,bench_similarity
+DEFAULT_STAGES=install,tests,bench_step,bench_step_books,bench_similarity,bench_modernbert,smoke,bench_step_compile
 DEFAULT_STAGES+=,bench_modernbert_compile,bench_step_joint,bench_step_books_compile
 STAGES=${GPU_CHECK_STAGES:-$DEFAULT_STAGES}
 GPU_DATA=${PRETRAIN_GPU_DATA:-$PWD/.gpu_data}
@@ -111,21 +110,15 @@ export -f install_deps
 stage install 600 bash -c install_deps
 cp pretrain/_C*.so "$OUT/" 2>/dev/null || true
 stage tests 900 $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
-# --ab varlen: ours with train.unpadded_attention=groups (attention per group of rows, as on the CPU) beside ours'
-# default on CUDA (one nested-jagged SDPA a layer); --ab pin in bench_modernbert below: ours with
-# train.pin_memory=false beside; --ab joint in the last stage: ours with train.joint_pass=false (all three
-# unmeasured on a GPU so far; trim was measured on the H200)
+# --ab varlen: ours with train.unpadded_attention=varlen (aten's flash attention over the cumulative lengths, called
+# directly since 2026-11-28: through nested jagged tensors it ran at 0.65-0.71x the groups on the H200) beside ours'
+# default (attention per group of rows); --ab pin in bench_modernbert below: ours with train.pin_memory=false
+# beside; --ab joint in a late stage: ours with train.joint_pass=false (both unmeasured on a GPU so far)
 # shellcheck disable=SC2086
 stage bench_step 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
   --zero-stage 2 --ab varlen --profile-out "$OUT/profile_step.txt" --json-out "$OUT/bench_step.json"
-# --profile-out: each arm's GPU busy share (issue 24's >= 95%) under CUDA graphs, as well as eagerly above
-# ours compiled unpadded (the fixed layout, since 2026-11-28) with ours compiled padded as third arm
-# shellcheck disable=SC2086
-stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
-  --zero-stage 2 --compile --compile-mode reduce-overhead --ab unpadded \
-  --profile-out "$OUT/profile_step_compile.txt" --json-out "$OUT/bench_step_compile.json"
 # Real CLEAR micro-batches of the shared books (BERT's WordPiece, the recipe's masking and views, ~16% of the MLM
-# rows' tokens padding): the unpadded step where HF computes padding, with the attention groups as third arm.
+# rows' tokens padding): the unpadded step where HF computes padding, with the varlen attention as third arm.
 # Needs the books and tokenizer tools/gpu_data.sh stages on this side (carried as .gpu_data).
 if [ ${#DATA_ENV[@]} -gt 0 ]; then
   # shellcheck disable=SC2086
@@ -135,16 +128,23 @@ elif [[ ",$STAGES," == *",bench_step_books,"* ]]; then
   echo "[gpu_check] bench_step_books skipped: no $GPU_DATA (bash tools/gpu_data.sh here, then carry .gpu_data)"
   record bench_step_books '"skipped: no data"' 0
 fi
-# shellcheck disable=SC2086
-stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke" $SMOKE_ARGS
+stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
+  --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
 # ModernBERT on the books' real padded batches when they were carried (the H200 measured the synthetic batch, where
 # HF's padded SDPA computes no padding), else on the synthetic one
 # shellcheck disable=SC2086
 stage bench_modernbert 600 "${DATA_ENV[@]}" $PY tools/bench_step.py --device cuda --arch modernbert --sizes base \
   --batch $BATCHES --steps 10 --zero-stage 2 --ab pin ${DATA_ENV:+--data books --pooling cls} \
   --json-out "$OUT/bench_modernbert.json"
-stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
-  --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
+# shellcheck disable=SC2086
+stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke" $SMOKE_ARGS
+# --profile-out: each arm's GPU busy share (issue 24's >= 95%) under CUDA graphs, as well as eagerly above: ours
+# compiled unpadded (the fixed layout) against HF compiled. Late and with no third arm: on the H200 (2026-11-28)
+# compiling three arms outlasted 315 s and left every later stage unrun (ours padded compiled: the 2026-11-27 pass)
+# shellcheck disable=SC2086
+stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
+  --zero-stage 2 --compile --compile-mode reduce-overhead \
+  --profile-out "$OUT/profile_step_compile.txt" --json-out "$OUT/bench_step_compile.json"
 # shellcheck disable=SC2086
 stage bench_modernbert_compile 600 $PY tools/bench_step.py --device cuda --arch modernbert --sizes base \
   --batch $BATCHES --steps 10 --zero-stage 2 --compile --compile-mode reduce-overhead \

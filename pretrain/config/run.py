@@ -36,7 +36,7 @@ class RunConfig:
     ``checkpoint.init_from`` can tell the model.* settings chosen from the defaults it may fill in."""
 
     def __post_init__(self) -> None:
-        self.train.unpadded_layout(self.model.arch, "cpu")  # refuses train.unpadded_attention=varlen off BERT
+        self.train.unpadded_layout(self.model.arch)  # refuses train.unpadded_attention=varlen off BERT
 
     @property
     def step_compiled(self) -> bool:

@@ -131,13 +131,14 @@ class TrainConfig:
     structure every batch, one graph), padded with static or bucketed (CUDA graphs' few shapes)."""
     unpadded_attention: Literal["auto", "groups", "varlen", "fixed"] = "auto"
     """How the unpadded step attends (model/packing.py): ``groups`` runs the stream's sequences in at most 16
-    groups of nearly equal length, each one SDPA (any device, both architectures); ``varlen`` runs one SDPA a layer
-    over nested jagged tensors (flash or mem-efficient attention over cumulative lengths on CUDA: no gathers, no
-    per-group calls; BERT only, as a ModernBERT local layer's window is a mask that path does not take; on the CPU
-    it works but loops over sequences with a host read each); ``fixed`` always runs 4 groups, each masked, of two
-    rows or more (more padding than ``groups``, the same structure for every batch: what a compiled step traces
-    once). ``auto``: fixed under train.compile, else varlen for BERT on CUDA and groups otherwise. Not yet measured
-    on a GPU (docs/performance.md)."""
+    groups of nearly equal length, each one SDPA (any device, both architectures); ``varlen`` runs one attention
+    call a layer over the stream's cumulative lengths (BERT only, as a ModernBERT local layer's window is a mask
+    that path does not take): on CUDA in bf16/fp16 aten's flash attention called directly, else SDPA over nested
+    jagged tensors (on the CPU that loops over sequences with a host read each: tests only); ``fixed`` always runs
+    4 groups, each masked, of two rows or more (more padding than ``groups``, the same structure for every batch:
+    what a compiled step traces once). ``auto``: fixed under train.compile, else groups. On the H200 (2026-11-28,
+    docs/performance.md) varlen through nested jagged tensors ran at 0.65-0.71x the groups' speed, its host busy
+    with the nested tensors' Python dispatch; the direct flash call that replaced it there is not measured yet."""
     trim_last_layer: bool = True
     """The training step's MLM and pair passes compute their last layer only for the tokens a loss reads: the MLM
     rows' labelled tokens (about 15%) and, under [CLS] pooling with no mean pooling blended in and no autoencoder,
@@ -202,10 +203,10 @@ class TrainConfig:
         shapes (see above)."""
         return self.unpadded and not (self.compile and self.compile_shapes in ("static", "bucketed"))
 
-    def unpadded_layout(self, arch: str, device_type: str) -> str | bool:
-        """What the training step's ``unpadded`` is on a ``device_type`` ("cuda", "cpu") for ``model.arch``: False
+    def unpadded_layout(self, arch: str) -> str | bool:
+        """What the training step's ``unpadded`` is for ``model.arch``: False
         where it runs padded (``step_unpadded``), else its attention layout (model/packing.py's ``LAYOUTS``),
-        ``unpadded_attention`` with auto as fixed under ``compile``, varlen for BERT on CUDA and groups otherwise.
+        ``unpadded_attention`` with auto as fixed under ``compile`` and groups otherwise.
         varlen with another architecture is a ValueError (a ModernBERT local layer's window is a mask, which that
         path does not take), and so is groups or varlen under ``compile`` (a new graph for every batch, or none)."""
         if self.unpadded_attention == "varlen" and arch != "bert":
@@ -221,9 +222,7 @@ class TrainConfig:
                              "train.unpadded_attention=auto or fixed (or train.unpadded=false)")
         if self.compile and self.unpadded_attention == "auto":
             return "fixed"
-        if self.unpadded_attention == "auto":
-            return "varlen" if arch == "bert" and device_type == "cuda" else "groups"
-        return self.unpadded_attention
+        return "groups" if self.unpadded_attention == "auto" else self.unpadded_attention
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every", "max_bad_steps"):

@@ -101,7 +101,7 @@ class Trainer:
         self.engine = Engine(self.module, build_param_groups(self.module, cfg.optim.weight_decay), optim=cfg.optim,
                              train=cfg.train, dist=cfg.distributed, env=env,
                              lr_lambda=lr_lambda(cfg.optim, cfg.train.max_steps), load_universal=plan.universal)
-        self.unpadded = cfg.train.unpadded_layout(self.module.model.cfg.arch, torch.device(self.engine.device).type)
+        self.unpadded = cfg.train.unpadded_layout(self.module.model.cfg.arch)
         """The step's ``unpadded``: False (padded) or its attention layout (train.unpadded_attention)."""
         if plan.tag_dir is None:
             self.state = TrainState(world_size=env.world_size, micro_batch_size=cfg.train.micro_batch_size,

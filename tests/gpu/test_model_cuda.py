@@ -8,8 +8,9 @@ suite runs only on the CPU.
 - train.pin_memory: the step's host batch and packed streams reach the GPU whole through pinned memory.
 - train.joint_pass: the MLM rows and views in one pass on the GPU (packed, or padded), against two passes in
   float64.
-- train.unpadded_attention=varlen (the default for BERT on CUDA): one nested-jagged SDPA a layer (flash in bf16,
-  mem-efficient in fp32), against the padded float64 model, with CUDA's sync debug mode raising on any host wait.
+- train.unpadded_attention=varlen (BERT, opt-in): one attention call a layer over the cumulative lengths (aten's
+  flash attention called directly in bf16, SDPA over nested jagged tensors in fp32), against the padded float64
+  model, with CUDA's sync debug mode raising on any host wait; the direct flash call against the nested one.
 
 ``PRETRAIN_GPU_TEST_DEVICE=cpu`` runs this file on the CPU to check the tests themselves: everything passes there
 but the dropout test, which must fail (the CPU draws its own masks).
@@ -257,8 +258,9 @@ def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch, unpadd
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_varlen_attention_on_the_device_matches_the_padded_float64_model_without_host_waits(dtype, flat):
-    """BERT's varlen layout (train.unpadded_attention, auto on CUDA): one SDPA over nested jagged tensors a layer,
-    on the device in fp32 (mem-efficient attention) and bf16 (flash), against the same weights padded in float64 on
+    """BERT's varlen layout (train.unpadded_attention=varlen): one attention call a layer over the cumulative
+    lengths, on the device in fp32 (SDPA over nested jagged tensors: mem-efficient attention) and bf16 (aten's flash
+    attention called directly, attention.FlashVarlen), against the same weights padded in float64 on
     the CPU: hidden states of the real tokens and every gradient. The forward and backward run under CUDA's sync
     debug mode set to raise, so a host read of the lengths (the NJT math path's) fails the test. Flattened layers
     (train.flat_params, the default) hand the kernel q, k and v as strided columns of the fused projection.
@@ -268,3 +270,49 @@ def test_varlen_attention_on_the_device_matches_the_padded_float64_model_without
                       dropout=0.0, attention_dropout=0.0)
     _unpadded_against_float64(cfg, "varlen", dtype, 1e-4 if dtype == torch.float32 else 6e-2,
                               no_host_waits=True, flat=flat)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_direct_flash_varlen_matches_sdpa_over_nested_tensors_without_host_waits(dropout_p):
+    """attention.FlashVarlen (bf16 varlen on CUDA) calls aten's flash forward and backward itself; SDPA over nested
+    jagged tensors reaches the same kernels through the nested tensors' dispatch. From the same CUDA seed both
+    must give the same output and q/k/v gradients: with dropout 0.1 that holds only if the backward redraws the
+    forward's mask (a wrong seed or offset changes O(10%) of the values). Without dropout both are also checked
+    against float64 attention per sequence on the CPU. q/k/v are strided columns of one (N, 3D) projection, as a
+    flattened layer hands them, and the direct call runs under CUDA's sync debug mode set to raise."""
+    if DEVICE != "cuda":
+        pytest.skip("flash attention runs on CUDA only")
+    from pretrain.model.attention import flash_varlen_applies, nested_attention, varlen_attention
+
+    lengths, h, k = [1, 5, 64, 130, 17, 128], 4, 64
+    mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+    packed = pack([(mask.long().numpy(), mask.numpy())], "varlen").to(DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    qkv_host = torch.randn(packed.num_tokens, 3 * h * k, generator=gen)
+    grad_host = torch.randn(packed.num_tokens, h * k, generator=gen)
+    results = []
+    for fn in (varlen_attention, nested_attention):
+        qkv = qkv_host.to(DEVICE, torch.bfloat16).requires_grad_()
+        q, k_, v = qkv.chunk(3, dim=-1)
+        assert flash_varlen_applies(q, k)
+        torch.cuda.manual_seed(11)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if fn is varlen_attention else "default")
+        try:
+            y = fn(q, k_, v, packed, h, dropout_p)
+            y.backward(grad_host.to(DEVICE, torch.bfloat16))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append((y.detach(), qkv.grad))
+    (y_direct, g_direct), (y_nested, g_nested) = results
+    assert _rel(y_direct, y_nested) < 1e-2 and _rel(g_direct, g_nested) < 1e-2
+    if dropout_p:
+        return
+    qkv = qkv_host.double().requires_grad_()
+    ys = []
+    for start, n in zip([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()], lengths):
+        q, k_, v = (z[start:start + n].view(n, h, k).transpose(0, 1) for z in qkv.chunk(3, dim=-1))
+        ys.append(torch.softmax(q @ k_.transpose(1, 2) / k ** 0.5, dim=-1) @ v)
+    y_ref = torch.cat([y_HnK.transpose(0, 1).reshape(-1, h * k) for y_HnK in ys])
+    y_ref.backward(grad_host.double())
+    assert _rel(y_direct, y_ref) < TOL[torch.bfloat16] and _rel(g_direct, qkv.grad) < TOL[torch.bfloat16]

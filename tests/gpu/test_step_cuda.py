@@ -3,7 +3,7 @@
 tests/integration/test_step_syncs.py counts the aten ops that would force a host-device sync, on the CPU, under a
 dispatch mode. What that cannot see: device-to-host and pageable host-to-device copies, a kernel library's own
 stream synchronize (aten's embedding backward past ~4k ids once sorted through Thrust, pytorch/pytorch#82886),
-DeepSpeed's CUDA-only code and the nested-jagged attention of ``train.unpadded_attention=varlen``. Here the
+DeepSpeed's CUDA-only code and the direct flash attention of ``train.unpadded_attention=varlen``. Here the
 trainer's own step runs on the device under ``torch.cuda.set_sync_debug_mode("error")``, which raises at the first
 synchronizing CUDA call with its stack: two non-logging steps after a warm-up one, at micro-batches of 64 rows of
 64 tokens and two views of 32 (about 7,400 real tokens in the joint stream, past the 3,072-4,096 ids where aten's
@@ -28,14 +28,14 @@ pytestmark = pytest.mark.gpu
 ON_CUDA = os.environ.get("PRETRAIN_GPU_TEST_DEVICE", "cuda") == "cuda"
 
 
-@pytest.mark.parametrize("precision, zero_stage, layout", [("bf16", 2, "auto"), ("bf16", 2, "groups"),
+@pytest.mark.parametrize("precision, zero_stage, layout", [("bf16", 2, "auto"), ("bf16", 2, "varlen"),
                                                            ("fp32", 0, "auto")])
 def test_the_trainers_step_never_waits_for_the_device(precision, zero_stage, layout, tmp_path, tiny_overrides,
                                                       clean_env):
     """Where the Engine decides the skip on the device (fp32 at ZeRO 0-2, bf16 at ZeRO 1-2: ds_config.checks_on_device),
     a step that does not log issues no synchronizing CUDA call: loader batch to the device through pinned memory,
     forward, losses, backward, DeepSpeed's reduction and the fused AdamW update. ``layout``: the unpadded
-    attention (auto: varlen for BERT on CUDA; groups: one SDPA per group of rows)."""
+    attention (auto: groups, one SDPA per group of rows; varlen: aten's flash attention over the cumulative lengths)."""
     cfg = load_run_config(None, tiny_overrides(tmp_path / "run", data__valid="[]", distributed__zero_stage=zero_stage,
                                                train__precision=precision, train__unpadded_attention=layout,
                                                train__micro_batch_size=64, model__hidden_size=64))

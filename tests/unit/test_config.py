@@ -294,22 +294,21 @@ def test_null_for_a_string_key_names_the_empty_string_that_unsets_it():
     assert load_run_config(None, ["checkpoint.init_from=some/dir", "checkpoint.init_from=''"]).checkpoint.init_from == ""
 
 
-def test_the_unpadded_attention_layout_is_varlen_for_bert_on_cuda_and_refused_for_modernbert():
+def test_the_unpadded_attention_layout_is_groups_by_default_and_varlen_refused_for_modernbert():
     train = load_run_config(None, []).train
-    assert [train.unpadded_layout(arch, dev) for arch in ("bert", "modernbert") for dev in ("cuda", "cpu")] == \
-        ["varlen", "groups", "groups", "groups"]
-    assert load_run_config(None, ["train.unpadded_attention=groups"]).train.unpadded_layout("bert", "cuda") == "groups"
-    assert load_run_config(None, ["train.unpadded_attention=varlen"]).train.unpadded_layout("bert", "cpu") == "varlen"
-    assert load_run_config(None, ["train.unpadded=false"]).train.unpadded_layout("bert", "cuda") is False
-    assert load_run_config(None, ["train.compile=true"]).train.unpadded_layout("bert", "cuda") == "fixed"
-    assert load_run_config(None, ["train.compile=true"]).train.unpadded_layout("modernbert", "cpu") == "fixed"
-    assert load_run_config(None, ["train.unpadded_attention=fixed"]).train.unpadded_layout("bert", "cpu") == "fixed"
+    assert [train.unpadded_layout(arch) for arch in ("bert", "modernbert")] == ["groups", "groups"]
+    assert load_run_config(None, ["train.unpadded_attention=groups"]).train.unpadded_layout("bert") == "groups"
+    assert load_run_config(None, ["train.unpadded_attention=varlen"]).train.unpadded_layout("bert") == "varlen"
+    assert load_run_config(None, ["train.unpadded=false"]).train.unpadded_layout("bert") is False
+    assert load_run_config(None, ["train.compile=true"]).train.unpadded_layout("bert") == "fixed"
+    assert load_run_config(None, ["train.compile=true"]).train.unpadded_layout("modernbert") == "fixed"
+    assert load_run_config(None, ["train.unpadded_attention=fixed"]).train.unpadded_layout("bert") == "fixed"
     for shapes in ("static", "bucketed"):
         assert load_run_config(None, ["train.compile=true", f"train.compile_shapes={shapes}"]).train.unpadded_layout(
-            "bert", "cuda") is False
+            "bert") is False
     for layout in ("groups", "varlen"):
         with pytest.raises(ValueError, match=f"train.unpadded_attention={layout} with train.compile=true"):
             load_run_config(None, ["train.compile=true", f"train.unpadded_attention={layout}"]).train.unpadded_layout(
-                "bert", "cuda")
+                "bert")
     with pytest.raises(ValueError, match="train.unpadded_attention=varlen is for model.arch=bert"):
         load_run_config(str(CONFIGS / "models" / "modernbert-tiny.yaml"), ["train.unpadded_attention=varlen"])
