@@ -68,6 +68,26 @@ class _GroupHeads(torch.autograd.Function):
         return grad_P, None, None, None
 
 
+class _GroupHeadsTraced(torch.autograd.Function):
+    """``group_heads`` in a compiled step: the backward stacks each group's q, k and v gradients into its slots'
+    (n, t, 3, heads, size) order and concatenates the groups, which inductor writes piece by piece. Traced through
+    the views instead, the slice, select and transpose backwards became one pointwise kernel a layer summing twelve
+    zero-padded pieces per element: on the H200 (2026-11-28) 1.16 ms a layer, 13% of the compiled BERT-base step's
+    GPU time; on the CPU (BERT mini, fp32, the books) 86 ms a step, 19 ms this way (docs/performance.md). A
+    gradient no loss read arrives as zeros (materialised)."""
+
+    @staticmethod
+    def forward(ctx, qkv_P: torch.Tensor, shapes: tuple[tuple[int, int], ...], heads: int, size: int):
+        ctx.shapes = shapes
+        return tuple(_heads(qkv_P, shapes, heads, size))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        parts = [torch.stack([g.transpose(1, 2) for g in grads[3 * i:3 * i + 3]], dim=2).reshape(n * t, -1)
+                 for i, (n, t) in enumerate(ctx.shapes)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0], None, None, None
+
+
 def _heads(qkv_P: torch.Tensor, shapes, heads: int, size: int) -> list[torch.Tensor]:
     """Views of qkv_P (slots, 3 * heads * size): each group's q, k and v as (n, heads, t, size), groups in order."""
     out, start = [], 0
@@ -82,12 +102,11 @@ def group_heads(qkv_P: torch.Tensor, packed, heads: int, size: int) -> list[tupl
     """[(q, k, v)] of every attention group of ``packed``, each (n, heads, t, size), from the fused projections in
     the groups' slots (qkv_P: (P, 3 * heads * size), ``gather_slots``). Views, as the split, view, permute and
     unbind they replace; eagerly their backward writes the gradients of all groups' q, k and v into one (P, 3 *
-    heads * size) tensor, one copy where autograd's unbind, reshape and split backwards made three (traced,
-    inductor fuses those itself)."""
+    heads * size) tensor, one copy where autograd's unbind, reshape and split backwards made three; traced, each
+    group's three stacked and the groups concatenated (``_GroupHeadsTraced``)."""
     packed.check_layout()
     shapes = tuple((g.num_rows, g.length) for g in packed.groups)
-    views = (_heads(qkv_P, shapes, heads, size) if torch.compiler.is_compiling()
-             else _GroupHeads.apply(qkv_P, shapes, heads, size))
+    views = (_GroupHeadsTraced if torch.compiler.is_compiling() else _GroupHeads).apply(qkv_P, shapes, heads, size)
     return [tuple(views[i:i + 3]) for i in range(0, len(views), 3)]
 
 

@@ -160,3 +160,43 @@ def test_group_heads_gives_the_split_view_permute_unbind_gradient_in_one_copy(un
     torch.testing.assert_close(got_x.grad, want_x.grad, rtol=0, atol=0)
     assert not {"stack", "cat", "clone", "slice_backward", "select_backward", "add", "add_"} & set(ops), ops
     assert ops.count("copy_") + ops.count("zero_") == 3 * len(packed.groups), ops  # each part written once
+
+
+@pytest.mark.parametrize("unused", [None, (1, 2)], ids=["all read", "a v unread"])
+def test_compiled_group_heads_writes_each_gradient_once_with_the_autograd_gradient(unused):
+    """In a compiled step group_heads' backward stacks each group's q/k/v gradients and concatenates the groups
+    (gather._GroupHeadsTraced): the traced backward has no slice or select backward (which inductor fused into one
+    kernel summing twelve zero-padded pieces per element), and the gradient is autograd's own (float64), also where
+    a loss reads none of some group's v."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from pretrain.model.gather import group_heads
+
+    packed, heads, size = _packed(), 2, 3
+    assert len(packed.groups) > 1
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(packed.group_sizes), 3 * heads * size, dtype=torch.float64, generator=gen)
+    ups = [[torch.randn((g.num_rows, heads, g.length, size), dtype=torch.float64, generator=gen) for _ in range(3)]
+           for g in packed.groups]
+
+    def loss(parts):
+        return sum((t * u).sum() for i, (qkv, up) in enumerate(zip(parts, ups)) for j, (t, u) in enumerate(zip(qkv, up))
+                   if unused != (i, j))
+
+    want_x = x.clone().requires_grad_(True)
+    loss(_heads_by_autograd(want_x, packed, heads, size)).backward()
+    backward_ops = []
+
+    def record(gm, _inputs):
+        backward_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    got_x = x.clone().requires_grad_(True)
+    compiled = torch.compile(lambda z: loss(group_heads(z, packed, heads, size)), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=record))
+    compiled(got_x).backward()
+    torch.testing.assert_close(got_x.grad, want_x.grad, rtol=0, atol=0)
+    assert any("cat" in op for op in backward_ops), backward_ops
+    assert not [op for op in backward_ops if "slice_backward" in op or "select_backward" in op
+                or "slice_scatter" in op or "select_scatter" in op], backward_ops
