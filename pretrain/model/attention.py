@@ -85,7 +85,7 @@ def varlen_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor,
                      dropout_p: float) -> torch.Tensor:
     """y_ND: each sequence of the stream attending to itself in one call (``packed``'s varlen layout:
     ``cu_seqlens_B1`` and the host's shortest and longest length). On CUDA in bf16/fp16 aten's flash attention over
-    the cumulative lengths, called directly (``FlashVarlen``); elsewhere SDPA over nested jagged tensors: on CUDA
+    the cumulative lengths, called directly (``flash_varlen``); elsewhere SDPA over nested jagged tensors: on CUDA
     in fp32 mem-efficient attention over the same lengths, on the CPU torch's math path, which needs q/k/v
     contiguous and loops over sequences with a host read each (tests only: training on a CPU takes the groups).
     Both read q/k/v where they lie on CUDA (strided columns of the fused projection included). Dropout is the
@@ -96,12 +96,12 @@ def varlen_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor,
         return nested_attention(q_ND, k_ND, v_ND, packed, num_heads, dropout_p)
     q_NHK, k_NHK, v_NHK = (z_ND.view(n, num_heads, k) for z_ND in (q_ND, k_ND, v_ND))
     cu_B1 = packed.cu_seqlens_B1.to(torch.int32)  # flash takes int32 offsets (a device cast: no host read)
-    return FlashVarlen.apply(q_NHK, k_NHK, v_NHK, cu_B1, packed.max_length, dropout_p, k ** -0.5).view(n, d)
+    return flash_varlen(q_NHK, k_NHK, v_NHK, cu_B1, packed.max_length, dropout_p).reshape(n, d)
 
 
 def nested_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, packed: Packed, num_heads: int,
                      dropout_p: float) -> torch.Tensor:
-    """``varlen_attention`` through SDPA over nested jagged tensors (where ``FlashVarlen`` does not run)."""
+    """``varlen_attention`` through SDPA over nested jagged tensors (where ``flash_varlen`` does not run)."""
     n, d = q_ND.shape
     cpu = q_ND.device.type == "cpu"
 
@@ -116,33 +116,19 @@ def nested_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor,
 
 
 def flash_varlen_applies(x: torch.Tensor, head_size: int) -> bool:
-    """Whether ``FlashVarlen`` runs for ``x`` (q's stream): CUDA with flash attention enabled, bf16 or fp16, a head
+    """Whether ``flash_varlen`` runs for ``x`` (q's stream): CUDA with flash attention enabled, bf16 or fp16, a head
     size flash takes (a multiple of 8 up to 256), compute capability 8.0 or newer."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and head_size % 8 == 0 and head_size <= 256
             and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
-class FlashVarlen(torch.autograd.Function):
-    """aten's flash attention over cumulative lengths, forward and backward called directly: the kernels SDPA over
-    nested jagged tensors reaches on CUDA in bf16, without the nested tensors' Python dispatch (on the H200,
-    2026-11-28, that dispatch took 51% of the eager step's host time and left the GPU idle 57% of the step).
-    q/k/v (N, H, K) with unit stride in K (rows and heads may be strided), ``cu_B1`` (B + 1,) int32 offsets,
-    ``max_len`` the longest sequence (given, so the device is not asked). Dropout's seed and offset come back from
-    the forward (``rng_state``) and the backward redraws the same mask from them."""
-
-    @staticmethod
-    def forward(ctx, q_NHK, k_NHK, v_NHK, cu_B1, max_len: int, dropout_p: float, scale: float):
-        out_NHK, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q_NHK, k_NHK, v_NHK, cu_B1, cu_B1, max_len, max_len, dropout_p, False, False, scale=scale)
-        ctx.save_for_backward(q_NHK, k_NHK, v_NHK, out_NHK, lse, cu_B1, rng_state, unused)
-        ctx.sizes = (max_len, dropout_p, scale)
-        return out_NHK
-
-    @staticmethod
-    def backward(ctx, grad_NHK):
-        q_NHK, k_NHK, v_NHK, out_NHK, lse, cu_B1, rng_state, unused = ctx.saved_tensors
-        max_len, dropout_p, scale = ctx.sizes
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_NHK.contiguous(), q_NHK, k_NHK, v_NHK, out_NHK, lse, cu_B1, cu_B1, max_len, max_len, dropout_p,
-            False, rng_state, unused, scale=scale)
-        return dq, dk, dv, None, None, None, None
+def flash_varlen(q_NHK: torch.Tensor, k_NHK: torch.Tensor, v_NHK: torch.Tensor, cu_B1: torch.Tensor, max_len: int,
+                 dropout_p: float) -> torch.Tensor:
+    """y_NHK: aten's flash attention over cumulative lengths, called directly: the kernel (and its autograd
+    formula, ``FlashAttentionBackward0``) that SDPA over nested jagged tensors reaches on CUDA in bf16, without the
+    nested tensors' Python dispatch (on the H200, 2026-11-28, that dispatch took 51% of the eager step's host time
+    and left the GPU idle 57% of the step). q/k/v (N, H, K) with unit stride in K (rows and heads may be strided),
+    ``cu_B1`` (B + 1,) int32 offsets, ``max_len`` the longest sequence (given, so the device is not asked); the
+    scale SDPA's default, 1/sqrt(K). Dropout's seed and offset go from the forward to the backward inside aten."""
+    return torch.ops.aten._flash_attention_forward(q_NHK, k_NHK, v_NHK, cu_B1, cu_B1, max_len, max_len, dropout_p,
+                                                   False, False, scale=q_NHK.shape[-1] ** -0.5)[0]

@@ -260,7 +260,7 @@ def test_the_joint_pass_on_the_device_matches_two_passes_in_float64(arch, unpadd
 def test_varlen_attention_on_the_device_matches_the_padded_float64_model_without_host_waits(dtype, flat):
     """BERT's varlen layout (train.unpadded_attention=varlen): one attention call a layer over the cumulative
     lengths, on the device in fp32 (SDPA over nested jagged tensors: mem-efficient attention) and bf16 (aten's flash
-    attention called directly, attention.FlashVarlen), against the same weights padded in float64 on
+    attention called directly, attention.flash_varlen), against the same weights padded in float64 on
     the CPU: hidden states of the real tokens and every gradient. The forward and backward run under CUDA's sync
     debug mode set to raise, so a host read of the lengths (the NJT math path's) fails the test. Flattened layers
     (train.flat_params, the default) hand the kernel q, k and v as strided columns of the fused projection.
@@ -274,10 +274,10 @@ def test_varlen_attention_on_the_device_matches_the_padded_float64_model_without
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
 def test_direct_flash_varlen_matches_sdpa_over_nested_tensors_without_host_waits(dropout_p):
-    """attention.FlashVarlen (bf16 varlen on CUDA) calls aten's flash forward and backward itself; SDPA over nested
-    jagged tensors reaches the same kernels through the nested tensors' dispatch. From the same CUDA seed both
-    must give the same output and q/k/v gradients: with dropout 0.1 that holds only if the backward redraws the
-    forward's mask (a wrong seed or offset changes O(10%) of the values). Without dropout both are also checked
+    """attention.flash_varlen (bf16 varlen on CUDA) calls aten's flash attention over cumulative lengths itself; SDPA
+    over nested jagged tensors reaches the same kernel through the nested tensors' dispatch. From the same CUDA seed
+    both must give the same output and q/k/v gradients: with dropout 0.1 that holds only if both draw the same mask
+    (a wrong seed, offset or argument order changes O(10%) of the values). Without dropout both are also checked
     against float64 attention per sequence on the CPU. q/k/v are strided columns of one (N, 3D) projection, as a
     flattened layer hands them, and the direct call runs under CUDA's sync debug mode set to raise."""
     if DEVICE != "cuda":

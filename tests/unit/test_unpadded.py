@@ -327,3 +327,19 @@ def test_to_device_leaves_a_cpu_step_unpinned_and_whole():
             assert moved[key] is value and not moved[key].is_pinned(), key
         elif isinstance(value, Packed):
             assert torch.equal(moved[key].ids_N, value.ids_N) and not moved[key].ids_N.is_pinned(), key
+
+
+def test_the_direct_flash_call_fits_atens_schema_and_autograd():
+    """``attention.flash_varlen`` (the varlen layout in bf16 on CUDA) runs only on a GPU. On meta tensors aten binds
+    its arguments to the op's schema and autograd records the op's own backward, so an argument out of place or of
+    the wrong kind fails here, on the CPU; its numbers are tests/gpu/test_model_cuda.py's. q/k/v are strided columns
+    of one fused projection, as a flattened layer hands them."""
+    from pretrain.model.attention import flash_varlen, flash_varlen_applies
+
+    qkv = torch.randn(10, 3 * 2 * 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (z.view(10, 2, 64) for z in qkv.chunk(3, dim=-1))
+    assert not flash_varlen_applies(q, 64)  # not CUDA
+    y = flash_varlen(q, k, v, torch.tensor([0, 4, 10], dtype=torch.int32, device="meta"), 6, 0.1)
+    assert y.shape == (10, 2, 64) and type(y.grad_fn).__name__ == "FlashAttentionBackward0"
+    y.sum().backward()
+    assert qkv.grad.shape == qkv.shape
