@@ -119,6 +119,23 @@ def _heads_by_autograd(qkv_P, packed, heads, size):
             for g, z in zip(packed.groups, packed.split_groups(qkv_P))]
 
 
+def _group_heads_case(seed: int, unused):
+    """The packed groups, 2 heads of size 3, fused projections in the slots (float64) and a loss over every
+    group's q, k and v (each times a random tensor), leaving out ``unused`` = (group, 0 q / 1 k / 2 v)."""
+    packed, heads, size = _packed(), 2, 3
+    assert len(packed.groups) > 1
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(packed.group_sizes), 3 * heads * size, dtype=torch.float64, generator=gen)
+    ups = [[torch.randn((g.num_rows, heads, g.length, size), dtype=torch.float64, generator=gen) for _ in range(3)]
+           for g in packed.groups]
+
+    def loss(parts):
+        return sum((t * u).sum() for i, (qkv, up) in enumerate(zip(parts, ups)) for j, (t, u) in enumerate(zip(qkv, up))
+                   if unused != (i, j))
+
+    return packed, heads, size, x, loss
+
+
 @pytest.mark.parametrize("unused", [None, (0, 0), (1, 2)], ids=["all read", "a q unread", "a v unread"])
 def test_group_heads_gives_the_split_view_permute_unbind_gradient_in_one_copy(unused):
     """Every group's q, k and v as the views autograd's chain gives, and the same gradient (float64), also where
@@ -127,18 +144,7 @@ def test_group_heads_gives_the_split_view_permute_unbind_gradient_in_one_copy(un
 
     from pretrain.model.gather import group_heads
 
-    packed, heads, size = _packed(), 2, 3
-    assert len(packed.groups) > 1
-    gen = torch.Generator().manual_seed(1)
-    slots = sum(packed.group_sizes)
-    x = torch.randn(slots, 3 * heads * size, dtype=torch.float64, generator=gen)
-    ups = [[torch.randn((g.num_rows, heads, g.length, size), dtype=torch.float64, generator=gen) for _ in range(3)]
-           for g in packed.groups]
-
-    def loss(parts):
-        return sum((t * u).sum() for i, (qkv, up) in enumerate(zip(parts, ups)) for j, (t, u) in enumerate(zip(qkv, up))
-                   if unused != (i, j))
-
+    packed, heads, size, x, loss = _group_heads_case(1, unused)
     want_x = x.clone().requires_grad_(True)
     want_parts = _heads_by_autograd(want_x, packed, heads, size)
     loss(want_parts).backward()
@@ -172,17 +178,7 @@ def test_compiled_group_heads_writes_each_gradient_once_with_the_autograd_gradie
 
     from pretrain.model.gather import group_heads
 
-    packed, heads, size = _packed(), 2, 3
-    assert len(packed.groups) > 1
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(sum(packed.group_sizes), 3 * heads * size, dtype=torch.float64, generator=gen)
-    ups = [[torch.randn((g.num_rows, heads, g.length, size), dtype=torch.float64, generator=gen) for _ in range(3)]
-           for g in packed.groups]
-
-    def loss(parts):
-        return sum((t * u).sum() for i, (qkv, up) in enumerate(zip(parts, ups)) for j, (t, u) in enumerate(zip(qkv, up))
-                   if unused != (i, j))
-
+    packed, heads, size, x, loss = _group_heads_case(2, unused)
     want_x = x.clone().requires_grad_(True)
     loss(_heads_by_autograd(want_x, packed, heads, size)).backward()
     backward_ops = []
