@@ -14,7 +14,7 @@
 #   GPU_CHECK_STAGES   comma list of stages to run (default: all; they run in this order, the quick figures the
 #                      issues still wait for first) install,tests,bench_step,bench_step_books (real padded batches of
 #                      the shared books, when .gpu_data was carried: tools/gpu_data.sh),bench_similarity,
-#                      bench_modernbert,smoke,bench_step_compile (minutes of compiling), bench_modernbert_compile
+#                      bench_step_compile (minutes of compiling),bench_modernbert,smoke,bench_modernbert_compile
 #                      (issue 27 item 4 compiled, both arms), bench_step_joint (ours with train.joint_pass=false
 #                      beside), bench_step_books_compile (the compiled step on the books, unpadded and padded)
 #   GPU_CHECK_BATCHES  micro-batches for bench_step (default "256 512"; on an 80 GB H100, HF's arm needs
@@ -34,7 +34,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${PRETRAIN_WHEELS:-.whl}
-DEFAULT_STAGES=install,tests,bench_step,bench_step_books,bench_similarity,bench_modernbert,smoke,bench_step_compile
+DEFAULT_STAGES=install,tests,bench_step,bench_step_books,bench_similarity,bench_step_compile,bench_modernbert,smoke
 DEFAULT_STAGES+=,bench_modernbert_compile,bench_step_joint,bench_step_books_compile
 STAGES=${GPU_CHECK_STAGES:-$DEFAULT_STAGES}
 GPU_DATA=${PRETRAIN_GPU_DATA:-$PWD/.gpu_data}
@@ -130,6 +130,14 @@ elif [[ ",$STAGES," == *",bench_step_books,"* ]]; then
 fi
 stage bench_similarity 600 $PY tools/bench_similarity.py --device cuda --sizes 512,4096,16384,65536,131072 --dims 768 \
   --dtype bf16 --reps 5 --json-out "$OUT/bench_similarity.json"
+# --profile-out: each arm's GPU busy share (issue 24's >= 95%) under CUDA graphs, as well as eagerly above: ours
+# compiled unpadded (the fixed layout) against HF compiled. After the quick stages and with no third arm: on the
+# H200 (2026-11-28) compiling three arms second outlasted 315 s and left every later stage unrun (ours padded
+# compiled: the 2026-11-27 pass)
+# shellcheck disable=SC2086
+stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
+  --zero-stage 2 --compile --compile-mode reduce-overhead \
+  --profile-out "$OUT/profile_step_compile.txt" --json-out "$OUT/bench_step_compile.json"
 # ModernBERT on the books' real padded batches when they were carried (the H200 measured the synthetic batch, where
 # HF's padded SDPA computes no padding), else on the synthetic one
 # shellcheck disable=SC2086
@@ -138,13 +146,6 @@ stage bench_modernbert 600 "${DATA_ENV[@]}" $PY tools/bench_step.py --device cud
   --json-out "$OUT/bench_modernbert.json"
 # shellcheck disable=SC2086
 stage smoke 1200 $PY tools/gpu_smoke.py "$OUT/smoke" $SMOKE_ARGS
-# --profile-out: each arm's GPU busy share (issue 24's >= 95%) under CUDA graphs, as well as eagerly above: ours
-# compiled unpadded (the fixed layout) against HF compiled. Late and with no third arm: on the H200 (2026-11-28)
-# compiling three arms outlasted 315 s and left every later stage unrun (ours padded compiled: the 2026-11-27 pass)
-# shellcheck disable=SC2086
-stage bench_step_compile 900 $PY tools/bench_step.py --device cuda --sizes base --batch $BATCHES --steps 10 \
-  --zero-stage 2 --compile --compile-mode reduce-overhead \
-  --profile-out "$OUT/profile_step_compile.txt" --json-out "$OUT/bench_step_compile.json"
 # shellcheck disable=SC2086
 stage bench_modernbert_compile 600 $PY tools/bench_step.py --device cuda --arch modernbert --sizes base \
   --batch $BATCHES --steps 10 --zero-stage 2 --compile --compile-mode reduce-overhead \
