@@ -52,6 +52,10 @@ def build_ds_config(optim: OptimConfig, train: TrainConfig, dist: DistributedCon
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default, "synchronized") calls get_accelerator().synchronize(), on CUDA
+        # a cudaDeviceSynchronize, when each forward starts and each optimizer step ends: the host waited for the
+        # device twice a step (the H200 profile's unattributed waits, 2026-11-28); the trainer times its own steps.
+        "timers": {"throughput": {"enabled": False}},
         "checkpoint": {"load_universal": load_universal},
     }
     if precision == "bf16":
