@@ -21,6 +21,7 @@ import torch
 
 from pretrain.config import load_run_config
 from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+from pretrain.metrics.op_count import accelerator_syncs
 from pretrain.training.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
@@ -51,18 +52,11 @@ def test_the_trainers_step_never_waits_for_the_device(precision, zero_stage, lay
         if ON_CUDA:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
-        # An explicit synchronize (DeepSpeed's get_accelerator().synchronize()) is no error to the debug mode:
-        # counted apart (DeepSpeed's throughput timer made two a step until ds_config turned it off).
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator, waits = get_accelerator(), []
-        synchronize = accelerator.synchronize
-        accelerator.synchronize = lambda *args, **kwargs: waits.append(args) or synchronize(*args, **kwargs)
-        try:
-            for _ in range(2):
-                trainer.train_step(loader)
+        try:  # an explicit synchronize is no error to the debug mode: DeepSpeed's are counted apart
+            with accelerator_syncs() as waits:
+                for _ in range(2):
+                    trainer.train_step(loader)
         finally:
-            accelerator.synchronize = synchronize
             if ON_CUDA:
                 torch.cuda.set_sync_debug_mode("default")
         assert not waits, f"DeepSpeed synchronized the device {len(waits)} times in 2 steps"

@@ -17,17 +17,14 @@ from pretrain.distributed.env import (
     init_process_group,
     single_process_env,
 )
-from pretrain.metrics.op_count import OpCounter
+from pretrain.metrics.op_count import OpCounter, accelerator_syncs
 from pretrain.training.trainer import Trainer
 
 
 def _count_steps(trainer, steps: int) -> tuple[OpCounter, OpCounter]:
     """(ops of the trainer's steps outside Engine.step, ops of Engine.step) over ``steps`` (2 or more) steps after a
-    warm-up; and that DeepSpeed synchronized the device in none of them (``get_accelerator().synchronize()``, on
-    CUDA a ``cudaDeviceSynchronize`` that no op count and no CUDA sync debug mode sees: DeepSpeed's throughput
-    timer called it at every forward and every step from its third step on, until ds_config turned it off)."""
-    from deepspeed.accelerator import get_accelerator
-
+    warm-up; and that DeepSpeed synchronized the device in none of them (``op_count.accelerator_syncs``: its
+    throughput timer did at every forward and every step from its third step on, until ds_config turned it off)."""
     loader = iter(trainer._loader(trainer.train_set, 0))
     trainer.engine.train()
     trainer.train_step(loader)  # warm-up: first-call work (allocations, DeepSpeed's lazy set-up) is not a step
@@ -38,15 +35,11 @@ def _count_steps(trainer, steps: int) -> tuple[OpCounter, OpCounter]:
             return ds_step()
 
     trainer.engine.step = step_counted_apart
-    accelerator, waits = get_accelerator(), []
-    synchronize = accelerator.synchronize
-    accelerator.synchronize = lambda *args, **kwargs: waits.append(args) or synchronize(*args, **kwargs)
     try:
-        with OpCounter() as outer:
+        with accelerator_syncs() as waits, OpCounter() as outer:
             for _ in range(steps):
                 trainer.train_step(loader)
     finally:
-        accelerator.synchronize = synchronize
         trainer.engine.step = ds_step
     assert not waits, f"DeepSpeed synchronized the device {len(waits)} times in {steps} steps"
     return outer, inner
