@@ -95,8 +95,7 @@ def varlen_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor,
     if not flash_varlen_applies(q_ND, k):
         return nested_attention(q_ND, k_ND, v_ND, packed, num_heads, dropout_p)
     q_NHK, k_NHK, v_NHK = (z_ND.view(n, num_heads, k) for z_ND in (q_ND, k_ND, v_ND))
-    cu_B1 = packed.cu_seqlens_B1.to(torch.int32)  # flash takes int32 offsets (a device cast: no host read)
-    return flash_varlen(q_NHK, k_NHK, v_NHK, cu_B1, packed.max_length, dropout_p).reshape(n, d)
+    return flash_varlen(q_NHK, k_NHK, v_NHK, packed.cu_seqlens_B1, packed.max_length, dropout_p).reshape(n, d)
 
 
 def nested_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, packed: Packed, num_heads: int,

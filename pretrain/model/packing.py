@@ -97,8 +97,8 @@ class Packed:
     width: int
     cu_seqlens_B1: torch.Tensor | None = None
     """The ``varlen`` layout (``pack(..., attention="varlen")``): (B + 1,) stream offset of each sequence and the
-    stream's length, for attention over nested jagged tensors; then no groups, and the stream is its own slots
-    (``back_N``/``gather_P`` None)."""
+    stream's length, int32 as flash attention takes them (made so on the host, not cast in every layer); then no
+    groups, and the stream is its own slots (``back_N``/``gather_P`` None)."""
     min_length: int = 0
     max_length: int = 0
     """Shortest and longest sequence (the varlen layout's kernel sizes, given so the device is not asked)."""
@@ -275,7 +275,8 @@ def _stream(ids_N: np.ndarray, lengths_B: np.ndarray, index_N: np.ndarray, width
     return Packed(ids_N=t(ids_N), position_ids_N=t(np.arange(row_N.size) - offsets_B[row_N]), row_N=t(row_N),
                   first_B=t(offsets_B), lengths_B=t(lengths_B), index_N=t(index_N), back_N=t(back_N),
                   gather_P=t(gather_P), groups=groups, num_rows=len(lengths_B), width=width,
-                  cu_seqlens_B1=t(cu_seqlens), min_length=int(lengths_B.min()) if lengths_B.size else 0,
+                  cu_seqlens_B1=None if cu_seqlens is None else torch.from_numpy(cu_seqlens.astype(np.int32)),
+                  min_length=int(lengths_B.min()) if lengths_B.size else 0,
                   max_length=int(lengths_B.max()) if lengths_B.size else 0)
 
 
