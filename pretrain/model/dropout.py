@@ -120,10 +120,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     written out (scores, masked softmax, this module's dropout of the probabilities, matmul): the same tensors
     kept for the backward; bf16/fp16 inputs computed in fp32 and the output cast back, as that path does on the
     CPU. A row with no key to attend to gets weights over its masked keys, not NaN (such a row is padding, read by
-    no loss)."""
+    no loss). q and k may come in fp32 with a bf16/fp16 v (``attention_dtype``: RoPE's fp32 output); the output
+    has v's dtype, and where SDPA runs q and k are cast to it first."""
+    dtype = v.dtype
     if not uses_fast(q, dropout_p, True, fast, q.numel() // q.shape[-1] * k.shape[-2]):
+        q, k = q.to(dtype), k.to(dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    dtype = q.dtype
     if dtype in (torch.bfloat16, torch.float16):
         q, k, v = q.float(), k.float(), v.float()
         mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
@@ -133,6 +135,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
                       else scores + mask)
         return (dropout(scores.softmax(-1), dropout_p) @ v).to(dtype)
+
+
+def attention_dtype(x: torch.Tensor, dropout_p: float, fast: bool = True) -> torch.dtype:
+    """The dtype in which ``attention`` would like q and k: fp32 where it computes bf16/fp16 inputs in fp32 itself
+    (dropout on, on the CPU, ``fast``, not compiled; it casts them to v's dtype where a small tensor takes SDPA
+    after all), else x's. A rotary layer writes q and k in it (``rotary.apply_rope``): ModernBERT mini's bf16 step
+    on the CPU rounded q and k to bf16 after RoPE and cast them back to fp32 here, and their gradients the other
+    way, 4 casts of each a group (docs/performance.md)."""
+    low = x.dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if low and uses_fast(x, dropout_p, True, fast, FAST_MIN_NUMEL) else x.dtype
 
 
 def set_fast_dropout(module: nn.Module, on: bool) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, banded_attention
 from pretrain.model.block import activation_fn
-from pretrain.model.dropout import Dropout, attention
+from pretrain.model.dropout import Dropout, attention, attention_dtype
 from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import forget_traced_views, materialize
 from pretrain.model.gather import gather_slots, group_heads
@@ -71,6 +71,7 @@ class ModernAttention(nn.Module):
         before the residual."""
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
+        qk_dtype = attention_dtype(x_BTD, dropout_p, self.fast_dropout)  # RoPE's output: fp32 where attention upcasts
         if packed is not None:
             if packed.cu_seqlens_B1 is not None:
                 raise ValueError("model.arch=modernbert attends per attention group: a local layer's window is a mask, "
@@ -81,14 +82,16 @@ class ModernAttention(nn.Module):
             qkv = group_heads(gather_slots(self.qkv(x_BTD), packed), packed, h, k)
             for g, mask, (q_nHtK, k_nHtK, v_nHtK) in zip(packed.groups, inputs.group_masks, qkv):
                 cos_tK, sin_tK = inputs.cos[:g.length], inputs.sin[:g.length]
-                q_nHtK, k_nHtK = apply_rope(q_nHtK, cos_tK, sin_tK), apply_rope(k_nHtK, cos_tK, sin_tK)
+                q_nHtK = apply_rope(q_nHtK, cos_tK, sin_tK, qk_dtype)
+                k_nHtK = apply_rope(k_nHtK, cos_tK, sin_tK, qk_dtype)
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
             return self.out(take_rows(y_PD, packed.slots(rows_S)))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
-        q_BHTK, k_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin), apply_rope(k_BHTK, inputs.cos, inputs.sin)
+        q_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin, qk_dtype)
+        k_BHTK = apply_rope(k_BHTK, inputs.cos, inputs.sin, qk_dtype)
         y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p, self.fast_dropout)
         return self.out(take_rows(y_BHTK.transpose(1, 2).reshape(b, t, d), rows_S))
 

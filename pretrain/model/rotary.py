@@ -16,12 +16,14 @@ import torch
 
 def rope_tables(position_ids: torch.Tensor, head_size: int, theta: float,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of shape position_ids.shape + (K,), in fp32 arithmetic (as transformers) then ``dtype``."""
+    """(cos, sin) of shape position_ids.shape + (K,), in fp32 arithmetic (as transformers), rounded to ``dtype`` (as
+    transformers' tables are) and held in fp32: RoPE's arithmetic is fp32 either way, so the tables are not cast
+    again in every layer and attention group (ModernBERT mini bf16 on the CPU: 256 casts a step)."""
     inv_freq_K2 = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.float,
                                                   device=position_ids.device) / head_size))
     freqs = position_ids[..., None].float() * inv_freq_K2
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return emb.cos().to(dtype).float(), emb.sin().to(dtype).float()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -54,25 +56,29 @@ class _Rope(torch.autograd.Function):
     zeros for every slice), and nothing saved but the tables."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, 1.0).to(x.dtype)
+        ctx.x_dtype = x.dtype
+        return _rotate(x, cos, sin, 1.0).to(dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # grad has x's dtype (the output's)
+    def backward(ctx, grad: torch.Tensor):  # grad has the output's dtype
         cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, -1.0).to(grad.dtype), None, None
+        return _rotate(grad, cos, sin, -1.0).to(ctx.x_dtype), None, None, None
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
     """x rotated by its positions' angles; cos/sin broadcast against x (e.g. x_BHTK with cos_TK, x_NHK with
-    cos_N1K). Computed in fp32 and cast back, as transformers does. The tables carry no gradient (they are functions
-    of the positions); eagerly, ``_Rope``'s written-out backward; compiled, the formula itself (inductor fuses it)."""
-    cos, sin = cos.float(), sin.float()
+    cos_N1K). Computed in fp32 and cast to ``dtype``, by default x's, as transformers does; fp32 where the attention
+    computes bf16/fp16 inputs in fp32 anyway (``dropout.attention_dtype``), so that q and k are not rounded to bf16
+    only to be cast back (and their gradients likewise). The tables carry no gradient (they are functions of the
+    positions); eagerly, ``_Rope``'s written-out backward; compiled, the formula itself (inductor fuses it)."""
+    cos, sin, dtype = cos.float(), sin.float(), dtype or x.dtype
     if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:
         xf = x.float()
-        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
-    return _Rope.apply(x, cos, sin)
+        return (xf * cos + _rotate_half(xf) * sin).to(dtype)
+    return _Rope.apply(x, cos, sin, dtype)
 
 
 def window_mask(keep_B11T: torch.Tensor | None, length: int, half_window: int,

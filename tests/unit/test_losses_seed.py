@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pretrain.losses.arccon import arccon
@@ -431,3 +432,26 @@ def test_mlm_accuracy_counts_the_rows_whose_label_has_the_largest_logit(dtype):
     loss_ok, _, _ = mlm_loss(logits[finite], labels[finite])
     ref = sum(-torch.log_softmax(logits[r].double(), -1)[labels[r]] for r in finite if labels[r] >= 0)
     assert abs(float(loss_ok) - float(ref)) < 1e-4 * float(ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlm_loss_and_its_gradient_are_torchs_cross_entropy_in_float64(dtype):
+    """On the CPU mlm_loss takes its own cross-entropy (``_SummedCrossEntropy``: the log-softmax turned into the
+    gradient in place); loss and logit gradient against F.cross_entropy in float64, unlabelled rows (-100) and a
+    gradient other than 1 included; the gradient in the logits' dtype."""
+    from pretrain.losses.mlm import mlm_loss
+
+    gen = torch.Generator().manual_seed(3)
+    base = (torch.randn(37, 301, generator=gen) * 4).to(dtype)
+    labels = torch.randint(0, 301, (37,), generator=gen)
+    labels[[2, 11, 30]] = -100
+    logits = base.clone().requires_grad_()
+    loss, _, _ = mlm_loss(logits, labels)
+    (grad,) = torch.autograd.grad(loss * 0.37, logits)
+    x64 = base.double().requires_grad_()
+    ref = F.cross_entropy(x64, labels, reduction="sum")
+    (ref_grad,) = torch.autograd.grad(ref * 0.37, x64)
+    assert abs(float(loss.detach()) - float(ref.detach())) < 1e-5 * float(ref.detach())
+    assert grad.dtype == dtype and grad[[2, 11, 30]].abs().max() == 0
+    tol = 1e-6 if dtype == torch.float32 else 4e-3  # fp32 and bf16 rounding of gradients up to 0.37
+    assert (grad.double() - ref_grad).abs().max() < tol

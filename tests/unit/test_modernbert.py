@@ -90,6 +90,88 @@ def test_rope_and_its_written_out_backward(layout):
     assert (yb.double() - ref).abs().max() < 0.05 and (gb.double() - ref_grad).abs().max() < 0.05
 
 
+
+def test_rope_in_fp32_for_an_attention_that_computes_in_fp32():
+    """apply_rope(x_bf16, ..., torch.float32): the rotation of the bf16 input not rounded to bf16 (float64 formula
+    within fp32 rounding), its gradient back in bf16; ``attention`` takes those fp32 q and k with a bf16 v, computes
+    as it does for bf16 inputs (the same mask) and where a tensor is too small for its own path casts them to bf16
+    for SDPA, as before."""
+    from pretrain.model import dropout as dropout_module
+    from pretrain.model.dropout import attention, attention_dtype
+
+    g = torch.Generator().manual_seed(4)
+    cos, sin = rope_tables(torch.arange(12), 16, 500.0, torch.bfloat16)
+    assert cos.dtype == torch.float32 and torch.equal(cos, cos.bfloat16().float())  # rounded, held in fp32
+    x = torch.randn(2, 3, 12, 16, generator=g).bfloat16().requires_grad_()
+    y = apply_rope(x, cos, sin, torch.float32)
+    w = torch.randn(y.shape, generator=g)
+    (grad,) = torch.autograd.grad(y, x, w)
+    x64 = x.detach().double().requires_grad_()
+    ref = x64 * cos.double() + torch.cat((-x64[..., 8:], x64[..., :8]), dim=-1) * sin.double()
+    (ref_grad,) = torch.autograd.grad(ref, x64, w.double())
+    assert y.dtype == torch.float32 and (y - ref).abs().max() < 1e-5
+    assert (apply_rope(x, cos, sin).double() - ref).abs().max() > 1e-3  # the bf16 output is rounded
+    assert grad.dtype == torch.bfloat16 and (grad.double() - ref_grad).abs().max() < 0.05
+    assert attention_dtype(x, 0.1) == torch.float32
+    assert attention_dtype(x, 0.0) == attention_dtype(x, 0.1, fast=False) == torch.bfloat16
+    assert attention_dtype(x.float(), 0.1) == torch.float32
+    q, k = y.detach(), torch.randn(y.shape, generator=g)
+    v = torch.randn(y.shape, generator=g).bfloat16()
+    big = dropout_module.FAST_MIN_NUMEL
+    try:
+        dropout_module.FAST_MIN_NUMEL = 0  # this module's own path
+        torch.manual_seed(5)
+        out = attention(q, k, v, None, 0.1)
+        torch.manual_seed(5)
+        ref_fp32 = attention(q, k, v.float(), None, 0.1)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref_fp32.bfloat16())
+        dropout_module.FAST_MIN_NUMEL = 1 << 40  # every tensor small: SDPA, on bf16 q and k
+        torch.manual_seed(6)
+        out = attention(q, k, v, None, 0.1)
+        torch.manual_seed(6)
+        ref_sdpa = torch.nn.functional.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v, dropout_p=0.1)
+    finally:
+        dropout_module.FAST_MIN_NUMEL = big
+    assert torch.equal(out, ref_sdpa)
+
+
+def test_a_bf16_cpu_step_casts_q_and_k_once_each():
+    """A bf16 ModernBERT training step on the CPU (unpadded, fast dropout): RoPE writes q and k in fp32 for the
+    attention, so per attention group and layer neither is rounded to bf16 and cast back, nor are their gradients:
+    eight casts fewer per group and layer than with RoPE writing bf16 (the old way, ``attention_dtype`` patched)."""
+    from test_trim_last_layer import _batch, _module
+
+    from pretrain.metrics.op_count import OpCounter
+    from pretrain.model import modern_block
+    from pretrain.model import dropout as dropout_module
+    from pretrain.training.step import host_facts
+
+    module = _module(False, dropout=0.1, attention_dropout=0.1, **{**TINY, "vocab_size": 50}).bfloat16()
+    module.train()
+    batch = host_facts(_batch(), unpadded=True)
+    groups = len(batch["packed_mlm"].groups) + len(batch["packed_views"].groups)
+
+    def casts() -> int:
+        torch.manual_seed(0)
+        with OpCounter() as c:
+            module(batch)[0].float().backward()
+        return c.ops.get("aten._to_copy", 0)
+
+    old = dropout_module.FAST_MIN_NUMEL
+    dropout_module.FAST_MIN_NUMEL = 0  # the tiny model's tensors take the fast path
+    try:
+        now = casts()
+        keep = modern_block.attention_dtype
+        modern_block.attention_dtype = lambda x, p, fast=True: x.dtype
+        try:
+            before = casts()
+        finally:
+            modern_block.attention_dtype = keep
+    finally:
+        dropout_module.FAST_MIN_NUMEL = old
+    layers = TINY["num_layers"]
+    assert before - now >= 8 * groups * layers, (before, now, groups)  # q and k: 2 casts forward, 2 backward
+
 def test_rope_writes_head_major_views_contiguous_so_attention_copies_nothing():
     """q and k come as (n, H, t, K) views of the fused projection's (n, t, H, K) memory: RoPE's output is contiguous
     (head-major), so the attention's matmuls fold (n, H) without a copy; the values are the view's rotation."""
