@@ -69,9 +69,9 @@ def make_band(keep_B11T: torch.Tensor | None, length: int, half: int, device: to
 
 
 def banded_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor, band: Band,
-                     dropout_p: float = 0.0, fast_dropout: bool = True) -> torch.Tensor:
+                     dropout_p: float = 0.0, fast_dropout: bool = True, q_scaled: bool = False) -> torch.Tensor:
     """SDPA of queries on the keys within ``band.half`` positions (and real): (B, H, T, K); dropout on the CPU with
-    ``fast_dropout`` as ``dropout.attention`` draws it."""
+    ``fast_dropout`` as ``dropout.attention`` draws it; ``q_scaled`` as there."""
     bsz, heads, length, size = q_BHTK.shape
     w = band.half
     nb = num_blocks(length, w)
@@ -85,5 +85,5 @@ def banded_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.T
     mask = band.mask_bw3
     if mask.shape[0] != bsz * nb:  # one band for every row (no padding)
         mask = mask.view(-1, nb, 1, w, 3 * w).expand(bsz, nb, 1, w, 3 * w).reshape(bsz * nb, 1, w, 3 * w)
-    y = attention(q_bHwK, k_bH3K, v_bH3K, mask, dropout_p, fast_dropout)
+    y = attention(q_bHwK, k_bH3K, v_bH3K, mask, dropout_p, fast_dropout, q_scaled)
     return y.view(bsz, nb, heads, w, size).transpose(1, 2).reshape(bsz, heads, nb * w, size)[:, :, :length]

@@ -114,23 +114,25 @@ class Dropout(nn.Module):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
-              fast: bool = True) -> torch.Tensor:
+              fast: bool = True, q_scaled: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)`` (a boolean mask is True
     where a key may be attended to; a float one is added). With dropout on the CPU and ``fast``, SDPA's math path
     written out (scores, masked softmax, this module's dropout of the probabilities, matmul): the same tensors
     kept for the backward; bf16/fp16 inputs computed in fp32 and the output cast back, as that path does on the
     CPU. A row with no key to attend to gets weights over its masked keys, not NaN (such a row is padding, read by
     no loss). q and k may come in fp32 with a bf16/fp16 v (``attention_dtype``: RoPE's fp32 output); the output
-    has v's dtype, and where SDPA runs q and k are cast to it first."""
+    has v's dtype, and where SDPA runs q and k are cast to it first. ``q_scaled``: q comes multiplied by
+    1/sqrt(K) already (a rotary layer's tables carry the factor: one pass over q and its gradient fewer)."""
     dtype = v.dtype
     if not uses_fast(q, dropout_p, True, fast, q.numel() // q.shape[-1] * k.shape[-2]):
         q, k = q.to(dtype), k.to(dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              scale=1.0 if q_scaled else None)
     if dtype in (torch.bfloat16, torch.float16):
         q, k, v = q.float(), k.float(), v.float()
         mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
     with torch.autocast("cpu", enabled=False):  # under autocast too: fp32 matmuls, as inside SDPA
-        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        scores = (q if q_scaled else q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
         if mask is not None:
             scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
                       else scores + mask)

@@ -21,7 +21,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, make_band, use_band
-from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings
+from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings, scaled_tables
 from pretrain.model.packing import Packed, check_rows, keep_mask
 from pretrain.model.rotary import rope_tables, window_mask
 
@@ -68,10 +68,10 @@ class ModernEncoder(nn.Module):
             if packed is not None:
                 masks = tuple(g.keep_n11t if is_global else _local_mask(g.keep_n11t, g.length, half, device)
                               for g in packed.groups)
-                out[is_global] = AttentionInputs(cos, sin, group_masks=masks)
+                out[is_global] = AttentionInputs(cos, sin, group_masks=masks, **scaled_tables(cos, sin, head_size))
             else:
                 mask = keep_B11T if is_global else _local_mask(keep_B11T, position_ids.shape[0], half, device)
-                out[is_global] = AttentionInputs(cos, sin, mask=mask)
+                out[is_global] = AttentionInputs(cos, sin, mask=mask, **scaled_tables(cos, sin, head_size))
         return out
 
     def _layers(self, x_BTD: torch.Tensor, inputs: dict[bool, AttentionInputs], packed: Packed | None,

@@ -33,6 +33,25 @@ class AttentionInputs:
     """Padded path: (B, 1, T, T) / (T, T) / (B, 1, 1, T), a local layer's ``Band`` (banded.py), or None."""
     group_masks: tuple[torch.Tensor | Band | None, ...] = ()
     """Unpadded path: one mask (or ``Band``) per attention group of ``packed``."""
+    q_cos: torch.Tensor | None = None
+    q_sin: torch.Tensor | None = None
+    """The tables times 1/sqrt(K) for the queries (the CPU, eager; ``scaled_tables``): RoPE then writes q as
+    attention's scores read it, and attention skips its own pass over q (and over its gradient)."""
+
+    def query_tables(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(cos, sin, q_scaled) for the queries."""
+        if self.q_cos is None:
+            return self.cos, self.sin, False
+        return self.q_cos, self.q_sin, True
+
+
+def scaled_tables(cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> dict[str, torch.Tensor]:
+    """``AttentionInputs``' q_cos/q_sin where they pay (the CPU, eager: a multiply per group and layer saved; CUDA
+    scales inside its attention kernel for nothing), else none. For K = 64 (every ModernBERT size but tiny) the
+    factor is 1/8, exact."""
+    if cos.device.type != "cpu" or torch.compiler.is_compiling():
+        return {}
+    return {"q_cos": cos * head_size ** -0.5, "q_sin": sin * head_size ** -0.5}
 
 
 def is_global_layer(cfg: ModelConfig, layer_id: int) -> bool:
@@ -80,27 +99,29 @@ class ModernAttention(nn.Module):
             # which writes q and k head-major (n, H, t, K) for attention (rotary._rotate: contiguous output).
             y_parts = []
             qkv = group_heads(gather_slots(self.qkv(x_BTD), packed), packed, h, k)
+            q_cos, q_sin, q_scaled = inputs.query_tables()
             for g, mask, (q_nHtK, k_nHtK, v_nHtK) in zip(packed.groups, inputs.group_masks, qkv):
-                cos_tK, sin_tK = inputs.cos[:g.length], inputs.sin[:g.length]
-                q_nHtK = apply_rope(q_nHtK, cos_tK, sin_tK, qk_dtype)
-                k_nHtK = apply_rope(k_nHtK, cos_tK, sin_tK, qk_dtype)
-                y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout)
+                t = g.length
+                q_nHtK = apply_rope(q_nHtK, q_cos[:t], q_sin[:t], qk_dtype)
+                k_nHtK = apply_rope(k_nHtK, inputs.cos[:t], inputs.sin[:t], qk_dtype)
+                y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout, q_scaled)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
             return self.out(take_rows(y_PD, packed.slots(rows_S)))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
-        q_BHTK = apply_rope(q_BHTK, inputs.cos, inputs.sin, qk_dtype)
+        q_cos, q_sin, q_scaled = inputs.query_tables()
+        q_BHTK = apply_rope(q_BHTK, q_cos, q_sin, qk_dtype)
         k_BHTK = apply_rope(k_BHTK, inputs.cos, inputs.sin, qk_dtype)
-        y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p, self.fast_dropout)
+        y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p, self.fast_dropout, q_scaled)
         return self.out(take_rows(y_BHTK.transpose(1, 2).reshape(b, t, d), rows_S))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Band | None,
-            dropout_p: float, fast: bool = True) -> torch.Tensor:
+            dropout_p: float, fast: bool = True, q_scaled: bool = False) -> torch.Tensor:
     if isinstance(mask, Band):
-        return banded_attention(q, k, v, mask, dropout_p, fast)
-    return attention(q, k, v, mask, dropout_p, fast)
+        return banded_attention(q, k, v, mask, dropout_p, fast, q_scaled)
+    return attention(q, k, v, mask, dropout_p, fast, q_scaled)
 
 
 class GeGLU(nn.Module):

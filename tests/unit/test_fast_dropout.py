@@ -161,6 +161,29 @@ def test_attention_equals_the_float64_reference(mask_kind):
     assert torch.equal(attention(q, k, v, mask, 0.0), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_query_scaled_beforehand_gives_the_same_attention(fast_path, monkeypatch):
+    """``q_scaled``: q multiplied by 1/sqrt(K) already (ModernBERT's RoPE tables carry it on the CPU); this
+    module's path and SDPA's (a tensor under the size threshold) skip their own factor: float64, output and
+    gradients equal the unscaled call's."""
+    if not fast_path:
+        monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", 1 << 40)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 7, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
+    keep = torch.rand(2, 1, 1, 7, generator=gen) > 0.3
+    keep[..., 0] = True
+    p = 0.2 if fast_path else 0.0  # SDPA's own dropout would draw other masks than this module's
+    torch.manual_seed(12)
+    y = attention(q * 8 ** -0.5, k, v, keep, p, q_scaled=True)
+    torch.manual_seed(12)
+    ref = attention(q, k, v, keep, p)
+    g = torch.randn_like(y)
+    grads, ref_grads = torch.autograd.grad(y, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)
+    assert (y - ref).abs().max() < 1e-12
+    assert all((a - b).abs().max() < 1e-12 for a, b in zip(grads, ref_grads))
+    assert (attention(q, k, v, keep, p, q_scaled=True) - ref).abs().max() > 1e-3  # the factor matters
+
 def test_low_precision_attention_is_computed_in_fp32():
     """bf16 in, bf16 out, the arithmetic in fp32 as SDPA's CPU math path does: equal to the fp32 computation under
     the same mask, cast."""
