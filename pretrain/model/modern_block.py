@@ -20,7 +20,7 @@ from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import forget_traced_views, materialize
 from pretrain.model.gather import gather_slots, group_heads
 from pretrain.model.packing import Packed, take_rows
-from pretrain.model.rotary import apply_rope
+from pretrain.model.rotary import apply_rope, apply_rope_qk
 
 
 @dataclass
@@ -33,25 +33,33 @@ class AttentionInputs:
     """Padded path: (B, 1, T, T) / (T, T) / (B, 1, 1, T), a local layer's ``Band`` (banded.py), or None."""
     group_masks: tuple[torch.Tensor | Band | None, ...] = ()
     """Unpadded path: one mask (or ``Band``) per attention group of ``packed``."""
-    q_cos: torch.Tensor | None = None
-    q_sin: torch.Tensor | None = None
-    """The tables times 1/sqrt(K) for the queries (the CPU, eager; ``scaled_tables``): RoPE then writes q as
-    attention's scores read it, and attention skips its own pass over q (and over its gradient)."""
-
-    def query_tables(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(cos, sin, q_scaled) for the queries."""
-        if self.q_cos is None:
-            return self.cos, self.sin, False
-        return self.q_cos, self.q_sin, True
+    qk_cos: torch.Tensor | None = None
+    qk_sin: torch.Tensor | None = None
+    """(2, 1, 1, T, K): the queries' tables times 1/sqrt(K), then the keys' (the CPU, eager; ``scaled_tables``):
+    RoPE writes q as attention's scores read it, so attention skips its own pass over q (and over its gradient),
+    and rotates a group's q and k in one call (``rotary.apply_rope_qk``)."""
 
 
 def scaled_tables(cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> dict[str, torch.Tensor]:
-    """``AttentionInputs``' q_cos/q_sin where they pay (the CPU, eager: a multiply per group and layer saved; CUDA
+    """``AttentionInputs``' qk_cos/qk_sin where they pay (the CPU, eager: a multiply per group and layer saved; CUDA
     scales inside its attention kernel for nothing), else none. For K = 64 (every ModernBERT size but tiny) the
     factor is 1/8, exact."""
     if cos.device.type != "cpu" or torch.compiler.is_compiling():
         return {}
-    return {"q_cos": cos * head_size ** -0.5, "q_sin": sin * head_size ** -0.5}
+    scale = head_size ** -0.5
+    return {"qk_cos": torch.stack((cos * scale, cos))[:, None, None],
+            "qk_sin": torch.stack((sin * scale, sin))[:, None, None]}
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, inputs: AttentionInputs, length: int,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(q, k, q_scaled): q and k (..., length, K) rotated by the first ``length`` positions' angles, in ``dtype``;
+    q_scaled where q carries attention's 1/sqrt(K) (``AttentionInputs.qk_cos``)."""
+    if inputs.qk_cos is None:
+        cos, sin = inputs.cos[:length], inputs.sin[:length]
+        return apply_rope(q, cos, sin, dtype), apply_rope(k, cos, sin, dtype), False
+    q, k = apply_rope_qk(q, k, inputs.qk_cos[..., :length, :], inputs.qk_sin[..., :length, :], dtype)
+    return q, k, True
 
 
 def is_global_layer(cfg: ModelConfig, layer_id: int) -> bool:
@@ -99,20 +107,15 @@ class ModernAttention(nn.Module):
             # which writes q and k head-major (n, H, t, K) for attention (rotary._rotate: contiguous output).
             y_parts = []
             qkv = group_heads(gather_slots(self.qkv(x_BTD), packed), packed, h, k)
-            q_cos, q_sin, q_scaled = inputs.query_tables()
             for g, mask, (q_nHtK, k_nHtK, v_nHtK) in zip(packed.groups, inputs.group_masks, qkv):
-                t = g.length
-                q_nHtK = apply_rope(q_nHtK, q_cos[:t], q_sin[:t], qk_dtype)
-                k_nHtK = apply_rope(k_nHtK, inputs.cos[:t], inputs.sin[:t], qk_dtype)
+                q_nHtK, k_nHtK, q_scaled = _rope(q_nHtK, k_nHtK, inputs, g.length, qk_dtype)
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout, q_scaled)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
             return self.out(take_rows(y_PD, packed.slots(rows_S)))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
-        q_cos, q_sin, q_scaled = inputs.query_tables()
-        q_BHTK = apply_rope(q_BHTK, q_cos, q_sin, qk_dtype)
-        k_BHTK = apply_rope(k_BHTK, inputs.cos, inputs.sin, qk_dtype)
+        q_BHTK, k_BHTK, q_scaled = _rope(q_BHTK, k_BHTK, inputs, t, qk_dtype)
         y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p, self.fast_dropout, q_scaled)
         return self.out(take_rows(y_BHTK.transpose(1, 2).reshape(b, t, d), rows_S))
 

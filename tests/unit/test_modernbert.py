@@ -138,7 +138,7 @@ def test_rope_in_fp32_for_an_attention_that_computes_in_fp32():
 def test_a_bf16_cpu_step_casts_q_and_k_once_each():
     """A bf16 ModernBERT training step on the CPU (unpadded, fast dropout): RoPE writes q and k in fp32 for the
     attention, so per attention group and layer neither is rounded to bf16 and cast back, nor are their gradients:
-    eight casts fewer per group and layer than with RoPE writing bf16 (the old way, ``attention_dtype`` patched)."""
+    seven casts fewer per group and layer than with RoPE writing bf16 (the old way, ``attention_dtype`` patched)."""
     from test_trim_last_layer import _batch, _module
 
     from pretrain.metrics.op_count import OpCounter
@@ -170,7 +170,41 @@ def test_a_bf16_cpu_step_casts_q_and_k_once_each():
     finally:
         dropout_module.FAST_MIN_NUMEL = old
     layers = TINY["num_layers"]
-    assert before - now >= 8 * groups * layers, (before, now, groups)  # q and k: 2 casts forward, 2 backward
+    # forward: the rotated pair's cast to bf16 and attention's two casts back; backward: q's and k's gradients
+    # cast to bf16 for RoPE and back to fp32 in it
+    assert before - now >= 7 * groups * layers, (before, now, groups)
+
+
+@pytest.mark.parametrize("layout", ["fused", "separate"])
+def test_rope_of_queries_and_keys_in_one_call(layout):
+    """apply_rope_qk: q and k with their own tables (the queries' scaled) in one autograd node; for a fused
+    projection's q and k (one strided block) one rotation over both (``rotary._joint``), for separate tensors
+    two. Outputs and gradients against the float64 formula; in bf16 with fp32 out as attention takes them."""
+    from pretrain.model import rotary
+
+    n, t, h, k = 3, 10, 4, 16
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(n * t, 3 * h * k, generator=g, dtype=torch.float64)
+    cos, sin = rope_tables(torch.arange(t), k, 500.0, torch.float64)
+    cos_2, sin_2 = torch.stack((cos / 4, cos))[:, None, None], torch.stack((sin / 4, sin))[:, None, None]
+    for dtype, out in ((torch.float32, None), (torch.bfloat16, torch.float32)):
+        base = qkv.to(dtype).requires_grad_()
+        z = base.view(n, t, 3, h, k)
+        q, key = (z[:, :, i].transpose(1, 2) for i in (0, 1))
+        if layout == "separate":
+            q, key = q.contiguous(), key.clone()
+        assert (rotary._joint(q, key) is None) == (layout == "separate")
+        rq, rk = rotary.apply_rope_qk(q, key, cos_2, sin_2, out)
+        assert rq.dtype == rk.dtype == (out or dtype) and rq.is_contiguous() and rk.is_contiguous()
+        wq, wk = torch.randn(rq.shape, generator=g), torch.randn(rk.shape, generator=g)
+        (grad,) = torch.autograd.grad((rq.double() * wq).sum() + (rk.double() * wk).sum(), base)
+        x64 = base.detach().double().requires_grad_()
+        z64 = x64.view(n, t, 3, h, k)
+        refs = [rotary.apply_rope(z64[:, :, i].transpose(1, 2), cos_2[i, 0, 0], sin_2[i, 0, 0]) for i in (0, 1)]
+        (ref_grad,) = torch.autograd.grad((refs[0] * wq).sum() + (refs[1] * wk).sum(), x64)
+        tol = 1e-5 if dtype == torch.float32 else 0.05
+        assert (rq.double() - refs[0]).abs().max() < 1e-5 and (rk.double() - refs[1]).abs().max() < 1e-5
+        assert grad.dtype == dtype and (grad.double() - ref_grad).abs().max() < tol
 
 def test_rope_writes_head_major_views_contiguous_so_attention_copies_nothing():
     """q and k come as (n, H, t, K) views of the fused projection's (n, t, H, K) memory: RoPE's output is contiguous
