@@ -169,7 +169,8 @@ class TrainConfig:
     docs/performance.md): the drop probability is rounded to a multiple of 1/65536 and the kept values scaled by
     the exact inverse, keyed by (seed, step, rank) like torch's. The attention probabilities' dropout too (SDPA's CPU
     math path written out). CUDA and compiled steps use torch's dropout either way, and so do tensors under 32k
-    elements (``dropout.FAST_MIN_NUMEL``: there the mask's fixed host cost exceeds torch's). false: torch's dropout
+    elements (``dropout.FAST_MIN_NUMEL``: there the mask's fixed host cost exceeds torch's), except the unpadded
+    path's attention groups, whose masks are drawn for the whole layer at once. false: torch's dropout
     on the CPU as well (other noise, the same distribution up to that rounding)."""
     flat_params: bool = True
     """Each encoder layer's parameters held in two flat tensors (decayed and not) instead of 16 (model/flat.py):

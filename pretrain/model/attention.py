@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
-from pretrain.model.dropout import attention
+from pretrain.model.dropout import attention, group_masks
 from pretrain.model.gather import gather_slots, group_heads
 from pretrain.model.packing import Packed, take_rows
 
@@ -74,8 +74,9 @@ class SelfAttention(nn.Module):
             parts = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
                      for g, qkv in zip(groups, zip(q_P, k_P, v_P))]
         y_parts = []
-        for g, (q_nHtK, k_nHtK, v_nHtK) in zip(groups, parts):
-            y_nHtK = attention(q_nHtK, k_nHtK, v_nHtK, g.keep_n11t, dropout_p, self.fast_dropout)
+        kept = group_masks([(g.num_rows, g.length) for g in groups], h, dropout_p, self.fast_dropout, x_ND)
+        for g, (q_nHtK, k_nHtK, v_nHtK), kept_g in zip(groups, parts, kept):
+            y_nHtK = attention(q_nHtK, k_nHtK, v_nHtK, g.keep_n11t, dropout_p, self.fast_dropout, kept=kept_g)
             y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
         y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
         return self.out(take_rows(y_PD, packed.slots(rows_S)))

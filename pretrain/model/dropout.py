@@ -18,7 +18,9 @@ noise) torch's dropout runs. ``train.fast_dropout=false`` runs torch's everywher
 Below ``FAST_MIN_NUMEL`` elements torch's dropout runs too: drawing a mask here costs a fixed ~0.15 ms of host work
 (the generator's seeding, a custom autograd function, a few more ops) that a small tensor's Bernoulli samples do not
 repay (2-core AMD EPYC, one thread, forward + backward: 0.26-0.53x torch's speed at 2k-8k elements, 1.1-1.7x at 32k,
-1.6-2x at 64k; docs/performance.md).
+1.6-2x at 64k; docs/performance.md). The unpadded path's attention groups are the exception: their masks are drawn
+for the whole layer at once (``group_masks``), so that fixed cost is paid once a layer, and every group, however
+small, takes this module's masks.
 
 Attention-probability dropout lives inside SDPA, whose CPU path with dropout is the math one (scores, softmax,
 ``bernoulli_``, matmul); ``attention`` runs that same math with this mask instead.
@@ -49,6 +51,17 @@ def keep_mask(shape, p: float, device) -> tuple[torch.Tensor, float]:
     words = _words((n + 3) // 4, device)
     kept = words.view(torch.int16)[:n].view(shape) >= drop - LEVELS // 2
     return kept, LEVELS / (LEVELS - drop)
+
+
+def keep_masks(shapes: list[tuple[int, ...]], p: float, device) -> tuple[list[torch.Tensor], float]:
+    """``keep_mask`` for several tensors at once (a layer's attention groups): one draw of words and one
+    comparison for all, each mask a view of its run. Per mask that saves the generator's seeding, the draw and
+    the comparison's call (~70 us on the CPU: ModernBERT mini has 16 groups in each of 4 layers)."""
+    sizes = [math.prod(s) for s in shapes]
+    total = sum(sizes)
+    drop = round(p * LEVELS)
+    kept = _words((total + 3) // 4, device).view(torch.int16)[:total] >= drop - LEVELS // 2
+    return [k.view(s) for k, s in zip(kept.split(sizes), shapes)], LEVELS / (LEVELS - drop)
 
 
 def _words(count: int, device) -> torch.Tensor:
@@ -114,7 +127,8 @@ class Dropout(nn.Module):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
-              fast: bool = True, q_scaled: bool = False) -> torch.Tensor:
+              fast: bool = True, q_scaled: bool = False,
+              kept: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)`` (a boolean mask is True
     where a key may be attended to; a float one is added). With dropout on the CPU and ``fast``, SDPA's math path
     written out (scores, masked softmax, this module's dropout of the probabilities, matmul): the same tensors
@@ -122,9 +136,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     CPU. A row with no key to attend to gets weights over its masked keys, not NaN (such a row is padding, read by
     no loss). q and k may come in fp32 with a bf16/fp16 v (``attention_dtype``: RoPE's fp32 output); the output
     has v's dtype, and where SDPA runs q and k are cast to it first. ``q_scaled``: q comes multiplied by
-    1/sqrt(K) already (a rotary layer's tables carry the factor: one pass over q and its gradient fewer)."""
+    1/sqrt(K) already (a rotary layer's tables carry the factor: one pass over q and its gradient fewer).
+    ``kept``: the probabilities' keep mask and scale drawn beforehand (``group_masks``), used whatever the size."""
     dtype = v.dtype
-    if not uses_fast(q, dropout_p, True, fast, q.numel() // q.shape[-1] * k.shape[-2]):
+    if kept is None and not uses_fast(q, dropout_p, True, fast, q.numel() // q.shape[-1] * k.shape[-2]):
         q, k = q.to(dtype), k.to(dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                               scale=1.0 if q_scaled else None)
@@ -136,7 +151,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if mask is not None:
             scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
                       else scores + mask)
-        return (dropout(scores.softmax(-1), dropout_p) @ v).to(dtype)
+        probs = scores.softmax(-1)
+        probs = dropout(probs, dropout_p) if kept is None else _DropScale.apply(probs, *kept)
+        return (probs @ v).to(dtype)
+
+
+def group_masks(shapes: list[tuple[int, int]], heads: int, dropout_p: float, fast: bool,
+                x: torch.Tensor) -> list[tuple[torch.Tensor, float] | None]:
+    """Per attention group of (n, t) rows and length, the keep mask of its (n, heads, t, t) probabilities and the
+    scale (``attention(..., kept=)``), drawn for the whole layer at once (``keep_masks``) where ``attention``
+    would draw them itself (``uses_fast`` on ``x``, the layer's input: training, the CPU, ``fast``, not
+    compiled); else None for each group."""
+    if not uses_fast(x, dropout_p, True, fast, FAST_MIN_NUMEL):
+        return [None] * len(shapes)
+    masks, scale = keep_masks([(n, heads, t, t) for n, t in shapes], dropout_p, x.device)
+    return [(m, scale) for m in masks]
 
 
 def attention_dtype(x: torch.Tensor, dropout_p: float, fast: bool = True) -> torch.dtype:

@@ -15,7 +15,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, banded_attention
 from pretrain.model.block import activation_fn
-from pretrain.model.dropout import Dropout, attention, attention_dtype
+from pretrain.model.dropout import Dropout, attention, attention_dtype, group_masks
 from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import forget_traced_views, materialize
 from pretrain.model.gather import gather_slots, group_heads
@@ -107,9 +107,14 @@ class ModernAttention(nn.Module):
             # which writes q and k head-major (n, H, t, K) for attention (rotary._rotate: contiguous output).
             y_parts = []
             qkv = group_heads(gather_slots(self.qkv(x_BTD), packed), packed, h, k)
-            for g, mask, (q_nHtK, k_nHtK, v_nHtK) in zip(packed.groups, inputs.group_masks, qkv):
+            # The probabilities' dropout masks drawn for the layer at once, except for a local layer's banded groups,
+            # whose attention draws its own (its probabilities are blocks of the band, banded.py).
+            shapes = [(g.num_rows, g.length) for g in packed.groups]
+            banded = any(isinstance(m, Band) for m in inputs.group_masks)
+            kept = [None] * len(shapes) if banded else group_masks(shapes, h, dropout_p, self.fast_dropout, x_BTD)
+            for g, mask, (q_nHtK, k_nHtK, v_nHtK), kept_g in zip(packed.groups, inputs.group_masks, qkv, kept):
                 q_nHtK, k_nHtK, q_scaled = _rope(q_nHtK, k_nHtK, inputs, g.length, qk_dtype)
-                y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout, q_scaled)
+                y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout, q_scaled, kept_g)
                 y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
             y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
             return self.out(take_rows(y_PD, packed.slots(rows_S)))
@@ -121,10 +126,11 @@ class ModernAttention(nn.Module):
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Band | None,
-            dropout_p: float, fast: bool = True, q_scaled: bool = False) -> torch.Tensor:
+            dropout_p: float, fast: bool = True, q_scaled: bool = False,
+            kept: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     if isinstance(mask, Band):
         return banded_attention(q, k, v, mask, dropout_p, fast, q_scaled)
-    return attention(q, k, v, mask, dropout_p, fast, q_scaled)
+    return attention(q, k, v, mask, dropout_p, fast, q_scaled, kept)
 
 
 class GeGLU(nn.Module):

@@ -184,6 +184,49 @@ def test_a_query_scaled_beforehand_gives_the_same_attention(fast_path, monkeypat
     assert all((a - b).abs().max() < 1e-12 for a, b in zip(grads, ref_grads))
     assert (attention(q, k, v, keep, p, q_scaled=True) - ref).abs().max() > 1e-3  # the factor matters
 
+
+def test_a_layers_group_masks_are_one_draw():
+    """``keep_masks``: the masks of several shapes are consecutive runs of one draw (the same bits as one
+    ``keep_mask`` of their total size, from the same generator state), each at the rate; ``attention`` with such a
+    mask (``kept=``) is the float64 reference with it, whatever the tensor's size (the threshold is not asked)."""
+    shapes = [(3, 2, 9, 9), (5, 2, 4, 4), (1, 2, 30, 30)]
+    total = sum(a * b * c * d for a, b, c, d in shapes)
+    torch.manual_seed(21)
+    masks, scale = dropout_module.keep_masks(shapes, 0.3, "cpu")
+    torch.manual_seed(21)
+    whole, whole_scale = keep_mask((total,), 0.3, "cpu")
+    assert scale == whole_scale and [m.shape for m in masks] == [torch.Size(s) for s in shapes]
+    assert torch.equal(torch.cat([m.reshape(-1) for m in masks]), whole)
+    torch.manual_seed(22)
+    big, _ = dropout_module.keep_masks([(N // 2,), (N // 2,)], 0.3, "cpu")
+    q = round(0.3 * LEVELS) / LEVELS
+    assert all(_sigmas(float((~m).sum()), N // 2, q) < 5 for m in big)
+    gen = torch.Generator().manual_seed(23)
+    q_, k, v = (torch.randn(3, 2, 9, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
+    y = attention(q_, k, v, None, 0.3, kept=(masks[0], scale))
+    ref = ((q_ @ k.transpose(-1, -2) / 8 ** 0.5).softmax(-1) * masks[0].double() * scale) @ v
+    assert (y - ref).abs().max() < 1e-12
+
+
+def test_an_unpadded_layer_draws_its_attention_masks_once(monkeypatch):
+    """The unpadded path's attention groups take their masks from one draw per layer and pass (``group_masks``), not
+    one per group: a training forward with attention dropout draws (``random_``) the layers x passes more than one
+    without it, however many groups; the small groups included (the size threshold back at its value)."""
+    monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", FAST_MIN_NUMEL)
+    batch = host_facts(_batch(), unpadded=True)
+    groups = len(batch["packed_mlm"].groups) + len(batch["packed_views"].groups)
+    assert groups > 2
+
+    def draws(attention_dropout: float) -> dict[str, int]:
+        module = _module(False, dropout=0.1, attention_dropout=attention_dropout, num_layers=3)
+        module.train()
+        return _aten_ops(lambda: module(batch))
+
+    on, off = draws(0.1), draws(0.0)
+    assert on.get("random_", 0) - off.get("random_", 0) == 3 * 2  # 3 layers, the MLM rows' and the views' passes
+    assert on.get("bernoulli_", 0) == off.get("bernoulli_", 0)  # no group fell back to SDPA's own dropout
+    assert on.get("_softmax", 0) > off.get("_softmax", 0)  # ...but ran this module's math path
+
 def test_low_precision_attention_is_computed_in_fp32():
     """bf16 in, bf16 out, the arithmetic in fp32 as SDPA's CPU math path does: equal to the fp32 computation under
     the same mask, cast."""
