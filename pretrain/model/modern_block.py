@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
@@ -141,10 +142,40 @@ class GeGLU(nn.Module):
         self.wi = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_size, bias=False)
         self.wo = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)
         self.act = activation_fn(cfg.activation)
+        self.approximate = {"gelu": "none", "gelu_tanh": "tanh"}.get(cfg.activation)
+        """GELU's form where the activation is one (``_GatedGelu``), else None."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        u_BTF, g_BTF = self.wi(x_BTD).chunk(2, dim=-1)
+        z_BT2F = self.wi(x_BTD)
+        if self.approximate is not None and not torch.compiler.is_compiling():
+            return self.wo(_GatedGelu.apply(z_BT2F, self.approximate))
+        u_BTF, g_BTF = z_BT2F.chunk(2, dim=-1)
         return self.wo(self.act(u_BTF) * g_BTF)
+
+
+class _GatedGelu(torch.autograd.Function):
+    """gelu(u) * g of z = [u, g] with the backward written into one (..., 2F) gradient: du = gelu'(u) (g dh) and
+    dg = gelu(u) dh straight into its two halves, where autograd's chunk backward concatenated them in one more
+    pass (ModernBERT mini's (7027, 768) fp32 GeGLU, forward + backward: 9.0 -> 7.1 ms; docs/performance.md). Saves
+    what autograd saved: z (u and g) and gelu(u). Eager only; compiled, inductor fuses the formula."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, approximate: str) -> torch.Tensor:
+        u, g = z.chunk(2, dim=-1)
+        a = F.gelu(u, approximate=approximate)
+        ctx.save_for_backward(z, a)
+        ctx.approximate = approximate
+        return a * g
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor):
+        z, a = ctx.saved_tensors
+        u, g = z.chunk(2, dim=-1)
+        grad_z = torch.empty_like(z, memory_format=torch.contiguous_format)
+        grad_u, grad_g = grad_z.chunk(2, dim=-1)
+        torch.mul(grad_h, a, out=grad_g)
+        torch.ops.aten.gelu_backward.grad_input(grad_h * g, u, approximate=ctx.approximate, grad_input=grad_u)
+        return grad_z, None
 
 
 class ModernBlock(nn.Module):

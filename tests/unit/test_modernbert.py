@@ -206,6 +206,30 @@ def test_rope_of_queries_and_keys_in_one_call(layout):
         assert (rq.double() - refs[0]).abs().max() < 1e-5 and (rk.double() - refs[1]).abs().max() < 1e-5
         assert grad.dtype == dtype and (grad.double() - ref_grad).abs().max() < tol
 
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_the_gated_gelus_written_out_backward(approximate):
+    """GeGLU's gelu(u) * g with its backward written into one gradient (``modern_block._GatedGelu``): value and
+    gradient against autograd's chunk, gelu and product in float64, a non-contiguous input included; in bf16 the
+    same dtype out and back."""
+    import torch.nn.functional as F
+
+    from pretrain.model.modern_block import _GatedGelu
+
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(20, 2 * 12, dtype=torch.float64, generator=g)[:, None].expand(20, 3, 24).requires_grad_()
+    w = torch.randn(20, 3, 12, dtype=torch.float64, generator=g)
+    y = _GatedGelu.apply(z, approximate)
+    (grad,) = torch.autograd.grad(y, z, w)
+    u, gate = z.chunk(2, dim=-1)
+    ref = F.gelu(u, approximate=approximate) * gate
+    (ref_grad,) = torch.autograd.grad(ref, z, w)
+    assert (y - ref).abs().max() < 1e-15 and (grad - ref_grad).abs().max() < 1e-14
+    zb = z.detach().bfloat16().requires_grad_()
+    yb = _GatedGelu.apply(zb, approximate)
+    (gb,) = torch.autograd.grad(yb, zb, w.bfloat16())
+    assert yb.dtype == gb.dtype == torch.bfloat16 and (gb.double() - ref_grad).abs().max() < 0.05
+
 def test_rope_writes_head_major_views_contiguous_so_attention_copies_nothing():
     """q and k come as (n, H, t, K) views of the fused projection's (n, t, H, K) memory: RoPE's output is contiguous
     (head-major), so the attention's matmuls fold (n, H) without a copy; the values are the view's rotation."""
