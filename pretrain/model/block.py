@@ -17,12 +17,16 @@ from pretrain.model.flat import forget_traced_views, materialize
 from pretrain.model.packing import Packed, take_rows
 
 
+GELU_FORMS = {"gelu": "none", "gelu_tanh": "tanh"}
+"""The ModelConfig.activation names that are GELU, with ``F.gelu``'s ``approximate`` for each."""
+
+
 def activation_fn(name: str):
     """Name from ModelConfig.activation -> elementwise function (``gelu`` is the exact erf form)."""
     if name == "gelu":
         return F.gelu
-    if name == "gelu_tanh":
-        return lambda x: F.gelu(x, approximate="tanh")
+    if name in GELU_FORMS:
+        return lambda x: F.gelu(x, approximate=GELU_FORMS[name])
     if name == "relu":
         return F.relu
     raise ValueError(f"model.activation must be one of gelu, gelu_tanh, relu; got {name!r}")

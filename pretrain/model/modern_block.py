@@ -15,7 +15,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, banded_attention
-from pretrain.model.block import activation_fn
+from pretrain.model.block import GELU_FORMS, activation_fn
 from pretrain.model.dropout import Dropout, attention, attention_dtype, group_masks
 from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import forget_traced_views, materialize
@@ -142,7 +142,7 @@ class GeGLU(nn.Module):
         self.wi = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_size, bias=False)
         self.wo = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)
         self.act = activation_fn(cfg.activation)
-        self.approximate = {"gelu": "none", "gelu_tanh": "tanh"}.get(cfg.activation)
+        self.approximate = GELU_FORMS.get(cfg.activation)
         """GELU's form where the activation is one (``_GatedGelu``), else None."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:

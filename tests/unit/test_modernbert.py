@@ -91,7 +91,7 @@ def test_rope_and_its_written_out_backward(layout):
 
 
 
-def test_rope_in_fp32_for_an_attention_that_computes_in_fp32():
+def test_rope_in_fp32_for_an_attention_that_computes_in_fp32(monkeypatch):
     """apply_rope(x_bf16, ..., torch.float32): the rotation of the bf16 input not rounded to bf16 (float64 formula
     within fp32 rounding), its gradient back in bf16; ``attention`` takes those fp32 q and k with a bf16 v, computes
     as it does for bf16 inputs (the same mask) and where a tensor is too small for its own path casts them to bf16
@@ -117,25 +117,21 @@ def test_rope_in_fp32_for_an_attention_that_computes_in_fp32():
     assert attention_dtype(x.float(), 0.1) == torch.float32
     q, k = y.detach(), torch.randn(y.shape, generator=g)
     v = torch.randn(y.shape, generator=g).bfloat16()
-    big = dropout_module.FAST_MIN_NUMEL
-    try:
-        dropout_module.FAST_MIN_NUMEL = 0  # this module's own path
-        torch.manual_seed(5)
-        out = attention(q, k, v, None, 0.1)
-        torch.manual_seed(5)
-        ref_fp32 = attention(q, k, v.float(), None, 0.1)
-        assert out.dtype == torch.bfloat16 and torch.equal(out, ref_fp32.bfloat16())
-        dropout_module.FAST_MIN_NUMEL = 1 << 40  # every tensor small: SDPA, on bf16 q and k
-        torch.manual_seed(6)
-        out = attention(q, k, v, None, 0.1)
-        torch.manual_seed(6)
-        ref_sdpa = torch.nn.functional.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v, dropout_p=0.1)
-    finally:
-        dropout_module.FAST_MIN_NUMEL = big
+    monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", 0)  # this module's own path
+    torch.manual_seed(5)
+    out = attention(q, k, v, None, 0.1)
+    torch.manual_seed(5)
+    ref_fp32 = attention(q, k, v.float(), None, 0.1)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref_fp32.bfloat16())
+    monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", 1 << 40)  # every tensor small: SDPA, on bf16 q and k
+    torch.manual_seed(6)
+    out = attention(q, k, v, None, 0.1)
+    torch.manual_seed(6)
+    ref_sdpa = torch.nn.functional.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v, dropout_p=0.1)
     assert torch.equal(out, ref_sdpa)
 
 
-def test_a_bf16_cpu_step_casts_q_and_k_once_each():
+def test_a_bf16_cpu_step_casts_q_and_k_once_each(monkeypatch):
     """A bf16 ModernBERT training step on the CPU (unpadded, fast dropout): RoPE writes q and k in fp32 for the
     attention, so per attention group and layer neither is rounded to bf16 and cast back, nor are their gradients:
     seven casts fewer per group and layer than with RoPE writing bf16 (the old way, ``attention_dtype`` patched)."""
@@ -157,18 +153,10 @@ def test_a_bf16_cpu_step_casts_q_and_k_once_each():
             module(batch)[0].float().backward()
         return c.ops.get("aten._to_copy", 0)
 
-    old = dropout_module.FAST_MIN_NUMEL
-    dropout_module.FAST_MIN_NUMEL = 0  # the tiny model's tensors take the fast path
-    try:
-        now = casts()
-        keep = modern_block.attention_dtype
-        modern_block.attention_dtype = lambda x, p, fast=True: x.dtype
-        try:
-            before = casts()
-        finally:
-            modern_block.attention_dtype = keep
-    finally:
-        dropout_module.FAST_MIN_NUMEL = old
+    monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", 0)  # the tiny model's tensors take the fast path
+    now = casts()
+    monkeypatch.setattr(modern_block, "attention_dtype", lambda x, p, fast=True: x.dtype)
+    before = casts()
     layers = TINY["num_layers"]
     # forward: the rotated pair's cast to bf16 and attention's two casts back; backward: q's and k's gradients
     # cast to bf16 for RoPE and back to fp32 in it
