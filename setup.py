@@ -49,7 +49,10 @@ def _cuda_extension_kwargs() -> dict:
 # The sample-index packer (pure C, no torch): built everywhere a C compiler is found; without it the data
 # path falls back to the same rule in Python (optional=True: a failed build never fails the install).
 CPU_EXTENSIONS = [Extension("pretrain.data._index", ["csrc/cpu/sample_index.c"], optional=True,
-                            extra_compile_args=["-O3"])]
+                            extra_compile_args=["-O3"]),
+                  Extension("pretrain.model._kernels", ["csrc/cpu/model_kernels.c"], optional=True,
+                            extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
+                            extra_link_args=["-fopenmp"], libraries=["m"])]
 
 kwargs = _cuda_extension_kwargs()
 kwargs["ext_modules"] = CPU_EXTENSIONS + kwargs.get("ext_modules", [])

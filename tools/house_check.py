@@ -54,9 +54,13 @@ def project_imports(path: Path) -> list[tuple[str, bool, int]]:
     return out
 
 
+COMPILED = {"pretrain.data._index", "pretrain.model._kernels"}
+"""The compiled extension modules setup.py builds (csrc/cpu/): modules, built or not."""
+
+
 def _is_module(name: str) -> bool:
     base = ROOT.joinpath(*name.split("."))
-    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+    return name in COMPILED or base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
 def layer(module: str) -> int | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pretrain.model.kernels import KINDS, cpu_kernels
+
 
 def mlm_loss(logits_MV: torch.Tensor, labels_M: torch.Tensor):
     """Cross-entropy summed over masked positions -> (loss_sum, count, metrics).
@@ -21,6 +23,9 @@ def mlm_loss(logits_MV: torch.Tensor, labels_M: torch.Tensor):
     if count == 0:
         zero = logits_MV.sum() * 0.0  # keeps the graph (and DeepSpeed's hooks) intact
         return zero, 0, {"mlm_acc": (0.0, 0)}
+    if _fused(logits_MV, labels_M):
+        loss_sum, correct = _FusedCrossEntropy.apply(logits_MV, labels_M)
+        return loss_sum, count, {"mlm_acc": (correct, count)}
     x_MV = logits_MV.float()  # bf16 logits cast once, for the loss and the accuracy (an fp32 amax is the cheaper)
     if logits_MV.device.type == "cpu" and not torch.compiler.is_compiling():
         loss_sum = _SummedCrossEntropy.apply(x_MV, labels_M)
@@ -56,3 +61,43 @@ class _SummedCrossEntropy(torch.autograd.Function):
         coef_M1 = torch.where(valid_M, g, 0.0).to(logp_MV.dtype)[:, None]
         grad_MV = logp_MV.exp_().mul_(coef_M1)  # the saved log-softmax is read by nothing else
         return grad_MV.scatter_add_(1, label_M1, -coef_M1), None
+
+
+def _fused(logits_MV: torch.Tensor, labels_M: torch.Tensor) -> bool:
+    """Whether the C kernel computes the loss (``_FusedCrossEntropy``): built, the CPU, eager, 2-D fp32/bf16 logits."""
+    return (cpu_kernels() is not None and logits_MV.device.type == "cpu" and not torch.compiler.is_compiling()
+            and logits_MV.dim() == 2 and logits_MV.dtype in KINDS and labels_M.dim() == 1
+            and labels_M.device.type == "cpu")
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """(loss summed over the labelled rows, their count of top-1 hits) by the C kernel (csrc/cpu/model_kernels.c):
+    per row one pass for the max and one for the sum of exponentials (the row in cache), nothing of the (M, V)
+    block written; the backward one pass from the logits and the rows' log-sum-exp, in the logits' dtype (bf16
+    logits are read as they are: no fp32 copy either way). A labelled row with a NaN or +inf logit has a NaN loss,
+    an unlabelled one (-100) is ignored, as ``F.cross_entropy``; a hit is the label's logit reaching the row's
+    max, as ``mlm_loss``'s amax rule. Saves the logits (the decoder's output, which its backward does not keep)
+    and M floats."""
+
+    @staticmethod
+    def forward(ctx, logits_MV: torch.Tensor, labels_M: torch.Tensor):
+        x_MV, labels_M = logits_MV.contiguous(), labels_M.to(torch.int64).contiguous()
+        m, v = x_MV.shape
+        lse_M, loss_M = x_MV.new_empty(m, dtype=torch.float32), x_MV.new_empty(m, dtype=torch.float32)
+        correct_M = x_MV.new_empty(m, dtype=torch.uint8)
+        cpu_kernels().cross_entropy(x_MV.data_ptr(), m, v, KINDS[x_MV.dtype], labels_M.data_ptr(), lse_M.data_ptr(),
+                                    loss_M.data_ptr(), correct_M.data_ptr(), torch.get_num_threads())
+        ctx.save_for_backward(x_MV, labels_M, lse_M)
+        correct = correct_M.sum()
+        ctx.mark_non_differentiable(correct)
+        return loss_M.sum(), correct
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _):
+        x_MV, labels_M, lse_M = ctx.saved_tensors
+        grad_MV = torch.empty_like(x_MV)
+        coef = float(g.detach().float().numpy())  # the CPU: read without .item() (no op a device would sync on)
+        cpu_kernels().cross_entropy_grad(x_MV.data_ptr(), x_MV.shape[0], x_MV.shape[1], KINDS[x_MV.dtype],
+                                         labels_M.data_ptr(), lse_M.data_ptr(), coef, grad_MV.data_ptr(),
+                                         torch.get_num_threads())
+        return grad_MV, None

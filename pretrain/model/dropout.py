@@ -1,26 +1,27 @@
-"""Dropout on the CPU at about 40% of torch's cost: masks from 16 random bits per element.
+"""Dropout on the CPU in one pass, its mask a hash of a counter: nothing stored between forward and backward.
 
 torch's CPU dropout draws one Bernoulli sample per element from its MT19937 generator (``bernoulli_``, ~10 ns an
-element: 60x the multiply it masks, a tenth of a mini model's training step; docs/performance.md). Here one 64-bit
-draw gives four elements 16 bits each, and an element is kept where its bits, read as int16, reach a threshold: the
-drop probability is p rounded to a multiple of 1/65536 (p = 0.1 drops 6554/65536 = 0.100006) and the kept elements
-are scaled by the inverse of the exact keep probability, so the expectation is exact. Only the boolean mask of the
-kept elements is kept for the backward, as torch's dropout keeps it, and both passes multiply by it read as bytes
-(``mul`` by a uint8 tensor, then by the scale: half the cost of ``masked_fill_`` with a boolean mask, which torch's
-CPU kernel does not vectorise; the same values, a dropped element of a negative input being -0.0).
+element: 60x the multiply it masks, a tenth of a mini model's training step; docs/performance.md) and keeps the
+mask for the backward. Here a mask is two numbers, a 64-bit key drawn from torch's default CPU generator and a
+first word (``Mask``): word w is SplitMix64's hash of key + w * GAMMA (Steele, Lea & Flood 2014: SplitMix64's own
+output sequence, read as counters, as Philox is on CUDA), one word gives four elements 16 bits each, and an element
+is kept where its bits, read as int16, reach a threshold. The drop probability is p rounded to a multiple of
+1/65536 (p = 0.1 drops 6554/65536 = 0.100006) and the kept elements are scaled by the inverse of the exact keep
+probability, so the expectation is exact. The C kernel (csrc/cpu/model_kernels.c, ``pretrain.model._kernels``) computes
+the words, compares and scales in one pass over the tensor, forward and backward alike (the backward computes the
+same mask again from the key); without it (no C compiler at install) ``mask_words`` computes the same bits with
+torch's int64 ops, slower. A dropped element is x * 0, as in torch (-0.0 for a negative x, NaN for a non-finite one).
 
-The 64-bit draws come from numpy's SFC64 (a third of the time of torch's MT19937 ``random_`` over the int64 range),
-seeded for each mask by 128 bits drawn from torch's default CPU generator, so that generator alone decides every
-mask: ``training.step.dropout_rng`` keys it by (seed, step, rank) as it keys torch's dropout, and a resume is as
-exact. On CUDA (torch's dropout is one fused Philox kernel there) and inside torch.compile (inductor draws its own
-noise) torch's dropout runs. ``train.fast_dropout=false`` runs torch's everywhere (``set_fast_dropout``).
+torch's default generator alone decides every key: ``training.step.dropout_rng`` keys it by (seed, step, rank) as
+it keys torch's dropout, and a resume is as exact; a mask does not depend on the thread count. On CUDA (torch's
+dropout is one fused Philox kernel there) and inside torch.compile (inductor draws its own noise) torch's dropout
+runs. ``train.fast_dropout=false`` runs torch's everywhere (``set_fast_dropout``).
 
-Below ``FAST_MIN_NUMEL`` elements torch's dropout runs too: drawing a mask here costs a fixed ~0.15 ms of host work
-(the generator's seeding, a custom autograd function, a few more ops) that a small tensor's Bernoulli samples do not
-repay (2-core AMD EPYC, one thread, forward + backward: 0.26-0.53x torch's speed at 2k-8k elements, 1.1-1.7x at 32k,
-1.6-2x at 64k; docs/performance.md). The unpadded path's attention groups are the exception: their masks are drawn
-for the whole layer at once (``group_masks``), so that fixed cost is paid once a layer, and every group, however
-small, takes this module's masks.
+Below ``FAST_MIN_NUMEL`` elements torch's dropout runs too: a mask here costs a fixed host overhead (the key's
+draw, a custom autograd function) that a small tensor's Bernoulli samples do not repay (docs/performance.md). The
+unpadded path's attention groups are the exception: their masks are runs of one key drawn for the whole layer
+(``group_masks``), so that fixed cost is paid once a layer, and every group, however small, takes this module's
+masks.
 
 Attention-probability dropout lives inside SDPA, whose CPU path with dropout is the math one (scores, softmax,
 ``bernoulli_``, matmul); ``attention`` runs that same math with this mask instead.
@@ -28,12 +29,15 @@ Attention-probability dropout lives inside SDPA, whose CPU path with dropout is 
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pretrain.model.kernels import KINDS, cpu_kernels
 
 LEVELS = 1 << 16
 """Resolution of the drop probability: 16 bits per element."""
@@ -42,53 +46,111 @@ FAST_MIN_NUMEL = 1 << 15
 """The fewest elements (of the tensor dropped; for attention, of the probabilities) for which the mask is drawn
 here; a smaller tensor gets torch's dropout, which costs the host less than this module's fixed overhead."""
 
+GAMMA = 0x9E3779B97F4A7C15
+"""SplitMix64's increment (2^64 / the golden ratio, odd): word w of a mask hashes key + w * GAMMA."""
+
+_MIX = (30, 0xBF58476D1CE4E5B9, 27, 0x94D049BB133111EB, 31)
+"""SplitMix64's finaliser (Stafford's variant 13): xor-shift, multiply, xor-shift, multiply, xor-shift."""
+
+
+class Mask(NamedTuple):
+    """A dropout mask as the two numbers it is computed from, and its rate: element i of the masked tensor (in
+    memory order) is kept iff bits 16 * (i % 4) .. + 15 of ``splitmix64(key + (first + i // 4) * GAMMA)``, read as
+    an int16, are >= ``threshold``; kept elements are multiplied by ``scale``. Nothing else is kept between the
+    forward and the backward."""
+
+    key: int
+    """Unsigned 64 bits, drawn from torch's default generator (``draw``)."""
+    first: int
+    """The mask's first word: several masks of one key are consecutive runs of its words (``draw_masks``)."""
+    threshold: int
+    scale: float
+
+
+def _rate(p: float) -> tuple[int, float]:
+    """(threshold, scale) of drop probability p: round(p * 65536) / 65536 dropped, the kept scaled by the inverse of
+    the exact keep probability."""
+    drop = round(p * LEVELS)
+    return drop - LEVELS // 2, LEVELS / (LEVELS - drop)
+
+
+def _key() -> int:
+    """64 random bits from torch's default CPU generator (read through ``.numpy()``, no ``.item()``: no op that
+    would be a host sync on a device), so that generator alone decides every mask."""
+    return int(torch.empty(1, dtype=torch.int64).random_(-2**63, 2**63 - 1).numpy()[0]) % 2**64
+
+
+def draw(p: float) -> Mask:
+    """A fresh mask of drop probability p (any size: its words are computed where it is applied)."""
+    return Mask(_key(), 0, *_rate(p))
+
+
+def draw_masks(numels: list[int], p: float) -> list[Mask]:
+    """Masks for several tensors at once (a layer's attention groups): one key, each tensor's mask the next run of
+    its words (whole words: a mask starts at an element that is a multiple of 4). Per mask that saves drawing the
+    key (~10 us on the CPU: ModernBERT mini has 16 groups in each of 4 layers)."""
+    key, (threshold, scale) = _key(), _rate(p)
+    firsts = itertools.accumulate([(n + 3) // 4 for n in numels[:-1]], initial=0)
+    return [Mask(key, first, threshold, scale) for first in firsts]
+
+
+def _signed(u: int) -> int:
+    return u - 2**64 if u >= 2**63 else u
+
+
+def mask_words(key: int, first: int, count: int, device="cpu") -> torch.Tensor:
+    """Words first .. first + count - 1 of key's mask (int64), computed with torch's int64 ops (which wrap, as
+    uint64 arithmetic does; a logical shift is the arithmetic one with the sign bits cleared). The reference the C
+    kernel is tested against, and the path where it is not built or cannot run."""
+    z = torch.arange(first, first + count, dtype=torch.int64, device=device) * _signed(GAMMA) + _signed(key)
+    s1, m1, s2, m2, s3 = _MIX
+    for shift, mul in ((s1, m1), (s2, m2), (s3, None)):
+        z = z ^ ((z >> shift) & ((1 << (64 - shift)) - 1))
+        if mul is not None:
+            z = z * _signed(mul)
+    return z
+
+
+def kept_of(mask: Mask, shape, device="cpu") -> torch.Tensor:
+    """The boolean mask (True = kept) of a tensor of ``shape`` under ``mask``."""
+    n = math.prod(shape)
+    words = mask_words(mask.key, mask.first, (n + 3) // 4, device)
+    return words.view(torch.int16)[:n].view(shape) >= mask.threshold
+
 
 def keep_mask(shape, p: float, device) -> tuple[torch.Tensor, float]:
-    """(bool mask of ``shape``, True where an element is kept, and the scale of the kept ones): each element
-    dropped with probability round(p * 65536) / 65536, independently; one int64 draw per four elements."""
-    n = math.prod(shape)
-    drop = round(p * LEVELS)
-    words = _words((n + 3) // 4, device)
-    kept = words.view(torch.int16)[:n].view(shape) >= drop - LEVELS // 2
-    return kept, LEVELS / (LEVELS - drop)
+    """(bool mask of ``shape``, True where an element is kept, and the scale of the kept ones) of a fresh ``draw``:
+    each element dropped with probability round(p * 65536) / 65536, independently."""
+    mask = draw(p)
+    return kept_of(mask, shape, device), mask.scale
 
 
-def keep_masks(shapes: list[tuple[int, ...]], p: float, device) -> tuple[list[torch.Tensor], float]:
-    """``keep_mask`` for several tensors at once (a layer's attention groups): one draw of words and one
-    comparison for all, each mask a view of its run. Per mask that saves the generator's seeding, the draw and
-    the comparison's call (~70 us on the CPU: ModernBERT mini has 16 groups in each of 4 layers)."""
-    sizes = [math.prod(s) for s in shapes]
-    kept, scale = keep_mask((sum(sizes),), p, device)
-    return [k.view(s) for k, s in zip(kept.split(sizes), shapes)], scale
-
-
-def _words(count: int, device) -> torch.Tensor:
-    """``count`` uniform int64 words: on the CPU from SFC64 seeded by torch's default generator (128 bits; read
-    through ``.numpy()``, no ``.item()``: no op that would be a host sync on a device), elsewhere ``random_``."""
-    if torch.device(device).type != "cpu":
-        return torch.empty(count, dtype=torch.int64, device=device).random_(-2**63, 2**63 - 1)
-    seed = torch.empty(2, dtype=torch.int64).random_(-2**63, 2**63 - 1)
-    return torch.from_numpy(np.random.SFC64(seed.numpy().view(np.uint64)).random_raw(count).view(np.int64))
-
-
-def _keep_scale(x: torch.Tensor, kept: torch.Tensor, scale: float) -> torch.Tensor:
-    """x * scale where ``kept``, 0 elsewhere: two vectorised multiplies (the mask read as uint8)."""
-    return x.mul(kept.view(torch.uint8)).mul_(scale)
+def scale_masked(x: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """x * scale where ``mask`` keeps an element, x * 0 elsewhere (-0.0 for a negative x, NaN for a non-finite
+    one, as torch's dropout): in one pass of the C kernel for a CPU float32/bfloat16 tensor (made contiguous; a
+    gradient may come as a strided view), else with ``kept_of``'s boolean mask (the same bits)."""
+    kernel = cpu_kernels()
+    if kernel is None or x.device.type != "cpu" or x.dtype not in KINDS:
+        return x.mul(kept_of(mask, x.shape, x.device).view(torch.uint8)).mul_(mask.scale)
+    x = x.contiguous()
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    kernel.scale_masked(x.data_ptr(), y.data_ptr(), x.numel(), KINDS[x.dtype], mask.key, mask.first,
+                        mask.threshold, mask.scale, torch.get_num_threads())
+    return y
 
 
 class _DropScale(torch.autograd.Function):
-    """x * scale with the elements outside ``kept`` 0, saving only the boolean mask for the backward."""
+    """``scale_masked`` of x, keeping nothing for the backward but the mask's numbers (the backward computes the
+    same mask again: cheaper than reading a stored one back, and no activation memory)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, kept: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(kept)
-        ctx.scale = scale
-        return _keep_scale(x, kept, scale)
+    def forward(ctx, x: torch.Tensor, mask: Mask) -> torch.Tensor:
+        ctx.mask = mask
+        return scale_masked(x, mask)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (kept,) = ctx.saved_tensors
-        return _keep_scale(grad, kept, ctx.scale), None, None
+        return scale_masked(grad, ctx.mask), None
 
 
 def uses_fast(x: torch.Tensor, p: float, training: bool, fast: bool, numel: int | None = None) -> bool:
@@ -97,15 +159,15 @@ def uses_fast(x: torch.Tensor, p: float, training: bool, fast: bool, numel: int 
     while tracing would be a guard on the batch's shape, and a batch on the other side of the threshold a
     recompile (the compiled step's one-graph test caught it)."""
     return (fast and training and not torch.compiler.is_compiling() and 0.0 < p < 1.0
-            and x.device.type == "cpu" and (x.numel() if numel is None else numel) >= FAST_MIN_NUMEL)
+            and 0 < round(p * LEVELS) < LEVELS and x.device.type == "cpu"
+            and (x.numel() if numel is None else numel) >= FAST_MIN_NUMEL)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True, fast: bool = True) -> torch.Tensor:
     """``F.dropout(x, p, training)``; with ``fast``, on the CPU the mask comes from ``keep_mask``."""
     if not uses_fast(x, p, training, fast):
         return F.dropout(x, p, training)
-    kept, scale = keep_mask(x.shape, p, x.device)
-    return _DropScale.apply(x, kept, scale)
+    return _DropScale.apply(x, draw(p))
 
 
 class Dropout(nn.Module):
@@ -126,7 +188,7 @@ class Dropout(nn.Module):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
               fast: bool = True, q_scaled: bool = False,
-              kept: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+              kept: Mask | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)`` (a boolean mask is True
     where a key may be attended to; a float one is added). With dropout on the CPU and ``fast``, SDPA's math path
     written out (scores, masked softmax, this module's dropout of the probabilities, matmul): the same tensors
@@ -150,20 +212,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
                       else scores + mask)
         probs = scores.softmax(-1)
-        probs = dropout(probs, dropout_p) if kept is None else _DropScale.apply(probs, *kept)
+        probs = dropout(probs, dropout_p) if kept is None else _DropScale.apply(probs, kept)
         return (probs @ v).to(dtype)
 
 
 def group_masks(shapes: list[tuple[int, int]], heads: int, dropout_p: float, fast: bool,
-                x: torch.Tensor) -> list[tuple[torch.Tensor, float] | None]:
-    """Per attention group of (n, t) rows and length, the keep mask of its (n, heads, t, t) probabilities and the
-    scale (``attention(..., kept=)``), drawn for the whole layer at once (``keep_masks``) where ``attention``
-    would draw them itself (``uses_fast`` on ``x``, the layer's input: training, the CPU, ``fast``, not
-    compiled); else None for each group."""
+                x: torch.Tensor) -> list[Mask | None]:
+    """Per attention group of (n, t) rows and length, the mask of its (n, heads, t, t) probabilities
+    (``attention(..., kept=)``), drawn for the whole layer at once (``draw_masks``) where ``attention`` would draw
+    them itself (``uses_fast`` on ``x``, the layer's input: training, the CPU, ``fast``, not compiled); else None
+    for each group."""
     if not uses_fast(x, dropout_p, True, fast, FAST_MIN_NUMEL):
         return [None] * len(shapes)
-    masks, scale = keep_masks([(n, heads, t, t) for n, t in shapes], dropout_p, x.device)
-    return [(m, scale) for m in masks]
+    return draw_masks([n * heads * t * t for n, t in shapes], dropout_p)
 
 
 def attention_dtype(x: torch.Tensor, dropout_p: float, fast: bool = True) -> torch.dtype:

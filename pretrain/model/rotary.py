@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from pretrain.model.kernels import KINDS, cpu_kernels
+
 
 def rope_tables(position_ids: torch.Tensor, head_size: int, theta: float,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,15 +33,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """fp32 x * cos + sign * rotate_half(x) * sin, written into one new contiguous tensor: the product with cos, then
-    each half's rotated term added in place (``sign`` -1: the inverse rotation, RoPE's backward). The tables' two
-    halves are equal (``rope_tables``), so either half serves.
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x * cos + sign * rotate_half(x) * sin in fp32, rounded to ``dtype``, written into one new contiguous tensor
+    (``sign`` -1: the inverse rotation, RoPE's backward). The tables' two halves are equal (``rope_tables``), so
+    either half serves. On the CPU the C kernel (``kernels.cpu_kernels().rope``) reads x once and writes the result
+    once; elsewhere, or without it, the product with cos, then each half's rotated term added in place, then the
+    cast (the same fp32 arithmetic: each product rounded before the sum).
 
     Contiguous whatever x's strides: q and k arrive as head-major views of the fused projection ((n, H, t, K) over
     (n, t, H, K) memory), and a product would keep that memory order, so attention's ``q @ k.T`` copied both into
     head-major order again to fold (n, H) into one batch dimension (ModernBERT mini on the CPU: 7-13 ms of copies a
     step, docs/performance.md). Written head-major here, they go to the matmul as they are."""
+    y = _rotate_in_c(x, cos, sin, sign, dtype)
+    if y is not None:
+        return y
     half = x.shape[-1] // 2
     if x.dtype != torch.float32 and x.device.type == "cpu":  # the CPU casts a mixed-dtype op's operand into a new
         x = x.to(torch.float32, memory_format=torch.contiguous_format)  # tensor: once here, not in each op below
@@ -47,6 +55,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     x1, x2, s = x[..., :half], x[..., half:], sin[..., :half]
     y[..., :half].addcmul_(x2, s, value=-sign)
     y[..., half:].addcmul_(x1, s, value=sign)
+    return y.to(dtype)
+
+
+def _rotate_in_c(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float,
+                 dtype: torch.dtype) -> torch.Tensor | None:
+    """``_rotate`` by the C kernel, or None where it cannot run (not built, not the CPU, another dtype, more than 5
+    dimensions, a strided last dimension, tables that are not fp32 or not broadcastable to x)."""
+    kernel = cpu_kernels()
+    if (kernel is None or x.device.type != "cpu" or x.dtype not in KINDS or dtype not in KINDS or x.dim() > 5
+            or x.stride(-1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or cos.device.type != "cpu" or sin.device.type != "cpu" or x.shape[-1] % 2):
+        return None
+    try:
+        cos, sin = cos.broadcast_to(x.shape), sin.broadcast_to(x.shape)
+    except RuntimeError:
+        return None
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        return None
+    y = torch.empty(x.shape, dtype=dtype)
+    pad = (1,) * (5 - x.dim()), (0,) * (5 - x.dim())
+    kernel.rope(x.data_ptr(), KINDS[x.dtype], pad[0] + tuple(x.shape), pad[1] + x.stride()[:-1], cos.data_ptr(),
+                sin.data_ptr(), pad[1] + cos.stride()[:-1], y.data_ptr(), KINDS[dtype], sign, torch.get_num_threads())
     return y
 
 
@@ -59,12 +89,12 @@ class _Rope(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.x_dtype = x.dtype
-        return _rotate(x, cos, sin, 1.0).to(dtype)
+        return _rotate(x, cos, sin, 1.0, dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # grad has the output's dtype
         cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, -1.0).to(ctx.x_dtype), None, None, None
+        return _rotate(grad, cos, sin, -1.0, ctx.x_dtype), None, None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -93,15 +123,15 @@ class _RopeQK(torch.autograd.Function):
         ctx.dtypes = (q.dtype, k.dtype)
         qk = _joint(q, k)
         if qk is None:
-            return (_rotate(q, cos_2[0], sin_2[0], 1.0).to(dtype), _rotate(k, cos_2[1], sin_2[1], 1.0).to(dtype))
-        y = _rotate(qk, cos_2, sin_2, 1.0).to(dtype)
+            return _rotate(q, cos_2[0], sin_2[0], 1.0, dtype), _rotate(k, cos_2[1], sin_2[1], 1.0, dtype)
+        y = _rotate(qk, cos_2, sin_2, 1.0, dtype)
         return y[0], y[1]
 
     @staticmethod
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):
         cos_2, sin_2 = ctx.saved_tensors
-        return (_rotate(grad_q, cos_2[0], sin_2[0], -1.0).to(ctx.dtypes[0]),
-                _rotate(grad_k, cos_2[1], sin_2[1], -1.0).to(ctx.dtypes[1]), None, None, None)
+        return (_rotate(grad_q, cos_2[0], sin_2[0], -1.0, ctx.dtypes[0]),
+                _rotate(grad_k, cos_2[1], sin_2[1], -1.0, ctx.dtypes[1]), None, None, None)
 
 
 def _joint(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

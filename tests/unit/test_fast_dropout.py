@@ -1,12 +1,15 @@
-"""train.fast_dropout (model/dropout.py): CPU dropout masks from 16 random bits per element.
+"""train.fast_dropout (model/dropout.py): CPU dropout masks from 16 bits of a counter's hash per element.
 
-The masks are checked statistically (rate per position within a 64-bit draw, independence of neighbours, the
-exact scale), the attention-probability path against a float64 reference built from the same mask, and the model
+The masks are checked statistically (rate per position within a 64-bit word, independence of neighbours, the
+exact scale), their words against SplitMix64 in Python integers, the C kernel bit for bit against the torch
+reference, the attention-probability path against a float64 reference built from the same mask, and the model
 switch by the ops it dispatches (no ``bernoulli_`` with it on, torch's dropout with it off). The tests below the
 size threshold's own run with it at 0, so that their small tensors take this module's path.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -15,7 +18,8 @@ from test_trim_last_layer import _batch, _module
 
 from pretrain.metrics.op_count import OpCounter
 from pretrain.model import dropout as dropout_module
-from pretrain.model.dropout import LEVELS, attention, dropout, keep_mask, set_fast_dropout, uses_fast
+from pretrain.model.dropout import (GAMMA, LEVELS, Mask, attention, draw_masks, dropout, keep_mask, kept_of,
+                                    mask_words, scale_masked, set_fast_dropout, uses_fast)
 from pretrain.training.step import dropout_rng, host_facts
 
 N = 1 << 20
@@ -115,18 +119,98 @@ def test_forward_and_backward_against_the_mask():
     assert torch.equal(x.grad, w * keep * scale)
 
 
-def test_the_backward_keeps_only_a_boolean_mask():
+def test_the_backward_keeps_nothing():
+    """No mask is saved for the backward (it is computed again from the key), and the gradient is right."""
     saved = []
     x = torch.randn(40, 50, requires_grad=True)
+    torch.manual_seed(2)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.shape)) or t, lambda t: t):
-        dropout(x * 1.0, 0.1)
-    assert saved == [(torch.bool, x.shape)]
+        y = dropout(x * 1.0, 0.1)
+    assert saved == []
+    y.backward(torch.ones_like(y))
+    torch.manual_seed(2)
+    kept, scale = keep_mask(x.shape, 0.1, "cpu")
+    assert torch.equal(x.grad, kept.float() * scale)
+
+
+def _splitmix64(key: int, word: int) -> int:
+    """SplitMix64's output for counter ``word`` in Python's integers, mod 2^64 (the slow reference)."""
+    z = (key + word * GAMMA) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
+def test_mask_words_are_splitmix64():
+    """torch's int64 arithmetic (wrapping, logical shifts from masked arithmetic ones) gives SplitMix64's words,
+    for keys with and without the top bit and words far along."""
+    for key, first in ((0, 0), (2**64 - 1, 5), (0x0123456789ABCDEF, 2**40), (0xFEDCBA9876543210, 123)):
+        words = mask_words(key, first, 9).tolist()
+        assert [w % 2**64 for w in words] == [_splitmix64(key, first + i) for i in range(9)]
+
+
+def _kernel():
+    kernel = dropout_module.cpu_kernels()
+    if kernel is None:
+        if shutil.which("cc") or shutil.which("gcc"):
+            pytest.fail("pretrain.model._kernels is not built although a C compiler is here: pip install -e .")
+        pytest.skip("no C compiler: the dropout kernel is not built")
+    return kernel
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (so -0.0 is not 0.0), except that a NaN's payload is free (torch's vectorised bf16
+    rounding writes 0xFFFF, its scalar one 0x7FC0)."""
+    bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(bits), b[~nan].view(bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_kernel_is_the_torch_reference_bit_for_bit(dtype):
+    """``scale_masked`` through the C kernel equals ``kept_of``'s mask applied by torch's multiplies, bit for bit:
+    sizes that end inside a 16-word block and a word, masks starting at a later word, a size split over threads
+    (the same bits with 1 and 2 threads), a strided input, and non-finite inputs (a dropped one stays NaN)."""
+    kernel = _kernel()
+    gen = torch.Generator().manual_seed(13)
+    for n, first in ((1, 0), (63, 0), (64, 3), (1001, 17), ((1 << 19) + 5, 2**33)):
+        x = torch.randn(n, generator=gen).to(dtype)
+        x[: min(n, 40):7] = float("nan")
+        x[3: min(n, 40):9] = float("inf")
+        drop = round(0.3 * LEVELS)
+        mask = Mask(0x9E3779B97F4A7C15 ^ n, first, drop - LEVELS // 2, LEVELS / (LEVELS - drop))
+        ref = x.mul(kept_of(mask, x.shape).view(torch.uint8)).mul_(mask.scale)
+        for threads in (1, 2):
+            y = torch.empty_like(x)
+            kernel.scale_masked(x.data_ptr(), y.data_ptr(), n, {torch.float32: 0, torch.bfloat16: 1}[dtype],
+                                mask.key, mask.first, mask.threshold, mask.scale, threads)
+            assert _same_bits(y, ref), (n, first, threads)
+        assert _same_bits(scale_masked(x, mask), ref)
+    x = torch.randn(37, 64, generator=gen).to(dtype)
+    mask = Mask(7, 0, -26214, 1.25)
+    ref = x.t().contiguous().mul(kept_of(mask, (64, 37)).view(torch.uint8)).mul_(1.25)
+    assert torch.equal(scale_masked(x.t(), mask), ref)
+
+
+def test_without_the_kernel_the_same_masks(monkeypatch):
+    """Where the C kernel is not built, the torch reference gives the same forward and gradient."""
+    x = torch.randn(300, 41, requires_grad=True)
+    torch.manual_seed(14)
+    y = dropout(x, 0.2)
+    (g,) = torch.autograd.grad(y.square().sum(), x)
+    monkeypatch.setattr(dropout_module, "cpu_kernels", lambda: None)
+    torch.manual_seed(14)
+    y2 = dropout(x, 0.2)
+    (g2,) = torch.autograd.grad(y2.square().sum(), x)
+    assert torch.equal(y, y2) and torch.equal(g, g2)
 
 
 def test_off_cases_run_torch_dropout():
     x = torch.randn(8, 8)
     assert not uses_fast(x, 0.1, False, True)  # eval
     assert not uses_fast(x, 0.0, True, True) and not uses_fast(x, 1.0, True, True)
+    # p that 16 bits round to 0 or to 1: torch's dropout (no dropout at all, or a scale of 1 / 0)
+    assert not uses_fast(x, 1e-6, True, True) and not uses_fast(x, 1 - 1e-6, True, True)
     assert not uses_fast(x, 0.1, True, False)
     assert not uses_fast(torch.empty(8, device="meta"), 0.1, True, True)  # not a CPU tensor: torch's kernel
     assert torch.equal(dropout(x, 0.1, training=False), x)
@@ -186,25 +270,32 @@ def test_a_query_scaled_beforehand_gives_the_same_attention(fast_path, monkeypat
 
 
 def test_a_layers_group_masks_are_one_draw():
-    """``keep_masks``: the masks of several shapes are consecutive runs of one draw (the same bits as one
-    ``keep_mask`` of their total size, from the same generator state), each at the rate; ``attention`` with such a
-    mask (``kept=``) is the float64 reference with it, whatever the tensor's size (the threshold is not asked)."""
+    """``draw_masks``: the masks of several tensors are consecutive runs of one key's words (each starting on a
+    word), each at the rate; ``attention`` with such a mask (``kept=``) is the float64 reference with it, whatever
+    the tensor's size (the threshold is not asked)."""
     shapes = [(3, 2, 9, 9), (5, 2, 4, 4), (1, 2, 30, 30)]
-    total = sum(a * b * c * d for a, b, c, d in shapes)
+    numels = [a * b * c * d for a, b, c, d in shapes]
     torch.manual_seed(21)
-    masks, scale = dropout_module.keep_masks(shapes, 0.3, "cpu")
+    masks = draw_masks(numels, 0.3)
     torch.manual_seed(21)
-    whole, whole_scale = keep_mask((total,), 0.3, "cpu")
-    assert scale == whole_scale and [m.shape for m in masks] == [torch.Size(s) for s in shapes]
-    assert torch.equal(torch.cat([m.reshape(-1) for m in masks]), whole)
+    (whole,) = draw_masks([1], 0.3)
+    assert {m.key for m in masks} == {whole.key} and {m.scale for m in masks} == {whole.scale}
+    words = [(n + 3) // 4 for n in numels]
+    all_kept = kept_of(whole, (4 * sum(words),))
+    start = 0
+    for m, shape, n, w in zip(masks, shapes, numels, words):
+        assert m.first == start // 4
+        assert torch.equal(kept_of(m, shape).reshape(-1), all_kept[start:start + n])
+        start += 4 * w
     torch.manual_seed(22)
-    big, _ = dropout_module.keep_masks([(N // 2,), (N // 2,)], 0.3, "cpu")
+    big = [kept_of(m, (N // 2,)) for m in draw_masks([N // 2, N // 2], 0.3)]
     q = round(0.3 * LEVELS) / LEVELS
     assert all(_sigmas(float((~m).sum()), N // 2, q) < 5 for m in big)
     gen = torch.Generator().manual_seed(23)
     q_, k, v = (torch.randn(3, 2, 9, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
-    y = attention(q_, k, v, None, 0.3, kept=(masks[0], scale))
-    ref = ((q_ @ k.transpose(-1, -2) / 8 ** 0.5).softmax(-1) * masks[0].double() * scale) @ v
+    y = attention(q_, k, v, None, 0.3, kept=masks[0])
+    ref = ((q_ @ k.transpose(-1, -2) / 8 ** 0.5).softmax(-1) * kept_of(masks[0], shapes[0]).double()
+           * masks[0].scale) @ v
     assert (y - ref).abs().max() < 1e-12
 
 

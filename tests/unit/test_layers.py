@@ -10,9 +10,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import house_check  # noqa: E402
 
-LAZY = {"pretrain.train", "pretrain.data.sample_index", "pretrain.training.evaluation"}
+LAZY = {"pretrain.train", "pretrain.data.sample_index", "pretrain.training.evaluation", "pretrain.model.kernels"}
 """Modules allowed imports inside functions, each with its reason in a comment there: the CLI entry point (answers
---help and --check before torch and the trainer load), the optional compiled helper, scipy's start-up cost."""
+--help and --check before torch and the trainer load), the optional compiled helpers (the sample index's, the
+model's CPU kernels), scipy's start-up cost."""
 
 
 def test_every_top_level_name_has_a_layer():
@@ -47,3 +48,11 @@ def test_project_imports_at_the_top():
     inside = sorted({m for m, p in house_check.modules().items()
                      for _, lazy, _ in house_check.project_imports(p) if lazy} - LAZY)
     assert inside == [], f"imports inside functions in {inside}: move them to the top (or argue the cost)"
+
+
+def test_the_compiled_modules_are_setups_extensions():
+    """house_check.COMPILED (modules the checker counts though they have no .py) is what setup.py builds on the CPU."""
+    import re
+
+    setup = (house_check.ROOT / "setup.py").read_text(encoding="utf-8")
+    assert set(re.findall(r'Extension\("(pretrain\.[\w.]+)"', setup)) == house_check.COMPILED

@@ -131,15 +131,18 @@ def test_rope_in_fp32_for_an_attention_that_computes_in_fp32(monkeypatch):
     assert torch.equal(out, ref_sdpa)
 
 
-def test_a_bf16_cpu_step_casts_q_and_k_once_each(monkeypatch):
+@pytest.mark.parametrize("c_kernel", [False, True])
+def test_a_bf16_cpu_step_casts_q_and_k_once_each(monkeypatch, c_kernel):
     """A bf16 ModernBERT training step on the CPU (unpadded, fast dropout): RoPE writes q and k in fp32 for the
     attention, so per attention group and layer neither is rounded to bf16 and cast back, nor are their gradients:
-    seven casts fewer per group and layer than with RoPE writing bf16 (the old way, ``attention_dtype`` patched)."""
+    seven casts fewer per group and layer than with RoPE writing bf16 (the old way, ``attention_dtype`` patched)
+    on torch's path; four with the C kernel, which reads and writes either dtype itself (so RoPE's own casts are
+    gone from both arms, and the attention's remain in the old one)."""
     from test_trim_last_layer import _batch, _module
 
     from pretrain.metrics.op_count import OpCounter
-    from pretrain.model import modern_block
     from pretrain.model import dropout as dropout_module
+    from pretrain.model import modern_block, rotary
     from pretrain.training.step import host_facts
 
     module = _module(False, dropout=0.1, attention_dropout=0.1, **{**TINY, "vocab_size": 50}).bfloat16()
@@ -154,13 +157,17 @@ def test_a_bf16_cpu_step_casts_q_and_k_once_each(monkeypatch):
         return c.ops.get("aten._to_copy", 0)
 
     monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", 0)  # the tiny model's tensors take the fast path
+    if not c_kernel:
+        monkeypatch.setattr(rotary, "cpu_kernels", lambda: None)
+    elif rotary.cpu_kernels() is None:
+        pytest.skip("the C kernels are not built")
     now = casts()
     monkeypatch.setattr(modern_block, "attention_dtype", lambda x, p, fast=True: x.dtype)
     before = casts()
     layers = TINY["num_layers"]
-    # forward: the rotated pair's cast to bf16 and attention's two casts back; backward: q's and k's gradients
-    # cast to bf16 for RoPE and back to fp32 in it
-    assert before - now >= 7 * groups * layers, (before, now, groups)
+    # forward: the rotated pair's cast to bf16 (torch's path) and attention's two casts back; backward: q's and
+    # k's gradients cast to bf16 for RoPE and back to fp32 in it (torch's path)
+    assert before - now >= (4 if c_kernel else 7) * groups * layers, (before, now, groups)
 
 
 @pytest.mark.parametrize("layout", ["fused", "separate"])
@@ -352,3 +359,41 @@ def test_8192_tokens_padded_packed_and_transformers_agree(one_thread):
         assert (h_BTD.flatten(0, 1)[packed.index_N] - model.encode(None, None, packed=packed)).abs().max() < 1e-5
         ref_BTD = hf(input_ids=ids_BT, attention_mask=mask_BT).last_hidden_state
     assert (h_BTD - ref_BTD)[keep_BT].abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_c_is_the_formula(in_dtype, out_dtype, monkeypatch):
+    """The C kernel's rotation (``rotary._rotate`` on the CPU) for the layouts the model hands it: a fused
+    projection's q and k as one strided (2, n, H, t, K) view with stacked tables (the queries' scaled), one
+    head-major view with (t, K) tables, a packed (N, H, K) tensor with (N, 1, K) tables; forward and inverse.
+    Against the float64 formula within fp32's rounding (the cos product rounded, then one rounding of the sum),
+    and within one unit of the last place of torch's path (bit for bit where torch's kernel fuses the
+    multiply-add, as on this project's x86 machines)."""
+    from pretrain.model import rotary
+
+    if rotary.cpu_kernels() is None:
+        pytest.skip("the C kernels are not built")
+    gen = torch.Generator().manual_seed(31)
+    cos, sin = rope_tables(torch.arange(37), 64, 10000.0, torch.float32)
+    z = torch.randn(3, 37, 3, 4, 64, generator=gen).to(in_dtype)
+    q, k = z[:, :, 0].transpose(1, 2), z[:, :, 1].transpose(1, 2)
+    cases = [(rotary._joint(q, k), torch.stack([cos * 0.125, cos])[:, None, None],
+              torch.stack([sin * 0.125, sin])[:, None, None]),
+             (q, cos, sin),
+             (torch.randn(37, 4, 64, generator=gen).to(in_dtype), cos[:, None], sin[:, None])]
+    assert cases[0][0] is not None
+    for x, c, s in cases:
+        for sign in (1.0, -1.0):
+            y = rotary._rotate(x, c, s, sign, out_dtype)
+            assert y.dtype == out_dtype and y.is_contiguous() and y.shape == x.shape
+            x64, c64, s64 = x.double(), c.double().expand(x.shape), s.double().expand(x.shape)
+            rot = torch.cat([-x64[..., 32:], x64[..., :32]], -1)
+            exact = x64 * c64 + sign * rot * s64
+            bound = (x64 * c64).abs() + (rot * s64).abs()
+            ulp = 2.0 ** -23 if out_dtype == torch.float32 else 2.0 ** -8
+            assert ((y.double() - exact).abs() <= 2 * ulp * bound + 1e-30).all()
+            with monkeypatch.context() as m:
+                m.setattr(rotary, "cpu_kernels", lambda: None)
+                ref = rotary._rotate(x, c, s, sign, out_dtype)
+            assert ((y.double() - ref.double()).abs() <= ulp * ref.double().abs()).all()

@@ -1,0 +1,446 @@
+/* Elementwise CPU kernels of the model's training step, each one pass over its tensors where torch takes several
+ * (module pretrain.model._kernels; pure C, no torch headers: the callers in pretrain/model check the tensors and
+ * pass their addresses).
+ *
+ * 1. Dropout, its mask recomputed instead of stored.
+ * scale_masked(src, dst, n, kind, key, first, threshold, scale, threads): dst[i] = src[i] * (kept(i) ? scale : 0)
+ * for the n contiguous elements at the addresses src and dst (kind 0: float32, 1: bfloat16, rounded to nearest
+ * even as torch rounds), where element i is kept iff the 16 bits
+ *
+ *     (int16_t)(splitmix64(key + (first + i / 4) * GAMMA) >> (16 * (i % 4)))
+ *
+ * are >= threshold. That is SplitMix64's output sequence (Steele, Lea & Flood 2014) read as counters: word w of
+ * a mask is the hash of its index, so any word is computed without the ones before it, the forward and the
+ * backward compute the same mask from (key, first), and nothing but those two numbers is kept between them. The
+ * product with 0 keeps what torch's dropout gives a dropped element (x * 0: -0.0 for a negative x, NaN for a NaN
+ * or an infinity), so a non-finite input is still seen downstream.
+ *
+ * pretrain/model/dropout.py computes exactly the same bits with torch ops where this module is not built
+ * (``mask_words``) and checks the arguments: the addresses are those of contiguous CPU tensors of n elements of
+ * the kind, which this module cannot check.
+ *
+ * 2. Rotary position embedding, forward (sign 1) and backward (sign -1, the inverse rotation of a gradient):
+ * rope(src, in_kind, sizes, strides, cos, sin, table_strides, dst, out_kind, sign, threads), below.
+ *
+ * 3. Cross-entropy of (M, V) logits against labels, forward and backward, without the (M, V) log-softmax:
+ * cross_entropy(...) and cross_entropy_grad(...), below.
+ *
+ * The work is split over ``threads`` OpenMP threads (torch's intra-op count) and the GIL is released meanwhile.
+ * Built with -fopenmp against libgomp.so.1 and imported after torch, whose CPU build loads its own libgomp.so.1:
+ * the loader gives this module that same runtime, so these threads are torch's pool (a second pool would compete
+ * with torch's threads, which spin a while after each of torch's ops: measured, two threads of a second pool were
+ * no faster than one inside a training step).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GAMMA 0x9e3779b97f4a7c15ULL
+#define BLOCK_WORDS 16
+#define BLOCK (4 * BLOCK_WORDS)
+#define MIN_PER_THREAD (1 << 16) /* elements: below this a thread's share is not worth waking it */
+#define MAX_THREADS 256
+
+static inline uint64_t splitmix64(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xbf58476d1ce4e5b9ULL;
+  z ^= z >> 27;
+  z *= 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+static inline float bf16_to_float(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even; a NaN stays a (quiet) NaN */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16, quiet = (u >> 16) | 0x40;
+  return (uint16_t)(f != f ? quiet : rounded); /* both computed: the loop stays vectorised */
+}
+
+/* The 4 * BLOCK_WORDS 16-bit draws of the block starting at word w, in element order. */
+static inline void draws(int16_t *out, uint64_t key, uint64_t w) {
+  uint64_t r[BLOCK_WORDS];
+  for (int j = 0; j < BLOCK_WORDS; ++j) r[j] = splitmix64(key + (w + (uint64_t)j) * GAMMA);
+  memcpy(out, r, sizeof r); /* little-endian: element 4j + l is bits 16l.. of word j */
+}
+
+static inline int16_t draw_at(uint64_t key, uint64_t word, int lane) {
+  return (int16_t)(splitmix64(key + word * GAMMA) >> (16 * lane));
+}
+
+/* Elements [lo, hi) of the mask, lo a multiple of BLOCK. */
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void run_f32(const float *src, float *dst, int64_t lo, int64_t hi, uint64_t key, uint64_t first,
+                    int16_t threshold, float scale) {
+  int16_t b[BLOCK];
+  int64_t i = lo;
+  for (; i + BLOCK <= hi; i += BLOCK) {
+    draws(b, key, first + (uint64_t)(i / 4));
+    for (int k = 0; k < BLOCK; ++k) dst[i + k] = src[i + k] * (b[k] >= threshold ? scale : 0.0f);
+  }
+  for (; i < hi; ++i)
+    dst[i] = src[i] * (draw_at(key, first + (uint64_t)(i / 4), (int)(i % 4)) >= threshold ? scale : 0.0f);
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void run_bf16(const uint16_t *src, uint16_t *dst, int64_t lo, int64_t hi, uint64_t key, uint64_t first,
+                     int16_t threshold, float scale) {
+  int16_t b[BLOCK];
+  int64_t i = lo;
+  for (; i + BLOCK <= hi; i += BLOCK) {
+    draws(b, key, first + (uint64_t)(i / 4));
+    for (int k = 0; k < BLOCK; ++k)
+      dst[i + k] = float_to_bf16(bf16_to_float(src[i + k]) * (b[k] >= threshold ? scale : 0.0f));
+  }
+  for (; i < hi; ++i)
+    dst[i] = float_to_bf16(bf16_to_float(src[i]) *
+                           (draw_at(key, first + (uint64_t)(i / 4), (int)(i % 4)) >= threshold ? scale : 0.0f));
+}
+
+typedef struct {
+  const void *src;
+  void *dst;
+  int64_t lo, hi;
+  uint64_t key, first;
+  int16_t threshold;
+  float scale;
+  int kind;
+} Job;
+
+static void *run(void *arg) {
+  const Job *j = (const Job *)arg;
+  if (j->kind == 0)
+    run_f32((const float *)j->src, (float *)j->dst, j->lo, j->hi, j->key, j->first, j->threshold, j->scale);
+  else
+    run_bf16((const uint16_t *)j->src, (uint16_t *)j->dst, j->lo, j->hi, j->key, j->first, j->threshold, j->scale);
+  return NULL;
+}
+
+static PyObject *scale_masked(PyObject *self, PyObject *args) {
+  unsigned long long src, dst, key, first;
+  long long n;
+  int kind, threshold, threads;
+  float scale;
+  if (!PyArg_ParseTuple(args, "KKLiKKifi", &src, &dst, &n, &kind, &key, &first, &threshold, &scale, &threads))
+    return NULL;
+  if (n < 0 || (kind != 0 && kind != 1) || threshold < INT16_MIN || threshold > INT16_MAX || !src || !dst) {
+    PyErr_SetString(PyExc_ValueError, "scale_masked: n >= 0, kind 0 (float32) or 1 (bfloat16), an int16 threshold "
+                                      "and non-null addresses");
+    return NULL;
+  }
+  int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+  if ((long long)t * MIN_PER_THREAD > n) t = (int)(n / MIN_PER_THREAD) > 0 ? (int)(n / MIN_PER_THREAD) : 1;
+  Job jobs[MAX_THREADS];
+  const int64_t per = ((n / t) + BLOCK - 1) / BLOCK * BLOCK;
+  for (int k = 0; k < t; ++k) {
+    const int64_t lo = per * k < n ? per * k : n, hi = per * (k + 1) < n ? per * (k + 1) : n;
+    jobs[k] = (Job){(const void *)(uintptr_t)src, (void *)(uintptr_t)dst, lo, hi, key, first, (int16_t)threshold,
+                    scale, kind};
+  }
+  Py_BEGIN_ALLOW_THREADS
+  if (t == 1) {
+    run(&jobs[0]);
+  } else {
+#pragma omp parallel for num_threads(t) schedule(static, 1)
+    for (int k = 0; k < t; ++k) run(&jobs[k]);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+/* 2. RoPE: dst[s, a, b, t, :] = rotate(src[s, a, b, t, :]) for a (S, A, B, T, K) src of any strides but a
+ * contiguous last dimension (q and k as head-major views of a fused projection: S = 2 stacks them) into a
+ * contiguous dst, with tables cos/sin[s, a, b, t, :] (float32, broadcast: strides table_strides, 0 where a table
+ * is shared, the last dimension contiguous; their two halves equal, as rotary.rope_tables makes them), in float32
+ * arithmetic:
+ *
+ *     dst[k]     = fma(-sign src[k + H], sin[k], src[k] cos[k])      k < H = K / 2
+ *     dst[k + H] = fma(sign src[k], sin[k], src[k + H] cos[k + H])
+ *
+ * (the cos product rounded, the sin product added exactly and the sum rounded: the arithmetic of rotary._rotate's
+ * mul and addcmul_, whose vectorised CPU kernel fuses its multiply-add; otherwise no contraction into FMAs), then
+ * rounded to dst's kind. */
+typedef struct {
+  const char *src;
+  char *dst;
+  const float *cos, *sin;
+  int64_t size[5], stride[4], table_stride[4];
+  int in_kind, out_kind;
+  float sign;
+} Rope;
+
+/* One row: K elements from x (float32 or bfloat16) into y (float32 or bfloat16). */
+#define ROPE_ROW(LOAD, STORE)                                                                      \
+  for (int64_t k = 0; k < H; ++k) STORE(y[k], fmaf(-sign * LOAD(x[k + H]), sn[k], LOAD(x[k]) * c[k]));  \
+  for (int64_t k = 0; k < H; ++k) STORE(y[k + H], fmaf(sign * LOAD(x[k]), sn[k], LOAD(x[k + H]) * c[k + H]));
+#define AS_IS(v) (v)
+#define PUT(dst, v) ((dst) = (v))
+#define PUT_BF16(dst, v) ((dst) = float_to_bf16(v))
+
+/* Rows lo_row .. hi_row - 1 in the source's memory order: the four row dimensions taken from the largest stride to
+ * the smallest (q and k as head-major views of (n, t, 3, H, K) memory: n, t, q/k, head), so each thread streams
+ * through contiguous memory (head-major order would read 256 bytes and jump 3 KB, which ran at a quarter of the
+ * memory's speed inside a training step); dst is written at each row's head-major place. */
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void rope_rows(const Rope *r, int64_t lo_row, int64_t hi_row) {
+  const int64_t K = r->size[4], H = K / 2;
+  const float sign = r->sign;
+  int order[4] = {0, 1, 2, 3};
+  for (int i = 1; i < 4; ++i) /* stable insertion sort by stride, largest first */
+    for (int j = i; j > 0 && r->stride[order[j]] > r->stride[order[j - 1]]; --j) {
+      const int tmp = order[j];
+      order[j] = order[j - 1], order[j - 1] = tmp;
+    }
+  int64_t idx[4], rest = lo_row;
+  for (int i = 3; i >= 0; --i) idx[order[i]] = rest % r->size[order[i]], rest /= r->size[order[i]];
+  for (int64_t row = lo_row; row < hi_row; ++row) {
+    const int64_t at = idx[0] * r->stride[0] + idx[1] * r->stride[1] + idx[2] * r->stride[2] + idx[3] * r->stride[3];
+    const int64_t at_table = idx[0] * r->table_stride[0] + idx[1] * r->table_stride[1]
+                             + idx[2] * r->table_stride[2] + idx[3] * r->table_stride[3];
+    const int64_t out = ((idx[0] * r->size[1] + idx[1]) * r->size[2] + idx[2]) * r->size[3] + idx[3];
+    const float *restrict c = r->cos + at_table, *restrict sn = r->sin + at_table;
+    if (r->in_kind == 0 && r->out_kind == 0) {
+      const float *restrict x = (const float *)r->src + at;
+      float *restrict y = (float *)r->dst + out * K;
+      ROPE_ROW(AS_IS, PUT)
+    } else if (r->in_kind == 0) {
+      const float *restrict x = (const float *)r->src + at;
+      uint16_t *restrict y = (uint16_t *)r->dst + out * K;
+      ROPE_ROW(AS_IS, PUT_BF16)
+    } else if (r->out_kind == 0) {
+      const uint16_t *restrict x = (const uint16_t *)r->src + at;
+      float *restrict y = (float *)r->dst + out * K;
+      ROPE_ROW(bf16_to_float, PUT)
+    } else {
+      const uint16_t *restrict x = (const uint16_t *)r->src + at;
+      uint16_t *restrict y = (uint16_t *)r->dst + out * K;
+      ROPE_ROW(bf16_to_float, PUT_BF16)
+    }
+    for (int i = 3; i >= 0 && ++idx[order[i]] == r->size[order[i]]; --i) idx[order[i]] = 0;
+  }
+}
+
+static PyObject *rope(PyObject *self, PyObject *args) {
+  unsigned long long src, dst, cos, sin;
+  Rope r;
+  int threads;
+  if (!PyArg_ParseTuple(args, "Ki(LLLLL)(LLLL)KK(LLLL)Kifi", &src, &r.in_kind, &r.size[0], &r.size[1], &r.size[2],
+                        &r.size[3], &r.size[4], &r.stride[0], &r.stride[1], &r.stride[2], &r.stride[3], &cos, &sin,
+                        &r.table_stride[0], &r.table_stride[1], &r.table_stride[2], &r.table_stride[3], &dst,
+                        &r.out_kind, &r.sign, &threads))
+    return NULL;
+  int ok = src && dst && cos && sin && (r.in_kind == 0 || r.in_kind == 1) && (r.out_kind == 0 || r.out_kind == 1)
+           && r.size[4] > 0 && r.size[4] % 2 == 0 && r.size[4] <= 1024;
+  for (int d = 0; d < 4; ++d) ok = ok && r.size[d] >= 0;
+  if (!ok) {
+    PyErr_SetString(PyExc_ValueError, "rope: non-null addresses, kinds 0 (float32) or 1 (bfloat16), sizes >= 0 and "
+                                      "an even head size of at most 1024");
+    return NULL;
+  }
+  r.src = (const char *)(uintptr_t)src, r.dst = (char *)(uintptr_t)dst;
+  r.cos = (const float *)(uintptr_t)cos, r.sin = (const float *)(uintptr_t)sin;
+  const int64_t rows = r.size[0] * r.size[1] * r.size[2] * r.size[3];
+  int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+  if ((long long)t * MIN_PER_THREAD > rows * r.size[4]) t = 1;
+  Py_BEGIN_ALLOW_THREADS
+  if (t == 1) {
+    rope_rows(&r, 0, rows);
+  } else {
+    const int64_t per = (rows + t - 1) / t;
+#pragma omp parallel for num_threads(t) schedule(static, 1)
+    for (int k = 0; k < t; ++k)
+      rope_rows(&r, per * k < rows ? per * k : rows, per * (k + 1) < rows ? per * (k + 1) : rows);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+/* 3. Cross-entropy. e^x for x <= 0 (softmax's x - max and x - lse), Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2,
+ * e^r by a degree-7 polynomial, times 2^n from the exponent bits; within 2 ulp of e^x, 0 below -87.3 (where e^x
+ * is subnormal), NaN for NaN. Branch-free, so the loops that call it vectorise. */
+static inline float exp_nonpositive(float x) {
+  const float xc = x < -87.3f ? -87.3f : x; /* NaN compares false: stays NaN */
+  const float n = rintf(xc * 1.44269504088896341f);
+  float r = fmaf(n, -0.693359375f, xc);
+  r = fmaf(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = fmaf(p, r, 1.3981999507e-3f);
+  p = fmaf(p, r, 8.3334519073e-3f);
+  p = fmaf(p, r, 4.1665795894e-2f);
+  p = fmaf(p, r, 1.6666665459e-1f);
+  p = fmaf(p, r, 5.0000001201e-1f);
+  const float e = fmaf(p, r * r, r) + 1.0f;
+  const int32_t ni = n == n ? (int32_t)n : 0;
+  const uint32_t bits = (uint32_t)(ni + 127) << 23;
+  float two_n;
+  memcpy(&two_n, &bits, 4);
+  return x < -87.3f ? 0.0f : e * two_n;
+}
+
+#define LANES 16
+
+typedef struct {
+  const void *x;
+  const int64_t *labels;
+  int64_t rows, cols;
+  int kind;
+  float *lse, *loss;
+  uint8_t *correct;
+  void *grad;
+  float coef;
+} CrossEntropy;
+
+/* Row i's max and sum of e^(x - max) over LANES partial lanes (the lanes vectorise; NaN-free max as maxps: a NaN
+ * is not taken, but reaches the sum and so lse). */
+#define ROW_LSE(LOAD)                                                                              \
+  {                                                                                                \
+    float m[LANES], acc[LANES];                                                                    \
+    for (int j = 0; j < LANES; ++j) m[j] = -INFINITY, acc[j] = 0.0f;                               \
+    int64_t v = 0;                                                                                 \
+    for (; v + LANES <= V; v += LANES)                                                             \
+      for (int j = 0; j < LANES; ++j) m[j] = LOAD(x[v + j]) > m[j] ? LOAD(x[v + j]) : m[j];        \
+    float mx = -INFINITY;                                                                          \
+    for (int j = 0; j < LANES; ++j) mx = m[j] > mx ? m[j] : mx;                                    \
+    for (int64_t w = v; w < V; ++w) mx = LOAD(x[w]) > mx ? LOAD(x[w]) : mx;                        \
+    const float shift = mx == -INFINITY ? 0.0f : mx;                                               \
+    for (v = 0; v + LANES <= V; v += LANES)                                                        \
+      for (int j = 0; j < LANES; ++j) acc[j] += exp_nonpositive(LOAD(x[v + j]) - shift);           \
+    float sum = 0.0f;                                                                              \
+    for (int j = 0; j < LANES; ++j) sum += acc[j];                                                 \
+    for (int64_t w = v; w < V; ++w) sum += exp_nonpositive(LOAD(x[w]) - shift);                    \
+    row_max = mx;                                                                                  \
+    row_lse = shift + logf(sum);                                                                   \
+    picked = label >= 0 && label < V ? LOAD(x[label]) : 0.0f;                                      \
+  }
+
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void ce_rows(const CrossEntropy *c, int64_t lo, int64_t hi) {
+  const int64_t V = c->cols;
+  for (int64_t i = lo; i < hi; ++i) {
+    const int64_t label = c->labels[i];
+    float row_max, row_lse, picked;
+    if (c->kind == 0) {
+      const float *restrict x = (const float *)c->x + i * V;
+      ROW_LSE(AS_IS)
+    } else {
+      const uint16_t *restrict x = (const uint16_t *)c->x + i * V;
+      ROW_LSE(bf16_to_float)
+    }
+    const int valid = label >= 0 && label < V;
+    c->lse[i] = row_lse;
+    c->loss[i] = valid ? row_lse - picked : 0.0f;
+    c->correct[i] = (uint8_t)(valid && picked >= row_max && row_lse == row_lse); /* a NaN row is never right */
+  }
+}
+
+/* grad[i, v] = coef_i e^(x - lse_i), minus coef_i at the label, coef_i = coef for a labelled row, else 0. */
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void ce_grad_rows(const CrossEntropy *c, int64_t lo, int64_t hi) {
+  const int64_t V = c->cols;
+  for (int64_t i = lo; i < hi; ++i) {
+    const int64_t label = c->labels[i];
+    const int valid = label >= 0 && label < V;
+    const float coef = valid ? c->coef : 0.0f, lse = c->lse[i];
+    if (c->kind == 0) {
+      const float *restrict x = (const float *)c->x + i * V;
+      float *restrict g = (float *)c->grad + i * V;
+      for (int64_t v = 0; v < V; ++v) g[v] = coef * exp_nonpositive(x[v] - lse);
+      if (valid) g[label] = coef * exp_nonpositive(x[label] - lse) - coef;
+    } else {
+      const uint16_t *restrict x = (const uint16_t *)c->x + i * V;
+      uint16_t *restrict g = (uint16_t *)c->grad + i * V;
+      for (int64_t v = 0; v < V; ++v) g[v] = float_to_bf16(coef * exp_nonpositive(bf16_to_float(x[v]) - lse));
+      if (valid) g[label] = float_to_bf16(coef * exp_nonpositive(bf16_to_float(x[label]) - lse) - coef);
+    }
+  }
+}
+
+static void ce_run(const CrossEntropy *c, int backward, int threads) {
+  int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+  if ((long long)t * MIN_PER_THREAD > c->rows * c->cols || c->rows < t) t = 1;
+  const int64_t per = (c->rows + t - 1) / t;
+  Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(t) schedule(static, 1) if (t > 1)
+  for (int k = 0; k < t; ++k) {
+    const int64_t lo = per * k < c->rows ? per * k : c->rows, hi = per * (k + 1) < c->rows ? per * (k + 1) : c->rows;
+    if (backward)
+      ce_grad_rows(c, lo, hi);
+    else
+      ce_rows(c, lo, hi);
+  }
+  Py_END_ALLOW_THREADS
+}
+
+static int ce_check(const CrossEntropy *c, unsigned long long x, unsigned long long labels) {
+  if (!x || !labels || c->rows < 0 || c->cols < 1 || (c->kind != 0 && c->kind != 1)) {
+    PyErr_SetString(PyExc_ValueError, "cross_entropy: non-null addresses, rows >= 0, cols >= 1 and kind 0 (float32) "
+                                      "or 1 (bfloat16)");
+    return 0;
+  }
+  return 1;
+}
+
+static PyObject *cross_entropy(PyObject *self, PyObject *args) {
+  unsigned long long x, labels, lse, loss, correct;
+  CrossEntropy c = {0};
+  int threads;
+  if (!PyArg_ParseTuple(args, "KLLiKKKKi", &x, &c.rows, &c.cols, &c.kind, &labels, &lse, &loss, &correct,
+                        &threads))
+    return NULL;
+  if (!ce_check(&c, x, labels)) return NULL;
+  if (!lse || !loss || !correct) {
+    PyErr_SetString(PyExc_ValueError, "cross_entropy: non-null output addresses");
+    return NULL;
+  }
+  c.x = (const void *)(uintptr_t)x, c.labels = (const int64_t *)(uintptr_t)labels;
+  c.lse = (float *)(uintptr_t)lse, c.loss = (float *)(uintptr_t)loss, c.correct = (uint8_t *)(uintptr_t)correct;
+  ce_run(&c, 0, threads);
+  Py_RETURN_NONE;
+}
+
+static PyObject *cross_entropy_grad(PyObject *self, PyObject *args) {
+  unsigned long long x, labels, lse, grad;
+  CrossEntropy c = {0};
+  int threads;
+  if (!PyArg_ParseTuple(args, "KLLiKKfKi", &x, &c.rows, &c.cols, &c.kind, &labels, &lse, &c.coef, &grad, &threads))
+    return NULL;
+  if (!ce_check(&c, x, labels)) return NULL;
+  if (!lse || !grad) {
+    PyErr_SetString(PyExc_ValueError, "cross_entropy_grad: non-null lse and grad addresses");
+    return NULL;
+  }
+  c.x = (const void *)(uintptr_t)x, c.labels = (const int64_t *)(uintptr_t)labels;
+  c.lse = (float *)(uintptr_t)lse, c.grad = (void *)(uintptr_t)grad;
+  ce_run(&c, 1, threads);
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"scale_masked", scale_masked, METH_VARARGS,
+     "scale_masked(src, dst, n, kind, key, first, threshold, scale, threads): dst = src * (kept ? scale : 0), the "
+     "mask from SplitMix64 of (key, first + i // 4) (kind 0 float32, 1 bfloat16; addresses of contiguous tensors)"},
+    {"rope", rope, METH_VARARGS,
+     "rope(src, in_kind, (S, A, B, T, K), strides, cos, sin, table_strides, dst, out_kind, sign, threads): the "
+     "rotary rotation of src's rows into the contiguous dst (float32 arithmetic)"},
+    {"cross_entropy", cross_entropy, METH_VARARGS,
+     "cross_entropy(x, rows, cols, kind, labels, lse, loss, correct, threads): per row of the (rows, cols) logits "
+     "(kind 0 float32, 1 bfloat16) and int64 labels (outside [0, cols): ignored) its log-sum-exp, its loss "
+     "lse - x[label] (0 if ignored) and whether x[label] is the row's max (float32, float32, uint8 outputs)"},
+    {"cross_entropy_grad", cross_entropy_grad, METH_VARARGS,
+     "cross_entropy_grad(x, rows, cols, kind, labels, lse, coef, grad, threads): grad = coef softmax(x) - coef at "
+     "each label, 0 on ignored rows, in x's kind"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "One-pass CPU kernels of the model (C).", -1,
+                                     methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
