@@ -58,7 +58,7 @@ class SelfAttention(nn.Module):
         return self.q(x), self.k(x), self.v(x)
 
     def _forward_packed(self, x_ND: torch.Tensor, packed: Packed, rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """Projections on the stream, gathered into every group's slots at once (P, 3D) and split into each group's
+        """The stream gathered into every group's slots at once (P, D), projected and split into each group's
         (n, H, t, K); each group attended to with SDPA (dropout as in the padded path), laid end to end (P, D), and
         every token's output (or ``rows_S``') taken back from its slot and projected. Both gathers' backwards copy
         (model/gather.py)."""
@@ -67,10 +67,13 @@ class SelfAttention(nn.Module):
         if packed.cu_seqlens_B1 is not None:
             return self.out(take_rows(varlen_attention(*self._qkv(x_ND), packed, h, dropout_p), rows_S))
         groups = packed.groups
-        if self.qkv_span is not None:  # fused: one gather of the (N, 3D) projections into every group's slots
-            parts = group_heads(gather_slots(F.linear(x_ND, *self.qkv_span), packed), packed, h, k)
-        else:  # one gather each of q, k and v
-            q_P, k_P, v_P = (packed.split_groups(gather_slots(z_ND, packed)) for z_ND in self._qkv(x_ND))
+        # The stream gathered into the slots before the projections: D columns moved each way, not 3D (the
+        # projections also cover the few padding slots, whose q/k/v gradients are zero: model/gather.py).
+        x_PD = gather_slots(x_ND, packed)
+        if self.qkv_span is not None:  # fused: the (P, 3D) projections split into each group's heads
+            parts = group_heads(F.linear(x_PD, *self.qkv_span), packed, h, k)
+        else:
+            q_P, k_P, v_P = (packed.split_groups(z_PD) for z_PD in self._qkv(x_PD))
             parts = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
                      for g, qkv in zip(groups, zip(q_P, k_P, v_P))]
         y_parts = []

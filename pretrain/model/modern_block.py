@@ -20,6 +20,7 @@ from pretrain.model.dropout import Dropout, attention, attention_dtype, group_ma
 from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import forget_traced_views, materialize
 from pretrain.model.gather import gather_slots, group_heads
+from pretrain.model.kernels import KINDS, cpu_kernels
 from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope, apply_rope_qk
 
@@ -104,10 +105,12 @@ class ModernAttention(nn.Module):
             if packed.cu_seqlens_B1 is not None:
                 raise ValueError("model.arch=modernbert attends per attention group: a local layer's window is a mask, "
                                  "which the varlen layout does not take; set train.unpadded_attention=groups (or auto)")
-            # One gather of the (N, 3D) projections into every group's slots; RoPE by slot column (tables (T, K)),
-            # which writes q and k head-major (n, H, t, K) for attention (rotary._rotate: contiguous output).
+            # One gather of the stream into every group's slots, then the projections (D columns moved each way, not
+            # 3D; the projection also covers the few padding slots, whose q/k/v gradients are zero: gather.py);
+            # RoPE by slot column (tables (T, K)), which writes q and k head-major (n, H, t, K) for attention
+            # (rotary._rotate: contiguous output).
             y_parts = []
-            qkv = group_heads(gather_slots(self.qkv(x_BTD), packed), packed, h, k)
+            qkv = group_heads(self.qkv(gather_slots(x_BTD, packed)), packed, h, k)
             # The probabilities' dropout masks drawn for the layer at once, except for a local layer's banded groups,
             # whose attention draws its own (its probabilities are blocks of the band, banded.py).
             shapes = [(g.num_rows, g.length) for g in packed.groups]
@@ -156,19 +159,36 @@ class GeGLU(nn.Module):
 class _GatedGelu(torch.autograd.Function):
     """gelu(u) * g of z = [u, g] with the backward written into one (..., 2F) gradient: du = gelu'(u) (g dh) and
     dg = gelu(u) dh straight into its two halves, where autograd's chunk backward concatenated them in one more
-    pass (ModernBERT mini's (7027, 768) fp32 GeGLU, forward + backward: 9.0 -> 7.1 ms; docs/performance.md). Saves
-    what autograd saved: z (u and g) and gelu(u). Eager only; compiled, inductor fuses the formula."""
+    pass (ModernBERT mini's (7027, 768) fp32 GeGLU, forward + backward: 9.0 -> 7.1 ms; docs/performance.md).
+    On the CPU, for erf's GELU in fp32/bf16, the C kernel (``kernels.cpu_kernels().geglu``) does each pass in one
+    sweep and saves only z (gelu(u) is computed again in the backward: no (..., F) activation kept); elsewhere
+    torch's ops, saving z and gelu(u), as autograd did. Eager only; compiled, inductor fuses the formula."""
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, approximate: str) -> torch.Tensor:
+        ctx.approximate = approximate
+        ctx.in_c = _geglu_in_c(z, approximate)
+        if ctx.in_c:
+            z = z.contiguous()
+            h = z.new_empty((*z.shape[:-1], z.shape[-1] // 2))
+            cpu_kernels().geglu(z.data_ptr(), 0, h.data_ptr(), z.numel() // z.shape[-1], z.shape[-1] // 2,
+                                KINDS[z.dtype], torch.get_num_threads())
+            ctx.save_for_backward(z)
+            return h
         u, g = z.chunk(2, dim=-1)
         a = F.gelu(u, approximate=approximate)
         ctx.save_for_backward(z, a)
-        ctx.approximate = approximate
         return a * g
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
+        if ctx.in_c:
+            (z,) = ctx.saved_tensors
+            grad_h = grad_h.to(z.dtype).contiguous()
+            grad_z = torch.empty_like(z)
+            cpu_kernels().geglu(z.data_ptr(), grad_h.data_ptr(), grad_z.data_ptr(), z.numel() // z.shape[-1],
+                                z.shape[-1] // 2, KINDS[z.dtype], torch.get_num_threads())
+            return grad_z, None
         z, a = ctx.saved_tensors
         u, g = z.chunk(2, dim=-1)
         grad_z = torch.empty_like(z, memory_format=torch.contiguous_format)
@@ -176,6 +196,12 @@ class _GatedGelu(torch.autograd.Function):
         torch.mul(grad_h, a, out=grad_g)
         torch.ops.aten.gelu_backward.grad_input(grad_h * g, u, approximate=ctx.approximate, grad_input=grad_u)
         return grad_z, None
+
+
+def _geglu_in_c(z: torch.Tensor, approximate: str) -> bool:
+    """Whether ``_GatedGelu`` runs the C kernel: built, the CPU, erf's GELU, fp32/bf16, a non-empty last dim."""
+    return (cpu_kernels() is not None and z.device.type == "cpu" and approximate == "none" and z.dtype in KINDS
+            and z.dim() >= 1 and z.shape[-1] >= 2 and z.shape[-1] % 2 == 0)
 
 
 class ModernBlock(nn.Module):

@@ -225,6 +225,42 @@ def test_the_gated_gelus_written_out_backward(approximate):
     (gb,) = torch.autograd.grad(yb, zb, w.bfloat16())
     assert yb.dtype == gb.dtype == torch.bfloat16 and (gb.double() - ref_grad).abs().max() < 0.05
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_gelu_in_c(dtype):
+    """The C kernel's GeGLU (CPU, erf's GELU, fp32/bf16): value and gradient against the float64 formula, over
+    u from -12 to 12 (where gelu(u) underflows towards 0 and where it is u), a non-contiguous input included; only
+    z is saved for the backward. fp32 within a few roundings of each term; bf16 within its rounding."""
+    import torch.nn.functional as F
+
+    from pretrain.model import modern_block
+    from pretrain.model.modern_block import _GatedGelu
+
+    if modern_block.cpu_kernels() is None:
+        pytest.skip("the C kernels are not built")
+    gen = torch.Generator().manual_seed(4)
+    u = torch.cat([torch.linspace(-12, 12, 3000), torch.randn(3000, generator=gen) * 3]).view(100, 60)
+    gate = torch.randn(100, 60, generator=gen)
+    z64 = torch.cat([u, gate], -1).double()
+    w = torch.randn(100, 60, dtype=torch.float64, generator=gen)
+    z = z64.to(dtype)[:, None].expand(100, 2, 120).requires_grad_()  # strided: made contiguous inside
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = _GatedGelu.apply(z, "none")
+    assert saved == [torch.Size([100, 2, 120])] and y.dtype == dtype
+    (grad,) = torch.autograd.grad(y, z, w[:, None].expand(100, 2, 60).to(dtype))
+    zr = z.detach().double().requires_grad_()
+    ur, gr = zr.chunk(2, dim=-1)
+    ref = F.gelu(ur) * gr
+    (ref_grad,) = torch.autograd.grad(ref, zr, w[:, None].expand(100, 2, 60))
+    eps = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -8
+    scale_y = (ur.abs() * gr.abs()).detach() + 1e-30
+    assert ((y.double() - ref).abs() <= 8 * eps * scale_y).all()
+    # du = dh g (Phi(u) + u phi(u)), dg = dh u Phi(u): each within a few roundings of its terms' sizes
+    dh = w[:, None].expand(100, 2, 60)
+    scale_g = torch.cat([(dh * gr.detach()).abs() * (1 + ur.detach().abs()), (dh * ur.detach()).abs()], -1) + 1e-30
+    assert ((grad.double() - ref_grad).abs() <= 8 * eps * scale_g).all()
+
+
 def test_rope_writes_head_major_views_contiguous_so_attention_copies_nothing():
     """q and k come as (n, H, t, K) views of the fused projection's (n, t, H, K) memory: RoPE's output is contiguous
     (head-major), so the attention's matmuls fold (n, H) without a copy; the values are the view's rotation."""
