@@ -164,14 +164,15 @@ class TrainConfig:
     step while the GPU finishes this one; DataLoader's pin_memory and Hugging Face's Trainer pin for the same
     reason. No effect on the CPU. The GPU pass measures it against false (``tools/bench_step.py --ab pin``)."""
     fast_dropout: bool = True
-    """Dropout on the CPU draws its masks from 16 random bits per element (model/dropout.py) instead of torch's
-    per-element Bernoulli sample, about 40% of its cost (torch's dropout was a tenth of a mini model's CPU step,
-    docs/performance.md): the drop probability is rounded to a multiple of 1/65536 and the kept values scaled by
-    the exact inverse, keyed by (seed, step, rank) like torch's. The attention probabilities' dropout too (SDPA's CPU
-    math path written out). CUDA and compiled steps use torch's dropout either way, and so do tensors under 32k
-    elements (``dropout.FAST_MIN_NUMEL``: there the mask's fixed host cost exceeds torch's), except the unpadded
-    path's attention groups, whose masks are drawn for the whole layer at once. false: torch's dropout
-    on the CPU as well (other noise, the same distribution up to that rounding)."""
+    """Dropout on the CPU in one pass of a C kernel whose mask is a counter's hash (model/dropout.py: a 64-bit key
+    from torch's generator, SplitMix64 of key + word, 16 bits per element; nothing stored for the backward, which
+    computes the mask again) instead of torch's per-element Bernoulli sample and stored mask (torch's dropout was a
+    tenth of a mini model's CPU step, docs/performance.md): the drop probability is rounded to a multiple of
+    1/65536 and the kept values scaled by the exact inverse, keyed by (seed, step, rank) like torch's. The attention
+    probabilities' dropout too (SDPA's CPU math path written out). CUDA and compiled steps use torch's dropout
+    either way, and so do tensors under 32k elements (``dropout.FAST_MIN_NUMEL``: there the mask's fixed host cost
+    exceeds torch's), except the unpadded path's attention groups, whose masks are runs of one key a layer. false:
+    torch's dropout on the CPU as well (other noise, the same distribution up to that rounding)."""
     flat_params: bool = True
     """Each encoder layer's parameters held in two flat tensors (decayed and not) instead of 16 (model/flat.py):
     DeepSpeed's per-parameter work (gradient hooks, bucket copies, norms, casts) and the optimizer's run on 2 tensors
