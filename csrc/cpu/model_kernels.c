@@ -241,11 +241,11 @@ static PyObject *rope(PyObject *self, PyObject *args) {
                         &r.out_kind, &r.sign, &threads))
     return NULL;
   int ok = src && dst && cos && sin && (r.in_kind == 0 || r.in_kind == 1) && (r.out_kind == 0 || r.out_kind == 1)
-           && r.size[4] > 0 && r.size[4] % 2 == 0 && r.size[4] <= 1024;
+           && r.size[4] > 0 && r.size[4] % 2 == 0;
   for (int d = 0; d < 4; ++d) ok = ok && r.size[d] >= 0;
   if (!ok) {
     PyErr_SetString(PyExc_ValueError, "rope: non-null addresses, kinds 0 (float32) or 1 (bfloat16), sizes >= 0 and "
-                                      "an even head size of at most 1024");
+                                      "an even head size");
     return NULL;
   }
   r.src = (const char *)(uintptr_t)src, r.dst = (char *)(uintptr_t)dst;
@@ -406,7 +406,9 @@ static PyObject *cross_entropy(PyObject *self, PyObject *args) {
   c.x = (const void *)(uintptr_t)x, c.labels = (const int64_t *)(uintptr_t)labels;
   c.lse = (float *)(uintptr_t)lse, c.loss = (float *)(uintptr_t)loss, c.correct = (uint8_t *)(uintptr_t)correct;
   ce_run(&c, 0, threads);
-  Py_RETURN_NONE;
+  long long beyond = 0; /* labels past the vocabulary: the caller's error, as F.cross_entropy's */
+  for (int64_t i = 0; i < c.rows; ++i) beyond += c.labels[i] >= c.cols;
+  return PyLong_FromLongLong(beyond);
 }
 
 static PyObject *cross_entropy_grad(PyObject *self, PyObject *args) {
@@ -531,9 +533,10 @@ static PyMethodDef methods[] = {
      "rope(src, in_kind, (S, A, B, T, K), strides, cos, sin, table_strides, dst, out_kind, sign, threads): the "
      "rotary rotation of src's rows into the contiguous dst (float32 arithmetic)"},
     {"cross_entropy", cross_entropy, METH_VARARGS,
-     "cross_entropy(x, rows, cols, kind, labels, lse, loss, correct, threads): per row of the (rows, cols) logits "
-     "(kind 0 float32, 1 bfloat16) and int64 labels (outside [0, cols): ignored) its log-sum-exp, its loss "
-     "lse - x[label] (0 if ignored) and whether x[label] is the row's max (float32, float32, uint8 outputs)"},
+     "cross_entropy(x, rows, cols, kind, labels, lse, loss, correct, threads) -> the number of labels >= cols: per "
+     "row of the (rows, cols) logits (kind 0 float32, 1 bfloat16) and int64 labels (outside [0, cols): ignored) "
+     "its log-sum-exp, its loss lse - x[label] (0 if ignored) and whether x[label] is the row's max (float32, "
+     "float32, uint8 outputs)"},
     {"cross_entropy_grad", cross_entropy_grad, METH_VARARGS,
      "cross_entropy_grad(x, rows, cols, kind, labels, lse, coef, grad, threads): grad = coef softmax(x) - coef at "
      "each label, 0 on ignored rows, in x's kind"},

@@ -85,8 +85,12 @@ class _FusedCrossEntropy(torch.autograd.Function):
         m, v = x_MV.shape
         lse_M, loss_M = x_MV.new_empty(m, dtype=torch.float32), x_MV.new_empty(m, dtype=torch.float32)
         correct_M = x_MV.new_empty(m, dtype=torch.uint8)
-        cpu_kernels().cross_entropy(x_MV.data_ptr(), m, v, KINDS[x_MV.dtype], labels_M.data_ptr(), lse_M.data_ptr(),
-                                    loss_M.data_ptr(), correct_M.data_ptr(), torch.get_num_threads())
+        beyond = cpu_kernels().cross_entropy(x_MV.data_ptr(), m, v, KINDS[x_MV.dtype], labels_M.data_ptr(),
+                                             lse_M.data_ptr(), loss_M.data_ptr(), correct_M.data_ptr(),
+                                             torch.get_num_threads())
+        if beyond:
+            raise ValueError(f"mlm_loss: {beyond} MLM label(s) >= the vocabulary size {v}: the data was tokenized with "
+                             "another vocabulary than model.vocab_size; re-preprocess it with the model's tokenizer")
         ctx.save_for_backward(x_MV, labels_M, lse_M)
         correct = correct_M.sum()
         ctx.mark_non_differentiable(correct)

@@ -474,3 +474,16 @@ def test_the_mlm_loss_and_its_gradient_are_torchs_cross_entropy_in_float64(dtype
     assert (grad.double() - ref_grad).abs().max() < tol
     if dtype == torch.float32:  # every element, however small, to a few float32 roundings of x - lse (|x - lse| ~ 40)
         assert ((grad.double() - ref_grad).abs() <= 1e-12 + 2e-5 * ref_grad.abs()).all()
+
+
+def test_an_mlm_label_beyond_the_vocabulary_is_an_error(mlm_path):
+    """A label >= V (data tokenized with another vocabulary) is refused, not ignored: the C kernel counts them and
+    mlm_loss says what is wrong; torch's path fails in its gather. Negative labels stay ignored."""
+    from pretrain.losses.mlm import mlm_loss
+
+    logits = torch.randn(4, 10, requires_grad=True)
+    assert torch.isfinite(mlm_loss(logits, torch.tensor([1, -100, 3, 4]))[0])
+    with pytest.raises((ValueError, IndexError, RuntimeError)) as err:
+        mlm_loss(logits, torch.tensor([1, 2, 10, 3]))
+    if mlm_path == "c":
+        assert "vocabulary size 10" in str(err.value) and "1 MLM label" in str(err.value)
