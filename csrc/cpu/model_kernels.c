@@ -68,6 +68,11 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even; a NaN 
   return (uint16_t)(f != f ? quiet : rounded); /* both computed: the loop stays vectorised */
 }
 
+/* Loads and stores by kind: float32 as is, bfloat16 widened and rounded back. */
+#define AS_IS(v) (v)
+#define PUT(dst, v) ((dst) = (v))
+#define PUT_BF16(dst, v) ((dst) = float_to_bf16(v))
+
 /* The 4 * BLOCK_WORDS 16-bit draws of the block starting at word w, in element order. */
 static inline void draws(int16_t *out, uint64_t key, uint64_t w) {
   uint64_t r[BLOCK_WORDS];
@@ -77,35 +82,6 @@ static inline void draws(int16_t *out, uint64_t key, uint64_t w) {
 
 static inline int16_t draw_at(uint64_t key, uint64_t word, int lane) {
   return (int16_t)(splitmix64(key + word * GAMMA) >> (16 * lane));
-}
-
-/* Elements [lo, hi) of the mask, lo a multiple of BLOCK. */
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void run_f32(const float *src, float *dst, int64_t lo, int64_t hi, uint64_t key, uint64_t first,
-                    int16_t threshold, float scale) {
-  int16_t b[BLOCK];
-  int64_t i = lo;
-  for (; i + BLOCK <= hi; i += BLOCK) {
-    draws(b, key, first + (uint64_t)(i / 4));
-    for (int k = 0; k < BLOCK; ++k) dst[i + k] = src[i + k] * (b[k] >= threshold ? scale : 0.0f);
-  }
-  for (; i < hi; ++i)
-    dst[i] = src[i] * (draw_at(key, first + (uint64_t)(i / 4), (int)(i % 4)) >= threshold ? scale : 0.0f);
-}
-
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void run_bf16(const uint16_t *src, uint16_t *dst, int64_t lo, int64_t hi, uint64_t key, uint64_t first,
-                     int16_t threshold, float scale) {
-  int16_t b[BLOCK];
-  int64_t i = lo;
-  for (; i + BLOCK <= hi; i += BLOCK) {
-    draws(b, key, first + (uint64_t)(i / 4));
-    for (int k = 0; k < BLOCK; ++k)
-      dst[i + k] = float_to_bf16(bf16_to_float(src[i + k]) * (b[k] >= threshold ? scale : 0.0f));
-  }
-  for (; i < hi; ++i)
-    dst[i] = float_to_bf16(bf16_to_float(src[i]) *
-                           (draw_at(key, first + (uint64_t)(i / 4), (int)(i % 4)) >= threshold ? scale : 0.0f));
 }
 
 typedef struct {
@@ -118,13 +94,34 @@ typedef struct {
   int kind;
 } Job;
 
-static void *run(void *arg) {
-  const Job *j = (const Job *)arg;
+/* Elements [lo, hi) of the mask (lo a multiple of BLOCK) from src (type T) into dst; the job's numbers in locals,
+ * so that the stores (which could alias *j for the compiler) do not keep the loop from vectorising. */
+#define DROP_RUN(T, LOAD, STORE)                                                                   \
+  {                                                                                                \
+    const T *restrict src = (const T *)j->src;                                                     \
+    T *restrict dst = (T *)j->dst;                                                                 \
+    const uint64_t key = j->key, first = j->first;                                                 \
+    const int16_t threshold = j->threshold;                                                        \
+    const float scale = j->scale;                                                                  \
+    int16_t b[BLOCK];                                                                              \
+    int64_t i = j->lo;                                                                             \
+    for (; i + BLOCK <= j->hi; i += BLOCK) {                                                       \
+      draws(b, key, first + (uint64_t)(i / 4));                                                    \
+      for (int k = 0; k < BLOCK; ++k)                                                              \
+        STORE(dst[i + k], LOAD(src[i + k]) * (b[k] >= threshold ? scale : 0.0f));                 \
+    }                                                                                              \
+    for (; i < j->hi; ++i) {                                                                       \
+      const int16_t bits = draw_at(key, first + (uint64_t)(i / 4), (int)(i % 4));                  \
+      STORE(dst[i], LOAD(src[i]) * (bits >= threshold ? scale : 0.0f));                            \
+    }                                                                                              \
+  }
+
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void run(const Job *j) {
   if (j->kind == 0)
-    run_f32((const float *)j->src, (float *)j->dst, j->lo, j->hi, j->key, j->first, j->threshold, j->scale);
+    DROP_RUN(float, AS_IS, PUT)
   else
-    run_bf16((const uint16_t *)j->src, (uint16_t *)j->dst, j->lo, j->hi, j->key, j->first, j->threshold, j->scale);
-  return NULL;
+    DROP_RUN(uint16_t, bf16_to_float, PUT_BF16)
 }
 
 static PyObject *scale_masked(PyObject *self, PyObject *args) {
@@ -184,9 +181,6 @@ typedef struct {
 #define ROPE_ROW(LOAD, STORE)                                                                      \
   for (int64_t k = 0; k < H; ++k) STORE(y[k], fmaf(-sign * LOAD(x[k + H]), sn[k], LOAD(x[k]) * c[k]));  \
   for (int64_t k = 0; k < H; ++k) STORE(y[k + H], fmaf(sign * LOAD(x[k]), sn[k], LOAD(x[k + H]) * c[k + H]));
-#define AS_IS(v) (v)
-#define PUT(dst, v) ((dst) = (v))
-#define PUT_BF16(dst, v) ((dst) = float_to_bf16(v))
 
 /* Rows lo_row .. hi_row - 1 in the source's memory order: the four row dimensions taken from the largest stride to
  * the smallest (q and k as head-major views of (n, t, 3, H, K) memory: n, t, q/k, head), so each thread streams
@@ -472,31 +466,28 @@ typedef struct {
     STORE(dg[j], d * (u * cdf));                                                                   \
   }
 
+/* Row i of z (type T) forward into h or backward into dz. */
+#define GEGLU_ROW(T, LOAD, STORE)                                                                  \
+  {                                                                                                \
+    const T *restrict zu = (const T *)c->z + i * 2 * F, *restrict zg = zu + F;                     \
+    if (!backward) {                                                                               \
+      T *restrict h = (T *)c->out + i * F;                                                         \
+      GEGLU_FWD(LOAD, STORE)                                                                       \
+    } else {                                                                                       \
+      const T *restrict dh = (const T *)c->dh + i * F;                                             \
+      T *restrict du = (T *)c->out + i * 2 * F, *restrict dg = du + F;                             \
+      GEGLU_BWD(LOAD, STORE)                                                                       \
+    }                                                                                              \
+  }
+
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 static void geglu_rows(const Geglu *c, int backward, int64_t lo, int64_t hi) {
   const int64_t F = c->width;
   for (int64_t i = lo; i < hi; ++i) {
-    if (c->kind == 0) {
-      const float *restrict zu = (const float *)c->z + i * 2 * F, *restrict zg = zu + F;
-      if (!backward) {
-        float *restrict h = (float *)c->out + i * F;
-        GEGLU_FWD(AS_IS, PUT)
-      } else {
-        const float *restrict dh = (const float *)c->dh + i * F;
-        float *restrict du = (float *)c->out + i * 2 * F, *restrict dg = du + F;
-        GEGLU_BWD(AS_IS, PUT)
-      }
-    } else {
-      const uint16_t *restrict zu = (const uint16_t *)c->z + i * 2 * F, *restrict zg = zu + F;
-      if (!backward) {
-        uint16_t *restrict h = (uint16_t *)c->out + i * F;
-        GEGLU_FWD(bf16_to_float, PUT_BF16)
-      } else {
-        const uint16_t *restrict dh = (const uint16_t *)c->dh + i * F;
-        uint16_t *restrict du = (uint16_t *)c->out + i * 2 * F, *restrict dg = du + F;
-        GEGLU_BWD(bf16_to_float, PUT_BF16)
-      }
-    }
+    if (c->kind == 0)
+      GEGLU_ROW(float, AS_IS, PUT)
+    else
+      GEGLU_ROW(uint16_t, bf16_to_float, PUT_BF16)
   }
 }
 
