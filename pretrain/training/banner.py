@@ -19,6 +19,7 @@ import os
 
 from pretrain.config.train import cpu_computes_bf16_fast
 from pretrain.config.lint import inert_settings
+from pretrain.model.kernels import cpu_kernels
 
 GIB = 1024 ** 3
 
@@ -26,6 +27,10 @@ BF16_ON_CPU = ("train.precision=bf16 on a CPU without AMX-BF16: such CPUs emulat
                "them at most ~2x fp32's rate, and the tiny CLEAR recipe ran 14x slower than in fp32 on a 2-core x86 "
                "machine (3.5 against 48 samples/s); set train.precision=auto (fp32 here; bf16 on a GPU that "
                "computes it fast or on a CPU with AMX-BF16) or fp32")
+
+NO_CPU_KERNELS = ("the CPU kernels (pretrain.model._kernels, csrc/cpu/model_kernels.c) are not built: dropout, RoPE, "
+                  "GeGLU and the MLM loss take torch's slower paths on this CPU (the same arithmetic); install with a "
+                  "C compiler present (pip install -e . with gcc) to build them")
 
 
 def parameter_counts(module) -> dict[str, int]:
@@ -129,6 +134,8 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str
     warnings = inert_settings(cfg)
     if cfg.train.precision == "bf16" and not _on_gpu() and not cpu_computes_bf16_fast():
         warnings.append(BF16_ON_CPU)
+    if not _on_gpu() and cpu_kernels() is None:
+        warnings.append(NO_CPU_KERNELS)
     return lines + [f"warning: {line}" for line in warnings]
 
 

@@ -129,3 +129,18 @@ def test_bf16_on_a_cpu_warns_with_its_cost(tmp_path, tiny_overrides, capsys, mon
         assert main([*tiny_overrides(tmp_path / "run"), f"train.precision={precision}", "--dry-run"]) == 0
         out = capsys.readouterr().out
         assert "precision bf16" in out and "bf16 on a CPU" not in out, precision
+
+
+def test_a_cpu_run_without_the_c_kernels_says_so(tmp_path, tiny_overrides, capsys, monkeypatch):
+    """Where the C kernels were not built (no compiler at install) a CPU run's banner warns that dropout, RoPE,
+    GeGLU and the MLM loss take torch's slower paths and how to build them; with them built, no such line."""
+    if torch.cuda.is_available():
+        pytest.skip("the warning is for CPUs")
+    from pretrain.training import banner
+
+    assert main([*tiny_overrides(tmp_path / "run"), "--dry-run"]) == 0
+    assert "CPU kernels" not in capsys.readouterr().out or banner.cpu_kernels() is None
+    monkeypatch.setattr(banner, "cpu_kernels", lambda: None)
+    assert main([*tiny_overrides(tmp_path / "run"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("warning: the CPU kernels (pretrain.model._kernels") == 1 and "C compiler" in out
