@@ -10,7 +10,8 @@ is kept where its bits, read as int16, reach a threshold. The drop probability i
 probability, so the expectation is exact. The C kernel (csrc/cpu/model_kernels.c, ``pretrain.model._kernels``)
 computes the words, compares and scales in one pass over the tensor, forward and backward alike (the backward
 computes the same mask again from the key); without it (no C compiler at install) ``mask_words`` computes the same
-bits with torch's int64 ops, slower. A dropped element is x * 0, as in torch (-0.0 for a negative x, NaN for a non-finite one).
+bits with torch's int64 ops, slower. A dropped element is x * 0, as in torch (-0.0 for a negative x, NaN for a
+non-finite one).
 
 torch's default generator alone decides every key: ``training.step.dropout_rng`` keys it by (seed, step, rank) as
 it keys torch's dropout, and a resume is as exact; a mask does not depend on the thread count. On CUDA (torch's
