@@ -170,7 +170,7 @@ class TrainConfig:
     tenth of a mini model's CPU step, docs/performance.md): the drop probability is rounded to a multiple of
     1/65536 and the kept values scaled by the exact inverse, keyed by (seed, step, rank) like torch's. The attention
     probabilities' dropout too (SDPA's CPU math path written out). CUDA and compiled steps use torch's dropout
-    either way, and so do tensors under 32k elements (``dropout.FAST_MIN_NUMEL``: there the mask's fixed host cost
+    either way, and so do tensors under 8k elements (``dropout.FAST_MIN_NUMEL``: there the mask's fixed host cost
     exceeds torch's), except the unpadded path's attention groups, whose masks are runs of one key a layer. false:
     torch's dropout on the CPU as well (other noise, the same distribution up to that rounding)."""
     flat_params: bool = True
