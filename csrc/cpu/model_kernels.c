@@ -139,7 +139,7 @@ static PyObject *scale_masked(PyObject *self, PyObject *args) {
   int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
   if ((long long)t * MIN_PER_THREAD > n) t = (int)(n / MIN_PER_THREAD) > 0 ? (int)(n / MIN_PER_THREAD) : 1;
   Job jobs[MAX_THREADS];
-  const int64_t per = ((n / t) + BLOCK - 1) / BLOCK * BLOCK;
+  const int64_t per = ((n + t - 1) / t + BLOCK - 1) / BLOCK * BLOCK; /* whole blocks, t of them cover n */
   for (int k = 0; k < t; ++k) {
     const int64_t lo = per * k < n ? per * k : n, hi = per * (k + 1) < n ? per * (k + 1) : n;
     jobs[k] = (Job){(const void *)(uintptr_t)src, (void *)(uintptr_t)dst, lo, hi, key, first, (int16_t)threshold,

@@ -173,14 +173,17 @@ def test_the_c_kernel_is_the_torch_reference_bit_for_bit(dtype):
     (the same bits with 1 and 2 threads), a strided input, and non-finite inputs (a dropped one stays NaN)."""
     kernel = _kernel()
     gen = torch.Generator().manual_seed(13)
-    for n, first in ((1, 0), (63, 0), (64, 3), (1001, 17), ((1 << 19) + 5, 2**33)):
+    # (1 << 18) + 1 and 3 * (1 << 16) + 1: n // threads a multiple of the 64-element block, and a remainder (the
+    # threads' runs must still cover the last element)
+    for n, first in ((1, 0), (63, 0), (64, 3), (1001, 17), ((1 << 19) + 5, 2**33), ((1 << 18) + 1, 0),
+                     (3 * (1 << 16) + 1, 5)):
         x = torch.randn(n, generator=gen).to(dtype)
         x[: min(n, 40):7] = float("nan")
         x[3: min(n, 40):9] = float("inf")
         drop = round(0.3 * LEVELS)
         mask = Mask(0x9E3779B97F4A7C15 ^ n, first, drop - LEVELS // 2, LEVELS / (LEVELS - drop))
         ref = x.mul(kept_of(mask, x.shape).view(torch.uint8)).mul_(mask.scale)
-        for threads in (1, 2):
+        for threads in (1, 2, 3):
             y = torch.empty_like(x)
             kernel.scale_masked(x.data_ptr(), y.data_ptr(), n, {torch.float32: 0, torch.bfloat16: 1}[dtype],
                                 mask.key, mask.first, mask.threshold, mask.scale, threads)

@@ -238,25 +238,26 @@ def test_the_gated_gelu_in_c(dtype):
     if modern_block.cpu_kernels() is None:
         pytest.skip("the C kernels are not built")
     gen = torch.Generator().manual_seed(4)
-    u = torch.cat([torch.linspace(-12, 12, 3000), torch.randn(3000, generator=gen) * 3]).view(100, 60)
-    gate = torch.randn(100, 60, generator=gen)
+    rows = 1100  # x 2 x 60: 132k elements, which the kernel splits over 2 threads
+    u = torch.cat([torch.linspace(-12, 12, 3000), torch.randn(rows * 60 - 3000, generator=gen) * 3]).view(rows, 60)
+    gate = torch.randn(rows, 60, generator=gen)
     z64 = torch.cat([u, gate], -1).double()
-    w = torch.randn(100, 60, dtype=torch.float64, generator=gen)
-    z = z64.to(dtype)[:, None].expand(100, 2, 120).requires_grad_()  # strided: made contiguous inside
+    w = torch.randn(rows, 60, dtype=torch.float64, generator=gen)
+    z = z64.to(dtype)[:, None].expand(rows, 2, 120).requires_grad_()  # strided: made contiguous inside
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         y = _GatedGelu.apply(z, "none")
-    assert saved == [torch.Size([100, 2, 120])] and y.dtype == dtype
-    (grad,) = torch.autograd.grad(y, z, w[:, None].expand(100, 2, 60).to(dtype))
+    assert saved == [torch.Size([rows, 2, 120])] and y.dtype == dtype
+    (grad,) = torch.autograd.grad(y, z, w[:, None].expand(rows, 2, 60).to(dtype))
     zr = z.detach().double().requires_grad_()
     ur, gr = zr.chunk(2, dim=-1)
     ref = F.gelu(ur) * gr
-    (ref_grad,) = torch.autograd.grad(ref, zr, w[:, None].expand(100, 2, 60))
+    (ref_grad,) = torch.autograd.grad(ref, zr, w[:, None].expand(rows, 2, 60))
     eps = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -8
     scale_y = (ur.abs() * gr.abs()).detach() + 1e-30
     assert ((y.double() - ref).abs() <= 8 * eps * scale_y).all()
     # du = dh g (Phi(u) + u phi(u)), dg = dh u Phi(u): each within a few roundings of its terms' sizes
-    dh = w[:, None].expand(100, 2, 60)
+    dh = w[:, None].expand(rows, 2, 60)
     scale_g = torch.cat([(dh * gr.detach()).abs() * (1 + ur.detach().abs()), (dh * ur.detach()).abs()], -1) + 1e-30
     assert ((grad.double() - ref_grad).abs() <= 8 * eps * scale_g).all()
 
@@ -412,12 +413,15 @@ def test_rope_in_c_is_the_formula(in_dtype, out_dtype, monkeypatch):
         pytest.skip("the C kernels are not built")
     gen = torch.Generator().manual_seed(31)
     cos, sin = rope_tables(torch.arange(37), 64, 10000.0, torch.float32)
+    big_cos, big_sin = rope_tables(torch.arange(1100), 64, 10000.0, torch.float32)
     z = torch.randn(3, 37, 3, 4, 64, generator=gen).to(in_dtype)
     q, k = z[:, :, 0].transpose(1, 2), z[:, :, 1].transpose(1, 2)
     cases = [(rotary._joint(q, k), torch.stack([cos * 0.125, cos])[:, None, None],
               torch.stack([sin * 0.125, sin])[:, None, None]),
              (q, cos, sin),
-             (torch.randn(37, 4, 64, generator=gen).to(in_dtype), cos[:, None], sin[:, None])]
+             (torch.randn(37, 4, 64, generator=gen).to(in_dtype), cos[:, None], sin[:, None]),
+             # 1,100 tokens: 282k elements, which the kernel splits over 2 threads
+             (torch.randn(1100, 4, 64, generator=gen).to(in_dtype), big_cos[:, None], big_sin[:, None])]
     assert cases[0][0] is not None
     for x, c, s in cases:
         for sign in (1.0, -1.0):
