@@ -245,6 +245,7 @@ static PyObject *rope(PyObject *self, PyObject *args) {
   r.src = (const char *)(uintptr_t)src, r.dst = (char *)(uintptr_t)dst;
   r.cos = (const float *)(uintptr_t)cos, r.sin = (const float *)(uintptr_t)sin;
   const int64_t rows = r.size[0] * r.size[1] * r.size[2] * r.size[3];
+  if (rows == 0) Py_RETURN_NONE; /* nothing to rotate (and no size to divide by) */
   int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
   if ((long long)t * MIN_PER_THREAD > rows * r.size[4]) t = 1;
   Py_BEGIN_ALLOW_THREADS

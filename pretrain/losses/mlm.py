@@ -66,7 +66,7 @@ class _SummedCrossEntropy(torch.autograd.Function):
 def _fused(logits_MV: torch.Tensor, labels_M: torch.Tensor) -> bool:
     """Whether the C kernel computes the loss (``_FusedCrossEntropy``): built, the CPU, eager, 2-D fp32/bf16 logits."""
     return (not torch.compiler.is_compiling() and logits_MV.device.type == "cpu" and cpu_kernels() is not None
-            and logits_MV.dim() == 2 and logits_MV.dtype in KINDS and labels_M.dim() == 1
+            and logits_MV.dim() == 2 and logits_MV.dtype in KINDS and logits_MV.numel() > 0 and labels_M.dim() == 1
             and labels_M.device.type == "cpu")
 
 

@@ -135,7 +135,7 @@ def scale_masked(x: torch.Tensor, mask: Mask) -> torch.Tensor:
     one, as torch's dropout): in one pass of the C kernel for a CPU float32/bfloat16 tensor (made contiguous; a
     gradient may come as a strided view), else with ``kept_of``'s boolean mask (the same bits)."""
     kernel = cpu_kernels()
-    if kernel is None or x.device.type != "cpu" or x.dtype not in KINDS:
+    if kernel is None or x.device.type != "cpu" or x.dtype not in KINDS or x.numel() == 0:
         return x.mul(kept_of(mask, x.shape, x.device).view(torch.uint8)).mul_(mask.scale)
     x = x.contiguous()
     y = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -61,11 +61,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float,
 def _rotate_in_c(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float,
                  dtype: torch.dtype) -> torch.Tensor | None:
     """``_rotate`` by the C kernel, or None where it cannot run (not built, not the CPU, another dtype, more than 5
-    dimensions, a strided last dimension, tables that are not fp32 or not broadcastable to x)."""
+    dimensions, a strided last dimension, tables that are not fp32 or not broadcastable to x, an empty x)."""
     kernel = cpu_kernels()
     if (kernel is None or x.device.type != "cpu" or x.dtype not in KINDS or dtype not in KINDS or x.dim() > 5
             or x.stride(-1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32
-            or cos.device.type != "cpu" or sin.device.type != "cpu" or x.shape[-1] % 2):
+            or cos.device.type != "cpu" or sin.device.type != "cpu" or x.shape[-1] % 2 or x.numel() == 0):
         return None
     try:
         cos, sin = cos.broadcast_to(x.shape), sin.broadcast_to(x.shape)

@@ -423,6 +423,8 @@ def test_rope_in_c_is_the_formula(in_dtype, out_dtype, monkeypatch):
              # 1,100 tokens: 282k elements, which the kernel splits over 2 threads
              (torch.randn(1100, 4, 64, generator=gen).to(in_dtype), big_cos[:, None], big_sin[:, None])]
     assert cases[0][0] is not None
+    empty = torch.empty(0, 4, 37, 64).to(in_dtype)  # an empty tensor: an empty result, no division by a zero size
+    assert rotary._rotate(empty, cos, sin, 1.0, out_dtype).shape == empty.shape
     for x, c, s in cases:
         for sign in (1.0, -1.0):
             y = rotary._rotate(x, c, s, sign, out_dtype)
