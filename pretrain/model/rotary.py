@@ -39,7 +39,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float,
     (``sign`` -1: the inverse rotation, RoPE's backward). The tables' two halves are equal (``rope_tables``), so
     either half serves. On the CPU the C kernel (``kernels.cpu_kernels().rope``) reads x once and writes the result
     once; elsewhere, or without it, the product with cos, then each half's rotated term added in place, then the
-    cast (the same fp32 arithmetic: each product rounded before the sum).
+    cast (the same fp32 arithmetic: the cos product rounded, the sin product fused into the sum, as ``addcmul_``'s
+    vectorised CPU kernel does).
 
     Contiguous whatever x's strides: q and k arrive as head-major views of the fused projection ((n, H, t, K) over
     (n, t, H, K) memory), and a product would keep that memory order, so attention's ``q @ k.T`` copied both into
