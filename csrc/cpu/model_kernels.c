@@ -84,10 +84,27 @@ static inline int16_t draw_at(uint64_t key, uint64_t word, int lane) {
   return (int16_t)(splitmix64(key + word * GAMMA) >> (16 * lane));
 }
 
+/* fn(ctx, lo, hi) over [0, n) in runs for up to ``threads`` OpenMP threads (torch's pool): as many threads as give
+ * each at least MIN_PER_THREAD elements (per_item elements an item), each run a whole number of ``align`` items but
+ * the last, the runs together covering [0, n). Every kernel splits its work here. */
+typedef void (*RunFn)(const void *ctx, int64_t lo, int64_t hi);
+
+static void parallel_runs(RunFn fn, const void *ctx, int64_t n, int64_t per_item, int64_t align, int threads) {
+  const int64_t most = n * per_item / MIN_PER_THREAD;
+  int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+  if (t > most) t = most > 1 ? most : 1;
+  if (t == 1) {
+    fn(ctx, 0, n);
+    return;
+  }
+  const int64_t per = ((n + t - 1) / t + align - 1) / align * align; /* t runs of whole aligns cover n */
+#pragma omp parallel for num_threads((int)t) schedule(static, 1)
+  for (int64_t k = 0; k < t; ++k) fn(ctx, per * k < n ? per * k : n, per * (k + 1) < n ? per * (k + 1) : n);
+}
+
 typedef struct {
   const void *src;
   void *dst;
-  int64_t lo, hi;
   uint64_t key, first;
   int16_t threshold;
   float scale;
@@ -104,20 +121,21 @@ typedef struct {
     const int16_t threshold = j->threshold;                                                        \
     const float scale = j->scale;                                                                  \
     int16_t b[BLOCK];                                                                              \
-    int64_t i = j->lo;                                                                             \
-    for (; i + BLOCK <= j->hi; i += BLOCK) {                                                       \
+    int64_t i = lo;                                                                                \
+    for (; i + BLOCK <= hi; i += BLOCK) {                                                          \
       draws(b, key, first + (uint64_t)(i / 4));                                                    \
       for (int k = 0; k < BLOCK; ++k)                                                              \
         STORE(dst[i + k], LOAD(src[i + k]) * (b[k] >= threshold ? scale : 0.0f));                 \
     }                                                                                              \
-    for (; i < j->hi; ++i) {                                                                       \
+    for (; i < hi; ++i) {                                                                          \
       const int16_t bits = draw_at(key, first + (uint64_t)(i / 4), (int)(i % 4));                  \
       STORE(dst[i], LOAD(src[i]) * (bits >= threshold ? scale : 0.0f));                            \
     }                                                                                              \
   }
 
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void run(const Job *j) {
+static void drop_run(const void *ctx, int64_t lo, int64_t hi) {
+  const Job *j = (const Job *)ctx;
   if (j->kind == 0)
     DROP_RUN(float, AS_IS, PUT)
   else
@@ -136,22 +154,9 @@ static PyObject *scale_masked(PyObject *self, PyObject *args) {
                                       "and non-null addresses");
     return NULL;
   }
-  int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-  if ((long long)t * MIN_PER_THREAD > n) t = (int)(n / MIN_PER_THREAD) > 0 ? (int)(n / MIN_PER_THREAD) : 1;
-  Job jobs[MAX_THREADS];
-  const int64_t per = ((n + t - 1) / t + BLOCK - 1) / BLOCK * BLOCK; /* whole blocks, t of them cover n */
-  for (int k = 0; k < t; ++k) {
-    const int64_t lo = per * k < n ? per * k : n, hi = per * (k + 1) < n ? per * (k + 1) : n;
-    jobs[k] = (Job){(const void *)(uintptr_t)src, (void *)(uintptr_t)dst, lo, hi, key, first, (int16_t)threshold,
-                    scale, kind};
-  }
+  const Job job = {(const void *)(uintptr_t)src, (void *)(uintptr_t)dst, key, first, (int16_t)threshold, scale, kind};
   Py_BEGIN_ALLOW_THREADS
-  if (t == 1) {
-    run(&jobs[0]);
-  } else {
-#pragma omp parallel for num_threads(t) schedule(static, 1)
-    for (int k = 0; k < t; ++k) run(&jobs[k]);
-  }
+  parallel_runs(drop_run, &job, n, 1, BLOCK, threads); /* runs of whole blocks: each starts on a word */
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
@@ -187,7 +192,8 @@ typedef struct {
  * through contiguous memory (head-major order would read 256 bytes and jump 3 KB, which ran at a quarter of the
  * memory's speed inside a training step); dst is written at each row's head-major place. */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void rope_rows(const Rope *r, int64_t lo_row, int64_t hi_row) {
+static void rope_rows(const void *ctx, int64_t lo_row, int64_t hi_row) {
+  const Rope *r = (const Rope *)ctx;
   const int64_t K = r->size[4], H = K / 2;
   const float sign = r->sign;
   int order[4] = {0, 1, 2, 3};
@@ -246,17 +252,8 @@ static PyObject *rope(PyObject *self, PyObject *args) {
   r.cos = (const float *)(uintptr_t)cos, r.sin = (const float *)(uintptr_t)sin;
   const int64_t rows = r.size[0] * r.size[1] * r.size[2] * r.size[3];
   if (rows == 0) Py_RETURN_NONE; /* nothing to rotate (and no size to divide by) */
-  int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-  if ((long long)t * MIN_PER_THREAD > rows * r.size[4]) t = 1;
   Py_BEGIN_ALLOW_THREADS
-  if (t == 1) {
-    rope_rows(&r, 0, rows);
-  } else {
-    const int64_t per = (rows + t - 1) / t;
-#pragma omp parallel for num_threads(t) schedule(static, 1)
-    for (int k = 0; k < t; ++k)
-      rope_rows(&r, per * k < rows ? per * k : rows, per * (k + 1) < rows ? per * (k + 1) : rows);
-  }
+  parallel_runs(rope_rows, &r, rows, r.size[4], 1, threads);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
@@ -320,7 +317,8 @@ typedef struct {
   }
 
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void ce_rows(const CrossEntropy *c, int64_t lo, int64_t hi) {
+static void ce_rows(const void *ctx, int64_t lo, int64_t hi) {
+  const CrossEntropy *c = (const CrossEntropy *)ctx;
   const int64_t V = c->cols;
   for (int64_t i = lo; i < hi; ++i) {
     const int64_t label = c->labels[i];
@@ -341,7 +339,8 @@ static void ce_rows(const CrossEntropy *c, int64_t lo, int64_t hi) {
 
 /* grad[i, v] = coef_i e^(x - lse_i), minus coef_i at the label, coef_i = coef for a labelled row, else 0. */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void ce_grad_rows(const CrossEntropy *c, int64_t lo, int64_t hi) {
+static void ce_grad_rows(const void *ctx, int64_t lo, int64_t hi) {
+  const CrossEntropy *c = (const CrossEntropy *)ctx;
   const int64_t V = c->cols;
   for (int64_t i = lo; i < hi; ++i) {
     const int64_t label = c->labels[i];
@@ -362,18 +361,8 @@ static void ce_grad_rows(const CrossEntropy *c, int64_t lo, int64_t hi) {
 }
 
 static void ce_run(const CrossEntropy *c, int backward, int threads) {
-  int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-  if ((long long)t * MIN_PER_THREAD > c->rows * c->cols || c->rows < t) t = 1;
-  const int64_t per = (c->rows + t - 1) / t;
   Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for num_threads(t) schedule(static, 1) if (t > 1)
-  for (int k = 0; k < t; ++k) {
-    const int64_t lo = per * k < c->rows ? per * k : c->rows, hi = per * (k + 1) < c->rows ? per * (k + 1) : c->rows;
-    if (backward)
-      ce_grad_rows(c, lo, hi);
-    else
-      ce_rows(c, lo, hi);
-  }
+  parallel_runs(backward ? ce_grad_rows : ce_rows, c, c->rows, c->cols, 1, threads);
   Py_END_ALLOW_THREADS
 }
 
@@ -450,7 +439,7 @@ typedef struct {
   const void *z, *dh;
   void *out;
   int64_t rows, width; /* z: (rows, 2 width) = [u | g]; h, dh: (rows, width) */
-  int kind;
+  int kind, backward;  /* backward: dh given, out is z's gradient */
 } Geglu;
 
 #define GEGLU_FWD(LOAD, STORE)                                                                     \
@@ -482,8 +471,10 @@ typedef struct {
   }
 
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void geglu_rows(const Geglu *c, int backward, int64_t lo, int64_t hi) {
+static void geglu_rows(const void *ctx, int64_t lo, int64_t hi) {
+  const Geglu *c = (const Geglu *)ctx;
   const int64_t F = c->width;
+  const int backward = c->backward;
   for (int64_t i = lo; i < hi; ++i) {
     if (c->kind == 0)
       GEGLU_ROW(float, AS_IS, PUT)
@@ -505,14 +496,9 @@ static PyObject *geglu(PyObject *self, PyObject *args) {
     return NULL;
   }
   c.z = (const void *)(uintptr_t)z, c.dh = (const void *)(uintptr_t)dh, c.out = (void *)(uintptr_t)out;
-  const int backward = dh != 0;
-  int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-  if ((long long)t * MIN_PER_THREAD > c.rows * c.width || c.rows < t) t = 1;
-  const int64_t per = (c.rows + t - 1) / t;
+  c.backward = dh != 0;
   Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for num_threads(t) schedule(static, 1) if (t > 1)
-  for (int k = 0; k < t; ++k)
-    geglu_rows(&c, backward, per * k < c.rows ? per * k : c.rows, per * (k + 1) < c.rows ? per * (k + 1) : c.rows);
+  parallel_runs(geglu_rows, &c, c.rows, c.width, 1, threads);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

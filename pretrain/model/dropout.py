@@ -159,17 +159,16 @@ class _DropScale(torch.autograd.Function):
 
 
 def uses_fast(x: torch.Tensor, p: float, training: bool, fast: bool, numel: int | None = None) -> bool:
-    """Whether ``dropout`` draws its own mask: training, 0 < p < 1, on the CPU, not being compiled, and a mask of
-    at least ``FAST_MIN_NUMEL`` elements (``numel``, by default ``x``'s). Compiling is asked first: a size compared
-    while tracing would be a guard on the batch's shape, and a batch on the other side of the threshold a
-    recompile (the compiled step's one-graph test caught it)."""
-    return (fast and training and not torch.compiler.is_compiling() and 0.0 < p < 1.0
-            and 0 < round(p * LEVELS) < LEVELS and x.device.type == "cpu"
-            and (x.numel() if numel is None else numel) >= FAST_MIN_NUMEL)
+    """Whether ``dropout`` draws its own mask: training, a p that 16 bits round to neither 0 nor 1, on the CPU,
+    not being compiled, and a mask of at least ``FAST_MIN_NUMEL`` elements (``numel``, by default ``x``'s).
+    Compiling is asked first: a size compared while tracing would be a guard on the batch's shape, and a batch on
+    the other side of the threshold a recompile (the compiled step's one-graph test caught it)."""
+    return (fast and training and not torch.compiler.is_compiling() and 0 < round(p * LEVELS) < LEVELS
+            and x.device.type == "cpu" and (x.numel() if numel is None else numel) >= FAST_MIN_NUMEL)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True, fast: bool = True) -> torch.Tensor:
-    """``F.dropout(x, p, training)``; with ``fast``, on the CPU the mask comes from ``keep_mask``."""
+    """``F.dropout(x, p, training)``; with ``fast``, on the CPU a hashed mask (``draw``) applied by ``_DropScale``."""
     if not uses_fast(x, p, training, fast):
         return F.dropout(x, p, training)
     return _DropScale.apply(x, draw(p))
