@@ -63,7 +63,9 @@ class Mask(NamedTuple):
     forward and the backward."""
 
     key: int
-    """Unsigned 64 bits, drawn from torch's default generator (``draw``)."""
+    """64 bits, drawn from torch's default generator (``draw``), held as a signed int64 (the kernel reads the same
+    bits unsigned): a Python int beyond int64 in an autograd function's arguments makes ``torch.profiler``'s
+    ``record_shapes`` fail the step."""
     first: int
     """The mask's first word: several masks of one key are consecutive runs of its words (``draw_masks``)."""
     threshold: int
@@ -80,7 +82,7 @@ def _rate(p: float) -> tuple[int, float]:
 def _key() -> int:
     """64 random bits from torch's default CPU generator (read through ``.numpy()``, no ``.item()``: no op that
     would be a host sync on a device), so that generator alone decides every mask."""
-    return int(torch.empty(1, dtype=torch.int64).random_(-2**63, 2**63 - 1).numpy()[0]) % 2**64
+    return int(torch.empty(1, dtype=torch.int64).random_(-2**63, 2**63 - 1).numpy()[0])
 
 
 def draw(p: float) -> Mask:

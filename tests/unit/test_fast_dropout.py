@@ -18,8 +18,8 @@ from test_trim_last_layer import _batch, _module
 
 from pretrain.metrics.op_count import OpCounter
 from pretrain.model import dropout as dropout_module
-from pretrain.model.dropout import (GAMMA, LEVELS, Mask, attention, draw_masks, dropout, keep_mask, kept_of,
-                                    mask_words, scale_masked, set_fast_dropout, uses_fast)
+from pretrain.model.dropout import (GAMMA, LEVELS, Mask, _DropScale, attention, draw, draw_masks, dropout,
+                                    keep_mask, kept_of, mask_words, scale_masked, set_fast_dropout, uses_fast)
 from pretrain.training.step import dropout_rng, host_facts
 
 N = 1 << 20
@@ -193,6 +193,23 @@ def test_the_c_kernel_is_the_torch_reference_bit_for_bit(dtype):
     mask = Mask(7, 0, -26214, 1.25)
     ref = x.t().contiguous().mul(kept_of(mask, (64, 37)).view(torch.uint8)).mul_(1.25)
     assert torch.equal(scale_masked(x.t(), mask), ref)
+
+
+def test_a_step_runs_under_the_profilers_record_shapes():
+    """``torch.profiler`` with ``record_shapes`` records an autograd function's arguments as C++ values: a key
+    beyond int64 (half of all keys, when they were held unsigned) failed the step there. Keys are signed; the
+    kernel reads the same bits, so a key and its unsigned form give the same mask."""
+    torch.manual_seed(5)
+    x = torch.randn(1 << 14, requires_grad=True)
+    keys = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True):
+        for _ in range(12):
+            mask = draw(0.1)
+            keys.append(mask.key)
+            _DropScale.apply(x, mask).sum().backward()
+    assert min(keys) < 0 <= max(keys) and all(-2**63 <= k < 2**63 for k in keys)
+    unsigned = Mask(min(keys) % 2**64, 3, mask.threshold, mask.scale)
+    assert torch.equal(scale_masked(x.detach(), unsigned), scale_masked(x.detach(), unsigned._replace(key=min(keys))))
 
 
 def test_without_the_kernel_the_same_masks(monkeypatch):
