@@ -27,6 +27,9 @@
  *
  * 4. GeGLU, gelu(u) g of z = [u, g] (erf's GELU), forward and backward in one pass each: geglu(...), below.
  *
+ * 5. Attention probabilities: scale, key mask, softmax and dropout of the scores in one pass over each row, and
+ * their backward in one: attention_probs(...) and attention_probs_grad(...), below.
+ *
  * The work is split over ``threads`` OpenMP threads (torch's intra-op count) and the GIL is released meanwhile.
  * Built with -fopenmp against libgomp.so.1 and imported after torch, whose CPU build loads its own libgomp.so.1:
  * the loader gives this module that same runtime, so these threads are torch's pool (a second pool would compete
@@ -35,9 +38,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GAMMA 0x9e3779b97f4a7c15ULL
@@ -503,6 +508,186 @@ static PyObject *geglu(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* 5. Attention probabilities. Row r of the (rows, cols) float32 scores (rows = n * heads * t queries, cols keys):
+ *
+ *     x[j] = keep[j] ? scale * scores[j] : -FLT_MAX,   probs[j] = e^(x[j] - max x) / sum,
+ *     dropped[j] = probs[j] * (kept(r * cols + j) ? dscale : 0)
+ *
+ * (keep: the row's uint8 key mask, 1 = may be attended to, or none; a row with no key gets weights over all, as
+ * torch's masked_fill with the dtype's lowest value gives; kept: the dropout mask of scale_masked over the
+ * contiguous probabilities). The backward, for dropped's gradient g:
+ *
+ *     dp[j] = g[j] * (kept ? dscale : 0),   grad[j] = keep[j] ? scale * probs[j] * (dp[j] - sum_k dp[k] probs[k]) : 0.
+ *
+ * The key mask is addressed per row: query row r = ((a * heads) + h) * t + i reads keep + a * keep_strides[0] +
+ * h * keep_strides[1] + i * keep_strides[2] (strides in elements, 0 where the mask is broadcast), its keys
+ * contiguous. Each row's dropout bits are drawn into a buffer (a row need not start on a word). */
+typedef struct {
+  const float *scores, *probs, *grad_in;
+  float *probs_out, *dropped, *grad_out;
+  const uint8_t *keep;
+  int64_t rows, cols, heads, t, keep_strides[3];
+  float scale, dscale;
+  uint64_t key, first;
+  int16_t threshold;
+} Probs;
+
+/* x[j] = e^(x[j] - max x) over a row of V, returning their sum (max and sum in LANES partial lanes, which
+ * vectorise; a NaN is not taken by the max, but reaches the sum). */
+static inline float exp_row(float *restrict x, int64_t V) {
+  float m[LANES], acc[LANES];
+  for (int j = 0; j < LANES; ++j) m[j] = -INFINITY, acc[j] = 0.0f;
+  int64_t v = 0;
+  for (; v + LANES <= V; v += LANES)
+    for (int j = 0; j < LANES; ++j) m[j] = x[v + j] > m[j] ? x[v + j] : m[j];
+  float mx = -INFINITY;
+  for (int j = 0; j < LANES; ++j) mx = m[j] > mx ? m[j] : mx;
+  for (int64_t w = v; w < V; ++w) mx = x[w] > mx ? x[w] : mx;
+  for (v = 0; v + LANES <= V; v += LANES)
+    for (int j = 0; j < LANES; ++j) acc[j] += (x[v + j] = exp_nonpositive(x[v + j] - mx));
+  float sum = 0.0f;
+  for (int j = 0; j < LANES; ++j) sum += acc[j];
+  for (int64_t w = v; w < V; ++w) sum += (x[w] = exp_nonpositive(x[w] - mx));
+  return sum;
+}
+
+/* Row r's dropout bits into b[0 .. cols). */
+static inline void row_draws(int16_t *b, uint64_t *words, const Probs *c, int64_t r) {
+  const int64_t start = r * c->cols, w0 = start / 4, lane = start % 4, nw = (lane + c->cols + 3) / 4;
+  for (int64_t w = 0; w < nw; ++w) words[w] = splitmix64(c->key + (c->first + (uint64_t)(w0 + w)) * GAMMA);
+  memcpy(b, (const int16_t *)words + lane, (size_t)c->cols * sizeof(int16_t));
+}
+
+static inline const uint8_t *row_keep(const Probs *c, int64_t r) {
+  if (!c->keep) return NULL;
+  const int64_t i = r % c->t, h = r / c->t % c->heads, a = r / (c->t * c->heads);
+  return c->keep + a * c->keep_strides[0] + h * c->keep_strides[1] + i * c->keep_strides[2];
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void probs_rows(const void *ctx, int64_t lo, int64_t hi) {
+  const Probs *c = (const Probs *)ctx;
+  const int64_t V = c->cols;
+  const float scale = c->scale, dscale = c->dscale;
+  const int16_t threshold = c->threshold;
+  int16_t *b = malloc((size_t)V * sizeof(int16_t));
+  uint64_t *words = malloc((size_t)(V / 4 + 2) * sizeof(uint64_t));
+  float *x = malloc((size_t)V * sizeof(float));
+  if (!b || !words || !x) abort(); /* a few KB: out of memory already */
+  for (int64_t r = lo; r < hi; ++r) {
+    const float *restrict s = c->scores + r * V;
+    float *restrict p = c->probs_out + r * V, *restrict d = c->dropped + r * V;
+    const uint8_t *restrict keep = row_keep(c, r);
+    if (keep)
+      for (int64_t j = 0; j < V; ++j) x[j] = keep[j] ? scale * s[j] : -FLT_MAX;
+    else
+      for (int64_t j = 0; j < V; ++j) x[j] = scale * s[j];
+    const float inv = 1.0f / exp_row(x, V);
+    row_draws(b, words, c, r);
+    for (int64_t j = 0; j < V; ++j) {
+      const float pj = x[j] * inv;
+      p[j] = pj;
+      d[j] = pj * (b[j] >= threshold ? dscale : 0.0f);
+    }
+  }
+  free(x), free(words), free(b);
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void probs_grad_rows(const void *ctx, int64_t lo, int64_t hi) {
+  const Probs *c = (const Probs *)ctx;
+  const int64_t V = c->cols;
+  const float scale = c->scale, dscale = c->dscale;
+  const int16_t threshold = c->threshold;
+  int16_t *b = malloc((size_t)V * sizeof(int16_t));
+  uint64_t *words = malloc((size_t)(V / 4 + 2) * sizeof(uint64_t));
+  float *dp = malloc((size_t)V * sizeof(float));
+  if (!b || !words || !dp) abort();
+  for (int64_t r = lo; r < hi; ++r) {
+    const float *restrict g = c->grad_in + r * V, *restrict p = c->probs + r * V;
+    float *restrict out = c->grad_out + r * V;
+    const uint8_t *restrict keep = row_keep(c, r);
+    row_draws(b, words, c, r);
+    float lanes[LANES] = {0};
+    int64_t v = 0;
+    for (; v + LANES <= V; v += LANES)
+      for (int j = 0; j < LANES; ++j) {
+        dp[v + j] = g[v + j] * (b[v + j] >= threshold ? dscale : 0.0f);
+        lanes[j] += dp[v + j] * p[v + j];
+      }
+    float dot = 0.0f;
+    for (int j = 0; j < LANES; ++j) dot += lanes[j];
+    for (; v < V; ++v) {
+      dp[v] = g[v] * (b[v] >= threshold ? dscale : 0.0f);
+      dot += dp[v] * p[v];
+    }
+    if (keep)
+      for (int64_t j = 0; j < V; ++j) out[j] = keep[j] ? scale * (p[j] * (dp[j] - dot)) : 0.0f;
+    else
+      for (int64_t j = 0; j < V; ++j) out[j] = scale * (p[j] * (dp[j] - dot));
+  }
+  free(dp), free(words), free(b);
+}
+
+/* Arguments shared by both directions: rows, cols, heads, t, keep, (keep strides), scale, key, first, threshold,
+ * dscale; then the direction's addresses. */
+static int probs_args(Probs *c, unsigned long long keep, int threshold) {
+  if (c->rows < 0 || c->cols < 1 || c->heads < 1 || c->t < 1 || c->rows % (c->heads * c->t) != 0 ||
+      threshold < INT16_MIN || threshold > INT16_MAX) {
+    PyErr_SetString(PyExc_ValueError, "attention_probs: rows >= 0 a multiple of heads * t, cols, heads, t >= 1 and "
+                                      "an int16 threshold");
+    return 0;
+  }
+  c->keep = (const uint8_t *)(uintptr_t)keep, c->threshold = (int16_t)threshold;
+  return 1;
+}
+
+/* attention_probs(scores, probs, dropped, rows, cols, heads, t, keep, (s0, s1, s2), scale, key, first, threshold,
+ * dscale, threads) */
+static PyObject *attention_probs(PyObject *self, PyObject *args) {
+  unsigned long long scores, probs, dropped, keep;
+  Probs c = {0};
+  int threshold, threads;
+  if (!PyArg_ParseTuple(args, "KKKLLLLK(LLL)fKKifi", &scores, &probs, &dropped, &c.rows, &c.cols, &c.heads, &c.t,
+                        &keep, &c.keep_strides[0], &c.keep_strides[1], &c.keep_strides[2], &c.scale, &c.key,
+                        &c.first, &threshold, &c.dscale, &threads))
+    return NULL;
+  if (!probs_args(&c, keep, threshold)) return NULL;
+  if (!scores || !probs || !dropped) {
+    PyErr_SetString(PyExc_ValueError, "attention_probs: non-null scores, probs and dropped addresses");
+    return NULL;
+  }
+  c.scores = (const float *)(uintptr_t)scores, c.probs_out = (float *)(uintptr_t)probs;
+  c.dropped = (float *)(uintptr_t)dropped;
+  Py_BEGIN_ALLOW_THREADS
+  parallel_runs(probs_rows, &c, c.rows, c.cols, 1, threads);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+/* attention_probs_grad(grad, probs, out, rows, cols, heads, t, keep, (s0, s1, s2), scale, key, first, threshold,
+ * dscale, threads); out a separate tensor. */
+static PyObject *attention_probs_grad(PyObject *self, PyObject *args) {
+  unsigned long long grad, probs, out, keep;
+  Probs c = {0};
+  int threshold, threads;
+  if (!PyArg_ParseTuple(args, "KKKLLLLK(LLL)fKKifi", &grad, &probs, &out, &c.rows, &c.cols, &c.heads, &c.t, &keep,
+                        &c.keep_strides[0], &c.keep_strides[1], &c.keep_strides[2], &c.scale, &c.key, &c.first,
+                        &threshold, &c.dscale, &threads))
+    return NULL;
+  if (!probs_args(&c, keep, threshold)) return NULL;
+  if (!grad || !probs || !out) {
+    PyErr_SetString(PyExc_ValueError, "attention_probs_grad: non-null grad, probs and out addresses");
+    return NULL;
+  }
+  c.grad_in = (const float *)(uintptr_t)grad, c.probs = (const float *)(uintptr_t)probs;
+  c.grad_out = (float *)(uintptr_t)out;
+  Py_BEGIN_ALLOW_THREADS
+  parallel_runs(probs_grad_rows, &c, c.rows, c.cols, 1, threads);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scale_masked", scale_masked, METH_VARARGS,
      "scale_masked(src, dst, n, kind, key, first, threshold, scale, threads): dst = src * (kept ? scale : 0), the "
@@ -521,6 +706,13 @@ static PyMethodDef methods[] = {
     {"geglu", geglu, METH_VARARGS,
      "geglu(z, dh, out, rows, width, kind, threads): z = [u | g] (rows, 2 width); dh 0: out = gelu(u) g (erf's "
      "GELU); else out = d/dz of <dh, gelu(u) g>, (rows, 2 width); kind 0 float32, 1 bfloat16, all contiguous"},
+    {"attention_probs", attention_probs, METH_VARARGS,
+     "attention_probs(scores, probs, dropped, rows, cols, heads, t, keep, keep_strides, scale, key, first, "
+     "threshold, dscale, threads): probs = softmax of the scaled, key-masked float32 scores per row, dropped = "
+     "probs under scale_masked's mask"},
+    {"attention_probs_grad", attention_probs_grad, METH_VARARGS,
+     "attention_probs_grad(grad, probs, out, rows, cols, heads, t, keep, keep_strides, scale, key, first, "
+     "threshold, dscale, threads): the scores' gradient for dropped's gradient grad, into out"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "One-pass CPU kernels of the model (C).", -1,

@@ -213,6 +213,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         q, k, v = q.float(), k.float(), v.float()
         mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
     with torch.autocast("cpu", enabled=False):  # under autocast too: fp32 matmuls, as inside SDPA
+        if _probs_in_c(q, k, mask):  # scale, mask, softmax and dropout in one pass each way
+            probs = _AttentionProbs.apply(q @ k.transpose(-2, -1), mask, 1.0 if q_scaled else q.shape[-1] ** -0.5,
+                                          draw(dropout_p) if kept is None else kept)
+            return (probs @ v).to(dtype)
         scores = (q if q_scaled else q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
         if mask is not None:
             scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
@@ -220,6 +224,55 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         probs = scores.softmax(-1)
         probs = dropout(probs, dropout_p) if kept is None else _DropScale.apply(probs, kept)
         return (probs @ v).to(dtype)
+
+
+def _probs_in_c(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether ``_AttentionProbs`` takes the probabilities: the C module built, 4-d fp32 q and k, and no mask or a
+    boolean one whose key dimension is not broadcast."""
+    return (cpu_kernels() is not None and q.dim() == 4 and q.dtype == k.dtype == torch.float32
+            and q.shape[-2] > 0 and k.shape[-2] > 0
+            and (mask is None or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2])))
+
+
+def _probs_args(scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> tuple:
+    """The (rows, cols, heads, t, keep, keep strides, scale, key, first, threshold, dscale, threads) arguments of
+    the C kernels for (n, heads, t, cols) scores and a boolean key mask broadcast to them (its key dimension
+    contiguous: made so where it is not)."""
+    n, heads, t, cols = scores.shape
+    address, strides = 0, (0, 0, 0)
+    if keep is not None:
+        keep = keep.expand(n, heads, t, cols)
+        if keep.stride(-1) != 1:
+            keep = keep.contiguous()
+        address, strides = keep.data_ptr(), keep.stride()[:3]
+    return (n * heads * t, cols, heads, t, address, strides, scale, mask.key, mask.first, mask.threshold, mask.scale,
+            torch.get_num_threads())
+
+
+class _AttentionProbs(torch.autograd.Function):
+    """softmax(scale * scores, keys masked by ``keep``) under dropout ``mask`` in one pass of the C kernel
+    (``attention_probs``), where torch takes four (q's scaling, ``masked_fill``, softmax, dropout) and as many
+    backward; keeps the probabilities for the backward, as softmax does. Masked keys get the dtype's lowest value,
+    as ``masked_fill`` gives them (a row with no key gets weights over all)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> torch.Tensor:
+        scores = scores.contiguous()
+        probs, dropped = torch.empty_like(scores), torch.empty_like(scores)
+        args = _probs_args(scores, keep, scale, mask)
+        cpu_kernels().attention_probs(scores.data_ptr(), probs.data_ptr(), dropped.data_ptr(), *args)
+        ctx.save_for_backward(probs, keep)
+        ctx.scale, ctx.mask = scale, mask
+        return dropped
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, keep = ctx.saved_tensors
+        grad = grad.contiguous()
+        out = torch.empty_like(probs)
+        args = _probs_args(probs, keep, ctx.scale, ctx.mask)
+        cpu_kernels().attention_probs_grad(grad.data_ptr(), probs.data_ptr(), out.data_ptr(), *args)
+        return out, None, None, None
 
 
 def group_masks(shapes: list[tuple[int, int]], heads: int, dropout_p: float, fast: bool,

@@ -18,8 +18,9 @@ from test_trim_last_layer import _batch, _module
 
 from pretrain.metrics.op_count import OpCounter
 from pretrain.model import dropout as dropout_module
-from pretrain.model.dropout import (GAMMA, LEVELS, Mask, _DropScale, attention, draw, draw_masks, dropout,
-                                    keep_mask, kept_of, mask_words, scale_masked, set_fast_dropout, uses_fast)
+from pretrain.model.kernels import cpu_kernels
+from pretrain.model.dropout import (GAMMA, LEVELS, Mask, _AttentionProbs, _DropScale, attention, draw, draw_masks,
+                                    dropout, keep_mask, kept_of, mask_words, scale_masked, set_fast_dropout, uses_fast)
 from pretrain.training.step import dropout_rng, host_facts
 
 N = 1 << 20
@@ -287,6 +288,94 @@ def test_a_query_scaled_beforehand_gives_the_same_attention(fast_path, monkeypat
     assert (y - ref).abs().max() < 1e-12
     assert all((a - b).abs().max() < 1e-12 for a, b in zip(grads, ref_grads))
     assert (attention(q, k, v, keep, p, q_scaled=True) - ref).abs().max() > 1e-3  # the factor matters
+
+
+def _probs_reference(scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> torch.Tensor:
+    """``_AttentionProbs`` in float64 torch ops: scaled scores, masked keys at float32's lowest, softmax, dropout."""
+    x = scores.double() * scale
+    if keep is not None:
+        x = x.masked_fill(~keep, torch.finfo(torch.float32).min)
+    return x.softmax(-1) * kept_of(mask, scores.shape).double() * mask.scale
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "keys", "band"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_attention_probabilities_in_c_equal_the_float64_reference(mask_kind, threads):
+    """The C kernel's scale, key mask, softmax and dropout (``_AttentionProbs``) and their backward against float64:
+    rows that do not start on a mask word (odd lengths), a mask starting at a later word, a row with no key to
+    attend to (weights over all, as ``masked_fill`` gives), a banded (n, 1, t, t) mask, split over threads. The
+    dropped elements are those of ``kept_of``'s mask, exactly."""
+    _kernel()
+    gen = torch.Generator().manual_seed(31)
+    n, heads, t = 8, 4, 109
+    scores = (3 * torch.randn(n, heads, t, t, generator=gen)).requires_grad_()
+    keep = None
+    if mask_kind == "keys":
+        keep = torch.rand(n, 1, 1, t, generator=gen) > 0.3
+        keep[2] = False
+    elif mask_kind == "band":
+        i = torch.arange(t)
+        keep = ((i[:, None] - i[None, :]).abs() <= 9).expand(n, 1, t, t) & (torch.rand(n, 1, 1, t, generator=gen) > 0.2)
+    mask = Mask(-0x0123456789ABCDEF, 5, round(0.25 * LEVELS) - LEVELS // 2, LEVELS / (LEVELS - round(0.25 * LEVELS)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = _AttentionProbs.apply(scores, keep, 0.125, mask)
+        g = torch.randn(y.shape, generator=gen)
+        (grad,) = torch.autograd.grad(y, scores, g)
+    finally:
+        torch.set_num_threads(before)
+    s64 = scores.detach().double().requires_grad_()
+    ref = _probs_reference(s64, keep, 0.125, mask)
+    (ref_grad,) = torch.autograd.grad(ref, s64, g.double())
+    assert torch.equal(y == 0, ref == 0)  # the same elements dropped (and masked)
+    assert (y.double() - ref).abs().max() < 1e-6 * ref.abs().max()
+    assert (grad.double() - ref_grad).abs().max() < 1e-5 * ref_grad.abs().max()
+    if mask_kind == "keys":  # the row with no key: uniform weights before dropout, no gradient
+        assert torch.allclose(ref[2][ref[2] > 0], torch.tensor(mask.scale / t, dtype=torch.float64))
+        assert not grad[2].any()
+
+
+def test_attention_probabilities_in_c_keep_non_finite_scores_seen():
+    """A NaN score makes its row's probabilities NaN (as torch's softmax does); an infinite score gives NaN too;
+    the other rows are untouched."""
+    _kernel()
+    scores = torch.randn(1, 2, 5, 16)
+    scores[0, 0, 1, 3] = float("nan")
+    scores[0, 1, 4, 0] = float("inf")
+    y = _AttentionProbs.apply(scores, None, 1.0, Mask(3, 0, -LEVELS // 2, 1.0))  # keeps every element
+    bad = torch.zeros(1, 2, 5, dtype=torch.bool)
+    bad[0, 0, 1] = bad[0, 1, 4] = True
+    assert y[bad].isnan().all() and not y[~bad].isnan().any()
+    assert torch.allclose(y[~bad], scores[~bad].softmax(-1))
+
+
+def test_attention_takes_the_c_probabilities_in_fp32(monkeypatch):
+    """``attention`` in fp32 with dropout takes the C probabilities (bool masks of every shape the model passes, or
+    none) and gives what its torch path gives with the same mask; a float mask or float64 takes the torch path."""
+    _kernel()
+    taken = []
+    in_c = dropout_module._probs_in_c
+    monkeypatch.setattr(dropout_module, "_probs_in_c", lambda *a: taken.append(in_c(*a)) or taken[-1])
+    gen = torch.Generator().manual_seed(41)
+    q, k, v = (torch.randn(4, 3, 33, 16, generator=gen, requires_grad=True) for _ in range(3))
+    keep = torch.rand(4, 1, 1, 33, generator=gen) > 0.2
+    g = torch.randn(4, 3, 33, 16, generator=gen)
+    for mask in (keep, None, keep.expand(4, 1, 33, 33)):
+        out = []
+        for torch_path in (False, True):
+            if torch_path:
+                monkeypatch.setattr(dropout_module, "cpu_kernels", lambda: None)
+            torch.manual_seed(42)
+            y = attention(q, k, v, mask, 0.3)
+            out.append((y, *torch.autograd.grad(y, (q, k, v), g)))
+            monkeypatch.setattr(dropout_module, "cpu_kernels", cpu_kernels)
+        for a, b in zip(*out):
+            assert (a - b).abs().max() < 1e-5 * b.abs().max()
+    assert taken == [True, False] * 3
+    attention(q, k, v, torch.where(keep, 0.0, -1e4), 0.3)
+    attention(q.double(), k.double(), v.double(), keep, 0.3)
+    assert taken[6:] == [False, False]
 
 
 def test_a_layers_group_masks_are_one_draw():
