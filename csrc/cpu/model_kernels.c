@@ -563,75 +563,77 @@ static inline void row_draws(int16_t *b, uint64_t *words, const Probs *c, int64_
   memcpy(b, (const int16_t *)words + lane, (size_t)c->cols * sizeof(int16_t));
 }
 
+/* A thread's buffers for rows of V: the dropout bits, the words they come from, and a float row. */
+typedef struct {
+  int16_t *bits;
+  uint64_t *words;
+  float *row;
+} RowScratch;
+
+static RowScratch row_scratch(int64_t V) {
+  RowScratch sc = {malloc((size_t)V * sizeof(int16_t)), malloc((size_t)(V / 4 + 2) * sizeof(uint64_t)),
+                   malloc((size_t)V * sizeof(float))};
+  if (!sc.bits || !sc.words || !sc.row) abort(); /* a few KB: out of memory already */
+  return sc;
+}
+
+static void free_scratch(RowScratch *sc) { free(sc->row), free(sc->words), free(sc->bits); }
+
 static inline const uint8_t *row_keep(const Probs *c, int64_t r) {
   if (!c->keep) return NULL;
   const int64_t i = r % c->t, h = r / c->t % c->heads, a = r / (c->t * c->heads);
   return c->keep + a * c->keep_strides[0] + h * c->keep_strides[1] + i * c->keep_strides[2];
 }
 
+/* Rows [lo, hi): forward (grad_in null) the probabilities and the dropped ones, else the scores' gradient. */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 static void probs_rows(const void *ctx, int64_t lo, int64_t hi) {
   const Probs *c = (const Probs *)ctx;
   const int64_t V = c->cols;
   const float scale = c->scale, dscale = c->dscale;
   const int16_t threshold = c->threshold;
-  int16_t *b = malloc((size_t)V * sizeof(int16_t));
-  uint64_t *words = malloc((size_t)(V / 4 + 2) * sizeof(uint64_t));
-  float *x = malloc((size_t)V * sizeof(float));
-  if (!b || !words || !x) abort(); /* a few KB: out of memory already */
+  RowScratch sc = row_scratch(V);
+  int16_t *b = sc.bits;
+  float *x = sc.row; /* forward: the row's exponentials; backward: the dropped probabilities' gradient */
   for (int64_t r = lo; r < hi; ++r) {
-    const float *restrict s = c->scores + r * V;
-    float *restrict p = c->probs_out + r * V, *restrict d = c->dropped + r * V;
     const uint8_t *restrict keep = row_keep(c, r);
-    if (keep)
-      for (int64_t j = 0; j < V; ++j) x[j] = keep[j] ? scale * s[j] : -FLT_MAX;
-    else
-      for (int64_t j = 0; j < V; ++j) x[j] = scale * s[j];
-    const float inv = 1.0f / exp_row(x, V);
-    row_draws(b, words, c, r);
-    for (int64_t j = 0; j < V; ++j) {
-      const float pj = x[j] * inv;
-      p[j] = pj;
-      d[j] = pj * (b[j] >= threshold ? dscale : 0.0f);
+    row_draws(b, sc.words, c, r);
+    if (!c->grad_in) {
+      const float *restrict s = c->scores + r * V;
+      float *restrict p = c->probs_out + r * V, *restrict d = c->dropped + r * V;
+      if (keep)
+        for (int64_t j = 0; j < V; ++j) x[j] = keep[j] ? scale * s[j] : -FLT_MAX;
+      else
+        for (int64_t j = 0; j < V; ++j) x[j] = scale * s[j];
+      const float inv = 1.0f / exp_row(x, V);
+      for (int64_t j = 0; j < V; ++j) {
+        const float pj = x[j] * inv;
+        p[j] = pj;
+        d[j] = pj * (b[j] >= threshold ? dscale : 0.0f);
+      }
+      continue;
     }
-  }
-  free(x), free(words), free(b);
-}
-
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void probs_grad_rows(const void *ctx, int64_t lo, int64_t hi) {
-  const Probs *c = (const Probs *)ctx;
-  const int64_t V = c->cols;
-  const float scale = c->scale, dscale = c->dscale;
-  const int16_t threshold = c->threshold;
-  int16_t *b = malloc((size_t)V * sizeof(int16_t));
-  uint64_t *words = malloc((size_t)(V / 4 + 2) * sizeof(uint64_t));
-  float *dp = malloc((size_t)V * sizeof(float));
-  if (!b || !words || !dp) abort();
-  for (int64_t r = lo; r < hi; ++r) {
     const float *restrict g = c->grad_in + r * V, *restrict p = c->probs + r * V;
     float *restrict out = c->grad_out + r * V;
-    const uint8_t *restrict keep = row_keep(c, r);
-    row_draws(b, words, c, r);
     float lanes[LANES] = {0};
     int64_t v = 0;
     for (; v + LANES <= V; v += LANES)
       for (int j = 0; j < LANES; ++j) {
-        dp[v + j] = g[v + j] * (b[v + j] >= threshold ? dscale : 0.0f);
-        lanes[j] += dp[v + j] * p[v + j];
+        x[v + j] = g[v + j] * (b[v + j] >= threshold ? dscale : 0.0f);
+        lanes[j] += x[v + j] * p[v + j];
       }
     float dot = 0.0f;
     for (int j = 0; j < LANES; ++j) dot += lanes[j];
     for (; v < V; ++v) {
-      dp[v] = g[v] * (b[v] >= threshold ? dscale : 0.0f);
-      dot += dp[v] * p[v];
+      x[v] = g[v] * (b[v] >= threshold ? dscale : 0.0f);
+      dot += x[v] * p[v];
     }
     if (keep)
-      for (int64_t j = 0; j < V; ++j) out[j] = keep[j] ? scale * (p[j] * (dp[j] - dot)) : 0.0f;
+      for (int64_t j = 0; j < V; ++j) out[j] = keep[j] ? scale * (p[j] * (x[j] - dot)) : 0.0f;
     else
-      for (int64_t j = 0; j < V; ++j) out[j] = scale * (p[j] * (dp[j] - dot));
+      for (int64_t j = 0; j < V; ++j) out[j] = scale * (p[j] * (x[j] - dot));
   }
-  free(dp), free(words), free(b);
+  free_scratch(&sc);
 }
 
 /* Arguments shared by both directions: rows, cols, heads, t, keep, (keep strides), scale, key, first, threshold,
@@ -688,7 +690,7 @@ static PyObject *attention_probs_grad(PyObject *self, PyObject *args) {
   c.grad_in = (const float *)(uintptr_t)grad, c.probs = (const float *)(uintptr_t)probs;
   c.grad_out = (float *)(uintptr_t)out;
   Py_BEGIN_ALLOW_THREADS
-  parallel_runs(probs_grad_rows, &c, c.rows, c.cols, 1, threads);
+  parallel_runs(probs_rows, &c, c.rows, c.cols, 1, threads);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

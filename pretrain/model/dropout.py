@@ -234,19 +234,19 @@ def _probs_in_c(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> 
             and (mask is None or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2])))
 
 
-def _probs_args(scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> tuple:
-    """The (rows, cols, heads, t, keep, keep strides, scale, key, first, threshold, dscale, threads) arguments of
-    the C kernels for (n, heads, t, cols) scores and a boolean key mask broadcast to them (its key dimension
-    contiguous: made so where it is not)."""
+def _probs_args(scores: torch.Tensor, keep: torch.Tensor | None, scale: float,
+                mask: Mask) -> tuple[torch.Tensor | None, tuple]:
+    """(the key mask as the kernel reads it, which the caller holds while the kernel runs; the (rows, cols, heads,
+    t, keep, keep strides, scale, key, first, threshold, dscale, threads) arguments of the C kernels) for (n, heads,
+    t, cols) scores and a boolean key mask broadcast to them (its key dimension contiguous: a copy of the mask made
+    so, before it is broadcast, where it is not)."""
     n, heads, t, cols = scores.shape
     address, strides = 0, (0, 0, 0)
     if keep is not None:
-        keep = keep.expand(n, heads, t, cols)
-        if keep.stride(-1) != 1:
-            keep = keep.contiguous()
+        keep = (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(n, heads, t, cols)
         address, strides = keep.data_ptr(), keep.stride()[:3]
-    return (n * heads * t, cols, heads, t, address, strides, scale, mask.key, mask.first, mask.threshold, mask.scale,
-            torch.get_num_threads())
+    return keep, (n * heads * t, cols, heads, t, address, strides, scale, mask.key, mask.first, mask.threshold,
+                  mask.scale, torch.get_num_threads())
 
 
 class _AttentionProbs(torch.autograd.Function):
@@ -259,8 +259,9 @@ class _AttentionProbs(torch.autograd.Function):
     def forward(ctx, scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> torch.Tensor:
         scores = scores.contiguous()
         probs, dropped = torch.empty_like(scores), torch.empty_like(scores)
-        args = _probs_args(scores, keep, scale, mask)
+        held, args = _probs_args(scores, keep, scale, mask)
         cpu_kernels().attention_probs(scores.data_ptr(), probs.data_ptr(), dropped.data_ptr(), *args)
+        del held
         ctx.save_for_backward(probs, keep)
         ctx.scale, ctx.mask = scale, mask
         return dropped
@@ -270,8 +271,9 @@ class _AttentionProbs(torch.autograd.Function):
         probs, keep = ctx.saved_tensors
         grad = grad.contiguous()
         out = torch.empty_like(probs)
-        args = _probs_args(probs, keep, ctx.scale, ctx.mask)
+        held, args = _probs_args(probs, keep, ctx.scale, ctx.mask)
         cpu_kernels().attention_probs_grad(grad.data_ptr(), probs.data_ptr(), out.data_ptr(), *args)
+        del held
         return out, None, None, None
 
 

@@ -351,8 +351,9 @@ def test_attention_probabilities_in_c_keep_non_finite_scores_seen():
 
 
 def test_attention_takes_the_c_probabilities_in_fp32(monkeypatch):
-    """``attention`` in fp32 with dropout takes the C probabilities (bool masks of every shape the model passes, or
-    none) and gives what its torch path gives with the same mask; a float mask or float64 takes the torch path."""
+    """``attention`` in fp32 with dropout takes the C probabilities (bool masks of every shape the model passes, a
+    strided one, or none) and gives what its torch path gives with the same mask; a float mask or float64 takes
+    the torch path."""
     _kernel()
     taken = []
     in_c = dropout_module._probs_in_c
@@ -361,7 +362,8 @@ def test_attention_takes_the_c_probabilities_in_fp32(monkeypatch):
     q, k, v = (torch.randn(4, 3, 33, 16, generator=gen, requires_grad=True) for _ in range(3))
     keep = torch.rand(4, 1, 1, 33, generator=gen) > 0.2
     g = torch.randn(4, 3, 33, 16, generator=gen)
-    for mask in (keep, None, keep.expand(4, 1, 33, 33)):
+    strided = torch.stack([keep, ~keep], -1)[..., 0]  # keys two bytes apart
+    for mask in (keep, None, keep.expand(4, 1, 33, 33), strided):
         out = []
         for torch_path in (False, True):
             if torch_path:
@@ -372,10 +374,10 @@ def test_attention_takes_the_c_probabilities_in_fp32(monkeypatch):
             monkeypatch.setattr(dropout_module, "cpu_kernels", cpu_kernels)
         for a, b in zip(*out):
             assert (a - b).abs().max() < 1e-5 * b.abs().max()
-    assert taken == [True, False] * 3
+    assert taken == [True, False] * 4
     attention(q, k, v, torch.where(keep, 0.0, -1e4), 0.3)
     attention(q.double(), k.double(), v.double(), keep, 0.3)
-    assert taken[6:] == [False, False]
+    assert taken[8:] == [False, False]
 
 
 def test_a_layers_group_masks_are_one_draw():
