@@ -33,6 +33,9 @@
  * 6. A bias and erf's GELU, h = gelu(z + b), and the backward with the bias's gradient (column sums) in the same
  * pass: bias_gelu(...), below.
  *
+ * 7. The attention groups' slot layout to and from head-major tensors, every group in one call: slot_heads(...),
+ * below.
+ *
  * The work is split over ``threads`` OpenMP threads (torch's intra-op count) and the GIL is released meanwhile.
  * Built with -fopenmp against libgomp.so.1 and imported after torch, whose CPU build loads its own libgomp.so.1:
  * the loader gives this module that same runtime, so these threads are torch's pool (a second pool would compete
@@ -787,6 +790,91 @@ static PyObject *bias_gelu(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* 7. slot_heads(slots, row_stride, elem_bytes, shapes, parts, heads, size, ptrs, to_slots, threads). The attention
+ * groups' slots: rows of ``row_stride`` elements (of elem_bytes each), group g's n_g * t_g rows end to end, the
+ * first parts * heads * size columns of a row laid out (part, head, size). Group g's part c is the contiguous
+ * head-major (n_g, heads, t_g, size) tensor at ptrs[g * parts + c]. to_slots 0 copies slots -> heads (the fused
+ * q/k/v projection into q, k and v; the output's gradient), 1 heads -> slots (their gradients; the output). One
+ * pass over the slots in their order, size elements a copy, where torch copies each group's each part apart
+ * (strided views: 256-byte runs). shapes: ((n_0, t_0), ...). */
+typedef struct {
+  char *slots;
+  char **ptrs;
+  const int64_t *first, *t; /* per group: its first slot row, its length */
+  int64_t groups, row_stride, elem, parts, heads, size;
+  int to_slots;
+} SlotHeads;
+
+static void slot_heads_rows(const void *ctx, int64_t lo, int64_t hi) {
+  const SlotHeads *c = (const SlotHeads *)ctx;
+  const int64_t run = c->size * c->elem, H = c->heads;
+  int64_t g = 0;
+  while (g + 1 < c->groups && c->first[g + 1] <= lo) ++g;
+  for (int64_t r = lo; r < hi; ++r) {
+    while (g + 1 < c->groups && c->first[g + 1] <= r) ++g;
+    const int64_t local = r - c->first[g], t = c->t[g], i = local / t, j = local % t;
+    char *row = c->slots + r * c->row_stride * c->elem;
+    for (int64_t part = 0; part < c->parts; ++part)
+      for (int64_t h = 0; h < H; ++h) {
+        char *slot = row + (part * H + h) * run;
+        char *head = c->ptrs[g * c->parts + part] + ((i * H + h) * t + j) * run;
+        if (c->to_slots)
+          memcpy(slot, head, (size_t)run);
+        else
+          memcpy(head, slot, (size_t)run);
+      }
+  }
+}
+
+static PyObject *slot_heads(PyObject *self, PyObject *args) {
+  unsigned long long slots;
+  PyObject *shapes, *ptrs;
+  SlotHeads c = {0};
+  int threads;
+  if (!PyArg_ParseTuple(args, "KLLO!LLLO!ii", &slots, &c.row_stride, &c.elem, &PyTuple_Type, &shapes, &c.parts,
+                        &c.heads, &c.size, &PyTuple_Type, &ptrs, &c.to_slots, &threads))
+    return NULL;
+  c.groups = PyTuple_GET_SIZE(shapes);
+  if (!slots || c.groups < 1 || c.parts < 1 || c.heads < 1 || c.size < 1 || (c.elem != 2 && c.elem != 4) ||
+      c.row_stride < c.parts * c.heads * c.size || PyTuple_GET_SIZE(ptrs) != c.groups * c.parts) {
+    PyErr_SetString(PyExc_ValueError, "slot_heads: a non-null slots address, groups, parts, heads, size >= 1, "
+                                      "2- or 4-byte elements, rows holding parts * heads * size, an address per "
+                                      "group and part");
+    return NULL;
+  }
+  int64_t *sizes = malloc((size_t)(2 * c.groups) * sizeof(int64_t));
+  char **addresses = malloc((size_t)(c.groups * c.parts) * sizeof(char *));
+  if (!sizes || !addresses) {
+    free(sizes), free(addresses);
+    return PyErr_NoMemory();
+  }
+  int64_t rows = 0, ok = 1;
+  for (int64_t g = 0; g < c.groups && ok; ++g) {
+    long long n = 0, t = 0;
+    PyObject *shape = PyTuple_GET_ITEM(shapes, g);
+    ok = PyTuple_Check(shape) && PyArg_ParseTuple(shape, "LL", &n, &t) && n >= 0 && t >= 1;
+    sizes[g] = rows, sizes[c.groups + g] = t;
+    rows += n * t;
+  }
+  for (int64_t k = 0; k < c.groups * c.parts && ok; ++k) {
+    addresses[k] = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ptrs, k));
+    ok = !PyErr_Occurred() && addresses[k];
+  }
+  if (!ok) {
+    free(sizes), free(addresses);
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_ValueError, "slot_heads: shapes of (n >= 0, t >= 1), non-null addresses");
+    return NULL;
+  }
+  c.slots = (char *)(uintptr_t)slots, c.ptrs = addresses;
+  c.first = sizes, c.t = sizes + c.groups;
+  Py_BEGIN_ALLOW_THREADS
+  parallel_runs(slot_heads_rows, &c, rows, c.parts * c.heads * c.size, 1, threads);
+  Py_END_ALLOW_THREADS
+  free(sizes), free(addresses);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scale_masked", scale_masked, METH_VARARGS,
      "scale_masked(src, dst, n, kind, key, first, threshold, scale, threads): dst = src * (kept ? scale : 0), the "
@@ -815,6 +903,9 @@ static PyMethodDef methods[] = {
     {"bias_gelu", bias_gelu, METH_VARARGS,
      "bias_gelu(z, b, b_kind, dh, out, db, rows, width, kind, threads): dh 0: out = gelu(z + b) (erf's GELU); else "
      "out = dh gelu'(z + b) and db (float32) its column sums, the same for any thread count"},
+    {"slot_heads", slot_heads, METH_VARARGS,
+     "slot_heads(slots, row_stride, elem_bytes, shapes, parts, heads, size, ptrs, to_slots, threads): the attention "
+     "groups' (part, head, size) slot columns to (to_slots 0) or from (1) each group's head-major tensors"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "One-pass CPU kernels of the model (C).", -1,

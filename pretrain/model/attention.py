@@ -14,7 +14,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.dropout import attention, group_masks
-from pretrain.model.gather import gather_slots, group_heads
+from pretrain.model.gather import gather_slots, group_heads, heads_to_slots
 from pretrain.model.packing import Packed, take_rows
 
 
@@ -71,7 +71,7 @@ class SelfAttention(nn.Module):
         # projections also cover the few padding slots, whose q/k/v gradients are zero: model/gather.py).
         x_PD = gather_slots(x_ND, packed)
         if self.qkv_span is not None:  # fused: the (P, 3D) projections split into each group's heads
-            parts = group_heads(F.linear(x_PD, *self.qkv_span), packed, h, k)
+            parts = group_heads(F.linear(x_PD, *self.qkv_span), packed, h, k, copied=True)
         else:
             q_P, k_P, v_P = (packed.split_groups(z_PD) for z_PD in self._qkv(x_PD))
             parts = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
@@ -80,9 +80,8 @@ class SelfAttention(nn.Module):
         kept = group_masks([(g.num_rows, g.length) for g in groups], h, dropout_p, self.fast_dropout, x_ND)
         for g, (q_nHtK, k_nHtK, v_nHtK), kept_g in zip(groups, parts, kept):
             y_nHtK = attention(q_nHtK, k_nHtK, v_nHtK, g.keep_n11t, dropout_p, self.fast_dropout, kept=kept_g)
-            y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
-        y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
-        return self.out(take_rows(y_PD, packed.slots(rows_S)))
+            y_parts.append(y_nHtK)
+        return self.out(take_rows(heads_to_slots(y_parts, packed), packed.slots(rows_S)))
 
 
 def varlen_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, packed: Packed, num_heads: int,

@@ -13,13 +13,20 @@ or each source row has one slot whose gradient is its whole gradient, the backwa
   are in attention (a padding slot's query output is never read; its key and value are masked: probability
   exactly 0), the one place it is used.
 
-Both give the same gradients as ``index_select`` (tests/unit/test_row_gather.py, against float64 and through the
+On the CPU (eager) the attention groups' layout moves in one pass of the C kernel ``slot_heads`` each way:
+``group_heads(..., copied=True)`` copies every group's q, k and v out contiguous (BERT's attention multiplies them
+as they are; ``matmul`` copied each strided view apart) and writes their gradients back; ``heads_to_slots`` lays
+every group's output into the slots' rows (was a transposing copy a group and a ``cat``).
+
+Both gathers give the same gradients as ``index_select`` (tests/unit/test_row_gather.py, against float64 and through the
 unpadded encoder's gradients in tests/unit/test_unpadded.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from pretrain.model.kernels import KINDS, cpu_kernels
 
 
 class _GatherUnique(torch.autograd.Function):
@@ -88,6 +95,72 @@ class _GroupHeadsTraced(torch.autograd.Function):
         return torch.cat(parts) if len(parts) > 1 else parts[0], None, None, None
 
 
+def _slot_heads_in_c(x: torch.Tensor) -> bool:
+    """Whether the C kernel (``slot_heads``) moves ``x``'s slots or heads: an eager CPU step, fp32/bf16, not empty."""
+    return (x.device.type == "cpu" and not torch.compiler.is_compiling() and x.dtype in KINDS and x.numel() > 0
+            and cpu_kernels() is not None)
+
+
+def _move(slots: torch.Tensor, heads_list: list[torch.Tensor], shapes, parts: int, heads: int, size: int,
+          to_slots: bool) -> None:
+    """``slot_heads``: the slots' (part, head, size) columns to or from each group's head-major tensors."""
+    cpu_kernels().slot_heads(slots.data_ptr(), slots.stride(0), slots.element_size(), tuple(shapes), parts, heads,
+                             size, tuple(z.data_ptr() for z in heads_list), int(to_slots), torch.get_num_threads())
+
+
+class _GroupHeadsCopied(torch.autograd.Function):
+    """``group_heads`` on the CPU (eager): each group's q, k and v copied out contiguous (n, heads, t, size) in one
+    pass of the C kernel, where the attention's matmuls copied each strided view apart (``matmul`` cannot fold
+    (n, heads) of a view into the slots); the backward writes the gradients back into the slots' layout in one
+    pass. A gradient no loss read is zeros."""
+
+    @staticmethod
+    def forward(ctx, qkv_P: torch.Tensor, shapes: tuple[tuple[int, int], ...], heads: int, size: int):
+        ctx.shapes, ctx.heads, ctx.size = shapes, heads, size
+        ctx.like = (qkv_P.shape, qkv_P.dtype)
+        outs = [qkv_P.new_empty((n, heads, t, size)) for n, t in shapes for _ in range(3)]
+        _move(qkv_P, outs, shapes, 3, heads, size, to_slots=False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shape, dtype = ctx.like
+        grads = [torch.zeros_like(g) if g is None else g.to(dtype).contiguous() for g in grads]
+        grad_P = torch.empty(shape, dtype=dtype)
+        _move(grad_P, grads, ctx.shapes, 3, ctx.heads, ctx.size, to_slots=True)
+        return grad_P, None, None, None
+
+
+class _HeadsToSlots(torch.autograd.Function):
+    """Each group's attention output (n, heads, t, size) into the slots' (P, heads * size) rows, groups end to end,
+    in one pass of the C kernel (was a transposing copy and a ``cat``); backward the other way."""
+
+    @staticmethod
+    def forward(ctx, shapes: tuple[tuple[int, int], ...], *ys: torch.Tensor):
+        heads, size = ys[0].shape[1], ys[0].shape[3]
+        ctx.shapes, ctx.heads, ctx.size = shapes, heads, size
+        ys = [y.contiguous() for y in ys]
+        y_PD = ys[0].new_empty((sum(n * t for n, t in shapes), heads * size))
+        _move(y_PD, ys, shapes, 1, heads, size, to_slots=True)
+        return y_PD
+
+    @staticmethod
+    def backward(ctx, grad_PD: torch.Tensor):
+        grad_PD = grad_PD.contiguous()
+        grads = [grad_PD.new_empty((n, ctx.heads, t, ctx.size)) for n, t in ctx.shapes]
+        _move(grad_PD, grads, ctx.shapes, 1, ctx.heads, ctx.size, to_slots=False)
+        return (None, *grads)
+
+
+def heads_to_slots(ys: list[torch.Tensor], packed) -> torch.Tensor:
+    """y_PD: every attention group's output (n, heads, t, size) in its slots' rows, groups end to end."""
+    shapes = tuple((g.num_rows, g.length) for g in packed.groups)
+    if _slot_heads_in_c(ys[0]) and all(y.dtype == ys[0].dtype for y in ys):
+        return _HeadsToSlots.apply(shapes, *ys)
+    parts = [y.transpose(1, 2).reshape(n * t, -1) for y, (n, t) in zip(ys, shapes)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _heads(qkv_P: torch.Tensor, shapes, heads: int, size: int) -> list[torch.Tensor]:
     """Views of qkv_P (slots, 3 * heads * size): each group's q, k and v as (n, heads, t, size), groups in order."""
     out, start = [], 0
@@ -98,15 +171,21 @@ def _heads(qkv_P: torch.Tensor, shapes, heads: int, size: int) -> list[torch.Ten
     return out
 
 
-def group_heads(qkv_P: torch.Tensor, packed, heads: int, size: int) -> list[tuple[torch.Tensor, ...]]:
+def group_heads(qkv_P: torch.Tensor, packed, heads: int, size: int,
+                copied: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """[(q, k, v)] of every attention group of ``packed``, each (n, heads, t, size), from the fused projections in
     the groups' slots (qkv_P: (P, 3 * heads * size), ``gather_slots``). Views, as the split, view, permute and
     unbind they replace; eagerly their backward writes the gradients of all groups' q, k and v into one (P, 3 *
     heads * size) tensor, one copy where autograd's unbind, reshape and split backwards made three; traced, each
-    group's three stacked and the groups concatenated (``_GroupHeadsTraced``)."""
+    group's three stacked and the groups concatenated (``_GroupHeadsTraced``). ``copied``: contiguous copies instead
+    of views where the C kernel runs (``_GroupHeadsCopied``: for attention that multiplies them as they are; a
+    rotary layer reads the views and writes head-major itself)."""
     packed.check_layout()
     shapes = tuple((g.num_rows, g.length) for g in packed.groups)
-    views = (_GroupHeadsTraced if torch.compiler.is_compiling() else _GroupHeads).apply(qkv_P, shapes, heads, size)
+    if copied and _slot_heads_in_c(qkv_P) and qkv_P.dim() == 2 and qkv_P.stride(1) == 1:
+        views = _GroupHeadsCopied.apply(qkv_P, shapes, heads, size)
+    else:
+        views = (_GroupHeadsTraced if torch.compiler.is_compiling() else _GroupHeads).apply(qkv_P, shapes, heads, size)
     return [tuple(views[i:i + 3]) for i in range(0, len(views), 3)]
 
 

@@ -19,7 +19,7 @@ from pretrain.model.block import GELU_FORMS, activation_fn
 from pretrain.model.dropout import Dropout, attention, attention_dtype, group_masks
 from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import forget_traced_views, materialize
-from pretrain.model.gather import gather_slots, group_heads
+from pretrain.model.gather import gather_slots, group_heads, heads_to_slots
 from pretrain.model.kernels import KINDS, cpu_kernels
 from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope, apply_rope_qk
@@ -119,9 +119,8 @@ class ModernAttention(nn.Module):
             for g, mask, (q_nHtK, k_nHtK, v_nHtK), kept_g in zip(packed.groups, inputs.group_masks, qkv, kept):
                 q_nHtK, k_nHtK, q_scaled = _rope(q_nHtK, k_nHtK, inputs, g.length, qk_dtype)
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout, q_scaled, kept_g)
-                y_parts.append(y_nHtK.transpose(1, 2).reshape(g.num_rows * g.length, h * k))
-            y_PD = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)
-            return self.out(take_rows(y_PD, packed.slots(rows_S)))
+                y_parts.append(y_nHtK)
+            return self.out(take_rows(heads_to_slots(y_parts, packed), packed.slots(rows_S)))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
         q_BHTK, k_BHTK, q_scaled = _rope(q_BHTK, k_BHTK, inputs, t, qk_dtype)

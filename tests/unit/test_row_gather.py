@@ -197,3 +197,74 @@ def test_compiled_group_heads_writes_each_gradient_once_with_the_autograd_gradie
     assert any("cat" in op for op in backward_ops), backward_ops
     assert not [op for op in backward_ops if "slice_backward" in op or "select_backward" in op
                 or "slice_scatter" in op or "select_scatter" in op], backward_ops
+
+
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unused", [None, (1, 2)], ids=["all read", "a v unread"])
+def test_copied_group_heads_are_the_views_values_and_gradient(dtype, unused):
+    """``group_heads(..., copied=True)`` on the CPU (the C kernel, ``_GroupHeadsCopied``): every group's q, k and v
+    contiguous with the views' values, and the views' gradient, bit for bit (a copy both ways), also where a loss
+    reads none of some group's v; the same with 1, 2 and 3 threads."""
+    from pretrain.model import gather
+    from pretrain.model.gather import group_heads
+
+    if gather.cpu_kernels() is None:
+        pytest.skip("the C kernels are not built")
+    packed, heads, size, x, loss = _group_heads_case(3, unused)
+    x = x.to(dtype)
+    want_x = x.clone().requires_grad_(True)
+    want_parts = group_heads(want_x, packed, heads, size)
+    loss([[t.double() for t in qkv] for qkv in want_parts]).backward()
+    for threads in (1, 2, 3):
+        before = _threads(threads)
+        try:
+            got_x = x.clone().requires_grad_(True)
+            got_parts = group_heads(got_x, packed, heads, size, copied=True)
+            loss([[t.double() for t in qkv] for qkv in got_parts]).backward()
+        finally:
+            _threads(before)
+        for got, want in zip(got_parts, want_parts):
+            for a, b in zip(got, want):
+                assert a.is_contiguous() and a.shape == b.shape and torch.equal(a, b)
+        assert torch.equal(got_x.grad, want_x.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_to_slots_is_the_transposed_concatenation(dtype):
+    """``heads_to_slots`` through the C kernel: every group's (n, heads, t, size) output in its slots' rows, groups
+    end to end, as the transposing reshape and ``cat`` it replaces; its backward the same gradients, bit for bit;
+    a size split over threads (1, 2, 3) and a strided output (a slice, as a banded layer's)."""
+    from pretrain.model import gather
+    from pretrain.model.gather import heads_to_slots
+
+    if gather.cpu_kernels() is None:
+        pytest.skip("the C kernels are not built")
+    packed, heads, size = _packed(), 8, 320
+    gen = torch.Generator().manual_seed(4)
+    ys = [torch.randn((g.num_rows, heads, g.length + 1, size), generator=gen).to(dtype)[:, :, 1:]
+          for g in packed.groups]
+    up = torch.randn(sum(packed.group_sizes), heads * size, generator=gen).to(dtype)
+
+    def reference(parts):
+        return torch.cat([y.transpose(1, 2).reshape(-1, heads * size) for y in parts])
+
+    want_in = [y.clone().requires_grad_(True) for y in ys]
+    want = reference(want_in)
+    (want * up).sum().backward()
+    assert want.numel() >= 1 << 17  # big enough for the kernel to split it over threads
+    for threads in (1, 2, 3):
+        before = _threads(threads)
+        try:
+            got_in = [y.clone().requires_grad_(True) for y in ys]
+            got = heads_to_slots(got_in, packed)
+            (got * up).sum().backward()
+        finally:
+            _threads(before)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(got_in, want_in))
