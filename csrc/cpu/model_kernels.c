@@ -714,8 +714,6 @@ typedef struct {
   int kind, b_kind;
 } BiasGelu;
 
-#define BIAS_AT(j) (c->b_kind == 0 ? ((const float *)c->b)[j] : bf16_to_float(((const uint16_t *)c->b)[j]))
-
 #define BIAS_GELU_ROWS(T, LOAD, STORE)                                                             \
   {                                                                                                \
     const T *restrict z = (const T *)c->z;                                                         \
@@ -751,7 +749,8 @@ static void bias_gelu_rows(const void *ctx, int64_t lo, int64_t hi) {
   const int64_t F = c->width;
   float *bias = malloc((size_t)F * sizeof(float));
   if (!bias) abort();
-  for (int64_t j = 0; j < F; ++j) bias[j] = BIAS_AT(j);
+  for (int64_t j = 0; j < F; ++j) /* the bias widened to float32 once a run */
+    bias[j] = c->b_kind == 0 ? ((const float *)c->b)[j] : bf16_to_float(((const uint16_t *)c->b)[j]);
   if (c->kind == 0)
     BIAS_GELU_ROWS(float, AS_IS, PUT)
   else

@@ -234,34 +234,36 @@ def _probs_in_c(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> 
             and (mask is None or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2])))
 
 
-def _probs_args(scores: torch.Tensor, keep: torch.Tensor | None, scale: float,
-                mask: Mask) -> tuple[torch.Tensor | None, tuple]:
-    """(the key mask as the kernel reads it, which the caller holds while the kernel runs; the (rows, cols, heads,
-    t, keep, keep strides, scale, key, first, threshold, dscale, threads) arguments of the C kernels) for (n, heads,
-    t, cols) scores and a boolean key mask broadcast to them (its key dimension contiguous: a copy of the mask made
-    so, before it is broadcast, where it is not)."""
+def _kernel_mask(keep: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    """A boolean key mask broadcast to the (n, heads, t, cols) scores as the C kernels read it: keys contiguous (a
+    copy of the mask made so, before it is broadcast, where they are not)."""
+    if keep is None:
+        return None
+    return (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(shape)
+
+
+def _probs_args(scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> tuple:
+    """The (rows, cols, heads, t, keep, keep strides, scale, key, first, threshold, dscale, threads) arguments of
+    the C kernels for (n, heads, t, cols) scores and a ``_kernel_mask`` (which the caller holds while they run)."""
     n, heads, t, cols = scores.shape
-    address, strides = 0, (0, 0, 0)
-    if keep is not None:
-        keep = (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(n, heads, t, cols)
-        address, strides = keep.data_ptr(), keep.stride()[:3]
-    return keep, (n * heads * t, cols, heads, t, address, strides, scale, mask.key, mask.first, mask.threshold,
-                  mask.scale, torch.get_num_threads())
+    address, strides = (0, (0, 0, 0)) if keep is None else (keep.data_ptr(), keep.stride()[:3])
+    return (n * heads * t, cols, heads, t, address, strides, scale, mask.key, mask.first, mask.threshold, mask.scale,
+            torch.get_num_threads())
 
 
 class _AttentionProbs(torch.autograd.Function):
     """softmax(scale * scores, keys masked by ``keep``) under dropout ``mask`` in one pass of the C kernel
     (``attention_probs``), where torch takes four (q's scaling, ``masked_fill``, softmax, dropout) and as many
-    backward; keeps the probabilities for the backward, as softmax does. Masked keys get the dtype's lowest value,
-    as ``masked_fill`` gives them (a row with no key gets weights over all)."""
+    backward; keeps the probabilities (and the broadcast key mask) for the backward, as softmax does. Masked keys
+    get the dtype's lowest value, as ``masked_fill`` gives them (a row with no key gets weights over all)."""
 
     @staticmethod
     def forward(ctx, scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> torch.Tensor:
         scores = scores.contiguous()
         probs, dropped = torch.empty_like(scores), torch.empty_like(scores)
-        held, args = _probs_args(scores, keep, scale, mask)
-        cpu_kernels().attention_probs(scores.data_ptr(), probs.data_ptr(), dropped.data_ptr(), *args)
-        del held
+        keep = _kernel_mask(keep, scores.shape)
+        cpu_kernels().attention_probs(scores.data_ptr(), probs.data_ptr(), dropped.data_ptr(),
+                                      *_probs_args(scores, keep, scale, mask))
         ctx.save_for_backward(probs, keep)
         ctx.scale, ctx.mask = scale, mask
         return dropped
@@ -271,9 +273,8 @@ class _AttentionProbs(torch.autograd.Function):
         probs, keep = ctx.saved_tensors
         grad = grad.contiguous()
         out = torch.empty_like(probs)
-        held, args = _probs_args(probs, keep, ctx.scale, ctx.mask)
-        cpu_kernels().attention_probs_grad(grad.data_ptr(), probs.data_ptr(), out.data_ptr(), *args)
-        del held
+        cpu_kernels().attention_probs_grad(grad.data_ptr(), probs.data_ptr(), out.data_ptr(),
+                                           *_probs_args(probs, keep, ctx.scale, ctx.mask))
         return out, None, None, None
 
 

@@ -104,7 +104,7 @@ def _slot_heads_in_c(x: torch.Tensor) -> bool:
 def _move(slots: torch.Tensor, heads_list: list[torch.Tensor], shapes, parts: int, heads: int, size: int,
           to_slots: bool) -> None:
     """``slot_heads``: the slots' (part, head, size) columns to or from each group's head-major tensors."""
-    cpu_kernels().slot_heads(slots.data_ptr(), slots.stride(0), slots.element_size(), tuple(shapes), parts, heads,
+    cpu_kernels().slot_heads(slots.data_ptr(), slots.stride(0), slots.element_size(), shapes, parts, heads,
                              size, tuple(z.data_ptr() for z in heads_list), int(to_slots), torch.get_num_threads())
 
 
@@ -112,7 +112,7 @@ class _GroupHeadsCopied(torch.autograd.Function):
     """``group_heads`` on the CPU (eager): each group's q, k and v copied out contiguous (n, heads, t, size) in one
     pass of the C kernel, where the attention's matmuls copied each strided view apart (``matmul`` cannot fold
     (n, heads) of a view into the slots); the backward writes the gradients back into the slots' layout in one
-    pass. A gradient no loss read is zeros."""
+    pass. A gradient no loss read comes as zeros (autograd materialises it)."""
 
     @staticmethod
     def forward(ctx, qkv_P: torch.Tensor, shapes: tuple[tuple[int, int], ...], heads: int, size: int):
@@ -125,7 +125,7 @@ class _GroupHeadsCopied(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         shape, dtype = ctx.like
-        grads = [torch.zeros_like(g) if g is None else g.to(dtype).contiguous() for g in grads]
+        grads = [g.contiguous() for g in grads]
         grad_P = torch.empty(shape, dtype=dtype)
         _move(grad_P, grads, ctx.shapes, 3, ctx.heads, ctx.size, to_slots=True)
         return grad_P, None, None, None
