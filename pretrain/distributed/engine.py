@@ -89,21 +89,23 @@ def _import_muon_uncompiled() -> None:
 
 
 class ScheduledAdamW(torch.optim.AdamW):
-    """Fused AdamW (CPU and CUDA) whose learning rate, gradient factor and veto are device tensors.
+    """Fused AdamW (CPU and CUDA) whose learning rate, gradient clip and veto are device tensors.
 
     The learning rate is ``base_lr * lr_lambda(updates applied so far)``, computed on the device from AdamW's own
     step count: a skipped update leaves the count, and so the schedule, where it was (as DeepSpeed's skip of its
     LR-scheduler step did), and the host never reads it. ``found_inf`` (torch's fused-step argument, set by
     ``Engine.step``) vetoes the update inside the kernel: parameters, moments and step count stay as they were.
-    ``grad_factor`` multiplies the gradients first (the clip). DeepSpeed calls ``step`` once per parameter group
-    under ZeRO 1-2 (its flat fp32 partitions), once under ZeRO-0; the group's ``lr`` holds the tensor only during
-    the call, so checkpoints keep a plain float (the base learning rate)."""
+    ``grad_scale`` (the other one, which torch's AdamW reads from the optimizer as it reads ``found_inf``) is the
+    clip: the kernel divides each gradient by it as it reads it (and writes the quotient back), where a
+    ``_foreach_mul_`` took one more pass over every gradient before the step. DeepSpeed calls ``step`` once per
+    parameter group under ZeRO 1-2 (its flat fp32 partitions), once under ZeRO-0; the group's ``lr`` holds the
+    tensor only during the call, so checkpoints keep a plain float (the base learning rate)."""
 
     def __init__(self, param_groups, *, lr: float, lr_lambda, **kwargs):
         super().__init__(param_groups, lr=lr, fused=True, **kwargs)
         self.base_lr, self.lr_lambda = lr, lr_lambda
         self.found_inf: torch.Tensor | None = None
-        self.grad_factor: torch.Tensor | None = None
+        self.grad_scale: torch.Tensor | None = None
 
     def load_state_dict(self, state_dict) -> None:
         """A checkpoint's param groups carry its optimizer's options: one written by torch's per-parameter AdamW
@@ -134,10 +136,6 @@ class ScheduledAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         lr_t = self.current_lr()
-        if self.grad_factor is not None:
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, self.grad_factor.to(grads[0].device))
         for group in self.param_groups:
             group["lr"] = lr_t
         try:
@@ -266,7 +264,7 @@ class Engine:
         Non-finite gradients skip the update everywhere. Where ``checks_on_device`` (fp32 at ZeRO 0-2, bf16 at ZeRO
         1-2) this is decided here without a host sync: one norm of all gradients (equal on every rank: ZeRO-0's
         are reduced whole, ZeRO 1-2's partial norms are summed over ranks), ``found_inf`` from it for the fused
-        AdamW, the clip as a gradient factor; the returned ``grad_norm``, ``lr`` and ``skipped`` are then device
+        AdamW, the clip as its ``grad_scale``; the returned ``grad_norm``, ``lr`` and ``skipped`` are then device
         tensors, read when a log line needs them. Elsewhere DeepSpeed checks, clips and reports (host values)."""
         if not self.ds.is_gradient_accumulation_boundary():
             raise RuntimeError("Engine.step() between accumulation boundaries: call micro_step() once per "
@@ -282,8 +280,8 @@ class Engine:
         bad = ~torch.isfinite(norm) | (norm < 0)
         self._adamw.found_inf = bad.float()
         if self.clip_grad_norm > 0:
-            # DeepSpeed's clip, as a factor: gradients / max(1, (norm + 1e-6) / max_norm).
-            self._adamw.grad_factor = 1.0 / torch.clamp((norm + 1e-6) / self.clip_grad_norm, min=1.0)
+            # DeepSpeed's clip: gradients / max(1, (norm + 1e-6) / max_norm), divided inside the fused AdamW.
+            self._adamw.grad_scale = torch.clamp((norm + 1e-6) / self.clip_grad_norm, min=1.0)
         self.ds.step()
         return StepInfo(grad_norm=norm, loss_scale=1.0, lr=lr, skipped=bad)
 
