@@ -213,10 +213,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         q, k, v = q.float(), k.float(), v.float()
         mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
     with torch.autocast("cpu", enabled=False):  # under autocast too: fp32 matmuls, as inside SDPA
-        if _probs_in_c(q, k, mask):  # scale, mask, softmax and dropout in one pass each way
-            probs = _AttentionProbs.apply(q @ k.transpose(-2, -1), mask, 1.0 if q_scaled else q.shape[-1] ** -0.5,
-                                          draw(dropout_p) if kept is None else kept)
-            return (probs @ v).to(dtype)
+        if _probs_in_c(q, k, v, mask):  # scale, mask, softmax and dropout in one pass each way
+            return _Attention.apply(q, k, v, mask, 1.0 if q_scaled else q.shape[-1] ** -0.5,
+                                    draw(dropout_p) if kept is None else kept).to(dtype)
         scores = (q if q_scaled else q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
         if mask is not None:
             scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
@@ -226,11 +225,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         return (probs @ v).to(dtype)
 
 
-def _probs_in_c(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether ``_AttentionProbs`` takes the probabilities: the C module built, 4-d fp32 q and k, and no mask or a
-    boolean one whose key dimension is not broadcast."""
-    return (cpu_kernels() is not None and q.dim() == 4 and q.dtype == k.dtype == torch.float32
-            and q.shape[-2] > 0 and k.shape[-2] > 0
+def _probs_in_c(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether ``_Attention`` runs (``_AttentionProbs``' kernels between the two matmuls): the C module built, 4-d
+    fp32 q, k and v of the same (n, heads) (none broadcast), and no mask or a boolean one whose key dimension is not
+    broadcast."""
+    return (cpu_kernels() is not None and q.dim() == 4 and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[-2] > 0 and k.shape[-2] > 0
             and (mask is None or (mask.dtype == torch.bool and mask.shape[-1] == k.shape[-2])))
 
 
@@ -259,11 +259,7 @@ class _AttentionProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> torch.Tensor:
-        scores = scores.contiguous()
-        probs, dropped = torch.empty_like(scores), torch.empty_like(scores)
-        keep = _kernel_mask(keep, scores.shape)
-        cpu_kernels().attention_probs(scores.data_ptr(), probs.data_ptr(), dropped.data_ptr(),
-                                      *_probs_args(scores, keep, scale, mask))
+        probs, dropped, keep = _probs(scores, keep, scale, mask)
         ctx.save_for_backward(probs, keep)
         ctx.scale, ctx.mask = scale, mask
         return dropped
@@ -271,11 +267,54 @@ class _AttentionProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         probs, keep = ctx.saved_tensors
-        grad = grad.contiguous()
-        out = torch.empty_like(probs)
-        cpu_kernels().attention_probs_grad(grad.data_ptr(), probs.data_ptr(), out.data_ptr(),
-                                           *_probs_args(probs, keep, ctx.scale, ctx.mask))
-        return out, None, None, None
+        return _probs_grad(grad, probs, keep, ctx.scale, ctx.mask), None, None, None
+
+
+def _probs(scores: torch.Tensor, keep: torch.Tensor | None, scale: float,
+           mask: Mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(probabilities, dropped probabilities, the broadcast key mask the backward reads) of the scores, by the C
+    kernel ``attention_probs``."""
+    scores = scores.contiguous()
+    probs, dropped = torch.empty_like(scores), torch.empty_like(scores)
+    keep = _kernel_mask(keep, scores.shape)
+    cpu_kernels().attention_probs(scores.data_ptr(), probs.data_ptr(), dropped.data_ptr(),
+                                  *_probs_args(scores, keep, scale, mask))
+    return probs, dropped, keep
+
+
+def _probs_grad(grad: torch.Tensor, probs: torch.Tensor, keep: torch.Tensor | None, scale: float,
+                mask: Mask) -> torch.Tensor:
+    """The scores' gradient for the dropped probabilities' gradient ``grad`` (``attention_probs_grad``)."""
+    grad = grad.contiguous()
+    out = torch.empty_like(probs)
+    cpu_kernels().attention_probs_grad(grad.data_ptr(), probs.data_ptr(), out.data_ptr(),
+                                       *_probs_args(probs, keep, scale, mask))
+    return out
+
+
+class _Attention(torch.autograd.Function):
+    """dropout(softmax(scale * q k^T, keys masked by ``keep``)) v: the two matmuls around ``_AttentionProbs``' kernels
+    as one node. Keeps what autograd kept for the three (q, k, v, the probabilities, the dropped ones and the
+    broadcast key mask); the backward is theirs, but k's gradient comes as the product dS^T q, contiguous, where
+    autograd's (the transpose of q^T dS) came as a transposed view that the attention groups' layout copied before
+    reading it, and the chain of views, expands and matmul nodes around the two products is one node."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, scale, mask):
+        probs, dropped, keep = _probs(torch.matmul(q, k.transpose(-2, -1)), keep, scale, mask)
+        ctx.save_for_backward(q, k, v, probs, dropped, keep)
+        ctx.scale, ctx.mask = scale, mask
+        return torch.matmul(dropped, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, probs, dropped, keep = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        grad_v = torch.matmul(dropped.transpose(-2, -1), grad) if need_v else None
+        grad_scores = _probs_grad(torch.matmul(grad, v.transpose(-2, -1)), probs, keep, ctx.scale, ctx.mask)
+        grad_q = torch.matmul(grad_scores, k) if need_q else None
+        grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) if need_k else None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 def group_masks(shapes: list[tuple[int, int]], heads: int, dropout_p: float, fast: bool,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.config import DistributedConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig
+from pretrain.config import DistributedConfig, ModelConfig, ObjectiveConfig, OpsConfig, OptimConfig, TrainConfig
 from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
 
 B, T, TV, V = 4, 16, 8, 200
@@ -34,7 +34,6 @@ def _one_step(zero_stage: int, clip: float, loss_factor: float = 1.0) -> tuple[l
     from pretrain.distributed.engine import Engine
     from pretrain.model import build_model
     from pretrain.objective import Context, Objective, TrainModule
-    from pretrain.config import OpsConfig
     from pretrain.training.optim import build_param_groups, lr_lambda
 
     env = single_process_env()

@@ -380,6 +380,34 @@ def test_attention_takes_the_c_probabilities_in_fp32(monkeypatch):
     assert taken[8:] == [False, False]
 
 
+def test_the_attention_node_is_autograds_chain_bit_for_bit():
+    """``_Attention`` (the two matmuls around the C probabilities as one autograd node) gives the output and the
+    gradients that autograd gives through q k^T, ``_AttentionProbs`` and the product with v, bit for bit, for
+    contiguous inputs and for the strided views of a fused projection, with v's gradient not asked for; k's
+    gradient comes contiguous (autograd's was a transposed view, which the groups' layout copied)."""
+    _kernel()
+    gen = torch.Generator().manual_seed(43)
+    n, h, t, k_size = 3, 4, 29, 16
+    fused = torch.randn(n, t, h, 3 * k_size, generator=gen)
+    layouts = {"contiguous": [torch.randn(n, h, t, k_size, generator=gen) for _ in range(3)],
+               "strided": [fused[..., i * k_size:(i + 1) * k_size].transpose(1, 2) for i in range(3)]}
+    keep = torch.rand(n, 1, 1, t, generator=gen) > 0.25
+    g = torch.randn(n, h, t, k_size, generator=gen)
+    for layout, tensors in layouts.items():
+        for v_grad in (True, False):
+            q, k, v = (x.detach().requires_grad_(i < 2 or v_grad) for i, x in enumerate(tensors))
+            mask = draw(0.2)
+            y = dropout_module._Attention.apply(q, k, v, keep, 0.25, mask)
+            wrt = (q, k, v) if v_grad else (q, k)
+            grads = torch.autograd.grad(y, wrt, g)
+            y_ref = _AttentionProbs.apply(q @ k.transpose(-2, -1), keep, 0.25, mask) @ v
+            refs = torch.autograd.grad(y_ref, wrt, g)
+            assert torch.equal(y, y_ref), layout
+            assert all(torch.equal(a, b) for a, b in zip(grads, refs)), layout
+            assert grads[1].is_contiguous() and not refs[1].is_contiguous()
+            assert y.abs().max() > 0 and all(a.abs().max() > 0 for a in grads)
+
+
 def test_a_layers_group_masks_are_one_draw():
     """``draw_masks``: the masks of several tensors are consecutive runs of one key's words (each starting on a
     word), each at the rate; ``attention`` with such a mask (``kept=``) is the float64 reference with it, whatever
