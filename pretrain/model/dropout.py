@@ -226,7 +226,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def _probs_in_c(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether ``_Attention`` runs (``_AttentionProbs``' kernels between the two matmuls): the C module built, 4-d
+    """Whether ``_Attention`` runs (the C probabilities between the two matmuls): the C module built, 4-d
     fp32 q, k and v of the same (n, heads) (none broadcast), and no mask or a boolean one whose key dimension is not
     broadcast."""
     return (cpu_kernels() is not None and q.dim() == 4 and q.dtype == k.dtype == v.dtype == torch.float32
@@ -251,29 +251,12 @@ def _probs_args(scores: torch.Tensor, keep: torch.Tensor | None, scale: float, m
             torch.get_num_threads())
 
 
-class _AttentionProbs(torch.autograd.Function):
-    """softmax(scale * scores, keys masked by ``keep``) under dropout ``mask`` in one pass of the C kernel
-    (``attention_probs``), where torch takes four (q's scaling, ``masked_fill``, softmax, dropout) and as many
-    backward; keeps the probabilities (and the broadcast key mask) for the backward, as softmax does. Masked keys
-    get the dtype's lowest value, as ``masked_fill`` gives them (a row with no key gets weights over all)."""
-
-    @staticmethod
-    def forward(ctx, scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> torch.Tensor:
-        probs, dropped, keep = _probs(scores, keep, scale, mask)
-        ctx.save_for_backward(probs, keep)
-        ctx.scale, ctx.mask = scale, mask
-        return dropped
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        probs, keep = ctx.saved_tensors
-        return _probs_grad(grad, probs, keep, ctx.scale, ctx.mask), None, None, None
-
-
 def _probs(scores: torch.Tensor, keep: torch.Tensor | None, scale: float,
            mask: Mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(probabilities, dropped probabilities, the broadcast key mask the backward reads) of the scores, by the C
-    kernel ``attention_probs``."""
+    """softmax(scale * scores, keys masked by ``keep``) and its dropout under ``mask`` in one pass of the C kernel
+    (``attention_probs``), where torch takes four (q's scaling, ``masked_fill``, softmax, dropout): (probabilities,
+    dropped probabilities, the broadcast key mask the backward reads). Masked keys get float32's lowest value, as
+    ``masked_fill`` gives them (a row with no key gets weights over all)."""
     scores = scores.contiguous()
     probs, dropped = torch.empty_like(scores), torch.empty_like(scores)
     keep = _kernel_mask(keep, scores.shape)
@@ -293,11 +276,12 @@ def _probs_grad(grad: torch.Tensor, probs: torch.Tensor, keep: torch.Tensor | No
 
 
 class _Attention(torch.autograd.Function):
-    """dropout(softmax(scale * q k^T, keys masked by ``keep``)) v: the two matmuls around ``_AttentionProbs``' kernels
-    as one node. Keeps what autograd kept for the three (q, k, v, the probabilities, the dropped ones and the
-    broadcast key mask); the backward is theirs, but k's gradient comes as the product dS^T q, contiguous, where
-    autograd's (the transpose of q^T dS) came as a transposed view that the attention groups' layout copied before
-    reading it, and the chain of views, expands and matmul nodes around the two products is one node."""
+    """dropout(softmax(scale * q k^T, keys masked by ``keep``)) v: the two matmuls around the C probabilities
+    (``_probs``, ``_probs_grad``) as one autograd node. Keeps what autograd kept for the three pieces (q, k, v, the
+    probabilities, as softmax keeps them, the dropped ones and the broadcast key mask); the backward is theirs, but
+    k's gradient comes as the product dS^T q, contiguous, where autograd's (the transpose of q^T dS) came as a
+    transposed view that the attention groups' layout copied before reading it, and the chain of views, expands and
+    matmul nodes around the two products is one node."""
 
     @staticmethod
     def forward(ctx, q, k, v, keep, scale, mask):

@@ -19,7 +19,7 @@ from test_trim_last_layer import _batch, _module
 from pretrain.metrics.op_count import OpCounter
 from pretrain.model import dropout as dropout_module
 from pretrain.model.kernels import cpu_kernels
-from pretrain.model.dropout import (GAMMA, LEVELS, Mask, _AttentionProbs, _DropScale, attention, draw, draw_masks,
+from pretrain.model.dropout import (GAMMA, LEVELS, Mask, _DropScale, _probs, _probs_grad, attention, draw, draw_masks,
                                     dropout, keep_mask, kept_of, mask_words, scale_masked, set_fast_dropout, uses_fast)
 from pretrain.training.step import dropout_rng, host_facts
 
@@ -290,8 +290,25 @@ def test_a_query_scaled_beforehand_gives_the_same_attention(fast_path, monkeypat
     assert (attention(q, k, v, keep, p, q_scaled=True) - ref).abs().max() > 1e-3  # the factor matters
 
 
+class _AttentionProbs(torch.autograd.Function):
+    """The C probabilities (``dropout._probs`` forward, ``dropout._probs_grad`` backward) as an autograd function of
+    the scores: what the attention node computes between its two matmuls."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> torch.Tensor:
+        probs, dropped, keep = _probs(scores, keep, scale, mask)
+        ctx.save_for_backward(probs, keep)
+        ctx.scale, ctx.mask = scale, mask
+        return dropped
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, keep = ctx.saved_tensors
+        return _probs_grad(grad, probs, keep, ctx.scale, ctx.mask), None, None, None
+
+
 def _probs_reference(scores: torch.Tensor, keep: torch.Tensor | None, scale: float, mask: Mask) -> torch.Tensor:
-    """``_AttentionProbs`` in float64 torch ops: scaled scores, masked keys at float32's lowest, softmax, dropout."""
+    """The C probabilities in float64 torch ops: scaled scores, masked keys at float32's lowest, softmax, dropout."""
     x = scores.double() * scale
     if keep is not None:
         x = x.masked_fill(~keep, torch.finfo(torch.float32).min)
@@ -301,7 +318,7 @@ def _probs_reference(scores: torch.Tensor, keep: torch.Tensor | None, scale: flo
 @pytest.mark.parametrize("mask_kind", ["none", "keys", "band"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_attention_probabilities_in_c_equal_the_float64_reference(mask_kind, threads):
-    """The C kernel's scale, key mask, softmax and dropout (``_AttentionProbs``) and their backward against float64:
+    """The C kernel's scale, key mask, softmax and dropout (``dropout._probs``) and their backward against float64:
     rows that do not start on a mask word (odd lengths), a mask starting at a later word, a row with no key to
     attend to (weights over all, as ``masked_fill`` gives), a banded (n, 1, t, t) mask, split over threads. The
     dropped elements are those of ``kept_of``'s mask, exactly."""
