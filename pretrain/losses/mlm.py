@@ -64,10 +64,12 @@ class _SummedCrossEntropy(torch.autograd.Function):
 
 
 def _fused(logits_MV: torch.Tensor, labels_M: torch.Tensor) -> bool:
-    """Whether the C kernel computes the loss (``_FusedCrossEntropy``): built, the CPU, eager, 2-D fp32/bf16 logits."""
+    """Whether the C kernel computes the loss (``_FusedCrossEntropy``): built, the CPU, eager, 2-D fp32/bf16 logits
+    and a label per row (the kernel reads a label for every row: other counts go to torch's path, which refuses
+    them)."""
     return (not torch.compiler.is_compiling() and logits_MV.device.type == "cpu" and cpu_kernels() is not None
             and logits_MV.dim() == 2 and logits_MV.dtype in KINDS and logits_MV.numel() > 0 and labels_M.dim() == 1
-            and labels_M.device.type == "cpu")
+            and labels_M.shape[0] == logits_MV.shape[0] and labels_M.device.type == "cpu")
 
 
 class _FusedCrossEntropy(torch.autograd.Function):

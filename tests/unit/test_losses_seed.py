@@ -487,3 +487,17 @@ def test_an_mlm_label_beyond_the_vocabulary_is_an_error(mlm_path):
         mlm_loss(logits, torch.tensor([1, 2, 10, 3]))
     if mlm_path == "c":
         assert "vocabulary size 10" in str(err.value) and "1 MLM label" in str(err.value)
+
+
+def test_logits_and_labels_of_different_row_counts_are_an_error(mlm_path):
+    """A label count other than the logits' row count is refused, as F.cross_entropy refuses it: the C kernel reads
+    one int64 label per logit row, so with fewer labels it would read past their buffer (garbage labels), and with
+    more it would silently ignore the extra ones."""
+    from pretrain.losses.mlm import mlm_loss
+
+    labels = torch.tensor([1, 2, 3])
+    for rows in (2, 5):
+        logits = torch.randn(rows, 10, requires_grad=True)
+        with pytest.raises((ValueError, IndexError, RuntimeError)) as err:
+            mlm_loss(logits, labels)
+        assert "vocabulary" not in str(err.value)  # not labels read from past the buffer
