@@ -51,6 +51,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Each row kernel is compiled for x86-64-v4 (AVX-512), v3 (AVX2) and the baseline, the loader picking the best
+ * the CPU has (GCC's function multi-versioning, x86-64 only); elsewhere (aarch64, clang, or -DPRETRAIN_NO_CLONES)
+ * once, for the compiler's target. The results are the same bits either way (-ffp-contract=off: no FMA is formed
+ * where the source has none). */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(PRETRAIN_NO_CLONES)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
 #define GAMMA 0x9e3779b97f4a7c15ULL
 #define BLOCK_WORDS 16
 #define BLOCK (4 * BLOCK_WORDS)
@@ -144,7 +154,7 @@ typedef struct {
     }                                                                                              \
   }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+CLONES
 static void drop_run(const void *ctx, int64_t lo, int64_t hi) {
   const Job *j = (const Job *)ctx;
   if (j->kind == 0)
@@ -202,7 +212,7 @@ typedef struct {
  * the smallest (q and k as head-major views of (n, t, 3, H, K) memory: n, t, q/k, head), so each thread streams
  * through contiguous memory (head-major order would read 256 bytes and jump 3 KB, which ran at a quarter of the
  * memory's speed inside a training step); dst is written at each row's head-major place. */
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+CLONES
 static void rope_rows(const void *ctx, int64_t lo_row, int64_t hi_row) {
   const Rope *r = (const Rope *)ctx;
   const int64_t K = r->size[4], H = K / 2;
@@ -327,7 +337,7 @@ typedef struct {
     picked = label >= 0 && label < V ? LOAD(x[label]) : 0.0f;                                      \
   }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+CLONES
 static void ce_rows(const void *ctx, int64_t lo, int64_t hi) {
   const CrossEntropy *c = (const CrossEntropy *)ctx;
   const int64_t V = c->cols;
@@ -349,7 +359,7 @@ static void ce_rows(const void *ctx, int64_t lo, int64_t hi) {
 }
 
 /* grad[i, v] = coef_i e^(x - lse_i), minus coef_i at the label, coef_i = coef for a labelled row, else 0. */
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+CLONES
 static void ce_grad_rows(const void *ctx, int64_t lo, int64_t hi) {
   const CrossEntropy *c = (const CrossEntropy *)ctx;
   const int64_t V = c->cols;
@@ -483,7 +493,7 @@ typedef struct {
     }                                                                                              \
   }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+CLONES
 static void geglu_rows(const void *ctx, int64_t lo, int64_t hi) {
   const Geglu *c = (const Geglu *)ctx;
   const int64_t F = c->width;
@@ -589,7 +599,7 @@ static inline const uint8_t *row_keep(const Probs *c, int64_t r) {
 }
 
 /* Rows [lo, hi): forward (grad_in null) the probabilities and the dropped ones, else the scores' gradient. */
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+CLONES
 static void probs_rows(const void *ctx, int64_t lo, int64_t hi) {
   const Probs *c = (const Probs *)ctx;
   const int64_t V = c->cols;
@@ -743,7 +753,7 @@ typedef struct {
     }                                                                                              \
   }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+CLONES
 static void bias_gelu_rows(const void *ctx, int64_t lo, int64_t hi) {
   const BiasGelu *c = (const BiasGelu *)ctx;
   const int64_t F = c->width;
