@@ -77,7 +77,7 @@ class SelfAttention(nn.Module):
             parts = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
                      for g, qkv in zip(groups, zip(q_P, k_P, v_P))]
         y_parts = []
-        kept = group_masks([(g.num_rows, g.length) for g in groups], h, dropout_p, self.fast_dropout, x_ND)
+        kept = group_masks(packed.group_shapes, h, dropout_p, self.fast_dropout, x_ND)
         for g, (q_nHtK, k_nHtK, v_nHtK), kept_g in zip(groups, parts, kept):
             y_nHtK = attention(q_nHtK, k_nHtK, v_nHtK, g.keep_n11t, dropout_p, self.fast_dropout, kept=kept_g)
             y_parts.append(y_nHtK)

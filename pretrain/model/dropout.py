@@ -301,7 +301,7 @@ class _Attention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None
 
 
-def group_masks(shapes: list[tuple[int, int]], heads: int, dropout_p: float, fast: bool,
+def group_masks(shapes: tuple[tuple[int, int], ...], heads: int, dropout_p: float, fast: bool,
                 x: torch.Tensor) -> list[Mask | None]:
     """Per attention group of (n, t) rows and length, the mask of its (n, heads, t, t) probabilities
     (``attention(..., kept=)``), drawn for the whole layer at once (``draw_masks``) where ``attention`` would draw

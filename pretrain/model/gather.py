@@ -154,7 +154,7 @@ class _HeadsToSlots(torch.autograd.Function):
 
 def heads_to_slots(ys: list[torch.Tensor], packed) -> torch.Tensor:
     """y_PD: every attention group's output (n, heads, t, size) in its slots' rows, groups end to end."""
-    shapes = tuple((g.num_rows, g.length) for g in packed.groups)
+    shapes = packed.group_shapes
     if _slot_heads_in_c(ys[0]) and all(y.dtype == ys[0].dtype for y in ys):
         return _HeadsToSlots.apply(shapes, *ys)
     parts = [y.transpose(1, 2).reshape(n * t, -1) for y, (n, t) in zip(ys, shapes)]
@@ -181,7 +181,7 @@ def group_heads(qkv_P: torch.Tensor, packed, heads: int, size: int,
     of views where the C kernel runs (``_GroupHeadsCopied``: for attention that multiplies them as they are; a
     rotary layer reads the views and writes head-major itself)."""
     packed.check_layout()
-    shapes = tuple((g.num_rows, g.length) for g in packed.groups)
+    shapes = packed.group_shapes
     if copied and _slot_heads_in_c(qkv_P) and qkv_P.dim() == 2 and qkv_P.stride(1) == 1:
         views = _GroupHeadsCopied.apply(qkv_P, shapes, heads, size)
     else:

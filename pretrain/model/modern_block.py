@@ -113,7 +113,7 @@ class ModernAttention(nn.Module):
             qkv = group_heads(self.qkv(gather_slots(x_BTD, packed)), packed, h, k)
             # The probabilities' dropout masks drawn for the layer at once, except for a local layer's banded groups,
             # whose attention draws its own (its probabilities are blocks of the band, banded.py).
-            shapes = [(g.num_rows, g.length) for g in packed.groups]
+            shapes = packed.group_shapes
             banded = any(isinstance(m, Band) for m in inputs.group_masks)
             kept = [None] * len(shapes) if banded else group_masks(shapes, h, dropout_p, self.fast_dropout, x_BTD)
             for g, mask, (q_nHtK, k_nHtK, v_nHtK), kept_g in zip(packed.groups, inputs.group_masks, qkv, kept):

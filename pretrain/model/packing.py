@@ -126,9 +126,14 @@ class Packed:
         return self.max_length if self.cu_seqlens_B1 is not None else self.width
 
     @property
+    def group_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(rows n, length t) of each group, in order: the slots' layout (gather.py) and the groups' masks."""
+        return tuple((g.num_rows, g.length) for g in self.groups)
+
+    @property
     def group_sizes(self) -> list[int]:
         """Slots per group (n * t), in order: how gather_P's rows split into the groups."""
-        return [g.num_rows * g.length for g in self.groups]
+        return [n * t for n, t in self.group_shapes]
 
     def check_layout(self) -> None:
         """Raises where the encoder is to attend over a stream packed without its attention layout."""
