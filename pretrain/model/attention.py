@@ -8,13 +8,16 @@ Masks: keep_B11T is True where a key position is a real token (may be attended t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.dropout import attention, group_masks
-from pretrain.model.gather import gather_slots, group_heads, heads_to_slots
+from pretrain.model.gather import gather_slots, gather_unique, group_heads, heads_to_slots
 from pretrain.model.packing import Packed, take_rows
 
 
@@ -51,10 +54,11 @@ class SelfAttention(nn.Module):
         y_BTD = y_BHTK.transpose(1, 2).reshape(b, t, d)
         return self.out(take_rows(y_BTD, rows_S))
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v projections of x (..., D): one matmul over the fused span where a flat layer set it."""
+    def _qkv(self, x: torch.Tensor, rows_S: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """q, k, v projections of x (..., D): one matmul over the fused span where a flat layer set it (with q on
+        ``rows_S`` of x_ND only, ``project_qkv``)."""
         if self.qkv_span is not None:
-            return F.linear(x, *self.qkv_span).chunk(3, dim=-1)
+            return project_qkv(x, *self.qkv_span, rows_S).chunk(3, dim=-1)
         return self.q(x), self.k(x), self.v(x)
 
     def _forward_packed(self, x_ND: torch.Tensor, packed: Packed, rows_S: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,13 +69,16 @@ class SelfAttention(nn.Module):
         h, k = self.num_heads, self.head_size
         dropout_p = self.attention_dropout if self.training else 0.0
         if packed.cu_seqlens_B1 is not None:
-            return self.out(take_rows(varlen_attention(*self._qkv(x_ND), packed, h, dropout_p), rows_S))
+            return self.out(take_rows(varlen_attention(*self._qkv(x_ND, rows_S), packed, h, dropout_p), rows_S))
         groups = packed.groups
         # The stream gathered into the slots before the projections: D columns moved each way, not 3D (the
         # projections also cover the few padding slots, whose q/k/v gradients are zero: model/gather.py).
         x_PD = gather_slots(x_ND, packed)
+        slots_S = packed.slots(rows_S)
+        if self.qkv_span is not None and self.qkv_span[0].dtype == x_PD.dtype and queries_apply(x_PD, packed, slots_S):
+            return self.out(self._attend_rows(x_PD, packed, slots_S, dropout_p))
         if self.qkv_span is not None:  # fused: the (P, 3D) projections split into each group's heads
-            parts = group_heads(F.linear(x_PD, *self.qkv_span), packed, h, k, copied=True)
+            parts = group_heads(project_qkv(x_PD, *self.qkv_span, slots_S), packed, h, k, copied=True)
         else:
             q_P, k_P, v_P = (packed.split_groups(z_PD) for z_PD in self._qkv(x_PD))
             parts = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
@@ -81,7 +88,137 @@ class SelfAttention(nn.Module):
         for g, (q_nHtK, k_nHtK, v_nHtK), kept_g in zip(groups, parts, kept):
             y_nHtK = attention(q_nHtK, k_nHtK, v_nHtK, g.keep_n11t, dropout_p, self.fast_dropout, kept=kept_g)
             y_parts.append(y_nHtK)
-        return self.out(take_rows(heads_to_slots(y_parts, packed), packed.slots(rows_S)))
+        return self.out(take_rows(heads_to_slots(y_parts, packed), slots_S))
+
+    def _attend_rows(self, x_PD: torch.Tensor, packed: Packed, slots_S: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """y_SD: the attention outputs of the slots ``slots_S`` only (a trimmed last layer; ``queries_apply``): k and
+        v of every slot as in ``_forward_packed``, q of those slots alone (``_QKVOfRows``), laid per group as
+        (n, H, m, K) with m the most of them in one of its rows (``QueryLayout``): the scores, probabilities and
+        products cover m query rows of a sequence, not t. A row with fewer than m has zero q rows, which attend
+        uniformly, are not read and get no gradient."""
+        h, k = self.num_heads, self.head_size
+        qkv_P, q_SD = _QKVOfRows.apply(x_PD, *self.qkv_span, slots_S)
+        heads = group_heads(qkv_P, packed, h, k, copied=True)  # k and v (q's columns are zero but at slots_S)
+        layout = QueryLayout.of(packed, slots_S)
+        q_QD = q_SD.new_zeros((layout.num_slots, q_SD.shape[1])).index_copy(0, layout.sub_S, q_SD)
+        q_parts = (q_QD,) if len(layout.groups) == 1 else q_QD.split(layout.group_sizes)
+        y_parts = []
+        for (g, n, m), q_mD in zip(layout.groups, q_parts):
+            _, k_nHtK, v_nHtK = heads[g]
+            y_parts.append(attention(q_mD.view(n, m, h, k).transpose(1, 2), k_nHtK, v_nHtK,
+                                     packed.groups[g].keep_n11t, dropout_p, self.fast_dropout))
+        return gather_unique(heads_to_slots(y_parts, layout), layout.sub_S)
+
+
+@dataclass
+class QueryLayout:
+    """Where the query slots ``slots_S`` (of ``Packed``'s groups) go when only they attend: every group with any of
+    them as (n, m) query slots, m the most of them in one of its n rows; those groups' slots end to end, each
+    row-major, a row's queries in slot order first, the rest of its m empty."""
+
+    groups: tuple[tuple[int, int, int], ...]
+    """(group index in ``Packed.groups``, n, m) of each group with a query, in order."""
+    sub_S: torch.Tensor
+    """Each query's position among the query slots."""
+
+    @property
+    def group_shapes(self) -> tuple[tuple[int, int], ...]:
+        return tuple((n, m) for _, n, m in self.groups)
+
+    @property
+    def group_sizes(self) -> list[int]:
+        return [n * m for _, n, m in self.groups]
+
+    @property
+    def num_slots(self) -> int:
+        return sum(self.group_sizes)
+
+    @staticmethod
+    def of(packed: Packed, slots_S: torch.Tensor) -> QueryLayout:
+        """From a host tensor of slots (numpy on the host: no device op)."""
+        n_G = np.array([n for n, _ in packed.group_shapes], dtype=np.int64)
+        t_G = np.array([t for _, t in packed.group_shapes], dtype=np.int64)
+        start_G, row_start_G = np.cumsum(n_G * t_G) - n_G * t_G, np.cumsum(n_G) - n_G
+        slots = slots_S.numpy()
+        group_S = np.searchsorted(start_G, slots, side="right") - 1
+        row_S = (slots - start_G[group_S]) // t_G[group_S]  # within its group
+        global_S = row_start_G[group_S] + row_S
+        count_R = np.bincount(global_S, minlength=int(n_G.sum()))
+        order = np.argsort(slots, kind="stable")  # a row's slots are a run: sorted, its queries are consecutive
+        rank_S = np.empty_like(slots)
+        rank_S[order] = np.arange(len(slots)) - (np.cumsum(count_R) - count_R)[global_S[order]]
+        m_G = np.maximum.reduceat(count_R, row_start_G)
+        size_G = n_G * m_G
+        sub_S = (np.cumsum(size_G) - size_G)[group_S] + row_S * m_G[group_S] + rank_S
+        groups = tuple((g, int(n_G[g]), int(m_G[g])) for g in range(len(n_G)) if m_G[g] > 0)
+        return QueryLayout(groups, torch.from_numpy(sub_S.astype(np.int64)))
+
+
+def queries_apply(x_PD: torch.Tensor, packed: Packed, slots_S: torch.Tensor | None) -> bool:
+    """Whether a trimmed layer attends for its kept slots only (``SelfAttention._attend_rows``): eager on the CPU (the
+    slots are read on the host), over the groups' slots, some kept but at most half of them."""
+    return (slots_S is not None and x_PD.device.type == "cpu" and slots_S.device.type == "cpu"
+            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
+            and packed.back_N is not None and bool(packed.groups)
+            and 0 < 2 * slots_S.shape[0] <= x_PD.shape[0] and x_PD.dim() == 2)
+
+
+def project_qkv(x_RD: torch.Tensor, weight_CD: torch.Tensor, bias_C: torch.Tensor | None,
+                rows_S: torch.Tensor | None) -> torch.Tensor:
+    """qkv_RC = x_RD W^T + b, the fused q/k/v projections (C = 3D, q's D columns first); with ``rows_S`` (the rows
+    whose attention output is read: a trimmed last layer's tokens) q only on those rows and zero elsewhere
+    (``_QKVOfRows``): k and v are needed at every key, q only where an output is kept. A zero q row attends
+    uniformly; its output is not read, so its gradient is zero, and so are its contributions to k's and v's: the
+    kept rows' outputs and all gradients are those of the full projection. Eager on the CPU without autocast, where
+    ``rows_S`` is at most half the rows (torch's projection elsewhere: on CUDA it waits for a device pass)."""
+    if (rows_S is None or 2 * rows_S.shape[0] > x_RD.shape[0] or torch.compiler.is_compiling()
+            or x_RD.device.type != "cpu" or torch.is_autocast_enabled("cpu") or x_RD.dim() != 2
+            or x_RD.dtype != weight_CD.dtype):
+        return F.linear(x_RD, weight_CD, bias_C)
+    return _QKVOfRows.apply(x_RD, weight_CD, bias_C, rows_S)[0]
+
+
+class _QKVOfRows(torch.autograd.Function):
+    """``project_qkv`` with its rows: k, v written by one matmul into the output's last 2D columns (a strided
+    output, which BLAS writes in place), q's rows by one over the S kept rows, returned also as they are (q_SD,
+    for ``SelfAttention._attend_rows``); backward the same split, the weight's gradient written in its two row
+    blocks. Saves a third of the layer's projection FLOPs, less S/R of that."""
+
+    @staticmethod
+    def forward(ctx, x_RD, weight_CD, bias_C, rows_S):
+        d = weight_CD.shape[0] // 3
+        qkv_RC = x_RD.new_empty((x_RD.shape[0], weight_CD.shape[0]))
+        kv_w, q_w = weight_CD[d:].t(), weight_CD[:d].t()
+        if bias_C is None:
+            torch.mm(x_RD, kv_w, out=qkv_RC[:, d:])
+        else:
+            torch.addmm(bias_C[d:], x_RD, kv_w, out=qkv_RC[:, d:])
+        x_SD = x_RD.index_select(0, rows_S)
+        q_SD = torch.mm(x_SD, q_w) if bias_C is None else torch.addmm(bias_C[:d], x_SD, q_w)
+        q_RD = qkv_RC[:, :d]
+        q_RD.zero_()
+        q_RD.index_copy_(0, rows_S, q_SD)
+        ctx.save_for_backward(x_RD, weight_CD, rows_S, x_SD)
+        ctx.has_bias = bias_C is not None
+        return qkv_RC, q_SD
+
+    @staticmethod
+    def backward(ctx, grad_RC, grad_q_SD):
+        x_RD, weight_CD, rows_S, x_SD = ctx.saved_tensors
+        d = weight_CD.shape[0] // 3
+        grad_kv = grad_RC[:, d:]
+        grad_q_SD = grad_RC[:, :d].index_select(0, rows_S) + grad_q_SD  # q read in place or as its rows
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(grad_kv, weight_CD[d:])
+            grad_x.index_add_(0, rows_S, torch.mm(grad_q_SD, weight_CD[:d]))
+        if ctx.needs_input_grad[1]:
+            grad_w = weight_CD.new_empty(weight_CD.shape)
+            torch.mm(grad_kv.t(), x_RD, out=grad_w[d:])
+            torch.mm(grad_q_SD.t(), x_SD, out=grad_w[:d])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = torch.cat([grad_q_SD.sum(0), grad_kv.sum(0)])
+        return grad_x, grad_w, grad_b, None
 
 
 def varlen_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor, packed: Packed, num_heads: int,

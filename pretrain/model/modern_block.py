@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
+from pretrain.model.attention import project_qkv
 from pretrain.model.banded import Band, banded_attention
 from pretrain.model.block import GELU_FORMS, activation_fn
 from pretrain.model.dropout import Dropout, attention, attention_dtype, group_masks
@@ -110,7 +111,8 @@ class ModernAttention(nn.Module):
             # RoPE by slot column (tables (T, K)), which writes q and k head-major (n, H, t, K) for attention
             # (rotary._rotate: contiguous output).
             y_parts = []
-            qkv = group_heads(self.qkv(gather_slots(x_BTD, packed)), packed, h, k)
+            slots_S = packed.slots(rows_S)
+            qkv = group_heads(project_qkv(gather_slots(x_BTD, packed), self.qkv.weight, None, slots_S), packed, h, k)
             # The probabilities' dropout masks drawn for the layer at once, except for a local layer's banded groups,
             # whose attention draws its own (its probabilities are blocks of the band, banded.py).
             shapes = packed.group_shapes
@@ -120,7 +122,7 @@ class ModernAttention(nn.Module):
                 q_nHtK, k_nHtK, q_scaled = _rope(q_nHtK, k_nHtK, inputs, g.length, qk_dtype)
                 y_nHtK = _attend(q_nHtK, k_nHtK, v_nHtK, mask, dropout_p, self.fast_dropout, q_scaled, kept_g)
                 y_parts.append(y_nHtK)
-            return self.out(take_rows(heads_to_slots(y_parts, packed), packed.slots(rows_S)))
+            return self.out(take_rows(heads_to_slots(y_parts, packed), slots_S))
         b, t, d = x_BTD.shape
         q_BHTK, k_BHTK, v_BHTK = self.qkv(x_BTD).view(b, t, 3, h, k).permute(2, 0, 3, 1, 4).unbind(0)
         q_BHTK, k_BHTK, q_scaled = _rope(q_BHTK, k_BHTK, inputs, t, qk_dtype)

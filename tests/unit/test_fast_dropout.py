@@ -511,3 +511,23 @@ def test_the_model_switch(arch):
     assert off.get("bernoulli_", 0) > 0 and off.get("random_", 0) == 0
     module.eval()
     assert "random_" not in ops()
+
+
+def test_the_attention_node_with_fewer_queries_than_keys_matches_float64():
+    """A trimmed last layer's kept rows (attention.SelfAttention._attend_rows) attend with m < t query rows: the C
+    probabilities and the node's products on (n, H, m, t) scores against float64, a key mask on one row."""
+    fd = dropout_module
+    gen = torch.Generator().manual_seed(0)
+    n, h, m, t, k = 3, 2, 5, 9, 8
+    q, key, v = (torch.randn(n, h, r, k, generator=gen, requires_grad=True) for r in (m, t, t))
+    keep = torch.ones(n, 1, 1, t, dtype=torch.bool)
+    keep[1, ..., 6:] = False
+    assert fd._probs_in_c(q, key, v, keep)
+    y = fd._Attention.apply(q, key, v, keep, k ** -0.5, fd.draw(0.0))
+    g = torch.randn(y.shape, generator=gen)
+    got = (y, *torch.autograd.grad(y, (q, key, v), g))
+    ref = [z.detach().double().requires_grad_() for z in (q, key, v)]
+    y_ref = ((ref[0] @ ref[1].transpose(-2, -1)) * k ** -0.5).masked_fill(~keep, float("-inf")).softmax(-1) @ ref[2]
+    want = (y_ref, *torch.autograd.grad(y_ref, ref, g.double()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=2e-6)

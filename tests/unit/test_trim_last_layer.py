@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_unpadded import pairs_batch
 
 from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
 from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
 from pretrain.distributed.env import single_process_env
 from pretrain.model import build_model
+from pretrain.model import attention
+from pretrain.model.flat import flatten_layers
 from pretrain.model.packing import pack
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.training.step import host_facts
@@ -41,7 +44,7 @@ def _batch(seed=0) -> dict:
                 view_b_ids=view_b, view_b_mask=mask_b)
 
 
-def _module(trim: bool, *, pooling="cls", mean_mix=0.0, stage="pretrain", **model_kw) -> TrainModule:
+def _module(trim: bool, *, pooling="cls", mean_mix=0.0, stage="pretrain", flat=False, **model_kw) -> TrainModule:
     base = dict(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=64,
                 dropout=0.0, attention_dropout=0.0, pooling=pooling)
     model = build_model(ModelConfig(**{**base, **model_kw}), seed=0).double()
@@ -51,7 +54,10 @@ def _module(trim: bool, *, pooling="cls", mean_mix=0.0, stage="pretrain", **mode
         cfg = ObjectiveConfig(mlm=None, nt_xent=None, info_nce=InfoNCEConfig(gather=False))
     else:
         cfg = ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False))
-    return TrainModule(model, Objective(cfg, ctx))
+    module = TrainModule(model, Objective(cfg, ctx))
+    if flat:  # train.flat_params (the trainer's default): the fused q/k/v span, whose q the trimmed layer cuts
+        flatten_layers(module.model)
+    return module
 
 
 def _last_layer_rows(module) -> list[int]:
@@ -96,10 +102,27 @@ def _counts(batch) -> tuple[int, int, int]:
     return int(batch["attention_mask"].sum()), int((batch["mlm_labels"] != -100).sum()), views
 
 
-@pytest.mark.parametrize("norm, pooler", [("post", True), ("pre", False)])
-def test_mlm_and_cls_views_equal_the_full_last_layer(norm, pooler):
+def _count_q_of_rows(monkeypatch) -> list[int]:
+    """Run-time record: the rows each ``_QKVOfRows`` (q on the kept rows only) computed q for."""
+    seen: list[int] = []
+    apply = attention._QKVOfRows.apply
+
+    def counted(x, w, b, rows):
+        seen.append(len(rows))
+        return apply(x, w, b, rows)
+
+    monkeypatch.setattr(attention._QKVOfRows, "apply", counted)
+    return seen
+
+
+@pytest.mark.parametrize("norm, pooler, flat", [("post", True, False), ("pre", False, False), ("post", True, True),
+                                                ("pre", False, True)])
+def test_mlm_and_cls_views_equal_the_full_last_layer(norm, pooler, flat, monkeypatch):
+    """Flat layers (train.flat_params) also project q on the kept rows only (attention.project_qkv)."""
     batch = _batch()
-    rows_full, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), norm=norm, pooler=pooler)
+    q_rows = _count_q_of_rows(monkeypatch)
+    rows_full, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), norm=norm, pooler=pooler, flat=flat)
+    assert q_rows == ([_counts(batch)[1], 2 * batch["view_a_ids"].shape[0]] if flat else [])
     tokens, labelled, views = _counts(batch)
     assert rows_full == [tokens, views]
     assert rows_trimmed == [labelled, 2 * batch["view_a_ids"].shape[0]]  # the labelled tokens; one [CLS] per view
@@ -118,13 +141,45 @@ def test_the_padded_path_is_trimmed_alike(arch):
     assert rows_trimmed == [labelled, 2 * batch["view_a_ids"].shape[0]]
 
 
-def test_modernbert_equals_the_full_last_layer():
-    """model.arch=modernbert, 3 layers, its last a local one (window 16 under rows of 64), and the final norm."""
+def test_modernbert_equals_the_full_last_layer(monkeypatch):
+    """model.arch=modernbert, 3 layers, its last a local one (window 16 under rows of 64), and the final norm; its
+    fused bias-free q/k/v projects q on the kept rows only."""
     batch = _batch(1)
+    q_rows = _count_q_of_rows(monkeypatch)
     rows_full, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), arch="modernbert", pooler=False, num_layers=3,
                                            local_window=16, layer_norm_eps=1e-5)
     tokens, labelled, views = _counts(batch)
     assert rows_full == [tokens, views] and rows_trimmed == [labelled, 2 * batch["view_a_ids"].shape[0]]
+    assert q_rows == rows_trimmed
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_q_on_some_rows_equals_the_full_projection_there(bias):
+    """``project_qkv`` with rows: k, v everywhere and q on the rows equal F.linear's (float64), q is zero on the
+    other rows, and the gradients of x, the weight and the bias equal the full projection's under an output
+    gradient that is zero on q's other rows (what attention gives a row whose output is not read)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(24, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(24, dtype=torch.float64, generator=gen, requires_grad=True) if bias else None
+    rows = torch.tensor([0, 3, 4, 17, 39])
+    other = torch.ones(40, dtype=torch.bool)
+    other[rows] = False
+    g = torch.randn(40, 24, dtype=torch.float64, generator=gen)
+    g[other, :8] = 0
+    got = attention.project_qkv(x, w, b, rows)
+    want = F.linear(x, w, b)
+    torch.testing.assert_close(got[:, 8:], want[:, 8:], rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(got[rows, :8], want[rows, :8], rtol=1e-14, atol=1e-14)
+    assert got[other, :8].eq(0).all()
+    params = [x, w] + ([b] if bias else [])
+    grads_got = torch.autograd.grad(got, params, g)
+    grads_want = torch.autograd.grad(want, params, g)
+    for got_p, want_p in zip(grads_got, grads_want):
+        torch.testing.assert_close(got_p, want_p, rtol=1e-13, atol=1e-13)
+    # More than half the rows kept: the full projection (q of every row)
+    many = torch.arange(21)
+    assert attention.project_qkv(x, w, b, many)[30:, :8].ne(0).all()
 
 
 @pytest.mark.parametrize("pooling, mean_mix", [("mean", 0.0), ("cls", 0.5)])
@@ -183,5 +238,32 @@ def test_dropout_in_the_trimmed_layer_trains():
     full.train(), trimmed.train()
     _, _, grads_f = _run(full, _batch())
     loss, _, grads_t = _run(trimmed, _batch())
+    assert torch.isfinite(loss) and grads_t.keys() == grads_f.keys()
+    assert all(torch.isfinite(g).all() for g in grads_t.values())
+
+
+def test_the_query_layout_of_some_slots():
+    """Groups (n, t) = (2, 4), (3, 2), (1, 3): slots 0-7, 8-13, 14-16; queries at slots 13, 1, 3, 8, 2, 12: group 0
+    has 3 in its row 0 (m = 3), group 1 one in row 0 and two in row 2 (m = 2), group 2 none (left out)."""
+    from types import SimpleNamespace
+
+    layout = attention.QueryLayout.of(SimpleNamespace(group_shapes=((2, 4), (3, 2), (1, 3))),
+                                      torch.tensor([13, 1, 3, 8, 2, 12]))
+    assert layout.groups == ((0, 2, 3), (1, 3, 2))
+    assert layout.sub_S.tolist() == [11, 0, 2, 6, 1, 10]
+    assert layout.num_slots == 12 and layout.group_shapes == ((2, 3), (3, 2))
+
+
+def test_dropout_in_the_kept_rows_attention_trains(monkeypatch):
+    """Flat layers with dropout: the kept rows' attention (q of the kept slots only) runs, the step is finite and
+    reaches every parameter the full step reaches."""
+    seen = []
+    of = attention.QueryLayout.of
+    monkeypatch.setattr(attention.QueryLayout, "of", lambda p, s: seen.append(len(s)) or of(p, s))
+    full, trimmed = (_module(t, dropout=0.1, attention_dropout=0.1, flat=True) for t in (False, True))
+    full.train(), trimmed.train()
+    _, _, grads_f = _run(full, _batch())
+    loss, _, grads_t = _run(trimmed, _batch())
+    assert seen == [_counts(_batch())[1], 2 * _batch()["view_a_ids"].shape[0]]
     assert torch.isfinite(loss) and grads_t.keys() == grads_f.keys()
     assert all(torch.isfinite(g).all() for g in grads_t.values())
