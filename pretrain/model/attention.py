@@ -75,7 +75,7 @@ class SelfAttention(nn.Module):
         # projections also cover the few padding slots, whose q/k/v gradients are zero: model/gather.py).
         x_PD = gather_slots(x_ND, packed)
         slots_S = packed.slots(rows_S)
-        if self.qkv_span is not None and self.qkv_span[0].dtype == x_PD.dtype and queries_apply(x_PD, packed, slots_S):
+        if queries_apply(x_PD, packed, slots_S) and (self.qkv_span is None or self.qkv_span[0].dtype == x_PD.dtype):
             return self.out(self._attend_rows(x_PD, packed, slots_S, dropout_p))
         if self.qkv_span is not None:  # fused: the (P, 3D) projections split into each group's heads
             parts = group_heads(project_qkv(x_PD, *self.qkv_span, slots_S), packed, h, k, copied=True)
@@ -95,16 +95,22 @@ class SelfAttention(nn.Module):
         v of every slot as in ``_forward_packed``, q of those slots alone (``_QKVOfRows``), laid per group as
         (n, H, m, K) with m the most of them in one of its rows (``QueryLayout``): the scores, probabilities and
         products cover m query rows of a sequence, not t. A row with fewer than m has zero q rows, which attend
-        uniformly, are not read and get no gradient."""
+        uniformly, are not read and get no gradient. Flat and per-tensor layers alike (the same dropout draws)."""
         h, k = self.num_heads, self.head_size
-        qkv_P, q_SD = _QKVOfRows.apply(x_PD, *self.qkv_span, slots_S)
-        heads = group_heads(qkv_P, packed, h, k, copied=True)  # k and v (q's columns are zero but at slots_S)
+        if self.qkv_span is not None:
+            qkv_P, q_SD = _QKVOfRows.apply(x_PD, *self.qkv_span, slots_S)
+            # k and v of each group (q's columns, zero but at slots_S, are copied along and not read)
+            kv = [(k_nHtK, v_nHtK) for _, k_nHtK, v_nHtK in group_heads(qkv_P, packed, h, k, copied=True)]
+        else:
+            q_SD = self.q(gather_unique(x_PD, slots_S))
+            kv = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in pair)
+                  for g, pair in zip(packed.groups, zip(*(packed.split_groups(lin(x_PD)) for lin in (self.k, self.v))))]
         layout = QueryLayout.of(packed, slots_S)
         q_QD = q_SD.new_zeros((layout.num_slots, q_SD.shape[1])).index_copy(0, layout.sub_S, q_SD)
         q_parts = (q_QD,) if len(layout.groups) == 1 else q_QD.split(layout.group_sizes)
         y_parts = []
         for (g, n, m), q_mD in zip(layout.groups, q_parts):
-            _, k_nHtK, v_nHtK = heads[g]
+            k_nHtK, v_nHtK = kv[g]
             y_parts.append(attention(q_mD.view(n, m, h, k).transpose(1, 2), k_nHtK, v_nHtK,
                                      packed.groups[g].keep_n11t, dropout_p, self.fast_dropout))
         return gather_unique(heads_to_slots(y_parts, layout), layout.sub_S)

@@ -115,14 +115,29 @@ def _count_q_of_rows(monkeypatch) -> list[int]:
     return seen
 
 
+def _count_layouts(monkeypatch) -> list[int]:
+    """Run-time record: the kept slots of each kept-rows attention (``QueryLayout.of``)."""
+    seen: list[int] = []
+    of = attention.QueryLayout.of
+
+    def counted(packed, slots_S):
+        seen.append(len(slots_S))
+        return of(packed, slots_S)
+
+    monkeypatch.setattr(attention.QueryLayout, "of", counted)
+    return seen
+
+
 @pytest.mark.parametrize("norm, pooler, flat", [("post", True, False), ("pre", False, False), ("post", True, True),
                                                 ("pre", False, True)])
 def test_mlm_and_cls_views_equal_the_full_last_layer(norm, pooler, flat, monkeypatch):
-    """Flat layers (train.flat_params) also project q on the kept rows only (attention.project_qkv)."""
+    """The kept rows attend alone (attention.SelfAttention._attend_rows), per-tensor and flat layers; flat ones
+    (train.flat_params) project q on the kept rows through the fused span (attention._QKVOfRows)."""
     batch = _batch()
-    q_rows = _count_q_of_rows(monkeypatch)
+    q_rows, layouts = _count_q_of_rows(monkeypatch), _count_layouts(monkeypatch)
     rows_full, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), norm=norm, pooler=pooler, flat=flat)
-    assert q_rows == ([_counts(batch)[1], 2 * batch["view_a_ids"].shape[0]] if flat else [])
+    kept = [_counts(batch)[1], 2 * batch["view_a_ids"].shape[0]]
+    assert layouts == kept and q_rows == (kept if flat else [])
     tokens, labelled, views = _counts(batch)
     assert rows_full == [tokens, views]
     assert rows_trimmed == [labelled, 2 * batch["view_a_ids"].shape[0]]  # the labelled tokens; one [CLS] per view
@@ -257,9 +272,7 @@ def test_the_query_layout_of_some_slots():
 def test_dropout_in_the_kept_rows_attention_trains(monkeypatch):
     """Flat layers with dropout: the kept rows' attention (q of the kept slots only) runs, the step is finite and
     reaches every parameter the full step reaches."""
-    seen = []
-    of = attention.QueryLayout.of
-    monkeypatch.setattr(attention.QueryLayout, "of", lambda p, s: seen.append(len(s)) or of(p, s))
+    seen = _count_layouts(monkeypatch)
     full, trimmed = (_module(t, dropout=0.1, attention_dropout=0.1, flat=True) for t in (False, True))
     full.train(), trimmed.train()
     _, _, grads_f = _run(full, _batch())
