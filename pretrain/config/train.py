@@ -144,8 +144,8 @@ class TrainConfig:
     rows' labelled tokens (about 15%) and, under [CLS] pooling with no mean pooling blended in and no autoencoder,
     each contrastive row's [CLS] (the pair's, and data.pairs' hard negatives'). That layer still computes keys and
     values for every token (the kept ones attend to all), and its output projection, FFN and norms for the kept
-    rows only, as MosaicBERT's last layer does; eagerly on the CPU also its queries (BERT with flat layers and
-    ModernBERT) and, for BERT over attention groups, its attention (model/attention.py: ``project_qkv``,
+    rows only, as MosaicBERT's last layer does; eagerly on the CPU also its queries (BERT and ModernBERT) and,
+    for BERT over attention groups, its attention (model/attention.py: ``project_qkv``,
     ``SelfAttention._attend_rows``) for the kept rows only: the same losses and gradients up to float rounding
     (tests/unit/test_trim_last_layer.py), about 70% of one layer's arithmetic saved (a sixth of a 4-layer model's, a
     twelfth of BERT-base's encoder's at the CLEAR recipe's lengths). Unpadded, padded and compiled steps alike.
