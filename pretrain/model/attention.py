@@ -75,14 +75,12 @@ class SelfAttention(nn.Module):
         # projections also cover the few padding slots, whose q/k/v gradients are zero: model/gather.py).
         x_PD = gather_slots(x_ND, packed)
         slots_S = packed.slots(rows_S)
-        if queries_apply(x_PD, packed, slots_S) and (self.qkv_span is None or self.qkv_span[0].dtype == x_PD.dtype):
+        if queries_apply(x_PD, packed, slots_S, self.q.weight if self.qkv_span is None else self.qkv_span[0]):
             return self.out(self._attend_rows(x_PD, packed, slots_S, dropout_p))
         if self.qkv_span is not None:  # fused: the (P, 3D) projections split into each group's heads
             parts = group_heads(project_qkv(x_PD, *self.qkv_span, slots_S), packed, h, k, copied=True)
         else:
-            q_P, k_P, v_P = (packed.split_groups(z_PD) for z_PD in self._qkv(x_PD))
-            parts = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in qkv)
-                     for g, qkv in zip(groups, zip(q_P, k_P, v_P))]
+            parts = group_views(packed, self._qkv(x_PD), h, k)
         y_parts = []
         kept = group_masks(packed.group_shapes, h, dropout_p, self.fast_dropout, x_ND)
         for g, (q_nHtK, k_nHtK, v_nHtK), kept_g in zip(groups, parts, kept):
@@ -103,8 +101,7 @@ class SelfAttention(nn.Module):
             kv = [(k_nHtK, v_nHtK) for _, k_nHtK, v_nHtK in group_heads(qkv_P, packed, h, k, copied=True)]
         else:
             q_SD = self.q(gather_unique(x_PD, slots_S))
-            kv = [tuple(z.view(g.num_rows, g.length, h, k).transpose(1, 2) for z in pair)
-                  for g, pair in zip(packed.groups, zip(*(packed.split_groups(lin(x_PD)) for lin in (self.k, self.v))))]
+            kv = group_views(packed, (self.k(x_PD), self.v(x_PD)), h, k)
         layout = QueryLayout.of(packed, slots_S)
         q_QD = q_SD.new_zeros((layout.num_slots, q_SD.shape[1])).index_copy(0, layout.sub_S, q_SD)
         q_parts = (q_QD,) if len(layout.groups) == 1 else q_QD.split(layout.group_sizes)
@@ -133,7 +130,7 @@ class QueryLayout:
 
     @property
     def group_sizes(self) -> list[int]:
-        return [n * m for _, n, m in self.groups]
+        return [n * m for n, m in self.group_shapes]
 
     @property
     def num_slots(self) -> int:
@@ -160,13 +157,25 @@ class QueryLayout:
         return QueryLayout(groups, torch.from_numpy(sub_S.astype(np.int64)))
 
 
-def queries_apply(x_PD: torch.Tensor, packed: Packed, slots_S: torch.Tensor | None) -> bool:
-    """Whether a trimmed layer attends for its kept slots only (``SelfAttention._attend_rows``): eager on the CPU (the
-    slots are read on the host), over the groups' slots, some kept but at most half of them."""
-    return (slots_S is not None and x_PD.device.type == "cpu" and slots_S.device.type == "cpu"
-            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
-            and packed.back_N is not None and bool(packed.groups)
-            and 0 < 2 * slots_S.shape[0] <= x_PD.shape[0] and x_PD.dim() == 2)
+def group_views(packed: Packed, zs_P, heads: int, size: int) -> list[tuple[torch.Tensor, ...]]:
+    """Each group's (n, heads, t, size) views of the (P, heads * size) tensors ``zs_P`` (one per projection)."""
+    return [tuple(z.view(g.num_rows, g.length, heads, size).transpose(1, 2) for z in parts)
+            for g, parts in zip(packed.groups, zip(*(packed.split_groups(z) for z in zs_P)))]
+
+
+def rows_apply(x_RD: torch.Tensor, rows_S: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether the projections (``project_qkv``) and attention (``queries_apply``) of a trimmed layer take its kept
+    rows only: eager on the CPU (rows on the host), no autocast, 2-D x of the weight's dtype, some rows kept but at
+    most half of them."""
+    return (rows_S is not None and x_RD.device.type == "cpu" and rows_S.device.type == "cpu"
+            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu") and x_RD.dim() == 2
+            and x_RD.dtype == weight.dtype and 0 < 2 * rows_S.shape[0] <= x_RD.shape[0])
+
+
+def queries_apply(x_PD: torch.Tensor, packed: Packed, slots_S: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether a trimmed layer attends for its kept slots only (``SelfAttention._attend_rows``): ``rows_apply``,
+    over the groups' slots."""
+    return rows_apply(x_PD, slots_S, weight) and packed.back_N is not None and bool(packed.groups)
 
 
 def project_qkv(x_RD: torch.Tensor, weight_CD: torch.Tensor, bias_C: torch.Tensor | None,
@@ -175,11 +184,9 @@ def project_qkv(x_RD: torch.Tensor, weight_CD: torch.Tensor, bias_C: torch.Tenso
     whose attention output is read: a trimmed last layer's tokens) q only on those rows and zero elsewhere
     (``_QKVOfRows``): k and v are needed at every key, q only where an output is kept. A zero q row attends
     uniformly; its output is not read, so its gradient is zero, and so are its contributions to k's and v's: the
-    kept rows' outputs and all gradients are those of the full projection. Eager on the CPU without autocast, where
-    ``rows_S`` is at most half the rows (torch's projection elsewhere: on CUDA it waits for a device pass)."""
-    if (rows_S is None or 2 * rows_S.shape[0] > x_RD.shape[0] or torch.compiler.is_compiling()
-            or x_RD.device.type != "cpu" or torch.is_autocast_enabled("cpu") or x_RD.dim() != 2
-            or x_RD.dtype != weight_CD.dtype):
+    kept rows' outputs and all gradients are those of the full projection. Where ``rows_apply`` (torch's projection
+    elsewhere: on CUDA it waits for a device pass)."""
+    if not rows_apply(x_RD, rows_S, weight_CD):
         return F.linear(x_RD, weight_CD, bias_C)
     return _QKVOfRows.apply(x_RD, weight_CD, bias_C, rows_S)[0]
 
@@ -205,7 +212,6 @@ class _QKVOfRows(torch.autograd.Function):
         q_RD.zero_()
         q_RD.index_copy_(0, rows_S, q_SD)
         ctx.save_for_backward(x_RD, weight_CD, rows_S, x_SD)
-        ctx.has_bias = bias_C is not None
         return qkv_RC, q_SD
 
     @staticmethod
@@ -222,7 +228,7 @@ class _QKVOfRows(torch.autograd.Function):
             grad_w = weight_CD.new_empty(weight_CD.shape)
             torch.mm(grad_kv.t(), x_RD, out=grad_w[d:])
             torch.mm(grad_q_SD.t(), x_SD, out=grad_w[:d])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False without a bias
             grad_b = torch.cat([grad_q_SD.sum(0), grad_kv.sum(0)])
         return grad_x, grad_w, grad_b, None
 

@@ -102,30 +102,26 @@ def _counts(batch) -> tuple[int, int, int]:
     return int(batch["attention_mask"].sum()), int((batch["mlm_labels"] != -100).sum()), views
 
 
-def _count_q_of_rows(monkeypatch) -> list[int]:
-    """Run-time record: the rows each ``_QKVOfRows`` (q on the kept rows only) computed q for."""
+def _count_rows(monkeypatch, owner, name: str) -> list[int]:
+    """Run-time record: the kept rows (the last argument's length) of each call of ``owner.name``: ``_QKVOfRows.apply``
+    (q on the kept rows only) or ``QueryLayout.of`` (the kept-rows attention)."""
     seen: list[int] = []
-    apply = attention._QKVOfRows.apply
+    fn = getattr(owner, name)
 
-    def counted(x, w, b, rows):
-        seen.append(len(rows))
-        return apply(x, w, b, rows)
+    def counted(*args):
+        seen.append(len(args[-1]))
+        return fn(*args)
 
-    monkeypatch.setattr(attention._QKVOfRows, "apply", counted)
+    monkeypatch.setattr(owner, name, counted)
     return seen
+
+
+def _count_q_of_rows(monkeypatch) -> list[int]:
+    return _count_rows(monkeypatch, attention._QKVOfRows, "apply")
 
 
 def _count_layouts(monkeypatch) -> list[int]:
-    """Run-time record: the kept slots of each kept-rows attention (``QueryLayout.of``)."""
-    seen: list[int] = []
-    of = attention.QueryLayout.of
-
-    def counted(packed, slots_S):
-        seen.append(len(slots_S))
-        return of(packed, slots_S)
-
-    monkeypatch.setattr(attention.QueryLayout, "of", counted)
-    return seen
+    return _count_rows(monkeypatch, attention.QueryLayout, "of")
 
 
 @pytest.mark.parametrize("norm, pooler, flat", [("post", True, False), ("pre", False, False), ("post", True, True),
