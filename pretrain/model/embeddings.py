@@ -46,6 +46,53 @@ class _Lookup(torch.autograd.Function):
         return embedding_grad(grad, ids, ctx.rows, ctx.padding_idx), None, None
 
 
+class _RowsLookup(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose weight gradient is sparse: one row per token (its output gradient, at its
+    id), an uncoalesced COO tensor over the output gradient itself (nothing summed, sorted or copied). Only for
+    ``TiedWord``'s lookup alias, whose backward adds the rows into the decoder's dense gradient."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.shape = weight.shape
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        return torch.sparse_coo_tensor(ids.reshape(1, -1).long(), grad.reshape(-1, grad.shape[-1]), ctx.shape,
+                                       is_coalesced=False, check_invariants=False), None
+
+
+class TiedWord(torch.autograd.Function):
+    """The tied word table as two aliases, (lookup's, decoder's), whose gradients meet in one backward.
+
+    Autograd otherwise sums a tied table's two gradients as two dense (V, D) tensors: the lookup's, aten's
+    zero-filled table with the tokens' rows added (``embedding_dense_backward``), and the decoder's; at BERT small
+    on the CPU 62 MB filled, then read twice and written once more for a few thousand rows (~20 ms a step). Here
+    the lookup's gradient comes as rows (``_RowsLookup``; two lookups' rows concatenated by autograd) and they are
+    added into the decoder's gradient in place, token by token (``index_add_``): each element is the decoder's
+    gradient plus its tokens' in token order, where autograd added the tokens' sum to it, so the two differ by
+    rounding only. Without a decoder gradient (the step ran no MLM head) the rows go into zeros in token order:
+    aten's dense backward, to the bit. ``PretrainModel.word_rows`` says where it runs."""
+
+    @staticmethod
+    def forward(ctx, weight_VD: torch.Tensor):
+        ctx.set_materialize_grads(False)  # an unused alias's gradient stays None, not a zero (V, D) table
+        return weight_VD.view_as(weight_VD), weight_VD.view_as(weight_VD)
+
+    @staticmethod
+    def backward(ctx, grad_lookup, grad_decoder):
+        if grad_lookup is None:
+            return grad_decoder
+        if not grad_lookup.is_sparse:  # the lookup ran through another path (dense)
+            return grad_lookup if grad_decoder is None else grad_decoder + grad_lookup
+        if grad_decoder is None:
+            grad_decoder = grad_lookup._values().new_zeros(grad_lookup.shape)
+        # The decoder's gradient is a fresh (V, D) product of its backward, read by no other node: added in place.
+        return grad_decoder.index_add_(0, grad_lookup._indices()[0], grad_lookup._values())
+
+
 class Embedding(nn.Embedding):
     """nn.Embedding that leaves its default N(0, 1) init out on the meta device, and whose compiled gradient on the
     CPU is the eager one.
@@ -66,11 +113,17 @@ class Embedding(nn.Embedding):
     call that waits for the host past ~4k ids, which a CUDA graph (compile_mode=reduce-overhead) cannot capture and
     which would put a host sync back into every step (pytorch/pytorch#82886)."""
 
+    step_weight: torch.Tensor | None = None
+    """``TiedWord``'s lookup alias of the weight while ``PretrainModel.word_rows`` holds it: the lookup then
+    gives its gradient as rows (``_RowsLookup``)."""
+
     def reset_parameters(self) -> None:
         if self.weight.device.type != "meta":
             super().reset_parameters()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.step_weight is not None:
+            return _RowsLookup.apply(self.step_weight, ids)
         if (torch.compiler.is_compiling() and self.weight.device.type == "cpu" and self.max_norm is None
                 and not self.scale_grad_by_freq and not self.sparse):
             return _Lookup.apply(self.weight, ids, -1 if self.padding_idx is None else self.padding_idx)

@@ -32,10 +32,13 @@ class MLMHead(nn.Module):
         self.decoder = nn.Module()
         self.decoder.weight = word_weight_VD
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.step_weight: torch.Tensor | None = None
+        """``TiedWord``'s decoder alias of the weight while ``PretrainModel.word_rows`` holds it."""
 
     def forward(self, h_MD: torch.Tensor) -> torch.Tensor:
         x_MD = self.norm(self.act(self.dense(h_MD)))
-        return decoder_logits(x_MD, self.decoder.weight, self.bias)
+        weight_VD = self.decoder.weight if self.step_weight is None else self.step_weight
+        return decoder_logits(x_MD, weight_VD, self.bias)
 
 
 DECODER_CHUNK = 2048

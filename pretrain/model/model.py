@@ -6,12 +6,15 @@ packed tokens: h_ND and labels_N take the place of h_BTD and labels_BT.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.data import IGNORE_INDEX
 from pretrain.config.model import ModelConfig
+from pretrain.model.embeddings import TiedWord
 from pretrain.model.encoder import Encoder
 from pretrain.model.gather import gather_unique
 from pretrain.model.heads import MLMHead, Pooler, ProjectionHead, SentenceDense, pool
@@ -46,6 +49,27 @@ class PretrainModel(nn.Module):
     def tie_weights(self) -> None:
         """(Re-)tie the MLM decoder to the word embeddings (after to_empty or load_state_dict(assign=True))."""
         self.mlm_head.decoder.weight = self.encoder.embeddings.word.weight
+
+    @contextlib.contextmanager
+    def word_rows(self):
+        """Within: the word table's lookup and the MLM decoder read ``TiedWord``'s two aliases of it, so that the
+        lookup's gradient comes as rows added into the decoder's (embeddings.py). Eager on the CPU only (on CUDA
+        aten's dense backward is one cheap kernel and ``index_add_``'s atomics would make the sum's order vary;
+        compiled code keeps its own lookup), for a table ZeRO-3 does not partition, and only when a gradient is
+        recorded; otherwise a no-op. The aliases are dropped on exit (the graph keeps what its backward needs)."""
+        word = self.encoder.embeddings.word
+        weight_VD = word.weight
+        if (weight_VD.device.type != "cpu" or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+                or not weight_VD.requires_grad or hasattr(weight_VD, "ds_id") or word.padding_idx is not None
+                or word.max_norm is not None or word.scale_grad_by_freq or word.sparse
+                or self.mlm_head.decoder.weight is not weight_VD):
+            yield
+            return
+        word.step_weight, self.mlm_head.step_weight = TiedWord.apply(weight_VD)
+        try:
+            yield
+        finally:
+            word.step_weight = self.mlm_head.step_weight = None
 
     def encode(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, all_layers: bool = False,
