@@ -123,6 +123,8 @@ class QueryLayout:
     """(group index in ``Packed.groups``, n, m) of each group with a query, in order."""
     sub_S: torch.Tensor
     """Each query's position among the query slots."""
+    column_S: np.ndarray | None = None
+    """Each query's column in its group's rows (its position in its sequence), host values."""
 
     @property
     def group_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -154,7 +156,16 @@ class QueryLayout:
         size_G = n_G * m_G
         sub_S = (np.cumsum(size_G) - size_G)[group_S] + row_S * m_G[group_S] + rank_S
         groups = tuple((g, int(n_G[g]), int(m_G[g])) for g in range(len(n_G)) if m_G[g] > 0)
-        return QueryLayout(groups, torch.from_numpy(sub_S.astype(np.int64)))
+        column_S = (slots - start_G[group_S]) % t_G[group_S]
+        return QueryLayout(groups, torch.from_numpy(sub_S.astype(np.int64)), column_S)
+
+    def columns(self) -> list[torch.Tensor]:
+        """Per group with queries, (n, m): the column each query slot reads its q from (an empty slot: column 0,
+        whose output is not read and whose gradient is therefore zero)."""
+        column_Q = np.zeros(self.num_slots, dtype=np.int64)
+        column_Q[self.sub_S.numpy()] = self.column_S
+        parts = np.split(column_Q, np.cumsum(self.group_sizes)[:-1])
+        return [torch.from_numpy(c.reshape(n, m)) for c, (n, m) in zip(parts, self.group_shapes)]
 
 
 def group_views(packed: Packed, zs_P, heads: int, size: int) -> list[tuple[torch.Tensor, ...]]:

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config.model import ModelConfig
-from pretrain.model.attention import project_qkv
+from pretrain.model.attention import QueryLayout, project_qkv, queries_apply
 from pretrain.model.banded import Band, banded_attention
 from pretrain.model.block import GELU_FORMS, activation_fn
 from pretrain.model.dropout import Dropout, attention, attention_dtype, group_masks
 from pretrain.model.embeddings import Embedding
 from pretrain.model.flat import forget_traced_views, materialize
-from pretrain.model.gather import gather_slots, group_heads, heads_to_slots
+from pretrain.model.gather import gather_slots, gather_unique, group_heads, heads_to_slots
 from pretrain.model.kernels import KINDS, cpu_kernels
 from pretrain.model.packing import Packed, take_rows
 from pretrain.model.rotary import apply_rope, apply_rope_qk
@@ -112,7 +112,10 @@ class ModernAttention(nn.Module):
             # (rotary._rotate: contiguous output).
             y_parts = []
             slots_S = packed.slots(rows_S)
-            qkv = group_heads(project_qkv(gather_slots(x_BTD, packed), self.qkv.weight, None, slots_S), packed, h, k)
+            x_PD = gather_slots(x_BTD, packed)
+            qkv = group_heads(project_qkv(x_PD, self.qkv.weight, None, slots_S), packed, h, k)
+            if self._kept_queries(x_PD, packed, slots_S, inputs):
+                return self.out(self._attend_rows(qkv, inputs, packed, slots_S, dropout_p, qk_dtype))
             # The probabilities' dropout masks drawn for the layer at once, except for a local layer's banded groups,
             # whose attention draws its own (its probabilities are blocks of the band, banded.py).
             shapes = packed.group_shapes
@@ -128,6 +131,30 @@ class ModernAttention(nn.Module):
         q_BHTK, k_BHTK, q_scaled = _rope(q_BHTK, k_BHTK, inputs, t, qk_dtype)
         y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p, self.fast_dropout, q_scaled)
         return self.out(take_rows(y_BHTK.transpose(1, 2).reshape(b, t, d), rows_S))
+
+
+    def _kept_queries(self, x_PD: torch.Tensor, packed: Packed, slots_S: torch.Tensor | None,
+                      inputs: AttentionInputs) -> bool:
+        """Whether this (trimmed last) layer attends for its kept slots only: ``queries_apply``, in a global layer
+        (a local one's window would have to follow each kept query: it attends in full)."""
+        return (queries_apply(x_PD, packed, slots_S, self.qkv.weight)
+                and all(m is None or (torch.is_tensor(m) and m.shape[-2] == 1) for m in inputs.group_masks))
+
+    def _attend_rows(self, qkv: list, inputs: AttentionInputs, packed: Packed, slots_S: torch.Tensor,
+                     dropout_p: float, qk_dtype: torch.dtype) -> torch.Tensor:
+        """y_SD: the attention outputs of the slots ``slots_S`` only, as BERT's ``SelfAttention._attend_rows``: each
+        group with a kept query rotated as in the full layer, then its kept queries taken from their columns into
+        (n, H, m, K) (``QueryLayout``) against the group's t keys and values; groups without one are skipped."""
+        layout = QueryLayout.of(packed, slots_S)
+        y_parts = []
+        for (g, n, m), column_nm in zip(layout.groups, layout.columns()):
+            q_nHtK, k_nHtK, v_nHtK = qkv[g]
+            q_nHtK, k_nHtK, q_scaled = _rope(q_nHtK, k_nHtK, inputs, packed.groups[g].length, qk_dtype)
+            index = column_nm.view(n, 1, m, 1).expand(n, q_nHtK.shape[1], m, q_nHtK.shape[3])
+            q_nHmK = torch.gather(q_nHtK, 2, index)
+            y_parts.append(_attend(q_nHmK, k_nHtK, v_nHtK, inputs.group_masks[g], dropout_p, self.fast_dropout,
+                                   q_scaled))
+        return gather_unique(heads_to_slots(y_parts, layout), layout.sub_S)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Band | None,

@@ -18,7 +18,7 @@ from pretrain.config import ModelConfig, ObjectiveConfig, OpsConfig
 from pretrain.config.objective import InfoNCEConfig, MLMConfig, NTXentConfig
 from pretrain.distributed.env import single_process_env
 from pretrain.model import build_model
-from pretrain.model import attention
+from pretrain.model import attention, modern
 from pretrain.model.flat import flatten_layers
 from pretrain.model.packing import pack
 from pretrain.objective import Context, Objective, TrainModule
@@ -156,12 +156,27 @@ def test_modernbert_equals_the_full_last_layer(monkeypatch):
     """model.arch=modernbert, 3 layers, its last a local one (window 16 under rows of 64), and the final norm; its
     fused bias-free q/k/v projects q on the kept rows only."""
     batch = _batch(1)
-    q_rows = _count_q_of_rows(monkeypatch)
+    q_rows, layouts = _count_q_of_rows(monkeypatch), _count_layouts(monkeypatch)
     rows_full, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), arch="modernbert", pooler=False, num_layers=3,
                                            local_window=16, layer_norm_eps=1e-5)
     tokens, labelled, views = _counts(batch)
     assert rows_full == [tokens, views] and rows_trimmed == [labelled, 2 * batch["view_a_ids"].shape[0]]
     assert q_rows == rows_trimmed
+    assert layouts == []  # a local last layer attends for every slot (its window follows each query)
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_modernbert_global_last_layer_attends_for_the_kept_queries_only(scaled, monkeypatch):
+    """model.arch=modernbert, 4 layers, the last a global one: its kept queries (rotated at their own positions,
+    taken from their columns) attend alone (``ModernAttention._attend_rows``), with the full last layer's losses
+    and gradients; with RoPE's tables scaled for attention (the CPU's default) and without."""
+    batch = _batch(3)
+    if not scaled:
+        monkeypatch.setattr(modern, "scaled_tables", lambda *a: {})
+    q_rows, layouts = _count_q_of_rows(monkeypatch), _count_layouts(monkeypatch)
+    _, rows_trimmed = _assert_same(batch, ("mlm", "nt_xent"), arch="modernbert", pooler=False, num_layers=4,
+                                   local_window=16, layer_norm_eps=1e-5)
+    assert layouts == q_rows == rows_trimmed == [_counts(batch)[1], 2 * batch["view_a_ids"].shape[0]]
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -265,11 +280,14 @@ def test_the_query_layout_of_some_slots():
     assert layout.num_slots == 12 and layout.group_shapes == ((2, 3), (3, 2))
 
 
-def test_dropout_in_the_kept_rows_attention_trains(monkeypatch):
-    """Flat layers with dropout: the kept rows' attention (q of the kept slots only) runs, the step is finite and
-    reaches every parameter the full step reaches."""
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_dropout_in_the_kept_rows_attention_trains(arch, monkeypatch):
+    """Flat layers with dropout (BERT; ModernBERT with a global last layer): the kept rows' attention (q of the
+    kept slots only) runs, the step is finite and reaches every parameter the full step reaches."""
     seen = _count_layouts(monkeypatch)
-    full, trimmed = (_module(t, dropout=0.1, attention_dropout=0.1, flat=True) for t in (False, True))
+    kw = dict(arch="modernbert", pooler=False, num_layers=4, local_window=16, layer_norm_eps=1e-5) \
+        if arch == "modernbert" else {}
+    full, trimmed = (_module(t, dropout=0.1, attention_dropout=0.1, flat=True, **kw) for t in (False, True))
     full.train(), trimmed.train()
     _, _, grads_f = _run(full, _batch())
     loss, _, grads_t = _run(trimmed, _batch())
