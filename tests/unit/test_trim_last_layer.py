@@ -278,6 +278,8 @@ def test_the_query_layout_of_some_slots():
     assert layout.groups == ((0, 2, 3), (1, 3, 2))
     assert layout.sub_S.tolist() == [11, 0, 2, 6, 1, 10]
     assert layout.num_slots == 12 and layout.group_shapes == ((2, 3), (3, 2))
+    # each query's column in its row (slot 13: group 1's row 2, column 1); empty query slots read column 0
+    assert [c.tolist() for c in layout.columns()] == [[[1, 2, 3], [0, 0, 0]], [[0, 0], [0, 0], [0, 1]]]
 
 
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
