@@ -209,6 +209,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         q, k = q.to(dtype), k.to(dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                               scale=1.0 if q_scaled else None)
+    # v is often a view of a fused projection (ModernBERT's, whose RoPE rewrites q and k only): matmul would copy it
+    # apart in the forward and again in the backward's grad v^T; copied once here, both multiply the copy as it is
+    v = v.contiguous()
     if dtype in (torch.bfloat16, torch.float16):
         q, k, v = q.float(), k.float(), v.float()
         mask = mask if mask is None or mask.dtype == torch.bool else mask.float()

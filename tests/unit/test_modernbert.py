@@ -280,6 +280,40 @@ def test_rope_writes_head_major_views_contiguous_so_attention_copies_nothing():
     assert not {op for op in c.ops if op.split(".")[1] in ("clone", "contiguous", "copy_")}, c.ops
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_strided_v_is_copied_once_for_the_forward_and_the_backward(dtype, monkeypatch):
+    """v stays a view of the fused projection's slots (RoPE rewrites q and k only). With the CPU's dropout path
+    (``dropout.attention`` past SDPA) it is made contiguous once, so the backward's grad v^T multiplies that copy
+    (matmul copied the view apart in the forward and again in the backward); SDPA (no dropout) takes the view as
+    it is. Output and gradients are those of a contiguous v's."""
+    from pretrain.metrics.op_count import OpCounter
+    from pretrain.model import dropout as dropout_module
+
+    monkeypatch.setattr(dropout_module, "FAST_MIN_NUMEL", 0)  # these small tensors take the C path too
+    n, t, h, k = 3, 10, 4, 16
+    qkv = torch.randn(n * t, 3 * h * k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    keep = torch.ones(n, 1, 1, t, dtype=torch.bool)
+    keep[1, ..., 7:] = False
+
+    def run(p, contiguous_v):
+        q, key, v = (qkv[:, i * h * k:(i + 1) * h * k].view(n, t, h, k).permute(0, 2, 1, 3) for i in range(3))
+        q, key = q.float().contiguous(), key.float().contiguous()  # RoPE's output (fp32 with dropout)
+        v = v.contiguous() if contiguous_v else v  # the slots' strided view, or a contiguous copy
+        leaves = [z.detach().requires_grad_(True) for z in (q, key, v)]
+        torch.manual_seed(3)
+        with OpCounter() as forward:
+            y = dropout_module.attention(*leaves, keep, p)
+        with OpCounter() as backward:
+            grads = torch.autograd.grad((y.float() ** 2).sum(), leaves)
+        return y, grads, [sum(n for op, n in c.ops.items() if op.split(".")[1] == "clone") for c in (forward, backward)]
+
+    y, grad, clones = run(0.1, False)
+    y0, grad0, _ = run(0.1, True)
+    assert torch.equal(y, y0) and all(torch.equal(a, b) for a, b in zip(grad, grad0))
+    assert clones == [1, 0]  # the one copy, forward
+    assert run(0.0, False)[2] == [0, 0]  # SDPA: no copy
+
+
 def test_key_table_both_ways_is_exact():
     transformers = pytest.importorskip("transformers")
     hf = _hf_modernbert(transformers, "sdpa", seed=1)
