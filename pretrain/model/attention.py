@@ -123,7 +123,7 @@ class QueryLayout:
     """(group index in ``Packed.groups``, n, m) of each group with a query, in order."""
     sub_S: torch.Tensor
     """Each query's position among the query slots."""
-    column_S: np.ndarray | None = None
+    column_S: np.ndarray
     """Each query's column in its group's rows (its position in its sequence), host values."""
 
     @property

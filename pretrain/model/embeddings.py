@@ -85,8 +85,7 @@ class TiedWord(torch.autograd.Function):
     def backward(ctx, grad_lookup, grad_decoder):
         if grad_lookup is None:
             return grad_decoder
-        if not grad_lookup.is_sparse:  # the lookup ran through another path (dense)
-            return grad_lookup if grad_decoder is None else grad_decoder + grad_lookup
+        # grad_lookup: the sparse rows of _RowsLookup, the lookup alias's only reader
         if grad_decoder is None:
             grad_decoder = grad_lookup._values().new_zeros(grad_lookup.shape)
         # The decoder's gradient is a fresh (V, D) product of its backward, read by no other node: added in place.

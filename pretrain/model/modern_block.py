@@ -132,7 +132,6 @@ class ModernAttention(nn.Module):
         y_BHTK = _attend(q_BHTK, k_BHTK, v_BHTK, inputs.mask, dropout_p, self.fast_dropout, q_scaled)
         return self.out(take_rows(y_BHTK.transpose(1, 2).reshape(b, t, d), rows_S))
 
-
     def _kept_queries(self, x_PD: torch.Tensor, packed: Packed, slots_S: torch.Tensor | None,
                       inputs: AttentionInputs) -> bool:
         """Whether this (trimmed last) layer attends for its kept slots only: ``queries_apply``, in a global layer

@@ -24,6 +24,7 @@ Bt sentences with a triplet, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -204,7 +205,6 @@ class TrainModule(torch.nn.Module):
         # callees compiled one by one (measured on the H200, 2026-11-27). Validation runs no backward, so it
         # gains nothing from the compiled step anyway.
         compiled = self._run_terms if self.training and torch.is_grad_enabled() else None
-        if compiled is not None or not hasattr(self.model, "word_rows"):
+        # eager: the tied word table's gradient as rows (model.py)
+        with self.model.word_rows() if compiled is None else contextlib.nullcontext():
             return self.objective(self.model, batch, self.heads, run_terms=compiled, anchor=anchor)
-        with self.model.word_rows():  # eager: the tied word table's gradient as rows (model.py)
-            return self.objective(self.model, batch, self.heads, run_terms=None, anchor=anchor)
