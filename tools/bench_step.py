@@ -79,6 +79,10 @@ ARCHS = ("bert", "modernbert")
 MASK_FRAC = 0.15
 HOST_COST = {"size": "host", "seq": 16, "view_len": 8, "batch": 4, "vocab": 128}
 """--host-cost's step: SIZES["host"] (12 layers of width 32) on 4 sequences of 16 tokens + views of 8."""
+HOST_AB = {"joint": ("ours_two_passes", {"joint": False},
+                     "train.joint_pass=false (the MLM rows and the views in two passes)"),
+           "layer": ("ours_layer", {"scope": "layer"}, "train.flat_scope=layer (a pair of flat tensors a layer)")}
+"""--host-cost --ab: the third arm's name, its build_ours options and what it is."""
 HOST_COST_GOAL = "ours <= 0.5x HF's host ms per step and no more aten ops than HF, at ZeRO-2 bf16 (issue 24)"
 
 
@@ -168,13 +172,13 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
                micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True,
                fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True, joint: bool = True,
-               attention: str = "auto", unpadded: bool = True):
+               attention: str = "auto", unpadded: bool = True, scope: str = "encoder"):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
     ``unpadded``: train.unpadded, ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
     ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, ``joint``: train.joint_pass, all on by
-    default; ``attention``: train.unpadded_attention). ``step.num_params``: the trained module's parameters
-    (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
+    default; ``attention``: train.unpadded_attention; ``scope``: train.flat_scope). ``step.num_params``: the trained
+    module's parameters (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
         ObjectiveConfig,
@@ -197,7 +201,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     model = build_model(ours_model_config(size, vocab, seq, arch, pooling))
     train = TrainConfig(micro_batch_size=micro_batch, precision=precision, compile=compile_, flat_params=flat,
                         trim_last_layer=trim, fast_dropout=fast_dropout, compile_mode=compile_mode, pin_memory=pin,
-                        joint_pass=joint, unpadded_attention=attention, unpadded=unpadded)
+                        joint_pass=joint, unpadded_attention=attention, unpadded=unpadded, flat_scope=scope)
     ctx = Context(env=env, ops=OpsConfig(), pooling=model.cfg.pooling, trim_last_layer=train.trim_last_layer,
                   joint_pass=train.joint_pass)
     module = TrainModule(model, Objective(ObjectiveConfig(), ctx))
@@ -227,7 +231,8 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 
 AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false",
               "pin": "train.pin_memory=false", "joint": "train.joint_pass=false",
-              "varlen": "train.unpadded_attention=varlen", "unpadded": "train.unpadded=false"}
+              "varlen": "train.unpadded_attention=varlen", "unpadded": "train.unpadded=false",
+              "layer": "train.flat_scope=layer"}
 """--ab: the option the third arm sets (turns off, but for varlen, which it turns on)."""
 
 POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
@@ -474,7 +479,8 @@ def measure(args, size: str) -> dict:
         return build_ours(size, args.vocab, args.seq, args.zero_stage, args.precision, args.compile, args.batch[0],
                           arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout",
                           pin=off != "pin", joint=off != "joint", compile_mode=args.compile_mode,
-                          attention="varlen" if off == "varlen" else "auto", unpadded=off != "unpadded")
+                          attention="varlen" if off == "varlen" else "auto", unpadded=off != "unpadded",
+                          scope="layer" if off == "layer" else "encoder")
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
@@ -561,8 +567,9 @@ def measure_host_cost(args) -> dict:
     # one on the CPU, whose step count .item() per parameter would otherwise count as syncs in one arm only).
     fused = bool(arms["ours"].engine._adamw.defaults.get("fused"))
     arms["hf"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, args.compile, fused=fused)
-    if args.ab == "joint":  # the two passes the joint pass replaced, same process, same trials
-        arms["ours_two_passes"] = ours(joint=False)
+    if args.ab in HOST_AB:  # e.g. the two passes the joint pass replaced: same process, same trials
+        arm, options, _ = HOST_AB[args.ab]
+        arms[arm] = ours(**options)
     if args.compile:  # HF as most of its users run it: eager
         arms["hf_eager"] = build_hf(hc["size"], hc["vocab"], hc["seq"], "cpu", args.precision, False, fused=fused)
     for _ in range(3):
@@ -632,14 +639,14 @@ def host_cost_table(rows: list[dict]) -> list[str]:
                   "| ZeRO | precision | ours compiled ms | HF eager ms | ours / HF eager |", "|---:|---|---:|---:|---:|"]
         lines += [f"| {r['zero_stage']} | {r['precision']} | {r['ours']['s'] * 1e3:.1f} | "
                   f"{r['hf_eager']['s'] * 1e3:.1f} | {r['ours']['s'] / r['hf_eager']['s']:.2f}x |" for r in eager]
-    two = [r for r in done if "ours_two_passes" in r]
-    if two:
-        lines += ["", "Ours with train.joint_pass=false (the MLM rows and the views in two passes; the same runs):", "",
-                  "| ZeRO | precision | two passes ms | / HF | aten ops | joint / two passes |",
-                  "|---:|---|---:|---:|---:|---:|"]
-        lines += [f"| {r['zero_stage']} | {r['precision']} | {r['ours_two_passes']['s'] * 1e3:.1f} | "
-                  f"{r['ours_two_passes']['s'] / r['hf']['s']:.2f}x | {r['ours_two_passes']['aten_ops']:,} | "
-                  f"{r['ours']['s'] / r['ours_two_passes']['s']:.2f}x |" for r in two]
+    for arm, _, what in HOST_AB.values():
+        third = [r for r in done if arm in r]
+        if third:
+            lines += ["", f"Ours with {what} (the same runs):", "",
+                      "| ZeRO | precision | its ms | / HF | aten ops | ours / it |", "|---:|---|---:|---:|---:|---:|"]
+            lines += [f"| {r['zero_stage']} | {r['precision']} | {r[arm]['s'] * 1e3:.1f} | "
+                      f"{r[arm]['s'] / r['hf']['s']:.2f}x | {r[arm]['aten_ops']:,} | "
+                      f"{r['ours']['s'] / r[arm]['s']:.2f}x |" for r in third]
     return lines
 
 
@@ -664,7 +671,7 @@ def run_host_cost(args) -> int:
         for precision in args.precisions:
             cmd = [sys.executable, __file__, "--json", "--host-cost", "--zero-stage", str(zero), "--precision",
                    precision, "--steps", str(args.steps)] + (["--compile"] if args.compile else []) + \
-                (["--ab", "joint"] if args.ab == "joint" else [])
+                (["--ab", args.ab] if args.ab in HOST_AB else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:

@@ -90,6 +90,9 @@ def inert_settings(cfg) -> list[str]:
     out += _objective_lines(cfg)
     out += _compile_lines(cfg)
     out += _joint_lines(cfg)
+    if t.flat_scope != TrainConfig().flat_scope and (not t.flat_params or cfg.distributed.zero_stage == 3):
+        out.append(f"train.flat_scope={t.flat_scope} does nothing: the parameters are per tensor ("
+                   f"{'train.flat_params=false' if not t.flat_params else 'ZeRO-3 keeps them so'})")
     if t.unpadded_attention != "auto" and not t.step_unpadded:
         out.append(f"train.unpadded_attention={t.unpadded_attention} does nothing: the step runs padded "
                    f"({f'train.compile_shapes={t.compile_shapes}' if t.unpadded else 'train.unpadded=false'})")

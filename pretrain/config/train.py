@@ -183,6 +183,13 @@ class TrainConfig:
     A resumed run keeps the layout its checkpoint was written with (one from before 2026-11-25: per-tensor);
     resumes are bitwise on any rank count (the views are remade at every micro-step: ``flat.release_views``)."""
 
+    flat_scope: Literal["encoder", "layer"] = "encoder"
+    """With train.flat_params: "encoder" holds all the encoder layers' parameters in one pair of flat tensors,
+    "layer" a pair per layer (the layout until 2026-12-06). One pair leaves DeepSpeed ZeRO 0-2 22 fewer tensors to
+    hook, copy and update at BERT-base depth (18 instead of 40), ~10% of the eager step's host time
+    (docs/performance.md); the layers' gradients then reach it at the end of the encoder's backward, together.
+    A resumed run keeps the scope its checkpoint was written with (one from before 2026-12-06: "layer")."""
+
     malloc_mmap_threshold_kib: int = 1 << 20
     """glibc's mmap threshold in KiB, fixed for the trainer process (training/heap.py; its trim threshold at twice
     it); 0 leaves glibc's dynamic threshold, which stops rising at 32 MiB. The default, 1 GiB, serves every

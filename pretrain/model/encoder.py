@@ -12,6 +12,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.model.block import Block
 from pretrain.model.embeddings import Embeddings
+from pretrain.model.flat import forget_traced_views, materialize
 from pretrain.model.packing import Packed, check_rows, keep_mask
 
 
@@ -56,6 +57,7 @@ class Encoder(nn.Module):
                 all_layers: bool, rows_S: torch.Tensor | None = None) -> torch.Tensor | list[torch.Tensor]:
         """The blocks (and pre-LN's final LayerNorm) over the embeddings x_BTD, or x_ND with ``packed``; the last
         block computes only ``rows_S`` when given."""
+        materialize(self.layers)  # flat across the layers (train.flat_scope=encoder): their views, model/flat.py
         states = [x_BTD] if all_layers else None
         for i, layer in enumerate(self.layers):
             x_BTD = layer(x_BTD, keep_B11T, packed, rows_S if i == len(self.layers) - 1 else None)
@@ -65,4 +67,5 @@ class Encoder(nn.Module):
             x_BTD = self.final_norm(x_BTD)
             if all_layers:
                 states[-1] = x_BTD
+        forget_traced_views(self.layers)
         return states if all_layers else x_BTD

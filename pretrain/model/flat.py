@@ -1,17 +1,19 @@
-"""Flat parameters: an encoder layer's parameters held in two flat tensors, the decayed ones and the others.
+"""Flat parameters: the encoder layers' parameters held in two flat tensors, the decayed ones and the others.
 
 Why: DeepSpeed's ZeRO 0-2 and the fused AdamW do host work per parameter tensor (gradient hooks, bucket copies,
-norms, casts, views): a BERT layer's 16 tensors become 2, and a BERT-base step dispatches ~3,000 fewer ops
-(``tools/bench_step.py --host-cost``). The arithmetic is unchanged: every original parameter is a view of its
-flat tensor, made at the layer's forward (``torch.split`` + ``view``; their backward is one ``cat``), so losses,
-gradients and updates equal the per-tensor layout's (tests/test_flat_params.py). The state dict keeps the
-per-tensor names (``attn.q.weight``, ...) both ways, so checkpoints' ``model.safetensors``, ``init_from``, the
-Hugging Face export and the evaluation tools see the usual model. DeepSpeed's own files name the flat tensors
-(``encoder.layers.0.flat_decay``); ``unflatten_state`` (with the layout the checkpoint records,
+norms, casts, views): a BERT layer's 16 tensors become 2 (train.flat_scope=layer), or all layers' together 2
+(=encoder, the default), and a BERT-base step dispatches ~3,000 (~3,400) fewer ops (``tools/bench_step.py
+--host-cost``). The arithmetic is unchanged: every original parameter is a view of its flat tensor, made at the
+forward (``torch.split`` + ``view``; their backward is one ``cat``), so losses, gradients and updates equal the
+per-tensor layout's (tests/test_flat_params.py). The state dict keeps the per-tensor names (``attn.q.weight``,
+...) both ways, so checkpoints' ``model.safetensors``, ``init_from``, the Hugging Face export and the evaluation
+tools see the usual model. DeepSpeed's own files name the flat tensors (``encoder.layers.flat_decay``, or
+``encoder.layers.0.flat_decay`` a layer); ``unflatten_state`` (with the layout the checkpoint records,
 ``layout_of``) turns what its readers return back into per-tensor names.
 
-The flat tensors are registered on the layer itself, which owns them for ZeRO's purposes; ZeRO-3 (which
-partitions and gathers per module, and would free the storage the views hold) keeps the per-tensor layout.
+The flat tensors are registered on the unit (the layers' ``ModuleList``, or each layer), which owns them for ZeRO's
+purposes; ZeRO-3 (which partitions and gathers per module, and would free the storage the views hold) keeps the
+per-tensor layout.
 """
 
 from __future__ import annotations
@@ -75,12 +77,28 @@ def flatten_unit(unit: nn.Module) -> None:
     unit._flat_cache = None  # the first forward makes its own views, as every later one (release_views)
 
 
-def flatten_layers(model: nn.Module) -> int:
-    """``flatten_unit`` on every layer of the model's encoder; returns how many parameter tensors it removed."""
+FLAT_SCOPES = ("encoder", "layer")
+"""train.flat_scope: one pair of flat tensors for all the encoder's layers (``encoder.layers.flat_decay``), or a
+pair per layer (``encoder.layers.0.flat_decay``, ...)."""
+
+
+def flatten_layers(model: nn.Module, scope: str = "encoder") -> int:
+    """The model's encoder layers' parameters flat (``flatten_unit``): ``scope`` "encoder" flattens the layers'
+    ``ModuleList`` as one unit (the encoder materializes its views once a forward: ``Encoder._layers``), "layer"
+    each layer on its own (each layer at its forward). Returns how many parameter tensors it removed.
+
+    Why a single pair: ZeRO 1-2 hook, copy, bucket and update each parameter tensor in Python (~20 aten ops and a
+    gradient hook each); BERT-base's 12 layers as 24 flat tensors still left 40 tensors a step, as one pair 18
+    (docs/performance.md). The layers' gradients then reach the flat tensor together, as one ``cat`` at the end of
+    the encoder's backward rather than one a layer: the same bytes, and with the gradient bucket at the model's size
+    (distributed/ds_config.py) DeepSpeed reduces once a micro-step either way."""
+    if scope not in FLAT_SCOPES:
+        raise ValueError(f"train.flat_scope={scope!r}: expected one of {', '.join(FLAT_SCOPES)}")
     before = sum(1 for _ in model.parameters())
-    for layer in model.encoder.layers:
-        flatten_unit(layer)
-    model._flat_units = tuple(model.encoder.layers)  # what release_views resets, without a walk per forward
+    units = (model.encoder.layers,) if scope == "encoder" else tuple(model.encoder.layers)
+    for unit in units:
+        flatten_unit(unit)
+    model._flat_units = units  # what release_views resets, without a walk per forward
     return before - sum(1 for _ in model.parameters())
 
 
@@ -122,7 +140,7 @@ def _span_groups(unit: nn.Module, slots: dict[str, list[_Slot]]) -> list[tuple]:
     where = {slot.name: (kind, i, slot) for kind, kind_slots in slots.items() for i, slot in enumerate(kind_slots)}
     taken: set[tuple[str, int]] = set()  # (kind, slot index) of every parameter in a group
     targets = []
-    for target, groups in getattr(unit, "FLAT_SPANS", {}).items():
+    for target, groups in _unit_spans(unit):
         pieces, mine = [], set()
         for names in groups:
             found = [where.get(n) for n in names]
@@ -141,6 +159,17 @@ def _span_groups(unit: nn.Module, slots: dict[str, list[_Slot]]) -> list[tuple]:
             *path, attr = target.split(".")
             targets.append((unit.get_submodule(".".join(path)), attr, pieces))
     return targets
+
+
+def _unit_spans(unit: nn.Module) -> list[tuple[str, tuple]]:
+    """The ``FLAT_SPANS`` of every module in ``unit`` (the unit itself, a layer, or each layer of a ``ModuleList``
+    of them), with targets and parameter names relative to ``unit``."""
+    out = []
+    for prefix, module in unit.named_modules():
+        at = f"{prefix}." if prefix else ""
+        out += [(at + target, tuple(tuple(at + n for n in names) for names in groups))
+                for target, groups in getattr(module, "FLAT_SPANS", {}).items()]
+    return out
 
 
 def _segments(slots: dict[str, list[_Slot]], groups: dict[tuple[str, int], int]):
@@ -211,9 +240,9 @@ def _owner(unit: nn.Module, path: tuple) -> nn.Module:
 
 
 def release_views(model: nn.Module) -> None:
-    """Drops the cached parameter views of the model's flattened layers (``flatten_layers``): their next forward makes new ones.
-    Called at the start of every training forward (TrainModule.forward), so that each micro-step's graph has
-    views of its own. A view kept from an earlier step carries that step's autograd node, whose older sequence
+    """Drops the cached parameter views of the model's flattened layers (``flatten_layers``): their next forward
+    makes new ones. Called at the start of every training forward (TrainModule.forward), so that each micro-step's
+    graph has views of its own. A view kept from an earlier step carries that step's autograd node, whose older sequence
     number changes the order in which the backward reaches the gradients (and so DeepSpeed's bucketing and, on
     more than two ranks, the rounding of their reduction): a resumed run, whose views are new, would then differ
     from the uninterrupted one in the last bit. DeepSpeed updates its flat buffer in place through tensors that

@@ -21,6 +21,7 @@ from torch import nn
 
 from pretrain.config.model import ModelConfig
 from pretrain.model.banded import Band, make_band, use_band
+from pretrain.model.flat import forget_traced_views, materialize
 from pretrain.model.modern_block import AttentionInputs, ModernBlock, ModernEmbeddings, scaled_tables
 from pretrain.model.packing import Packed, check_rows, keep_mask
 from pretrain.model.rotary import rope_tables, window_mask
@@ -76,6 +77,7 @@ class ModernEncoder(nn.Module):
 
     def _layers(self, x_BTD: torch.Tensor, inputs: dict[bool, AttentionInputs], packed: Packed | None,
                 all_layers: bool, rows_S: torch.Tensor | None = None) -> torch.Tensor | list[torch.Tensor]:
+        materialize(self.layers)  # flat across the layers (train.flat_scope=encoder): their views, model/flat.py
         states = [x_BTD] if all_layers else None
         for i, layer in enumerate(self.layers):
             x_BTD = layer(x_BTD, inputs[layer.is_global], packed, rows_S if i == len(self.layers) - 1 else None)
@@ -84,6 +86,7 @@ class ModernEncoder(nn.Module):
         x_BTD = self.final_norm(x_BTD)
         if all_layers:
             states[-1] = x_BTD
+        forget_traced_views(self.layers)
         return states if all_layers else x_BTD
 
 

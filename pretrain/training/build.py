@@ -151,7 +151,7 @@ def apply_param_layout(module: TrainModule, train, dist) -> None:
     """Flattens the encoder layers' parameters (model/flat.py) where ``flat_params_apply``; before DeepSpeed
     wraps the module, after any weights were loaded."""
     if flat_params_apply(train, dist):
-        flatten_layers(module.model)
+        flatten_layers(module.model, train.flat_scope)
 
 
 def compile_options(train) -> dict:

@@ -63,10 +63,11 @@ def plan_resume(cfg: RunConfig, env, *, tokenizer_sha256: str, sample_stream: st
     # ZeRO 1-3 keep the optimizer state in one partition per rank: another rank count re-splits it through
     # DeepSpeed's universal checkpoint. ZeRO-0 keeps it whole and loads as it is.
     universal = old.world_size != env.world_size and cfg.distributed.zero_stage > 0
-    flat, note = checkpoint_param_layout(saved, cfg, tag_dir)
+    flat, scope, note = checkpoint_param_layout(saved, cfg, tag_dir)
     notes.append(note)
-    return ResumePlan(train=dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum=accum, flat_params=flat),
-                      tag_dir=tag_dir, state=state, universal=universal, notes=[n for n in notes if n])
+    train = dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum=accum, flat_params=flat,
+                                flat_scope=scope)
+    return ResumePlan(train=train, tag_dir=tag_dir, state=state, universal=universal, notes=[n for n in notes if n])
 
 
 def resumable_tag(run_dir, env) -> str | None:
@@ -189,10 +190,11 @@ def resume_batch_split(*, tag_dir: Path, global_batch: int, saved: tuple[int, in
     raise ValueError(f"{was}; no split with this run's micro_batch_size {micro} keeps it on {n_ranks(world)}. {hint}.")
 
 
-def checkpoint_param_layout(saved: dict, cfg: RunConfig, tag_dir: Path) -> tuple[bool, str]:
-    """(train.flat_params for this launch, a note or ""): a resumed run keeps the parameter layout its checkpoint
-    was written with (DeepSpeed's optimizer state follows it; a checkpoint from before train.flat_params is per
-    tensor). ValueError where this launch's ZeRO stage cannot hold the checkpoint's flat layout (ZeRO-3)."""
+def checkpoint_param_layout(saved: dict, cfg: RunConfig, tag_dir: Path) -> tuple[bool, str, str]:
+    """(train.flat_params and train.flat_scope for this launch, a note or ""): a resumed run keeps the parameter
+    layout its checkpoint was written with (DeepSpeed's optimizer state follows it; a checkpoint from before
+    train.flat_params is per tensor, one from before train.flat_scope flat a layer). ValueError where this launch's
+    ZeRO stage cannot hold the checkpoint's flat layout (ZeRO-3)."""
     old_train, old_dist = saved.get("train") or {}, saved.get("distributed") or {}
     was_flat = bool(old_train.get("flat_params", False)) and old_dist.get("zero_stage", 0) < 3
     if was_flat and cfg.distributed.zero_stage == 3:
@@ -200,11 +202,16 @@ def checkpoint_param_layout(saved: dict, cfg: RunConfig, tag_dir: Path) -> tuple
             f"checkpoint {tag_dir} holds its encoder layers' parameters flat (train.flat_params, ZeRO 0-2), which "
             f"ZeRO-3 cannot load: resume with distributed.zero_stage={old_dist.get('zero_stage', 2)}, or start a new "
             f"run_dir with checkpoint.init_from={tag_dir} (weights only).")
-    if was_flat == flat_params_apply(cfg.train, cfg.distributed):
-        return cfg.train.flat_params, ""
-    layout = "flat" if was_flat else "per-tensor"
-    return was_flat, (f"the checkpoint holds the encoder layers' parameters {layout} (train.flat_params="
-                      f"{str(was_flat).lower()}): this run continues so")
+    was_scope = old_train.get("flat_scope", "layer") if was_flat else cfg.train.flat_scope
+    if was_flat == flat_params_apply(cfg.train, cfg.distributed) and (not was_flat or
+                                                                       was_scope == cfg.train.flat_scope):
+        return cfg.train.flat_params, cfg.train.flat_scope, ""
+    if was_flat != flat_params_apply(cfg.train, cfg.distributed):
+        layout = "flat" if was_flat else "per-tensor"
+        return was_flat, was_scope, (f"the checkpoint holds the encoder layers' parameters {layout} "
+                                     f"(train.flat_params={str(was_flat).lower()}): this run continues so")
+    return True, was_scope, (f"the checkpoint holds the encoder layers' parameters flat with train.flat_scope="
+                             f"{was_scope}: this run continues so")
 
 
 def n_ranks(n: int) -> str:

@@ -1,7 +1,9 @@
 """train.flat_params through the trainer (real DeepSpeed, ZeRO-2, 1 rank): the flat run trains the per-tensor run's
 model (losses at fp32 rounding: the fused q/k/v matmul may block its sums otherwise), its checkpoint's
 model.safetensors has the per-tensor names, and a run whose checkpoint was written per tensor (every checkpoint
-from before train.flat_params) resumes in that layout when the config asks for flat parameters, bitwise."""
+from before train.flat_params) resumes in that layout when the config asks for flat parameters, bitwise; likewise a
+checkpoint flat a layer (train.flat_scope=layer, every flat checkpoint from before train.flat_scope) under the
+default one pair for the encoder."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def test_flat_and_per_tensor_runs_train_the_same_model(tmp_path, tiny_overrides)
     tags = {n: d / "checkpoints" / "step_00000004" for n, d in runs.items()}
     assert (tags["flat"] / "flat_layout.json").is_file() and not (tags["per_tensor"] / "flat_layout.json").exists()
     layout = json.loads((tags["flat"] / "flat_layout.json").read_text())
-    assert set(layout) == {f"model.encoder.layers.{i}.flat_{k}" for i in (0, 1) for k in ("decay", "no_decay")}
+    assert set(layout) == {f"model.encoder.layers.flat_{k}" for k in ("decay", "no_decay")}  # flat_scope=encoder
     wa, wb = load_file(tags["flat"] / "model.safetensors"), load_file(tags["per_tensor"] / "model.safetensors")
     assert wa.keys() == wb.keys() and "encoder.layers.1.attn.q.weight" in wa
     for k in wa:
@@ -48,3 +50,17 @@ def test_a_per_tensor_checkpoint_resumes_in_its_layout(tmp_path, tiny_overrides)
     assert "holds the encoder layers' parameters per-tensor (train.flat_params=false): this run continues so" in out
     assert _losses(cut_dir) == _losses(ref_dir)
     assert not (Path(cut_dir) / "checkpoints" / "step_00000008" / "flat_layout.json").exists()
+
+
+def test_a_checkpoint_flat_a_layer_resumes_in_its_layout(tmp_path, tiny_overrides):
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    old = {"train__flat_scope": "layer", **ZERO2}
+    code, out = _run(tiny_overrides(ref_dir, **old), nproc=1)
+    assert code == 0, out[-3000:]
+    _kill_at_first_checkpoint(tiny_overrides(cut_dir, **old), cut_dir, nproc=1)
+    code, out = _run(tiny_overrides(cut_dir, **ZERO2), nproc=1)  # the default scope, encoder
+    assert code == 0, out[-3000:]
+    assert "holds the encoder layers' parameters flat with train.flat_scope=layer: this run continues so" in out
+    assert _losses(cut_dir) == _losses(ref_dir)
+    layout = json.loads((Path(cut_dir) / "checkpoints" / "step_00000008" / "flat_layout.json").read_text())
+    assert "model.encoder.layers.1.flat_decay" in layout

@@ -222,6 +222,10 @@ def test_host_cost_table_ratios_and_goal():
     assert "two passes" not in text
     rows[1]["ours_two_passes"] = arm(32.5, 8000, 0)  # --ab joint: ours with train.joint_pass=false beside
     assert "| 2 | bf16 | 32.5 | 0.65x | 8,000 | 0.80x |" in "\n".join(bench_step.host_cost_table(rows))
+    rows[1]["ours_layer"] = arm(29, 7400, 0)  # --ab layer: ours with train.flat_scope=layer beside
+    text_layer = "\n".join(bench_step.host_cost_table(rows))
+    assert "Ours with train.flat_scope=layer" in text_layer
+    assert "| 2 | bf16 | 29.0 | 0.58x | 7,400 | 0.90x |" in text_layer
     assert "Matrix products" not in text
     rows[1]["ours"]["matmul_s"], rows[1]["hf"]["matmul_s"] = 0.006, 0.010  # measured beside: the step without them
     assert ("- ZeRO 2 bf16: ours 6.0 ms, HF 10.0 ms; the step without them ours 20.0 ms, HF 40.0 ms (0.50x)"

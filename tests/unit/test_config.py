@@ -169,6 +169,9 @@ def test_settings_that_cannot_act_are_named():
                for ln in lines(["data.stage=sentences", "data.sentences=/s.txt", "data.sources=[{name: a, path: /x}]",
                                 "objective.mlm=null", "objective.nt_xent=null", "objective.info_nce={}"]))
     assert any("warming up" in ln for ln in lines(["optim.warmup_steps=50", "train.max_steps=20"]))
+    assert any("train.flat_scope=layer does nothing: the parameters are per tensor (train.flat_params=false)" in ln
+               for ln in lines(["train.flat_params=false", "train.flat_scope=layer", "optim.warmup_steps=100"]))
+    assert lines(["train.flat_scope=layer", "optim.warmup_steps=100"]) == []
     assert any("mean_pool_warmup_steps=50 does nothing" in ln for ln in
                lines(["model.pooling=mean", "objective.nt_xent.mean_pool_warmup_steps=50", "optim.warmup_steps=100"]))
     assert lines(["objective.nt_xent.mean_pool_warmup_steps=50", "optim.warmup_steps=100"]) == []

@@ -1,4 +1,5 @@
-"""train.flat_params (model/flat.py): an encoder layer's parameters in two flat tensors, same model.
+"""train.flat_params (model/flat.py): the encoder layers' parameters in two flat tensors (train.flat_scope=encoder)
+or two a layer (=layer), same model.
 
 The flattened model must compute what the per-tensor one computes: the same hidden states, losses and gradients
 (padded and unpadded), the same state dict (names and values) both ways, AdamW's decay on the same values. The
@@ -28,13 +29,21 @@ def _cfg(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-def _module(flat: bool, **kw) -> TrainModule:
+SCOPES = ["encoder", "layer"]
+
+
+def _module(flat: bool, scope: str = "encoder", **kw) -> TrainModule:
     model = build_model(_cfg(**kw), seed=0)
     ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling="mean")
     module = TrainModule(model, Objective(ObjectiveConfig(mlm=MLMConfig(), nt_xent=NTXentConfig(gather=False)), ctx))
     if flat:
-        flatten_layers(module.model)
+        flatten_layers(module.model, scope)
     return module
+
+
+def _units(module) -> list:
+    """The modules that hold the flat tensors: the layers' ModuleList, or each layer."""
+    return [m for m in module.model.encoder.modules() if getattr(m, "_flat_slots", None)]
 
 
 def _batch() -> dict:
@@ -61,11 +70,13 @@ def _loss_and_grads(module, unpadded: bool):
     return loss.detach(), unflatten_state(grads, layout_of(module))
 
 
-def test_a_layer_becomes_two_tensors_and_the_state_dict_keeps_its_names():
-    per_tensor, flat = _module(False), _module(True)
+@pytest.mark.parametrize("scope", SCOPES)
+def test_a_layer_becomes_two_tensors_and_the_state_dict_keeps_its_names(scope):
+    per_tensor, flat = _module(False), _module(True, scope)
     names = {n for n, _ in flat.named_parameters() if "encoder.layers." in n}
-    assert names == {f"model.encoder.layers.{i}.flat_{k}" for i in (0, 1) for k in ("decay", "no_decay")}
-    assert sum(1 for _ in per_tensor.parameters()) - sum(1 for _ in flat.parameters()) == 2 * (16 - 2)
+    units = ["model.encoder.layers"] if scope == "encoder" else [f"model.encoder.layers.{i}" for i in (0, 1)]
+    assert names == {f"{u}.flat_{k}" for u in units for k in ("decay", "no_decay")}
+    assert sum(1 for _ in per_tensor.parameters()) - sum(1 for _ in flat.parameters()) == 2 * 16 - 2 * len(units)
     a, b = per_tensor.state_dict(), flat.state_dict()
     assert list(a) == list(b)  # names and their order
     for k in a:
@@ -73,11 +84,12 @@ def test_a_layer_becomes_two_tensors_and_the_state_dict_keeps_its_names():
         assert b[k].untyped_storage().nbytes() == b[k].numel() * b[k].element_size(), f"{k} carries the flat storage"
 
 
+@pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("unpadded", [False, True])
 @pytest.mark.parametrize("norm", ["post", "pre"])
-def test_losses_and_gradients_equal_the_per_tensor_model(unpadded, norm):
+def test_losses_and_gradients_equal_the_per_tensor_model(unpadded, norm, scope):
     loss_a, grads_a = _loss_and_grads(_module(False, norm=norm), unpadded)
-    loss_b, grads_b = _loss_and_grads(_module(True, norm=norm), unpadded)
+    loss_b, grads_b = _loss_and_grads(_module(True, scope, norm=norm), unpadded)
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
     assert grads_a.keys() == grads_b.keys() and len(grads_a) > 30
     for name, g in grads_a.items():
@@ -88,7 +100,7 @@ def test_losses_and_gradients_equal_the_per_tensor_model(unpadded, norm):
 def test_the_comparison_sees_a_span_off_by_one_matrix():
     """The check above fails when the fused q/k/v span is misplaced (its weights start one D x D matrix late)."""
     _, grads_a = _loss_and_grads(_module(False), True)
-    flat = _module(True)
+    flat = _module(True, "layer")
     for layer in flat.model.encoder.layers:  # the span's segment one matrix late: k, v and out instead of q, k, v
         (span, out, *rest) = layer._flat_segments["decay"]
         (q, _, _), (k, _, _), (v, _, _) = span.members
@@ -104,14 +116,15 @@ def test_the_comparison_sees_a_span_off_by_one_matrix():
     assert "model.encoder.layers.0.attn.q.weight" in far and len(far) > 10
 
 
-def test_the_fused_span_reaches_its_flat_tensor_through_the_split_alone():
+@pytest.mark.parametrize("scope", SCOPES)
+def test_the_fused_span_reaches_its_flat_tensor_through_the_split_alone(scope):
     """The q/k/v span is one segment of the flat tensor's split, so its gradient needs no flat-sized zero tensor:
     a narrow of the flat tensor beside the split made one (slice_backward), plus a zero part for each of q, k and v
     in the split's backward and a sum, in every layer of every step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    module = _module(True)
-    flat_sizes = {p.numel() for layer in module.model.encoder.layers for p in layer.parameters()}
+    module = _module(True, scope)
+    flat_sizes = {p.numel() for p in module.model.encoder.layers.parameters()}
     made = []  # the size of every tensor the backward fills with zeros: slice_backward's input, zeros
 
     class Zeros(TorchDispatchMode):
@@ -171,22 +184,23 @@ def test_unflatten_state_refuses_a_layout_that_does_not_fit():
     layout = layout_of(flat)
     state = {n: p.detach() for n, p in flat.named_parameters()}
     assert set(unflatten_state(state, layout)) == {n for n, _ in _module(False).named_parameters()}
-    state["model.encoder.layers.0.flat_decay"] = state["model.encoder.layers.0.flat_decay"][:-1]
+    state["model.encoder.layers.flat_decay"] = state["model.encoder.layers.flat_decay"][:-1]
     with pytest.raises(ValueError, match="flat_layout.json does not belong"):
         unflatten_state(state, layout)
 
 
-def test_views_follow_an_in_place_update_and_a_new_storage():
-    flat = _module(True)
-    layer = flat.model.encoder.layers[0]
+@pytest.mark.parametrize("scope", SCOPES)
+def test_views_follow_an_in_place_update_and_a_new_storage(scope):
+    flat = _module(True, scope)
+    (unit, *_), layer = _units(flat), flat.model.encoder.layers[0]
     with torch.no_grad():
-        layer.flat_decay.add_(1.0)
-    materialize(layer)
+        unit.flat_decay.add_(1.0)
+    materialize(unit)
     assert torch.equal(layer.attn.q.weight, flat.model.state_dict()["encoder.layers.0.attn.q.weight"])
-    layer.flat_decay.data = layer.flat_decay.data.to(torch.bfloat16)  # what DeepSpeed's bf16 cast does
-    materialize(layer)
+    unit.flat_decay.data = unit.flat_decay.data.to(torch.bfloat16)  # what DeepSpeed's bf16 cast does
+    materialize(unit)
     assert layer.attn.q.weight.dtype == torch.bfloat16
-    assert layer.attn.q.weight.data_ptr() == layer.flat_decay.data_ptr()
+    assert layer.attn.q.weight.data_ptr() == unit.flat_decay.data_ptr()
 
 
 def _grad_order(module, steps: int) -> list[list[str]]:
@@ -209,25 +223,26 @@ def _grad_order(module, steps: int) -> list[list[str]]:
     return out
 
 
-def test_every_step_backward_reaches_the_gradients_in_the_first_steps_order(monkeypatch):
+@pytest.mark.parametrize("scope", SCOPES)
+def test_every_step_backward_reaches_the_gradients_in_the_first_steps_order(monkeypatch, scope):
     """Views kept from an earlier step carry its autograd nodes, whose older sequence numbers reorder the next
     backward (DeepSpeed buckets gradients in that order; on 4 ranks a resumed run then differed from the
     uninterrupted one in the last bit). TrainModule.forward releases them, so every step's order is the first
     step's, which is also the order of a resumed run's first step; without the release it is not."""
     import pretrain.objective as objective_mod
 
-    first, *later = _grad_order(_module(flat=True), steps=3)
+    first, *later = _grad_order(_module(True, scope), steps=3)
     assert all(o == first for o in later), (first, later)
     monkeypatch.setattr(objective_mod, "release_views", lambda model: None)
-    kept_first, *kept_later = _grad_order(_module(flat=True), steps=3)
+    kept_first, *kept_later = _grad_order(_module(True, scope), steps=3)
     assert kept_first == first and any(o != first for o in kept_later), "the kept views no longer reorder: " \
         "is release_views still needed?"
 
 
-def _compiled_step(num_layers: int, **kw) -> tuple[list[int], torch.Tensor, dict]:
+def _compiled_step(num_layers: int, scope: str, **kw) -> tuple[list[int], torch.Tensor, dict]:
     """One compiled training forward + backward of a flattened module: (outputs of each graph Dynamo hands its
     backend, loss, gradients)."""
-    module = _module(True, num_layers=num_layers, **kw)
+    module = _module(True, scope, num_layers=num_layers, **kw)
     outputs = []
 
     def backend(gm, example_inputs):
@@ -244,15 +259,16 @@ def _compiled_step(num_layers: int, **kw) -> tuple[list[int], torch.Tensor, dict
 
 @pytest.mark.parametrize("arch", [{}, {"arch": "modernbert", "pooler": False, "local_window": 16}],
                          ids=["bert", "modernbert"])
-def test_a_compiled_step_returns_no_parameter_views(arch):
+@pytest.mark.parametrize("scope", SCOPES)
+def test_a_compiled_step_returns_no_parameter_views(arch, scope):
     """Views made inside the compiled graph and left on their modules would be graph outputs, regenerated and set
     back after every call (17 a BERT layer: a quarter of a compiled step's host time at BERT-base depth). Their
     count grew with the depth; now the graph's outputs do not, and the compiled step still computes the eager
     one's loss and gradients, and an eager forward afterwards makes its views again."""
-    (two,), loss, grads = _compiled_step(2, **arch)
-    (four,), _, _ = _compiled_step(4, **arch)
+    (two,), loss, grads = _compiled_step(2, scope, **arch)
+    (four,), _, _ = _compiled_step(4, scope, **arch)
     assert two == four, f"the compiled graph returns {four - two} more tensors with 2 more layers"
-    eager = _module(True, num_layers=2, **arch)
+    eager = _module(True, scope, num_layers=2, **arch)
     eager.train()
     ref, _ = eager(host_facts(_batch(), unpadded=False))
     ref.backward()
@@ -260,7 +276,7 @@ def test_a_compiled_step_returns_no_parameter_views(arch):
     for name, p in eager.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5 * p.grad.abs().max().item())
-    module = _module(True, num_layers=2, **arch)
+    module = _module(True, scope, num_layers=2, **arch)
     module.compile_step(backend="eager")
     module.train()
     module(host_facts(_batch(), unpadded=False))[0].backward()
@@ -273,13 +289,14 @@ def test_a_compiled_step_returns_no_parameter_views(arch):
 
 @pytest.mark.parametrize("arch", [{}, {"arch": "modernbert", "pooler": False, "local_window": 16}],
                          ids=["bert", "modernbert"])
-def test_the_compiled_step_guards_none_of_the_flat_plans_entries(arch):
+@pytest.mark.parametrize("scope", SCOPES)
+def test_the_compiled_step_guards_none_of_the_flat_plans_entries(arch, scope):
     """A traced ``materialize`` reads the layer's plan (split sizes, shapes, which module gets which view) as one
     constant (``flat._traced_plan``), not entry by entry: read entry by entry, every number and name became a guard
     that torch.compile evaluates before each call of the compiled step (3,012 of 3,801 guards at BERT-base depth;
     torch's one-shot guard latency 2.3 ms before, 0.9-1.5 ms after, docs/performance.md). The guards are what
     torch.compile's guard_filter_fn is shown (all kept); the compiled step still computes the eager step's loss."""
-    module = _module(True, num_layers=2, **arch)
+    module = _module(True, scope, num_layers=2, **arch)
     names = []
 
     def record(entries):
@@ -293,7 +310,7 @@ def test_the_compiled_step_guards_none_of_the_flat_plans_entries(arch):
     assert len(names) > 50, names  # the recorder saw the step's guards
     plan = [n for n in names if "._flat_" in n and "._flat_key" not in n]
     assert not plan, f"{len(plan)} guards on the flat plan's entries, e.g. {plan[:3]}"
-    assert len({n for n in names if "._flat_key" in n}) == 2  # one source per layer: which plan
-    eager = _module(True, num_layers=2, **arch)
+    assert len({n for n in names if "._flat_key" in n}) == len(_units(module))  # one source per unit: which plan
+    eager = _module(True, scope, num_layers=2, **arch)
     eager.train()
     torch.testing.assert_close(loss, eager(host_facts(_batch(), unpadded=False))[0], rtol=1e-6, atol=1e-6)

@@ -37,3 +37,25 @@ def test_every_config_key_is_named_in_the_resume_lists():
 def test_the_check_sees_a_missing_key():
     named = set(re.findall(r"`([a-z_]+(?:\.[a-z_*]+)*)`", _section().replace("`seed`", "the seed")))
     assert "seed" not in named
+
+
+def test_a_resume_keeps_the_checkpoints_flat_layout():
+    """training/resume.py: checkpoint_param_layout — flat_params and flat_scope come from the checkpoint's config; a
+    flat checkpoint from before train.flat_scope is flat a layer; ZeRO-3 cannot take a flat one."""
+    import pytest
+
+    from pretrain.config.train import DistributedConfig
+    from pretrain.training.resume import checkpoint_param_layout
+
+    cfg = RunConfig()  # flat_params, flat_scope=encoder, ZeRO-2 by default
+    assert (cfg.train.flat_params, cfg.train.flat_scope) == (True, "encoder")
+    zero2 = {"zero_stage": 2}
+    assert checkpoint_param_layout({"train": {"flat_params": True, "flat_scope": "encoder"}, "distributed": zero2},
+                                   cfg, Path("t")) == (True, "encoder", "")
+    flat, scope, note = checkpoint_param_layout({"train": {"flat_params": True}, "distributed": zero2}, cfg, Path("t"))
+    assert (flat, scope) == (True, "layer") and "train.flat_scope=layer: this run continues so" in note
+    flat, scope, note = checkpoint_param_layout({"train": {"flat_params": False}, "distributed": zero2}, cfg, Path("t"))
+    assert not flat and "per-tensor (train.flat_params=false)" in note
+    z3 = RunConfig(distributed=DistributedConfig(zero_stage=3))
+    with pytest.raises(ValueError, match="ZeRO-3 cannot load"):
+        checkpoint_param_layout({"train": {"flat_params": True}, "distributed": zero2}, z3, Path("t"))
