@@ -39,28 +39,29 @@ def test_flat_and_per_tensor_runs_train_the_same_model(tmp_path, tiny_overrides)
         assert (wa[k] - wb[k]).abs().max() <= 1e-4 * max(1.0, float(wb[k].abs().max())), k
 
 
-def test_a_per_tensor_checkpoint_resumes_in_its_layout(tmp_path, tiny_overrides):
+def _resumed(tmp_path, tiny_overrides, old: dict, new: dict) -> tuple[Path, str]:
+    """A run written with the ``old`` overrides, cut at its first checkpoint and resumed with ``new``: its run
+    directory and the resume's output; its losses are asserted equal to the uncut ``old`` run's, bitwise."""
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    old = {"train__flat_params": "false", **ZERO2}
     code, out = _run(tiny_overrides(ref_dir, **old), nproc=1)
     assert code == 0, out[-3000:]
     _kill_at_first_checkpoint(tiny_overrides(cut_dir, **old), cut_dir, nproc=1)
-    code, out = _run(tiny_overrides(cut_dir, train__flat_params="true", **ZERO2), nproc=1)  # asks for flat
+    code, out = _run(tiny_overrides(cut_dir, **new), nproc=1)
     assert code == 0, out[-3000:]
-    assert "holds the encoder layers' parameters per-tensor (train.flat_params=false): this run continues so" in out
     assert _losses(cut_dir) == _losses(ref_dir)
-    assert not (Path(cut_dir) / "checkpoints" / "step_00000008" / "flat_layout.json").exists()
+    return Path(cut_dir), out
+
+
+def test_a_per_tensor_checkpoint_resumes_in_its_layout(tmp_path, tiny_overrides):
+    cut_dir, out = _resumed(tmp_path, tiny_overrides, {"train__flat_params": "false", **ZERO2},
+                            {"train__flat_params": "true", **ZERO2})  # asks for flat
+    assert "holds the encoder layers' parameters per-tensor (train.flat_params=false): this run continues so" in out
+    assert not (cut_dir / "checkpoints" / "step_00000008" / "flat_layout.json").exists()
 
 
 def test_a_checkpoint_flat_a_layer_resumes_in_its_layout(tmp_path, tiny_overrides):
-    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    old = {"train__flat_scope": "layer", **ZERO2}
-    code, out = _run(tiny_overrides(ref_dir, **old), nproc=1)
-    assert code == 0, out[-3000:]
-    _kill_at_first_checkpoint(tiny_overrides(cut_dir, **old), cut_dir, nproc=1)
-    code, out = _run(tiny_overrides(cut_dir, **ZERO2), nproc=1)  # the default scope, encoder
-    assert code == 0, out[-3000:]
+    cut_dir, out = _resumed(tmp_path, tiny_overrides, {"train__flat_scope": "layer", **ZERO2},
+                            ZERO2)  # the default scope, encoder
     assert "holds the encoder layers' parameters flat with train.flat_scope=layer: this run continues so" in out
-    assert _losses(cut_dir) == _losses(ref_dir)
-    layout = json.loads((Path(cut_dir) / "checkpoints" / "step_00000008" / "flat_layout.json").read_text())
+    layout = json.loads((cut_dir / "checkpoints" / "step_00000008" / "flat_layout.json").read_text())
     assert "model.encoder.layers.1.flat_decay" in layout
