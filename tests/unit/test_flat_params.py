@@ -203,6 +203,28 @@ def test_views_follow_an_in_place_update_and_a_new_storage(scope):
     assert layer.attn.q.weight.data_ptr() == unit.flat_decay.data_ptr()
 
 
+@pytest.mark.parametrize("scope", SCOPES)
+def test_every_unit_remakes_its_views_at_a_training_forward(scope):
+    """DeepSpeed's bf16 cast gives the flat tensors new storage after flatten_layers made their first views: each
+    unit's views must be made again at the forward (the encoder's for all layers, or each layer's at its own), or
+    the layers would compute with the old storage. After one forward every parameter attribute views its unit's
+    current flat tensor."""
+    module = _module(True, scope)
+    units = _units(module)
+    assert len(units) == (1 if scope == "encoder" else 2)
+    for unit in units:
+        for kind in unit._flat_slots:
+            flat = getattr(unit, f"flat_{kind}")
+            flat.data = flat.data.clone()  # a new storage, as DeepSpeed's .data = .data.to(bf16)
+    module(host_facts(_batch(), unpadded=True))
+    for unit in units:
+        for kind, slots in unit._flat_slots.items():
+            flat = getattr(unit, f"flat_{kind}")
+            lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+            for slot in slots:
+                assert lo <= slot.owner.__dict__[slot.attr].data_ptr() < hi, f"{slot.name} views an old storage"
+
+
 def _grad_order(module, steps: int) -> list[list[str]]:
     """The order in which each step's backward accumulates the parameters' gradients."""
     order: list[str] = []
