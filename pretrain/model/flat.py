@@ -242,8 +242,8 @@ def _owner(unit: nn.Module, path: tuple) -> nn.Module:
 def release_views(model: nn.Module) -> None:
     """Drops the cached parameter views of the model's flattened layers (``flatten_layers``): their next forward
     makes new ones. Called at the start of every training forward (TrainModule.forward), so that each micro-step's
-    graph has views of its own. A view kept from an earlier step carries that step's autograd node, whose older sequence
-    number changes the order in which the backward reaches the gradients (and so DeepSpeed's bucketing and, on
+    graph has views of its own. A view kept from an earlier step carries that step's autograd node, whose older
+    sequence number changes the order in which the backward reaches the gradients (and so DeepSpeed's bucketing and, on
     more than two ranks, the rounding of their reduction): a resumed run, whose views are new, would then differ
     from the uninterrupted one in the last bit. DeepSpeed updates its flat buffer in place through tensors that
     do not share the parameters' version counters, so the cache key alone does not end a view's life."""

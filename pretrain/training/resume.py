@@ -203,15 +203,14 @@ def checkpoint_param_layout(saved: dict, cfg: RunConfig, tag_dir: Path) -> tuple
             f"ZeRO-3 cannot load: resume with distributed.zero_stage={old_dist.get('zero_stage', 2)}, or start a new "
             f"run_dir with checkpoint.init_from={tag_dir} (weights only).")
     was_scope = old_train.get("flat_scope", "layer") if was_flat else cfg.train.flat_scope
-    if was_flat == flat_params_apply(cfg.train, cfg.distributed) and (not was_flat or
-                                                                       was_scope == cfg.train.flat_scope):
-        return cfg.train.flat_params, cfg.train.flat_scope, ""
+    head = "the checkpoint holds the encoder layers' parameters"
     if was_flat != flat_params_apply(cfg.train, cfg.distributed):
         layout = "flat" if was_flat else "per-tensor"
-        return was_flat, was_scope, (f"the checkpoint holds the encoder layers' parameters {layout} "
-                                     f"(train.flat_params={str(was_flat).lower()}): this run continues so")
-    return True, was_scope, (f"the checkpoint holds the encoder layers' parameters flat with train.flat_scope="
-                             f"{was_scope}: this run continues so")
+        return was_flat, was_scope, (f"{head} {layout} (train.flat_params={str(was_flat).lower()}): this run "
+                                     "continues so")
+    if was_scope != cfg.train.flat_scope:
+        return True, was_scope, f"{head} flat with train.flat_scope={was_scope}: this run continues so"
+    return cfg.train.flat_params, cfg.train.flat_scope, ""
 
 
 def n_ranks(n: int) -> str:

@@ -229,24 +229,18 @@ def test_every_unit_remakes_its_views_at_a_training_forward(scope):
 def test_materialize_views_only_the_matrices(scope):
     """A 1-d parameter (a bias, a norm's weight, the q/k/v biases' span) is its split part as it is; only the
     matrices get a view (each view is one more op forward and one more autograd node backward)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from pretrain.metrics.op_count import OpCounter
 
     module = _module(True, scope)
-    ops = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     units = _units(module)
     for unit in units:
         unit._flat_cache = None
-    with Ops():
+    with OpCounter() as counter:
         for unit in units:
             materialize(unit)
     matrices = sum(len(seg.shape) > 1 for unit in units for segs in unit._flat_segments.values() for seg in segs)
-    assert matrices == 2 * 4 and ops.count("view") == matrices, ops  # a layer: the q/k/v span, out, up, down
+    # a layer's matrices: the q/k/v span, out, up, down
+    assert matrices == 2 * 4 and counter.ops["aten.view"] == matrices, counter.ops
     layer = module.model.encoder.layers[1]
     assert type(layer.attn_norm.weight.grad_fn).__name__.startswith("SplitWithSizesBackward")
     assert type(layer.ffn.up.weight.grad_fn).__name__.startswith("ViewBackward")
