@@ -6,6 +6,11 @@
               hand-off cost (1 - one worker / one process)
   handoff     (not by default) µs per task of the hand-off's own work in one process: shared-memory slots
               (``SlotRing``) beside pickled buffers (``PackedBatch``)
+  prepare     (not by default) ms per micro-batch of the books (CLEAR's 128/64, BERT's WordPiece; --micro-batch,
+              default 32; the recipe's 128 with --micro-batch 128) that the training process spends on a batch's
+              host-side packing (``training.step.host_facts``): inside the step as before 2026-12-06, against
+              receiving it packed by the worker (``HostFacts`` as the loader's ``prepare``; the slot's copy-out and
+              the packed streams rebuilt), with the worker's side beside
   index       the sample index (below)
   preprocess  ``pretrain-preprocess`` MB/s on 1 and on 2 cores beside raw ``tokenizers`` ``encode_batch``
               on the same lines and the same number of threads (each in a fresh process, interleaved); and the
@@ -318,7 +323,7 @@ def _child(args: list[str], env: dict | None = None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", nargs="+", default=["augment", "loader", "index", "preprocess"],
-                   choices=["augment", "loader", "handoff", "index", "preprocess", "preprocess-rss"])
+                   choices=["augment", "loader", "handoff", "prepare", "index", "preprocess", "preprocess-rss"])
     p.add_argument("--corpus", default=str(SHARED / "books"), help="text for the augment/loader parts")
     p.add_argument("--vocab-size", type=int, default=30522)
     p.add_argument("--methods", nargs="+", default=list(AUGMENT_METHODS))
@@ -358,6 +363,8 @@ def main(argv=None) -> int:
         results.update(bench_pipeline(args, work))
     if "handoff" in args.parts:
         results["handoff"] = bench_handoff(args.micro_batch)
+    if "prepare" in args.parts:
+        results["prepare"] = bench_prepare(args.micro_batch)
     if "preprocess" in args.parts:
         results["preprocess"] = bench_preprocess(args, work)
     if "preprocess-rss" in args.parts:
@@ -461,6 +468,60 @@ def bench_handoff(micro_batch: int, tasks: int = 300) -> dict:
         w, m = timings[f"{key}_worker"], timings[f"{key}_main"]
         print(f"| {name} | {w:.0f} | {m:.0f} | {w + m:.0f} | {(w + m) / n:.2f} |")
     return timings
+
+
+def bench_prepare(micro_batch: int, count: int = 8, repeats: int = 20) -> dict:
+    """ms per micro-batch of the books (``bench_step.real_batches``: CLEAR's recipe at 128/64) of the packing the
+    trainer's step needs (``HostFacts`` with the unpadded groups layout and the joint pass, as the trainer runs
+    it): (a) in the training process, as ``optimizer_step`` did before the loader's workers prepared batches:
+    the slot hand-off of the plain batch plus ``host_facts``; (b) the worker's packing and slot write of the
+    prepared batch, and the training process's receipt of it (copy-out, the packed streams rebuilt,
+    ``step_facts``). One process, the queue itself not included."""
+    import torch
+
+    from bench_step import real_batches
+    from pretrain.data.loader import SlotRing
+    from pretrain.training.step import HostFacts, step_facts
+
+    facts = HostFacts("groups", True)
+    batches = real_batches("books", micro_batch, 128, 64, count)
+    ring = SlotRing(1, 2)
+
+    def hand_off(batch: dict) -> tuple[dict, float, float]:
+        t0 = time.perf_counter()
+        chunk = ring.pack([batch], 0)
+        t1 = time.perf_counter()
+        ring._mapped[(0, chunk.slot)] = ring._own[chunk.slot][0]  # the main process maps it once, on first use
+        chunk.buffer = None
+        out = ring.unpack(chunk)[0]
+        return out, t1 - t0, time.perf_counter() - t1
+
+    ms = {"plain_receive": [], "host_facts": [], "worker_prepare": [], "prepared_receive": []}
+    for r in range(repeats + 1):
+        for batch in batches:
+            _, _, receive = hand_off(batch)
+            t0 = time.perf_counter()
+            facts(batch)
+            packed = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ready = facts(batch)
+            made = time.perf_counter() - t0
+            got, write, receive_ready = hand_off(ready)
+            t0 = time.perf_counter()
+            step_facts(got, facts)
+            taken = time.perf_counter() - t0
+            if r:  # the first round warms up
+                for key, v in zip(ms, (receive, packed, made + write, receive_ready + taken)):
+                    ms[key].append(v * 1e3)
+    med = {k: float(np.median(v)) for k, v in ms.items()}
+    before, after = med["plain_receive"] + med["host_facts"], med["prepared_receive"]
+    print(f"\nthe training process's host work per micro-batch of {micro_batch} books rows (CLEAR 128/64; ms, "
+          f"median of {repeats} x {count} batches; torch {torch.__version__})")
+    print("| packed in the step: receive + host_facts | packed by the worker: receive | saved | the worker's side: "
+          "host_facts + slot write |\n|---:|---:|---:|---:|")
+    print(f"| {med['plain_receive']:.2f} + {med['host_facts']:.2f} = {before:.2f} | {after:.2f} | "
+          f"{before - after:.2f} ({1 - after / before:.0%}) | {med['worker_prepare']:.2f} |")
+    return {**med, "micro_batch": micro_batch}
 
 
 def _wiki_files(mb: float) -> tuple[list[str], int]:

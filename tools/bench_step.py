@@ -81,7 +81,9 @@ HOST_COST = {"size": "host", "seq": 16, "view_len": 8, "batch": 4, "vocab": 128}
 """--host-cost's step: SIZES["host"] (12 layers of width 32) on 4 sequences of 16 tokens + views of 8."""
 HOST_AB = {"joint": ("ours_two_passes", {"joint": False},
                      "train.joint_pass=false (the MLM rows and the views in two passes)"),
-           "layer": ("ours_layer", {"scope": "layer"}, "train.flat_scope=layer (a pair of flat tensors a layer)")}
+           "layer": ("ours_layer", {"scope": "layer"}, "train.flat_scope=layer (a pair of flat tensors a layer)"),
+           "prepare": ("ours_step_packs", {"loader_facts": False},
+                       "the batch packed inside the step (before 2026-12-06), not by the loader's workers")}
 """--host-cost --ab: the third arm's name, its build_ours options and what it is."""
 HOST_COST_GOAL = "ours <= 0.5x HF's host ms per step and no more aten ops than HF, at ZeRO-2 bf16 (issue 24)"
 
@@ -172,12 +174,13 @@ def padding_shares(batches: list[dict]) -> dict[str, float]:
 def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str = "fp32", compile_: bool = False,
                micro_batch: int = 1, flat: bool = True, arch: str = "bert", pooling: str = "mean", trim: bool = True,
                fast_dropout: bool = True, compile_mode: str = "default", pin: bool = True, joint: bool = True,
-               attention: str = "auto", unpadded: bool = True, scope: str = "encoder"):
+               attention: str = "auto", unpadded: bool = True, scope: str = "encoder", loader_facts: bool = True):
     """Ours as the trainer builds it; ``step(host_batch)`` is the trainer's step: ``training.step.optimizer_step``
     (grad_accum 1, dropout keyed by step, the finite check, metrics into a MetricSums, the Engine's update;
     ``unpadded``: train.unpadded, ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
     ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, ``joint``: train.joint_pass, all on by
-    default; ``attention``: train.unpadded_attention; ``scope``: train.flat_scope). ``step.num_params``: the trained
+    default; ``attention``: train.unpadded_attention; ``scope``: train.flat_scope; ``loader_facts``: the batch
+    packed as the trainer's loader workers pack it, once and outside the step, else inside). ``step.num_params``: the trained
     module's parameters (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
     from pretrain.config import (
         DistributedConfig,
@@ -194,7 +197,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     from pretrain.objective import Context, Objective, TrainModule
     from pretrain.training.build import apply_param_layout, compile_options
     from pretrain.training.optim import build_param_groups, lr_lambda
-    from pretrain.training.step import optimizer_step
+    from pretrain.training.step import HostFacts, optimizer_step
 
     env = detect_env()
     init_process_group(env, backend="auto", timeout_s=600)
@@ -217,9 +220,15 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     engine.train()
     sums, done = MetricSums(), [0]
     unpadded = train.unpadded_layout(arch)
+    # The trainer's loader workers pack every batch where they build it (Trainer._step_facts): done here once per
+    # batch, outside the timed step, as there.
+    facts, prepared = HostFacts(unpadded, module.objective.ctx.joint_pass), {}
 
     def step(batch):  # the trainer's step (Trainer.train_step), from a host batch as the loader hands it over
-        result = optimizer_step(engine, lambda: batch, sums, env=env, grad_accum=1, seed=0, step=done[0],
+        if loader_facts and id(batch) not in prepared:
+            prepared[id(batch)] = (batch, facts(batch))  # the batch kept: its id is not reused
+        ready = prepared[id(batch)][1] if loader_facts else batch
+        result = optimizer_step(engine, lambda: ready, sums, env=env, grad_accum=1, seed=0, step=done[0],
                                 precision=precision, unpadded=unpadded,
                                 joint=module.objective.ctx.joint_pass, pin_memory=train.pin_memory)
         done[0] += 1
@@ -232,7 +241,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
 AB_OPTIONS = {"trim": "train.trim_last_layer=false", "dropout": "train.fast_dropout=false",
               "pin": "train.pin_memory=false", "joint": "train.joint_pass=false",
               "varlen": "train.unpadded_attention=varlen", "unpadded": "train.unpadded=false",
-              "layer": "train.flat_scope=layer"}
+              "layer": "train.flat_scope=layer", "prepare": "the batch packed inside the step"}
 """--ab: the option the third arm sets (turns off, but for varlen, which it turns on)."""
 
 POOLINGS = {"mean": "mean", "cls": "cls_before_pooler"}
@@ -480,7 +489,7 @@ def measure(args, size: str) -> dict:
                           arch=args.arch, pooling=args.pooling, trim=off != "trim", fast_dropout=off != "dropout",
                           pin=off != "pin", joint=off != "joint", compile_mode=args.compile_mode,
                           attention="varlen" if off == "varlen" else "auto", unpadded=off != "unpadded",
-                          scope="layer" if off == "layer" else "encoder")
+                          scope="layer" if off == "layer" else "encoder", loader_facts=off != "prepare")
 
     def hf():
         return build_hf(size, args.vocab, args.seq, args.device, args.precision, args.compile, arch=args.arch,
@@ -825,7 +834,8 @@ def main(argv=None) -> int:
                    help="a third arm, ours with this option off: trim (train.trim_last_layer=false), dropout "
                    "(train.fast_dropout=false), pin (train.pin_memory=false; CUDA only), joint "
                    "(train.joint_pass=false), varlen (train.unpadded_attention=varlen, where auto is groups; BERT) "
-                   "or unpadded (train.unpadded=false: the padded step) (CPU: alternating with the other "
+                   "unpadded (train.unpadded=false: the padded step), layer (train.flat_scope=layer) or prepare "
+                   "(the batch packed inside the step, not by the loader's workers) (CPU: alternating with the other "
                    "two; CUDA: after them)")
     p.add_argument("--trim-ab", dest="ab", action="store_const", const="trim", help="--ab trim")
     p.add_argument("--zero-stage", type=int, default=2)

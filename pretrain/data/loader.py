@@ -142,6 +142,63 @@ CHUNK_SAMPLES = 128
 """Samples a DataLoader task builds at least (rounded up to whole micro-batches), by default."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _TensorField:
+    """Where a tensor inside a batch's non-tensor value (a packed stream, model/packing.py's ``Packed``) was: the
+    name it travels under among the batch's tensors."""
+
+    name: str
+
+
+def split_tensors(batch: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """A batch as (its tensors, the rest): the tensors are its tensor values and every tensor inside its other
+    values (dataclasses, tuples, lists, dicts: a ``prepare``\ d batch's packed streams), each under a name of
+    its own; the rest holds those other values with a ``_TensorField`` where each tensor was (small, pickled
+    through the queue). ``join_tensors`` puts them back."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def strip(v, name: str):
+        if torch.is_tensor(v):
+            tensors[name] = v
+            return _TensorField(name)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return dataclasses.replace(v, **{f.name: strip(getattr(v, f.name), f"{name}.{f.name}")
+                                             for f in dataclasses.fields(v) if f.init})
+        if isinstance(v, (tuple, list)):
+            return type(v)(strip(x, f"{name}.{i}") for i, x in enumerate(v))
+        if isinstance(v, dict):
+            return {k: strip(x, f"{name}.{k}") for k, x in v.items()}
+        return v
+
+    rest = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value):
+            tensors[key] = value
+        else:
+            rest[key] = strip(value, f"{key}:")
+    return tensors, rest
+
+
+def join_tensors(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
+    """The batch ``split_tensors`` split (its keys in their order: tensors first, then the rest)."""
+    if not rest:
+        return tensors
+
+    def put(v):
+        if isinstance(v, _TensorField):
+            return tensors.pop(v.name)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return dataclasses.replace(v, **{f.name: put(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init})
+        if isinstance(v, (tuple, list)):
+            return type(v)(put(x) for x in v)
+        if isinstance(v, dict):
+            return {k: put(x) for k, x in v.items()}
+        return v
+
+    out = {k: put(v) for k, v in rest.items()}
+    return {**tensors, **out}
+
+
 class PackedBatch:
     """A batch (dict of CPU tensors) as one byte buffer and its layout, for the worker -> trainer hand-off when
     no SlotRing slot is free (and for batches of a collate that returns no dict).
@@ -150,9 +207,10 @@ class PackedBatch:
     descriptor (~0.5 ms per tensor, more than building the batch); one pickled buffer costs one copy through
     the pipe. int64 tensors whose values fit travel as int32 (half the bytes) and are widened on arrival."""
 
-    def __init__(self, batch: dict[str, torch.Tensor]):
+    def __init__(self, batch: dict):
+        tensors, self.rest = split_tensors(batch)
         self.layout, parts, offset = [], [], 0
-        for name, t in batch.items():
+        for name, t in tensors.items():
             a = t.numpy()
             wide = a.dtype == np.int64 and (a.size == 0 or (int(a.min()) >= -(2**31) and int(a.max()) < 2**31))
             if wide:
@@ -170,7 +228,7 @@ class PackedBatch:
         for name, dtype, shape, offset, nbytes, wide in self.layout:
             view = buf[offset : offset + nbytes]
             out[name] = view.view(torch.int32).view(shape).long() if wide else view.view(dtype).view(shape)
-        return out
+        return join_tensors(out, self.rest)
 
 
 _PAD = torch.zeros(64, dtype=torch.uint8)
@@ -212,15 +270,17 @@ class SlotRing:
         slot = int(free[0])
         layouts, parts, total = [], [], 0
         for batch in batches:
+            tensors, rest = split_tensors(batch)
             fields = []
-            for name, t in batch.items():
-                raw = t.contiguous().view(-1).view(torch.uint8)
+            for name, t in tensors.items():
+                # an empty tensor from numpy may have stride 0, which no dtype view takes
+                raw = t.contiguous().view(-1).view(torch.uint8) if t.numel() else _PAD[:0]
                 nbytes = raw.numel()
                 fields.append((name, t.dtype, tuple(t.shape), total, nbytes))
                 pad = -nbytes % 64  # 64-byte aligned fields: each is viewed in place as its dtype
                 parts += [raw, _PAD[:pad]] if pad else [raw]
                 total += nbytes + pad
-            layouts.append(fields)
+            layouts.append((fields, rest))
         buffer, sent = self._own.get(slot, (None, 0))
         if buffer is None or buffer.numel() < total:
             if self._no_shm:
@@ -247,10 +307,11 @@ class SlotRing:
         if buffer is None:
             raise RuntimeError(f"data loader hand-off: worker {chunk.worker} named slot {chunk.slot} before sending "
                                "it; this is a bug in pretrain.data.loader")
-        end = max((offset + nbytes for fields in chunk.layouts for _, _, _, offset, nbytes in fields), default=0)
+        end = max((offset + nbytes for fields, _ in chunk.layouts for _, _, _, offset, nbytes in fields), default=0)
         block = buffer[:end].clone()  # one copy of the task; its batches are views of it
-        out = [{name: block[offset:offset + nbytes].view(dtype).view(shape)
-                for name, dtype, shape, offset, nbytes in fields} for fields in chunk.layouts]
+        out = [join_tensors({name: block[offset:offset + nbytes].view(dtype).view(shape)
+                             for name, dtype, shape, offset, nbytes in fields}, rest)
+               for fields, rest in chunk.layouts]
         if int(self.state[chunk.worker, chunk.slot]) == chunk.generation:
             self.state[chunk.worker, chunk.slot] = 0
         return out
@@ -267,12 +328,16 @@ class SlotChunk:
     layouts: list
 
 
-def _collate_chunk(samples, *, collate_fn, pad_id: int, micro_batch_size: int, ring: SlotRing | None = None):
+def _collate_chunk(samples, *, collate_fn, pad_id: int, micro_batch_size: int, ring: SlotRing | None = None,
+                   prepare=None):
     """The micro-batches of one sampler chunk (``samples``: a list, or a SampleBatch, of chunk x M samples),
-    each collated on its own (padded to its own longest row: the same tensors as without chunks); in a worker
-    process they are handed over through the ring's shared memory (or packed, when no slot is free)."""
+    each collated on its own (padded to its own longest row: the same tensors as without chunks) and passed
+    through ``prepare``; in a worker process they are handed over through the ring's shared memory (or packed,
+    when no slot is free)."""
     info = torch.utils.data.get_worker_info()
     out = [collate_fn(samples[a : a + micro_batch_size], pad_id) for a in range(0, len(samples), micro_batch_size)]
+    if prepare is not None:
+        out = [prepare(b) for b in out]
     if info is None or not all(isinstance(b, dict) for b in out):
         return out
     if ring is not None:
@@ -371,6 +436,7 @@ def build_loader(
     collate_fn=collate,
     chunk: int | None = None,
     order_rule: str = ORDER_RULE,
+    prepare=None,
 ) -> ResumableLoader:
     """Infinite loader of this rank's micro-batches from global position ``start_sample``.
 
@@ -378,7 +444,10 @@ def build_loader(
     ``collate_fn(samples, pad_id)`` builds the batch (pretraining samples by default). A worker builds
     ``chunk`` micro-batches per task (default: enough for 128 samples): the per-task costs of the DataLoader
     and the numpy calls of a batched ``__getitems__`` are paid once per chunk; the batches are the same.
-    ``order_rule``: the SampleOrder rule (a resumed run passes its checkpoint's).
+    ``order_rule``: the SampleOrder rule (a resumed run passes its checkpoint's). ``prepare(batch) -> batch``
+    (picklable): what the step would otherwise do to each batch on the host before it runs (the trainer's
+    ``training.step.host_facts``: the packed streams), done where the batch is built, in the worker processes
+    when there are any, off the training process's step; its values may be tensors or hold them (``split_tensors``).
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
@@ -405,7 +474,7 @@ def build_loader(
         batch_sampler=sampler,
         num_workers=num_workers,
         collate_fn=functools.partial(_collate_chunk, collate_fn=collate_fn, pad_id=pad_id,
-                                     micro_batch_size=micro_batch_size, ring=ring),
+                                     micro_batch_size=micro_batch_size, ring=ring, prepare=prepare),
         # A private generator: creating iterators must not consume the trainer's global torch RNG.
         generator=torch.Generator().manual_seed(int(seed)),
         **extra,

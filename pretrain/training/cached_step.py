@@ -10,7 +10,6 @@ by (seed, step, rank, chunk). Like ``step.optimizer_step`` it forces no host-dev
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import torch
@@ -18,10 +17,12 @@ import torch
 from pretrain.objective.grad_cache import contrast
 from pretrain.training.heap import trim
 from pretrain.training.step import (
+    HostFacts,
     StepResult,
     all_finite,
     count_tokens,
-    host_facts,
+    seeded_rng,
+    step_facts,
     to_device,
 )
 
@@ -38,7 +39,7 @@ def cached_optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, see
         batch = next_batch()  # counted on the host, then moved: no device sync
         n_samples += batch["input_ids"].shape[0]
         n_tokens += count_tokens(batch)
-        batches.append(to_device(host_facts(batch, unpadded=unpadded), engine.device, pin=pin_memory))
+        batches.append(to_device(step_facts(batch, HostFacts(unpadded)), engine.device, pin=pin_memory))
     embedded = []
     with torch.no_grad():
         for k, batch in enumerate(batches):
@@ -65,13 +66,8 @@ def cached_optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, see
     return StepResult(info=info, bad=bad, samples=n_samples, tokens=n_tokens, loss=step_loss.detach())
 
 
-@contextlib.contextmanager
 def chunk_rng(seed: int, step: int, rank: int, chunk: int, device):
     """The RNG (dropout) of one chunk keyed by (seed, step, rank, chunk), scoped like ``step.dropout_rng``: pass 1
     and pass 2 of a chunk draw the same masks."""
-    on_cuda = torch.device(device).type == "cuda"
-    devices = [torch.device(device).index or 0] if on_cuda else []
     key = np.random.SeedSequence([seed, step, rank, chunk]).generate_state(1, np.uint64)[0]
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(int(key) % (2**63))
-        yield
+    return seeded_rng(int(key) % (2**63), device)

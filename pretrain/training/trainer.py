@@ -54,7 +54,7 @@ from pretrain.training.spikes import (
 )
 from pretrain.training.state import TrainState
 from pretrain.training.stop_record import STOP_RECORD, write_stop_record
-from pretrain.training.step import Buckets, optimizer_step, to_device
+from pretrain.training.step import Buckets, HostFacts, optimizer_step, to_device
 
 REQUEUE_EXIT_CODE = 75
 """Exit status after a signal-triggered checkpoint (EX_TEMPFAIL): the launcher requeues the job."""
@@ -136,7 +136,14 @@ class Trainer:
                      micro_batch_size=c.train.micro_batch_size, start_sample=start_sample,
                      num_workers=c.data.num_workers, pad_id=self.tokenizer.pad_id,
                      prefetch_factor=c.data.prefetch_factor,
-                     order_rule=self.state.sample_order if train else ORDER_RULE)
+                     order_rule=self.state.sample_order if train else ORDER_RULE,
+                     prepare=self._step_facts() if train else None)
+
+    def _step_facts(self) -> HostFacts:
+        """What the train step does to each batch on the host (``step.host_facts``), done by the loader's workers."""
+        if self.cfg.objective.gradient_cache:
+            return HostFacts(self.unpadded)  # as cached_optimizer_step
+        return HostFacts(self.unpadded, self.module.objective.ctx.joint_pass, self.buckets)
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> int:

@@ -18,6 +18,7 @@ from pretrain.distributed.env import (
     single_process_env,
 )
 from pretrain.metrics.op_count import OpCounter, accelerator_syncs
+from pretrain.training.step import PREPARED
 from pretrain.training.trainer import Trainer
 
 
@@ -145,6 +146,8 @@ def test_the_trainer_takes_the_attention_layout_it_is_given(tmp_path, tiny_overr
 
             trainer.engine.forward = forward_seen
             loader = iter(trainer._loader(trainer.train_set, 0))
+            prepared = next(loader)[PREPARED]  # packed by the loader (its workers), as the step would pack it
+            assert prepared == trainer._step_facts() and prepared.unpadded == want and prepared.joint
             trainer.engine.train()
             for _ in range(2):
                 trainer.train_step(loader)

@@ -106,6 +106,24 @@ def test_masks_follow_the_generator():
     assert torch.equal(d, e)
 
 
+def test_the_step_seed_draws_as_torch_manual_seed_and_restores_the_state():
+    """On the CPU ``seeded_rng`` seeds the CPU generator alone (no lazy CUDA seed with its recorded stack): the same
+    draws as ``torch.manual_seed``, and the global state outside is as it was."""
+    from pretrain.training.step import seeded_rng
+
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    with seeded_rng(2**40 + 7, "cpu"):
+        ours = torch.rand(64)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(2**40 + 7)
+    assert torch.equal(ours, torch.rand(64))
+    with dropout_rng(seed=0, step=5, rank=1, device="cpu"):
+        keyed = torch.rand(8)
+    torch.manual_seed((0 * 1_000_003 + 5 * 1009 + 1) % (2**63))
+    assert torch.equal(keyed, torch.rand(8))
+
+
 def test_forward_and_backward_against_the_mask():
     torch.manual_seed(5)
     x = torch.randn(257, 31, dtype=torch.float64, requires_grad=True)

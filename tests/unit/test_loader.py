@@ -358,3 +358,62 @@ def test_loader_workers_fall_back_to_packed_buffers_when_slots_run_out(dataset):
     loader.ring.state.fill_(2)  # the generation the first iteration will use: every slot looks held
     assert as_lists(itertools.islice(iter(loader), 8)) == ref
     assert int(loader.ring.generation[0]) == 2 and not loader.ring._mapped  # nothing went through the ring
+
+
+def _same_value(a, b) -> bool:
+    """Equal values, tensors by dtype, shape and values, through dataclasses (packed streams), tuples and dicts."""
+    import dataclasses
+
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(_same_value(getattr(a, f.name), getattr(b, f.name))
+                                          for f in dataclasses.fields(a))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize("unpadded,joint", [("groups", True), ("groups", False), (False, False), ("fixed", True)])
+def test_batches_prepared_by_the_workers_are_what_the_step_would_make(dataset, unpadded, joint):
+    """``build_loader(prepare=HostFacts(...))``: the packed streams made where the batch is built travel through
+    the shared-memory slots, the pickled fallback and in-process alike, and the step takes them as they are: the
+    same dict (keys, tensors, dtypes, every field of every packed stream) as packing the plain batch in the step."""
+    from pretrain.model.packing import Packed
+    from pretrain.training.step import PREPARED, HostFacts, step_facts
+
+    facts = HostFacts(unpadded, joint)
+    kw = dict(seed=5, rank=0, world_size=1, micro_batch_size=3, pad_id=0, start_sample=0, chunk=2)
+    ref = [step_facts(b, facts) for b in itertools.islice(iter(build_loader(dataset, num_workers=0, **kw)), 6)]
+    assert (unpadded is False) == ("packed_mlm" not in ref[0]) and all(PREPARED not in b for b in ref)
+    assert any(isinstance(v, Packed) for v in ref[0].values()) == bool(unpadded)
+    for workers, slots_held in ((0, False), (2, False), (1, True)):
+        loader = build_loader(dataset, num_workers=workers, prepare=facts, **kw)
+        if slots_held:  # every slot looks held: the pickled buffers carry the packed streams
+            loader.ring.state.fill_(2)
+        got = list(itertools.islice(iter(loader), 6))
+        assert all(b[PREPARED] == facts for b in got)
+        taken = [step_facts(b, facts) for b in got]
+        assert all(_same_value(a, b) for a, b in zip(taken, ref)), (workers, slots_held)
+        loader.close()
+    other = HostFacts(unpadded, not joint)
+    with pytest.raises(ValueError, match="prepared with"):
+        step_facts(got[0], other)
+
+
+def test_split_tensors_round_trip_keeps_every_value():
+    """What travels beside the tensors: nested tensors named apart and put back, other values as they were."""
+    from pretrain.data.loader import join_tensors, split_tensors
+    from pretrain.model.packing import pack
+
+    ids = np.array([[2, 5, 6, 3], [2, 7, 3, 0]])
+    mask = ids != 0
+    batch = {"input_ids": torch.from_numpy(ids), "packed": pack([(ids, mask)]), "counts": {"mlm": 3},
+             "full": frozenset({"view_a_mask"}), "pair": (torch.ones(2), None, 4)}
+    tensors, rest = split_tensors(batch)
+    assert set(tensors) >= {"input_ids", "pair:.0", "packed:.ids_N"} and "input_ids" not in rest
+    assert all(torch.is_tensor(t) for t in tensors.values())
+    back = join_tensors(dict(tensors), rest)
+    assert back.keys() == batch.keys() and all(_same_value(back[k], batch[k]) for k in batch)
