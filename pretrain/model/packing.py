@@ -109,8 +109,17 @@ class Packed:
 
     def to(self, device, non_blocking: bool = False, pin: bool = False) -> Packed:
         """Every tensor moved to ``device`` (``move_tensor``)."""
+        return self.map(lambda t: move_tensor(t, device, non_blocking, pin))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it holds (the attention groups' key masks included)."""
+        out = [v for f in fields(self) if f.name != "groups" and torch.is_tensor(v := getattr(self, f.name))]
+        return out + [g.keep_n11t for g in self.groups if g.keep_n11t is not None]
+
+    def map(self, fn) -> Packed:
+        """A copy with ``fn(t)`` for every tensor ``t`` it holds (``tensors``)."""
         def move(v):
-            return move_tensor(v, device, non_blocking, pin) if torch.is_tensor(v) else v
+            return fn(v) if torch.is_tensor(v) else v
 
         groups = tuple(AttentionGroup(move(g.keep_n11t), g.rows, g.cols) for g in self.groups)
         return Packed(**{f.name: move(getattr(self, f.name)) for f in fields(self) if f.name != "groups"},

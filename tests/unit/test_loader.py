@@ -417,3 +417,54 @@ def test_split_tensors_round_trip_keeps_every_value():
     assert all(torch.is_tensor(t) for t in tensors.values())
     back = join_tensors(dict(tensors), rest)
     assert back.keys() == batch.keys() and all(_same_value(back[k], batch[k]) for k in batch)
+
+
+def test_a_micro_batch_in_one_buffer_moves_as_one_copy(dataset):
+    """``step.views_moved``: the tensors a worker handed over in one slot (the batch's and its packed streams')
+    are copied as one byte range per storage, each rebuilt there with its dtype, shape, strides and values; a
+    tensor alone in its storage or empty is left to move on its own."""
+    from pretrain.training.step import HostFacts, step_facts, to_device, views_moved
+
+    facts = HostFacts("groups", True)
+    kw = dict(seed=5, rank=0, world_size=1, micro_batch_size=3, pad_id=0, start_sample=0, chunk=2)
+    loader = build_loader(dataset, num_workers=1, prepare=facts, **kw)
+    batch = step_facts(next(iter(loader)), facts)
+    loader.close()
+    tensors = [t for v in batch.values() for t in ([v] if torch.is_tensor(v) else
+                                                    v.tensors() if hasattr(v, "tensors") else [])]
+    copies = []
+
+    def copy(block: torch.Tensor, at: int = 0) -> torch.Tensor:
+        copies.append(block.numel())
+        return torch.cat([torch.zeros(at, dtype=torch.uint8), block])[at:]  # elsewhere, ``at`` bytes in
+
+    moved = views_moved(tensors, copy)
+    alone = [t for t in tensors if not t.numel()]
+    assert len(copies) == 1 and len(moved) == len(tensors) - len(alone) > 20
+    for t in tensors:
+        if t.numel():
+            m = moved[id(t)]
+            assert m.dtype == t.dtype and m.shape == t.shape and m.stride() == t.stride() and torch.equal(m, t)
+            assert m.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert copies[0] <= sum(t.untyped_storage().nbytes() for t in tensors[:1])
+    odd = views_moved(tensors, lambda block: copy(block, at=3))  # only the 1-byte dtypes fit at an odd offset
+    assert odd and all(t.element_size() == 1 and torch.equal(odd[id(t)], t) for t in tensors if id(t) in odd)
+    lone = [torch.arange(4), torch.arange(6).view(2, 3)[:, 1:], torch.zeros(0)]
+    assert views_moved(lone, copy) == {} and len(copies) == 2
+    base = torch.arange(12, dtype=torch.int64)
+    pair = [base[2:5], base.view(torch.int32)[7:9], base[::4]]  # byte 28: no int64 offset, an int32 one
+    got = views_moved(pair, copy)
+    assert all(torch.equal(got[id(t)], t) for t in pair) and len(copies) == 3
+    on_meta = to_device(batch, "meta")  # off the CPU: the whole batch, packed streams too, through views_moved
+    assert on_meta.keys() == batch.keys()
+    for k, v in batch.items():
+        if torch.is_tensor(v):
+            m = on_meta[k]
+            assert m.device.type == "meta" and (m.dtype, m.shape, m.stride()) == (v.dtype, v.shape, v.stride())
+        elif hasattr(v, "tensors"):
+            assert [(m.device.type, m.shape) for m in on_meta[k].tensors()] == [("meta", t.shape) for t in v.tensors()]
+    # views of one transferred block (a meta storage has no address: its size tells), as on a GPU
+    block = on_meta["input_ids"].untyped_storage().nbytes()
+    assert block > sum(batch[k].numel() * batch[k].element_size()
+                       for k in ("input_ids", "attention_mask", "mlm_labels"))
+    assert all(on_meta[k].untyped_storage().nbytes() == block for k in ("attention_mask", "mlm_labels"))
