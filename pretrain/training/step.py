@@ -246,6 +246,8 @@ def to_device(batch: dict, device, pin: bool = False) -> dict:
     moved = views_moved(tensors, lambda block: move_tensor(block, device, True, pin))
 
     def move(t: torch.Tensor) -> torch.Tensor:
+        if not t.numel():  # nothing to send
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
         return moved[id(t)] if id(t) in moved else move_tensor(t, device, True, pin)
 
     return {k: move(v) if torch.is_tensor(v) else v.map(move) if isinstance(v, Packed) else v

@@ -455,7 +455,11 @@ def test_a_micro_batch_in_one_buffer_moves_as_one_copy(dataset):
     pair = [base[2:5], base.view(torch.int32)[7:9], base[::4]]  # byte 28: no int64 offset, an int32 one
     got = views_moved(pair, copy)
     assert all(torch.equal(got[id(t)], t) for t in pair) and len(copies) == 3
-    on_meta = to_device(batch, "meta")  # off the CPU: the whole batch, packed streams too, through views_moved
+    from pretrain.metrics.op_count import OpCounter
+
+    with OpCounter() as ops:
+        on_meta = to_device(batch, "meta")  # off the CPU: the whole batch, packed streams too, through views_moved
+    assert ops.ops["aten._to_copy"] == 1  # one transfer (empty tensors are made there)
     assert on_meta.keys() == batch.keys()
     for k, v in batch.items():
         if torch.is_tensor(v):
