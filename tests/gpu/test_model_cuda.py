@@ -173,10 +173,14 @@ def test_modernbert_unpadded_on_the_device_matches_the_padded_float64_model():
                                           dropout=0.0, attention_dropout=0.0))
 
 
-def test_a_pinned_batch_arrives_whole_on_the_device():
+@pytest.mark.parametrize("handed", [False, True])
+def test_a_pinned_batch_arrives_whole_on_the_device(handed):
     """train.pin_memory: the step's host batch (the loader's tensors and the host's packing facts) goes to the GPU
     through pinned memory, asynchronously; after a synchronize every tensor and packed stream equals the host's.
-    (Whether it keeps the host from waiting for the GPU is bench_step.py --ab pin's question, not this test's.)"""
+    ``handed``: the batch as a worker hands it over (every tensor a view of the slot's one block), which
+    ``to_device`` sends as one transfer (``step.views_moved``). (Whether it keeps the host from waiting for the GPU
+    is bench_step.py --ab pin's question, not this test's.)"""
+    from pretrain.data.loader import SlotRing
     from pretrain.model.packing import Packed
     from pretrain.training.step import host_facts, to_device
 
@@ -187,6 +191,10 @@ def test_a_pinned_batch_arrives_whole_on_the_device():
     batch = host_facts(dict(input_ids=ids, attention_mask=mask, mlm_labels=labels, view_a_ids=ids[:, :8],
                             view_a_mask=mask[:, :8], view_b_ids=ids[:, 4:12], view_b_mask=mask[:, :8]),
                       unpadded=True)
+    if handed:  # through a worker's slot: one block, its tensors views of it
+        ring = SlotRing(1, 2)
+        chunk = ring.pack([batch], 0)
+        batch = ring.unpack(chunk)[0]
     moved = to_device(batch, DEVICE, pin=True)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
