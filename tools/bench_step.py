@@ -180,8 +180,9 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     ``unpadded``: train.unpadded, ``flat``: train.flat_params, ``trim``: train.trim_last_layer,
     ``fast_dropout``: train.fast_dropout, ``pin``: train.pin_memory, ``joint``: train.joint_pass, all on by
     default; ``attention``: train.unpadded_attention; ``scope``: train.flat_scope; ``loader_facts``: the batch
-    packed as the trainer's loader workers pack it, once and outside the step, else inside). ``step.num_params``: the trained
-    module's parameters (bert: with BERT's pooler, which BertForMaskedLM lacks)."""
+    packed as the trainer's loader workers pack it, once and outside the step, else inside).
+    ``step.num_params``: the trained module's parameters (bert: with BERT's pooler, which BertForMaskedLM
+    lacks)."""
     from pretrain.config import (
         DistributedConfig,
         ObjectiveConfig,

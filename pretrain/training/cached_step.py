@@ -10,7 +10,6 @@ by (seed, step, rank, chunk). Like ``step.optimizer_step`` it forces no host-dev
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
