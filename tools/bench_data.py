@@ -6,11 +6,11 @@
               hand-off cost (1 - one worker / one process)
   handoff     (not by default) µs per task of the hand-off's own work in one process: shared-memory slots
               (``SlotRing``) beside pickled buffers (``PackedBatch``)
-  prepare     (not by default) ms per micro-batch of the books (CLEAR's 128/64, BERT's WordPiece; --micro-batch,
-              default 32; the recipe's 128 with --micro-batch 128) that the training process spends on a batch's
-              host-side packing (``training.step.host_facts``): inside the step as before 2026-12-06, against
-              receiving it packed by the worker (``HostFacts`` as the loader's ``prepare``; the slot's copy-out and
-              the packed streams rebuilt), with the worker's side beside
+  prepare     (not by default) the training process's and the worker's CPU per sample through the loader with
+              one worker (books, CLEAR's 128/64, BERT's WordPiece; --micro-batch, default 32; the recipe's 128
+              with --micro-batch 128): the batch packed for the step (``training.step.host_facts``) in the
+              training process, as before 2026-12-06, against packed by the worker (``HostFacts`` as the loader's
+              ``prepare``) and received so
   index       the sample index (below)
   preprocess  ``pretrain-preprocess`` MB/s on 1 and on 2 cores beside raw ``tokenizers`` ``encode_batch``
               on the same lines and the same number of threads (each in a fresh process, interleaved); and the
@@ -470,58 +470,65 @@ def bench_handoff(micro_batch: int, tasks: int = 300) -> dict:
     return timings
 
 
-def bench_prepare(micro_batch: int, count: int = 8, repeats: int = 20) -> dict:
-    """ms per micro-batch of the books (``bench_step.real_batches``: CLEAR's recipe at 128/64) of the packing the
-    trainer's step needs (``HostFacts`` with the unpadded groups layout and the joint pass, as the trainer runs
-    it): (a) in the training process, as ``optimizer_step`` did before the loader's workers prepared batches:
-    the slot hand-off of the plain batch plus ``host_facts``; (b) the worker's packing and slot write of the
-    prepared batch, and the training process's receipt of it (copy-out, the packed streams rebuilt,
-    ``step_facts``). One process, the queue itself not included."""
+def bench_prepare(micro_batch: int, batches: int = 60, repeats: int = 5) -> dict:
+    """Through ``build_loader`` with one worker, on the books (CLEAR's del-span+reorder views at 128/64, BERT's
+    WordPiece; ``tools/padding_share.py``'s dataset) with the trainer's heap: CPU µs a sample of the training
+    process and of the worker, and the wall rate, (a) the plain batch received and packed in the training process
+    (``HostFacts`` called on it, as ``optimizer_step`` did before 2026-12-06) against (b) the batch the worker
+    packed (``build_loader(prepare=HostFacts(...))``), received. Alternating, ``repeats`` fresh loaders each;
+    medians."""
+    import itertools
+
     import torch
 
-    from bench_step import real_batches
-    from pretrain.data.loader import SlotRing
-    from pretrain.training.step import HostFacts, step_facts
+    import padding_share
+    from bench_step import set_heap
+    from pretrain.config.data import AugmentConfig, DataConfig, SourceConfig
+    from pretrain.data.datasets import build_dataset
+    from pretrain.data.loader import build_loader
+    from pretrain.prep.tokenizer import load_tokenizer
+    from pretrain.training.step import HostFacts
 
+    torch.set_num_threads(1)
+    heap = set_heap("trainer")
+    tok_path = padding_share.bert_tokenizer()
+    ds = padding_share.prepare(Path("/tmp/pretrain-padding-share"), tok_path, 20, ("books",))["books"]
+    tok = load_tokenizer(tok_path)
+    cfg = DataConfig(tokenizer=tok_path, max_len=128, view_max_len=64, sources=[SourceConfig(name="c", path=ds)],
+                     augment=AugmentConfig(methods="del-span+reorder"))
+    dataset = build_dataset(cfg, tok, seed=0)
     facts = HostFacts("groups", True)
-    batches = real_batches("books", micro_batch, 128, 64, count)
-    ring = SlotRing(1, 2)
-
-    def hand_off(batch: dict) -> tuple[dict, float, float]:
-        t0 = time.perf_counter()
-        chunk = ring.pack([batch], 0)
-        t1 = time.perf_counter()
-        ring._mapped[(0, chunk.slot)] = ring._own[chunk.slot][0]  # the main process maps it once, on first use
-        chunk.buffer = None
-        out = ring.unpack(chunk)[0]
-        return out, t1 - t0, time.perf_counter() - t1
-
-    ms = {"plain_receive": [], "host_facts": [], "worker_prepare": [], "prepared_receive": []}
-    for r in range(repeats + 1):
-        for batch in batches:
-            _, _, receive = hand_off(batch)
-            t0 = time.perf_counter()
-            facts(batch)
-            packed = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            ready = facts(batch)
-            made = time.perf_counter() - t0
-            got, write, receive_ready = hand_off(ready)
-            t0 = time.perf_counter()
-            step_facts(got, facts)
-            taken = time.perf_counter() - t0
-            if r:  # the first round warms up
-                for key, v in zip(ms, (receive, packed, made + write, receive_ready + taken)):
-                    ms[key].append(v * 1e3)
-    med = {k: float(np.median(v)) for k, v in ms.items()}
-    before, after = med["plain_receive"] + med["host_facts"], med["prepared_receive"]
-    print(f"\nthe training process's host work per micro-batch of {micro_batch} books rows (CLEAR 128/64; ms, "
-          f"median of {repeats} x {count} batches; torch {torch.__version__})")
-    print("| packed in the step: receive + host_facts | packed by the worker: receive | saved | the worker's side: "
-          "host_facts + slot write |\n|---:|---:|---:|---:|")
-    print(f"| {med['plain_receive']:.2f} + {med['host_facts']:.2f} = {before:.2f} | {after:.2f} | "
-          f"{before - after:.2f} ({1 - after / before:.0%}) | {med['worker_prepare']:.2f} |")
-    return {**med, "micro_batch": micro_batch}
+    runs: dict = {"in_step": [], "by_worker": []}
+    for _ in range(repeats):
+        for arm in runs:
+            loader = build_loader(dataset, seed=0, rank=0, world_size=1, micro_batch_size=micro_batch,
+                                  start_sample=0, num_workers=1, pad_id=tok.pad_id,
+                                  prepare=facts if arm == "by_worker" else None)
+            it = iter(loader)
+            for _ in itertools.islice(it, 8):  # the worker started, its slots mapped
+                pass
+            pids = [w.pid for w in loader.loader._iterator._workers]
+            cpu0, main0, t0 = [_cpu_s(p) for p in pids], time.process_time(), time.perf_counter()
+            for batch in itertools.islice(it, batches):
+                if arm == "in_step":
+                    facts(batch)
+            wall, main = time.perf_counter() - t0, time.process_time() - main0
+            n = batches * micro_batch
+            worker = sum(_cpu_s(p) - c for p, c in zip(pids, cpu0))
+            runs[arm].append((n / wall, main / n * 1e6, worker / n * 1e6))
+            loader.close()
+    med = {arm: [float(np.median([r[k] for r in rows])) for k in range(3)] for arm, rows in runs.items()}
+    print(f"\nthe batch packed in the training process or by the worker: books, micro-batch {micro_batch}, CLEAR "
+          f"128/64, one worker, {heap}; median of {repeats} loaders x {batches} batches")
+    print("| packed | training process CPU µs/sample | ms/micro-batch | worker CPU µs/sample | samples/s (1 worker) |"
+          "\n|---|---:|---:|---:|---:|")
+    for arm, name in (("in_step", "in the step (before)"), ("by_worker", "by the worker")):
+        rate, main, worker = med[arm]
+        print(f"| {name} | {main:.1f} | {main * micro_batch / 1e3:.2f} | {worker:.1f} | {rate:,.0f} |")
+    saved = med["in_step"][1] - med["by_worker"][1]
+    print(f"training process: {saved:.1f} µs/sample less ({saved * micro_batch / 1e3:.2f} ms a micro-batch, "
+          f"{saved / med['in_step'][1]:.0%})")
+    return {arm: dict(zip(("rate", "main_cpu_us", "worker_cpu_us"), v)) for arm, v in med.items()}
 
 
 def _wiki_files(mb: float) -> tuple[list[str], int]:

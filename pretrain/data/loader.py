@@ -142,32 +142,28 @@ CHUNK_SAMPLES = 128
 """Samples a DataLoader task builds at least (rounded up to whole micro-batches), by default."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _TensorField:
-    """Where a tensor inside a batch's non-tensor value (a packed stream, model/packing.py's ``Packed``) was: the
-    name it travels under among the batch's tensors."""
-
-    name: str
+_TENSOR, _DATACLASS, _SEQUENCE, _MAPPING = "\0tensor", "\0dataclass", "\0sequence", "\0mapping"
+"""Tags of ``split_tensors``' encoding of non-tensor values: plain tuples (fast to pickle: no object state)."""
 
 
 def split_tensors(batch: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """A batch as (its tensors, the rest): the tensors are its tensor values and every tensor inside its other
     values (dataclasses, tuples, lists, dicts: a ``prepare``\ d batch's packed streams), each under a name of
-    its own; the rest holds those other values with a ``_TensorField`` where each tensor was (small, pickled
+    its own; the rest holds those other values encoded as tagged tuples, a tensor as its name (small, pickled
     through the queue). ``join_tensors`` puts them back."""
     tensors: dict[str, torch.Tensor] = {}
 
     def strip(v, name: str):
         if torch.is_tensor(v):
             tensors[name] = v
-            return _TensorField(name)
+            return (_TENSOR, name)
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return dataclasses.replace(v, **{f.name: strip(getattr(v, f.name), f"{name}.{f.name}")
-                                             for f in dataclasses.fields(v) if f.init})
+            return (_DATACLASS, type(v), tuple((f.name, strip(getattr(v, f.name), f"{name}.{f.name}"))
+                                               for f in dataclasses.fields(v) if f.init))
         if isinstance(v, (tuple, list)):
-            return type(v)(strip(x, f"{name}.{i}") for i, x in enumerate(v))
+            return (_SEQUENCE, type(v), tuple(strip(x, f"{name}.{i}") for i, x in enumerate(v)))
         if isinstance(v, dict):
-            return {k: strip(x, f"{name}.{k}") for k, x in v.items()}
+            return (_MAPPING, tuple((k, strip(x, f"{name}.{k}")) for k, x in v.items()))
         return v
 
     rest = {}
@@ -185,15 +181,15 @@ def join_tensors(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
         return tensors
 
     def put(v):
-        if isinstance(v, _TensorField):
-            return tensors.pop(v.name)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return dataclasses.replace(v, **{f.name: put(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init})
-        if isinstance(v, (tuple, list)):
-            return type(v)(put(x) for x in v)
-        if isinstance(v, dict):
-            return {k: put(x) for k, x in v.items()}
-        return v
+        if type(v) is not tuple:  # every tuple of the encoding is a tagged one
+            return v
+        if v[0] == _TENSOR:
+            return tensors.pop(v[1])
+        if v[0] == _DATACLASS:
+            return v[1](**{name: put(x) for name, x in v[2]})
+        if v[0] == _SEQUENCE:
+            return v[1](put(x) for x in v[2])
+        return {k: put(x) for k, x in v[1]}
 
     out = {k: put(v) for k, v in rest.items()}
     return {**tensors, **out}
