@@ -148,7 +148,7 @@ _TENSOR, _DATACLASS, _SEQUENCE, _MAPPING = "\0tensor", "\0dataclass", "\0sequenc
 
 def split_tensors(batch: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """A batch as (its tensors, the rest): the tensors are its tensor values and every tensor inside its other
-    values (dataclasses, tuples, lists, dicts: a ``prepare``\ d batch's packed streams), each under a name of
+    values (dataclasses, tuples, lists, dicts: the packed streams of a prepared batch), each under a name of
     its own; the rest holds those other values encoded as tagged tuples, a tensor as its name (small, pickled
     through the queue). ``join_tensors`` puts them back."""
     tensors: dict[str, torch.Tensor] = {}
