@@ -418,6 +418,20 @@ def _stop_live_workers() -> None:
     _kill(_LIVE_WORKERS)
 
 
+def _check_position(rank: int, world_size: int, micro_batch_size: int, start_sample: int) -> None:
+    """ValueError unless rank is in the world and ``start_sample`` is a whole number of global micro-steps."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    step = micro_batch_size * world_size
+    if start_sample < 0 or start_sample % step:
+        raise ValueError(
+            f"start_sample {start_sample} must be a non-negative multiple of micro_batch_size * world_size = {step}; "
+            "resume with a global batch size that divides the checkpoint's consumed samples"
+        )
+
+
 def build_loader(
     dataset,
     *,
@@ -441,20 +455,9 @@ def build_loader(
     ``chunk`` micro-batches per task (default: enough for 128 samples): the per-task costs of the DataLoader
     and the numpy calls of a batched ``__getitems__`` are paid once per chunk; the batches are the same.
     ``order_rule``: the SampleOrder rule (a resumed run passes its checkpoint's). ``prepare(batch) -> batch``
-    (picklable): what the step would otherwise do to each batch on the host before it runs (the trainer's
-    ``training.step.host_facts``: the packed streams), done where the batch is built, in the worker processes
-    when there are any, off the training process's step; its values may be tensors or hold them (``split_tensors``).
-    """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    step = micro_batch_size * world_size
-    if start_sample < 0 or start_sample % step:
-        raise ValueError(
-            f"start_sample {start_sample} must be a non-negative multiple of micro_batch_size * world_size = {step}; "
-            "resume with a global batch size that divides the checkpoint's consumed samples"
-        )
+    (picklable; the trainer's ``training.step.HostFacts``): the step's host work on each batch, done where the
+    batch is built (the workers), its values tensors or holding them (``split_tensors``)."""
+    _check_position(rank, world_size, micro_batch_size, start_sample)
     if chunk is None:
         chunk = max(1, -(-CHUNK_SAMPLES // micro_batch_size))
     order = SampleOrder(len(dataset), seed=seed, rule=order_rule)
