@@ -56,22 +56,28 @@ class _GatherSlots(torch.autograd.Function):
 
 
 class _GroupHeads(torch.autograd.Function):
+    """``group_heads`` eagerly off the C kernel (CUDA; a rotary layer): strided views of qkv_P, two aten calls a
+    group (``_strided_heads``); the backward writes every group's q, k and v gradients into one tensor with one
+    ``_foreach_copy_`` (and one ``_foreach_zero_`` for the parts no loss read)."""
+
     @staticmethod
     def forward(ctx, qkv_P: torch.Tensor, shapes: tuple[tuple[int, int], ...], heads: int, size: int):
         ctx.set_materialize_grads(False)
         ctx.shapes, ctx.heads, ctx.size = shapes, heads, size
         ctx.like = (qkv_P.shape, qkv_P.dtype, qkv_P.device)
-        return tuple(_heads(qkv_P, shapes, heads, size))
+        return tuple(_strided_heads(qkv_P, shapes, 3, heads, size))
 
     @staticmethod
     def backward(ctx, *grads):
         shape, dtype, device = ctx.like
         grad_P = torch.empty(shape, dtype=dtype, device=device)
-        for z, g in zip(_heads(grad_P, ctx.shapes, ctx.heads, ctx.size), grads):
-            if g is None:  # an output no loss read
-                z.zero_()
-            else:
-                z.copy_(g)
+        parts = _strided_heads(grad_P, ctx.shapes, 3, ctx.heads, ctx.size)
+        read = [(z, g) for z, g in zip(parts, grads) if g is not None]
+        if read:
+            torch._foreach_copy_([z for z, _ in read], [g for _, g in read])
+        unread = [z for z, g in zip(parts, grads) if g is None]  # an output no loss read
+        if unread:
+            torch._foreach_zero_(unread)
         return grad_P, None, None, None
 
 
@@ -152,13 +158,57 @@ class _HeadsToSlots(torch.autograd.Function):
         return (None, *grads)
 
 
+class _HeadsToSlotsStrided(torch.autograd.Function):
+    """``heads_to_slots`` eagerly off the C kernel (CUDA): every group's output copied into its strided view of
+    the slots with one ``_foreach_copy_``; the backward hands each group its strided view of the gradient (what
+    the transposing reshape and ``cat`` it replaces gave back, without their ~3 aten calls a group each way)."""
+
+    @staticmethod
+    def forward(ctx, shapes: tuple[tuple[int, int], ...], *ys: torch.Tensor):
+        heads, size = ys[0].shape[1], ys[0].shape[3]
+        ctx.shapes, ctx.heads, ctx.size = shapes, heads, size
+        y_PD = ys[0].new_empty((sum(n * t for n, t in shapes), heads * size))
+        torch._foreach_copy_(_strided_heads(y_PD, shapes, 1, heads, size), list(ys))
+        return y_PD
+
+    @staticmethod
+    def backward(ctx, grad_PD: torch.Tensor):
+        if grad_PD.stride(1) != 1:
+            grad_PD = grad_PD.contiguous()
+        return (None, *_strided_heads(grad_PD, ctx.shapes, 1, ctx.heads, ctx.size))
+
+
 def heads_to_slots(ys: list[torch.Tensor], packed) -> torch.Tensor:
     """y_PD: every attention group's output (n, heads, t, size) in its slots' rows, groups end to end."""
     shapes = packed.group_shapes
-    if _slot_heads_in_c(ys[0]) and all(y.dtype == ys[0].dtype for y in ys):
+    same = all(y.dtype == ys[0].dtype for y in ys)
+    if _slot_heads_in_c(ys[0]) and same:
         return _HeadsToSlots.apply(shapes, *ys)
+    if same and not torch.compiler.is_compiling():
+        return _HeadsToSlotsStrided.apply(shapes, *ys)
     parts = [y.transpose(1, 2).reshape(n * t, -1) for y, (n, t) in zip(ys, shapes)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _strided_heads(z_P: torch.Tensor, shapes, parts: int, heads: int, size: int) -> list[torch.Tensor]:
+    """Views of z_P (slots, parts * heads * size), each group's ``parts`` pieces (q, k, v; or the one output) as
+    (n, heads, t, size), groups in order: the strides ``_heads``' slice, view, select and transpose give, made with
+    one ``as_strided`` a group (and an ``unbind`` for several parts). Falls back to ``_heads`` where a column
+    stride is not 1."""
+    if z_P.stride(1) != 1:
+        return _heads(z_P, shapes, heads, size) if parts == 3 else [
+            y.view(n, t, heads, size).transpose(1, 2) for y, (n, t) in zip(z_P.split([n * t for n, t in shapes]),
+                                                                            shapes)]
+    row, base, width = z_P.stride(0), z_P.storage_offset(), heads * size
+    out, start = [], 0
+    for n, t in shapes:
+        offset = base + start * row
+        if parts == 1:
+            out.append(z_P.as_strided((n, heads, t, size), (t * row, size, row, 1), offset))
+        else:
+            out += z_P.as_strided((parts, n, heads, t, size), (width, t * row, size, row, 1), offset).unbind(0)
+        start += n * t
+    return out
 
 
 def _heads(qkv_P: torch.Tensor, shapes, heads: int, size: int) -> list[torch.Tensor]:

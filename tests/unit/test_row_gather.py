@@ -139,8 +139,11 @@ def _group_heads_case(seed: int, unused):
 
 @pytest.mark.parametrize("unused", [None, (0, 0), (1, 2)], ids=["all read", "a q unread", "a v unread"])
 def test_group_heads_gives_the_split_view_permute_unbind_gradient_in_one_copy(unused):
-    """Every group's q, k and v as the views autograd's chain gives, and the same gradient (float64), also where
-    a loss reads none of some group's q or v; the backward makes no stack and no cat (one copy of the gradient)."""
+    """Every group's q, k and v as the views autograd's chain gives (the same strides), and the same gradient
+    (float64), also where a loss reads none of some group's q or v; two aten calls a group forward (an as_strided
+    and an unbind), and a backward that makes no stack and no cat and writes every part in one ``_foreach_copy_``
+    (the unread parts in one ``_foreach_zero_``): the eager path off the C kernel (CUDA), ~11 calls a group
+    each way before."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from pretrain.model.gather import group_heads
@@ -150,10 +153,6 @@ def test_group_heads_gives_the_split_view_permute_unbind_gradient_in_one_copy(un
     want_parts = _heads_by_autograd(want_x, packed, heads, size)
     loss(want_parts).backward()
     got_x = x.clone().requires_grad_(True)
-    got_parts = group_heads(got_x, packed, heads, size)
-    for got, want in zip(got_parts, want_parts):
-        for a, b in zip(got, want):
-            assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
     ops = []
 
     class Ops(TorchDispatchMode):
@@ -161,12 +160,19 @@ def test_group_heads_gives_the_split_view_permute_unbind_gradient_in_one_copy(un
             ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
+    with Ops():
+        got_parts = group_heads(got_x, packed, heads, size)
+    assert sorted(ops) == sorted(["as_strided", "unbind"] * len(packed.groups)), ops
+    for got, want in zip(got_parts, want_parts):
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
     total = loss(got_parts)
+    ops.clear()
     with Ops():
         total.backward()
     torch.testing.assert_close(got_x.grad, want_x.grad, rtol=0, atol=0)
-    assert not {"stack", "cat", "clone", "slice_backward", "select_backward", "add", "add_"} & set(ops), ops
-    assert ops.count("copy_") + ops.count("zero_") == 3 * len(packed.groups), ops  # each part written once
+    assert not {"stack", "cat", "clone", "slice_backward", "select_backward", "add", "add_", "copy_"} & set(ops), ops
+    assert ops.count("_foreach_copy_") == 1 and ops.count("_foreach_zero_") == (unused is not None), ops
 
 
 @pytest.mark.parametrize("unused", [None, (1, 2)], ids=["all read", "a v unread"])
@@ -268,3 +274,43 @@ def test_heads_to_slots_is_the_transposed_concatenation(dtype):
             _threads(before)
         assert torch.equal(got, want)
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(got_in, want_in))
+
+
+@pytest.mark.parametrize("strided_grad", [False, True], ids=["contiguous gradient", "strided gradient"])
+def test_heads_to_slots_off_the_c_kernel_is_the_transposed_concatenation(monkeypatch, strided_grad):
+    """``heads_to_slots`` on the eager path off the C kernel (CUDA's, ``_HeadsToSlotsStrided``), forced on the CPU:
+    the transposing reshape and ``cat`` it replaces, bit for bit (float64), and their gradients; forward one
+    ``_foreach_copy_`` for all groups, backward no copy at all (each group gets its strided view of the gradient,
+    also from a gradient whose columns are strided, made contiguous once)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pretrain.model import gather
+
+    monkeypatch.setattr(gather, "cpu_kernels", lambda: None)
+    packed, heads, size = _packed(), 2, 3
+    gen = torch.Generator().manual_seed(5)
+    ys = [torch.randn((g.num_rows, heads, g.length + 1, size), dtype=torch.float64, generator=gen)[:, :, 1:]
+          for g in packed.groups]
+    up = torch.randn(sum(packed.group_sizes), heads * size, dtype=torch.float64, generator=gen)
+    want_in = [y.clone().requires_grad_(True) for y in ys]
+    want = torch.cat([y.transpose(1, 2).reshape(-1, heads * size) for y in want_in])
+    (want * up).sum().backward()
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    got_in = [y.clone().requires_grad_(True) for y in ys]
+    with Ops():
+        got = gather.heads_to_slots(got_in, packed)
+    assert torch.equal(got, want)
+    assert ops.count("_foreach_copy_") == 1 and not {"cat", "clone", "copy_"} & set(ops), ops
+    grad = up.t().contiguous().t() if strided_grad else up  # the same values, column stride != 1
+    ops.clear()
+    with Ops():  # autograd.grad: no leaf's accumulation copies counted
+        grads = torch.autograd.grad(got, got_in, grad)
+    assert all(torch.equal(a, b.grad) for a, b in zip(grads, want_in))
+    assert not {"cat", "split", "split_with_sizes", "_foreach_copy_", "copy_"} & set(ops), ops
+    assert ops.count("clone") == strided_grad, ops

@@ -109,6 +109,26 @@ def test_losses_and_gradients_equal_the_padded_path(pooling, mean_mix, norm, lay
     _assert_same(_train_module(pooling, mean_mix, norm=norm), _batch(), ("mlm", "nt_xent"), layout)
 
 
+@pytest.mark.parametrize("layout, joint, trim", [("groups", True, False), ("groups", False, False),
+                                                 ("groups", True, True), ("fixed", True, False)])
+def test_the_path_off_the_c_kernels_equals_the_padded_path(monkeypatch, layout, joint, trim):
+    """The groups' strided q/k/v views and output slots of flat layers (``gather._GroupHeads``,
+    ``_HeadsToSlotsStrided``: the eager path on CUDA, forced here by leaving the C kernels out), with and without
+    the joint pass, and with the last layer's kept queries (train.trim_last_layer)."""
+    from pretrain.model import gather
+    from pretrain.model.flat import flatten_layers
+
+    monkeypatch.setattr(gather, "cpu_kernels", lambda: None)
+    calls = []
+    for fn in (gather._GroupHeads, gather._HeadsToSlotsStrided):
+        monkeypatch.setattr(fn, "apply", lambda *a, _f=fn.apply, _n=fn.__name__: calls.append(_n) or _f(*a))
+    module = _train_module("cls")
+    flatten_layers(module.model)
+    module.objective.ctx.joint_pass, module.objective.ctx.trim_last_layer = joint, trim
+    _assert_same(module, _batch(), ("mlm", "nt_xent"), layout, min_grads=5, joint=joint)
+    assert {"_GroupHeads", "_HeadsToSlotsStrided"} <= set(calls), calls
+
+
 def test_the_varlen_layout_with_flat_layers_and_two_passes_equals_the_padded_path():
     """varlen with the fused q/k/v span of a flattened layer (train.flat_params: strided q, k, v columns), in the
     joint pass (train.joint_pass: the MLM rows and both views as one stream) with the last layer trimmed to the
