@@ -200,12 +200,7 @@ def test_a_pinned_batch_arrives_whole_on_the_device(handed):
         torch.cuda.synchronize()
 
     def tensors(v):
-        if torch.is_tensor(v):
-            return [v]
-        if isinstance(v, Packed):
-            return [t for f in vars(v).values() for t in tensors(f)] + [g.keep_n11t for g in v.groups
-                                                                         if torch.is_tensor(g.keep_n11t)]
-        return []
+        return [v] if torch.is_tensor(v) else v.tensors() if isinstance(v, Packed) else []
 
     packed = [k for k, v in batch.items() if isinstance(v, Packed)]
     assert packed, "host_facts(unpadded=True) packed nothing: the test would not see the packed path"

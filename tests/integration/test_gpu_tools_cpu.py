@@ -340,3 +340,37 @@ def test_gpu_data_stages_the_books_and_the_tokenizer_the_books_bench_reads(tmp_p
     monkeypatch.setenv("PRETRAIN_BERT_TOKENIZER", str(out / "missing.json"))
     with pytest.raises(SystemExit, match="no such file"):
         padding_share.bert_tokenizer()
+
+
+def test_device_ops_count_sdpa_and_dropout_as_one_op_each_way_without_the_c_kernels():
+    """``tools/bench_device_ops.py``'s CUDA op shape: inside, every module that calls the C kernels sees none,
+    an SDPA with gradients is one counted op each way with SDPA's own values and gradients, dropout is aten's
+    native_dropout; outside, all as before."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_device_ops as bdo
+    from pretrain.metrics.op_count import OpCounter
+    from pretrain.model import gather, kernels
+
+    sdpa, dropout = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.dropout
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    mask = torch.rand(2, 1, 1, 5, generator=gen) > 0.3
+    mask[..., 0] = True
+    want_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = sdpa(*want_in, attn_mask=mask)
+    want.sum().backward()
+    with bdo.cuda_op_shape():
+        assert all(__import__(m, fromlist=["x"]).cpu_kernels() is None for m in bdo.KERNEL_USERS)
+        got_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        with OpCounter() as counter:
+            got = torch.nn.functional.scaled_dot_product_attention(*got_in, attn_mask=mask)
+            got.sum().backward()
+            torch.nn.functional.dropout(torch.ones(8, 8, requires_grad=True), 0.5, True).sum().backward()
+    assert counter.ops[bdo.ATTENTION_OP] == 1 and counter.ops[bdo.ATTENTION_OP + "_backward"] == 1
+    assert counter.ops["aten.native_dropout"] == 1 and counter.ops["aten.native_dropout_backward"] == 1
+    assert not {"aten.bmm", "aten._safe_softmax", "aten.bernoulli_"} & set(counter.ops), counter.ops
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_in, want_in):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa and torch.nn.functional.dropout is dropout
+    assert gather.cpu_kernels is kernels.cpu_kernels
