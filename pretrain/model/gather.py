@@ -196,12 +196,11 @@ def heads_to_slots(ys: list[torch.Tensor], packed) -> torch.Tensor:
 def _strided_heads(z_P: torch.Tensor, shapes, parts: int, heads: int, size: int) -> list[torch.Tensor]:
     """Views of z_P (slots, parts * heads * size), each group's ``parts`` pieces (q, k, v; or the one output) as
     (n, heads, t, size), groups in order: the strides ``_heads``' slice, view, select and transpose give, made with
-    one ``as_strided`` a group (and an ``unbind`` for several parts). Falls back to ``_heads`` where a column
-    stride is not 1."""
+    one ``as_strided`` a group (and an ``unbind`` for several parts). A q/k/v tensor whose columns are strided
+    takes ``_heads``' views; a one-part tensor (the slots' output or its gradient) comes with unit column stride."""
     if z_P.stride(1) != 1:
-        return _heads(z_P, shapes, heads, size) if parts == 3 else [
-            y.view(n, t, heads, size).transpose(1, 2) for y, (n, t) in zip(z_P.split([n * t for n, t in shapes]),
-                                                                            shapes)]
+        assert parts == 3, "heads_to_slots' slots are made or made contiguous with unit column stride"
+        return _heads(z_P, shapes, heads, size)
     row, base, width = z_P.stride(0), z_P.storage_offset(), heads * size
     out, start = [], 0
     for n, t in shapes:

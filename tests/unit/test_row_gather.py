@@ -175,6 +175,23 @@ def test_group_heads_gives_the_split_view_permute_unbind_gradient_in_one_copy(un
     assert ops.count("_foreach_copy_") == 1 and ops.count("_foreach_zero_") == (unused is not None), ops
 
 
+def test_group_heads_of_strided_columns_are_the_autograd_views_and_gradient():
+    """A q/k/v tensor whose columns are strided (no ``as_strided`` layout for it) gets the slice, view, select and
+    transpose views and autograd's gradient (float64)."""
+    from pretrain.model.gather import group_heads
+
+    packed, heads, size, x, loss = _group_heads_case(4, None)
+    want_x = x.clone().requires_grad_(True)
+    loss(_heads_by_autograd(want_x, packed, heads, size)).backward()
+    got_x = x.t().contiguous().t().requires_grad_(True)  # the same values, column stride != 1
+    assert got_x.stride(1) != 1
+    got_parts = group_heads(got_x, packed, heads, size)
+    for got, want in zip(got_parts, _heads_by_autograd(x, packed, heads, size)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    loss(got_parts).backward()
+    torch.testing.assert_close(got_x.grad, want_x.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("unused", [None, (1, 2)], ids=["all read", "a v unread"])
 def test_compiled_group_heads_writes_each_gradient_once_with_the_autograd_gradient(unused):
     """In a compiled step group_heads' backward stacks each group's q/k/v gradients and concatenates the groups
