@@ -10,7 +10,9 @@ runs other code than the CUDA step, this counts the CUDA step's:
 - the C kernels (``pretrain.model.kernels``: dropout masks, attention probabilities, bias + GELU, the slots' layout,
   the MLM loss, RoPE) are left out, so each module takes the torch path it takes on CUDA;
 - ``F.scaled_dot_product_attention`` counts as one op each way (flash or memory-efficient attention on CUDA; its
-  math path on the CPU, with dropout, is ~27 ops each way), in both arms;
+  math path on the CPU, with dropout, is ~27 ops each way), in both arms, after what aten's front end does to a mask
+  before the memory-efficient kernel (the CUDA kernel that takes one), run and counted: a boolean mask converted
+  to an additive one, padded and sliced unless its strides are multiples of 8, broadcast (``_efficient_mask``);
 - ``F.dropout`` is aten's ``native_dropout`` (one op each way, as on CUDA; the CPU's composes four), in both arms.
 
 Counts only, no time (the CPU's kernels are not CUDA's); the GPU pass measures the time
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -68,6 +71,21 @@ class _OneKernelAttention(torch.autograd.Function):
         return (None, *grads, None, None, None)
 
 
+def _efficient_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """What aten's SDPA front end (aten/src/ATen/native/transformers/attention.cpp) does to ``mask`` on CUDA before
+    the memory-efficient kernel, here so that its ops are counted: ``convert_boolean_attn_mask`` (a boolean mask
+    to 0 / -inf in q's dtype; the same ops on every device), ``preprocess_mask`` (padded to a multiple of 8 columns and sliced back unless every
+    stride but the last is a multiple of 8 and the last is 1; broadcast to the scores' shape)."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:  # as torch 2.13's front end does on the CPU too: two scalar tensors and a where
+        mask = torch.where(mask, *(torch.scalar_tensor(x, dtype=q.dtype, device=mask.device) for x in (0.0, -math.inf)))
+    if mask.stride(-1) != 1 or any(stride % 8 for stride in mask.stride()[:-1]):
+        cols = mask.shape[-1]
+        mask = F.pad(mask, (0, 8 - cols % 8))[..., :cols]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
 def _tick(name: str) -> None:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -88,7 +106,7 @@ def cuda_op_shape():
         if is_causal or kwargs or not (q.requires_grad and k.requires_grad and v.requires_grad):
             return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         **kwargs)
-        return _OneKernelAttention.apply(sdpa, q, k, v, attn_mask, dropout_p, scale)
+        return _OneKernelAttention.apply(sdpa, q, k, v, _efficient_mask(attn_mask, q, k), dropout_p, scale)
 
     def native(x, p=0.5, training=True, inplace=False):
         return torch.native_dropout(x, p, training)[0] if training and 0 < p < 1 else dropout(x, p, training, inplace)

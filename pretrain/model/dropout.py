@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pretrain.model.kernels import KINDS, cpu_kernels
 
@@ -207,7 +208,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     dtype = v.dtype
     if kept is None and not uses_fast(q, dropout_p, True, fast, q.numel() // q.shape[-1] * k.shape[-2]):
         q, k = q.to(dtype), k.to(dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_bias(mask, dtype), dropout_p=dropout_p,
                                               scale=1.0 if q_scaled else None)
     # v is often a view of a fused projection (ModernBERT's, whose RoPE rewrites q and k only): matmul would copy it
     # apart in the forward and again in the backward's grad v^T; copied once here, both multiply the copy as it is
@@ -226,6 +227,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         probs = scores.softmax(-1)
         probs = dropout(probs, dropout_p) if kept is None else _DropScale.apply(probs, kept)
         return (probs @ v).to(dtype)
+
+
+BIAS_ALIGNMENT = 8
+"""The multiple that CUDA's memory-efficient SDPA wants every stride of an additive mask but the last to be (aten's
+``preprocess_mask``), else it pads the mask on every call."""
+
+_BIASES = WeakIdKeyDictionary()
+"""A boolean mask tensor -> ((dtype, version, inference mode), its ``sdpa_bias``): one entry per live mask."""
+
+
+def sdpa_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """What SDPA makes of a boolean key ``mask`` (True: attend) on every call, made once per mask tensor: the additive
+    bias in ``dtype``, 0 where ``mask`` is True and -inf where it is False, in a buffer whose last dimension is
+    padded to a multiple of ``BIAS_ALIGNMENT`` and sliced back (every stride but the last a multiple of it). Given a
+    boolean mask, SDPA's front end converts it (two ``scalar_tensor``s and a ``where``) and, for the
+    memory-efficient CUDA kernel (the one that takes a mask), pads and slices it (``constant_pad_nd``) on every
+    call: five aten ops and about as many small CUDA kernels per attention call, where a step's key masks serve
+    every layer (12 layers x each attention group). Given this bias, it only broadcasts it. The same values, so the same
+    attention (tests/unit/test_fast_dropout.py). A float mask, None, or a mask inside torch.compile (which fuses the
+    conversion itself) comes back as it is. The bias lives as long as its mask (a weak-keyed cache); a mask changed
+    in place or read in another dtype or inference mode gets a new one."""
+    if mask is None or mask.dtype != torch.bool or torch.compiler.is_compiling():
+        return mask
+    key = (dtype, mask._version, torch.is_inference_mode_enabled())
+    hit = _BIASES.get(mask)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    cols = mask.shape[-1]
+    padded = -(-cols // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+    bias = torch.full((*mask.shape[:-1], padded), float("-inf"), dtype=dtype, device=mask.device)[..., :cols]
+    bias.masked_fill_(mask, 0.0)
+    _BIASES[mask] = (key, bias)
+    return bias
 
 
 def _probs_in_c(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:

@@ -374,3 +374,29 @@ def test_device_ops_count_sdpa_and_dropout_as_one_op_each_way_without_the_c_kern
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
     assert torch.nn.functional.scaled_dot_product_attention is sdpa and torch.nn.functional.dropout is dropout
     assert gather.cpu_kernels is kernels.cpu_kernels
+
+
+def test_device_ops_count_what_sdpa_does_to_a_mask_before_the_efficient_kernel():
+    """Under the CUDA op shape, SDPA's front end's handling of a mask is run and counted as on CUDA before the
+    memory-efficient kernel: a boolean mask converted (``where``), padded to 8 columns and sliced back; a bias from
+    ``dropout.sdpa_bias`` (aligned, additive) only broadcast. The same attention either way."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_device_ops as bdo
+    from pretrain.metrics.op_count import OpCounter
+    from pretrain.model.dropout import sdpa_bias
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
+    mask = torch.rand(2, 1, 1, 5, generator=gen) > 0.3
+    mask[..., 0] = True
+    outs, counts = [], []
+    with bdo.cuda_op_shape():
+        for m in (mask, sdpa_bias(mask, torch.float64)):
+            with OpCounter() as counter:
+                outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m))
+            counts.append(counter.ops)
+    converted, biased = counts
+    assert converted["aten.where"] == 1 and converted["aten.constant_pad_nd"] == 1, converted
+    assert not {"aten.where", "aten.constant_pad_nd", "aten.scalar_tensor"} & set(biased), biased
+    assert biased["aten.expand"] == 1 and biased[bdo.ATTENTION_OP] == 1
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

@@ -20,7 +20,8 @@ from pretrain.metrics.op_count import OpCounter
 from pretrain.model import dropout as dropout_module
 from pretrain.model.kernels import cpu_kernels
 from pretrain.model.dropout import (GAMMA, LEVELS, Mask, _DropScale, _probs, _probs_grad, attention, draw, draw_masks,
-                                    dropout, keep_mask, kept_of, mask_words, scale_masked, set_fast_dropout, uses_fast)
+                                    dropout, keep_mask, kept_of, mask_words, scale_masked, sdpa_bias, set_fast_dropout,
+                                    uses_fast)
 from pretrain.training.step import dropout_rng, host_facts
 
 N = 1 << 20
@@ -549,3 +550,69 @@ def test_the_attention_node_with_fewer_queries_than_keys_matches_float64():
     want = (y_ref, *torch.autograd.grad(y_ref, ref, g.double()))
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("mask_shape", [(5, 1, 1, 13), (4, 1, 11, 11), (3, 1, 1, 16)])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_sdpa_takes_a_masks_bias_as_it_takes_the_mask(dtype, mask_shape, p):
+    """``sdpa_bias``: the additive bias SDPA would make of a boolean mask (0 / -inf in the dtype), its strides but
+    the last multiples of 8 (the last 1); SDPA's output and gradients with it are those with the boolean mask, bit
+    for bit (CPU: the flash path without dropout, the math path with it), key masks and full (t, t) masks alike."""
+    gen = torch.Generator().manual_seed(0)
+    n, t = mask_shape[0], mask_shape[-1]
+    q, k, v = (torch.randn(n, 2, t, 8, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    mask = torch.rand(mask_shape, generator=gen) > 0.4
+    mask[..., 0] = True
+    bias = sdpa_bias(mask, dtype)
+    assert bias.dtype == dtype and bias.shape == mask.shape and bias.stride(-1) == 1
+    assert all(stride % dropout_module.BIAS_ALIGNMENT == 0 for stride in bias.stride()[:-1])
+    assert torch.equal(bias, torch.zeros((), dtype=dtype).masked_fill(~mask, float("-inf")).expand(mask.shape))
+    runs = []
+    for m in (mask, bias):
+        torch.manual_seed(1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p)
+        runs.append((y, *torch.autograd.grad(y, (q, k, v), torch.ones_like(y))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_a_masks_bias_is_made_once_and_lives_as_long_as_the_mask():
+    """The bias is cached per mask tensor: the same object for a second layer; a new one for another dtype, after the
+    mask changes in place, or under inference mode; None and float masks pass as they are; the cache lets go of a
+    mask that is gone (a long run keeps no step's masks)."""
+    mask = torch.tensor([[[[True, True, False]]], [[[True, False, False]]]])
+    bias = sdpa_bias(mask, torch.bfloat16)
+    assert sdpa_bias(mask, torch.bfloat16) is bias
+    assert sdpa_bias(mask, torch.float32).dtype == torch.float32
+    mask[1, ..., 1:] = True
+    assert torch.equal(sdpa_bias(mask, torch.float32), torch.zeros(()).masked_fill(~mask, float("-inf")))
+    with torch.inference_mode():
+        assert sdpa_bias(mask, torch.float32).is_inference()
+    assert not sdpa_bias(mask, torch.float32).is_inference()
+    assert sdpa_bias(None, torch.float32) is None
+    assert sdpa_bias(bias, torch.bfloat16) is bias
+    live = len(dropout_module._BIASES)
+    del mask
+    assert len(dropout_module._BIASES) == live - 1
+
+
+def test_attention_converts_a_mask_once_for_every_layer(monkeypatch):
+    """Off the C path (torch's dropout: CUDA's path) ``attention`` hands SDPA the mask's cached bias: over two
+    layers' calls with one mask, SDPA converts no boolean mask (its ``where``) and the bias is filled once; without
+    the cache, SDPA converts it on every call."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 6, 4, generator=gen, requires_grad=True) for _ in range(3))
+    mask = torch.ones(3, 1, 1, 6, dtype=torch.bool)
+    mask[0, ..., 4:] = False
+
+    def ops():
+        with OpCounter() as counter:
+            for _ in range(2):
+                attention(q, k, v, mask, 0.1, fast=False).sum().backward()
+        return counter.ops
+
+    cached = ops()
+    assert cached["aten.where"] == 0 and cached["aten.masked_fill_"] == 1
+    monkeypatch.setattr(dropout_module, "sdpa_bias", lambda mask, dtype: mask)
+    assert ops()["aten.where"] == 2
