@@ -74,8 +74,9 @@ class _OneKernelAttention(torch.autograd.Function):
 def _efficient_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """What aten's SDPA front end (aten/src/ATen/native/transformers/attention.cpp) does to ``mask`` on CUDA before
     the memory-efficient kernel, here so that its ops are counted: ``convert_boolean_attn_mask`` (a boolean mask
-    to 0 / -inf in q's dtype; the same ops on every device), ``preprocess_mask`` (padded to a multiple of 8 columns and sliced back unless every
-    stride but the last is a multiple of 8 and the last is 1; broadcast to the scores' shape)."""
+    to 0 / -inf in q's dtype; the same ops on every device), ``preprocess_mask`` (padded to a multiple of 8
+    columns and sliced back unless every stride but the last is a multiple of 8 and the last is 1; broadcast to
+    the scores' shape)."""
     if mask is None:
         return None
     if mask.dtype == torch.bool:  # as torch 2.13's front end does on the CPU too: two scalar tensors and a where
