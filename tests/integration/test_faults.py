@@ -725,14 +725,15 @@ def test_second_sigint_aborts_at_once(tmp_path, tiny_overrides):
     args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0)
     p = subprocess.Popen([sys.executable, "-c", _SLOW_STEPS, *args], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen = []
+    seen, sent = [], False
     # One line at a time: act on what the trainer says. The first Ctrl-C goes in while a step runs, not at the
     # "step 1/" line, where the trainer may already be past its check for a stop and would checkpoint at once:
     # the second Ctrl-C then raced the save (once in CI on a loaded machine, a thread's traceback).
     for line in p.stdout:
         seen.append(line)
-        if line.startswith("inside a step") and not any(x.startswith("received SIGINT") for x in seen):
+        if line.startswith("inside a step") and not sent:
             os.killpg(p.pid, signal.SIGINT)
+            sent = True
         elif line.startswith("received SIGINT"):
             os.killpg(p.pid, signal.SIGINT)
             break
