@@ -161,8 +161,15 @@ def train(cfg, env) -> int:
         print(f"pretrain-train: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:  # a second Ctrl-C (StopSignal turns the first into a checkpoint-and-stop)
-        print(f"pretrain-train: aborted by a second SIGINT (rank {env.rank}); nothing was saved since the last "
-              f"checkpoint", file=sys.stderr)
+        step, published = trainer.abandon_save() if trainer is not None else (None, None)
+        if published is not None:
+            saved = f"checkpoint {published} had been published before it"
+        elif not env.is_main and step is not None:
+            saved = f"the save of step {step} in flight was abandoned (rank 0 says whether it had been published)"
+        else:
+            saved = "nothing was saved since the last checkpoint" + (
+                f" (the save of step {step} being written was removed)" if step is not None else "")
+        print(f"pretrain-train: aborted by a second SIGINT (rank {env.rank}); {saved}", file=sys.stderr)
         return 130
     except (CheckpointError, MetricsWriteError) as e:  # disk full or unreadable checkpoint: the message says what to do
         print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)

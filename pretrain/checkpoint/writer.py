@@ -13,7 +13,12 @@ fails leaves ``.failed-rank<r>`` instead, and rank 0 removes the temporary tag: 
 
 ``wait`` (collective) joins this rank's thread and agrees across ranks whether the save succeeded; a new save waits
 for the previous one first, and so do the end of a run, a stop signal and a rollback. No collective runs in the
-threads: the ranks agree only through the markers and in ``wait``.
+threads: the ranks agree only through the markers and in ``wait``. A second Ctrl-C ``abandon``s the save in flight:
+its thread stops before its next file and the partial tag is removed (unless it was already published).
+
+The main thread waits for a writer on an Event the thread sets as it ends, never in ``Thread.join``: on Python
+3.11-3.12 a KeyboardInterrupt that lands inside ``join`` releases the running thread's state lock and marks it
+stopped (bpo-45274's handler), so every later ``join`` returned at once and the process ended with the write half done.
 
 Shapes: none (bytes and files).
 """
@@ -65,6 +70,13 @@ class SaveJob:
     """How long rank 0 waits for the other ranks' markers (distributed.timeout_s)."""
     deadline: float | None = None
     """time.monotonic() past which rank 0 stops waiting for markers; set when the job starts, shortened by close."""
+    cancel: threading.Event = field(default_factory=threading.Event)
+    """Set by ``CheckpointWriter.abandon``: the writer stops before its next file (``SaveAbandoned``)."""
+
+    def check(self) -> None:
+        """Raises SaveAbandoned once the save was abandoned."""
+        if self.cancel.is_set():
+            raise SaveAbandoned(f"the save of {self.tag} was abandoned (a second Ctrl-C)")
 
     @property
     def tag(self) -> str:
@@ -73,6 +85,10 @@ class SaveJob:
     @property
     def tmp_dir(self) -> Path:
         return self.ckpt_dir / (".tmp-" + self.tag)
+
+
+class SaveAbandoned(Exception):
+    """A save stopped by ``CheckpointWriter.abandon`` (its partial files are removed like a failed one's)."""
 
 
 def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config_yaml: str,
@@ -108,6 +124,7 @@ def write_share(job: SaveJob) -> dict:
     from memory, of the bytes as they are written; the sampled one read back: at most 8 MiB a file)."""
     whole = {}
     for path, held in job.blobs:
+        job.check()
         with open(path, "wb") as f:
             out = _Hashing(f)
             if isinstance(held, CopiedState):
@@ -155,6 +172,7 @@ def run_main(job: SaveJob, *, on_published=None) -> Path:
     trainer_state.json, then the publish. On any failure the temporary tag is removed."""
     try:
         digests = write_share(job)
+        job.check()
         (job.tmp_dir / "config.yaml").write_text(job.config_yaml, encoding="utf-8")
         if job.flat_layout:
             atomic_write_text(job.tmp_dir / store.FLAT_LAYOUT_FILE, json.dumps(job.flat_layout))
@@ -162,10 +180,13 @@ def run_main(job: SaveJob, *, on_published=None) -> Path:
             shutil.copyfile(job.tokenizer_path, job.tmp_dir / "tokenizer.json")
         for rank in range(1, job.world_size):
             digests.update(_await_marker(job, rank))
+        job.check()
         store.write_weights(job.tmp_dir, job.step, in_thread=True)
+        job.check()
         store.record_files(job.tmp_dir, digests)
         state = dict(job.trainer_state, format_version=store.FORMAT_VERSION, step=job.step, tag=job.tag)
         atomic_write_text(job.tmp_dir / store.STATE_FILE, json.dumps(state, indent=2))
+        job.check()
         store.publish(job.ckpt_dir, job.tmp_dir, job.tag, job.keep_last)
     except BaseException:
         shutil.rmtree(job.tmp_dir, ignore_errors=True)
@@ -180,6 +201,7 @@ def _await_marker(job: SaveJob, rank: int) -> dict:
     """Rank ``rank``'s digests, once its writer finished (the marker is removed: it is not part of the tag)."""
     done, failed = job.tmp_dir / f".done-rank{rank}.json", job.tmp_dir / f".failed-rank{rank}"
     while not done.is_file():
+        job.check()
         if failed.is_file():
             why = failed.read_text(encoding="utf-8", errors="replace").strip() or "its error is in its log"
             raise store.CheckpointError(f"rank {rank} could not write its files ({why})")
@@ -199,8 +221,11 @@ class CheckpointWriter:
         self.env = env
         self.on_published = on_published  # rank 0, in the writer thread, after the publish: fn(tag_dir)
         self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        """Set by the writer thread as it ends (what the main thread waits on: module docstring)."""
         self._job: SaveJob | None = None
         self._error: BaseException | None = None
+        self._published: Path | None = None
         self.pool = StoragePool()
         """Host buffers of the last background snapshot, reused by the next (distributed/snapshot.py)."""
 
@@ -213,31 +238,32 @@ class CheckpointWriter:
         """Hand ``job`` to a new thread (the previous save must have been waited for); returns the tag dir it
         publishes."""
         assert self._thread is None, "a save is still in flight: wait() first"
-        self._job, self._error = job, None
+        self._job, self._error, self._published = job, None, None
         job.deadline = time.monotonic() + job.timeout_s
-        target = self._run_main if job.rank == 0 else self._run_rank
+        self._done.clear()
         # Not a daemon: an interpreter that exits (normal end, an exception) finishes the write first.
-        self._thread = threading.Thread(target=target, name=f"checkpoint-writer-{job.tag}", daemon=False)
+        self._thread = threading.Thread(target=self._run, args=(job,), name=f"checkpoint-writer-{job.tag}",
+                                        daemon=False)
         self._thread.start()
         return job.ckpt_dir / job.tag
 
-    def _run_main(self) -> None:
+    def _run(self, job: SaveJob) -> None:
         try:
-            run_main(self._job, on_published=self.on_published)
+            if job.rank == 0:
+                self._published = run_main(job, on_published=self.on_published)
+            else:
+                run_rank(job)
         except BaseException as e:  # noqa: BLE001 - reported by wait() (collectively), or by close()
             self._error = e
-
-    def _run_rank(self) -> None:
-        try:
-            run_rank(self._job)
-        except BaseException as e:  # noqa: BLE001 - reported by wait() (collectively), or by close()
-            self._error = e
+        finally:
+            self._done.set()
 
     def join(self) -> BaseException | None:
-        """This rank's thread finished (not collective); its error, if any."""
+        """This rank's thread finished (not collective); its error, if any. Waits on ``_done``, not in
+        ``Thread.join`` (module docstring); a KeyboardInterrupt here leaves the save in flight, as it was."""
         if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+            self._done.wait()
+            self._thread = None  # it has nothing left to run but its own end
         return self._error
 
     def wait(self) -> Path | None:
@@ -265,6 +291,19 @@ class CheckpointWriter:
         error = self.join()
         self._job, self._error = None, None
         return error
+
+    def abandon(self) -> Path | None:
+        """Not collective (a second Ctrl-C on this rank): the save in flight stops before its next file and its
+        partial files are removed (rank 0's writer removes the temporary tag; another rank's leaves its
+        ``.failed-rank`` marker, which stops rank 0's). Returns the tag dir when rank 0's writer had published it
+        already, else None (nothing in flight, another rank, or abandoned)."""
+        job = self._job
+        if job is None:
+            return None
+        job.cancel.set()
+        self.join()
+        published, self._job, self._error = self._published, None, None
+        return published
 
 
 def _barrier(env) -> None:

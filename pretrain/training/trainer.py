@@ -407,6 +407,15 @@ class Trainer:
                                f"({self.run_dir / LOCK_NAME}); stopping at step {self.state.step} without saving")
         return "metrics" if flags[2] else "signal" if flags[0] else None
 
+    def abandon_save(self) -> tuple[int | None, Path | None]:
+        """A second Ctrl-C: the save in flight is not finished but removed (``CheckpointWriter.abandon``). Returns
+        (its step, or None when none was in flight; the tag dir it had published already on rank 0, else None).
+        ``close`` comes after, as always."""
+        saver = getattr(self, "saver", None)
+        if saver is None or saver.in_flight is None:
+            return None, None
+        return saver.in_flight, saver.abandon()
+
     def close(self) -> None:
         saver = getattr(self, "saver", None)
         error = saver.close() if saver is not None else None  # a save in flight is finished, not abandoned

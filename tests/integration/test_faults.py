@@ -745,6 +745,54 @@ def test_second_sigint_aborts_at_once(tmp_path, tiny_overrides):
     assert not (run_dir / "run.lock").exists()
 
 
+_SLOW_STEP_AND_WRITE = """
+import time
+from pretrain.checkpoint import store
+from pretrain.training.trainer import Trainer
+real_step, real_weights = Trainer.train_step, store.write_weights
+def slow_step(self, *a, **k):
+    out = real_step(self, *a, **k)
+    print("inside a step", flush=True)
+    time.sleep(3.0)  # the first Ctrl-C lands inside it
+    return out
+def slow_weights(*a, **k):
+    print("writing the checkpoint", flush=True)
+    time.sleep(3.0)  # the second Ctrl-C lands while the checkpoint is being written
+    return real_weights(*a, **k)
+Trainer.train_step, store.write_weights = slow_step, slow_weights
+from pretrain.train import cli
+cli()
+"""
+
+
+@pytest.mark.slow
+def test_second_sigint_during_the_save_abandons_the_checkpoint(tmp_path, tiny_overrides):
+    """The first Ctrl-C asks for a checkpoint; a second one while it is being written aborts at once: the partial
+    checkpoint is removed, not published after the message said nothing was saved, and nothing is left behind."""
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0)
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_STEP_AND_WRITE, *args], cwd=REPO, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen, sent = [], False
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("inside a step") and not sent:
+            os.killpg(p.pid, signal.SIGINT)
+            sent = True
+        elif line.startswith("writing the checkpoint"):
+            os.killpg(p.pid, signal.SIGINT)
+            break
+    out = "".join(seen) + p.communicate(timeout=240)[0]
+    assert p.returncode == 130, out[-3000:]
+    assert ("aborted by a second SIGINT (rank 0); nothing was saved since the last checkpoint (the save of step 1 "
+            "being written was removed)") in out, out[-3000:]
+    assert "Traceback" not in out and "checkpointed step" not in out, out[-3000:]
+    ckpts = store.checkpoints_dir(run_dir)
+    assert store.find_latest(ckpts) is None, out[-3000:]
+    assert not [p.name for p in ckpts.iterdir() if p.name.startswith((".tmp-", "step_"))], list(ckpts.iterdir())
+    assert not (run_dir / "run.lock").exists()
+
+
 # ------------------------------------------------------------------------------ checkpoint integrity
 
 @pytest.mark.slow

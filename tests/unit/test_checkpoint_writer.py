@@ -1,9 +1,12 @@
 """checkpoint/writer.py without DeepSpeed: the digests a writer records equal those of the written files, and rank 0's
-writer publishes nothing when another rank's write failed or never finished."""
+writer publishes nothing when another rank's write failed or never finished; a save abandoned by a second Ctrl-C is
+removed, and one waited for across a Ctrl-C is still waited for."""
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -32,7 +35,8 @@ def _job(tmp_path, rank: int, **kw) -> SaveJob:
     ckpt = tmp_path / "checkpoints"
     tmp_dir = ckpt / ".tmp-step_00000004"
     tmp_dir.mkdir(parents=True, exist_ok=True)
-    job = SaveJob(ckpt_dir=ckpt, step=4, rank=rank, world_size=2, trainer_state={"step": 4}, config_yaml="a: 1\n",
+    kw.setdefault("world_size", 2)
+    job = SaveJob(ckpt_dir=ckpt, step=4, rank=rank, trainer_state={"step": 4}, config_yaml="a: 1\n",
                   blobs=[(str(tmp_dir / f"part_rank{rank}.pt"), [b"x" * 100])], **kw)
     job.deadline = time.monotonic() + 30
     return job
@@ -77,3 +81,96 @@ def test_a_file_written_after_rank_0_removed_the_failed_tag_goes_too(tmp_path, m
     with pytest.raises(store.CheckpointError, match="the partial files were removed"):
         writer.wait()
     assert not job.tmp_dir.exists()
+
+
+class _Gated:
+    """A file's pieces whose writing waits for ``gate``: ``started`` is set when the writer reaches them."""
+
+    def __init__(self):
+        self.started, self.gate = threading.Event(), threading.Event()
+
+    def __iter__(self):
+        self.started.set()
+        assert self.gate.wait(30)
+        yield b"y" * 10
+
+
+def _gated_save(tmp_path, monkeypatch):
+    """A one-rank rank-0 job of two files whose first waits for its gate (weights faked: no DeepSpeed files)."""
+    monkeypatch.setattr(store, "write_weights",
+                        lambda tmp_dir, step, in_thread=False: (tmp_dir / store.WEIGHTS_FILE).write_bytes(b"w"))
+    job, gated = _job(tmp_path, 0, world_size=1), _Gated()
+    job.blobs = [(str(job.tmp_dir / "a.pt"), gated), (str(job.tmp_dir / "b.pt"), [b"z" * 10])]
+    return job, gated
+
+
+@pytest.mark.parametrize("abandon", [False, True])
+def test_an_abandoned_save_stops_before_its_next_file_and_is_removed(abandon, tmp_path, monkeypatch):
+    """A second Ctrl-C (``abandon``) while the first file is written: the second is never started and the partial
+    tag is removed; the same save not abandoned is published."""
+    job, gated = _gated_save(tmp_path, monkeypatch)
+    writer = CheckpointWriter(_OneRank())
+    writer.start(job)
+    assert gated.started.wait(30)
+    threading.Timer(0.2, gated.gate.set).start()
+    if abandon:
+        assert writer.abandon() is None
+        assert not job.tmp_dir.exists() and store.find_latest(job.ckpt_dir) is None
+        assert writer.abandon() is None and writer.in_flight is None  # nothing left in flight
+    else:
+        assert writer.wait() == job.ckpt_dir / "step_00000004"
+        assert store.find_latest(job.ckpt_dir) == "step_00000004"
+        assert (job.ckpt_dir / "step_00000004" / "b.pt").read_bytes() == b"z" * 10
+
+
+def test_a_save_abandoned_after_its_publish_is_reported_published(tmp_path, monkeypatch):
+    job, gated = _gated_save(tmp_path, monkeypatch)
+    gated.gate.set()
+    writer = CheckpointWriter(_OneRank())
+    writer.start(job)
+    writer._done.wait(30)  # published before the abandon
+    assert writer.abandon() == job.ckpt_dir / "step_00000004"
+    assert store.find_latest(job.ckpt_dir) == "step_00000004"
+
+
+def test_a_ctrl_c_while_waiting_for_the_writer_leaves_the_save_in_flight(tmp_path, monkeypatch):
+    """A KeyboardInterrupt that lands while the main thread waits for the writer: on Python 3.11's Thread.join it
+    released the running thread's state lock and marked it stopped, so the next wait returned at once and the
+    process ended with the write half done. The writer still waits for the whole save afterwards."""
+    job, gated = _gated_save(tmp_path, monkeypatch)
+    writer = CheckpointWriter(_OneRank())
+    writer.start(job)
+    assert gated.started.wait(30)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            writer.join()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert writer.in_flight == 4
+    threading.Timer(0.2, gated.gate.set).start()
+    assert writer.close() is None  # waited for the whole save, which published
+    assert store.find_latest(job.ckpt_dir) == "step_00000004"
+
+
+def test_another_ranks_abandoned_save_stops_rank_0s(tmp_path):
+    """A second Ctrl-C on another rank: its writer stops and leaves its failure marker, so rank 0's writer (still
+    waiting for that rank's files) removes the partial tag instead of waiting out the timeout."""
+    other, gated = _job(tmp_path, 1), _Gated()
+    other.blobs = [(str(other.tmp_dir / "a.pt"), gated), (str(other.tmp_dir / "b.pt"), [b"z"])]
+    writer = CheckpointWriter(_OneRank())
+    writer.start(other)
+    assert gated.started.wait(30)
+    threading.Timer(0.2, gated.gate.set).start()
+    assert writer.abandon() is None
+    assert "abandoned" in (other.tmp_dir / ".failed-rank1").read_text()
+    assert not (other.tmp_dir / "b.pt").exists()
+    with pytest.raises(store.CheckpointError, match="rank 1 could not write its files .*abandoned"):
+        run_main(_job(tmp_path, 0))
+    assert not other.tmp_dir.exists() and store.find_latest(other.ckpt_dir) is None
