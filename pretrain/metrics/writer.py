@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class MetricsWriter:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         from torch.utils.tensorboard import SummaryWriter
 
+        _event_writer_failures_in_one_line(self.run_dir / "tb")
         # purge_step drops events of steps after the checkpoint we resumed from (they will be redone).
         self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
 
@@ -117,6 +119,28 @@ class MetricsWriter:
             except OSError:
                 pass
             self._tb = None
+
+
+def _event_writer_failures_in_one_line(tb_dir: Path) -> None:
+    """TensorBoard's event-writer thread re-raises a failed write (a full disk) out of its ``run``, and Python
+    prints that as "Exception in thread Thread-N" with a traceback in the middle of the run's output, although the
+    writer's next ``add_scalar`` raises it again here and the trainer says what happened and what to do (exit 4).
+    Such an OSError from a TensorBoard thread becomes one line on stderr; any other thread's exception goes to the
+    hook that was there before (chained, installed once)."""
+    previous = threading.excepthook
+    if getattr(previous, "event_writer_failures", False):
+        return
+
+    def hook(args) -> None:
+        if issubclass(args.exc_type, OSError) and any(c.__module__.startswith("tensorboard.")
+                                                      for c in type(args.thread).__mro__):
+            print(f"warning: TensorBoard's event writer stopped: {_failed(tb_dir, args.exc_value)}", file=sys.stderr,
+                  flush=True)
+            return
+        previous(args)
+
+    hook.event_writer_failures = True
+    threading.excepthook = hook
 
 
 def _failed(path: Path, e: OSError) -> str:

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -258,9 +259,12 @@ def test_disk_full_while_writing_metrics_checkpoints_exits_4_and_resume_continue
             return log(self, step, scalars, split=split)
 
         monkeypatch.setattr(MetricsWriter, "log", fill_then_log)
+        thread_errors = []  # what would print "Exception in thread ..." with a traceback
+        monkeypatch.setattr(threading, "excepthook", thread_errors.append)
         overrides = tiny_overrides(run_dir, data__valid="[]", train__max_steps=30, checkpoint__every=100)
         code, out = _main(overrides, capsys)
         assert code == 4, out[-2000:]
+        assert not thread_errors, [(e.thread, e.exc_value) for e in thread_errors]
         said = re.search(rf"pretrain-train: error \(rank 0\): writing {re.escape(str(run_dir))}/(metrics\.jsonl|tb) "
                          r"failed \(ENOSPC: No space left on device\); checkpointed step (\d+) \((.*?)\)\. Free "
                          rf"space in {re.escape(str(run_dir))} and resume with the same command: it continues from "

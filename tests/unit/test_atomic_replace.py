@@ -143,3 +143,35 @@ def test_a_run_directory_still_full_at_start_is_one_clear_error(tmp_path, monkey
                                                 rf"left on device\); free space in {tmp_path} and relaunch"):
         MetricsWriter(tmp_path, resume_step=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no partial copy left beside it
+
+
+def test_a_tensorboard_threads_failed_write_is_one_line_and_other_threads_keep_their_hook(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """TensorBoard's event-writer thread re-raises a failed write out of its ``run`` (Python would print a
+    traceback mid-run): one warning line instead; another thread's exception reaches the hook that was there."""
+    import queue
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", seen.append)
+    writer = MetricsWriter(tmp_path)
+    writer.log(1, {"loss": 1.0})
+
+    class Full(_AsyncWriterThread):  # TensorBoard's own thread class, its write failing as on a full disk
+        def _run(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    class Other(threading.Thread):
+        def run(self):
+            raise OSError(errno.EIO, "another thread's error")
+
+    for thread in (Full(queue.Queue(), None, 0), Other()):
+        thread.start()
+        thread.join()
+    writer.close()
+    assert [type(e.thread) for e in seen] == [Other], seen
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"warning: TensorBoard's event writer stopped: writing {tmp_path / 'tb'} failed (ENOSPC" in err
