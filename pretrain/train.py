@@ -161,6 +161,8 @@ def train(cfg, env) -> int:
         print(f"pretrain-train: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:  # a second Ctrl-C (StopSignal turns the first into a checkpoint-and-stop)
+        if trainer is not None:
+            stop.closing(trainer.cancel_save)
         step, published = trainer.abandon_save() if trainer is not None else (None, None)
         if published is not None:
             saved = f"checkpoint {published} had been published before it"
@@ -176,6 +178,7 @@ def train(cfg, env) -> int:
         return 4
     finally:
         if trainer is not None:
+            stop.closing(trainer.cancel_save)  # a Ctrl-C from here on does not cut the close short
             trainer.close()
         stop.uninstall()
         destroy_process_group()

@@ -292,6 +292,11 @@ class CheckpointWriter:
         self._job, self._error = None, None
         return error
 
+    def cancel(self) -> None:
+        """The save in flight (if any) stops before its next file; a signal handler may call it (no wait)."""
+        if self._job is not None:
+            self._job.cancel.set()
+
     def abandon(self) -> Path | None:
         """Not collective (a second Ctrl-C on this rank): the save in flight stops before its next file and its
         partial files are removed (rank 0's writer removes the temporary tag; another rank's leaves its
@@ -300,7 +305,7 @@ class CheckpointWriter:
         job = self._job
         if job is None:
             return None
-        job.cancel.set()
+        self.cancel()
         self.join()
         published, self._job, self._error = self._published, None, None
         return published

@@ -1,5 +1,7 @@
 """Stop signals: SIGUSR1/SIGTERM (preemption) and a first SIGINT (Ctrl-C) ask the trainer to finish the step,
-checkpoint and exit; a second SIGINT aborts at once. DataLoader workers ignore all three
+checkpoint and exit; a second SIGINT aborts at once. Once the trainer closes (or aborts), a further SIGINT no longer
+raises: it abandons a save still in flight and the close goes on (``closing``), so the run directory's lock is
+released, the loader's workers stopped and the exit code the one the run returned. DataLoader workers ignore all three
 (``ignore_in_worker``): a signal sent to the whole process group must not kill the workers the checkpoint
 still waits on — the main process decides."""
 
@@ -18,6 +20,8 @@ class StopSignal:
         self.requested = False
         self.received: str | None = None
         self._previous: dict = {}
+        self._on_close_ctrl_c = None
+        """Set by ``closing`` (and by the abort itself): what a SIGINT does instead of raising."""
         if install:
             for name in self.SIGNALS:
                 sig = getattr(signal, name, None)
@@ -26,8 +30,15 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if name == "SIGINT" and self._on_close_ctrl_c is not None:
+            step = self._on_close_ctrl_c()
+            what = f"the checkpoint of step {step} being written is abandoned; " if step is not None else ""
+            print(f"received SIGINT while stopping: {what}the run directory is released before the exit",
+                  file=sys.stderr, flush=True)
+            return
         if name == "SIGINT" and self.received == "SIGINT":
             print("received a second SIGINT: aborting now, without a checkpoint", file=sys.stderr, flush=True)
+            self._on_close_ctrl_c = _nothing  # the abort itself closes: a third Ctrl-C must not cut that short
             raise KeyboardInterrupt
         self.requested = True
         self.received = self.received or name
@@ -40,10 +51,21 @@ class StopSignal:
         preemption signal, which tells the launcher to requeue the job."""
         return 130 if self.received == "SIGINT" else 75
 
+    def closing(self, on_ctrl_c) -> None:
+        """The trainer closes: from now on a SIGINT calls ``on_ctrl_c()`` (which abandons a save in flight and
+        returns its step, or None) and returns, where it would raise KeyboardInterrupt in the middle of the close
+        (a second Ctrl-C after the stop's checkpoint: the run directory's lock was left behind, with a traceback and
+        exit -2)."""
+        self._on_close_ctrl_c = on_ctrl_c
+
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def _nothing() -> None:
+    return None
 
 
 def ignore_in_worker() -> None:

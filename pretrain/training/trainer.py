@@ -416,6 +416,15 @@ class Trainer:
             return None, None
         return saver.in_flight, saver.abandon()
 
+    def cancel_save(self) -> int | None:
+        """What a Ctrl-C does while the trainer closes (``StopSignal.closing``): a save in flight stops before its
+        next file, without waiting here (a signal handler calls it). Its step, or None when none was in flight."""
+        saver = getattr(self, "saver", None)
+        step = saver.in_flight if saver is not None else None
+        if step is not None:
+            saver.cancel()
+        return step
+
     def close(self) -> None:
         saver = getattr(self, "saver", None)
         error = saver.close() if saver is not None else None  # a save in flight is finished, not abandoned

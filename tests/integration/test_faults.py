@@ -797,6 +797,52 @@ def test_second_sigint_during_the_save_abandons_the_checkpoint(tmp_path, tiny_ov
     assert not (run_dir / "run.lock").exists()
 
 
+_SLOW_STEP_AND_CLOSE = """
+import time
+from pretrain.training.trainer import Trainer
+real_step, real_close = Trainer.train_step, Trainer.close
+def slow_step(self, *a, **k):
+    out = real_step(self, *a, **k)
+    print("inside a step", flush=True)
+    time.sleep(3.0)  # the first Ctrl-C lands inside it
+    return out
+def slow_close(self):
+    print("closing", flush=True)
+    time.sleep(3.0)  # the second Ctrl-C lands while the trainer closes, after the stop's checkpoint
+    return real_close(self)
+Trainer.train_step, Trainer.close = slow_step, slow_close
+from pretrain.train import cli
+cli()
+"""
+
+
+@pytest.mark.slow
+def test_second_sigint_while_the_trainer_closes_does_not_cut_the_close_short(tmp_path, tiny_overrides):
+    """The first Ctrl-C's checkpoint is published and the trainer closes; a second Ctrl-C then used to raise in
+    the middle of the close: a traceback, exit -2 and the run directory's lock left behind. Now the close goes on:
+    the lock is released and the exit is the stop's 130."""
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0)
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_STEP_AND_CLOSE, *args], cwd=REPO, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen, sent = [], False
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("inside a step") and not sent:
+            os.killpg(p.pid, signal.SIGINT)
+            sent = True
+        elif line.startswith("closing"):
+            os.killpg(p.pid, signal.SIGINT)
+            break
+    out = "".join(seen) + p.communicate(timeout=240)[0]
+    assert p.returncode == 130, out[-3000:]
+    assert "received SIGINT while stopping: the run directory is released before the exit" in out, out[-3000:]
+    assert "Traceback" not in out and "checkpointed step 1" in out, out[-3000:]
+    assert not (run_dir / "run.lock").exists()
+    ckpts = store.checkpoints_dir(run_dir)
+    assert store.find_latest(ckpts) == "step_00000001" and store.is_complete(ckpts / "step_00000001")
+
+
 # ------------------------------------------------------------------------------ checkpoint integrity
 
 @pytest.mark.slow
