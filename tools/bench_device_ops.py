@@ -13,12 +13,15 @@ runs other code than the CUDA step, this counts the CUDA step's:
   math path on the CPU, with dropout, is ~27 ops each way), in both arms, after what aten's front end does to a mask
   before the memory-efficient kernel (the CUDA kernel that takes one), run and counted: a boolean mask converted
   to an additive one, padded and sliced unless its strides are multiples of 8, broadcast (``_efficient_mask``);
-- ``F.dropout`` is aten's ``native_dropout`` (one op each way, as on CUDA; the CPU's composes four), in both arms.
+- ``F.dropout`` is aten's ``native_dropout`` (one op each way, as on CUDA; the CPU's composes four), in both arms;
+- with ``--ab varlen``, a third arm, ours with ``train.unpadded_attention=varlen``: its attention is CUDA's direct
+  flash call over the cumulative lengths (``attention.flash_varlen``, bf16), one op each way, a layer's whole
+  stream at once where the groups make one SDPA call per group (and their strided views, masks and broadcasts).
 
 Counts only, no time (the CPU's kernels are not CUDA's); the GPU pass measures the time
 (``tools/gpu_check.sh``).
 
-    python tools/bench_device_ops.py --batches 3
+    python tools/bench_device_ops.py --batches 3 [--ab varlen]
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ KERNEL_USERS = ("pretrain.model.block", "pretrain.model.modern_block", "pretrain
 """The modules that call ``kernels.cpu_kernels()`` in a training step (each imported it by name)."""
 ATTENTION_OP = "aten.attention_kernel"
 """The name SDPA's one kernel each way is counted under (``_backward`` for its gradient)."""
+VARLEN_OP = "aten._flash_attention_forward"
+"""The name ``flash_varlen``'s one kernel each way is counted under (``_backward`` for its gradient)."""
 
 
 class _OneKernelAttention(torch.autograd.Function):
@@ -69,6 +74,40 @@ class _OneKernelAttention(torch.autograd.Function):
             grads = torch.autograd.grad(y, ins, grad)
         _tick(ATTENTION_OP + "_backward")
         return (None, *grads, None, None, None)
+
+
+class _OneKernelVarlen(torch.autograd.Function):
+    """``attention.flash_varlen`` (CUDA only) stood in for on the CPU: each sequence's attention computed with the
+    op counter set aside (SDPA over nested jagged tensors, as ``nested_attention``), counted as aten's one flash
+    op forward and one backward."""
+
+    @staticmethod
+    def forward(ctx, q_NHK, k_NHK, v_NHK, cu_B1, max_len, dropout_p):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from pretrain.model.attention import nested_attention
+        from pretrain.model.packing import Packed
+
+        n, h, size = q_NHK.shape
+        with _disable_current_modes(), torch.enable_grad():
+            packed = Packed.__new__(Packed)  # only what nested_attention reads: the lengths
+            packed.cu_seqlens_B1, packed.min_length, packed.max_length = cu_B1, int(cu_B1.diff().min()), max_len
+            ins = [t.detach().reshape(n, h * size).requires_grad_() for t in (q_NHK, k_NHK, v_NHK)]
+            y = nested_attention(*ins, packed, h, dropout_p)
+            out = y.detach().view(n, h, size)
+        ctx.graph = (ins, y)
+        _tick(VARLEN_OP)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        ins, y = ctx.graph
+        with _disable_current_modes():
+            grads = torch.autograd.grad(y, ins, grad.reshape(y.shape))
+        _tick(VARLEN_OP + "_backward")
+        return (*(g.view(grad.shape) for g in grads), None, None, None)
 
 
 def _efficient_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -100,8 +139,11 @@ def cuda_op_shape():
     """Inside: the C kernels left out, SDPA one op each way, F.dropout aten's native_dropout (module docstring)."""
     import importlib
 
+    from pretrain.model import attention as attention_mod
+
     sdpa, dropout = F.scaled_dot_product_attention, F.dropout
     saved = [(m, m.cpu_kernels) for m in map(importlib.import_module, KERNEL_USERS)]
+    varlen = (attention_mod.flash_varlen_applies, attention_mod.flash_varlen)
 
     def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         if is_causal or kwargs or not (q.requires_grad and k.requires_grad and v.requires_grad):
@@ -116,11 +158,14 @@ def cuda_op_shape():
         for m, _ in saved:
             m.cpu_kernels = lambda: None
         F.scaled_dot_product_attention, F.dropout = attention, native
+        attention_mod.flash_varlen_applies = lambda x, head_size: x.dtype in (torch.bfloat16, torch.float16)
+        attention_mod.flash_varlen = _OneKernelVarlen.apply
         yield
     finally:
         for m, fn in saved:
             m.cpu_kernels = fn
         F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+        attention_mod.flash_varlen_applies, attention_mod.flash_varlen = varlen
 
 
 def count(args) -> dict:
@@ -138,6 +183,10 @@ def count(args) -> dict:
                                               micro_batch=args.micro_batch, fast_dropout=False)}
         fused = bool(arms["ours"].engine._adamw.defaults.get("fused"))
         arms["hf"] = bench_step.build_hf(size, 30522, args.seq, "cpu", args.precision, fused=fused)
+        if args.ab == "varlen":  # ours with train.unpadded_attention=varlen: CUDA's flash over cumulative lengths
+            arms["ours_varlen"] = bench_step.build_ours(size, 30522, args.seq, args.zero_stage, args.precision,
+                                                        micro_batch=args.micro_batch, fast_dropout=False,
+                                                        attention="varlen")
         for batch in batches:
             for step in arms.values():
                 step(batch)
@@ -147,7 +196,8 @@ def count(args) -> dict:
                 with OpCounter() as counter:
                     step(batch)
                 res[arm].append({"aten_ops": counter.num_aten, "sync_ops": counter.num_sync,
-                                 "attention_calls": counter.ops[ATTENTION_OP], "ops": dict(counter.ops)})
+                                 "attention_calls": counter.ops[ATTENTION_OP] + counter.ops[VARLEN_OP],
+                                 "ops": dict(counter.ops)})
     groups = [len(HostFacts("groups", True)(b)["packed_joint"].groups) for b in batches]
     return {"arms": res, "groups": groups, "padding": bench_step.padding_shares(batches)}
 
@@ -155,14 +205,15 @@ def count(args) -> dict:
 def table(result: dict) -> list[str]:
     """Markdown: per arm the mean aten ops a step, SDPA calls, sync ops; ours / HF."""
     arms, lines = result["arms"], []
-    lines += ["| arm | aten ops a step | of them SDPA (one kernel each way) | sync-forcing ops |",
+    lines += ["| arm | aten ops a step | of them attention (one kernel each way) | sync-forcing ops |",
               "|---|---:|---:|---:|"]
     mean = {arm: statistics.mean(r["aten_ops"] for r in rows) for arm, rows in arms.items()}
     for arm, rows in arms.items():
         lines.append(f"| {arm} | {mean[arm]:,.0f} | {statistics.mean(2 * r['attention_calls'] for r in rows):,.0f} | "
                      f"{statistics.mean(r['sync_ops'] for r in rows):.0f} |")
-    lines += ["", f"ours / HF aten ops: {mean['ours'] / mean['hf']:.2f}x; attention groups of ours' joint stream "
-              f"per batch: {', '.join(map(str, result['groups']))}; padding of the padded batches: MLM rows "
+    varlen = f"; ours_varlen / HF {mean['ours_varlen'] / mean['hf']:.2f}x" if "ours_varlen" in mean else ""
+    lines += ["", f"ours / HF aten ops: {mean['ours'] / mean['hf']:.2f}x{varlen}; attention groups of ours' joint "
+              f"stream per batch: {', '.join(map(str, result['groups']))}; padding of the padded batches: MLM rows "
               f"{result['padding']['mlm']:.1%}, views {result['padding']['views']:.1%}"]
     return lines
 
@@ -176,6 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("--view-len", type=int, default=64)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
     p.add_argument("--zero-stage", type=int, default=2)
+    p.add_argument("--ab", choices=["varlen"], default="",
+                   help="varlen: a third arm, ours with train.unpadded_attention=varlen (CUDA's direct flash call)")
     p.add_argument("--json-out", default="")
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -183,7 +236,8 @@ def main(argv=None) -> int:
     result = count(args)
     print(f"aten ops of a CUDA step counted on the CPU: torch {torch.__version__}, {args.data}, {args.batches} "
           f"batches of {args.micro_batch} ({args.seq} / {args.view_len}), {bench_step.SIZES['host']}, "
-          f"{args.precision}, ZeRO-{args.zero_stage}; C kernels left out, SDPA and dropout one op each way")
+          f"{args.precision}, ZeRO-{args.zero_stage}; C kernels left out, SDPA, flash varlen and dropout one op each "
+          f"way")
     print("\n".join(table(result)))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -400,3 +400,36 @@ def test_device_ops_count_what_sdpa_does_to_a_mask_before_the_efficient_kernel()
     assert not {"aten.where", "aten.constant_pad_nd", "aten.scalar_tensor"} & set(biased), biased
     assert biased["aten.expand"] == 1 and biased[bdo.ATTENTION_OP] == 1
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_device_ops_count_the_direct_flash_varlen_call_as_one_op_each_way():
+    """Under the CUDA op shape, bf16 ``varlen_attention`` takes ``flash_varlen`` as on CUDA, stood in for by one
+    counted op each way with the nested path's values and gradients (the arm ``--ab varlen`` counts); outside, the
+    CPU takes the nested path as before."""
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_device_ops as bdo
+    from pretrain.metrics.op_count import OpCounter
+    from pretrain.model import attention
+    from pretrain.model.packing import pack
+
+    lengths = [5, 3, 7]
+    mask = np.arange(7)[None, :] < np.array(lengths)[:, None]
+    packed = pack([(np.ones((3, 7), dtype=np.int64), mask)], attention="varlen")
+    gen = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(sum(lengths), 16, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    want_in = [t.clone().requires_grad_() for t in qkv]
+    want = attention.nested_attention(*want_in, packed, 2, 0.0)
+    want.float().sum().backward()
+    with bdo.cuda_op_shape():
+        got_in = [t.clone().requires_grad_() for t in qkv]
+        with OpCounter() as counter:
+            got = attention.varlen_attention(*got_in, packed, 2, 0.0)
+            got.float().sum().backward()
+    assert counter.ops[bdo.VARLEN_OP] == 1 and counter.ops[bdo.VARLEN_OP + "_backward"] == 1, counter.ops
+    assert counter.num_sync == 0 and not {"aten.bmm", "aten._safe_softmax"} & set(counter.ops), counter.ops
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_in, want_in):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    assert not attention.flash_varlen_applies(qkv[0], 8)  # restored: the CPU's nested path
