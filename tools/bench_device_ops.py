@@ -50,28 +50,39 @@ VARLEN_OP = "aten._flash_attention_forward"
 """The name ``flash_varlen``'s one kernel each way is counted under (``_backward`` for its gradient)."""
 
 
+def _uncounted(fn, tensors) -> tuple[tuple, torch.Tensor]:
+    """``fn(*leaves)`` with the op counter set aside (no op of a CUDA step): ((the leaves made of ``tensors``, fn's
+    output), which ``_uncounted_grads`` differentiates, and that output detached."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.enable_grad():
+        ins = [t.detach().requires_grad_() for t in tensors]
+        y = fn(*ins)
+        return (ins, y), y.detach()
+
+
+def _uncounted_grads(graph: tuple, grad: torch.Tensor) -> tuple:
+    """The gradients of ``_uncounted``'s leaves, with the op counter set aside."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    ins, y = graph
+    with _disable_current_modes():
+        return torch.autograd.grad(y, ins, grad)
+
+
 class _OneKernelAttention(torch.autograd.Function):
     """SDPA run with the op counter set aside, counted as one op forward and one backward."""
 
     @staticmethod
     def forward(ctx, sdpa, q, k, v, mask, dropout_p, scale):
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes(), torch.enable_grad():
-            ins = [t.detach().requires_grad_() for t in (q, k, v)]
-            y = sdpa(*ins, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-            out = y.detach()  # not counted either: no op of a CUDA step
-        ctx.graph = (ins, y)
+        ctx.graph, out = _uncounted(lambda *qkv: sdpa(*qkv, attn_mask=mask, dropout_p=dropout_p, scale=scale),
+                                    (q, k, v))
         _tick(ATTENTION_OP)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        ins, y = ctx.graph
-        with _disable_current_modes():
-            grads = torch.autograd.grad(y, ins, grad)
+        grads = _uncounted_grads(ctx.graph, grad)
         _tick(ATTENTION_OP + "_backward")
         return (None, *grads, None, None, None)
 
@@ -83,31 +94,25 @@ class _OneKernelVarlen(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_NHK, k_NHK, v_NHK, cu_B1, max_len, dropout_p):
-        from torch.utils._python_dispatch import _disable_current_modes
-
         from pretrain.model.attention import nested_attention
         from pretrain.model.packing import Packed
 
         n, h, size = q_NHK.shape
-        with _disable_current_modes(), torch.enable_grad():
+
+        def nested(*qkv_NHK):
             packed = Packed.__new__(Packed)  # only what nested_attention reads: the lengths
             packed.cu_seqlens_B1, packed.min_length, packed.max_length = cu_B1, int(cu_B1.diff().min()), max_len
-            ins = [t.detach().reshape(n, h * size).requires_grad_() for t in (q_NHK, k_NHK, v_NHK)]
-            y = nested_attention(*ins, packed, h, dropout_p)
-            out = y.detach().view(n, h, size)
-        ctx.graph = (ins, y)
+            return nested_attention(*(z.reshape(n, h * size) for z in qkv_NHK), packed, h, dropout_p).view(n, h, size)
+
+        ctx.graph, out = _uncounted(nested, (q_NHK, k_NHK, v_NHK))
         _tick(VARLEN_OP)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        ins, y = ctx.graph
-        with _disable_current_modes():
-            grads = torch.autograd.grad(y, ins, grad.reshape(y.shape))
+        grads = _uncounted_grads(ctx.graph, grad)
         _tick(VARLEN_OP + "_backward")
-        return (*(g.view(grad.shape) for g in grads), None, None, None)
+        return (*grads, None, None, None)
 
 
 def _efficient_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

@@ -708,64 +708,65 @@ def test_signal_to_the_whole_process_group_checkpoints_and_exits(sig, code, tmp_
     assert not (run_dir / "run.lock").exists()
 
 
-_SLOW_STEPS = """
-import sys, time
+def _slow_steps(patch: str = "") -> str:
+    """A trainer whose every step prints "inside a step", then takes 3 s more (a Ctrl-C sent at that line lands
+    inside a step, not where the trainer may already be past its check for a stop), and ``patch`` (code run
+    before the trainer starts) slowing one more place."""
+    return f"""
+import time
 from pretrain.training.trainer import Trainer
-real = Trainer.train_step
-def slow(self, *a, **k):
-    out = real(self, *a, **k)
+real_step = Trainer.train_step
+def slow_step(self, *a, **k):
+    out = real_step(self, *a, **k)
     print("inside a step", flush=True)
-    time.sleep(3.0)  # a long step: both Ctrl-Cs land inside it
+    time.sleep(3.0)
     return out
-Trainer.train_step = slow
+Trainer.train_step = slow_step
+{patch}
 from pretrain.train import cli  # the trainer's own exit: flushed, no interpreter teardown
 cli()
 """
 
 
-@pytest.mark.slow
-def test_second_sigint_aborts_at_once(tmp_path, tiny_overrides):
-    run_dir = tmp_path / "run"
+def _two_ctrl_cs(run_dir: Path, tiny_overrides, *, second_at: str, patch: str = "") -> tuple[int, str]:
+    """``_slow_steps(patch)`` on ``run_dir``: the first Ctrl-C (to the process group, as a terminal sends it)
+    inside a step, the second at the first line after it that starts with ``second_at``; (exit code, output).
+    One line at a time: each Ctrl-C answers what the trainer says."""
     args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0)
-    p = subprocess.Popen([sys.executable, "-c", _SLOW_STEPS, *args], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    p = subprocess.Popen([sys.executable, "-c", _slow_steps(patch), *args], cwd=REPO, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen, sent = [], False
-    # One line at a time: act on what the trainer says. The first Ctrl-C goes in while a step runs, not at the
-    # "step 1/" line, where the trainer may already be past its check for a stop and would checkpoint at once:
-    # the second Ctrl-C then raced the save (once in CI on a loaded machine, a thread's traceback).
     for line in p.stdout:
         seen.append(line)
         if line.startswith("inside a step") and not sent:
             os.killpg(p.pid, signal.SIGINT)
             sent = True
-        elif line.startswith("received SIGINT"):
+        elif sent and line.startswith(second_at):
             os.killpg(p.pid, signal.SIGINT)
             break
-    out = "".join(seen) + p.communicate(timeout=240)[0]
-    assert p.returncode == 130, out[-3000:]
+    out = "".join(seen) + p.communicate(timeout=240)[0]  # read to the end: a full pipe would block the trainer
+    return p.returncode, out
+
+
+@pytest.mark.slow
+def test_second_sigint_aborts_at_once(tmp_path, tiny_overrides):
+    run_dir = tmp_path / "run"
+    code, out = _two_ctrl_cs(run_dir, tiny_overrides, second_at="received SIGINT")
+    assert code == 130, out[-3000:]
     assert "aborted by a second SIGINT (rank 0); nothing was saved since the last checkpoint" in out, out[-3000:]
     assert "Traceback" not in out and "checkpointed step" not in out
     assert store.find_latest(store.checkpoints_dir(run_dir)) is None
     assert not (run_dir / "run.lock").exists()
 
 
-_SLOW_STEP_AND_WRITE = """
-import time
+_SLOW_WRITE = """
 from pretrain.checkpoint import store
-from pretrain.training.trainer import Trainer
-real_step, real_weights = Trainer.train_step, store.write_weights
-def slow_step(self, *a, **k):
-    out = real_step(self, *a, **k)
-    print("inside a step", flush=True)
-    time.sleep(3.0)  # the first Ctrl-C lands inside it
-    return out
+real_weights = store.write_weights
 def slow_weights(*a, **k):
     print("writing the checkpoint", flush=True)
     time.sleep(3.0)  # the second Ctrl-C lands while the checkpoint is being written
     return real_weights(*a, **k)
-Trainer.train_step, store.write_weights = slow_step, slow_weights
-from pretrain.train import cli
-cli()
+store.write_weights = slow_weights
 """
 
 
@@ -774,20 +775,8 @@ def test_second_sigint_during_the_save_abandons_the_checkpoint(tmp_path, tiny_ov
     """The first Ctrl-C asks for a checkpoint; a second one while it is being written aborts at once: the partial
     checkpoint is removed, not published after the message said nothing was saved, and nothing is left behind."""
     run_dir = tmp_path / "run"
-    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0)
-    p = subprocess.Popen([sys.executable, "-c", _SLOW_STEP_AND_WRITE, *args], cwd=REPO, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen, sent = [], False
-    for line in p.stdout:
-        seen.append(line)
-        if line.startswith("inside a step") and not sent:
-            os.killpg(p.pid, signal.SIGINT)
-            sent = True
-        elif line.startswith("writing the checkpoint"):
-            os.killpg(p.pid, signal.SIGINT)
-            break
-    out = "".join(seen) + p.communicate(timeout=240)[0]
-    assert p.returncode == 130, out[-3000:]
+    code, out = _two_ctrl_cs(run_dir, tiny_overrides, second_at="writing the checkpoint", patch=_SLOW_WRITE)
+    assert code == 130, out[-3000:]
     assert ("aborted by a second SIGINT (rank 0); nothing was saved since the last checkpoint (the save of step 1 "
             "being written was removed)") in out, out[-3000:]
     assert "Traceback" not in out and "checkpointed step" not in out, out[-3000:]
@@ -797,22 +786,13 @@ def test_second_sigint_during_the_save_abandons_the_checkpoint(tmp_path, tiny_ov
     assert not (run_dir / "run.lock").exists()
 
 
-_SLOW_STEP_AND_CLOSE = """
-import time
-from pretrain.training.trainer import Trainer
-real_step, real_close = Trainer.train_step, Trainer.close
-def slow_step(self, *a, **k):
-    out = real_step(self, *a, **k)
-    print("inside a step", flush=True)
-    time.sleep(3.0)  # the first Ctrl-C lands inside it
-    return out
+_SLOW_CLOSE = """
+real_close = Trainer.close
 def slow_close(self):
     print("closing", flush=True)
     time.sleep(3.0)  # the second Ctrl-C lands while the trainer closes, after the stop's checkpoint
     return real_close(self)
-Trainer.train_step, Trainer.close = slow_step, slow_close
-from pretrain.train import cli
-cli()
+Trainer.close = slow_close
 """
 
 
@@ -822,20 +802,8 @@ def test_second_sigint_while_the_trainer_closes_does_not_cut_the_close_short(tmp
     the middle of the close: a traceback, exit -2 and the run directory's lock left behind. Now the close goes on:
     the lock is released and the exit is the stop's 130."""
     run_dir = tmp_path / "run"
-    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0)
-    p = subprocess.Popen([sys.executable, "-c", _SLOW_STEP_AND_CLOSE, *args], cwd=REPO, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen, sent = [], False
-    for line in p.stdout:
-        seen.append(line)
-        if line.startswith("inside a step") and not sent:
-            os.killpg(p.pid, signal.SIGINT)
-            sent = True
-        elif line.startswith("closing"):
-            os.killpg(p.pid, signal.SIGINT)
-            break
-    out = "".join(seen) + p.communicate(timeout=240)[0]
-    assert p.returncode == 130, out[-3000:]
+    code, out = _two_ctrl_cs(run_dir, tiny_overrides, second_at="closing", patch=_SLOW_CLOSE)
+    assert code == 130, out[-3000:]
     assert "received SIGINT while stopping: the run directory is released before the exit" in out, out[-3000:]
     assert "Traceback" not in out and "checkpointed step 1" in out, out[-3000:]
     assert not (run_dir / "run.lock").exists()
