@@ -242,9 +242,9 @@ class CheckpointWriter:
         job.deadline = time.monotonic() + job.timeout_s
         self._done.clear()
         # Not a daemon: an interpreter that exits (normal end, an exception) finishes the write first.
-        self._thread = threading.Thread(target=self._run, args=(job,), name=f"checkpoint-writer-{job.tag}",
-                                        daemon=False)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, args=(job,), name=f"checkpoint-writer-{job.tag}", daemon=False)
+        thread.start()
+        self._thread = thread  # only once started: join() waits on _done only for a thread that will set it
         return job.ckpt_dir / job.tag
 
     def _run(self, job: SaveJob) -> None:
