@@ -100,8 +100,8 @@ def optimizer_step(engine, next_batch, sums, *, env, grad_accum: int, seed: int,
             # gradients become NaN (micro_step), so the update is skipped on every rank (the NaN reaches every
             # rank's gradients through their reduction, and every optimizer DeepSpeed runs refuses them).
             finite = torch.isfinite(loss.detach())
-            sums.update(metrics, keep=finite)
-            sums.add("loss", loss.detach(), 1, keep=finite)  # x world size: the rank mean is the global loss
+            # With the loss (x world size: the rank mean is the global loss), in one batched update (MetricSums).
+            sums.update({**metrics, "loss": (loss.detach(), 1)}, keep=finite)
             all_finite_t = finite if all_finite_t is None else all_finite_t & finite
             loss_sum = loss_sum + loss.detach()
             engine.micro_step(loss, finite=finite)
