@@ -713,12 +713,12 @@ def _slow_steps(patch: str = "") -> str:
     inside a step, not where the trainer may already be past its check for a stop), and ``patch`` (code run
     before the trainer starts) slowing one more place."""
     return f"""
-import time
+import os, time
 from pretrain.training.trainer import Trainer
 real_step = Trainer.train_step
 def slow_step(self, *a, **k):
     out = real_step(self, *a, **k)
-    print("inside a step", flush=True)
+    print(f"inside a step: pid {{os.getpid()}}", flush=True)
     time.sleep(3.0)
     return out
 Trainer.train_step = slow_step
@@ -783,6 +783,43 @@ def test_second_sigint_during_the_save_abandons_the_checkpoint(tmp_path, tiny_ov
     ckpts = store.checkpoints_dir(run_dir)
     assert store.find_latest(ckpts) is None, out[-3000:]
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith((".tmp-", "step_"))], list(ckpts.iterdir())
+    assert not (run_dir / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_second_sigint_to_every_rank_during_the_save_abandons_it_on_all(tmp_path, tiny_overrides):
+    """Two ranks, each given both Ctrl-Cs (as srun delivers them; torchrun answers a second one with SIGTERM, see
+    docs/operations.md): rank 0 is writing the checkpoint, rank 1 has written its share and waits. Both abort with
+    130, the partial checkpoint is removed and the run directory released."""
+    run_dir = tmp_path / "run"
+    script = tmp_path / "slow.py"
+    script.write_text(_slow_steps(_SLOW_WRITE))
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0,
+                          distributed__timeout_s=60)
+    p = _launch(args, nproc=2, script=script)
+    seen, pids, sent = [], set(), False
+    for line in p.stdout:
+        seen.append(line)
+        if "inside a step: pid " in line and not sent:
+            pids.update(int(pid) for pid in re.findall(r"inside a step: pid (\d+)", line))  # lines may interleave
+            if len(pids) == 2:  # both ranks inside a step
+                for pid in pids:
+                    os.kill(pid, signal.SIGINT)
+                sent = True
+        elif sent and "writing the checkpoint" in line:
+            for pid in pids:
+                os.kill(pid, signal.SIGINT)
+            break
+    out = "".join(seen) + p.communicate(timeout=240)[0]
+    assert p.returncode != 0, out[-3000:]  # torchrun: its ranks exited 130
+    assert out.count("exitcode  : 130") == 2, out[-4000:]
+    assert re.search(r"aborted by a second SIGINT \(rank 0\); nothing was saved since the last checkpoint \(the "
+                     r"save of step \d+ being written was removed\)", out), out[-4000:]
+    assert "aborted by a second SIGINT (rank 1)" in out and "/pretrain/" not in out.split("ChildFailedError")[0], \
+        out[-4000:]  # no traceback of the trainer's
+    ckpts = store.checkpoints_dir(run_dir)
+    assert store.find_latest(ckpts) is None, out[-3000:]
+    assert not [q.name for q in ckpts.iterdir() if q.name.startswith((".tmp-", "step_"))], list(ckpts.iterdir())
     assert not (run_dir / "run.lock").exists()
 
 
