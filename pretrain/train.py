@@ -161,8 +161,6 @@ def train(cfg, env) -> int:
         print(f"pretrain-train: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:  # a second Ctrl-C (StopSignal turns the first into a checkpoint-and-stop)
-        if trainer is not None:
-            stop.closing(trainer.cancel_save)
         step, published = trainer.abandon_save() if trainer is not None else (None, None)
         if published is not None:
             saved = f"checkpoint {published} had been published before it"

@@ -50,24 +50,28 @@ VARLEN_OP = "aten._flash_attention_forward"
 """The name ``flash_varlen``'s one kernel each way is counted under (``_backward`` for its gradient)."""
 
 
-def _uncounted(fn, tensors) -> tuple[tuple, torch.Tensor]:
-    """``fn(*leaves)`` with the op counter set aside (no op of a CUDA step): ((the leaves made of ``tensors``, fn's
-    output), which ``_uncounted_grads`` differentiates, and that output detached."""
+def _as_one_op(op: str, fn, tensors) -> tuple[tuple, torch.Tensor]:
+    """``fn(*leaves)`` with the op counter set aside, counted as the one op ``op``: ((the leaves made of
+    ``tensors``, fn's output), which ``_as_one_op_backward`` differentiates, and that output detached."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), torch.enable_grad():
         ins = [t.detach().requires_grad_() for t in tensors]
         y = fn(*ins)
-        return (ins, y), y.detach()
+        out = y.detach()
+    _tick(op)
+    return (ins, y), out
 
 
-def _uncounted_grads(graph: tuple, grad: torch.Tensor) -> tuple:
-    """The gradients of ``_uncounted``'s leaves, with the op counter set aside."""
+def _as_one_op_backward(op: str, graph: tuple, grad: torch.Tensor) -> tuple:
+    """The gradients of ``_as_one_op``'s leaves with the op counter set aside, counted as ``op``'s backward."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     ins, y = graph
     with _disable_current_modes():
-        return torch.autograd.grad(y, ins, grad)
+        grads = torch.autograd.grad(y, ins, grad)
+    _tick(op + "_backward")
+    return grads
 
 
 class _OneKernelAttention(torch.autograd.Function):
@@ -75,16 +79,13 @@ class _OneKernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, sdpa, q, k, v, mask, dropout_p, scale):
-        ctx.graph, out = _uncounted(lambda *qkv: sdpa(*qkv, attn_mask=mask, dropout_p=dropout_p, scale=scale),
-                                    (q, k, v))
-        _tick(ATTENTION_OP)
+        ctx.graph, out = _as_one_op(ATTENTION_OP, lambda *qkv: sdpa(*qkv, attn_mask=mask, dropout_p=dropout_p,
+                                                                    scale=scale), (q, k, v))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        grads = _uncounted_grads(ctx.graph, grad)
-        _tick(ATTENTION_OP + "_backward")
-        return (None, *grads, None, None, None)
+        return (None, *_as_one_op_backward(ATTENTION_OP, ctx.graph, grad), None, None, None)
 
 
 class _OneKernelVarlen(torch.autograd.Function):
@@ -104,15 +105,12 @@ class _OneKernelVarlen(torch.autograd.Function):
             packed.cu_seqlens_B1, packed.min_length, packed.max_length = cu_B1, int(cu_B1.diff().min()), max_len
             return nested_attention(*(z.reshape(n, h * size) for z in qkv_NHK), packed, h, dropout_p).view(n, h, size)
 
-        ctx.graph, out = _uncounted(nested, (q_NHK, k_NHK, v_NHK))
-        _tick(VARLEN_OP)
+        ctx.graph, out = _as_one_op(VARLEN_OP, nested, (q_NHK, k_NHK, v_NHK))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        grads = _uncounted_grads(ctx.graph, grad)
-        _tick(VARLEN_OP + "_backward")
-        return (*grads, None, None, None)
+        return (*_as_one_op_backward(VARLEN_OP, ctx.graph, grad), None, None, None)
 
 
 def _efficient_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

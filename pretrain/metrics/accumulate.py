@@ -56,8 +56,9 @@ class MetricSums:
         if not names:
             return {}
         pairs = sorted(self._sums)
-        device = next((v.device for v in [*self._sums.values(), *self._counts.values(), *self._batched.values()]
-                       if isinstance(v, (torch.Tensor, _Batched))), torch.device("cpu"))
+        device = next((v.device for v in [*self._sums.values(), *self._counts.values(),
+                                          *(b.keeps[0] for b in self._batched.values())] if torch.is_tensor(v)),
+                      torch.device("cpu"))
         pieces = [torch.stack([torch.stack([_on(self._sums[n], device), _on(self._counts[n], device)])
                                for n in pairs]).reshape(-1)] if pairs else []
         for b in self._batched.values():
@@ -89,18 +90,16 @@ class _Batched:
 
     def __init__(self, names: tuple[str, ...], kinds: tuple) -> None:
         self.names = names
-        slots = [("sum", i) for i in range(len(names))] + [("count", i) for i, (_, c) in enumerate(kinds) if c]
-        dtype_of = {("sum", i): kinds[i][0] for i in range(len(names))} | {("count", i): c for i, (_, c) in
-                                                                            enumerate(kinds) if c}
-        self.groups: list[list[tuple[str, int]]] = []
+        # (kind, index, dtype) of every figure on the device: each sum, and each count that is a tensor
+        slots = [("sum", i, v) for i, (v, _) in enumerate(kinds)] + [("count", i, c) for i, (_, c) in enumerate(kinds)
+                                                                       if c is not None]
+        self.groups = [[(kind, i) for kind, i, d in slots if d == dtype]
+                       for dtype in dict.fromkeys(d for *_, d in slots)]
         """The device figures by dtype (first appearance), the order of the accumulated vector."""
-        for dtype in dict.fromkeys(dtype_of[s] for s in slots):
-            self.groups.append([s for s in slots if dtype_of[s] == dtype])
         self.host_counts = [i for i, (_, c) in enumerate(kinds) if c is None]
         self.acc: torch.Tensor | None = None
         self.keeps: list[torch.Tensor] = []
         self.counts: list[list[float]] = []
-        self.device: torch.device | None = None
 
     def add(self, pairs: list[tuple], keep: torch.Tensor) -> None:
         with torch.no_grad():
@@ -110,7 +109,6 @@ class _Batched:
             self.acc = vec if self.acc is None else self.acc.add_(vec)
         self.keeps.append(keep)
         self.counts.append([float(pairs[i][1]) for i in self.host_counts])
-        self.device = keep.device
 
     def pieces(self, device) -> list[torch.Tensor]:
         """What ``reduce`` fetches: the accumulated vector, then the keep flags (float64)."""
