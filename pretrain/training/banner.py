@@ -32,6 +32,31 @@ NO_CPU_KERNELS = ("the CPU kernels (pretrain.model._kernels, csrc/cpu/model_kern
                   "GeGLU and the MLM loss take torch's slower paths on this CPU (the same arithmetic); install with a "
                   "C compiler present (pip install -e . with gcc) to build them")
 
+VARLEN_NESTED = ("train.unpadded_attention=varlen runs SDPA over nested jagged tensors here ({why}): on a CPU torch "
+                 "attends one sequence at a time with a host read each (BERT mini on the books: 2.25x slower than "
+                 "the groups on 2 cores, 2026-12-06), on CUDA the nested tensors' Python dispatch kept the H200 "
+                 "idle (0.65-0.71x the groups' speed, 2026-11-28); set train.unpadded_attention=auto (groups)")
+
+
+def varlen_nested_why(cfg) -> str | None:
+    """Why this run's ``varlen`` layout takes the nested-tensor path (model/attention.py ``varlen_attention``), or
+    None where it calls flash attention directly (CUDA, bf16/fp16, a head size flash takes, sm80 or newer) or does
+    not run varlen at all."""
+    import torch
+
+    if cfg.train.unpadded_layout(cfg.model.arch) != "varlen":
+        return None
+    if not _on_gpu():
+        return "no GPU"
+    head_size = cfg.model.hidden_size // cfg.model.num_heads
+    if cfg.train.precision not in ("bf16", "fp16"):
+        return f"train.precision={cfg.train.precision}: the direct flash call takes bf16 or fp16"
+    if head_size % 8 or head_size > 256:
+        return f"a head size of {head_size}: flash takes multiples of 8 up to 256"
+    if torch.cuda.get_device_capability()[0] < 8:
+        return "a GPU older than compute capability 8.0"
+    return None
+
 
 def parameter_counts(module) -> dict[str, int]:
     """Trainable parameters per part (the module's second-level names, e.g. ``encoder.embeddings``,
@@ -136,6 +161,9 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str
         warnings.append(BF16_ON_CPU)
     if not _on_gpu() and cpu_kernels() is None:
         warnings.append(NO_CPU_KERNELS)
+    why = varlen_nested_why(cfg)
+    if why:
+        warnings.append(VARLEN_NESTED.format(why=why))
     return lines + [f"warning: {line}" for line in warnings]
 
 

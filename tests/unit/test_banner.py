@@ -144,3 +144,39 @@ def test_a_cpu_run_without_the_c_kernels_says_so(tmp_path, tiny_overrides, capsy
     assert main([*tiny_overrides(tmp_path / "run"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.count("warning: the CPU kernels (pretrain.model._kernels") == 1 and "C compiler" in out
+
+
+def test_varlen_where_it_takes_the_nested_tensors_warns_with_its_cost(tmp_path, tiny_overrides, capsys):
+    """train.unpadded_attention=varlen on a CPU runs SDPA over nested tensors (model/attention.py), a sequence at a
+    time: the banner says so, why, and what to set; the default (groups) and a padded step (where varlen does
+    nothing, said by its own line) get no such warning."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU varlen may call flash attention directly")
+    warning = "warning: train.unpadded_attention=varlen runs SDPA over nested jagged tensors here (no GPU)"
+    for overrides, want in ((["train.unpadded_attention=varlen"], 1), ([], 0),
+                            (["train.unpadded_attention=varlen", "train.unpadded=false"], 0)):
+        assert main([*tiny_overrides(tmp_path / "run"), *overrides, "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert out.count(warning) == want, (overrides, out)
+        assert ("set train.unpadded_attention=auto (groups)" in out) == bool(want)
+    assert "train.unpadded_attention=varlen does nothing: the step runs padded (train.unpadded=false)" in out
+
+
+def test_varlen_nested_reasons_on_a_gpu(monkeypatch):
+    """On CUDA the direct flash call runs in bf16/fp16 with a head size flash takes on sm80+; each other case
+    names its reason (the GPU faked by the banner's own probes: the check reads the config and the device's
+    capability only)."""
+    from pretrain.training import banner
+
+    monkeypatch.setattr(banner, "_on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+
+    def why(*overrides):
+        return banner.varlen_nested_why(load_run_config(None, ["train.unpadded_attention=varlen", *overrides]))
+
+    assert why("train.precision=bf16") is None and why("train.precision=fp16") is None
+    assert "train.precision=fp32" in why("train.precision=fp32")
+    assert "head size of 12" in why("train.precision=bf16", "model.hidden_size=48", "model.num_heads=4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
+    assert "compute capability 8.0" in why("train.precision=bf16")
+    assert banner.varlen_nested_why(load_run_config(None, ["train.precision=bf16"])) is None  # auto: groups
