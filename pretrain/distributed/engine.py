@@ -123,13 +123,18 @@ class ScheduledAdamW(torch.optim.AdamW):
                     state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
     def applied_steps(self) -> torch.Tensor:
-        """Updates applied so far (a device tensor: AdamW's step count, 0 before the first)."""
+        """Updates applied so far (a device tensor: AdamW's step count, 0 before the first). ZeRO-3 leaves every
+        group's ``params`` empty outside its per-group calls of ``step`` (as when ``Engine.step`` asks, before
+        DeepSpeed's step): the count is then that of any parameter's state, equal for all between updates."""
         for group in self.param_groups:
             for p in group["params"]:
                 step = self.state.get(p, {}).get("step")
                 if step is not None:
                     return step
                 return torch.zeros((), dtype=torch.float32, device=p.device)
+        for state in self.state.values():
+            if torch.is_tensor(state.get("step")):
+                return state["step"]
         return torch.zeros(())
 
     def current_lr(self) -> torch.Tensor:
