@@ -45,7 +45,9 @@ class ModelConfig:
     activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
     init_std: float = 0.02
     pooling: Literal["cls", "mean", "cls_before_pooler", "first_last_avg"] = "cls"
-    """Sentence embedding used by contrastive objectives and evaluation."""
+    """Sentence embedding used by contrastive objectives and evaluation; first_last_avg (SimCSE's evaluation pooling,
+    e.g. an imported model's) for evaluation and MLM-only training: a config with a term that embeds sentences
+    refuses it (config/run.py)."""
     projection_dim: int = 0
     """Output size of the contrastive projection head (CLEAR's g(.)); 0 = hidden_size."""
     projection_layers: int = 2

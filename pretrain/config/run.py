@@ -37,6 +37,16 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.train.unpadded_layout(self.model.arch)  # refuses train.unpadded_attention=varlen off BERT
+        embedding = [name for name in self.objective.enabled() if name != "mlm"]
+        if self.model.pooling == "first_last_avg" and embedding:
+            # The training step pools the last layer's states only (its passes may be unpadded, trimmed to the
+            # pooled tokens, or compiled); SimCSE's first_last_avg is an evaluation pooling.
+            raise ValueError(
+                f"model.pooling=first_last_avg (the mean of the first and the last layer's states, SimCSE's "
+                f"evaluation pooling) cannot embed sentences in training, which objective."
+                f"{', objective.'.join(embedding)} do{'es' if len(embedding) == 1 else ''}: set model.pooling to "
+                f"cls, cls_before_pooler or mean, and evaluate with eval.pooling=first_last_avg (or pretrain-eval "
+                f"--pooling first_last_avg)")
 
     @property
     def step_compiled(self) -> bool:

@@ -315,3 +315,18 @@ def test_the_unpadded_attention_layout_is_groups_by_default_and_varlen_refused_f
                 "bert")
     with pytest.raises(ValueError, match="train.unpadded_attention=varlen is for model.arch=bert"):
         load_run_config(str(CONFIGS / "models" / "modernbert-tiny.yaml"), ["train.unpadded_attention=varlen"])
+
+
+def test_first_last_avg_pooling_is_refused_where_training_embeds_sentences():
+    """model.pooling=first_last_avg (SimCSE's evaluation pooling: layer 1 and layer L) is not what the training step
+    pools; with a term that embeds sentences the config is refused at load, naming the terms and what to set (it
+    used to pass and fail at the first step, after the whole set-up, with "call encode(..., all_layers=True)").
+    MLM alone never pools: accepted, and so is first_last_avg for evaluation."""
+    with pytest.raises(ValueError, match=r"model.pooling=first_last_avg .* objective.nt_xent does: set model.pooling "
+                                         r"to cls, cls_before_pooler or mean, and evaluate with eval.pooling"):
+        load_run_config(None, ["model.pooling=first_last_avg"])
+    with pytest.raises(ValueError, match=r"objective.nt_xent, objective.info_nce do:"):
+        load_run_config(None, ["model.pooling=first_last_avg", "objective.info_nce={weight: 1.0}"])
+    assert load_run_config(None, ["model.pooling=first_last_avg", "objective.nt_xent=null"]).model.pooling \
+        == "first_last_avg"
+    assert load_run_config(None, ["model.pooling=mean", "eval.pooling=first_last_avg"]).eval.pooling == "first_last_avg"
