@@ -103,7 +103,11 @@ def triplet_term(fwd: Forward, cfg, ctx: Context):
                          "(data.stage=sentences data.sentences=FILE)")
     num = b["triplet_index"].numel()
     if num == 0:
-        zero = sum(p.sum() for p in fwd.model.projection.parameters()) * 0.0
+        # A zero tied to the projection head through its own call: ZeRO-3 gathers the head's parameters only
+        # there (read from .parameters() they are empty tensors, whose [0]-shaped gradient fails backward).
+        head = fwd.model.projection
+        rows = next(head.parameters())
+        zero = head(torch.zeros((0, fwd.model.cfg.sentence_dim), dtype=rows.dtype, device=rows.device)).sum() * 0.0
         return zero, 0, {}
     ids = torch.cat([b["triplet_anchor_ids"], b["triplet_low_ids"], b["triplet_high_ids"]])
     mask = torch.cat([b["triplet_anchor_mask"], b["triplet_low_mask"], b["triplet_high_mask"]])

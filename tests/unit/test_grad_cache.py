@@ -63,3 +63,46 @@ def test_replay_draws_pass_one_dropout_masks_and_misses_without_it():
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert again[0].requires_grad
     assert not torch.allclose(first[0], other[0])
+
+
+def test_a_chunk_without_triplets_steps_at_zero3_as_at_zero2(clean_env, monkeypatch):
+    """ArcCSE's triplet term on a chunk with no triplet rows is a zero tied to the projection head (every parameter
+    gets its gradient). ZeRO-3 holds the head's parameters as empty tensors outside its own call: the zero then
+    took a gradient of shape [0] and backward failed ("SumBackward0 returned an invalid gradient") in the cached
+    step. Every parameter partitioned between uses (tests/zero3_partitioned.py); the step is ZeRO-2's."""
+    import deepspeed
+
+    import pretrain.distributed.engine as engine_mod
+    from pretrain.config import DistributedConfig, OptimConfig, TrainConfig
+    from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+    from pretrain.metrics.accumulate import MetricSums
+    from pretrain.training.cached_step import cached_optimizer_step
+    from pretrain.training.optim import build_param_groups, lr_lambda
+    from zero3_partitioned import partitioned
+
+    monkeypatch.setattr(engine_mod, "build_ds_config", partitioned(engine_mod.build_ds_config))
+    chunks = R.split_chunks(R.step_batch("sentences", 8), [4, 4])
+    chunks[1].update({k: v[:0] for k, v in chunks[1].items() if k.startswith("triplet_")})
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=60)
+    results = {}
+    try:
+        for stage in (2, 3):
+            torch.manual_seed(0)  # the same module for both stages
+            module = R.case_module("simcse_arccse", env=env)
+            optim = OptimConfig(lr=1e-2, warmup_steps=0)
+            engine = engine_mod.Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
+                                       train=TrainConfig(micro_batch_size=4, grad_accum=2), env=env,
+                                       dist=DistributedConfig(zero_stage=stage), lr_lambda=lr_lambda(optim, 10))
+            it, sums = iter([dict(c) for c in chunks]), MetricSums()
+            cached_optimizer_step(engine, it.__next__, sums, env=env, grad_accum=2, seed=R.SEED, step=R.STEP,
+                                  precision="fp32")
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                results[stage] = ({n: p.detach().clone() for n, p in module.named_parameters()},
+                                  sums.reduce(env)["loss"])
+    finally:
+        destroy_process_group()
+    (w2, loss2), (w3, loss3) = results[2], results[3]
+    assert loss3 == pytest.approx(loss2, rel=1e-5)
+    for name in w2:
+        torch.testing.assert_close(w3[name], w2[name], rtol=0, atol=1e-5, msg=name)
