@@ -60,7 +60,9 @@ def varlen_nested_why(cfg) -> str | None:
 
 def parameter_counts(module) -> dict[str, int]:
     """Trainable parameters per part (the module's second-level names, e.g. ``encoder.embeddings``,
-    ``mlm_head``, ``projection``); a parameter shared by two parts (tied weights) counts once, in the first."""
+    ``mlm_head``, ``projection``); a parameter shared by two parts (tied weights) counts once, in the first. A
+    parameter ZeRO-3 partitioned (the trainer's module once DeepSpeed wrapped it) counts whole: ``ds_numel``, where
+    its ``numel()`` is 0 outside a gather."""
     seen: set[int] = set()
     parts: dict[str, int] = {}
     for name, p in module.named_parameters():
@@ -69,7 +71,7 @@ def parameter_counts(module) -> dict[str, int]:
         seen.add(id(p))
         bits = [b for b in name.split(".") if b not in ("model", "module")]
         part = ".".join(bits[:2]) if bits[0] == "encoder" else bits[0]
-        parts[part] = parts.get(part, 0) + p.numel()
+        parts[part] = parts.get(part, 0) + getattr(p, "ds_numel", p.numel())
     return parts
 
 

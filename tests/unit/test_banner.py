@@ -180,3 +180,31 @@ def test_varlen_nested_reasons_on_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
     assert "compute capability 8.0" in why("train.precision=bf16")
     assert banner.varlen_nested_why(load_run_config(None, ["train.precision=bf16"])) is None  # auto: groups
+
+
+def test_parameter_counts_of_a_zero3_module_are_the_whole_models(clean_env):
+    """The trainer prints the banner after DeepSpeed wrapped the module; ZeRO-3 then holds each parameter as an
+    empty tensor outside a gather (its ``numel()`` 0, the whole count in ``ds_numel``): the counts (and the
+    memory estimate made from them) are still the whole model's, as at ZeRO 0-2. Until 2026-12-06 the banner of
+    every ZeRO-3 run said "0 parameters"."""
+    from pretrain.config import DistributedConfig, ModelConfig, ObjectiveConfig, OpsConfig, OptimConfig, TrainConfig
+    from pretrain.distributed.engine import Engine
+    from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+    from pretrain.model import build_model
+    from pretrain.objective import Context, Objective, TrainModule
+    from pretrain.training.optim import build_param_groups, lr_lambda
+
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=60)
+    try:
+        mcfg = ModelConfig(vocab_size=200, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_position=32)
+        module = TrainModule(build_model(mcfg, seed=0), Objective(ObjectiveConfig(), Context(env, OpsConfig(), "mean")))
+        whole = parameter_counts(module)
+        optim = OptimConfig()
+        engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
+                        train=TrainConfig(micro_batch_size=4, precision="fp32"), env=env,
+                        dist=DistributedConfig(zero_stage=3), lr_lambda=lr_lambda(optim, 10))
+        assert any(p.numel() == 0 for p in engine.module.parameters())  # partitioned, as the banner sees them
+        assert parameter_counts(engine.module) == whole and sum(whole.values()) > 0
+    finally:
+        destroy_process_group()
