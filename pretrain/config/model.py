@@ -51,9 +51,11 @@ class ModelConfig:
     projection_dim: int = 0
     """Output size of the contrastive projection head (CLEAR's g(.)); 0 = hidden_size."""
     projection_layers: int = 2
-    """Linear layers in the projection MLP (CLEAR uses a 2-layer MLP with a nonlinearity)."""
+    """Linear layers in the projection MLP (CLEAR uses a 2-layer MLP with a nonlinearity); 0: none, the terms
+    compare the pooled embedding itself (SimCSE's MLP over [CLS], dense + tanh, is BERT's pooler with
+    ``pooler: true`` and ``pooling: cls``: the SimCSE, ArcCSE and RankCSE recipes)."""
     projection_activation: Literal["relu", "tanh"] = "relu"
-    """Nonlinearity between projection layers (SimCLR/CLEAR: ReLU; SimCSE's MLP: tanh)."""
+    """Nonlinearity between projection layers (SimCLR/CLEAR: ReLU)."""
     pooler: bool = True
     """Keep BERT's pooler (dense+tanh over [CLS]); "cls" pooling goes through it when present."""
     dense_dim: int = 0
@@ -111,5 +113,8 @@ class ModelConfig:
                 raise ValueError("model.rope_theta and model.rope_theta_local must be positive")
         if self.dense_dim < 0:
             raise ValueError(f"model.dense_dim must be >= 0 (0 = no Dense layer after pooling), got {self.dense_dim}")
-        if self.projection_dim < 0 or self.projection_layers < 1:
-            raise ValueError("model.projection_dim must be >= 0 and model.projection_layers >= 1")
+        if self.projection_dim < 0 or self.projection_layers < 0:
+            raise ValueError("model.projection_dim and model.projection_layers must be >= 0")
+        if self.projection_layers == 0 and self.projection_dim:
+            raise ValueError(f"model.projection_dim={self.projection_dim} with model.projection_layers=0: no layer "
+                             f"to project to that size; set model.projection_layers >= 1 or model.projection_dim=0")

@@ -108,7 +108,8 @@ class SentenceDense(nn.Module):
 
 
 class ProjectionHead(nn.Module):
-    """CLEAR's g(.): e_BD -> z_BP, ``projection_layers`` Linear layers with the activation between."""
+    """CLEAR's g(.): e_BD -> z_BP, ``projection_layers`` Linear layers with the activation between; with none, the
+    identity (no parameters: the terms compare the pooled embedding)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

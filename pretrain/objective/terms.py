@@ -103,12 +103,7 @@ def triplet_term(fwd: Forward, cfg, ctx: Context):
                          "(data.stage=sentences data.sentences=FILE)")
     num = b["triplet_index"].numel()
     if num == 0:
-        # A zero tied to the projection head through its own call: ZeRO-3 gathers the head's parameters only
-        # there (read from .parameters() they are empty tensors, whose [0]-shaped gradient fails backward).
-        head = fwd.model.projection
-        rows = next(head.parameters())
-        zero = head(torch.zeros((0, fwd.model.cfg.sentence_dim), dtype=rows.dtype, device=rows.device)).sum() * 0.0
-        return zero, 0, {}
+        return _zero_through_head(fwd.model), 0, {}
     ids = torch.cat([b["triplet_anchor_ids"], b["triplet_low_ids"], b["triplet_high_ids"]])
     mask = torch.cat([b["triplet_anchor_mask"], b["triplet_low_mask"], b["triplet_high_mask"]])
     padded = fwd.padding_known(*(f"triplet_{part}_mask" for part in ("anchor", "low", "high")))
@@ -116,6 +111,19 @@ def triplet_term(fwd: Forward, cfg, ctx: Context):
         e = fwd.embed(fwd.model.encode(ids, mask, **padded), mask)
     loss, count, metrics = triplet_entailment(e[:num], e[num:2 * num], e[2 * num:], margin=cfg.margin)
     return loss, count, _prefixed("triplet", metrics)
+
+
+def _zero_through_head(model) -> torch.Tensor:
+    """0.0 tied to the sentence head's parameters (the projection's; with none, the pooler's) through the head's own
+    call on no rows: each of them gets a zero gradient, as where a chunk has rows. ZeRO-3 gathers a module's
+    parameters only inside its call (read from .parameters() they are empty tensors, whose [0]-shaped gradient
+    fails backward). A model with neither: a plain zero (the encoder's gradients come from the other terms)."""
+    cfg = model.cfg
+    for head, width in ((model.projection, cfg.sentence_dim), (model.pooler, cfg.hidden_size)):
+        first = next(head.parameters(), None) if head is not None else None
+        if first is not None:
+            return head(torch.zeros((0, width), dtype=first.dtype, device=first.device)).sum() * 0.0
+    return torch.zeros((), device=model.encoder.embeddings.word.weight.device)
 
 
 def consistency_term(fwd: Forward, cfg, ctx: Context):

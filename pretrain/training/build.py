@@ -165,7 +165,8 @@ def _load_init_weights(model: torch.nn.Module, init) -> None:
     from-hf` directory, a HF or sentence-transformers BERT directory."""
     state, path = init.state, init.path
     # The contrastive projection head is a training-only head whose shape follows the recipe
-    # (e.g. SimCSE's 1-layer MLP vs CLEAR's 2-layer one): when it does not fit, it starts fresh.
+    # (e.g. none in the SimCSE-style recipes, whose MLP is the pooler, vs CLEAR's 2 layers): when it does not fit, it
+    # starts fresh (or is left out).
     own = model.state_dict()
     dropped = [k for k, v in state.items() if k.startswith(HEAD_PREFIXES)
                and (k not in own or own[k].shape != v.shape)]

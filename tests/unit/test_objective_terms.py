@@ -28,8 +28,8 @@ from pretrain.config.objective import (
 )
 from pretrain.config.train import OpsConfig
 from pretrain.model import build_model
-from pretrain.objective import Context, Objective, Teachers, TrainModule
-from pretrain.objective.terms import _truncate
+from pretrain.objective import Context, Forward, Objective, Teachers, TrainModule
+from pretrain.objective.terms import _truncate, triplet_term
 
 VOCAB, CLS, SEP, MASK = 40, 2, 3, 4
 ENV = SimpleNamespace(rank=0, world_size=1, is_distributed=False)
@@ -221,6 +221,31 @@ def test_triplet_needs_sentence_stage_and_handles_empty_batches():
     assert metrics["triplet"][1] == 0 and torch.isfinite(loss)
 
 
+@pytest.mark.parametrize("layers,pooler", [(2, False), (0, True), (0, False)])
+def test_an_empty_triplet_chunks_zero_reaches_the_sentence_heads_parameters(layers, pooler):
+    """A chunk with no triplet rows gives 0 through the projection head's own call (every one of its parameters a
+    zero gradient); with no projection layers (the SimCSE-style recipes: the pooler is the MLP) through the
+    pooler's; with neither, a plain zero. Its value is 0 either way."""
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, ffn_size=32, max_position=64,
+                      pooling="cls", pooler=pooler, projection_layers=layers)
+    model = build_model(cfg, seed=0).double()
+    assert (len(list(model.projection.parameters())) == 0) == (layers == 0)
+    batch = _batch()
+    batch.update(triplet_index=torch.zeros(0, dtype=torch.long),
+                 **{f"triplet_{k}_{s}": torch.zeros(0, 0, dtype=torch.long) for k in ("anchor", "low", "high")
+                    for s in ("ids", "mask")})
+    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling="cls", stage="sentences")
+    zero, count, _ = triplet_term(Forward(model, batch, ctx), TripletConfig(), ctx)
+    assert count == 0 and float(zero) == 0.0
+    head = model.projection if layers else model.pooler
+    if head is None:
+        assert not zero.requires_grad
+        return
+    zero.backward()
+    grads = [p.grad for p in head.parameters()]
+    assert grads and all(g is not None and not g.any() for g in grads)
+
+
 def test_reconstruction_term_matches_reference_and_trains_the_autoencoder():
     model = _model(1)
     batch = _batch(5)
@@ -399,3 +424,29 @@ def test_mean_pool_warmup_blends_the_views_embedding_and_ends_at_model_pooling()
         z_a, z_b = Forward(model, views, ctx).view_projections()
         want = model.projection((1 - w) * cls_e + w * mean_e)
         torch.testing.assert_close(torch.cat([z_a, z_b]), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("recipe", ["arccse_bert_base", "rankcse_listnet_bert_base", "rankcse_listmle_bert_base",
+                                    "simcse_unsup_bert_base", "simcse_sup_bert_base"])
+def test_sentence_recipes_train_on_the_mlp_output_over_cls(repo_root, recipe):
+    """ArcCSE Sec. 4.1 ("the output of the MLP layer on top of the [CLS] as the sentence representation during
+    training") and RankCSE App. A ("following SimCSE"), and SimCSE's own recipes: the embedding the contrastive and
+    ranking terms compare is SimCSE's MLP, one dense layer + tanh over [CLS], which the recipes say is BERT's pooler.
+    Float64 reference tanh(W h_cls + b) against the pair the terms read, with the recipe's model.pooling/pooler/
+    projection settings. Until 2026-12-06 the recipes' one-layer projection added a Linear after that MLP."""
+    from pretrain.config import load_run_config
+    from pretrain.objective import Forward
+
+    m = load_run_config(repo_root / "configs" / "recipes" / f"{recipe}.yaml").model
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, ffn_size=32, max_position=64,
+                      dropout=0.0, attention_dropout=0.0, pooling=m.pooling, pooler=m.pooler,
+                      projection_layers=m.projection_layers, projection_activation=m.projection_activation)
+    model = build_model(cfg, seed=4).double()
+    batch = _batch()
+    ctx = Context(env=ENV, ops=OpsConfig(similarity="eager"), pooling=m.pooling, stage="sentences")
+    z1, _ = Forward(model, batch, ctx).pair()
+    with torch.no_grad():
+        h_cls = model.encode(batch["sentence_ids"], batch["sentence_mask"])[:, 0]
+        dense = model.pooler.dense
+        want = torch.tanh(h_cls @ dense.weight.T + dense.bias)
+    torch.testing.assert_close(z1.detach(), want, rtol=1e-10, atol=1e-12)
