@@ -18,7 +18,7 @@ class NTXentConfig:
 
     weight: float = 1.0
     temperature: float = 0.1
-    """CLEAR's tau (paper: 0.1)."""
+    """CLEAR's tau. The CLEAR paper does not state it (Sec. 3.1 defines tau only); 0.1 is this code's default."""
     gather: bool = True
     """Use negatives from all data-parallel ranks (gathered with gradient)."""
     mean_pool_warmup_steps: int = 0
