@@ -144,10 +144,12 @@ class Eta:
 
 def chance_losses(cfg, world_size: int) -> dict[str, float]:
     """The loss each contrastive term has when the embeddings carry no information (all candidates equally
-    likely): NT-Xent ln(2m - 1) over the 2m views of a micro-step's m sentences (m counts every rank when the
-    negatives are gathered), InfoNCE and ArcCon ln(m)."""
+    likely): NT-Xent ln(2m - 1) over the 2m views of the m sentences a term compares at once (a micro-step's, or
+    under objective.gradient_cache the whole step's grad_accum micro-batches; every rank's when the negatives are
+    gathered), InfoNCE and ArcCon ln(m) (data.pairs' hard negatives, which the config cannot see, not counted)."""
     out = {}
-    o, n = cfg.objective, cfg.train.micro_batch_size
+    o = cfg.objective
+    n = cfg.train.micro_batch_size * (cfg.train.grad_accum if o.gradient_cache else 1)
     if o.nt_xent is not None:
         m = n * (world_size if o.nt_xent.gather else 1)
         if m > 1:

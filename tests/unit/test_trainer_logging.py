@@ -29,8 +29,9 @@ def test_console_line_shows_every_objective_figure_and_the_time_left():
 
 
 def test_chance_losses_and_the_collapse_warning():
-    """NT-Xent's chance loss is ln(2m - 1) over the gathered batch, InfoNCE's ln(m); the warning comes once, after
-    COLLAPSE_PATIENCE steps at chance, and a step away from chance restarts the count."""
+    """NT-Xent's chance loss is ln(2m - 1) over the gathered batch (the whole step's under objective.gradient_cache),
+    InfoNCE's ln(m); the warning comes once, after COLLAPSE_PATIENCE steps at chance, and a step away from chance
+    restarts the count."""
     import math
 
     from pretrain.config import load_run_config
@@ -43,6 +44,10 @@ def test_chance_losses_and_the_collapse_warning():
     sent = load_run_config(None, ["train.micro_batch_size=8", "objective.nt_xent=null", "objective.mlm=null",
                                   "objective.info_nce={}"])
     assert chance_losses(sent, 4) == {"info_nce": math.log(32)}
+    # Under the gradient cache a term compares the whole step's micro-batches (it used to count one of them).
+    cached = ["train.micro_batch_size=32", "train.grad_accum=4", "objective.gradient_cache=true"]
+    assert chance_losses(load_run_config(None, cached), 1) == {"nt_xent": math.log(255)}
+    assert chance_losses(load_run_config(None, cached[:2]), 1) == {"nt_xent": math.log(63)}
     watch = CollapseWatch(cfg, 2, patience=200)
     at_chance = {"nt_xent": math.log(127) * 1.01, "cl_emb_cos": 0.9999}
     assert watch.update(10, at_chance) == [] and watch.update(150, at_chance) == []
