@@ -61,7 +61,9 @@ def read_pairs(path: str) -> PairRows:
         raise ValueError(f"data.pairs={path}: cannot tell the format from the name; name it *.tsv, *.csv or *.jsonl "
                          "(optionally compressed: .gz, .zst, .bz2, .xz)")
     rows: list[list[str]] = []
-    with io.TextIOWrapper(open_stream(path, container.compression), encoding="utf-8", errors="replace",
+    # utf-8-sig: a file's BOM (Excel's CSV export) is dropped, not read into the first field (it would make the
+    # header row a pair), as the preprocessing readers drop it.
+    with io.TextIOWrapper(open_stream(path, container.compression), encoding="utf-8-sig", errors="replace",
                           newline="" if fmt == "csv" else None) as f:
         try:
             for line_no, fields in READERS[fmt](f, path):

@@ -228,7 +228,8 @@ def _read_lines(path: str) -> list[str]:
     if container.columnar:
         raise ValueError(f"data.sentences={path} is a {container.columnar} file; preprocess it first "
                          f"(pretrain-preprocess {path} --tokenizer ... --out DIR) and give DIR")
-    with io.TextIOWrapper(open_stream(path, container.compression), encoding="utf-8", errors="replace") as f:
+    # utf-8-sig: a file's BOM is dropped, not made part of the first sentence (as the preprocessing readers do).
+    with io.TextIOWrapper(open_stream(path, container.compression), encoding="utf-8-sig", errors="replace") as f:
         try:
             return [s for s in (line.strip() for line in f) if s]
         except STREAM_ERRORS as e:

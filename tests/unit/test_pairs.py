@@ -101,6 +101,28 @@ def test_tsv_with_header_csv_with_quotes_and_jsonl(tmp_path):
     assert rows.anchor == ["a", "c"] and rows.positive == ["b", "d"] and rows.negative is None
 
 
+@pytest.mark.parametrize("name", ["nli.csv", "nli.tsv", "nli.csv.gz"])
+def test_a_byte_order_mark_before_the_header_is_not_read_as_a_pair(tmp_path, name):
+    """A UTF-8 BOM (Excel's CSV export, Notepad) is no text: the header after it is still a header, not a training
+    pair ['\\ufeffsent0', 'sent1', 'hard_neg'], as the preprocessing readers drop a file's BOM."""
+    sep = "\t" if ".tsv" in name else ","
+    text = f"sent0{sep}sent1{sep}hard_neg\nA man sleeps.{sep}A person rests.{sep}A man runs.\n"
+    raw = b"\xef\xbb\xbf" + text.encode("utf-8")
+    (tmp_path / name).write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+    rows = read_pairs(str(tmp_path / name))
+    assert rows.anchor == ["A man sleeps."] and rows.positive == ["A person rests."]
+    assert rows.negative == ["A man runs."]
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path):
+    """data.sentences: a file's BOM is dropped, so its first sentence is the same as without it."""
+    path = tmp_path / "s.txt"
+    path.write_bytes(b"\xef\xbb\xbfFirst sentence.\nSecond sentence.\n")
+    cfg = DataConfig(stage="sentences", sentences=str(path), view_max_len=8)
+    ds = build_sentence_dataset(cfg, ObjectiveConfig(mlm=None), WordTokenizer(), seed=0)
+    assert ds.lines == ["First sentence.", "Second sentence."]
+
+
 @pytest.mark.parametrize("name,text,match", [
     ("p.tsv", "a\tb\tc\nd\te\tf\ng\th\n", r"p.tsv:3: 2 columns, but the first row has 3"),
     ("p.tsv", "a\tb\nonly one field\n", r"p.tsv:2: expected 2 or 3 columns .*got 1"),
