@@ -194,7 +194,9 @@ def _read_jsonl(lines: Iterator[tuple[str, int]], path: str, stats: ReadStats,
         except (ValueError, KeyError, TypeError):
             stats.count("bad_json")
             continue
-        paragraphs = [p.strip() for p in text.splitlines() if p.strip()]
+        # Split at "\n" only, as a .txt file's lines and a parquet row's are (str.splitlines would also cut at
+        # \r, form feeds, NEL, U+2028, ...): the same text gives the same paragraphs in every format.
+        paragraphs = [p.strip() for p in text.split("\n") if p.strip()]
         if paragraphs:
             yield Document(paragraphs, path, pos)
 

@@ -123,6 +123,21 @@ def test_parquet_parts_read_one_after_another_give_read_files_documents(corpus, 
 
 
 
+def test_jsonl_splits_a_documents_lines_where_txt_and_parquet_do(tmp_path):
+    """Only ``\\n`` ends a paragraph, in every format: a lone ``\\r``, a form feed, NEL or U+2028 inside a line (which
+    ``str.splitlines`` would also cut at) leaves the same paragraph, hence the same sentences, in .jsonl as in .txt
+    and parquet."""
+    docs = ["First line here.\nA lone\rcarriage return and a\x0cform feed stay in this line.",
+            "Next\u2028line separator, and a\x85NEL too.\nA windows line.\r\nLast line."]
+    (tmp_path / "d.txt").write_bytes(_txt(docs).encode("utf-8"))
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    _write_parquet(tmp_path / "d.parquet", docs)
+    txt, jsonl, parquet = ([d.paragraphs for d in read_file(str(tmp_path / name), ReadStats())]
+                           for name in ("d.txt", "d.jsonl", "d.parquet"))
+    assert txt == parquet and len(txt) == 2 and len(txt[0]) == 2 and len(txt[1]) == 3
+    assert jsonl == txt
+
+
 def test_one_big_row_group_is_cut_into_row_slices_that_read_back_the_whole_file(corpus, tmp_path):
     """A file of one row group (what many writers produce) gives every worker a part: row slices of about the
     chunk size, at most ``max_slices`` of them (none for one worker); read one after another they are the
