@@ -1,8 +1,9 @@
 """SentEval transfer tasks: MR, CR, SUBJ, MPQA, SST-2, TREC, MRPC; logistic regression on frozen embeddings.
 
 Protocol (SentEval's): MR/CR/SUBJ/MPQA — nested stratified 10-fold CV (the L2 strength C is chosen by an
-inner k-fold on each outer training part); TREC, MRPC — C chosen by k-fold CV on train, refit, test
-accuracy; SST-2 — C chosen on dev, test accuracy. Files are read as SentEval does (latin-1 for the
+inner k-fold on each outer training part); TREC, MRPC — C chosen by k-fold CV on train over SentEval's
+KFoldClassifier grid (2^-1 … 2^5, not the 2^-2 … 2^3 of the other two), refit, test accuracy; SST-2 — C chosen
+on dev, test accuracy. Files are read as SentEval does (latin-1 for the
 single-sentence tasks and TREC, utf-8 for SST and MRPC; `str.splitlines`, empty lines kept).
 
 Legend: N examples, D embedding size, F feature size.
@@ -33,7 +34,10 @@ BINARY_FILES = {
 @dataclass(kw_only=True)
 class ClassifierConfig:
     c_grid: tuple[float, ...] = tuple(2.0**t for t in range(-2, 4))
-    """Inverse L2 strengths tried (SentEval's sklearn grid 2^-2 … 2^3)."""
+    """Inverse L2 strengths tried by nested CV and dev selection (SentEval's InnerKFold/Split grid 2^-2 … 2^3)."""
+    kfold_c_grid: tuple[float, ...] = tuple(2.0**t for t in range(-1, 6))
+    """Inverse L2 strengths tried when C is chosen by k-fold CV on train (TREC, MRPC): SentEval's KFoldClassifier
+    grid 2^-1 … 2^5."""
     kfold: int = 10
     inner_kfold: int = 10
     """Folds of the inner model selection (SentEval uses kfold again; fewer is faster)."""
@@ -156,17 +160,18 @@ def _run_all(calls: list, n_jobs: int) -> list:
 
 
 def select_c(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig, folds: int,
-             n_jobs: int = 1) -> tuple[float, float]:
-    """Best C by stratified k-fold accuracy: (C, its mean validation accuracy)."""
+             n_jobs: int = 1, grid: tuple[float, ...] | None = None) -> tuple[float, float]:
+    """Best C of ``grid`` (default cfg.c_grid) by stratified k-fold accuracy: (C, its mean validation accuracy)."""
     from sklearn.model_selection import StratifiedKFold
 
+    grid = cfg.c_grid if grid is None else grid
     skf = StratifiedKFold(n_splits=folds, shuffle=True, random_state=cfg.seed)
     splits = list(skf.split(x_NF, y_N))
     fits = _run_all([(_fit_score, (x_NF[tr], y_N[tr], x_NF[va], y_N[va], c, cfg))
-                     for c in cfg.c_grid for tr, va in splits], n_jobs)
-    scores = [float(np.mean(fits[i * len(splits):(i + 1) * len(splits)])) for i in range(len(cfg.c_grid))]
+                     for c in grid for tr, va in splits], n_jobs)
+    scores = [float(np.mean(fits[i * len(splits):(i + 1) * len(splits)])) for i in range(len(grid))]
     best = int(np.argmax(scores))
-    return cfg.c_grid[best], float(scores[best])
+    return grid[best], float(scores[best])
 
 
 def _outer_fold(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig) -> tuple[float, float]:
@@ -188,12 +193,13 @@ def nested_cv_accuracy(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig)
 
 
 def train_test_accuracy(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig, x_dev=None, y_dev=None) -> dict:
-    """C by dev accuracy (when given) else k-fold CV on train; refit on train; test accuracy ×100."""
+    """C by dev accuracy over cfg.c_grid (when given) else k-fold CV on train over cfg.kfold_c_grid (SentEval's
+    KFoldClassifier); refit on train; test accuracy ×100."""
     if x_dev is not None:
         scores = _run_all([(_fit_score, (x_tr, y_tr, x_dev, y_dev, c, cfg)) for c in cfg.c_grid], _jobs(cfg))
         c, dev = cfg.c_grid[int(np.argmax(scores))], max(scores)
     else:
-        c, dev = select_c(x_tr, y_tr, cfg, cfg.kfold, n_jobs=_jobs(cfg))
+        c, dev = select_c(x_tr, y_tr, cfg, cfg.kfold, n_jobs=_jobs(cfg), grid=cfg.kfold_c_grid)
     clf = _fit(x_tr, y_tr, c, cfg)
     pred = clf.predict(x_te)
     out = {"acc": 100 * float(np.mean(pred == y_te)), "devacc": 100 * dev, "C": c, "n": int(len(y_te))}

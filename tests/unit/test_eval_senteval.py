@@ -70,6 +70,37 @@ def test_nested_cv_matches_sklearn_reference():
     assert res["C"] == cfg.c_grid[int(np.argmax(dev_scores))]
 
 
+def _senteval_kfold_classifier(x_tr, y_tr, x_te, y_te, k, cfg):
+    """SentEval's KFoldClassifier.run (tools/validation.py, sklearn path), which TREC and MRPC use: its own C grid
+    2^-1 ... 2^5, stratified k-fold on train, scores rounded to 2 decimals, refit at the best C, test accuracy."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import StratifiedKFold
+
+    regs = [2**t for t in range(-1, 6, 1)]
+    skf = StratifiedKFold(n_splits=k, shuffle=True, random_state=cfg.seed)
+    scores = []
+    for reg in regs:
+        fold = [LogisticRegression(C=reg, max_iter=cfg.max_iter, random_state=cfg.seed).fit(x_tr[tr], y_tr[tr])
+                .score(x_tr[va], y_tr[va]) for tr, va in skf.split(x_tr, y_tr)]
+        scores.append(round(100 * np.mean(fold), 2))
+    optreg = regs[int(np.argmax(scores))]
+    clf = LogisticRegression(C=optreg, max_iter=cfg.max_iter, random_state=cfg.seed).fit(x_tr, y_tr)
+    return optreg, 100 * clf.score(x_te, y_te)
+
+
+def test_train_test_c_by_kfold_uses_senteval_kfold_grid():
+    """TREC/MRPC (train + test, no dev): C is chosen over SentEval's KFoldClassifier grid 2^-1..2^5, not the
+    2^-2..2^3 grid of its InnerKFold/Split classifiers. Data where the reference picks C = 32."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((160, 20))
+    y = (x[:, :3].sum(1) + 0.3 * rng.standard_normal(160) > 0).astype(np.int64)
+    cfg = se.ClassifierConfig(kfold=4, n_jobs=1)
+    ref_c, ref_acc = _senteval_kfold_classifier(x[:120], y[:120], x[120:], y[120:], 4, cfg)
+    assert ref_c == 32
+    got = se.train_test_accuracy(x[:120], y[:120], x[120:], y[120:], cfg)
+    assert got["C"] == ref_c and got["acc"] == pytest.approx(ref_acc, abs=1e-9)
+
+
 # Examples per split (MANIFEST §2; CR/MPQA keep their empty lines as SentEval does).
 COUNTS = {"MR": {"all": 10662}, "CR": {"all": 3775}, "SUBJ": {"all": 10000}, "MPQA": {"all": 10606},
           "SST2": {"train": 67349, "dev": 872, "test": 1821}, "TREC": {"train": 5452, "test": 500},
