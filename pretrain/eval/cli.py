@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inner-kfold", type=int, default=10, help="transfer: inner model-selection folds")
     p.add_argument("--jobs", type=int, default=0,
                    help="transfer: processes for the classifier fits (0 = every core); results do not depend on it")
-    p.add_argument("--mrpc-features", default="uv_absdiff_prod", choices=["uv_absdiff_prod", "senteval"])
+    p.add_argument("--mrpc-features", default="senteval", choices=["senteval", "uv_absdiff_prod"],
+                   help="transfer MRPC features: senteval = [|u-v|, u*v] (SentEval's, what papers report); "
+                        "uv_absdiff_prod = [u, v, |u-v|, u*v]")
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="cpu")

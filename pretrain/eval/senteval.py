@@ -43,8 +43,9 @@ class ClassifierConfig:
     """Folds of the inner model selection (SentEval uses kfold again; fewer is faster)."""
     seed: int = 1111
     max_iter: int = 200
-    mrpc_features: str = "uv_absdiff_prod"
-    """'uv_absdiff_prod' = [u, v, |u-v|, u*v]; 'senteval' = [|u-v|, u*v] as in SentEval's mrpc.py."""
+    mrpc_features: str = "senteval"
+    """'senteval' = [|u-v|, u*v] as in SentEval's mrpc.py (what the SimCSE-family papers' transfer tables use; the
+    default since 2026-12-06, before it the other); 'uv_absdiff_prod' = [u, v, |u-v|, u*v]."""
     n_jobs: int = 0
     """Processes for the independent fits (folds x C); 0 = every core this process may use. The result does not
     depend on it: each fit is the same deterministic problem wherever it runs."""

@@ -45,6 +45,11 @@ def test_pair_features():
     u, v = np.array([[1.0, 2.0]]), np.array([[3.0, -1.0]])
     np.testing.assert_array_equal(se.pair_features(u, v, "uv_absdiff_prod"), [[1, 2, 3, -1, 2, 3, 3, -2]])
     np.testing.assert_array_equal(se.pair_features(u, v, "senteval"), [[2, 3, 3, -2]])
+    # SentEval's own MRPC features are the default, in the library and on the command line (what papers report)
+    from pretrain.eval.cli import build_parser
+
+    assert se.ClassifierConfig().mrpc_features == "senteval"
+    assert build_parser().parse_args(["--model", "m", "--out", "o"]).mrpc_features == "senteval"
 
 
 def test_nested_cv_matches_sklearn_reference():
