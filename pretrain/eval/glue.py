@@ -82,8 +82,11 @@ class GlueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.head = GlueHead(hidden, num_labels, dropout, generator)
+        self.one_token_type = num_token_types(backbone) == 1
 
     def forward(self, ids_BT, mask_BT, types_BT=None) -> torch.Tensor:
+        # one token type (type_vocab_size 1): a [CLS] a [SEP] b [SEP] pair is all type 0, as RoBERTa's pairs are
+        types_BT = None if self.one_token_type else types_BT
         h_BTD, _ = run_encode(self.backbone, ids_BT, mask_BT, types_BT=types_BT)
         return self.head(h_BTD[:, 0])
 
@@ -96,6 +99,12 @@ def hidden_size_of(backbone: nn.Module) -> int:
     if cfg is not None and hasattr(cfg, "hidden_size"):
         return int(cfg.hidden_size)
     raise ValueError("cannot find the backbone's hidden size (expected .hidden_size or .cfg.hidden_size)")
+
+
+def num_token_types(backbone: nn.Module) -> int:
+    """Rows of the backbone's token-type table (ours: .cfg, transformers': .hf.config); 2 when it does not say."""
+    cfg = getattr(backbone, "cfg", None) or getattr(getattr(backbone, "hf", None), "config", None)
+    return int(getattr(cfg, "type_vocab_size", 2))
 
 
 def encode_split(split: GlueSplit, tokenizer, max_len: int) -> list[tuple[list[int], list[int]]]:

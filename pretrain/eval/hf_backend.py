@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pretrain.console import verbose
+from pretrain.prep.tokenizer import ROBERTA_SPECIAL_TOKENS
 
 POOLINGS = ("cls", "cls_before_pooler", "mean", "first_last_avg")
 
@@ -46,6 +47,9 @@ class HFTokenizer:
         self.sep_id = self.tok.sep_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.vocab_size = len(self.tok)
+        names = (self.tok.pad_token, self.tok.unk_token, self.tok.cls_token, self.tok.sep_token, self.tok.mask_token)
+        self.roberta_specials = names == ROBERTA_SPECIAL_TOKENS
+        """RoBERTa's vocabulary (the rule of our Tokenizer): a sentence pair is <s> a </s></s> b </s>, all type 0."""
 
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]

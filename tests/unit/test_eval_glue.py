@@ -227,3 +227,21 @@ def test_finetune_a_modernbert_backbone(tmp_path, task, header):
     res = finetune(cfg, backbone, WordTokenizer(), tmp_path / "glue", log=lambda *_: None)
     assert res["steps"] == 12 and len(res["history"]) == 3
     assert res["history"][0]["loss"] > res["history"][-1]["loss"]
+
+
+def test_finetune_pairs_on_a_backbone_with_one_token_type(tmp_path):
+    """A BERT vocabulary ([CLS] a [SEP] b [SEP]) on a model with model.type_vocab_size=1: the pair goes in as one
+    token type (type 0 throughout), as RoBERTa's does, instead of indexing a second row that is not there."""
+    from pretrain.config.model import ModelConfig
+    from pretrain.model import build_model
+
+    rows = ["index\tsentence1\tsentence2\tlabel"] + [
+        f"{i}\tmovie plot {('bad', 'good')[i % 2]}\tfilm story\t{('not_entailment', 'entailment')[i % 2]}"
+        for i in range(16)]
+    write(tmp_path / "glue/RTE/train.tsv", rows)
+    write(tmp_path / "glue/RTE/dev.tsv", rows)
+    backbone = build_model(ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, ffn_size=24,
+                                       max_position=64, type_vocab_size=1), seed=0)
+    cfg = FinetuneConfig(task="rte", lr=3e-3, batch_size=8, epochs=2, seed=3, dropout=0.0)
+    res = finetune(cfg, backbone, WordTokenizer(), tmp_path / "glue", log=lambda *_: None)
+    assert res["steps"] == 4 and len(res["history"]) == 2

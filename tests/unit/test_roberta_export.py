@@ -243,3 +243,29 @@ def test_a_roberta_vocabulary_pairs_sentences_as_roberta(tok_path):
     assert ids == [0, *a, 2, 2, *b, 2] and set(types) == {0}
     ids, _ = add_specials(a * 20, b * 20, tok, 64)
     assert len(ids) == 64 and ids[-1] == 2
+
+
+@pytest.mark.parametrize("backend", ["pretrain", "transformers"])
+def test_glue_on_a_roberta_export_pairs_sentences_as_roberta(backend, tok_path, tmp_path):
+    """pretrain-finetune-glue on a to-hf RoBERTa export, with either backend: a sentence pair goes in as RoBERTa's
+    <s> a </s></s> b </s>, one token type (type_vocab_size 1), as transformers' tokenizer of the export makes it."""
+    from pretrain.eval import glue_cli
+    from pretrain.eval.encoder import add_specials, load_backbone, tokenize_all
+
+    out = tmp_path / "hf"
+    hfmod.export_hf(build_model(_our_cfg(), seed=3), str(tok_path), str(out))
+    a, b = "A man plays the guitar.", "Someone plays music."
+    _, tok = load_backbone(out, backend=backend)
+    ids, types = add_specials(*tokenize_all(tok, [a]), *tokenize_all(tok, [b]), tok, 64)
+    ref = transformers.AutoTokenizer.from_pretrained(str(out))(a, b, return_token_type_ids=True)
+    assert (ids, types) == (ref["input_ids"], ref["token_type_ids"])
+    rows = ["index\tsentence1\tsentence2\tlabel"] + [f"{i}\t{a}\t{b}\t{('not_entailment', 'entailment')[i % 2]}"
+                                                      for i in range(8)]
+    for split in ("train", "dev"):
+        (tmp_path / "glue" / "RTE").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "glue" / "RTE" / f"{split}.tsv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    glue_cli.main(["--model", str(out), "--backend", backend, "--tasks", "rte", "--lrs", "1e-3", "--epochs", "1",
+                   "--batch-size", "4", "--max-len", "64", "--glue-dir", str(tmp_path / "glue"),
+                   "--out", str(tmp_path / "glue_out")])
+    res = json.loads(glue_cli.run_path(tmp_path / "glue_out", "rte", 1e-3, 1).read_text())
+    assert res["steps"] == 2 and res["best"] is not None
