@@ -318,7 +318,7 @@ def export_hf(
                            hf_config_from_model_config(cfg, tok, "BertForMaskedLM")["architectures"])
         if heads:
             save_safetensors(heads, tmp / PROJECTION_FILE, metadata={"format": "pt"})
-        write_tokenizer_files(tok, tmp, max_len)
+        write_tokenizer_files(tok, tmp, max_len, token_types=cfg.arch != "modernbert" and cfg.type_vocab_size > 1)
         chain = write_st_modules(tmp, cfg, pooling, ours, max_len)
         if model_card is not None:
             (tmp / "README.md").write_text(model_card, encoding="utf-8")

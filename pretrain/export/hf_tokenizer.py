@@ -40,13 +40,18 @@ def clean_tokenizer(tok):
     return tok
 
 
-def write_tokenizer_files(tok, out: Path, model_max_length: int) -> None:
+def write_tokenizer_files(tok, out: Path, model_max_length: int, *, token_types: bool = True) -> None:
+    """tokenizer.json, special_tokens_map.json and tokenizer_config.json. ``token_types``: the tokenizer returns
+    token_type_ids (a model with segment embeddings: a pair's second segment is type 1, as ours encodes it);
+    transformers 5's generic tokenizer returns only input_ids and attention_mask unless model_input_names says so."""
     tok.save(str(out / "tokenizer.json"))
     special = {f"{name}_token": t for name, t in special_tokens(tok).items()}
     write_json(out / "special_tokens_map.json", special)
+    names = ["input_ids", "token_type_ids", "attention_mask"] if token_types else ["input_ids", "attention_mask"]
     write_json(
         out / "tokenizer_config.json",
-        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length, **special},
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+         "model_input_names": names, **special},
     )
 
 

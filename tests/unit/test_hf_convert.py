@@ -489,6 +489,122 @@ def test_plain_transformers_bert_imports_with_the_documented_default(exported, t
     assert "pooling" not in w.recorded and {"hidden_size", "vocab_size", "pooler"} <= w.recorded
 
 
+# ----------------------------------------------------------------------------- raw text, end to end
+
+RAW_TEXTS = [
+    "Hello World", "Café NAÏVE résumé Ωmega", "東京は日本の首都です。我爱北京", "emoji 😀 👍🏽 ok",
+    "  extra   spaces\tand\ttabs  ", "trailing space ", "ﬁne ① Ａｂｃ e\u0301 composed (NFD) vs é",
+    " ".join(["The quick brown fox jumps over the lazy dog."] * 12), "x",
+]
+"""Capitals, accents (composed and combining), Greek, CJK, emoji, compatibility characters, odd whitespace, a text
+past the export's max length and a one-letter one."""
+RAW_MAX_LEN = 24
+RAW_CASES = {  # id -> (tokenizer kind, lowercase, model settings): every family, pooling and tokenizer kind exported
+    "bert-wordpiece-cls": ("wordpiece", False, {"pooling": "cls"}),
+    "bert-wordpiece-lc-first_last_avg": ("wordpiece", True, {"pooling": "first_last_avg"}),
+    "bert-unigram-cls_before_pooler": ("unigram", False, {"pooling": "cls_before_pooler"}),
+    "bert-bpe-mean-dense-normalize": ("bpe", False, {"pooling": "mean", "dense_dim": 8, "dense_activation": "gelu",
+                                                     "normalize": True}),
+    "roberta-bpe-mean": ("bpe", False, {"pooling": "mean", "position_offset": 1, "max_position": 65}),
+    "pre-ln-wordpiece-cls": ("wordpiece", False, {"pooling": "cls", "norm": "pre"}),
+    "modernbert-wordpiece-mean": ("wordpiece", False, {"arch": "modernbert", "pooler": False, "pooling": "mean",
+                                                       "max_position": 128}),
+}
+
+
+@pytest.fixture(scope="module")
+def raw_tokenizers(tmp_path_factory):
+    """Tokenizers trained here by pretrain-tokenizer's code on the embedded corpus plus RAW_TEXTS' characters:
+    {(kind, lowercase): path}."""
+    from pretrain.prep.embedded import write_embedded_corpus
+    from pretrain.prep.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("raw_tok")
+    train, _ = write_embedded_corpus(root / "text")
+    extra = root / "extra.txt"
+    extra.write_text("\n".join(RAW_TEXTS[:7] * 20) + "\n", encoding="utf-8")
+    out = {}
+    for kind, lowercase, _ in RAW_CASES.values():
+        if (kind, lowercase) not in out:
+            path = root / f"{kind}-{lowercase}.json"
+            train_tokenizer([str(train), str(extra)], str(path), kind=kind, vocab_size=400, lowercase=lowercase,
+                            min_frequency=1)
+            out[kind, lowercase] = path
+    return out
+
+
+@pytest.mark.parametrize("case", list(RAW_CASES))
+def test_raw_text_through_the_export_gives_our_embeddings_and_logits(case, raw_tokenizers, tmp_path):
+    """From raw text: the exported tokenizer (AutoTokenizer, truncation at its model_max_length) gives our
+    encoder's ids, ``AutoModel(**enc)`` our hidden states and pooled embedding, SentenceTransformer(out) our
+    sentence embedding (pooler, Dense, Normalize included), mlm/ our MLM logits; and sentence pairs (the
+    tokenizer's own token_type_ids, truncated longest-first) our pair encoding."""
+    transformers = pytest.importorskip("transformers")
+    st_mod = pytest.importorskip("sentence_transformers")
+    from pretrain.eval.encoder import SentenceEncoder, add_specials
+    from pretrain.eval.hf_backend import masked_mean
+    from pretrain.prep.tokenizer import load_tokenizer
+
+    kind, lowercase, changes = RAW_CASES[case]
+    tok_path = raw_tokenizers[kind, lowercase]
+    tok = load_tokenizer(str(tok_path))
+    cfg = ModelConfig(**{"vocab_size": tok.vocab_size + 3, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                         "ffn_size": 48, "max_position": 64, **changes})
+    model = build_model(cfg, seed=7).eval()
+    with torch.no_grad():  # norms and biases away from 1/0, so that a swapped key shows
+        g = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    out = tmp_path / "hf"
+    hfmod.export_hf(model, str(tok_path), str(out), max_seq_length=RAW_MAX_LEN)
+    ours_BD = torch.from_numpy(SentenceEncoder(model, tok, pooling=cfg.pooling, max_len=RAW_MAX_LEN)(RAW_TEXTS))
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    enc = hf_tok(RAW_TEXTS, padding=True, truncation=True, return_tensors="pt")
+    want = [add_specials(tok.encode(t), None, tok, RAW_MAX_LEN)[0] for t in RAW_TEXTS]
+    assert [ids[: int(n)] for ids, n in zip(enc["input_ids"].tolist(), enc["attention_mask"].sum(1))] == want
+    assert max(map(len, want)) == RAW_MAX_LEN and (enc["input_ids"] == tok.pad_id).any()  # cut and padded
+    base = transformers.AutoModel.from_pretrained(str(out)).eval()
+    mlm = transformers.AutoModelForMaskedLM.from_pretrained(str(out), subfolder="mlm").eval()
+    ids_BT, mask_BT = enc["input_ids"], enc["attention_mask"]
+    keep_BT = mask_BT.bool()
+    with torch.no_grad():
+        ref = base(**enc, output_hidden_states=True)
+        ref_logits = mlm(**enc).logits
+        layers = model.encode(ids_BT, mask_BT, all_layers=True)
+        logits_MV, _ = model.mlm_logits(layers[-1], torch.where(keep_BT, ids_BT, -100))
+    assert (layers[-1] - ref.last_hidden_state)[keep_BT].abs().max() < 1e-5
+    assert (logits_MV - ref_logits[keep_BT]).abs().max() < 1e-4
+    if not cfg.dense_dim and not cfg.normalize:  # what a plain transformers user pools by hand
+        ref_BD = {"cls": ref.pooler_output if cfg.pooler else ref.last_hidden_state[:, 0],
+                  "cls_before_pooler": ref.last_hidden_state[:, 0],
+                  "mean": masked_mean(ref.last_hidden_state, mask_BT),
+                  "first_last_avg": masked_mean((ref.hidden_states[1] + ref.hidden_states[-1]) / 2, mask_BT),
+                  }[cfg.pooling]
+        assert (ours_BD - ref_BD).abs().max() < 1e-5
+    st = st_mod.SentenceTransformer(str(out), device="cpu")
+    assert st.max_seq_length == RAW_MAX_LEN
+    assert (st.encode(RAW_TEXTS, convert_to_tensor=True, batch_size=4) - ours_BD).abs().max() < 1e-5
+
+    # Sentence pairs (GLUE, cross-encoders) that fit: whatever the tokenizer returns (token_type_ids), passed on.
+    a, b = RAW_TEXTS[:4], [RAW_TEXTS[4], "x", RAW_TEXTS[5], RAW_TEXTS[0]]
+    enc = hf_tok(a, b, padding=True, return_tensors="pt")
+    pairs = [add_specials(tok.encode(x), tok.encode(y), tok, 10_000) for x, y in zip(a, b)]
+    assert enc["input_ids"].shape[1] <= cfg.max_position - cfg.position_offset
+    assert [ids[: int(n)] for ids, n in zip(enc["input_ids"].tolist(), enc["attention_mask"].sum(1))] == \
+        [ids for ids, _ in pairs]
+    types_BT = torch.zeros_like(enc["input_ids"])
+    for i, (_, types) in enumerate(pairs):
+        types_BT[i, : len(types)] = torch.tensor(types)
+    keep_BT = enc["attention_mask"].bool()
+    with torch.no_grad():
+        h_BTD = model.encode(enc["input_ids"], enc["attention_mask"],
+                             **({"token_type_ids_BT": types_BT} if cfg.arch == "bert" else {}))
+        ref_BTD = base(**enc).last_hidden_state
+    assert (h_BTD - ref_BTD)[keep_BT].abs().max() < 1e-5
+
+
 # ----------------------------------------------------------------------------- file modes, the hf extra
 
 
