@@ -52,6 +52,10 @@ class MetricSums:
         batched.add(list(metrics.values()), keep)
 
     def reduce(self, env=None) -> dict[str, float]:
+        return {n: (s / c if c else float("nan")) for n, (s, c) in self.totals(env).items()}
+
+    def totals(self, env=None) -> dict[str, list[float]]:
+        """name -> [sum, count] summed over ranks (one transfer, one all-reduce; collective where distributed)."""
         names = sorted(set(self._sums).union(*(b.names for b in self._batched.values())))
         if not names:
             return {}
@@ -73,7 +77,7 @@ class MetricSums:
         rows = [totals[n] for n in names]
         if env is not None and env.is_distributed:
             rows = all_reduce_host(torch.tensor(rows, dtype=torch.float64)).tolist()
-        return {n: (s / c if c else float("nan")) for n, (s, c) in zip(names, rows)}
+        return dict(zip(names, rows))
 
     def reset(self) -> None:
         self._sums.clear()

@@ -42,15 +42,18 @@ class MetricsWriter:
     def _open(self, resume_step: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
-        if resume_step and path.exists():
-            _truncate_after_step(path, resume_step)
+        if path.exists():
+            # At step 0 the run starts (over): an earlier launch that never checkpointed left records of steps that
+            # are all redone, its step-0 validation included.
+            _truncate_after_step(path, resume_step if resume_step else -1)
         # Unbuffered appends: each line is one os.write whose failure is undone by ftruncate (see _append).
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         from torch.utils.tensorboard import SummaryWriter
 
         _event_writer_failures_in_one_line(self.run_dir / "tb")
-        # purge_step drops events of steps after the checkpoint we resumed from (they will be redone).
-        self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
+        # purge_step drops events of steps after the checkpoint we resumed from (they will be redone); at a start,
+        # every earlier event (step >= 0).
+        self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step else 0)
 
     def log(self, step: int, scalars: dict[str, float], *, split: str = "train") -> None:
         if not self.enabled or self.failure:
@@ -154,7 +157,7 @@ def _clean(v):
 
 
 def _truncate_after_step(path: Path, step: int) -> None:
-    """Drop records of steps > ``step`` (they were logged after the checkpoint we resume from)."""
+    """Drop records of steps > ``step`` (they were logged after the checkpoint we resume from; -1: all of them)."""
     keep = []
     with open(path, encoding="utf-8") as f:
         for line in f:

@@ -44,6 +44,23 @@ class LogWindow:
         self.samples += samples
         self.tokens += tokens
 
+    def carry(self, env, micro_steps: int) -> dict:
+        """The metric sums and counts of the window so far, over all ranks (collective), and the step's
+        ``micro_steps`` (ranks x grad_accum): what a checkpoint inside a window keeps, so that the resumed run's
+        record at the window's end still covers the whole window. The figures ``scalars`` sets (lr, grad norm,
+        bad-step counters) are not sums and stay out; an empty window carries nothing."""
+        sums = {n: t for n, t in self.sums.totals(env).items() if n not in ("lr", "grad_norm", *BadSteps.KEYS)}
+        return {"micro_steps": micro_steps, "sums": sums} if sums else {}
+
+    def resume(self, carried: dict, env, micro_steps: int) -> None:
+        """Continue a window a checkpoint cut (``carry``): its sums go in once, on the main rank. The rates and the
+        data-wait fraction stay this launch's own (measured from its start). Split into other micro-steps (another
+        rank count) the window starts afresh: figures counted per micro-step would weigh the carried steps
+        differently from the new ones."""
+        if env.is_main and carried.get("micro_steps") == micro_steps:
+            for name, (value_sum, count) in carried["sums"].items():
+                self.sums.add(name, value_sum, count)
+
     def scalars(self, env, info, *, bad_steps: "BadSteps", tokens_seen: int) -> dict[str, float]:
         """The window's means reduced over ranks, plus the last step's lr/grad norm/loss scale, the bad-step count
         and the rates. The device's figures (metric sums, lr, grad norm, bad-step counters) come in one transfer."""

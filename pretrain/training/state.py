@@ -38,6 +38,10 @@ class TrainState:
     spike_watch: dict = dataclasses.field(default_factory=dict)
     """The spike detector's window at this step (``SpikeWatch.state_dict``): a resume judges as the uninterrupted
     run would."""
+    log_window: dict = dataclasses.field(default_factory=dict)
+    """The metric sums of the log window this step is inside ({"micro_steps": ranks x grad_accum, "sums": {name:
+    [sum, count]} over all ranks}, ``LogWindow.carry``; empty at a log step): a resume's first record covers the
+    whole window, as the uninterrupted run's."""
 
     @property
     def global_batch(self) -> int:
@@ -68,7 +72,7 @@ class TrainState:
                    requested_batch=tuple(state.get("requested_batch", (micro, accum))),
                    seed=state.get("seed", saved.get("seed")), sample_stream=state.get("sample_stream"),
                    sample_order=state["sample_order"], rollbacks=list(state.get("rollbacks", [])),
-                   spike_watch=dict(state.get("spike_watch", {})))
+                   spike_watch=dict(state.get("spike_watch", {})), log_window=dict(state.get("log_window", {})))
 
     def continued(self, *, world_size: int, micro_batch_size: int, grad_accum: int) -> TrainState:
         """This state continued on ``world_size`` ranks with the given split: the data position is global, the

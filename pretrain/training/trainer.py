@@ -161,6 +161,7 @@ class Trainer:
         self._last_save_t = time.monotonic()
         eta, collapse = Eta(start_step, c.train.max_steps), CollapseWatch(c, self.env.world_size)
         self.window.reset()
+        self.window.resume(st.log_window, self.env, st.world_size * st.grad_accum)  # a cut window goes on
         while st.step < c.train.max_steps:
             info, bad = self.train_step(loader)
             self.bad.add(bad, st.step)
@@ -240,6 +241,7 @@ class Trainer:
         self.bad = BadSteps(self.cfg.train.max_bad_steps, state.bad_steps_total, self._diverged)
         self.train_loader.consumed_samples = state.consumed_samples  # the next iterator starts there
         self.window.reset()
+        self.window.resume(state.log_window, self.env, state.world_size * state.grad_accum)
         self.writer.rewind(state.step)
         self.writer.log(state.step, record, split="rollback")
         if self.env.is_main:
@@ -371,6 +373,7 @@ class Trainer:
         # The skipped steps so far are part of the state; a diverged run stops here, before it writes.
         self.state.bad_steps_total = self.bad.settle()
         self.state.spike_watch = self.spikes.state_dict()
+        self.state.log_window = self.window.carry(self.env, self.state.world_size * self.state.grad_accum)
         c = self.cfg
         job = snapshot_job(self.engine, self.env, self.run_dir, step=self.state.step,
                            trainer_state=self.state.state_dict(), config_yaml=to_yaml(c),

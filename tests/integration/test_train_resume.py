@@ -140,3 +140,86 @@ def test_gradient_accumulation_steps_once_per_global_batch(tmp_path, tiny_overri
     assert all(isinstance(r["grad_norm"], float) and r["grad_norm"] > 0 for r in train)
     state = json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
     assert state["consumed_samples"] == 4 * 2 * 2
+
+
+class _Crash(RuntimeError):
+    """A crash injected at the start of a step (the process dies before that step's records)."""
+
+
+def _crash_before_step(monkeypatch, step: int) -> None:
+    from pretrain.training.trainer import Trainer
+
+    orig = Trainer.train_step
+
+    def train_step(self, loader):
+        if self.state.step + 1 == step:
+            raise _Crash(f"crash before step {step}")
+        return orig(self, loader)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def _records(run_dir: Path) -> list[tuple[int, str]]:
+    return [(r["step"], r["split"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def _tb_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard's reading of every event file under tb/ (later launches' purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_log_window_cut_by_a_resume_logs_the_uninterrupted_figures(tmp_path, tiny_overrides, clean_env,
+                                                                   monkeypatch):
+    """train.log_every=3 with checkpoint.every=4: the run dies before step 6 and resumes from step 4, in the middle
+    of the window 4-6. Step 6's record still holds the means over steps 4-6, as the uninterrupted run's, in
+    metrics.jsonl and TensorBoard; every record once."""
+    from pretrain.train import main
+
+    ov = dict(train__log_every=3, checkpoint__every=4, train__max_steps=6, data__valid="[]")
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    assert main(tiny_overrides(ref_dir, **ov)) == 0
+    with monkeypatch.context() as m:
+        _crash_before_step(m, 6)
+        with pytest.raises(_Crash):
+            main(tiny_overrides(cut_dir, **ov))
+    assert (cut_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert main(tiny_overrides(cut_dir, **ov)) == 0
+
+    ref = {r["step"]: r for r in map(json.loads, (ref_dir / "metrics.jsonl").read_text().splitlines())
+           if r["split"] == "train"}
+    assert _records(cut_dir) == _records(ref_dir)
+    got = {r["step"]: r for r in map(json.loads, (cut_dir / "metrics.jsonl").read_text().splitlines())
+           if r["split"] == "train"}
+    for key in ("loss", "mlm", "nt_xent", "lr"):
+        assert [got[s][key] for s in (3, 6)] == pytest.approx([ref[s][key] for s in (3, 6)], rel=1e-9), key
+    tb = _tb_scalars(cut_dir)
+    assert sorted(tb) == sorted(_tb_scalars(ref_dir))
+    assert tb["train/loss"] == [(s, pytest.approx(got[s]["loss"], rel=1e-6)) for s in (3, 6)]
+
+
+def test_relaunch_after_a_crash_before_the_first_checkpoint_logs_each_step_once(tmp_path, tiny_overrides,
+                                                                               clean_env, monkeypatch):
+    """The first launch dies at step 3, before any checkpoint: the next one starts the run over from step 0 in the
+    same directory. metrics.jsonl and TensorBoard then hold the records of that run once each (the first launch's
+    step-0 validation and steps 1-2 went with it), as an uninterrupted run's."""
+    from pretrain.train import main
+
+    ov = dict(checkpoint__every=4, train__max_steps=4)
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    assert main(tiny_overrides(ref_dir, **ov)) == 0
+    with monkeypatch.context() as m:
+        _crash_before_step(m, 3)
+        with pytest.raises(_Crash):
+            main(tiny_overrides(run_dir, **ov))
+    assert not (run_dir / "checkpoints" / "latest").exists()
+    assert main(tiny_overrides(run_dir, **ov)) == 0
+
+    assert _records(run_dir) == _records(ref_dir)
+    tb, ref = _tb_scalars(run_dir), _tb_scalars(ref_dir)
+    assert sorted(tb) == sorted(ref)
+    for tag in ("train/loss", "train/lr", "train/samples_per_s", "valid/mlm"):
+        assert [s for s, _ in tb[tag]] == [s for s, _ in ref[tag]], tag
