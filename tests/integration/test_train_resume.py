@@ -159,6 +159,24 @@ def _crash_before_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(Trainer, "train_step", train_step)
 
 
+def _reference_and_relaunched(tmp_path, tiny_overrides, monkeypatch, ov: dict, *, crash_step: int,
+                              latest: str | None) -> tuple[Path, Path]:
+    """(ref, run): an uninterrupted run, and one that crashes before ``crash_step`` with ``latest`` its newest
+    checkpoint (None: none yet) and is relaunched with the same command to the end."""
+    from pretrain.train import main
+
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    assert main(tiny_overrides(ref_dir, **ov)) == 0
+    with monkeypatch.context() as m:
+        _crash_before_step(m, crash_step)
+        with pytest.raises(_Crash):
+            main(tiny_overrides(run_dir, **ov))
+    pointer = run_dir / "checkpoints" / "latest"
+    assert (pointer.read_text().strip() if pointer.exists() else None) == latest
+    assert main(tiny_overrides(run_dir, **ov)) == 0
+    return ref_dir, run_dir
+
+
 def _records(run_dir: Path) -> list[tuple[int, str]]:
     return [(r["step"], r["split"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
@@ -177,17 +195,9 @@ def test_log_window_cut_by_a_resume_logs_the_uninterrupted_figures(tmp_path, tin
     """train.log_every=3 with checkpoint.every=4: the run dies before step 6 and resumes from step 4, in the middle
     of the window 4-6. Step 6's record still holds the means over steps 4-6, as the uninterrupted run's, in
     metrics.jsonl and TensorBoard; every record once."""
-    from pretrain.train import main
-
     ov = dict(train__log_every=3, checkpoint__every=4, train__max_steps=6, data__valid="[]")
-    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    assert main(tiny_overrides(ref_dir, **ov)) == 0
-    with monkeypatch.context() as m:
-        _crash_before_step(m, 6)
-        with pytest.raises(_Crash):
-            main(tiny_overrides(cut_dir, **ov))
-    assert (cut_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
-    assert main(tiny_overrides(cut_dir, **ov)) == 0
+    ref_dir, cut_dir = _reference_and_relaunched(tmp_path, tiny_overrides, monkeypatch, ov, crash_step=6,
+                                                 latest="step_00000004")
 
     ref = {r["step"]: r for r in map(json.loads, (ref_dir / "metrics.jsonl").read_text().splitlines())
            if r["split"] == "train"}
@@ -206,17 +216,8 @@ def test_relaunch_after_a_crash_before_the_first_checkpoint_logs_each_step_once(
     """The first launch dies at step 3, before any checkpoint: the next one starts the run over from step 0 in the
     same directory. metrics.jsonl and TensorBoard then hold the records of that run once each (the first launch's
     step-0 validation and steps 1-2 went with it), as an uninterrupted run's."""
-    from pretrain.train import main
-
     ov = dict(checkpoint__every=4, train__max_steps=4)
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    assert main(tiny_overrides(ref_dir, **ov)) == 0
-    with monkeypatch.context() as m:
-        _crash_before_step(m, 3)
-        with pytest.raises(_Crash):
-            main(tiny_overrides(run_dir, **ov))
-    assert not (run_dir / "checkpoints" / "latest").exists()
-    assert main(tiny_overrides(run_dir, **ov)) == 0
+    ref_dir, run_dir = _reference_and_relaunched(tmp_path, tiny_overrides, monkeypatch, ov, crash_step=3, latest=None)
 
     assert _records(run_dir) == _records(ref_dir)
     tb, ref = _tb_scalars(run_dir), _tb_scalars(ref_dir)
