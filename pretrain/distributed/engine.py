@@ -43,6 +43,23 @@ def _import_deepspeed():
     return deepspeed
 
 
+@contextlib.contextmanager
+def accelerator_syncs():
+    """The calls of DeepSpeed's ``get_accelerator().synchronize()`` made inside (a list, an entry a call): on CUDA a
+    ``cudaDeviceSynchronize``, which no op count sees and CUDA's sync debug mode does not flag (an explicit
+    synchronize). DeepSpeed's throughput timer made two a step until ``ds_config`` turned it off."""
+    _import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator, calls = get_accelerator(), []
+    synchronize = accelerator.synchronize
+    accelerator.synchronize = lambda *args, **kwargs: calls.append(args) or synchronize(*args, **kwargs)
+    try:
+        yield calls
+    finally:
+        accelerator.synchronize = synchronize
+
+
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 

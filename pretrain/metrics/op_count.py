@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import traceback
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,19 +82,3 @@ class OpCounter(TorchDispatchMode):
     @property
     def num_sync(self) -> int:
         return sum(self.syncs.values())
-
-
-@contextmanager
-def accelerator_syncs():
-    """The calls of DeepSpeed's ``get_accelerator().synchronize()`` made inside (a list, an entry a call): on CUDA a
-    ``cudaDeviceSynchronize``, which no op count sees and CUDA's sync debug mode does not flag (an explicit
-    synchronize). DeepSpeed's throughput timer made two a step until ``ds_config`` turned it off."""
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator, calls = get_accelerator(), []
-    synchronize = accelerator.synchronize
-    accelerator.synchronize = lambda *args, **kwargs: calls.append(args) or synchronize(*args, **kwargs)
-    try:
-        yield calls
-    finally:
-        accelerator.synchronize = synchronize

@@ -21,7 +21,7 @@ import torch
 
 from pretrain.config import load_run_config
 from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
-from pretrain.metrics.op_count import accelerator_syncs
+from pretrain.distributed.engine import accelerator_syncs
 from pretrain.training.trainer import Trainer
 
 pytestmark = pytest.mark.gpu

@@ -17,14 +17,15 @@ from pretrain.distributed.env import (
     init_process_group,
     single_process_env,
 )
-from pretrain.metrics.op_count import OpCounter, accelerator_syncs
+from pretrain.distributed.engine import accelerator_syncs
+from pretrain.metrics.op_count import OpCounter
 from pretrain.training.step import PREPARED
 from pretrain.training.trainer import Trainer
 
 
 def _count_steps(trainer, steps: int) -> tuple[OpCounter, OpCounter]:
     """(ops of the trainer's steps outside Engine.step, ops of Engine.step) over ``steps`` (2 or more) steps after a
-    warm-up; and that DeepSpeed synchronized the device in none of them (``op_count.accelerator_syncs``: its
+    warm-up; and that DeepSpeed synchronized the device in none of them (``engine.accelerator_syncs``: its
     throughput timer did at every forward and every step from its third step on, until ds_config turned it off)."""
     loader = iter(trainer._loader(trainer.train_set, 0))
     trainer.engine.train()
