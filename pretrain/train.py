@@ -1,7 +1,7 @@
 """Entry point: load config -> build Trainer -> train -> close.
 
     pretrain-train configs/quickstart.yaml optim.lr=3e-4 train.max_steps=100
-    torchrun --nproc-per-node 2 -m pretrain.train configs/clear_base.yaml run_dir=runs/x
+    torchrun --nproc-per-node 2 -m pretrain.train configs/recipes/clear_del_span_reorder.yaml run_dir=runs/x
     pretrain-train --check runs/x      (every checkpoint: good or damaged, and why)
     pretrain-train configs/recipes/clear_del_span.yaml model=tiny --dry-run --ranks 64   (banner + memory, exit)
 """
