@@ -81,3 +81,17 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def inside(directory: str | os.PathLike, name: str, *, listed_in: str, links: bool = True) -> Path:
+    """``directory / name`` for a path read from one of the directory's own files (``listed_in``: which), or a
+    ValueError when it leads outside the directory: an absolute path, "..", or (``links``) a symlink out of it.
+    Directories handed to us (datasets, models) are untrusted; what they list must be their own files.
+    ``links=False`` for model files, which a Hugging Face cache snapshot links to its ../../blobs."""
+    directory = Path(directory)
+    path = directory / name
+    if (os.path.isabs(name) or ".." in Path(name).parts
+            or links and not path.resolve().is_relative_to(directory.resolve())):
+        raise ValueError(f"{directory / listed_in} names {name!r}, outside {directory}; refusing it (a directory "
+                         f"must hold the files it lists: copy it whole, symlinks resolved)")
+    return path

@@ -17,6 +17,7 @@ import numpy as np
 
 from pretrain.data.indexed import IndexedDataset, file_sha256
 from pretrain.distributed.env import unique_suffix
+from pretrain.fsutil import inside
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "pretrain-sharded-dataset"
@@ -104,6 +105,9 @@ class ShardedDataset:
                 f"dataset {directory} was tokenized with tokenizer sha256 {have[:16]}… "
                 f"({self.manifest['tokenizer'].get('path')}), but the configured tokenizer has sha256 "
                 f"{tokenizer_sha256[:16]}…; re-run pretrain-preprocess with that tokenizer")
+        for s in self.manifest["shards"]:  # the dataset's own files (paths read from the manifest)
+            if (leaves := _leaves(self.directory, f"{s['name']}.bin", f"{s['name']}.idx")) is not None:
+                raise ValueError(leaves)
         stamp_path, stamp = self._checked_stamp()
         known = _read_json(stamp_path) if stamp_path is not None else None
         self.shards = [IndexedDataset(os.path.join(self.directory, s["name"]),
@@ -244,6 +248,18 @@ def _write_json_quietly(path: Path, data: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _leaves(directory: str, *names: str) -> str | None:
+    """Why one of the manifest's ``names`` leads out of the dataset directory ("..", an absolute path), or None when
+    all are its own. A shard file that is a symlink is the user's own arrangement (shards kept on another
+    filesystem) and is read: its bytes are checked against the manifest's sizes and hashes as any shard's."""
+    try:
+        for name in names:
+            inside(directory, name, listed_in=MANIFEST, links=False)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def verify_dataset(directory: str) -> list[str]:
     """Problems found (empty list = OK): manifest, per-shard files, sizes, sha256, index structure, totals."""
     try:
@@ -254,6 +270,9 @@ def verify_dataset(directory: str) -> list[str]:
     totals = {"num_sequences": 0, "num_documents": 0, "num_tokens": 0}
     for entry in manifest.get("shards", []):
         name = entry.get("name", "?")
+        if (leaves := _leaves(directory, f"{name}.bin", f"{name}.idx")) is not None:
+            problems.append(f"shard {name}: {leaves}")
+            continue
         prefix = os.path.join(directory, name)
         bad = False
         for ext in ("bin", "idx"):
@@ -291,7 +310,9 @@ def verify_dataset(directory: str) -> list[str]:
     freq_entry = manifest.get("token_freq")
     if freq_entry:
         path = os.path.join(directory, freq_entry["file"])
-        if not os.path.isfile(path):
+        if (leaves := _leaves(directory, freq_entry["file"])) is not None:
+            problems.append(leaves)
+        elif not os.path.isfile(path):
             problems.append(f"{path} is missing")
         elif file_sha256(path) != freq_entry.get("sha256"):
             problems.append(f"{path} sha256 mismatch (file changed or corrupt)")

@@ -43,7 +43,7 @@ from pretrain.export.hf_tokenizer import (
     write_tokenizer_files,
 )
 from pretrain.export.st_modules import ST_POOLING, write_st_modules
-from pretrain.fsutil import fsync_dir, replace_dir
+from pretrain.fsutil import fsync_dir, inside, replace_dir
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
 from pretrain.model.init import init_bert_weights
 from pretrain.prep.tokenizer import special_token_names
@@ -393,7 +393,7 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict:
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         out: dict = {}
         for f in files:
-            out.update(load_file(str(d / f)))
+            out.update(load_file(str(inside(d, f, listed_in=index.name, links=False))))
         return out
     if (d / "pytorch_model.bin").is_file():
         return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)

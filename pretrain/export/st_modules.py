@@ -27,6 +27,7 @@ import torch
 
 from pretrain.checkpoint.files import save_safetensors, write_json
 from pretrain.config.model import ModelConfig
+from pretrain.fsutil import inside
 
 ST_POOLING = {"cls": "cls", "cls_before_pooler": "cls", "mean": "mean", "first_last_avg": "mean"}
 """Our pooling -> sentence-transformers' Pooling mode."""
@@ -138,6 +139,8 @@ def read_st_modules(d: Path, modules: list, *, num_layers: int, hidden: int, sta
     block, our own exports) picks between two names of one computation (cls without a pooler)."""
     where = d / "modules.json"
     entries = sorted(modules, key=lambda m: int(m.get("idx", 0)))
+    for m in entries:  # each module's files are the directory's own (a path read from the file)
+        inside(d, str(m.get("path", "")), listed_in="modules.json")
     chain = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in entries]
     if not chain or chain[0] != "Transformer" or entries[0].get("path", "") not in ("", "."):
         raise ValueError(f"{where}: expected the Transformer module first, stored in the directory itself "

@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from pretrain.fsutil import inside
 from pretrain.prep.formats import decode_utf8
 
 STATE_FILE = "state.json"
@@ -45,6 +46,8 @@ def saved_dataset_files(directory: Path) -> list[str] | None:
         names = [f["filename"] for f in files]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    for n in names:  # the directory's own Arrow files (paths read from its state.json)
+        inside(directory, n, listed_in=STATE_FILE, links=False)
     missing = [n for n in names if not (directory / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{directory} is a datasets save_to_disk directory but {missing[0]} listed in its "

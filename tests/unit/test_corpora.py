@@ -296,6 +296,26 @@ def test_datasets_dict_directory_asks_for_one_split(corpus, tmp_path, capsys):
     assert not (tmp_path / "ds").exists()
 
 
+@pytest.mark.parametrize("where", ["../outside", "absolute"])
+def test_datasets_directory_naming_files_outside_it_is_refused(corpus, tmp_path, capsys, where):
+    """state.json names the directory's own Arrow files: one that leads out of it is refused, not read as text."""
+    import shutil
+
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": corpus["docs"][:5]}).save_to_disk(str(tmp_path / "hf"))
+    state = json.loads((tmp_path / "hf" / "state.json").read_text())
+    (tmp_path / "outside").mkdir()
+    arrow = state["_data_files"][0]["filename"]
+    shutil.move(str(tmp_path / "hf" / arrow), str(tmp_path / "outside" / arrow))
+    state["_data_files"][0]["filename"] = (str(tmp_path / "outside") if where == "absolute" else "../outside") + \
+        "/" + arrow
+    (tmp_path / "hf" / "state.json").write_text(json.dumps(state))
+    assert main([str(tmp_path / "hf"), "--tokenizer", corpus["tok"], "--out", str(tmp_path / "ds"),
+                 "--workers", "1", "--no-progress"]) == 2
+    assert "outside" in capsys.readouterr().err
+    assert not (tmp_path / "ds").exists()
+
+
 # ---------------------------------------------------------------------------------------------- compressed
 
 

@@ -469,6 +469,36 @@ def test_sentence_transformers_6_format_and_unsupported_modules(exported, tmp_pa
         resolve.open_weights(out)
 
 
+@pytest.mark.parametrize("where", ["../outside", "absolute", "symlink"])
+def test_module_and_shard_paths_leading_out_of_the_model_directory_are_refused(exported, tmp_path, where):
+    """A directory someone hands us names its files relative to itself: a modules.json module path or a sharded
+    index's file that leads out of it ("..", an absolute path; a module directory that is a symlink out) is
+    refused, not read. A weights file that is a symlink is read: a Hugging Face cache links each to ../../blobs."""
+    _, _, src = exported
+    out = tmp_path / "st"
+    shutil.copytree(src, out)
+    outside = tmp_path / "outside"
+    shutil.move(str(out / "2_Dense"), str(outside))
+    modules = json.loads((out / "modules.json").read_text())
+    if where == "symlink":
+        (out / "2_Dense").symlink_to(outside)
+    else:
+        modules[2]["path"] = str(outside) if where == "absolute" else "../outside"
+    (out / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="outside"):
+        resolve.open_weights(out)
+    shutil.move(str(out / "model.safetensors"), str(tmp_path / "w.safetensors"))
+    named = {"../outside": "../w.safetensors", "absolute": str(tmp_path / "w.safetensors")}.get(where, "w2")
+    if where == "symlink":
+        (out / "w2").symlink_to(tmp_path / "w.safetensors")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"embeddings.x": named}}))
+    if where == "symlink":
+        assert "embeddings.word_embeddings.weight" in hfmod.read_hf_weights(out)
+        return
+    with pytest.raises(ValueError, match="outside"):
+        hfmod.read_hf_weights(out)
+
+
 def test_plain_transformers_bert_imports_with_the_documented_default(exported, tmp_path):
     """No sentence-transformers files and no "pretrain" block (a plain BERT): ModelConfig's defaults, i.e.
     pooling=cls through BERT's pooler, nothing after it; pooling is not stated, so a run's config decides it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import shutil
 import warnings
 
 import numpy as np
@@ -274,6 +275,34 @@ def test_verify_and_dataset_errors(corpus, tokenizer, tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="incomplete"):
         ShardedDataset(str(out))
     assert "incomplete" in verify_dataset(str(out))[0]
+
+
+@pytest.mark.parametrize("where", ["../outside", "absolute", "symlink"])
+def test_manifest_paths_leading_out_of_the_dataset_are_refused(corpus, tokenizer, tmp_path, where):
+    """A dataset someone else built names its files relative to itself: a shard or token_freq.npy in manifest.json
+    that leads out of the directory ("..", an absolute path) is refused, not read. Shard files that are symlinks
+    (shards kept on another filesystem, the manifest's names unchanged) are read and verify clean."""
+    out = tmp_path / "ds"
+    preprocess([str(corpus / "plain.txt")], str(out), tokenizer.path, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (tmp_path / "outside").mkdir()
+    for name in ("shard-00000.bin", "shard-00000.idx", "token_freq.npy"):
+        shutil.move(str(out / name), str(tmp_path / "outside" / name))
+    if where == "symlink":
+        for name in ("shard-00000.bin", "shard-00000.idx", "token_freq.npy"):
+            (out / name).symlink_to(tmp_path / "outside" / name)
+    else:
+        prefix = str(tmp_path / "outside") + "/" if where == "absolute" else "../outside/"
+        manifest["shards"][0]["name"] = prefix + manifest["shards"][0]["name"]
+        manifest["token_freq"]["file"] = prefix + manifest["token_freq"]["file"]
+        (out / "manifest.json").write_text(json.dumps(manifest))
+    if where == "symlink":
+        assert len(ShardedDataset(str(out))) > 0 and verify_dataset(str(out)) == []
+        return
+    with pytest.raises(ValueError, match="outside"):
+        ShardedDataset(str(out))
+    problems = verify_dataset(str(out))
+    assert len(problems) == 2 and all("outside" in p for p in problems), problems
 
 
 def test_cli_end_to_end(corpus, tokenizer, tmp_path, capsys):
