@@ -71,7 +71,9 @@ def deep_merge(base: dict, top: dict) -> dict:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict."""
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict. A mapping value merges into the
+    mapping there (``train={micro_batch_size: 64}`` sets that key only, as the same mapping in a file does);
+    ``a.b=null`` first makes it start from the defaults."""
     out = dict(data)
     for item in overrides:
         if "=" not in item:
@@ -91,7 +93,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             child = dict(child) if isinstance(child, dict) else {}
             node[part] = child
             node = child
-        node[parts[-1]] = value
+        here = node.get(parts[-1])
+        node[parts[-1]] = deep_merge(here, value) if isinstance(value, dict) and isinstance(here, dict) else value
     return out
 
 
@@ -263,8 +266,6 @@ def load(cls: type[T], path: str | os.PathLike | None = None, overrides: list[st
     for item in overrides or []:
         key, _, raw = item.partition("=")
         key = key.strip()
-        if key not in (INCLUDE_KEY, "model"):
-            typed.add(key)
         if key == INCLUDE_KEY:
             files = yaml.safe_load(raw) if raw.strip().startswith("[") else raw.split(",")
             for inc in files or []:
@@ -275,6 +276,7 @@ def load(cls: type[T], path: str | os.PathLike | None = None, overrides: list[st
             data = deep_merge(data, preset)
         else:
             data = apply_overrides(data, [item])
+            typed |= _typed_keys(key, raw)
     cfg = from_dict(cls, data)
     bounded: frozenset[str] = frozenset()
     if bounds:
@@ -311,6 +313,15 @@ def apply_bounds(cls: type[T], cfg: T, bounds: dict, keep=frozenset()) -> tuple[
                 node[leaf] = bound
                 changed.add(dotted)
     return (from_dict(cls, tree) if changed else cfg), frozenset(changed)
+
+
+def _typed_keys(key: str, raw: str) -> frozenset[str]:
+    """The dotted keys the override ``key=raw`` sets: ``key`` itself, or the leaves of a mapping value."""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = None
+    return given_keys(value, key + ".") if isinstance(value, dict) and value else frozenset({key})
 
 
 def given_keys(data: dict, prefix: str = "") -> frozenset[str]:

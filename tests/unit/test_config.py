@@ -149,6 +149,25 @@ def test_include_on_the_command_line_merges_in_order(tmp_path):
         load_run_config(recipe, [f"include={tmp_path / 'missing.yaml'}"])
 
 
+def test_a_mapping_on_the_command_line_merges_like_one_in_a_file(tmp_path):
+    """train={micro_batch_size: 64} sets that key only, as the same mapping in an included file does; the section's
+    other keys keep the recipe's values (and stay within model=tiny's bounds: only the keys it names are typed)."""
+    recipe = str(CONFIGS / "recipes" / "clear_del_span.yaml")
+    base = load_run_config(recipe)
+    cfg = load_run_config(recipe, ["train={micro_batch_size: 64}"])
+    (tmp_path / "f.yaml").write_text(f"include: [{recipe}]\ntrain: {{micro_batch_size: 64}}\n")
+    assert cfg == load_run_config(tmp_path / "f.yaml")
+    assert (cfg.train.micro_batch_size, cfg.train.max_steps, cfg.train.eval_every) == (64, base.train.max_steps,
+                                                                                      base.train.eval_every)
+    simcse = str(CONFIGS / "recipes" / "simcse_unsup_bert_base.yaml")
+    m = load_run_config(simcse, ["model={hidden_size: 64, num_heads: 2}"]).model
+    assert (m.hidden_size, m.num_heads, m.num_layers, m.pooler, m.pooling) == (64, 2, 12, True, "cls")
+    tiny = load_run_config(recipe, ["model=tiny", "train={micro_batch_size: 64}"])
+    assert (tiny.train.micro_batch_size, tiny.train.eval_every, tiny.train.max_steps) == (64, 100, 500000)
+    # null first still resets a section to its defaults
+    assert load_run_config(recipe, ["optim=null", "optim={lr: 0.5}"]).optim.warmup_steps == 10000
+
+
 def test_settings_that_cannot_act_are_named():
     """Each inert setting gets one line naming it and why; the shipped recipes have none (quickstart.yaml's data
     paths, held-out set included, are filled in by pretrain.quickstart)."""
