@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_run_config(args.config, args.overrides)
         tokenizer, samples = inspect_samples(cfg, args.n, args.start)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, store.CheckpointError) as e:
         print(f"pretrain-inspect: error: {e}", file=sys.stderr)
         return 2
     print(f"{len(samples)} training samples from stream position {args.start} (seed {cfg.seed}, "

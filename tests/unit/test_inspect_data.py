@@ -62,3 +62,16 @@ def test_inspect_follows_the_runs_sample_order_rule(tiny_overrides, tmp_path):
     dataset = build_train_set(cfg, load_tokenizer(cfg.data.tokenizer))
     want = np.random.default_rng([cfg.seed, 0]).permutation(len(dataset))[:3].tolist()
     assert [key for key, _ in samples] == [(0, i) for i in want]
+
+
+def test_a_run_whose_newest_checkpoint_state_is_unreadable_is_an_error_not_a_traceback(tiny_corpus, tiny_overrides,
+                                                                                        tmp_path, capsys):
+    """The sample order comes from the run's newest checkpoint: when its trainer_state.json does not parse, the tool
+    exits 2 saying which file and what to do (it raised a CheckpointError traceback)."""
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / "step_00000002"
+    tag.mkdir(parents=True)
+    (tag / "trainer_state.json").write_text("{not json")
+    assert main([*tiny_overrides(run), "-n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "pretrain-inspect: error:" in err and "trainer_state.json is unreadable" in err and "delete" in err
