@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import os
+import types
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from pretrain.config.train import (
 )
 from pretrain.console import quiet_third_party
 from pretrain.distributed.ds_config import build_ds_config, checks_on_device
+from pretrain.distributed.env import cuda_device_index
 from pretrain.distributed.snapshot import NotCopyable, copy_state
 
 
@@ -231,8 +233,11 @@ class Engine:
             set_z3_leaf_module(module, True)
         with quiet_third_party():  # "DeepSpeed ... shm_comm_op built successfully" and the like
             # No LR scheduler for DeepSpeed to step: the optimizer sets its own from its count of applied updates.
+            # Its device: the one init_process_group pinned (DeepSpeed would take cuda:<LOCAL_RANK>).
+            device_rank = cuda_device_index(env) if torch.cuda.is_available() else env.local_rank
             self.ds, self.optimizer, _, _ = deepspeed.initialize(
                 model=module, optimizer=optimizer, config=self.ds_config, dist_init_required=False,
+                args=types.SimpleNamespace(device_rank=device_rank),
             )
         self.device = self.ds.device
 

@@ -216,6 +216,22 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def cuda_device_index(env: DistEnv) -> int:
+    """The CUDA device (index among the visible ones) of this rank: ``cuda:<local rank>`` when the process sees the
+    node's GPUs (torchrun; srun with --gpus-per-node), ``cuda:0`` when the launcher narrowed CUDA_VISIBLE_DEVICES to
+    this task's one GPU (srun --gpus-per-task=1, --gpu-bind=single:1): there cuda:<local rank> does not exist."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    if env.local_rank < visible:
+        return env.local_rank
+    if visible == 1:
+        return 0
+    raise ValueError(f"local rank {env.local_rank} of {env.local_world_size} on this node but this process sees "
+                     f"{visible} CUDA device(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+                     f"give each rank its own GPU (one per local rank, or exactly one per task)")
+
+
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What the Engine (for DeepSpeed, which reads them even when the group exists) and DeepSpeed itself put into
 os.environ during a run; ``destroy_process_group`` puts them back as ``init_process_group`` found them."""
@@ -243,8 +259,9 @@ def init_process_group(env: DistEnv, *, backend: str, timeout_s: int) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs: dict = {}
     if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
-        kwargs["device_id"] = torch.device("cuda", env.local_rank)
+        device = cuda_device_index(env)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = torch.device("cuda", device)
     if env.launcher == "torchrun":
         # torchrun's contract: MASTER_ADDR/PORT and TORCHELASTIC_USE_AGENT_STORE are in os.environ.
         dist.init_process_group(backend, init_method="env://", rank=env.rank,

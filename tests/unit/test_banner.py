@@ -208,3 +208,19 @@ def test_parameter_counts_of_a_zero3_module_are_the_whole_models(clean_env):
         assert parameter_counts(engine.module) == whole and sum(whole.values()) > 0
     finally:
         destroy_process_group()
+
+
+def test_plan_check_looks_at_the_gpu_this_rank_uses(monkeypatch):
+    """srun --gpus-per-task=1 narrows CUDA_VISIBLE_DEVICES to the task's one GPU: local rank 3 runs on cuda:0,
+    and the dry run's memory check must ask cuda:0 (cuda:3 does not exist in that process)."""
+    from pretrain.distributed.env import DistEnv
+    from pretrain.training import banner
+
+    env = DistEnv(rank=3, world_size=4, local_rank=3, local_world_size=4, node_rank=0, master_addr="gpu01",
+                  master_port=20001, launcher="slurm")
+    asked = []
+    monkeypatch.setattr(banner, "_on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(banner, "check_memory_fits", lambda mem, device, **kw: asked.append(device))
+    banner.check_plan_fits(load_run_config(None, ["model=tiny"]), _Tied(), 4, env)
+    assert asked == ["cuda:0"]

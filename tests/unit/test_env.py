@@ -159,3 +159,82 @@ def test_unique_suffix_names_host_pid_and_a_random_part():
     a, b = unique_suffix(), unique_suffix()
     assert a != b and f"-{os.getpid()}-" in a and a.startswith(socket.gethostname()[:8].replace("/", "_"))
     assert "/" not in a
+
+
+@pytest.mark.parametrize("visible, local_rank, expected", [
+    (4, 3, 3),   # torchrun, or srun with the node's GPUs visible to every task: cuda:<local rank>
+    (1, 3, 0),   # srun --gpus-per-task=1 / --gpu-bind: CUDA_VISIBLE_DEVICES narrowed to this task's one GPU
+    (2, 1, 1),   # srun --gpus-per-task=2 with 2 tasks per node: each task sees its own 2 GPUs
+])
+def test_cuda_device_follows_the_gpus_this_task_can_see(monkeypatch, visible, local_rank, expected):
+    import torch
+    import torch.distributed as dist
+
+    from pretrain.distributed import env as env_mod
+
+    env = detect_env({**SLURM_STEP, "SLURM_LOCALID": str(local_rank), "SLURM_STEP_TASKS_PER_NODE": "4,4",
+                      "SLURM_STEP_NUM_TASKS": "8"})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert env_mod.cuda_device_index(env) == expected
+    # init_process_group pins that device (not cuda:<local rank>, which does not exist when narrowed)
+    chosen = []
+
+    class Stop(Exception):
+        pass
+
+    def set_device(index):
+        chosen.append(index)
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(Stop):
+        init_process_group(env, backend="nccl", timeout_s=5)
+    assert chosen == [expected]
+
+
+def test_cuda_device_index_refuses_too_few_gpus_for_the_node(monkeypatch):
+    import torch
+
+    from pretrain.distributed import env as env_mod
+
+    env = DistEnv(rank=5, world_size=8, local_rank=3, local_world_size=4, node_rank=1,
+                  master_addr="gpu01", master_port=29512, launcher="torchrun")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # 4 ranks on this node, 2 GPUs, 3 >= 2
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        env_mod.cuda_device_index(env)
+
+
+def test_the_engine_hands_deepspeed_the_pinned_device_not_local_rank(monkeypatch):
+    """DeepSpeed sets its device from LOCAL_RANK unless told otherwise: with CUDA_VISIBLE_DEVICES narrowed to one
+    GPU per task (srun --gpus-per-task=1) that is cuda:3 for local rank 3, which does not exist."""
+    import types
+
+    import torch
+
+    from pretrain.config import DistributedConfig, OptimConfig, TrainConfig
+    from pretrain.distributed import engine as engine_mod
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def initialize(**kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(engine_mod, "_import_deepspeed", lambda: types.SimpleNamespace(initialize=initialize))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    env = detect_env({**SLURM_STEP, "SLURM_LOCALID": "1"})
+    module = torch.nn.Linear(2, 2)
+    optim = OptimConfig()
+    with pytest.raises(Stop):
+        engine_mod.Engine(module, [{"params": list(module.parameters())}], optim=optim,
+                          train=TrainConfig(micro_batch_size=1, precision="fp32"), dist=DistributedConfig(),
+                          env=env, lr_lambda=lambda step: 1.0)
+    assert getattr(seen.get("args"), "device_rank", 1) == 0
