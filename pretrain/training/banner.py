@@ -19,6 +19,7 @@ import os
 
 from pretrain.config.train import cpu_computes_bf16_fast
 from pretrain.config.lint import inert_settings
+from pretrain.distributed.env import cuda_device_index
 from pretrain.model.kernels import cpu_kernels
 
 GIB = 1024 ** 3
@@ -226,10 +227,5 @@ def check_plan_fits(cfg, module, world_size: int, env) -> None:
     """``--dry-run``'s last check: this config's per-rank memory estimate (``memory_estimate``, for ``world_size``
     ranks) against what this machine has free: the GPU of this rank, or the host's RAM shared by the node's ranks."""
     mem = memory_estimate(cfg, sum(parameter_counts(module).values()), world_size, cfg.model.vocab_size)
-    if _on_gpu():
-        from pretrain.distributed.env import cuda_device_index
-
-        device = f"cuda:{cuda_device_index(env)}"
-    else:
-        device = "cpu"
+    device = f"cuda:{cuda_device_index(env)}" if _on_gpu() else "cpu"
     check_memory_fits(mem, device, ranks_per_device=1 if _on_gpu() else max(1, env.local_world_size))
