@@ -136,9 +136,10 @@ class TrainConfig:
     that path does not take): on CUDA in bf16/fp16 aten's flash attention called directly, else SDPA over nested
     jagged tensors (on the CPU that loops over sequences with a host read each: tests only; the start-up banner
     warns where a run would take it); ``fixed`` always runs 4 groups, each masked, of two rows or more (more
-    padding than ``groups``, the same structure for every batch: what a compiled step traces once). ``auto``: fixed under train.compile, else groups. On the H200 (2026-11-28,
-    docs/performance.md) varlen through nested jagged tensors ran at 0.65-0.71x the groups' speed, its host busy
-    with the nested tensors' Python dispatch; the direct flash call that replaced it there is not measured yet."""
+    padding than ``groups``, the same structure for every batch: what a compiled step traces once). ``auto``: fixed
+    under train.compile, else groups. On the H200 (2026-11-28, docs/performance.md) varlen through nested jagged
+    tensors ran at 0.65-0.71x the groups' speed, its host busy with the nested tensors' Python dispatch; the direct
+    flash call that replaced it there is not measured yet."""
     trim_last_layer: bool = True
     """The training step's MLM and pair passes compute their last layer only for the tokens a loss reads: the MLM
     rows' labelled tokens (about 15%) and, under [CLS] pooling with no mean pooling blended in and no autoencoder,
