@@ -106,8 +106,7 @@ class ShardedDataset:
                 f"({self.manifest['tokenizer'].get('path')}), but the configured tokenizer has sha256 "
                 f"{tokenizer_sha256[:16]}…; re-run pretrain-preprocess with that tokenizer")
         for s in self.manifest["shards"]:  # the dataset's own files (paths read from the manifest)
-            if (leaves := _leaves(self.directory, f"{s['name']}.bin", f"{s['name']}.idx")) is not None:
-                raise ValueError(leaves)
+            _own_files(self.directory, f"{s['name']}.bin", f"{s['name']}.idx")
         stamp_path, stamp = self._checked_stamp()
         known = _read_json(stamp_path) if stamp_path is not None else None
         self.shards = [IndexedDataset(os.path.join(self.directory, s["name"]),
@@ -248,16 +247,12 @@ def _write_json_quietly(path: Path, data: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _leaves(directory: str, *names: str) -> str | None:
-    """Why one of the manifest's ``names`` leads out of the dataset directory ("..", an absolute path), or None when
-    all are its own. A shard file that is a symlink is the user's own arrangement (shards kept on another
-    filesystem) and is read: its bytes are checked against the manifest's sizes and hashes as any shard's."""
-    try:
-        for name in names:
-            inside(directory, name, listed_in=MANIFEST, links=False)
-    except ValueError as e:
-        return str(e)
-    return None
+def _own_files(directory: str, *names: str) -> None:
+    """ValueError when one of the manifest's ``names`` leads out of the dataset directory ("..", an absolute path).
+    A shard file that is a symlink is the user's own arrangement (shards kept on another filesystem) and is read:
+    its bytes are checked against the manifest's sizes and hashes as any shard's."""
+    for name in names:
+        inside(directory, name, listed_in=MANIFEST, links=False)
 
 
 def verify_dataset(directory: str) -> list[str]:
@@ -268,58 +263,73 @@ def verify_dataset(directory: str) -> list[str]:
         return [str(e)]
     problems: list[str] = []
     totals = {"num_sequences": 0, "num_documents": 0, "num_tokens": 0}
+    vocab = manifest.get("tokenizer", {}).get("vocab_size", 0)
     for entry in manifest.get("shards", []):
-        name = entry.get("name", "?")
-        if (leaves := _leaves(directory, f"{name}.bin", f"{name}.idx")) is not None:
-            problems.append(f"shard {name}: {leaves}")
-            continue
-        prefix = os.path.join(directory, name)
-        bad = False
-        for ext in ("bin", "idx"):
-            path = f"{prefix}.{ext}"
-            if not os.path.isfile(path):
-                problems.append(f"shard {name}: {path} is missing")
-                bad = True
-                continue
-            if os.path.getsize(path) != entry.get(f"{ext}_bytes"):
-                problems.append(f"shard {name}: {path} has {os.path.getsize(path)} bytes, manifest says "
-                                f"{entry.get(f'{ext}_bytes')}")
-                bad = True
-            elif file_sha256(path) != entry.get(f"{ext}_sha256"):
-                problems.append(f"shard {name}: {path} sha256 mismatch (file changed or corrupt)")
-                bad = True
-        if bad:
-            continue
-        try:
-            shard = IndexedDataset(prefix)
-        except (FileNotFoundError, ValueError) as e:
-            problems.append(f"shard {name}: {e}")
-            continue
-        for key, got in (("num_sequences", len(shard)), ("num_documents", shard.num_documents),
-                         ("num_tokens", shard.num_tokens)):
-            if got != entry.get(key):
-                problems.append(f"shard {name}: {key} is {got}, manifest says {entry.get(key)}")
+        counts = _shard_problems(directory, entry, vocab, problems)
+        for key, got in (counts or {}).items():
             totals[key] += got
-        vocab = manifest.get("tokenizer", {}).get("vocab_size", 0)
-        if shard.num_tokens and int(np.max(shard._bin)) >= vocab:
-            problems.append(f"shard {name}: token id {int(np.max(shard._bin))} >= vocab_size {vocab}")
     if not problems:
         for key, got in totals.items():
             if manifest.get(key) != got:
                 problems.append(f"manifest total {key} is {manifest.get(key)}, shards sum to {got}")
-    freq_entry = manifest.get("token_freq")
-    if freq_entry:
-        path = os.path.join(directory, freq_entry["file"])
-        if (leaves := _leaves(directory, freq_entry["file"])) is not None:
-            problems.append(leaves)
-        elif not os.path.isfile(path):
-            problems.append(f"{path} is missing")
-        elif file_sha256(path) != freq_entry.get("sha256"):
-            problems.append(f"{path} sha256 mismatch (file changed or corrupt)")
-        else:
-            freq = np.load(path, allow_pickle=False)
-            vocab = manifest.get("tokenizer", {}).get("vocab_size")
-            if freq.dtype != np.float64 or freq.shape != (vocab,) or abs(float(freq.sum()) - 1.0) > 1e-9:
-                problems.append(f"{path}: expected float64 [{vocab}] summing to 1, got {freq.dtype} {freq.shape} "
-                                f"sum {float(freq.sum()):.6f}")
+    if manifest.get("token_freq"):
+        problems += _token_freq_problems(directory, manifest["token_freq"], manifest.get("tokenizer", {}))
     return problems
+
+
+def _shard_problems(directory: str, entry: dict, vocab: int, problems: list[str]) -> dict | None:
+    """One manifest shard entry checked (its files inside the dataset, sizes, sha256, index structure, counts, token
+    ids below ``vocab``), problems appended; its counts, or None when its files could not be read."""
+    name = entry.get("name", "?")
+    try:
+        _own_files(directory, f"{name}.bin", f"{name}.idx")
+    except ValueError as e:
+        problems.append(f"shard {name}: {e}")
+        return None
+    prefix = os.path.join(directory, name)
+    bad = False
+    for ext in ("bin", "idx"):
+        path = f"{prefix}.{ext}"
+        if not os.path.isfile(path):
+            problems.append(f"shard {name}: {path} is missing")
+            bad = True
+        elif os.path.getsize(path) != entry.get(f"{ext}_bytes"):
+            problems.append(f"shard {name}: {path} has {os.path.getsize(path)} bytes, manifest says "
+                            f"{entry.get(f'{ext}_bytes')}")
+            bad = True
+        elif file_sha256(path) != entry.get(f"{ext}_sha256"):
+            problems.append(f"shard {name}: {path} sha256 mismatch (file changed or corrupt)")
+            bad = True
+    if bad:
+        return None
+    try:
+        shard = IndexedDataset(prefix)
+    except (FileNotFoundError, ValueError) as e:
+        problems.append(f"shard {name}: {e}")
+        return None
+    counts = {"num_sequences": len(shard), "num_documents": shard.num_documents, "num_tokens": shard.num_tokens}
+    for key, got in counts.items():
+        if got != entry.get(key):
+            problems.append(f"shard {name}: {key} is {got}, manifest says {entry.get(key)}")
+    if shard.num_tokens and int(np.max(shard._bin)) >= vocab:
+        problems.append(f"shard {name}: token id {int(np.max(shard._bin))} >= vocab_size {vocab}")
+    return counts
+
+
+def _token_freq_problems(directory: str, entry: dict, tokenizer: dict) -> list[str]:
+    """The manifest's token_freq.npy: inside the dataset, present, its sha256, float64 [vocab] summing to 1."""
+    try:
+        _own_files(directory, entry["file"])
+    except ValueError as e:
+        return [str(e)]
+    path = os.path.join(directory, entry["file"])
+    if not os.path.isfile(path):
+        return [f"{path} is missing"]
+    if file_sha256(path) != entry.get("sha256"):
+        return [f"{path} sha256 mismatch (file changed or corrupt)"]
+    freq = np.load(path, allow_pickle=False)
+    vocab = tokenizer.get("vocab_size")
+    if freq.dtype != np.float64 or freq.shape != (vocab,) or abs(float(freq.sum()) - 1.0) > 1e-9:
+        return [f"{path}: expected float64 [{vocab}] summing to 1, got {freq.dtype} {freq.shape} "
+                f"sum {float(freq.sum()):.6f}"]
+    return []
