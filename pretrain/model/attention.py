@@ -278,10 +278,27 @@ def nested_attention(q_ND: torch.Tensor, k_ND: torch.Tensor, v_ND: torch.Tensor,
 
 
 def flash_varlen_applies(x: torch.Tensor, head_size: int) -> bool:
-    """Whether ``flash_varlen`` runs for ``x`` (q's stream): CUDA with flash attention enabled, bf16 or fp16, a head
-    size flash takes (a multiple of 8 up to 256), compute capability 8.0 or newer."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and head_size % 8 == 0 and head_size <= 256
-            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(x.device)[0] >= 8)
+    """Whether ``flash_varlen`` runs for ``x`` (q's stream): ``flash_varlen_refusal`` has no reason against it."""
+    return flash_varlen_refusal(x.device, x.dtype, head_size) is None
+
+
+def flash_varlen_refusal(device: torch.device, dtype: torch.dtype, head_size: int,
+                         dtype_name: str | None = None) -> str | None:
+    """Why ``flash_varlen`` does not run on ``device`` for ``dtype`` inputs of ``head_size`` (the varlen layout then
+    takes the nested tensors), or None: it needs CUDA with flash attention enabled, bf16 or fp16, a head size flash
+    takes (a multiple of 8 up to 256), compute capability 8.0 or newer. ``dtype_name``: how the reason names the
+    dtype (a config's setting)."""
+    if device.type != "cuda":
+        return "no GPU"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype_name or dtype}: the direct flash call takes bf16 or fp16"
+    if head_size % 8 or head_size > 256:
+        return f"a head size of {head_size}: flash takes multiples of 8 up to 256"
+    if not torch.backends.cuda.flash_sdp_enabled():
+        return "flash attention disabled (torch.backends.cuda.enable_flash_sdp)"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "a GPU older than compute capability 8.0"
+    return None
 
 
 def flash_varlen(q_NHK: torch.Tensor, k_NHK: torch.Tensor, v_NHK: torch.Tensor, cu_B1: torch.Tensor, max_len: int,

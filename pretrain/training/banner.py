@@ -20,6 +20,7 @@ import os
 from pretrain.config.train import cpu_computes_bf16_fast
 from pretrain.config.lint import inert_settings
 from pretrain.distributed.env import cuda_device_index
+from pretrain.model.attention import flash_varlen_refusal
 from pretrain.model.kernels import cpu_kernels
 
 GIB = 1024 ** 3
@@ -41,22 +42,16 @@ VARLEN_NESTED = ("train.unpadded_attention=varlen runs SDPA over nested jagged t
 
 def varlen_nested_why(cfg) -> str | None:
     """Why this run's ``varlen`` layout takes the nested-tensor path (model/attention.py ``varlen_attention``), or
-    None where it calls flash attention directly (CUDA, bf16/fp16, a head size flash takes, sm80 or newer) or does
-    not run varlen at all."""
+    None where it calls flash attention directly (``attention.flash_varlen_refusal``'s rule) or does not run varlen
+    at all."""
     import torch
 
     if cfg.train.unpadded_layout(cfg.model.arch) != "varlen":
         return None
-    if not _on_gpu():
-        return "no GPU"
-    head_size = cfg.model.hidden_size // cfg.model.num_heads
-    if cfg.train.precision not in ("bf16", "fp16"):
-        return f"train.precision={cfg.train.precision}: the direct flash call takes bf16 or fp16"
-    if head_size % 8 or head_size > 256:
-        return f"a head size of {head_size}: flash takes multiples of 8 up to 256"
-    if torch.cuda.get_device_capability()[0] < 8:
-        return "a GPU older than compute capability 8.0"
-    return None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
+    return flash_varlen_refusal(torch.device("cuda" if _on_gpu() else "cpu"), dtype,
+                                cfg.model.hidden_size // cfg.model.num_heads,
+                                dtype_name=f"train.precision={cfg.train.precision}")
 
 
 def parameter_counts(module) -> dict[str, int]:
