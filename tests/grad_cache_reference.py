@@ -167,6 +167,14 @@ def as_double(chunk: dict) -> dict:
     return {k: v.double() if v.is_floating_point() else v for k, v in chunk.items()}
 
 
+def gathered_weights(module) -> dict:
+    """Every parameter whole, as float64 copies by name (ZeRO-3's partitions gathered first; collective there)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        return {n: p.detach().double().clone() for n, p in module.named_parameters()}
+
+
 def param_grads(module) -> dict:
     return {n: p.grad.detach().double().clone() for n, p in module.named_parameters() if p.grad is not None}
 

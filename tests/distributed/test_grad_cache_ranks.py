@@ -49,8 +49,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.nn.functional.dropout = R.dtype_free_dropout  # this process's only: the float64 reference draws alike
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        import deepspeed
-
         from pretrain.distributed.engine import Engine
         from pretrain.metrics.accumulate import MetricSums
         from pretrain.training.cached_step import cached_optimizer_step
@@ -73,10 +71,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             sums = MetricSums()
             result = step(engine, chunks.__next__, sums, env=env, grad_accum=len(sizes), seed=R.SEED,
                           step=R.STEP, precision="fp32")
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                weights = {n: p.detach().double().clone() for n, p in module.named_parameters()}
-            results.append({"weights": weights, "lr": result.info.lr, "skipped": result.info.skipped,
-                            "loss": sums.reduce(env)["loss"]})
+            results.append({"weights": R.gathered_weights(module), "lr": result.info.lr,
+                            "skipped": result.info.skipped, "loss": sums.reduce(env)["loss"]})
             del engine, module
             gc.collect()
         if rank == 0:

@@ -105,8 +105,6 @@ def _worker(rank: int, world: int, port: int, runs: list, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        import deepspeed
-
         from pretrain.distributed import engine as engine_mod
         from pretrain.distributed.engine import Engine
         from pretrain.metrics.accumulate import MetricSums
@@ -139,9 +137,8 @@ def _worker(rank: int, world: int, port: int, runs: list, out: str) -> None:
                           precision="fp32")
             sums.set("grad_norm", result.info.grad_norm)
             metrics = sums.reduce(env)
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                weights = {n: p.detach().double().clone() for n, p in module.named_parameters()}
-            results.append({"weights": weights, "metrics": metrics, "skipped": bool(result.info.skipped)})
+            results.append({"weights": R.gathered_weights(module), "metrics": metrics,
+                            "skipped": bool(result.info.skipped)})
             del engine, module
             gc.collect()
         if rank == 0:

@@ -70,8 +70,6 @@ def test_a_chunk_without_triplets_steps_at_zero3_as_at_zero2(clean_env, monkeypa
     gets its gradient). ZeRO-3 holds the head's parameters as empty tensors outside its own call: the zero then
     took a gradient of shape [0] and backward failed ("SumBackward0 returned an invalid gradient") in the cached
     step. Every parameter partitioned between uses (tests/zero3_partitioned.py); the step is ZeRO-2's."""
-    import deepspeed
-
     import pretrain.distributed.engine as engine_mod
     from pretrain.config import DistributedConfig, OptimConfig, TrainConfig
     from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
@@ -97,9 +95,7 @@ def test_a_chunk_without_triplets_steps_at_zero3_as_at_zero2(clean_env, monkeypa
             it, sums = iter([dict(c) for c in chunks]), MetricSums()
             cached_optimizer_step(engine, it.__next__, sums, env=env, grad_accum=2, seed=R.SEED, step=R.STEP,
                                   precision="fp32")
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                results[stage] = ({n: p.detach().clone() for n, p in module.named_parameters()},
-                                  sums.reduce(env)["loss"])
+            results[stage] = (R.gathered_weights(module), sums.reduce(env)["loss"])
     finally:
         destroy_process_group()
     (w2, loss2), (w3, loss3) = results[2], results[3]
