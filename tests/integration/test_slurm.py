@@ -164,6 +164,7 @@ def test_sbatch_runs_two_workers_to_completion(jobs):
     info, log, run = jobs["infos"]["reference"], jobs["logs"]["reference"], jobs["runs"]["reference"]
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", log[-3000:]
     assert "1 node(s) x 2 worker(s)" in log
+    assert "warning: no --cpus-per-task" in log  # submitted without it: the node's task may get one core
     losses = _train_losses(run)
     assert sorted(losses) == list(range(1, MAX_STEPS + 1)) and all(math.isfinite(v) for v in losses.values())
     assert (run / "config.yaml").is_file()
@@ -248,7 +249,7 @@ def _readme_cpu_example() -> list[str]:
     """The two commands of slurm/README.md's CPU example, as written there."""
     text = (REPO / "slurm" / "README.md").read_text(encoding="utf-8")
     prep = next(ln for ln in text.splitlines() if ln.startswith("python -m pretrain.quickstart runs/tiny"))
-    submit = next(ln for ln in text.splitlines() if ln.startswith("GPUS_PER_NODE=2 sbatch slurm/pretrain.sbatch"))
+    submit = next(ln for ln in text.splitlines() if ln.startswith("GPUS_PER_NODE=2 sbatch --cpus-per-task=2 slurm/pretrain.sbatch"))
     return [prep, submit]
 
 
@@ -265,14 +266,14 @@ def test_readme_cpu_example_runs_as_written_and_errors_end_in_one_line(cluster, 
     assert prep.startswith("python -m ")
     done = subprocess.run([sys.executable, *shlex.split(prep)[1:]], cwd=REPO, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    variable, *args = shlex.split(submit)  # GPUS_PER_NODE=2 sbatch slurm/pretrain.sbatch RUN_DIR CONFIG ...
+    variable, *args = shlex.split(submit)  # GPUS_PER_NODE=2 sbatch --cpus-per-task=2 slurm/pretrain.sbatch RUN CFG ..
     job_env = dict(env, **dict([variable.split("=", 1)]))
-    assert args[0] == "sbatch" and args[1] == "slurm/pretrain.sbatch"
+    assert args[:3] == ["sbatch", "--cpus-per-task=2", "slurm/pretrain.sbatch"]
     fast = ["train.max_steps=4", "train.eval_every=0", "checkpoint.every=0"]
     bad_run = tmp_path / "no-data"
     ids = {}
     for name, argv in (("ok", [*args[1:], *fast]),
-                       ("bad", [args[1], str(bad_run), args[3], "distributed.backend=gloo", *fast])):
+                       ("bad", [*args[1:3], str(bad_run), args[4], "distributed.backend=gloo", *fast])):
         proc = subprocess.run(["sbatch", "--parsable", *argv], cwd=REPO, env=job_env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         ids[name] = proc.stdout.strip().split(";")[0]
@@ -285,6 +286,8 @@ def test_readme_cpu_example_runs_as_written_and_errors_end_in_one_line(cluster, 
         logs[name] = out.read_text()
     assert infos["ok"]["JobState"] == "COMPLETED", logs["ok"][-3000:]
     assert "training step finished (exit 0)" in logs["ok"] and (run / "checkpoints" / "step_00000004").is_dir()
+    # --cpus-per-task reaches the job (its CPUs named on the first line) and silences the one-core warning
+    assert "2 CPU(s) a node" in logs["ok"] and "no --cpus-per-task" not in logs["ok"], logs["ok"][:2000]
     bad = logs["bad"]
     assert infos["bad"]["JobState"] == "FAILED" and infos["bad"]["ExitCode"].startswith("2:"), bad[-3000:]
     assert "pretrain-train: error: data.tokenizer is empty" in bad, bad[-3000:]
