@@ -331,8 +331,13 @@ def load_or_build_sentence_index(source) -> SentenceIndex:
     cached = _cached_or_built(path, "sentence index", opened, lambda tmp: _write_int64_npy(tmp, total, fill))
     if cached is not None:
         return SentenceIndex(cached, path)
-    out = np.empty(total, dtype=np.int64)
-    return SentenceIndex(out[:fill(out)].copy())
+    # In RAM on every rank (8 bytes a non-empty sentence): counted first, so the peak is that one array, not a
+    # worst-case array plus its trimmed copy (16 GB a rank at 1e9 sentences).
+    count = sum(int(np.count_nonzero(np.asarray(sizes[a:a + _SCAN]) > 0))
+                for sizes, _, _ in _pieces(source) for a in range(0, len(sizes), _SCAN))
+    out = np.empty(count, dtype=np.int64)
+    fill(out)
+    return SentenceIndex(out)
 
 
 def separators(source, first_B: np.ndarray, end_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -344,10 +349,7 @@ def separators(source, first_B: np.ndarray, end_B: np.ndarray) -> tuple[np.ndarr
     offset tables only."""
     first_B, end_B = np.asarray(first_B, dtype=np.int64), np.asarray(end_B, dtype=np.int64)
     rows, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for doc_idx, offsets, start in _doc_tables(source):
-        inside = np.flatnonzero((first_B >= start) & (first_B < start + len(offsets)))
-        if not len(inside):
-            continue
+    for inside, doc_idx, offsets, start in _doc_tables(source, first_B):
         f, e = first_B[inside] - start, end_B[inside] - start
         lo = np.searchsorted(doc_idx, f, side="right")
         hi = np.searchsorted(doc_idx, e, side="left")
@@ -364,14 +366,21 @@ def separators(source, first_B: np.ndarray, end_B: np.ndarray) -> tuple[np.ndarr
     return pairs[:, 0], pairs[:, 1]
 
 
-def _doc_tables(source) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """(doc_idx, token offset of each sentence, first sentence) per shard of a ShardedDataset, else the whole
-    source's (offsets computed from its sizes: small test sources)."""
+def _doc_tables(source, first_B: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """(rows of ``first_B`` in it, doc_idx, token offset of each sentence, first sentence) for each shard of a
+    ShardedDataset that holds some of ``first_B`` (found by one search: a batch's cost does not grow with the
+    hundreds of shards of a large corpus), else for the whole source (offsets computed from its sizes: small test
+    sources)."""
     shards = getattr(source, "shards", None)
     if shards is None:
         sizes = np.asarray(source.sizes, dtype=np.int64)
-        return [(np.asarray(source.doc_idx), np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64), 0)]
-    return [(shard.doc_idx, shard.offsets, start) for shard, start in zip(shards, source.starts.tolist())]
+        inside = np.flatnonzero((first_B >= 0) & (first_B < len(sizes)))
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        return [(inside, np.asarray(source.doc_idx), offsets, 0)] if len(inside) else []
+    starts = np.asarray(source.starts)
+    k_B = np.searchsorted(starts, first_B, side="right") - 1
+    return [(np.flatnonzero(k_B == k), shards[k].doc_idx, shards[k].offsets, int(starts[k]))
+            for k in np.unique(k_B).tolist() if 0 <= k < len(shards)]
 
 
 def _pieces(source) -> list[tuple[np.ndarray, np.ndarray, int]]:
