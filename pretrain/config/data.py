@@ -93,6 +93,12 @@ class DataConfig:
     num_workers: int = 1
     """DataLoader worker processes building samples (masking + augmentation)."""
     prefetch_factor: int = 4
+    index_cache_dir: str = ""
+    """Where the datasets' index caches (sample index, sentence index, shard-check stamps) are kept: "" = each
+    dataset's own ``index-cache/``. Set it when the dataset directories are read-only (a shared project space):
+    otherwise every rank builds its indexes in RAM (8 bytes a sample or sentence, per rank). Files are named by
+    the dataset's manifest digest, so one directory can serve many datasets and runs; ranks sharing it must see
+    the same filesystem."""
     packing: Literal["document", "full"] = "document"
     """Which sentences make an MLM sample: contiguous sentences of one document up to max_len (document), or
     contiguous sentences across documents filling max_len, a [SEP] between two documents (full: RoBERTa's

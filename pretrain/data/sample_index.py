@@ -163,7 +163,12 @@ def index_cache_path(source, budget: int, packing: str = "document") -> Path | N
     if digest is None:
         return None
     rule = INDEX_RULES[packing]
-    return Path(source.directory) / INDEX_CACHE_DIR / f"samples-{digest}-b{budget}-{rule}-{INDEX_LAYOUT}.npy"
+    return _cache_dir(source) / f"samples-{digest}-b{budget}-{rule}-{INDEX_LAYOUT}.npy"
+
+
+def _cache_dir(source) -> Path:
+    """The source's index-cache directory (``data.index_cache_dir``, else ``<dataset>/index-cache``)."""
+    return getattr(source, "cache_dir", None) or Path(source.directory) / INDEX_CACHE_DIR
 
 
 def _bounds(source) -> np.ndarray:
@@ -206,11 +211,12 @@ def _cached_or_built(path: Path | None, what: str, opened, write) -> np.ndarray 
         return cached
     tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
     try:
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
         os.replace(tmp, path)
     except OSError as e:
-        print(f"[data] could not cache the {what} in {path.parent} ({e}); using it from memory", flush=True)
+        print(f"[data] could not cache the {what} in {path.parent} ({e}); every rank builds it in memory (8 bytes "
+              f"a row): set data.index_cache_dir to a writable directory that all ranks see", flush=True)
         tmp.unlink(missing_ok=True)
         return None
     return opened()
@@ -312,7 +318,7 @@ def load_or_build_sentence_index(source) -> SentenceIndex:
     """The source's non-empty sentences, cached like the sample index (built once in a pass over the shards'
     memory-mapped sizes, in slices: no corpus-sized array in RAM; a damaged or foreign cache is rebuilt)."""
     digest, total = getattr(source, "manifest_digest", None), len(source)
-    path = (Path(source.directory) / INDEX_CACHE_DIR / f"sentences-{digest}-{NONEMPTY_RULE}.npy"
+    path = (_cache_dir(source) / f"sentences-{digest}-{NONEMPTY_RULE}.npy"
             if digest is not None else None)
 
     def fill(out: np.ndarray) -> int:

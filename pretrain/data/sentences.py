@@ -72,7 +72,8 @@ class SentenceDataset(torch.utils.data.Dataset):
         """Sets ``lines`` (a text file) or ``source`` (a preprocessed directory) and ``index_N``."""
         p = Path(path)
         if p.is_dir():
-            self.source = ShardedDataset(str(p), tokenizer_sha256=getattr(tokenizer, "sha256", None))
+            self.source = ShardedDataset(str(p), tokenizer_sha256=getattr(tokenizer, "sha256", None),
+                                         cache_dir=self.cfg.index_cache_dir)
             # Memory-mapped from the dataset's index cache: no per-rank array that grows with the corpus.
             self.index_N = load_or_build_sentence_index(self.source)
         elif p.is_file():  # a small corpus (wiki1m: 1e6 lines); a large one is preprocessed into shards first

@@ -93,9 +93,11 @@ def _raw_inputs(directory: Path, limit: int = 3) -> list[str]:
 class ShardedDataset:
     """All shards of one dataset behind one global sentence index; pickles by directory."""
 
-    def __init__(self, directory: str, *, tokenizer_sha256: str | None = None) -> None:
+    def __init__(self, directory: str, *, tokenizer_sha256: str | None = None, cache_dir: str = "") -> None:
         self.directory = str(directory)
-        self._tokenizer_sha256 = tokenizer_sha256
+        self._tokenizer_sha256, self._cache_dir = tokenizer_sha256, str(cache_dir or "")
+        self.cache_dir = Path(cache_dir) if cache_dir else Path(self.directory) / INDEX_CACHE_DIR
+        """Where this dataset's index caches live (``data.index_cache_dir``, else ``<directory>/index-cache``)."""
         self.manifest = read_manifest(self.directory)
         self.manifest_digest = hashlib.sha256((Path(self.directory) / MANIFEST).read_bytes()).hexdigest()[:20]
         """Names this exact dataset (the manifest checksums every shard): the key of its index-cache files."""
@@ -143,7 +145,7 @@ class ShardedDataset:
             except OSError:
                 return None, {}  # a missing file: IndexedDataset says which
             stamp[s["name"]] = [[st.st_size, st.st_mtime_ns] for st in stat]
-        return Path(self.directory) / INDEX_CACHE_DIR / f"checked-{self.manifest_digest}.json", stamp
+        return self.cache_dir / f"checked-{self.manifest_digest}.json", stamp
 
     @functools.cached_property
     def sizes(self) -> np.ndarray:
@@ -222,10 +224,10 @@ class ShardedDataset:
         return np.load(path, allow_pickle=False)
 
     def __getstate__(self) -> dict:
-        return {"directory": self.directory, "tokenizer_sha256": self._tokenizer_sha256}
+        return {"directory": self.directory, "tokenizer_sha256": self._tokenizer_sha256, "cache_dir": self._cache_dir}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["directory"], tokenizer_sha256=state["tokenizer_sha256"])
+        self.__init__(state["directory"], tokenizer_sha256=state["tokenizer_sha256"], cache_dir=state["cache_dir"])
 
 
 def _read_json(path: Path) -> dict | None:
@@ -240,7 +242,7 @@ def _write_json_quietly(path: Path, data: dict) -> None:
     """Atomic write; a read-only or full dataset directory just goes without (the check runs again next time)."""
     tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
     try:
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(data), encoding="utf-8")
         os.replace(tmp, path)
     except OSError:

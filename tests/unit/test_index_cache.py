@@ -240,3 +240,35 @@ def test_sentence_dataset_reads_a_preprocessed_directory_through_the_cached_inde
         assert np.array_equal(ds.tokens(i), np.asarray(src[int(nonempty[i])]))
     clone = pickle.loads(pickle.dumps(ds))
     assert all(np.array_equal(a, b) for a, b in zip(clone[(0, 3)].values(), ds[(0, 3)].values()))
+
+
+def test_index_cache_dir_keeps_every_cache_out_of_a_read_only_dataset(dataset_dir, tiny_corpus, tmp_path):
+    """data.index_cache_dir: a dataset in a read-only project space still gets memory-mapped caches shared by the
+    ranks (not an in-RAM index per rank): the sample index, the sentence index and the shard-check stamp all go to
+    that directory (made with its parents), the dataset directory is left untouched, workers get the place with
+    the pickled dataset, and a second open reuses what the first wrote."""
+    from pretrain.config.objective import ObjectiveConfig
+    from pretrain.data.datasets import build_dataset
+    from pretrain.data.sentences import SentenceDataset
+
+    before = sorted(p.relative_to(dataset_dir) for p in dataset_dir.rglob("*"))
+    cache = tmp_path / "scratch" / "pretrain-index"
+    tok = load_tokenizer(tiny_corpus["tokenizer"])
+    cfg = DataConfig(tokenizer=tiny_corpus["tokenizer"], sources=[SourceConfig(name="d", path=str(dataset_dir))],
+                     max_len=64, view_max_len=32, index_cache_dir=str(cache))
+    ds = build_dataset(cfg, tok, seed=1)
+    sentences = SentenceDataset(str(dataset_dir), tok, cfg, ObjectiveConfig(), seed=1)
+    assert sorted(p.relative_to(dataset_dir) for p in dataset_dir.rglob("*")) == before  # nothing written there
+    names = sorted(p.name.split("-")[0] for p in cache.iterdir())
+    assert names == ["checked", "samples", "sentences"], names
+    assert ds.index.path.parent == cache and isinstance(ds.index.starts, np.memmap)
+    assert sentences.index_N.path.parent == cache and isinstance(sentences.index_N.positions, np.memmap)
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone.index.path == ds.index.path and clone.source.cache_dir == cache
+    stamps = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    again = build_dataset(cfg, tok, seed=1)
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps  # reused, not rebuilt
+    default = build_dataset(DataConfig(tokenizer=tiny_corpus["tokenizer"], max_len=64, view_max_len=32,
+                                       sources=cfg.sources), tok, seed=1)
+    assert default.index.path.parent == dataset_dir / "index-cache"
+    assert np.array_equal(np.asarray(default.index.starts), np.asarray(again.index.starts))
