@@ -16,8 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-from pretrain.distributed.env import unique_suffix
-
 
 class MetricsWriteError(RuntimeError):
     """metrics.jsonl or the TensorBoard events could not be written; the message says what to do."""
@@ -157,23 +155,53 @@ def _clean(v):
 
 
 def _truncate_after_step(path: Path, step: int) -> None:
-    """Drop records of steps > ``step`` (they were logged after the checkpoint we resume from; -1: all of them)."""
-    keep = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    """Drop the records of steps > ``step`` (logged after the checkpoint we resume from; -1: all of them) and a
+    line cut by a kill. Records are appended in step order (every launch and rollback cuts the file here before it
+    appends), so the file is read backwards only as far as its last whole record of a step <= ``step`` and cut there
+    in place: a resume or rollback costs the records since the checkpoint, not the run's whole history, and needs
+    no free space. (Until 2026-12-07 every launch and rollback parsed and rewrote the whole file: ~100k records
+    and tens of MB at step 1e6.)"""
+    with open(path, "r+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        keep = _end_of_records_upto(f, end, step) if step >= 0 else 0
+        if keep < end:
+            f.truncate(keep)
+            os.fsync(f.fileno())
+
+
+def _end_of_records_upto(f, end: int, step: int) -> int:
+    """The offset just past the last whole line of ``f`` (its first ``end`` bytes) that is a record of a step <=
+    ``step``; 0 when there is none."""
+    for start, line in _lines_backwards(f, end):
+        if line.endswith(b"\n"):
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill: drop it
-            if rec.get("step", 0) <= step:
-                keep.append(line if line.endswith("\n") else line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
-    try:
-        tmp.write_text("".join(keep), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk: no partial copy left beside the file
-        raise
+            except ValueError:  # a line cut by a kill (no JSON, or not UTF-8): dropped
+                continue
+            if isinstance(rec, dict) and rec.get("step", 0) <= step:
+                return start + len(line)
+    return 0
+
+
+TAIL_BLOCK = 1 << 16
+"""Bytes read at a time by ``_lines_backwards``."""
+
+
+def _lines_backwards(f, end: int):
+    """(offset, bytes with its newline) of each line of ``f``'s first ``end`` bytes, the last line first, read from the
+    end in blocks of TAIL_BLOCK (memory: a block and one line)."""
+    pos, head = end, b""  # head: the start of a line that began in an earlier block
+    while pos > 0:
+        start = max(0, pos - TAIL_BLOCK)
+        f.seek(start)
+        block = f.read(pos - start) + head
+        pos, cut = start, len(block)  # cut: the end of the line being looked for, in block
+        while (i := block.rfind(b"\n", 0, max(0, cut - 1))) >= 0:  # its own newline at cut - 1 is not its start
+            yield start + i + 1, block[i + 1:cut]
+            cut = i + 1
+        head = block[:cut]
+    if head:
+        yield 0, head
 
 
 _PROGRESS_TAIL = ("lr", "grad_norm", "loss_scale", "bad_steps", "samples_per_s", "tokens_per_s", "data_wait_frac")

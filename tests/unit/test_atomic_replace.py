@@ -133,16 +133,20 @@ def test_metrics_line_cut_by_a_full_disk_is_truncated_and_writing_stops(tmp_path
 
 
 def test_a_run_directory_still_full_at_start_is_one_clear_error(tmp_path, monkeypatch):
+    """The records after the checkpoint are cut in place (no copy: that works on a full disk); a file that cannot
+    be opened for the run's records is one clear error."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "split": "train"}\n{"step": 2, "split": "train"}\n')
 
-    def full(src, dst):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(os, "replace", full)
+    monkeypatch.setattr(os, "open", full)
     with pytest.raises(MetricsWriteError, match=rf"writing {tmp_path / 'metrics.jsonl'} failed \(ENOSPC: No space "
                                                 rf"left on device\); free space in {tmp_path} and relaunch"):
         MetricsWriter(tmp_path, resume_step=1)
+    monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no partial copy left beside it
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "split": "train"}\n'
 
 
 def test_a_tensorboard_threads_failed_write_is_one_line_and_other_threads_keep_their_hook(tmp_path, monkeypatch,
