@@ -224,11 +224,12 @@ def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
     _barrier(env)
 
 
-def publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
+def publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int, keep_every: int = 0) -> None:
     """The complete ``tmp_dir`` becomes ``tag`` and ``latest`` (each by an atomic rename); of the checkpoints up to
     ``tag``'s step, those beyond the newest ``keep_last`` (``tag`` among them) go. Tags of later steps are left
     alone: the run went back from them (a damaged one the resume or a rollback skipped), and counted by step they
-    would outrank ``tag`` and have it removed the moment it was published."""
+    would outrank ``tag`` and have it removed the moment it was published. A step that is a multiple of
+    ``keep_every`` (> 0) is never removed (a milestone)."""
     # An older copy of this step (a step redone after a resume or rollback, which `latest` may name) is swapped
     # out, not removed first: the tag is never absent. replace_dir's fsync makes it durable before `latest` names it.
     replace_dir(tmp_dir, ckpt_dir / tag)
@@ -236,7 +237,8 @@ def publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int) -> None:
     fsync_dir(ckpt_dir)
     upto = [t for t in list_complete(ckpt_dir) if _step_of(t) <= _step_of(tag)]
     for old in upto[:-keep_last]:
-        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+        if not (keep_every and _step_of(old) % keep_every == 0):
+            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 
 
 def describe_error(e: BaseException) -> str:

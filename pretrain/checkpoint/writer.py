@@ -66,6 +66,7 @@ class SaveJob:
     """model/flat.py's layout_of the module ({} for per-tensor parameters): flat_layout.json."""
     tokenizer_path: str | None = None
     keep_last: int = 1
+    keep_every: int = 0
     timeout_s: float = 600.0
     """How long rank 0 waits for the other ranks' markers (distributed.timeout_s)."""
     deadline: float | None = None
@@ -92,7 +93,8 @@ class SaveAbandoned(Exception):
 
 
 def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config_yaml: str,
-                 tokenizer_path: str | None, keep_last: int, timeout_s: float, pool=None) -> SaveJob:
+                 tokenizer_path: str | None, keep_last: int, timeout_s: float, keep_every: int = 0,
+                 pool=None) -> SaveJob:
     """Collective: this rank's state in host memory for checkpoint ``step``: the bytes of the files it writes, or
     with a ``StoragePool`` (a background save) the states copied into its buffers, serialized by the writer.
     Rank 0 first clears leftovers of unfinished saves (no writer runs: the caller waited for the previous one)."""
@@ -110,7 +112,7 @@ def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config
     return SaveJob(ckpt_dir=ckpt_dir, step=step, rank=env.rank, world_size=env.world_size if env.is_distributed else 1,
                    blobs=blobs, trainer_state=json.loads(json.dumps(trainer_state)),  # a copy: training goes on
                    config_yaml=config_yaml, flat_layout=layout_of(engine.module), tokenizer_path=tokenizer_path,
-                   keep_last=keep_last, timeout_s=timeout_s)
+                   keep_last=keep_last, keep_every=keep_every, timeout_s=timeout_s)
 
 
 def _serialized(obj) -> list[bytes]:
@@ -187,7 +189,7 @@ def run_main(job: SaveJob, *, on_published=None) -> Path:
         state = dict(job.trainer_state, format_version=store.FORMAT_VERSION, step=job.step, tag=job.tag)
         atomic_write_text(job.tmp_dir / store.STATE_FILE, json.dumps(state, indent=2))
         job.check()
-        store.publish(job.ckpt_dir, job.tmp_dir, job.tag, job.keep_last)
+        store.publish(job.ckpt_dir, job.tmp_dir, job.tag, job.keep_last, job.keep_every)
     except BaseException:
         shutil.rmtree(job.tmp_dir, ignore_errors=True)
         raise

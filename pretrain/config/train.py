@@ -305,6 +305,10 @@ class CheckpointConfig:
     in-memory snapshot, so training goes on meanwhile (the next save, the end of the run and a stop signal wait for
     it). false: every save finishes before training continues (the same files, written at once)."""
     keep_last: int = 3
+    """Checkpoints kept: the newest keep_last (older ones are removed once a newer one is published)."""
+    keep_every: int = 0
+    """Also keep, for good, every checkpoint whose step is a multiple of this (milestones of a long run: 50000
+    keeps steps 50k, 100k, ...; each is a whole checkpoint on disk); 0 = off. A multiple of checkpoint.every."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the run directory's latest complete checkpoint if there is one."""
     init_from: str = ""
@@ -316,6 +320,9 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:
             raise ValueError(f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1, got {self.every}, {self.keep_last}")
+        if self.keep_every < 0 or (self.keep_every and self.every and self.keep_every % self.every):
+            raise ValueError(f"checkpoint.keep_every must be 0 (off) or a multiple of checkpoint.every={self.every} "
+                             f"(only steps that are saved can be kept), got {self.keep_every}")
         if not self.every_minutes >= 0 or self.every_minutes == float("inf"):
             raise ValueError(f"checkpoint.every_minutes must be a finite number >= 0 (0 = off), got "
                              f"{self.every_minutes!r}")

@@ -378,7 +378,7 @@ class Trainer:
         job = snapshot_job(self.engine, self.env, self.run_dir, step=self.state.step,
                            trainer_state=self.state.state_dict(), config_yaml=to_yaml(c),
                            tokenizer_path=c.data.tokenizer, keep_last=c.checkpoint.keep_last,
-                           timeout_s=c.distributed.timeout_s)
+                           keep_every=c.checkpoint.keep_every, timeout_s=c.distributed.timeout_s)
         path = self.saver.start(job)
         self._saved, self._save_due, self._last_save_t = (self.state.step, path), False, time.monotonic()
         if wait or not c.checkpoint.background:

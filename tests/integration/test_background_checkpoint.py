@@ -133,9 +133,9 @@ def test_a_new_save_waits_for_the_previous_one(tmp_path, tiny_overrides, clean_e
         events.append(("snapshot", step))
         return real_snapshot(*a, step=step, **k)
 
-    def publish(ckpt_dir, tmp_dir, tag, keep_last):
+    def publish(ckpt_dir, tmp_dir, tag, *retention):
         time.sleep(0.2)
-        real_publish(ckpt_dir, tmp_dir, tag, keep_last)
+        real_publish(ckpt_dir, tmp_dir, tag, *retention)
         events.append(("published", int(tag.split("_")[1])))
 
     monkeypatch.setattr(store, "publish", publish)

@@ -152,3 +152,23 @@ def test_scattered_bad_steps_over_a_long_run_do_not_stop_it():
     bad.add(True, 410_005)
     with pytest.raises(TrainingDiverged, match="5 in a row, last at 410005"):
         bad.settle()
+
+
+def test_keep_every_keeps_milestones_for_good_and_the_newest_keep_last(tmp_path):
+    """checkpoint.keep_every: saving every 1,000 steps with keep_last=2 and keep_every=5,000, a run at step 12,000
+    has the milestones 5,000 and 10,000 and the newest two (11,000, 12,000), nothing else; keep_every=0 leaves the
+    newest two only. A keep_every off the checkpoint.every grid (a milestone that is never saved) is refused."""
+    from pretrain.config.train import CheckpointConfig
+
+    for keep_every, want in ((5_000, [5_000, 10_000, 11_000, 12_000]), (0, [11_000, 12_000])):
+        ckpt_dir = store.checkpoints_dir(tmp_path / f"run-{keep_every}")
+        ckpt_dir.mkdir(parents=True)
+        for step in range(1_000, 12_001, 1_000):
+            tmp = ckpt_dir / f".tmp-{store.tag_for_step(step)}"
+            tmp.mkdir()
+            (tmp / store.STATE_FILE).write_text(json.dumps({"format_version": store.FORMAT_VERSION, "step": step}))
+            store.publish(ckpt_dir, tmp, store.tag_for_step(step), 2, keep_every)
+        assert [int(t[5:]) for t in store.list_complete(ckpt_dir)] == want
+    assert CheckpointConfig(every=1000, keep_every=50_000).keep_every == 50_000
+    with pytest.raises(ValueError, match="multiple of checkpoint.every=1000"):
+        CheckpointConfig(every=1000, keep_every=2_500)
