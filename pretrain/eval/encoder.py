@@ -9,6 +9,7 @@ Legend: B batch, T tokens, D hidden size, N sentences.
 from __future__ import annotations
 
 import inspect
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from pretrain.console import show_progress
-from pretrain.eval.hf_backend import load_hf_backbone
+from pretrain.eval.hf_backend import HFBackbone, load_hf_backbone
 from pretrain.export.resolve import detect_kind, open_weights
 
 EncodeFn = Callable[[list[str]], np.ndarray]
@@ -32,24 +33,31 @@ def tokenize_all(tokenizer, texts: Sequence[str]) -> list[list[int]]:
 
 
 def add_specials(ids_a: list[int], ids_b: list[int] | None, tokenizer, max_len: int):
-    """[CLS] a [SEP] (b [SEP]) truncated longest-first to max_len; returns (ids, token_types). A RoBERTa vocabulary
-    (``tokenizer.roberta_specials``): <s> a </s></s> b </s>, all type 0, as RoBERTa pairs sentences."""
+    """[CLS] a [SEP] (b [SEP]) cut to max_len (a pair by ``truncate_longest_first``); returns (ids, token_types). A
+    RoBERTa vocabulary (``tokenizer.roberta_specials``): <s> a </s></s> b </s>, all type 0, as RoBERTa pairs them."""
     a, b = list(ids_a), list(ids_b) if ids_b is not None else None
     roberta = getattr(tokenizer, "roberta_specials", False)
     budget = max_len - (2 if b is None else 4 if roberta else 3)
     if b is None:
         a = a[:budget]
         return [tokenizer.cls_id, *a, tokenizer.sep_id], [0] * (len(a) + 2)
-    while len(a) + len(b) > budget:
-        if len(a) >= len(b):
-            a.pop()
-        else:
-            b.pop()
+    a, b = truncate_longest_first(a, b, budget)
     if roberta:
         ids = [tokenizer.cls_id, *a, tokenizer.sep_id, tokenizer.sep_id, *b, tokenizer.sep_id]
         return ids, [0] * len(ids)
     ids = [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id]
     return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
+
+
+def truncate_longest_first(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """A pair cut to ``budget`` tokens as the tokenizers library's longest_first (transformers' fast tokenizers,
+    run_glue): only the longer text loses tokens while the shorter fits in half the budget, else the shorter (``a``
+    on a tie) keeps budget // 2 and the longer the rest (so a longer ``a`` keeps the odd token)."""
+    if len(a) + len(b) <= budget:
+        return a, b
+    n_short = min(len(a), len(b), max(budget, 0) // 2)
+    n_long = max(budget, 0) - n_short
+    return (a[:n_short], b[:n_long]) if len(a) <= len(b) else (a[:n_long], b[:n_short])
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +164,16 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", 
 def load_sentence_encoder(path: str | Path, pooling: str, *, backend: str = "auto", max_len: int = 128,
                           batch_size: int = 64, device: str = "cpu", progress: bool = False,
                           trust: bool = False) -> SentenceEncoder:
-    """SentenceEncoder for a checkpoint / from-hf dir / HF BERT dir."""
+    """SentenceEncoder for a checkpoint / from-hf dir / HF BERT dir. A sentence-transformers directory's embedding
+    is its modules' (Dense, Normalize; either backend) with ``pooling`` for its Pooling: warned when they differ."""
     model, tok = load_backbone(path, backend=backend, device=device, trust=trust)
+    if isinstance(model, HFBackbone) and (Path(path) / "modules.json").is_file():
+        model.read_sentence_modules(Path(path))  # ours reads them in load_backbone (open_weights)
+        model.to(device)
+    stated = getattr(model, "stated_pooling", None) or getattr(getattr(model, "cfg", None), "pooling", None)
+    if stated is not None and stated != pooling and detect_kind(path) == "sentence_transformers":
+        warnings.warn(f"{path} is a sentence-transformers model that pools by {stated} (its modules.json); pooling "
+                      f"{pooling} gives other embeddings than sentence-transformers' (pass --pooling {stated} for "
+                      f"those)", stacklevel=2)
     return SentenceEncoder(model, tok, pooling=pooling, max_len=max_len, batch_size=batch_size,
                            device=device, progress=progress)

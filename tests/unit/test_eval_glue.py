@@ -245,3 +245,61 @@ def test_finetune_pairs_on_a_backbone_with_one_token_type(tmp_path):
     cfg = FinetuneConfig(task="rte", lr=3e-3, batch_size=8, epochs=2, seed=3, dropout=0.0)
     res = finetune(cfg, backbone, WordTokenizer(), tmp_path / "glue", log=lambda *_: None)
     assert res["steps"] == 4 and len(res["history"]) == 2
+
+
+def _tiny_bert_dir(tmp_path, words, max_position: int):
+    """A to-hf export of a random tiny BERT (max_position rows) with a word-piece vocabulary of ``words``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from pretrain.config.model import ModelConfig
+    from pretrain.export.hf import export_hf
+    from pretrain.model import build_model
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    model = build_model(ModelConfig(vocab_size=len(vocab), hidden_size=16, num_layers=2, num_heads=2, ffn_size=32,
+                                    max_position=max_position), seed=0)
+    export_hf(model, str(tmp_path / "tokenizer.json"), str(tmp_path / "hf"))
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize("backend", ["pretrain", "transformers"])
+def test_max_len_past_the_position_table_is_refused_at_start(backend, tmp_path, capsys):
+    """pretrain-finetune-glue --max-len above the model's position embeddings: one line naming the flag, the limit
+    and what to pass, before any fine-tuning or output (not an index error, a CUDA assert, deep in the model once a
+    long example comes up); --max-len at the limit runs."""
+    words = "movie plot actor scene film story good bad".split()
+    model = _tiny_bert_dir(tmp_path, words, max_position=16)
+    rows = ["index\tsentence1\tsentence2\tlabel"] + [
+        f"{i}\t{' '.join(words * 2)}\tfilm story\t{('not_entailment', 'entailment')[i % 2]}" for i in range(8)]
+    write(tmp_path / "glue/RTE/train.tsv", rows)
+    write(tmp_path / "glue/RTE/dev.tsv", rows)
+    argv = ["--model", str(model), "--backend", backend, "--tasks", "rte", "--lrs", "1e-3", "--epochs", "1",
+            "--batch-size", "4", "--glue-dir", str(tmp_path / "glue"), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as e:
+        glue_cli.main([*argv, "--max-len", "64"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--max-len 64" in err and "16 position embeddings" in err and "pass --max-len 16 or less" in err, err
+    assert not (tmp_path / "out").exists()
+    glue_cli.main([*argv, "--max-len", "16"])
+    assert json.loads(glue_cli.run_path(tmp_path / "out", "rte", 1e-3, 1).read_text())["steps"] == 2
+
+
+def test_roberta_position_limit_leaves_out_the_rows_before_its_first_position(tmp_path):
+    """RoBERTa's positions start at row pad + 1: 20 rows with pad 1 hold 18 tokens, in transformers and in ours."""
+    import transformers
+
+    from pretrain.eval.glue import max_tokens_of
+    from pretrain.eval.hf_backend import HFBackbone
+    from pretrain.export.resolve import open_weights
+
+    config = transformers.RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=32, max_position_embeddings=20, type_vocab_size=1,
+                                        pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    transformers.RobertaModel(config).save_pretrained(str(tmp_path))
+    assert max_tokens_of(HFBackbone(tmp_path)) == 18
+    assert max_tokens_of(open_weights(tmp_path).build_model(warn_fresh_head=False)) == 18
