@@ -245,6 +245,10 @@ def _quietly(load, capfd):
     loggers = [logging.getLogger(name) for name in ("", "transformers", "sentence_transformers")]
     for lg in loggers:
         lg.addHandler(keep)
+    # transformers' own default (WARNING), whatever an earlier test in this process set (quiet_transformers:
+    # ERROR): the capture must be able to see a complaint for its silence to mean anything
+    level = loggers[1].level
+    loggers[1].setLevel(logging.WARNING)
     capfd.readouterr()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -253,6 +257,7 @@ def _quietly(load, capfd):
     finally:
         for lg in loggers:
             lg.removeHandler(keep)
+        loggers[1].setLevel(level)
     err = capfd.readouterr()
     return result, "\n".join(records + [str(w.message) for w in caught] + [err.err, err.out])
 
