@@ -34,6 +34,7 @@ import torch
 from pretrain.checkpoint.files import atomic_write_text, fsync_files, save_safetensors
 from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
 from pretrain.fsutil import fsync_dir, replace_dir
+from pretrain.model.autoencoder import HEADS_FILE
 from pretrain.model.flat import unflatten_state
 
 FORMAT_VERSION = 3
@@ -122,13 +123,18 @@ def file_digests(path: Path, *, full: bool = True) -> dict:
 
 def write_weights(tmp_dir: Path, step: int, *, in_thread: bool = False) -> None:
     """model.safetensors: the PretrainModel's fp32 weights consolidated from the DeepSpeed files just written
+    (heads.safetensors: the objective's trainable heads, ``heads.*``, when it has any)
     (any ZeRO stage; our own files, read back once, by rank 0's background writer), so that no reader of the
     weights has to unpickle."""
     full = deepspeed_fp32_state(tmp_dir, in_thread=in_thread)
     state = {k[len("model."):]: v.detach().clone().contiguous() for k, v in full.items() if k.startswith("model.")}
-    tmp = tmp_dir / (WEIGHTS_FILE + ".tmp")
-    save_safetensors(state, tmp, metadata={"format": "pt", "dtype": "float32", "step": str(step)})  # umask mode
-    os.replace(tmp, tmp_dir / WEIGHTS_FILE)
+    heads = {k: v.detach().clone().contiguous() for k, v in full.items() if k.startswith("heads.")}
+    # The objective's trainable heads beside it (SARCSE's autoencoder: its Z is that recipe's embedding).
+    for name, tensors in ((WEIGHTS_FILE, state), (HEADS_FILE, heads)):
+        if tensors:
+            tmp = tmp_dir / (name + ".tmp")
+            save_safetensors(tensors, tmp, metadata={"format": "pt", "dtype": "float32", "step": str(step)})
+            os.replace(tmp, tmp_dir / name)  # umask mode
 
 
 def deepspeed_fp32_state(tag_dir: Path, *, in_thread: bool = False) -> dict:
@@ -364,6 +370,20 @@ def load_model_state(path: str | os.PathLike, *, trust: bool = False) -> tuple[d
     if tok.is_file():
         config.setdefault("data", {})["tokenizer"] = str(tok)
     return state, config
+
+
+def load_heads_state(path, *, trust: bool = False) -> dict:
+    """The objective's trainable heads of a checkpoint (``heads.*`` keys, fp32): its heads.safetensors, or with
+    ``trust`` its DeepSpeed files (a checkpoint from before heads.safetensors); {} when it has none. The caller has
+    verified the checkpoint (``load_model_state``)."""
+    tag_dir = resolve_tag_dir(path)
+    if (tag_dir / HEADS_FILE).is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(tag_dir / HEADS_FILE))
+    if trust and not (tag_dir / WEIGHTS_FILE).is_file():
+        return {k: v for k, v in deepspeed_fp32_state(tag_dir).items() if k.startswith("heads.")}
+    return {}
 
 
 def _barrier(env) -> None:

@@ -368,7 +368,8 @@ class EvalConfig:
     """Directory holding sts/STSBenchmark (the shared data dir); empty = $PRETRAIN_DATA_DIR, else ../shared/data
     (from the working directory, then beside the repository): the rule every tool follows."""
     pooling: str = ""
-    """Pooling for evaluation (cls, cls_before_pooler, mean, first_last_avg); empty = model.pooling."""
+    """Pooling for evaluation (cls, cls_before_pooler, mean, first_last_avg, autoencoder_z: SARCSE's Z); empty =
+    model.pooling, or SARCSE's Z (its inference embedding) in a run with objective.reconstruction."""
     max_len: int = 128
     keep_best: bool = True
     """Write the best-scoring weights to <run_dir>/best/ (loadable by pretrain-eval/-convert, init_from)."""
@@ -376,6 +377,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.stsb_every < 0 or self.max_len < 8:
             raise ValueError(f"eval.stsb_every must be >= 0 and eval.max_len >= 8, got {self.stsb_every}, {self.max_len}")
-        if self.pooling not in ("", "cls", "cls_before_pooler", "mean", "first_last_avg"):
+        if self.pooling not in ("", "cls", "cls_before_pooler", "mean", "first_last_avg", "autoencoder_z"):
             raise ValueError(f"eval.pooling {self.pooling!r} is not one of cls, cls_before_pooler, mean, "
-                             f"first_last_avg (or empty for model.pooling)")
+                             f"first_last_avg, autoencoder_z (or empty: model.pooling, or SARCSE's Z with "
+                             f"objective.reconstruction)")

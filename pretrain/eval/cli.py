@@ -23,6 +23,7 @@ from pretrain.eval.senteval import (
     transfer_markdown_table,
 )
 from pretrain.export.resolve import recorded_matryoshka_dims, select_checkpoint
+from pretrain.model.autoencoder import AUTOENCODER_Z
 
 SUITES = ("sts", "transfer", "align", "ranking")
 
@@ -34,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a run directory as --model: its newest checkpoint (default), best/ (best STS-B dev, "
                         "from eval.stsb_every) or checkpoints/step_N")
     p.add_argument("--pooling", default="cls_before_pooler",
-                   choices=["cls", "cls_before_pooler", "mean", "first_last_avg"])
+                   choices=["cls", "cls_before_pooler", "mean", "first_last_avg", AUTOENCODER_Z],
+                   help="the sentence embedding; autoencoder_z: SARCSE's Z (its inference embedding), from the "
+                        "autoencoder a SARCSE run's checkpoints and best/ keep")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
     p.add_argument("--data-dir", default="",

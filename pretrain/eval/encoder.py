@@ -19,6 +19,7 @@ import torch
 from pretrain.console import show_progress
 from pretrain.eval.hf_backend import HFBackbone, load_hf_backbone
 from pretrain.export.resolve import detect_kind, open_weights
+from pretrain.model.autoencoder import AUTOENCODER_Z, HEADS_FILE, ZEmbedding, autoencoder_from_state
 
 EncodeFn = Callable[[list[str]], np.ndarray]
 BACKENDS = ("auto", "pretrain", "transformers")
@@ -140,11 +141,13 @@ class SentenceEncoder:
         return out
 
 
-def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", *, trust: bool = False):
+def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", *, trust: bool = False,
+                  autoencoder_z: bool = False):
     """(model, tokenizer) from anything ``checkpoint.resolve.open_weights`` recognises.
 
     backend "pretrain"/"auto": our PretrainModel; "transformers": transformers.AutoModel, the reference
-    path (HF dirs only).
+    path (HF dirs only). ``autoencoder_z``: the model wrapped to embed by SARCSE's Z (``ZEmbedding``), from the
+    autoencoder a checkpoint or best/ of a run with objective.reconstruction keeps beside its weights.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -152,12 +155,25 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", 
     if not p.exists():
         raise FileNotFoundError(f"model path {p} does not exist; pass a checkpoint or a HF model dir")
     if backend == "transformers":
+        if autoencoder_z:
+            raise ValueError(f"pooling {AUTOENCODER_Z} reads SARCSE's autoencoder from a checkpoint of ours (or its "
+                             f"best/); a transformers model has none: use --backend pretrain")
         if detect_kind(p) not in ("hf", "sentence_transformers"):
             raise ValueError(f"{p} is not a HF model dir (no config.json); use backend 'pretrain'")
         model, tok = load_hf_backbone(p)
     else:
         w = open_weights(p, trust=trust)
         model, tok = w.build_model(), w.load_tokenizer()
+        if autoencoder_z:
+            ae = autoencoder_from_state(w.heads)
+            if ae is None:
+                raise ValueError(f"{p} holds no SARCSE autoencoder ({HEADS_FILE}); pooling {AUTOENCODER_Z} needs a "
+                                 f"checkpoint (or best/) of a run with objective.reconstruction, written since "
+                                 f"2026-12-07")
+            if ae.text_cnns[0].in_channels != model.cfg.hidden_size:
+                raise ValueError(f"{p}: its autoencoder reads {ae.text_cnns[0].in_channels}-dimensional token "
+                                 f"states, the model makes {model.cfg.hidden_size}")
+            model = ZEmbedding(model, ae)
     return model.to(device), tok
 
 
@@ -166,7 +182,8 @@ def load_sentence_encoder(path: str | Path, pooling: str, *, backend: str = "aut
                           trust: bool = False) -> SentenceEncoder:
     """SentenceEncoder for a checkpoint / from-hf dir / HF BERT dir. A sentence-transformers directory's embedding
     is its modules' (Dense, Normalize; either backend) with ``pooling`` for its Pooling: warned when they differ."""
-    model, tok = load_backbone(path, backend=backend, device=device, trust=trust)
+    model, tok = load_backbone(path, backend=backend, device=device, trust=trust,
+                               autoencoder_z=pooling == AUTOENCODER_Z)
     if isinstance(model, HFBackbone) and (Path(path) / "modules.json").is_file():
         model.read_sentence_modules(Path(path))  # ours reads them in load_backbone (open_weights)
         model.to(device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from pretrain.checkpoint.store import CheckpointError
@@ -78,6 +79,11 @@ def to_hf(
         raise ValueError(f"{checkpoint}: its config names no data.tokenizer; cannot write tokenizer files")
     max_len = max_seq_length or w.max_seq_length
     pooling = pooling or model.cfg.pooling
+    if any(k.startswith("heads.autoencoder.") for k in w.heads):
+        warnings.warn(f"{checkpoint} was trained with SARCSE's autoencoder, whose Z is that recipe's sentence "
+                      f"embedding; a Hugging Face / sentence-transformers directory cannot hold it, so the export "
+                      f"embeds by {pooling} over the encoder alone. Evaluate Z with pretrain-eval --pooling "
+                      f"autoencoder_z on the checkpoint.", stacklevel=2)
     heads = {"mlm_head": mlm_head and has_head, "projection": any(k.startswith("projection.") for k in w.state)}
     card = build_model_card(w, pooling=pooling, out_dir=out_dir, **heads)
     export_hf(model, tokenizer, out_dir, pooling=pooling, max_seq_length=max_len, overwrite=overwrite,

@@ -45,6 +45,7 @@ from pretrain.export.hf_tokenizer import (
 from pretrain.export.st_modules import ST_POOLING, write_st_modules
 from pretrain.fsutil import fsync_dir, inside, replace_dir
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
+from pretrain.model.autoencoder import HEADS_FILE
 from pretrain.model.init import init_bert_weights
 from pretrain.prep.tokenizer import special_token_names
 
@@ -438,11 +439,12 @@ INIT_TOKENIZER = "tokenizer.json"
 
 def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, overwrite: bool = False,
                    state_keys=None, model_fields=None, data: dict | None = None, source: str | None = None,
-                   extra_files: dict[str, str] | None = None) -> None:
+                   extra_files: dict[str, str] | None = None, heads: dict | None = None) -> None:
     """Write OUT/{model.safetensors (our key names), config.yaml (model: + data.tokenizer), tokenizer.json},
     a directory the trainer starts from with ``checkpoint.init_from=OUT``. Complete or absent: written beside it,
     fsynced, then swapped in (``replace_dir``), so a directory it replaces stays whole until the new one is.
     ``extra_files``: more text files ({name: text}) that belong to the same version (the run's best.json).
+    ``heads``: the objective's trainable heads (``heads.*`` tensors: SARCSE's autoencoder) as heads.safetensors.
 
     ``state_keys``: the weights to write (default all; an import leaves out heads it never had, so nobody takes
     a fresh head for a trained one). ``model_fields``: the model.* settings the source states (default all;
@@ -464,6 +466,8 @@ def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, o
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_safetensors(state, tmp / INIT_WEIGHTS, metadata={"format": "pt"})
+        if heads:
+            save_safetensors({k: _cpu_copy(v) for k, v in heads.items()}, tmp / HEADS_FILE, metadata={"format": "pt"})
         shutil.copyfile(tokenizer_path, tmp / INIT_TOKENIZER)
         # Relative to the directory: a moved or copied init dir (or run's best/) still opens its own tokenizer.
         config = {"model": model_dict, "data": {"tokenizer": INIT_TOKENIZER, **(data or {})}}

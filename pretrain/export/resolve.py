@@ -30,10 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from safetensors.torch import load_file
+
 from pretrain.checkpoint.store import (
     checkpoints_dir,
     is_complete,
     list_complete,
+    load_heads_state,
     load_model_state,
     read_trainer_state,
     resolve_tag_dir,
@@ -57,6 +60,7 @@ from pretrain.export.hf import (
 )
 from pretrain.export.hf_tokenizer import write_clean_tokenizer
 from pretrain.export.st_modules import SENTENCE_FIELDS, read_st_modules
+from pretrain.model.autoencoder import HEADS_FILE
 from pretrain.prep.tokenizer import load_tokenizer
 
 Kind = Literal["sentence_transformers", "hf", "init_dir", "checkpoint"]
@@ -87,6 +91,8 @@ class Weights:
     BERT states no pooling, say). What ``checkpoint.init_from`` takes over (see init_model_config)."""
     max_seq_length: int | None = None
     """The sequence length the source was used with (sentence-transformers' max_seq_length), if it says."""
+    heads: dict = field(default_factory=dict)
+    """The objective's trainable heads (``heads.*``: SARCSE's autoencoder) of a checkpoint or init dir; {} else."""
 
     def build_model(self, *, warn_fresh_head: bool = True):
         """A PretrainModel holding these weights (encoder weights required, heads filled in when absent)."""
@@ -185,7 +191,8 @@ def _open_checkpoint(p: Path, trust: bool) -> Weights:
     state, config = load_model_state(p, trust=trust)
     cfg, recorded = _model_cfg(config.get("model"), state, p)
     return Weights("checkpoint", p, state, cfg, tokenizer_path=(config.get("data") or {}).get("tokenizer") or None,
-                   run_config=config, recorded=recorded, max_seq_length=(config.get("data") or {}).get("max_len"))
+                   run_config=config, recorded=recorded, max_seq_length=(config.get("data") or {}).get("max_len"),
+                   heads=load_heads_state(p, trust=trust))
 
 
 def _open_init_dir(p: Path) -> Weights:
@@ -197,8 +204,9 @@ def _open_init_dir(p: Path) -> Weights:
     tok = _own_tokenizer(p, (config.get("data") or {}).get("tokenizer"), INIT_TOKENIZER)
     config.setdefault("data", {})["tokenizer"] = tok  # consumers of run_config get the resolved path too
     cfg, recorded = _model_cfg(config.get("model"), state, p)
+    heads = load_file(str(p / HEADS_FILE)) if (p / HEADS_FILE).is_file() else {}
     return Weights("init_dir", p, state, cfg, tokenizer_path=tok, run_config=config, recorded=recorded,
-                   max_seq_length=config["data"].get("max_len"))
+                   max_seq_length=config["data"].get("max_len"), heads=heads)
 
 
 def _own_tokenizer(directory: Path, named: str | None, default: str) -> str:
@@ -216,9 +224,6 @@ def _own_tokenizer(directory: Path, named: str | None, default: str) -> str:
 
 
 def _open_hf(p: Path, kind: Kind) -> Weights:
-    from safetensors.torch import load_file
-
-
     config = json.loads((p / "config.json").read_text(encoding="utf-8"))
     extra = config.get("pretrain") or {}  # our own exports: the settings BERT's config.json has no place for
     cfg = model_config_from_hf_config(config)

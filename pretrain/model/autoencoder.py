@@ -119,3 +119,51 @@ def content_tokens(
     end = h_BTD.shape[1] - 1
     ids = ids_BT[:, 1:end] if ids_BT is not None else None
     return h_BTD[:, 1:end], mask_BT[:, 1:end], ids
+
+
+AUTOENCODER_Z = "autoencoder_z"
+"""The pooling name of SARCSE's inference embedding: the autoencoder's Z over the content tokens (Sec. 2.2)."""
+
+HEADS_FILE = "heads.safetensors"
+"""The objective's trainable heads (``heads.*`` keys, e.g. ``heads.autoencoder.integrate.weight``), fp32, beside a
+checkpoint's or an init dir's model.safetensors: what ``AUTOENCODER_Z`` evaluation needs besides the encoder."""
+
+
+def autoencoder_from_state(state: dict, prefix: str = "heads.autoencoder.") -> TextCNNAutoencoder | None:
+    """The TextCNNAutoencoder whose weights are ``state``'s ``prefix*`` keys (its shape read from them: kernel sizes
+    and channels from the TextCNNs, the integrating channels from the Conv2d); None when there are none."""
+    own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    if not own:
+        return None
+    try:
+        convs = sorted((int(k.split(".")[1]), v) for k, v in own.items()
+                       if k.startswith("text_cnns.") and k.endswith(".weight"))
+        channels, hidden, _ = convs[0][1].shape
+        kernel_sizes = tuple(int(v.shape[2]) for _, v in convs)
+        ae = TextCNNAutoencoder(int(hidden), kernel_sizes, int(channels), int(own["integrate.weight"].shape[0]))
+        ae.load_state_dict({k: v.float() for k, v in own.items()})
+    except (KeyError, IndexError, ValueError, RuntimeError) as e:
+        raise ValueError(f"the autoencoder's weights ({prefix}*) do not make a SARCSE TextCNN autoencoder: "
+                         f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+    return ae
+
+
+class ZEmbedding(nn.Module):
+    """A model whose sentence embedding is SARCSE's Z (its inference embedding, Sec. 2.2): ``encode`` is the
+    model's, ``pool`` runs the autoencoder's encoder over the content tokens, as the training objective does
+    (``objective/forward.py: autoencoded``). For ``SentenceEncoder`` (pooling ``AUTOENCODER_Z``)."""
+
+    def __init__(self, model: nn.Module, autoencoder: TextCNNAutoencoder) -> None:
+        super().__init__()
+        self.model, self.autoencoder = model, autoencoder
+        self.training = model.training  # a wrapper in train mode would put an eval-mode model back in train mode
+
+    def encode(self, *args, **kwargs):
+        return self.model.encode(*args, **kwargs)
+
+    def pool(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor, pooling: str = AUTOENCODER_Z,
+             all_layers=None) -> torch.Tensor:
+        if pooling != AUTOENCODER_Z:
+            raise ValueError(f"ZEmbedding pools by {AUTOENCODER_Z}, not {pooling!r}")
+        x_BTD, content_BT, _ = content_tokens(h_BTD, mask_BT)
+        return self.autoencoder.embed(x_BTD.to(self.autoencoder.integrate.weight.dtype), content_BT)

@@ -19,6 +19,7 @@ from pretrain.eval import find_data_dir
 from pretrain.eval.encoder import SentenceEncoder
 from pretrain.export.hf import write_init_dir
 from pretrain.fsutil import recover_dir
+from pretrain.model.autoencoder import AUTOENCODER_Z, ZEmbedding
 
 
 def stsb_data_dir(cfg: EvalConfig, zero_stage: int) -> str:
@@ -35,7 +36,7 @@ def stsb_data_dir(cfg: EvalConfig, zero_stage: int) -> str:
 
 class StsbKeepBest:
     def __init__(self, cfg: EvalConfig, *, run_dir: Path, tokenizer, tokenizer_path: str, model_pooling: str,
-                 zero_stage: int, is_main: bool):
+                 zero_stage: int, is_main: bool, autoencoder: bool = False):
         # Imported here, not at the top: it brings scipy.stats, ~2 s of start-up on every rank (measured with
         # python -X importtime) that only runs with eval.stsb_every.
         from pretrain.eval.sts import StsbDevEvaluator
@@ -43,7 +44,11 @@ class StsbKeepBest:
         data_dir = stsb_data_dir(cfg, zero_stage)
         self.cfg, self.run_dir = cfg, run_dir
         self.tokenizer, self.tokenizer_path = tokenizer, tokenizer_path
-        self.pooling = cfg.pooling or model_pooling
+        # SARCSE (an autoencoder among the heads): its Z is the embedding it trains and infers with (Sec. 2.2)
+        self.pooling = cfg.pooling or (AUTOENCODER_Z if autoencoder else model_pooling)
+        if self.pooling == AUTOENCODER_Z and not autoencoder:
+            raise ValueError(f"eval.pooling={AUTOENCODER_Z} needs SARCSE's autoencoder (objective.reconstruction); "
+                             f"this run has none: leave eval.pooling empty or name a pooling")
         self.evaluator = StsbDevEvaluator(data_dir)
         self.best = float("-inf")
         if is_main:  # a swap of best/ cut by a kill: its old copy back in place, leftovers removed
@@ -53,19 +58,22 @@ class StsbKeepBest:
             self.best = json.loads(best_json.read_text())["stsb_dev_spearman"]
 
     @torch.no_grad()
-    def __call__(self, model, *, step: int, config_yaml: str, is_main: bool) -> dict:
-        encode = SentenceEncoder(model, self.tokenizer, pooling=self.pooling, max_len=self.cfg.max_len,
+    def __call__(self, model, *, step: int, config_yaml: str, is_main: bool, heads=None) -> dict:
+        """``heads``: the objective's trainable heads (the autoencoder for ``AUTOENCODER_Z``; kept in best/)."""
+        embedder = ZEmbedding(model, heads["autoencoder"]) if self.pooling == AUTOENCODER_Z else model
+        encode = SentenceEncoder(embedder, self.tokenizer, pooling=self.pooling, max_len=self.cfg.max_len,
                                  device=str(next(model.parameters()).device))
         score = self.evaluator(encode)
         improved = score > self.best
         if improved:
             self.best = score
             if self.cfg.keep_best and is_main:
-                self._write_best(model, step, score, config_yaml)
+                self._write_best(model, step, score, config_yaml, heads)
         return {"stsb_dev_spearman": score, "stsb_dev_best": self.best}
 
-    def _write_best(self, model, step: int, score: float, config_yaml: str) -> None:
+    def _write_best(self, model, step: int, score: float, config_yaml: str, heads=None) -> None:
         """best/ with its best.json and run_config.yaml as one version, swapped in whole (``write_init_dir``)."""
         best_json = json.dumps({"step": step, "stsb_dev_spearman": score, "pooling": self.pooling}, indent=2)
+        head_state = {f"heads.{k}": v for k, v in heads.state_dict().items()} if heads is not None else None
         write_init_dir(model, self.tokenizer_path, str(self.run_dir / "best"), overwrite=True,
-                       extra_files={"run_config.yaml": config_yaml, "best.json": best_json})
+                       extra_files={"run_config.yaml": config_yaml, "best.json": best_json}, heads=head_state)

@@ -85,8 +85,8 @@ class Trainer:
         # STS-B dev evaluation opens its data now: a missing directory fails before DeepSpeed starts.
         self.stsb = StsbKeepBest(parts.cfg.eval, run_dir=self.run_dir, tokenizer=self.tokenizer,
                                  tokenizer_path=cfg.data.tokenizer, model_pooling=parts.cfg.model.pooling,
-                                 zero_stage=cfg.distributed.zero_stage,
-                                 is_main=env.is_main) if cfg.eval.stsb_every else None
+                                 zero_stage=cfg.distributed.zero_stage, is_main=env.is_main,
+                                 autoencoder="autoencoder" in self.module.heads) if cfg.eval.stsb_every else None
         stream = getattr(self.train_set, "sample_stream", None)
         # Before DeepSpeed starts: on another number of ranks the plan decides the batch split (the global batch
         # stays) and whether the engine loads a universal checkpoint.
@@ -355,7 +355,7 @@ class Trainer:
 
     def evaluate_stsb(self) -> dict:
         scores = self.stsb(self.module.model, step=self.state.step, config_yaml=to_yaml(self.cfg),
-                           is_main=self.env.is_main)
+                           is_main=self.env.is_main, heads=self.module.heads)
         self.writer.log(self.state.step, scores, split="eval")
         if self.env.is_main:
             print_progress(f"eval @ {self.state.step}: STS-B dev {scores['stsb_dev_spearman']:.2f} "

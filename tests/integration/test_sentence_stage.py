@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,12 +117,42 @@ def test_simcse_rankcse_sarcse_stage_with_stsb_keep_best(cached, stage_inputs, s
     best = json.loads((run_dir / "best" / "best.json").read_text())
     assert best["stsb_dev_spearman"] == max(r["stsb_dev_spearman"] for r in evals)
     assert (run_dir / "best" / "model.safetensors").is_file()
+    _check_autoencoder_z(trainer, run_dir, best, stage_inputs, teacher_dir)
     # The autoencoder trains with the model; the teacher is no part of the trained module.
     names = [n for n, _ in trainer.module.named_parameters()]
     assert any(n.startswith("heads.autoencoder.") for n in names)
     assert all(n.startswith(("model.", "heads.")) for n in names)
     teacher_params = {id(p) for t in trainer.module.objective.teachers.models for p in t.parameters()}
     assert not teacher_params & {id(p) for p in trainer.module.parameters()}
+
+
+def _check_autoencoder_z(trainer, run_dir: Path, best: dict, inp: dict, no_autoencoder: Path) -> None:
+    """SARCSE is evaluated by its Z (Sec. 2.2): eval.stsb_every picks best/ by it, best/ and the checkpoint keep the
+    autoencoder (heads.safetensors), and pretrain-eval's encoder with pooling autoencoder_z on the final checkpoint
+    gives the trained autoencoder's Z over the trained encoder's content tokens, sentence by sentence."""
+    from pretrain.eval.encoder import load_sentence_encoder
+    from pretrain.export.convert import to_hf
+    from pretrain.model.autoencoder import AUTOENCODER_Z, HEADS_FILE, content_tokens
+
+    assert best["pooling"] == AUTOENCODER_Z
+    final = run_dir / "checkpoints" / "step_00000004"
+    assert (run_dir / "best" / HEADS_FILE).is_file() and (final / HEADS_FILE).is_file()
+    sentences = Path(inp["sentences"]).read_text(encoding="utf-8").splitlines()[:5]
+    got = load_sentence_encoder(final, AUTOENCODER_Z, max_len=32, batch_size=2)(sentences)
+    model, ae = trainer.module.model.eval(), trainer.module.heads["autoencoder"].eval()
+    enc = load_sentence_encoder(run_dir / "best", AUTOENCODER_Z, max_len=32)  # best/ evaluates the same way
+    assert enc(sentences).shape == got.shape
+    with torch.no_grad():
+        for i, ids in enumerate(enc.tokenizer.encode(s) for s in sentences):
+            ids_BT = torch.tensor([[enc.tokenizer.cls_id, *ids[:30], enc.tokenizer.sep_id]])
+            mask_BT = torch.ones_like(ids_BT)
+            x, m, _ = content_tokens(model.encode(ids_BT, mask_BT), mask_BT)
+            want = ae(x.float(), m)[0][0].numpy()  # the training forward's Z
+            np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="holds no SARCSE autoencoder"):
+        load_sentence_encoder(no_autoencoder, AUTOENCODER_Z)
+    with pytest.warns(UserWarning, match="pretrain-eval --pooling autoencoder_z"):  # an export cannot hold Z
+        to_hf(str(final), str(run_dir.parent / "hf"))
 
 
 def test_arccse_stage_with_mlm(stage_inputs, single_env, tmp_path):

@@ -138,3 +138,48 @@ def test_bad_arguments():
         TextCNNAutoencoder(8, kernel_sizes=(), channels=4)
     with pytest.raises(ValueError, match="channels"):
         TextCNNAutoencoder(8, channels=1)
+
+
+@torch.no_grad()
+def test_z_embedding_is_the_loop_reference_over_each_sentences_content_tokens():
+    """SARCSE's inference embedding (``ZEmbedding``, pooling autoencoder_z; pretrain-eval and eval.stsb_every): per
+    sentence of a right-padded batch of unequal lengths, the float64 loop reference's Z over that sentence's own
+    encoder states with [CLS] and [SEP] dropped (the padding and the batch's other rows change nothing)."""
+    from pretrain.config.model import ModelConfig
+    from pretrain.model import build_model
+    from pretrain.model.autoencoder import AUTOENCODER_Z, ZEmbedding
+
+    model = build_model(ModelConfig(vocab_size=50, hidden_size=6, num_layers=2, num_heads=2, ffn_size=12,
+                                    max_position=32, dropout=0.0, attention_dropout=0.0), seed=1).double().eval()
+    ae = _ae(hidden=6)
+    embed = ZEmbedding(model, ae)
+    assert not embed.training  # keeps the model's mode
+    lengths = [9, 4, 3, 7]  # 3: one content token, shorter than every kernel
+    ids_BT = torch.randint(5, 50, (len(lengths), max(lengths)))
+    mask_BT = _lengths_mask(lengths, max(lengths))
+    ids_BT = ids_BT * mask_BT
+    z_BE = embed.pool(embed.encode(ids_BT, mask_BT), mask_BT, AUTOENCODER_Z)
+    assert z_BE.shape == (len(lengths), ae.embed_dim)
+    for b, n in enumerate(lengths):
+        h_TD = model.encode(ids_BT[b:b + 1, :n], mask_BT[b:b + 1, :n])[0]
+        want, _ = _reference_row(ae, h_TD[1:n - 1])
+        torch.testing.assert_close(z_BE[b], want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="autoencoder_z"):
+        embed.pool(h_TD[None], mask_BT[:1, :n], "cls")
+
+
+def test_autoencoder_from_state_reads_its_shape_from_the_weights():
+    """The autoencoder a checkpoint keeps in heads.safetensors comes back with its kernel sizes and channels (read
+    from the tensors) and computes what the trained one did; weights of something else are a ValueError."""
+    from pretrain.model.autoencoder import autoencoder_from_state
+
+    ae = _ae(hidden=6, kernels=(2, 3), channels=5, integ=2).float()
+    state = {f"heads.autoencoder.{k}": v for k, v in ae.state_dict().items()}
+    back = autoencoder_from_state({**state, "heads.other.weight": torch.zeros(1)})
+    assert (back.kernel_sizes, back.channels, back.integrate_channels) == ((2, 3), 5, 2)
+    x_BTD, mask_BT = torch.randn(3, 6, 6), _lengths_mask([6, 2, 4], 6)
+    torch.testing.assert_close(back.embed(x_BTD, mask_BT), ae.embed(x_BTD, mask_BT), rtol=0, atol=0)
+    assert autoencoder_from_state({"encoder.x": torch.zeros(1)}) is None
+    del state["heads.autoencoder.integrate.weight"]
+    with pytest.raises(ValueError, match="SARCSE TextCNN autoencoder"):
+        autoencoder_from_state(state)
