@@ -8,9 +8,16 @@ the usual way (projection MLP, 2N x 2N similarity, cross-entropy), with ``torch.
 the Engine's); in bf16 HF runs under ``torch.autocast`` (fp32 weights), the usual way to train it in bf16.
 Same sizes, same synthetic batch, one process per (size, batch), alternating trials.
 
-MFU counts the model FLOPs of one sample (``train_flops_per_sample``: 3 x the forward matmuls, i.e.
-forward + backward; attention scores included; the MLM head on the masked 15% only) against the
-device's dense bf16 peak (``--peak-tflops``, default 989 = H100 SXM) and against a measured 8192^3 matmul.
+MFU counts the model FLOPs of the timed batches per sample (``batch_flops_per_sample``: 3 x the forward matmuls,
+i.e. forward + backward; attention scores included; over the rows' real lengths, so padding counts nothing; the
+MLM head on the labelled tokens only and, as ``train.trim_last_layer`` computes it, the last layer only where a
+loss reads it) over the median step time (the batch is ready: no data wait), against the device's dense bf16 peak
+(``--peak-tflops``, default 989 = H100 SXM and H200; not the sparse 1979) and against a measured 8192^3 matmul.
+Both arms are counted with the same FLOPs a sample (HF's extra work, its full last layer and BERT's MLM head at
+every position, is not credited), so ours / HF in MFU is ours / HF in samples/s. Samples/s: the micro-batch over
+the median step time, one process (one device); the same for both arms. Before 2026-12-07 MFU counted the last
+layer in full and the full ``--seq`` / ``--view-len`` even on ``--data`` batches (docs/performance.md's
+corrections).
 
     python tools/bench_step.py --sizes tiny mini --seq 128 --batch 32 --steps 10          # CPU
     python tools/bench_step.py --device cuda --precision bf16 --sizes base --batch 64 128 256 512
@@ -103,28 +110,67 @@ def model_shape(size: str, arch: str = "bert") -> dict:
     return yaml.safe_load(path.read_text())["model"]
 
 
-def train_flops_per_sample(size: str, seq: int, view_len: int, vocab: int, mask_frac: float = MASK_FRAC,
-                           arch: str = "bert") -> float:
-    """Model FLOPs of one training sample (one sequence + its two views): 3 x forward matmul FLOPs.
+def attended_keys(t: int, i: int, shape: dict, arch: str) -> int:
+    """Keys all queries of a length-t sequence read in layer i, summed: t^2, or for a modernbert local layer the
+    band of queries' own window (at most local_window // 2 positions either side, clipped at the ends)."""
+    if arch != "modernbert" or i % shape["global_every"] == 0:
+        return t * t
+    h = shape["local_window"] // 2
+    return sum(min(t - 1, q + h) - max(0, q - h) + 1 for q in range(t))
 
-    Per layer and token of a length-T sequence: 8 d^2 (q, k, v, out) + the FFN, 4 d f (bert: 2 x 2 d f, f = 4d)
-    or 6 d f (modernbert's GeGLU: d -> 2f, f -> d), + 4 t d (scores and weighted values) with t = T, or for a
-    modernbert local layer min(T, local_window + 1). MLM head on mask_frac of the tokens: 2 d^2 (transform) +
-    2 d V (decoder). Embeddings, norms, pooling, projection and the similarity matrix are left out (< 1%)."""
-    s = model_shape(size, arch)
-    d, layers, f = s["hidden_size"], s["num_layers"], s["ffn_size"]
-    ffn = 6 * d * f if arch == "modernbert" else 4 * d * f
 
-    def keys(t: int, i: int) -> int:
-        if arch == "modernbert" and i % s["global_every"]:
-            return min(t, s["local_window"] + 1)
-        return t
+def encoder_flops(t: int, kept: int | None, shape: dict, arch: str) -> float:
+    """Forward matmul FLOPs of one length-t sequence through the encoder. Per layer and token 8 d^2 (q, k, v, out) +
+    the FFN, 4 d f (bert: d -> f -> d) or 6 d f (modernbert's GeGLU: d -> 2f, f -> d); per layer 4 d x the keys its
+    queries read (scores and weighted values: 4 t^2 d, a local layer its band). ``kept``: the last layer computed
+    for that many rows only (train.trim_last_layer: k, v at every token; q, attention, out and FFN at the kept
+    rows), None for all."""
+    d, layers, f = shape["hidden_size"], shape["num_layers"], shape["ffn_size"]
+    proj_ffn = 8 * d * d + (6 if arch == "modernbert" else 4) * d * f
+    total = 0.0
+    for i in range(layers):
+        keys = attended_keys(t, i, shape, arch)
+        if kept is None or i < layers - 1:
+            total += t * proj_ffn + 4 * keys * d
+        else:  # the kept rows' share of the attention: their mean keys
+            total += t * 4 * d * d + kept * (proj_ffn - 4 * d * d) + 4 * kept * (keys / t if t else 0) * d
+    return total
 
-    def encoder(t: int) -> float:
-        return sum(t * (8 * d * d + ffn + 4 * keys(t, i) * d) for i in range(layers))
 
-    fwd = encoder(seq) + 2 * encoder(view_len) + mask_frac * seq * (2 * d * d + 2 * d * vocab)
+def batch_train_flops(mlm_rows: list[tuple[int, int]], views: list[int], shape: dict, arch: str, vocab: int,
+                      pooling: str = "mean", trim: bool = True) -> float:
+    """Model FLOPs of a step: 3 x the forward matmul FLOPs (backward twice the forward; recomputation not counted)
+    that the losses need, over real (unpadded) lengths. ``mlm_rows``: (real length, labelled tokens) of each MLM
+    row; ``views``: every view's real length. The MLM head, 2 d^2 (transform) + 2 d V (decoder), runs on the
+    labelled tokens only; with ``trim`` (train.trim_last_layer, ours' default) the last layer only where a loss
+    reads it: the labelled tokens of an MLM row, one [CLS] row a view under [CLS] pooling (every view token
+    under mean pooling). Embeddings (lookups), norms, pooling, the projection and the similarity matrix are left
+    out (< 0.1% at BERT-base, tests/unit/test_flops_accounting.py). The same count for both arms: HF computes
+    more (its full last layer; BERT's MLM head at every position; padding), which its MFU does not credit."""
+    d = shape["hidden_size"]
+    fwd = 0.0
+    for t, labelled in mlm_rows:
+        fwd += encoder_flops(t, labelled if trim else None, shape, arch) + labelled * (2 * d * d + 2 * d * vocab)
+    for t in views:
+        fwd += encoder_flops(t, 1 if trim and pooling == "cls" else None, shape, arch)
     return 3.0 * fwd
+
+
+def batch_flops_per_sample(batch: dict, shape: dict, arch: str, vocab: int, pooling: str = "mean",
+                           trim: bool = True) -> float:
+    """``batch_train_flops`` of a host batch (its masks and MLM labels: real lengths, labelled tokens) per sample."""
+    rows = list(zip(batch["attention_mask"].sum(1).tolist(), (batch["mlm_labels"] != -100).sum(1).tolist()))
+    views = batch["view_a_mask"].sum(1).tolist() + batch["view_b_mask"].sum(1).tolist()
+    return batch_train_flops(rows, views, shape, arch, vocab, pooling, trim) / len(rows)
+
+
+def train_flops_per_sample(size: str, seq: int, view_len: int, vocab: int, mask_frac: float = MASK_FRAC,
+                           arch: str = "bert", pooling: str = "mean", trim: bool = True) -> float:
+    """``batch_train_flops`` of one sample at full length: a sequence of ``seq`` with ``mask_frac`` of its tokens
+    labelled and two views of ``view_len``. MFU (the table) uses the timed batches' own count
+    (``batch_flops_per_sample``); this is the estimate for a shape."""
+    return batch_train_flops([(seq, mask_frac * seq)], [view_len, view_len], model_shape(size, arch), arch, vocab,
+                             pooling, trim)
 
 
 def make_batch(batch: int, seq: int, view_len: int, vocab: int, gen: torch.Generator) -> dict:
@@ -512,6 +558,7 @@ def measure(args, size: str) -> dict:
             res["ours_full"] = _timed_arm("ours_full", lambda: ours(args.ab), host_batch, args.steps, "cuda")
         if args.data:  # on the GPU every step reruns the first real batch
             res["padding"] = padding_shares([host_batch])
+        res["flops_per_sample"] = timed_flops_per_sample(args, size, [host_batch])
         return res
     # --ab: a third arm, ours with that option off, in the same alternation.
     full = ours(args.ab) if args.ab else None
@@ -532,7 +579,15 @@ def measure(args, size: str) -> dict:
         out["hf"]["matmul_s"] = matmul_seconds(hf, batches[0])
     if args.data:
         out["padding"] = padding_shares(host_batches[:args.steps])
+    out["flops_per_sample"] = timed_flops_per_sample(args, size, host_batches[:args.steps])
     return out
+
+
+def timed_flops_per_sample(args, size: str, host_batches: list[dict]) -> float:
+    """MFU's FLOPs a sample, the same for every arm: ``batch_flops_per_sample`` at ``--pooling`` with the last layer
+    trimmed (ours' default) averaged over the batches the timed steps ran (their real lengths)."""
+    shape, pooling = model_shape(size, args.arch), "cls" if args.pooling == "cls" else "mean"
+    return statistics.fmean(batch_flops_per_sample(b, shape, args.arch, args.vocab, pooling) for b in host_batches)
 
 
 def warm_up(ours, hf, full, host_batches: list[dict], batches: list[dict]) -> None:
@@ -921,7 +976,8 @@ def main(argv=None) -> int:
                 rows.append(dict(size=size, batch=b, error=tail))
                 break
             r = json.loads(lines[0][7:])
-            flops = train_flops_per_sample(size, args.seq, args.view_len, args.vocab, arch=args.arch)
+            flops = r.get("flops_per_sample") or train_flops_per_sample(size, args.seq, args.view_len, args.vocab,
+                                                                         arch=args.arch, pooling=args.pooling)
             row = dict(size=size, batch=b, flops_per_sample=flops, padding=r.get("padding"))
             for arm in ("ours", "hf"):
                 a = r[arm]
@@ -978,7 +1034,7 @@ def main(argv=None) -> int:
     for row in rows:
         if row.get("padding"):
             print(f"{row['size']} batch {row['batch']}: padding in the timed batches: {row['padding']['mlm']:.1%} of "
-                  f"the MLM rows' tokens, {row['padding']['views']:.1%} of the views' (MFU counts full-length FLOPs)")
+                  f"the MLM rows' tokens, {row['padding']['views']:.1%} of the views' (MFU counts real tokens only)")
     load_end = os.getloadavg()[0]
     print(f"load average {load_start:.2f} at the start, {load_end:.2f} at the end")
     if args.json_out:

@@ -3,6 +3,7 @@ schedule on resume, and the summary at the end. Pure functions and small tracker
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -29,8 +30,13 @@ def every(n: int, step: int, *, last: bool = False) -> bool:
 
 
 class LogWindow:
-    """What happened since the last log line: metric sums, samples and real tokens (this rank's), the time spent
-    waiting for data. ``scalars`` turns it into the logged figures (rates over all ranks)."""
+    """What happened since the last log line: metric sums, samples and real tokens (this rank's: the sequence's and
+    both views'), the time spent waiting for data. ``scalars`` turns it into the logged figures: samples/s and
+    tokens/s summed over all ranks (each rank's own counts, in the figures' one all-reduce), over the window's wall
+    time less what ran ``paused`` (validation, STS-B, checkpoints), data waits included."""
+
+    COUNTS = ("window.samples", "window.tokens", "window.tokens_seen")
+    """The counts ``scalars`` sums over ranks with the metric sums (not figures of their own)."""
 
     def __init__(self) -> None:
         self.sums = MetricSums()
@@ -39,6 +45,16 @@ class LogWindow:
     def reset(self) -> None:
         self.sums.reset()
         self.t0, self.samples, self.tokens, self.data_wait_s = time.perf_counter(), 0, 0, 0.0
+        self.paused_s = 0.0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside is not the training's (validation, evaluation, a checkpoint): left out of the rates."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - t0
 
     def add(self, samples: int, tokens: int) -> None:
         self.samples += samples
@@ -49,7 +65,8 @@ class LogWindow:
         ``micro_steps`` (ranks x grad_accum): what a checkpoint inside a window keeps, so that the resumed run's
         record at the window's end still covers the whole window. The figures ``scalars`` sets (lr, grad norm,
         bad-step counters) are not sums and stay out; an empty window carries nothing."""
-        sums = {n: t for n, t in self.sums.totals(env).items() if n not in ("lr", "grad_norm", *BadSteps.KEYS)}
+        left_out = ("lr", "grad_norm", *BadSteps.KEYS, *self.COUNTS)
+        sums = {n: t for n, t in self.sums.totals(env).items() if n not in left_out}
         return {"micro_steps": micro_steps, "sums": sums} if sums else {}
 
     def resume(self, carried: dict, env, micro_steps: int) -> None:
@@ -64,15 +81,18 @@ class LogWindow:
     def scalars(self, env, info, *, bad_steps: "BadSteps", tokens_seen: int) -> dict[str, float]:
         """The window's means reduced over ranks, plus the last step's lr/grad norm/loss scale, the bad-step count
         and the rates. The device's figures (metric sums, lr, grad norm, bad-step counters) come in one transfer."""
-        elapsed = time.perf_counter() - self.t0
+        elapsed = time.perf_counter() - self.t0 - self.paused_s
         self.sums.set("lr", info.lr)
         self.sums.set("grad_norm", info.grad_norm)
         bad_steps.stage(self.sums)
+        # set: the mean over ranks, so x world size is their sum (ranks' real tokens differ)
+        for key, count in zip(self.COUNTS, (self.samples, self.tokens, tokens_seen)):
+            self.sums.set(key, count)
         out = self.sums.reduce(env)
         total = bad_steps.settle(out)
-        out.update(loss_scale=info.loss_scale, bad_steps=total, samples_per_s=self.samples * env.world_size / elapsed,
-                   tokens_per_s=self.tokens * env.world_size / elapsed,
-                   tokens_seen=tokens_seen * env.world_size, data_wait_frac=self.data_wait_s / elapsed)
+        samples, tokens, seen = (round(out.pop(key) * env.world_size) for key in self.COUNTS)
+        out.update(loss_scale=info.loss_scale, bad_steps=total, samples_per_s=samples / elapsed,
+                   tokens_per_s=tokens / elapsed, tokens_seen=seen, data_wait_frac=self.data_wait_s / elapsed)
         return out
 
 

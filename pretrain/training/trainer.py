@@ -176,12 +176,13 @@ class Trainer:
                 continue
             if log_now:
                 self.log(info, eta, collapse, window_ends=every(c.train.log_every, st.step, last=last))
-            if every(c.train.eval_every, st.step) and not last:
-                self.validate()
-            if self.stsb is not None and every(c.eval.stsb_every, st.step, last=last):
-                self.evaluate_stsb()
-            if save_now:
-                self.save()
+            with self.window.paused():  # not training time: out of the next window's samples/s
+                if every(c.train.eval_every, st.step) and not last:
+                    self.validate()
+                if self.stsb is not None and every(c.eval.stsb_every, st.step, last=last):
+                    self.evaluate_stsb()
+                if save_now:
+                    self.save()
             stop = self._should_stop()
             if stop == "metrics":
                 self._stop_for_metrics()  # raises MetricsWriteError after a checkpoint: exit 4

@@ -114,16 +114,24 @@ def test_bench_step_flop_count_matches_hand_count():
     per_token = lambda t: layers * (24 * d * d + 4 * t * d)  # noqa: E731 - f = 4d: 8d^2 + 4df = 24d^2
     fwd = 128 * per_token(128) + 2 * 64 * per_token(64) + 0.15 * 128 * (2 * d * d + 2 * d * vocab)
     assert f == 4 * d
-    assert bench_step.train_flops_per_sample("base", 128, 64, vocab) == pytest.approx(3 * fwd, rel=1e-12)
+    assert bench_step.train_flops_per_sample("base", 128, 64, vocab, trim=False) == pytest.approx(3 * fwd, rel=1e-12)
+    # Ours' default, the last layer trimmed (tests/unit/test_flops_accounting.py): the 108.8 unlabelled rows skip
+    # q, the output projection, the FFN (20 d^2) and their attention (4 T d)
+    trimmed = 3 * (fwd - (128 - 19.2) * (20 * d * d + 4 * 128 * d))
+    assert bench_step.train_flops_per_sample("base", 128, 64, vocab) == pytest.approx(trimmed, rel=1e-12)
 
 
 def test_bench_step_modernbert_flop_count_matches_hand_count():
     bench_step = _bench_step()
     d, f, vocab, window = 128, 256, 8192, 128  # configs/models/modernbert-tiny.yaml: 3 layers, global every 3
-    layer = lambda t, keys: t * (8 * d * d + 6 * d * f + 4 * keys * d)  # GeGLU: d -> 2f, f -> d
-    encoder = lambda t: layer(t, t) + 2 * layer(t, min(t, window + 1))  # layer 0 global, 1-2 local
+    layer = lambda t, keys: t * (8 * d * d + 6 * d * f) + 4 * keys * d  # GeGLU: d -> 2f, f -> d
+    # keys all queries read: a local layer's +-64 band, clipped at the row's ends
+    band = lambda t: sum(min(t - 1, q + window // 2) - max(0, q - window // 2) + 1 for q in range(t))  # noqa: E731
+    encoder = lambda t: layer(t, t * t) + 2 * layer(t, band(t))  # layer 0 global, 1-2 local
     fwd = encoder(512) + 2 * encoder(64) + 0.15 * 512 * (2 * d * d + 2 * d * vocab)
-    assert bench_step.train_flops_per_sample("tiny", 512, 64, vocab, arch="modernbert") == pytest.approx(3 * fwd)
+    assert band(64) == 64 * 64 and band(512) == 512 * 129 - 2 * sum(range(65))
+    assert bench_step.train_flops_per_sample("tiny", 512, 64, vocab, arch="modernbert",
+                                             trim=False) == pytest.approx(3 * fwd)
     assert bench_step.model_shape("mini", "modernbert")["ffn_size"] == 384  # read from the size's YAML
     with pytest.raises(ValueError, match="no size 'small'"):
         bench_step.model_shape("small", "modernbert")
