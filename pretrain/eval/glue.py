@@ -1,7 +1,13 @@
-"""GLUE fine-tuning: a RoBERTa-style head on [CLS] over `backbone.encode`, AdamW, 6% linear warmup.
+"""GLUE fine-tuning: the head of transformers' *ForSequenceClassification, AdamW, 6% linear warmup (RoBERTa's).
 
-One call of `finetune` = one (task, lr, seed) run; it evaluates on the dev split(s) after every
-epoch (or every `eval_every` steps) and keeps the best dev score. Sweeps live in glue_cli.
+The head: a BERT backbone with a pooler (ours as to-hf writes a BertModel, transformers' BertModel) gets BERT's,
+pooler(h_cls) = tanh(W h_cls + b) -> dropout -> Linear; any other (RoBERTa, pre-LN, none) gets RoBERTa's,
+dropout -> dense -> tanh -> dropout -> Linear on [CLS] (ModernBERT too: transformers' ModernBERT head, dense -> GELU
+-> LayerNorm -> Linear, is not built here). Updates follow transformers' Trainer: linear
+schedule (get_linear_schedule_with_warmup, ceil(warmup_ratio * updates) warm-up), global gradient norm clipped to
+1.0, no decay on biases and norms; the other defaults are RoBERTa's (betas 0.9/0.98, eps 1e-6, decay 0.1, 10 epochs
+on small tasks). One call of `finetune` = one (task, lr, seed) run; it evaluates on the dev split(s) after every
+epoch (or every `eval_every` steps) and keeps the best dev score (run_glue reports the last). Sweeps live in glue_cli.
 
 Legend: B batch, T tokens, D hidden size, C classes (1 for regression).
 """
@@ -9,9 +15,11 @@ Legend: B batch, T tokens, D hidden size, C classes (1 for regression).
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,11 +42,19 @@ class FinetuneConfig:
     batch_size: int = 32
     epochs: int = 10
     warmup_ratio: float = 0.06
-    """Fraction of all updates spent in linear warmup (RoBERTa: 6%)."""
+    """Fraction of all updates spent in linear warmup, rounded up as Trainer does (RoBERTa: 6%; run_glue: 0; BERT's
+    paper: 10%)."""
     weight_decay: float = 0.1
+    """AdamW decay on all but biases and norms (RoBERTa: 0.1; Trainer/run_glue: 0; BERT: 0.01)."""
     betas: tuple[float, float] = (0.9, 0.98)
+    """RoBERTa's; Trainer's and BERT's are (0.9, 0.999)."""
     eps: float = 1e-6
+    """RoBERTa's; Trainer's 1e-8, BERT's 1e-6."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this before each update (Trainer's max_grad_norm, BERT's 1.0); 0 = off
+    (RoBERTa's fairseq recipe: --clip-norm 0)."""
     dropout: float = 0.1
+    """The classifier's dropout (BERT's and RoBERTa's: hidden_dropout_prob, 0.1)."""
     max_len: int = 128
     seed: int = 1
     eval_every: int = 0
@@ -57,38 +73,69 @@ class FinetuneConfig:
                 raise ValueError(f"finetune.{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"finetune.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"finetune.max_grad_norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
 
 
 class GlueHead(nn.Module):
-    """dropout -> dense -> tanh -> dropout -> out on the [CLS] state: h_BD -> logits_BC."""
+    """RoBERTa's (RobertaClassificationHead): dropout -> dense -> tanh -> dropout -> out on the [CLS] state; with
+    ``dense=False`` BERT's after its pooler: dropout -> out. h_BD -> logits_BC; weights N(0, 0.02), biases 0."""
 
-    def __init__(self, hidden: int, num_labels: int, dropout: float, generator: torch.Generator):
+    def __init__(self, hidden: int, num_labels: int, dropout: float, generator: torch.Generator, dense: bool = True):
         super().__init__()
-        self.dense = nn.Linear(hidden, hidden)
+        self.dense = nn.Linear(hidden, hidden) if dense else None
         self.out = nn.Linear(hidden, num_labels)
         self.drop = nn.Dropout(dropout)
         for lin in (self.dense, self.out):
-            with torch.no_grad():
-                lin.weight.normal_(0.0, 0.02, generator=generator)
-                lin.bias.zero_()
+            if lin is not None:
+                with torch.no_grad():
+                    lin.weight.normal_(0.0, 0.02, generator=generator)
+                    lin.bias.zero_()
 
     def forward(self, h_BD: torch.Tensor) -> torch.Tensor:
-        return self.out(self.drop(torch.tanh(self.dense(self.drop(h_BD)))))
+        if self.dense is not None:
+            h_BD = torch.tanh(self.dense(self.drop(h_BD)))
+        return self.out(self.drop(h_BD))
+
+
+def bert_pooler_of(backbone: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """h_BTD -> tanh(W h_cls + b) by the backbone's own (pretrained) pooler where BertForSequenceClassification would
+    read it: transformers' BertModel, ours at arch bert, post-norm, positions from 0 (to-hf writes those as a
+    BertModel). None for RoBERTa / pre-LN / ModernBERT, whose transformers classifiers ignore any pooler, and for a
+    model without one (model.pooler=false; its export's BertModel holds zeros there, which either backend skips)."""
+    hf = getattr(backbone, "hf", None)
+    if hf is not None:
+        pooler = getattr(hf, "pooler", None)
+        if getattr(hf.config, "model_type", None) != "bert" or pooler is None:
+            return None
+        if (getattr(hf.config, "pretrain", None) or {}).get("pooler") is False:  # our export's zeros: not a pooler
+            return None
+        return lambda h_BTD: pooler(h_BTD)  # BertPooler reads [CLS] itself
+    pooler, cfg = getattr(backbone, "pooler", None), getattr(backbone, "cfg", None)
+    if pooler is None or cfg is None:
+        return None
+    if (getattr(cfg, "arch", "bert"), getattr(cfg, "norm", "post"), getattr(cfg, "position_offset", 0)) != (
+            "bert", "post", 0):
+        return None
+    return lambda h_BTD: pooler(h_BTD[:, 0])
 
 
 class GlueModel(nn.Module):
+    """backbone -> BERT's pooler and dropout -> Linear where it has one (bert_pooler_of), else RoBERTa's head."""
+
     def __init__(self, backbone: nn.Module, hidden: int, num_labels: int, dropout: float,
                  generator: torch.Generator):
         super().__init__()
         self.backbone = backbone
-        self.head = GlueHead(hidden, num_labels, dropout, generator)
+        self.pooler = bert_pooler_of(backbone)  # its weights are the backbone's: trained with it, not registered twice
+        self.head = GlueHead(hidden, num_labels, dropout, generator, dense=self.pooler is None)
         self.one_token_type = num_token_types(backbone) == 1
 
     def forward(self, ids_BT, mask_BT, types_BT=None) -> torch.Tensor:
         # one token type (type_vocab_size 1): a [CLS] a [SEP] b [SEP] pair is all type 0, as RoBERTa's pairs are
         types_BT = None if self.one_token_type else types_BT
         h_BTD, _ = run_encode(self.backbone, ids_BT, mask_BT, types_BT=types_BT)
-        return self.head(h_BTD[:, 0])
+        return self.head(h_BTD[:, 0] if self.pooler is None else self.pooler(h_BTD))
 
 
 def hidden_size_of(backbone: nn.Module) -> int:
@@ -163,9 +210,16 @@ def evaluate_dev(model, dev_sets, task, pad_id, cfg) -> dict[str, float]:
 
 
 def linear_warmup_decay(step: int, total: int, warmup: int) -> float:
+    """LR factor of update ``step`` (0-based), transformers' get_linear_schedule_with_warmup: step / warmup while
+    warming up (0 at the first update), then linear from 1 to 0 at ``total``."""
     if step < warmup:
-        return (step + 1) / max(1, warmup)
+        return step / max(1, warmup)
     return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def warmup_steps(warmup_ratio: float, total: int) -> int:
+    """Warm-up updates as Trainer counts them (TrainingArguments.get_warmup_steps): ceil(ratio * total)."""
+    return math.ceil(total * warmup_ratio)
 
 
 def _encoded_splits(task, glue_dir, tokenizer, cfg: FinetuneConfig, gen: torch.Generator) -> tuple[list, dict]:
@@ -191,7 +245,7 @@ def _optimizer(model: nn.Module, cfg: FinetuneConfig, total_steps: int):
         {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    warmup = int(cfg.warmup_ratio * total_steps)
+    warmup = warmup_steps(cfg.warmup_ratio, total_steps)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup_decay(s, total_steps, warmup))
 
 
@@ -225,6 +279,8 @@ def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str 
                 loss = loss_fn(logits_BC[:, 0], y_B) if task.labels is None else loss_fn(logits_BC, y_B)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                if cfg.max_grad_norm > 0:  # Trainer's and BERT's clip_by_global_norm, over every parameter
+                    nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 opt.step()
                 sched.step()
                 step += 1

@@ -50,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d["batch_size"])
     p.add_argument("--max-len", type=int, default=d["max_len"])
     p.add_argument("--warmup-ratio", type=float, default=d["warmup_ratio"])
-    p.add_argument("--weight-decay", type=float, default=d["weight_decay"])
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"],
+                   help="RoBERTa's 0.1 (run_glue: 0, BERT: 0.01); never on biases and norms")
+    p.add_argument("--max-grad-norm", type=float, default=d["max_grad_norm"],
+                   help="clip the global gradient norm (Trainer and BERT: 1.0); 0 = off (RoBERTa's recipe)")
     p.add_argument("--max-train-examples", type=int, default=d["max_train_examples"], help="0 = all")
     p.add_argument("--eval-every", type=int, default=d["eval_every"], help="0 = every epoch")
     p.add_argument("--device", default=d["device"])
@@ -93,7 +96,7 @@ def run_one(args, task: str, lr: float, seed: int) -> dict:
     cfg = FinetuneConfig(
         task=task, lr=lr, seed=seed, epochs=args.epochs if spec.small else args.epochs_large,
         batch_size=args.batch_size, max_len=args.max_len, warmup_ratio=args.warmup_ratio,
-        weight_decay=args.weight_decay, max_train_examples=args.max_train_examples,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, max_train_examples=args.max_train_examples,
         eval_every=args.eval_every, device=args.device, bf16=args.bf16,
     )
 
