@@ -183,15 +183,14 @@ def _read_gutenberg(lines: Iterator[tuple[str, int]], path: str) -> Iterator[Doc
 
 def _read_jsonl(lines: Iterator[tuple[str, int]], path: str, stats: ReadStats,
                 text_field: str) -> Iterator[Document]:
+    """One document per JSON object's string ``text_field``; other lines are skipped and counted (``bad_json``;
+    ``check_jsonl_head`` has refused a file whose first lines are all such)."""
     for line, pos in lines:
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-            text = obj[text_field]
-            if not isinstance(text, str):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
+        obj = _parse_json(line)
+        text = obj.get(text_field) if isinstance(obj, dict) else None
+        if not isinstance(text, str):
             stats.count("bad_json")
             continue
         # Split at "\n" only, as a .txt file's lines and a parquet row's are (str.splitlines would also cut at
@@ -199,6 +198,55 @@ def _read_jsonl(lines: Iterator[tuple[str, int]], path: str, stats: ReadStats,
         paragraphs = [p.strip() for p in text.split("\n") if p.strip()]
         if paragraphs:
             yield Document(paragraphs, path, pos)
+
+
+_JSONL_HEAD_LINES = 100
+_JSONL_HEAD_BYTES = 1 << 20
+
+
+def check_jsonl_head(lines: Iterator[tuple[str, int]], path: str, text_field: str) -> None:
+    """ValueError, naming the first bad line and why, when none of a jsonl file's first non-empty lines (up to
+    100, or 1 MB) is a JSON object with a string ``text_field``: a wrong ``--text-field`` or a ``.json`` file
+    holding one array would otherwise vanish as a ``bad_json`` count. Checked once per file, before it is read."""
+    bad, first_bad = 0, None
+    for line, pos in lines:
+        if not line.strip():
+            continue
+        obj = _parse_json(line)
+        if isinstance(obj, dict) and isinstance(obj.get(text_field), str):
+            return
+        bad += 1
+        first_bad = first_bad or (pos, _why_not_a_record(obj, text_field))
+        if bad >= _JSONL_HEAD_LINES or pos >= _JSONL_HEAD_BYTES:
+            break
+    if first_bad is not None:
+        pos, why = first_bad
+        raise ValueError(f"{path}: none of its first {bad} lines is a JSON object with a string {text_field!r} field "
+                         f"(the first, ending at byte offset {pos}, {why}); pass the text field with "
+                         f"--text-field NAME, or convert the file to JSON Lines (one object per line)")
+
+
+def _parse_json(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return _NOT_JSON
+
+
+_NOT_JSON = object()
+
+
+def _why_not_a_record(obj, text_field: str) -> str:
+    if obj is _NOT_JSON:
+        return "is not JSON"
+    if isinstance(obj, list):
+        return "is a JSON array (a .json file holding one array: jq -c '.[]' FILE > FILE.jsonl)"
+    if not isinstance(obj, dict):
+        return f"is a JSON {type(obj).__name__}, not an object"
+    if text_field not in obj:
+        keys = ", ".join(list(obj)[:10]) or "none"
+        return f"has no field {text_field!r} (its fields: {keys})"
+    return f"has {text_field!r} of JSON type {type(obj[text_field]).__name__}, not a string"
 
 
 def _split_oversized(docs: Iterator[Document], stats: ReadStats, max_document_chars: int) -> Iterator[Document]:

@@ -13,13 +13,16 @@ Everything is written into a hidden ``.<name>.partial-<pid>`` directory which be
 from __future__ import annotations
 
 import argparse
+import errno
 import itertools
 import multiprocessing as mp
 import os
+import re
 import shutil
 import sys
 import time
 import uuid
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,18 +275,68 @@ def _tasks(files: list[str], stats: ReadStats, chunk_bytes: int, *, fmt: str, ma
                               text_field=text_field, max_slices=2 * num_workers if num_workers > 1 else 1)
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool) -> Path:
+_DATASET_FILE = re.compile(r"shard-\d{5}\.(bin|idx)(\.tmp)?|manifest\.json(\.tmp)?|token_freq\.npy")
+"""Names a dataset directory holds (pretrain/data/FORMAT.md): ``--overwrite`` replaces only such a directory."""
+
+
+def _prepare_out_dir(out_dir: Path, overwrite: bool, files: list[str] = ()) -> Path:
+    """The fresh temporary sibling to build the dataset in. Refuses an ``out_dir`` that holds anything but a
+    dataset (``--overwrite`` would delete it: e.g. the corpus itself), or a dataset without ``overwrite``."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"output {out_dir} exists and is not a directory; choose another --out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        what = "a complete dataset" if (out_dir / MANIFEST).exists() else "files (an incomplete run?)"
+    where = out_dir.resolve()
+    inside = [f for f in files if where in Path(f).resolve().parents]
+    if inside:
+        raise ValueError(f"input {inside[0]} lies inside the output directory {out_dir}, which is replaced as a "
+                         f"whole; choose another --out")
+    names = sorted(os.listdir(out_dir)) if out_dir.is_dir() else []
+    foreign = [n for n in names if not _DATASET_FILE.fullmatch(n)]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"output directory {out_dir} holds files that are not part of a dataset ({shown}); "
+                         f"--overwrite replaces only a dataset: choose another --out (or move those files away)")
+    if names and not overwrite:
+        what = "a complete dataset" if (out_dir / MANIFEST).exists() else "an incomplete dataset (no manifest.json)"
         raise ValueError(f"output directory {out_dir} already holds {what}; pass --overwrite or choose another --out")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{unique_suffix()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     return tmp
+
+
+def _remove_stale_partials(out_dir: Path) -> None:
+    """Remove the ``.<name>.partial-<host>-<pid>-<hex>`` directories that runs on this host left when killed
+    (SIGKILL, OOM, a node failure: no ``except`` ran) — a whole run's shards otherwise stay there for good.
+    A partial directory of a live process is another run writing the same output: refused. Those of other
+    hosts (a shared filesystem) are named, not touched."""
+    host = unique_suffix().rsplit("-", 2)[0]
+    for d in sorted(out_dir.parent.glob(f".{out_dir.name}.partial-*")):
+        parts = d.name[len(f".{out_dir.name}.partial-"):].rsplit("-", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue
+        if parts[0] != host:
+            warnings.warn(f"{d} is left by a run on host {parts[0]}; if that run is over, remove it (rm -r {d})",
+                          stacklevel=3)
+        elif _pid_alive(int(parts[1])):
+            raise ValueError(f"another pretrain-preprocess (pid {parts[1]}) is writing {out_dir} now (into {d}); "
+                             f"wait for it to finish or choose another --out")
+        else:
+            warnings.warn(f"removing {d}, the unfinished output of an earlier run (pid {parts[1]}) that was killed",
+                          stacklevel=3)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
@@ -302,7 +355,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer_path)
     out = Path(out_dir)
-    tmp = _prepare_out_dir(out, overwrite)
+    tmp = _prepare_out_dir(out, overwrite, files)
     from tqdm import tqdm
 
 
@@ -334,7 +387,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
         shards = writer.close()
         if report["tokens"] == 0:
             raise ValueError(f"no sentences were produced from {inputs} (report: {stats.as_dict()}); "
-                             f"check the input format and --min-sentence-chars")
+                             f"check {_no_sentences_hint(stats.skipped)}")
         elapsed = time.perf_counter() - t0
         report.update(stats.as_dict())
         report["elapsed_s"] = round(elapsed, 3)
@@ -352,6 +405,16 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _no_sentences_hint(skipped: dict) -> str:
+    """What to check when nothing came out, by what the readers skipped."""
+    hints = ["the input format and --min-sentence-chars"]
+    if skipped.get("giant_line"):
+        hints.append("--max-line-bytes (lines longer were skipped)")
+    if skipped.get("null_text"):
+        hints.append("--text-field (its values were null)")
+    return ", ".join(hints)
 
 
 REPORT_COUNTS = ("documents", "sentences", "tokens", "characters", "short_sentences", "empty_sentences")
@@ -445,6 +508,13 @@ def main(argv: list[str] | None = None) -> int:
                               overwrite=args.overwrite, progress=not args.no_progress)
     except (FileNotFoundError, ValueError) as e:
         print(f"pretrain-preprocess: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, an I/O error: the partial output is gone, any old dataset untouched
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        print(f"pretrain-preprocess: error: {e}; nothing was published ({args.out} is as it was) and the "
+              f"unfinished output was removed; "
+              + (f"free space on the disk of {Path(args.out).resolve().parent} or choose another --out, "
+                 f"then run again" if full else "fix the cause, then run again"), file=sys.stderr)
         return 2
     print(format_report(manifest))
     print(f"wrote {args.out}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from pretrain.data.containers import STREAM_ERRORS, identify, open_stream, stream_error
+from pretrain.data.containers import HEAD_BYTES, STREAM_ERRORS, identify, open_stream, read_or_raise, stream_error
 from pretrain.prep import columnar
 from pretrain.prep.formats import (
     _GUTENBERG_SCAN_LINES,
@@ -35,8 +35,12 @@ from pretrain.prep.formats import (
     _read_text,
     _read_wikiextractor,
     _split_oversized,
+    check_jsonl_head,
     detect_format,
 )
+
+_BAD_STREAM = STREAM_ERRORS + (OSError,)
+"""A bad compressed stream: bz2 raises a bare OSError ("Invalid data stream") for a corrupt block."""
 
 FORMATS = ("auto", "text", "gutenberg", "wikiextractor", "jsonl", "parquet", "arrow")
 COLUMNAR = ("parquet", "arrow")
@@ -89,11 +93,12 @@ def _check_options(fmt: str, errors: str) -> None:
 
 
 def sniff(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
-          errors: str = "strict") -> tuple[str, str]:
+          errors: str = "strict", text_field: str = "text") -> tuple[str, str]:
     """(format, compression) ``read_file`` reads ``path`` with. Columnar files (parquet, Arrow) and compression
     are told by magic number; a text format is ``fmt`` unless "auto", else from the extension (without a
     compression suffix) and the first valid non-empty line (a ``.txt`` with a ``*** START OF`` marker in its
-    first lines is gutenberg). ValueError for binary files and archives, saying what they are."""
+    first lines is gutenberg). ValueError for binary files and archives, saying what they are, for lone-CR line
+    endings, and for a jsonl file whose first lines hold no ``text_field`` (``check_jsonl_head``)."""
     container = identify(path)
     if container.columnar:
         if fmt not in ("auto", container.columnar):
@@ -104,6 +109,7 @@ def sniff(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
         raise ValueError(f"{path} is not a {fmt} file (its first bytes are not a {fmt} magic number)")
     comp = container.compression
     where = " of the decompressed stream" if comp else ""
+    _refuse_lone_cr(path, comp)
     head: list[str] = []
     with open_stream(path, comp) as f:  # bad lines are counted when the file is read, not here
         try:
@@ -125,9 +131,28 @@ def sniff(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
                         return "gutenberg", comp
                     if seen >= _GUTENBERG_SCAN_LINES:
                         break
-        except STREAM_ERRORS as e:
+            if kind == "jsonl":  # a second pass from the start (the first stopped at the first non-empty line)
+                with open_stream(path, comp) as g:
+                    check_jsonl_head(_iter_lines(g, path, ReadStats(), max_line_bytes=max_line_bytes,
+                                                 errors=errors, where=where), path, text_field)
+        except _BAD_STREAM as e:
+            if not comp:
+                raise
             raise stream_error(path, comp, e) from None
     return kind, comp
+
+
+def _refuse_lone_cr(path: str, comp: str) -> None:
+    """ValueError for text whose lines end in a lone CR (classic Mac OS): lines split at LF only, so the whole
+    file would read as one line — its documents merged into one, or all of it skipped as a giant line."""
+    with open_stream(path, comp) as f:
+        head = read_or_raise(path, comp, f.read, HEAD_BYTES)
+    num_cr = head.count(b"\r")
+    if num_cr >= 2 and b"\n" not in head:
+        after = f" after {comp} decompression" if comp else ""
+        raise ValueError(f"{path} has lone CR (classic Mac) line endings: {num_cr} CRs and no LF in its "
+                         f"first {len(head)} bytes{after}, so it would read as one line; convert them first "
+                         f"(tr '\\r' '\\n' < FILE > FILE.txt)")
 
 
 def sniff_format(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000, errors: str = "strict") -> str:
@@ -168,7 +193,7 @@ def iter_parts(path: str, target_bytes: int, *, fmt: str = "auto", max_line_byte
                errors: str = "strict", text_field: str = "text", max_slices: int = 64) -> Iterator[Part]:
     """``plan_parts``, lazily: a columnar file's big row groups are cut (a pass over each one's text) only as
     their parts are reached, so preprocessing starts on the first part of a file of many big groups at once."""
-    kind, comp = sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
+    kind, comp = sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors, text_field=text_field)
     if kind in COLUMNAR:
         plan = columnar.plan_parquet if kind == "parquet" else columnar.plan_arrow
         for a, b, n in plan(path, text_field, target_bytes, max_slices):
@@ -207,7 +232,7 @@ def _read_stream(path: str, kind: str, compression: str, stats: ReadStats, **kwa
     with open_stream(path, compression) as f:
         try:
             yield from _documents(f, path, kind, stats, base=0, where=" of the decompressed stream", **kwargs)
-        except STREAM_ERRORS as e:
+        except _BAD_STREAM as e:
             raise stream_error(path, compression, e) from None
 
 
@@ -309,7 +334,7 @@ def read_file(path: str, stats: ReadStats, *, fmt: str = "auto", max_line_bytes:
     _check_options(fmt, errors)
     if not open_input(path, stats):
         return
-    kind, comp = sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors)
+    kind, comp = sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors, text_field=text_field)
     kwargs = {"max_line_bytes": max_line_bytes, "errors": errors, "text_field": text_field,
               "max_document_chars": max_document_chars}
     if kind in COLUMNAR:  # the whole file as one part
