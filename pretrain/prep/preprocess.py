@@ -35,6 +35,7 @@ from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
 from pretrain.data.shards import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    INDEX_CACHE_DIR,
     MANIFEST,
     TOKEN_FREQ,
     file_sha256,
@@ -275,8 +276,10 @@ def _tasks(files: list[str], stats: ReadStats, chunk_bytes: int, *, fmt: str, ma
                               text_field=text_field, max_slices=2 * num_workers if num_workers > 1 else 1)
 
 
-_DATASET_FILE = re.compile(r"shard-\d{5}\.(bin|idx)(\.tmp)?|manifest\.json(\.tmp)?|token_freq\.npy")
-"""Names a dataset directory holds (pretrain/data/FORMAT.md): ``--overwrite`` replaces only such a directory."""
+_DATASET_FILE = re.compile(r"shard-\d{5}\.(bin|idx)(\.tmp)?|manifest\.json(\.tmp)?|token_freq\.npy|"
+                           + re.escape(INDEX_CACHE_DIR))
+"""Names a dataset directory holds (pretrain/data/FORMAT.md; the index cache training adds to it):
+``--overwrite`` replaces only such a directory."""
 
 
 def _prepare_out_dir(out_dir: Path, overwrite: bool, files: list[str] = ()) -> Path:

@@ -77,7 +77,10 @@ def test_overwrite_never_deletes_a_directory_that_is_not_a_dataset(tok, tmp_path
     assert _run([corpus / "a.txt", "--tokenizer", tok, "--out", ds], capsys)[0] == 0
     code, text = _run([corpus / "a.txt", "--tokenizer", tok, "--out", ds], capsys)
     assert code == 2 and "already holds a complete dataset; pass --overwrite" in text
+    (ds / "index-cache").mkdir()  # what training adds to a dataset (its index caches): still a dataset
+    (ds / "index-cache" / "samples-x.npy").write_bytes(b"")
     assert _run([corpus / "a.txt", "--tokenizer", tok, "--out", ds, "--overwrite"], capsys)[0] == 0
+    assert not (ds / "index-cache").exists()  # replaced with the rest: the new dataset's caches are built anew
 
 
 def test_a_killed_runs_partial_directory_is_removed_and_a_live_ones_refused(tok, tmp_path):
