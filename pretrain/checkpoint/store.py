@@ -220,6 +220,19 @@ def find_resumable(ckpt_dir: Path, *, say=print) -> str | None:
     return None
 
 
+def find_intact(ckpt_dir: Path) -> tuple[str | None, dict[str, list[str]]]:
+    """(the newest complete checkpoint that verifies, {each newer damaged tag: what is wrong with it}, newest first);
+    the tag is None when none verifies. What a reader of a run's latest weights takes (export.resolve's
+    select_checkpoint), as find_resumable does for a resume."""
+    damaged = {}
+    for tag in reversed(list_complete(ckpt_dir)):  # find_latest's answer first: it is the newest complete tag
+        problems = verify_checkpoint(ckpt_dir / tag)
+        if not problems:
+            return tag, damaged
+        damaged[tag] = problems
+    return None, damaged
+
+
 def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
     """Collective: replace a published checkpoint's trainer_state.json (atomically; files.json does not cover it)
     — a rollback records there the samples it skips, so that resuming from this checkpoint skips them too."""

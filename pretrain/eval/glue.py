@@ -1,9 +1,10 @@
 """GLUE fine-tuning: the head of transformers' *ForSequenceClassification, AdamW, 6% linear warmup (RoBERTa's).
 
 The head: a BERT backbone with a pooler (ours as to-hf writes a BertModel, transformers' BertModel) gets BERT's,
-pooler(h_cls) = tanh(W h_cls + b) -> dropout -> Linear; any other (RoBERTa, pre-LN, none) gets RoBERTa's,
-dropout -> dense -> tanh -> dropout -> Linear on [CLS] (ModernBERT too: transformers' ModernBERT head, dense -> GELU
--> LayerNorm -> Linear, is not built here). Updates follow transformers' Trainer: linear
+pooler(h_cls) = tanh(W h_cls + b) -> dropout -> Linear; a ModernBERT (ours at model.arch=modernbert, transformers'
+ModernBertModel) gets ModernBertForSequenceClassification's, cls or mean pooling -> dense -> activation -> LayerNorm
+-> dropout -> Linear; any other (RoBERTa, pre-LN, none) gets RoBERTa's, dropout -> dense -> tanh -> dropout -> Linear
+on [CLS]. Updates follow transformers' Trainer: linear
 schedule (get_linear_schedule_with_warmup, ceil(warmup_ratio * updates) warm-up), global gradient norm clipped to
 1.0, no decay on biases and norms; the other defaults are RoBERTa's (betas 0.9/0.98, eps 1e-6, decay 0.1, 10 epochs
 on small tasks). One call of `finetune` = one (task, lr, seed) run; it evaluates on the dev split(s) after every
@@ -53,8 +54,9 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this before each update (Trainer's max_grad_norm, BERT's 1.0); 0 = off
     (RoBERTa's fairseq recipe: --clip-norm 0)."""
-    dropout: float = 0.1
-    """The classifier's dropout (BERT's and RoBERTa's: hidden_dropout_prob, 0.1)."""
+    dropout: float | None = None
+    """The classifier's dropout; None = the head's own: 0.1 for BERT's and RoBERTa's (hidden_dropout_prob),
+    ModernBERT's classifier_dropout (transformers' default 0.0, which ours at model.arch=modernbert takes)."""
     max_len: int = 128
     seed: int = 1
     eval_every: int = 0
@@ -75,6 +77,8 @@ class FinetuneConfig:
             raise ValueError(f"finetune.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.max_grad_norm < 0:
             raise ValueError(f"finetune.max_grad_norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"finetune.dropout must be in [0, 1) (or None: the head's own), got {self.dropout}")
 
 
 class GlueHead(nn.Module):
@@ -96,6 +100,82 @@ class GlueHead(nn.Module):
         if self.dense is not None:
             h_BD = torch.tanh(self.dense(self.drop(h_BD)))
         return self.out(self.drop(h_BD))
+
+
+@dataclass(kw_only=True)
+class ModernHeadSpec:
+    """ModernBertForSequenceClassification's head as a ModernBertConfig states it (its field names in brackets)."""
+
+    pooling: str
+    """[classifier_pooling] "cls": the first token's state; "mean": the mean over the attention mask."""
+    bias: bool
+    """[classifier_bias] of the head's dense."""
+    activation: nn.Module
+    """[classifier_activation] after the dense."""
+    norm_eps: float
+    """[norm_eps] of the LayerNorm after the activation."""
+    norm_bias: bool
+    """[norm_bias] of that LayerNorm."""
+    dropout: float
+    """[classifier_dropout] before the final Linear."""
+    dense_std: float
+    """_init_weights' "out" std of the dense: initializer_range / sqrt(2 num_hidden_layers)."""
+    cutoff: float
+    """[initializer_cutoff_factor]: weights are drawn truncated at +-cutoff stds."""
+
+
+_OUR_ACTIVATIONS = {"gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU("tanh"), "relu": lambda: nn.ReLU()}
+"""model.activation -> the module of the transformers name to-hf writes as classifier_activation (hf_modern)."""
+
+
+def modernbert_head_of(backbone: nn.Module) -> ModernHeadSpec | None:
+    """The ModernBERT head's settings: transformers' ModernBertModel from its config; ours at model.arch=modernbert
+    from what to-hf writes (activation, layer_norm_eps as norm_eps, init_std as initializer_range, no biases) and
+    transformers' defaults for what our config lacks (classifier_pooling "cls", classifier_dropout 0.0,
+    initializer_cutoff_factor 2.0). None for any other backbone."""
+    hf = getattr(backbone, "hf", None)
+    if hf is not None:
+        c = hf.config
+        if getattr(c, "model_type", None) != "modernbert":
+            return None
+        from transformers.activations import ACT2FN
+
+        cutoff = getattr(c, "initializer_cutoff_factor", None)
+        return ModernHeadSpec(pooling=c.classifier_pooling, bias=c.classifier_bias,
+                              activation=ACT2FN[c.classifier_activation], norm_eps=c.norm_eps, norm_bias=c.norm_bias,
+                              dropout=float(c.classifier_dropout),
+                              dense_std=c.initializer_range / math.sqrt(2.0 * c.num_hidden_layers),
+                              cutoff=3.0 if cutoff is None else float(cutoff))  # _init_weights' fallback
+    cfg = getattr(backbone, "cfg", None)
+    if getattr(cfg, "arch", None) != "modernbert":
+        return None
+    return ModernHeadSpec(pooling="cls", bias=False, activation=_OUR_ACTIVATIONS[cfg.activation](),
+                          norm_eps=cfg.layer_norm_eps, norm_bias=False, dropout=0.0,
+                          dense_std=cfg.init_std / math.sqrt(2.0 * cfg.num_layers), cutoff=2.0)
+
+
+class ModernGlueHead(nn.Module):
+    """ModernBertForSequenceClassification's: ModernBertPredictionHead (dense -> activation -> LayerNorm) -> dropout
+    -> out on the pooled state, x_BD -> logits_BC. Init as its _init_weights: truncated normals, the dense with
+    spec.dense_std, out with hidden ** -0.5; biases 0, LayerNorm 1 and 0."""
+
+    def __init__(self, hidden: int, num_labels: int, spec: ModernHeadSpec, dropout: float,
+                 generator: torch.Generator):
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden, bias=spec.bias)
+        self.act = spec.activation
+        self.norm = nn.LayerNorm(hidden, eps=spec.norm_eps, bias=spec.norm_bias)
+        self.drop = nn.Dropout(dropout)
+        self.out = nn.Linear(hidden, num_labels)
+        for lin, std in ((self.dense, spec.dense_std), (self.out, hidden ** -0.5)):
+            with torch.no_grad():
+                nn.init.trunc_normal_(lin.weight, 0.0, std, -spec.cutoff * std, spec.cutoff * std,
+                                      generator=generator)
+                if lin.bias is not None:
+                    lin.bias.zero_()
+
+    def forward(self, x_BD: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(self.norm(self.act(self.dense(x_BD)))))
 
 
 def bert_pooler_of(backbone: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -121,21 +201,34 @@ def bert_pooler_of(backbone: nn.Module) -> Callable[[torch.Tensor], torch.Tensor
 
 
 class GlueModel(nn.Module):
-    """backbone -> BERT's pooler and dropout -> Linear where it has one (bert_pooler_of), else RoBERTa's head."""
+    """backbone -> BERT's pooler and dropout -> Linear where it has one (bert_pooler_of), ModernBERT's head on a
+    ModernBERT (modernbert_head_of), else RoBERTa's head. ``dropout`` None: the head's own (FinetuneConfig.dropout)."""
 
-    def __init__(self, backbone: nn.Module, hidden: int, num_labels: int, dropout: float,
+    def __init__(self, backbone: nn.Module, hidden: int, num_labels: int, dropout: float | None,
                  generator: torch.Generator):
         super().__init__()
         self.backbone = backbone
         self.pooler = bert_pooler_of(backbone)  # its weights are the backbone's: trained with it, not registered twice
-        self.head = GlueHead(hidden, num_labels, dropout, generator, dense=self.pooler is None)
+        modern = None if self.pooler is not None else modernbert_head_of(backbone)
+        if modern is not None:
+            self.dropout = modern.dropout if dropout is None else dropout
+            self.head = ModernGlueHead(hidden, num_labels, modern, self.dropout, generator)
+            self.pooling = modern.pooling
+        else:
+            self.dropout = 0.1 if dropout is None else dropout
+            self.head = GlueHead(hidden, num_labels, self.dropout, generator, dense=self.pooler is None)
+            self.pooling = "cls"
         self.one_token_type = num_token_types(backbone) == 1
 
     def forward(self, ids_BT, mask_BT, types_BT=None) -> torch.Tensor:
         # one token type (type_vocab_size 1): a [CLS] a [SEP] b [SEP] pair is all type 0, as RoBERTa's pairs are
         types_BT = None if self.one_token_type else types_BT
         h_BTD, _ = run_encode(self.backbone, ids_BT, mask_BT, types_BT=types_BT)
-        return self.head(h_BTD[:, 0] if self.pooler is None else self.pooler(h_BTD))
+        if self.pooler is not None:
+            return self.head(self.pooler(h_BTD))
+        if self.pooling == "mean":  # ModernBertForSequenceClassification's mean over the attention mask
+            return self.head((h_BTD * mask_BT.unsqueeze(-1)).sum(dim=1) / mask_BT.sum(dim=1, keepdim=True))
+        return self.head(h_BTD[:, 0])
 
 
 def hidden_size_of(backbone: nn.Module) -> int:
@@ -298,5 +391,6 @@ def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str 
     if save_dir is not None and best_state is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         torch.save(best_state, Path(save_dir) / "best_model.pt")
-    return {"task": task.name, "config": asdict(cfg), "num_train": len(train_enc), "steps": step,
+    config = {**asdict(cfg), "dropout": model.dropout}  # the dropout the head used (cfg.dropout None: its own)
+    return {"task": task.name, "config": config, "num_train": len(train_enc), "steps": step,
             "best": best, "history": history, "wall_s": time.time() - t0}

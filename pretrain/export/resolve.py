@@ -33,7 +33,9 @@ from typing import Literal
 from safetensors.torch import load_file
 
 from pretrain.checkpoint.store import (
+    CheckpointError,
     checkpoints_dir,
+    find_intact,
     is_complete,
     list_complete,
     load_heads_state,
@@ -331,13 +333,15 @@ def run_model_config(cfg, weights: Weights | None = None) -> ModelConfig:
 CHECKPOINT_CHOICES = "latest|best|step_N"
 
 
-def select_checkpoint(path: str | os.PathLike, which: str = "latest") -> tuple[Path, str]:
+def select_checkpoint(path: str | os.PathLike, which: str = "latest", *, say=print) -> tuple[Path, str]:
     """(the directory to open, one line naming it) for a reader's ``--checkpoint latest|best|step_N``.
 
-    A run directory: ``latest`` = its newest complete checkpoint, ``best`` = ``<run>/best/`` (the best STS-B dev
-    weights, kept by eval.stsb_every), ``step_N`` = ``checkpoints/step_N`` (N as a number or the tag). The line
-    gives the tag and step, and mentions best/ when it exists and is another step. Any other directory (a tag, an
-    init or HF directory) is read as it is, with ``latest`` only. FileNotFoundError/ValueError say what exists."""
+    A run directory: ``latest`` = its newest complete checkpoint that verifies (as a resume takes: newer damaged
+    ones are skipped with one warning line through ``say``; CheckpointError when none verifies), ``best`` =
+    ``<run>/best/`` (the best STS-B dev weights, kept by eval.stsb_every), ``step_N`` = ``checkpoints/step_N`` (N
+    as a number or the tag; refused when read if damaged). The line gives the tag and step, and mentions best/ when
+    it exists and is another step. Any other directory (a tag, an init or HF directory) is read as it is, with
+    ``latest`` only. FileNotFoundError/ValueError say what exists."""
 
     p = Path(path)
     which = (which or "latest").strip()
@@ -359,8 +363,8 @@ def select_checkpoint(path: str | os.PathLike, which: str = "latest") -> tuple[P
                                     f"its checkpoints: {', '.join(tags) or 'none'}")
         return p / "best", f"reading {p}/best (step {best.get('step')}, STS-B dev {format_best_score(best)})"
     if which == "latest":
-        tag_dir = resolve_tag_dir(p)
-        label = "the latest"
+        tag_dir, skipped = _newest_intact(p, say)
+        label = "the latest intact" if skipped else "the latest"
     else:
         tag = tag_for_step(int(_STEP_RE.match(which).group(1)))
         tag_dir = checkpoints_dir(p) / tag
@@ -376,6 +380,24 @@ def select_checkpoint(path: str | os.PathLike, which: str = "latest") -> tuple[P
 
 
 _STEP_RE = re.compile(r"^(?:step_)?(\d+)$")
+
+
+def _newest_intact(run_dir: Path, say) -> tuple[Path, bool]:
+    """(the tag dir of the run's newest checkpoint that verifies, whether newer damaged ones were skipped); those
+    are named in one warning line. CheckpointError when every checkpoint is damaged; FileNotFoundError (from
+    resolve_tag_dir) when there is none."""
+    ckpt_dir = checkpoints_dir(run_dir)
+    tag, damaged = find_intact(ckpt_dir)
+    named = "; ".join(f"{t} ({', '.join(problems)})" for t, problems in damaged.items())
+    if tag is None and damaged:
+        raise CheckpointError(f"every checkpoint of {run_dir} is damaged: {named}. pretrain-train --check {run_dir} "
+                              f"lists them; read best/ (--checkpoint best) if the run has one")
+    if tag is None:
+        return resolve_tag_dir(run_dir), False  # raises, saying what was looked for
+    if damaged:
+        say(f"warning: skipping damaged checkpoint{'s' if len(damaged) > 1 else ''} of {ckpt_dir}: {named}; "
+            f"reading {tag}, the newest that verifies (as a resume would)")
+    return ckpt_dir / tag, bool(damaged)
 
 
 def best_record(run_dir: Path) -> dict | None:

@@ -207,3 +207,101 @@ def test_cli_passes_max_grad_norm():
     assert glue_cli.build_parser().parse_args(["--out", "x", "--max-grad-norm", "0"]).max_grad_norm == 0.0
     with pytest.raises(ValueError, match="max_grad_norm"):
         FinetuneConfig(task="rte", max_grad_norm=-1.0)
+
+
+def _modern_hf_config(**kw):
+    return transformers.ModernBertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                         intermediate_size=24, max_position_embeddings=64, local_attention=4,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                         sep_token_id=2, **kw)
+
+
+def _padded_batch(vocab: int):
+    """Three sequences of 9, 6 and 4 tokens, right-padded with id 0 (mean pooling must skip the padding)."""
+    ids = torch.randint(3, vocab, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    for row, n in enumerate((9, 6, 4)):
+        ids[row, n:], mask[row, n:] = 0, 0
+    return ids, mask
+
+
+def _compare_with_modernbert_classifier(ours: GlueModel, ref: nn.Module, vocab: int):
+    """Copy our new head's weights into ModernBertForSequenceClassification's (head.dense, head.norm, classifier);
+    the logits agree in eval mode."""
+    with torch.no_grad():
+        ref.head.dense.load_state_dict(ours.head.dense.state_dict())
+        ref.head.norm.load_state_dict(ours.head.norm.state_dict())
+        ref.classifier.load_state_dict(ours.head.out.state_dict())
+    ours.eval(), ref.eval()
+    ids, mask = _padded_batch(vocab)
+    with torch.no_grad():
+        got = ours(ids, mask, torch.zeros_like(ids))
+        want = ref(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("head", [{}, {"classifier_pooling": "mean", "classifier_bias": True, "norm_bias": True,
+                                       "classifier_activation": "silu", "norm_eps": 1e-3}])
+def test_transformers_modernbert_is_modernbert_for_sequence_classification(head, tmp_path):
+    """--backend transformers on a ModernBERT directory gives ModernBertForSequenceClassification's logits: its
+    classifier_pooling (cls, or mean over the attention mask), dense (classifier_bias) -> classifier_activation ->
+    LayerNorm(norm_eps, norm_bias) -> dropout -> Linear, as its config states them."""
+    from pretrain.eval.hf_backend import HFBackbone
+
+    torch.manual_seed(0)
+    transformers.ModernBertModel(_modern_hf_config(**head)).save_pretrained(str(tmp_path))
+    ours = glue_model(HFBackbone(tmp_path), num_labels=3)
+    ref = transformers.ModernBertForSequenceClassification.from_pretrained(str(tmp_path), num_labels=3)
+    _compare_with_modernbert_classifier(ours, ref, 64)
+
+
+def _our_modernbert_export(tmp_path, **kw):
+    """A random tiny model.arch=modernbert and its to-hf export directory."""
+    from tokenizers import Tokenizer, models
+
+    from pretrain.export.hf import export_hf
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]", *"abcdefghijklmnop"])}
+    Tokenizer(models.WordPiece(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    model = build_model(ModelConfig(arch="modernbert", pooler=False, vocab_size=len(vocab), hidden_size=16,
+                                    num_layers=3, num_heads=2, ffn_size=24, local_window=4, layer_norm_eps=1e-5,
+                                    max_position=64, **kw), seed=0)
+    export_hf(model, str(tmp_path / "tokenizer.json"), str(tmp_path / "hf"))
+    return model, tmp_path / "hf", len(vocab)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_our_modernbert_is_modernbert_for_sequence_classification(activation, tmp_path):
+    """Ours at model.arch=modernbert gets the head ModernBertForSequenceClassification builds on its to-hf export
+    (cls pooling, no biases, the model's activation and layer_norm_eps): same logits with the same head weights."""
+    model, hf_dir, vocab = _our_modernbert_export(tmp_path, activation=activation)
+    ours = glue_model(model.eval(), num_labels=3)
+    ref = transformers.ModernBertForSequenceClassification.from_pretrained(str(hf_dir), num_labels=3)
+    _compare_with_modernbert_classifier(ours, ref, vocab)
+
+
+@pytest.mark.parametrize("backend", ["pretrain", "transformers"])
+def test_modernbert_head_is_initialised_as_transformers_does(backend, tmp_path):
+    """ModernBertPreTrainedModel._init_weights: the head's dense ~ N(0, initializer_range / sqrt(2 num_layers)) and
+    the classifier ~ N(0, hidden_size ** -0.5), both truncated at initializer_cutoff_factor (2) stds; biases 0,
+    LayerNorm weight 1 (a wider model, so that the spreads are measured well)."""
+    from pretrain.eval.encoder import load_backbone
+
+    cfg = ModelConfig(arch="modernbert", pooler=False, vocab_size=32, hidden_size=128, num_layers=2, num_heads=2,
+                      ffn_size=32, init_std=0.05, layer_norm_eps=1e-5)
+    model = build_model(cfg, seed=0)
+    if backend == "transformers":
+        from pretrain.export.hf import export_hf
+        from tokenizers import Tokenizer, models
+
+        vocab = {t: i for i, t in enumerate(["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"])}
+        Tokenizer(models.WordPiece(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+        export_hf(model, str(tmp_path / "tokenizer.json"), str(tmp_path / "hf"))
+        model, _ = load_backbone(tmp_path / "hf", backend="transformers")
+    ours = GlueModel(model, 128, 8, None, torch.Generator().manual_seed(0)).head
+    for lin, std in ((ours.dense, 0.05 / 2.0), (ours.out, 128 ** -0.5)):
+        w = lin.weight.detach()
+        assert w.abs().max() <= 2 * std and w.abs().max() > 1.9 * std
+        assert w.std().item() == pytest.approx(0.880 * std, rel=0.1)  # N(0, 1) cut at +-2 has std 0.880
+        assert lin.bias is None or not lin.bias.any()
+    assert (ours.norm.weight == 1).all() and ours.drop.p == 0.0  # classifier_dropout: transformers' default 0
