@@ -182,7 +182,8 @@ def open_stream(path: str, compression: str) -> BinaryIO:
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile]
+    # OSError: bz2 raises a bare OSError("Invalid data stream") for a corrupt block (gzip's BadGzipFile is one).
+    errors: list[type[BaseException]] = [OSError, EOFError, zlib.error, lzma.LZMAError]
     try:
         import zstandard
 
@@ -193,20 +194,26 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
 
 
 STREAM_ERRORS = _stream_errors()
-"""What decompressors raise on a truncated or corrupt stream (OSError too: bz2 raises it for bad data)."""
+"""What decompressors raise on a truncated or corrupt stream: EOFError, zlib/lzma/zstd errors, and OSError (bz2's
+bad data; gzip's). OSError also covers a failing disk: catch it around reads of the opened stream only (not
+``open``), and let a plain file's through (``read_or_raise``) or word it as ``stream_error`` does."""
 
 
 def stream_error(path: str, compression: str, e: BaseException) -> ValueError:
-    """The user-facing error for a truncated or corrupt compressed stream."""
+    """The user-facing error for a truncated or corrupt compressed stream; for ``compression`` "" (a plain file
+    that could not be read) in words that do not blame a stream."""
+    if not compression:
+        return ValueError(f"{path} could not be read ({e}); check the disk or copy the file again, then run again")
     return ValueError(f"{path}: the {compression} stream is truncated or corrupt ({e}); re-download or re-compress "
                       f"the file (test it with the {compression} tool), then run again")
 
 
 def read_or_raise(path: str, compression: str, read, *args):
-    """``read(*args)`` on a decompressing stream, with a truncated/corrupt stream turned into ``stream_error``."""
+    """``read(*args)`` on a decompressing stream, with a truncated/corrupt stream turned into ``stream_error``; a
+    plain file's errors pass unchanged."""
     try:
         return read(*args)
-    except STREAM_ERRORS + (OSError,) as e:
+    except STREAM_ERRORS as e:
         if not compression:
             raise
         raise stream_error(path, compression, e) from None

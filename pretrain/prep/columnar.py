@@ -67,17 +67,25 @@ def _named(path: str, what: str):
         raise ValueError(f"{path} is not a readable {what} file ({e}); re-download or re-write it") from None
 
 
-def _text_column(path: str, schema, text_field: str) -> None:
-    """ValueError unless ``schema`` has a string (or binary) column ``text_field``."""
+def _is_text(tp) -> bool:
+    """A string or binary type (any width; string views too), or a dictionary of one: what pandas categoricals and
+    writers that dictionary-encode repeated values give."""
     import pyarrow as pa
 
+    if pa.types.is_dictionary(tp):
+        tp = tp.value_type
+    return (pa.types.is_string(tp) or pa.types.is_large_string(tp) or pa.types.is_binary(tp)
+            or pa.types.is_large_binary(tp) or pa.types.is_string_view(tp))
+
+
+def _text_column(path: str, schema, text_field: str) -> None:
+    """ValueError unless ``schema`` has a string (or binary, or dictionary-encoded) column ``text_field``."""
     names = list(schema.names)
     if text_field not in names:
         raise ValueError(f"{path} has no column {text_field!r}; its columns are {', '.join(names) or '(none)'}; "
                          f"choose the text column with --text-field NAME")
     tp = schema.field(text_field).type
-    if not (pa.types.is_string(tp) or pa.types.is_large_string(tp) or pa.types.is_binary(tp)
-            or pa.types.is_large_binary(tp) or pa.types.is_string_view(tp)):
+    if not _is_text(tp):
         raise ValueError(f"{path}: column {text_field!r} has type {tp}, not text; choose the text column with "
                          f"--text-field NAME (columns: {', '.join(names)})")
 
@@ -121,10 +129,12 @@ def _row_bytes(array) -> "np.ndarray":
     """int64 bytes of each value of a string or binary ``array`` (nulls: 0), read off its offsets buffer: the
     planner's pass over a cut row group costs the decoding only (``pyarrow.compute``'s first call alone took
     0.3 s of the main process, while the workers waited for the plan). View types, which have no offsets, are
-    cast to the large type first."""
+    cast to the large type first; dictionaries are decoded first."""
     import numpy as np
     import pyarrow as pa
 
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
     tp, n, first = array.type, len(array), array.offset
     if pa.types.is_string(tp) or pa.types.is_binary(tp):
         width = np.int32
@@ -241,9 +251,12 @@ def _slices(row: int, rows: int, size: int, k: int, sizes=None) -> list[tuple[in
 
 def _texts(path: str, column, stats, errors: str, row0: int, text_field: str) -> Iterator[str]:
     """The values of one text column chunk (rows ``row0 ..`` of the file) as str; nulls counted; invalid UTF-8
-    (in a binary column, or in a string column written without validation) handled by ``errors`` as in text."""
+    (in a binary column, or in a string column written without validation) handled by ``errors`` as in text. A
+    dictionary column is decoded first: its nulls are then the rows' nulls, counted alike."""
     import pyarrow as pa
 
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
     values = None
     if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
         try:

@@ -39,9 +39,6 @@ from pretrain.prep.formats import (
     detect_format,
 )
 
-_BAD_STREAM = STREAM_ERRORS + (OSError,)
-"""A bad compressed stream: bz2 raises a bare OSError ("Invalid data stream") for a corrupt block."""
-
 FORMATS = ("auto", "text", "gutenberg", "wikiextractor", "jsonl", "parquet", "arrow")
 COLUMNAR = ("parquet", "arrow")
 
@@ -135,7 +132,7 @@ def sniff(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000,
                 with open_stream(path, comp) as g:
                     check_jsonl_head(_iter_lines(g, path, ReadStats(), max_line_bytes=max_line_bytes,
                                                  errors=errors, where=where), path, text_field)
-        except _BAD_STREAM as e:
+        except STREAM_ERRORS as e:
             if not comp:
                 raise
             raise stream_error(path, comp, e) from None
@@ -232,7 +229,7 @@ def _read_stream(path: str, kind: str, compression: str, stats: ReadStats, **kwa
     with open_stream(path, compression) as f:
         try:
             yield from _documents(f, path, kind, stats, base=0, where=" of the decompressed stream", **kwargs)
-        except _BAD_STREAM as e:
+        except STREAM_ERRORS as e:
             raise stream_error(path, compression, e) from None
 
 
