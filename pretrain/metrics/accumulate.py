@@ -51,14 +51,22 @@ class MetricSums:
             batched = self._batched[key] = _Batched(tuple(metrics), kinds)
         batched.add(list(metrics.values()), keep)
 
-    def reduce(self, env=None) -> dict[str, float]:
-        return {n: (s / c if c else float("nan")) for n, (s, c) in self.totals(env).items()}
+    def reduce(self, env=None, *, per_rank: dict[str, float] | None = None) -> dict:
+        """The means over ranks (one transfer, one all-reduce; collective where distributed). ``per_rank``: host
+        numbers of this rank's own (its data-wait fraction) that come back as the list of every rank's, in rank
+        order, from the same all-reduce (each rank fills its slot of a world-size vector); every rank passes the
+        same names."""
+        totals, by_rank = self._reduced(env, per_rank or {})
+        return {**{n: (s / c if c else float("nan")) for n, (s, c) in totals.items()}, **by_rank}
 
     def totals(self, env=None) -> dict[str, list[float]]:
         """name -> [sum, count] summed over ranks (one transfer, one all-reduce; collective where distributed)."""
+        return self._reduced(env, {})[0]
+
+    def _reduced(self, env, per_rank: dict[str, float]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
         names = sorted(set(self._sums).union(*(b.names for b in self._batched.values())))
-        if not names:
-            return {}
+        if not names and not per_rank:
+            return {}, {}
         pairs = sorted(self._sums)
         device = next((v.device for v in [*self._sums.values(), *self._counts.values(),
                                           *(b.keeps[0] for b in self._batched.values())] if torch.is_tensor(v)),
@@ -67,17 +75,24 @@ class MetricSums:
                                for n in pairs]).reshape(-1)] if pairs else []
         for b in self._batched.values():
             pieces += b.pieces(device)
-        fetched = torch.cat(pieces).tolist()  # the one device -> host transfer
+        fetched = torch.cat(pieces).tolist() if pieces else []  # the one device -> host transfer
         totals = {n: [0.0, 0.0] for n in names}
         for i, n in enumerate(pairs):
             totals[n] = fetched[2 * i:2 * i + 2]
         at = 2 * len(pairs)
         for b in self._batched.values():
             at = b.settle(fetched, at, totals)
-        rows = [totals[n] for n in names]
-        if env is not None and env.is_distributed:
-            rows = all_reduce_host(torch.tensor(rows, dtype=torch.float64)).tolist()
-        return dict(zip(names, rows))
+        distributed = env is not None and env.is_distributed
+        world, rank = (env.world_size, env.rank) if distributed else (1, 0)
+        slots = [0.0] * (len(per_rank) * world)
+        for i, value in enumerate(per_rank.values()):
+            slots[i * world + rank] = float(value)
+        flat = [v for n in names for v in totals[n]] + slots
+        if distributed:
+            flat = all_reduce_host(torch.tensor(flat, dtype=torch.float64)).tolist()
+        at = 2 * len(names)
+        by_rank = {name: flat[at + i * world:at + (i + 1) * world] for i, name in enumerate(per_rank)}
+        return {n: flat[2 * i:2 * i + 2] for i, n in enumerate(names)}, by_rank
 
     def reset(self) -> None:
         self._sums.clear()

@@ -1,8 +1,10 @@
 """Run-directory monitoring: metrics.jsonl, TensorBoard event files, a console progress line.
 
-Only the main rank writes. Every logged step becomes one JSON object in ``metrics.jsonl`` and
-the same scalars under ``tb/`` (``train/<name>``, ``valid/<name>``). A write that fails (disk full, quota, I/O
-error) stops all writing and leaves ``failure`` set; the trainer then checkpoints and stops (exit 4).
+Only the main rank writes. Every record becomes one JSON object in ``metrics.jsonl`` and its numbers the same
+scalars under ``tb/`` (tag ``<split>/<name>``: ``train/loss``, ``valid/mlm``, ``eval/stsb_dev_spearman``,
+``checkpoint/pause_s``, ``rollback/retry``), non-finite ones included (a string in JSON, NaN or inf in TensorBoard);
+docs/architecture.md lists them all. A write that fails (disk full, quota, I/O error) stops all writing and leaves
+``failure`` set; the trainer then checkpoints and stops (exit 4).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class MetricsWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         _event_writer_failures_in_one_line(self.run_dir / "tb")
+        _after_existing_event_files(self.run_dir / "tb")
         # purge_step drops events of steps after the checkpoint we resumed from (they will be redone); at a start,
         # every earlier event (step >= 0).
         self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step else 0)
@@ -64,8 +67,8 @@ class MetricsWriter:
             self._fail(self.run_dir / "metrics.jsonl", e)
             return
         try:
-            for k, v in scalars.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
+            for k, v in scalars.items():  # NaN and inf too (TensorBoard marks them): the same points as the record
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(f"{split}/{k}", v, step)
         except OSError as e:  # raised by the event writer's thread, on the next call after its write failed
             self._fail(self.run_dir / "tb", e)
@@ -142,6 +145,22 @@ def _event_writer_failures_in_one_line(tb_dir: Path) -> None:
 
     hook.event_writer_failures = True
     threading.excepthook = hook
+
+
+def _after_existing_event_files(tb_dir: Path) -> None:
+    """Wait, when needed, until a new event file's name sorts after every one in ``tb_dir``. TensorBoard reads a
+    directory's event files in name order and applies a purge (a resume's, a rollback's) to what it read before;
+    the name is ``events.out.tfevents.<whole seconds>.<host>.<pid>.<counter>``, so a file opened in the same second
+    as an earlier one can sort before it (counter 10 before 9; another process's pid), and then the earlier file's
+    events of the redone steps come back after the purge. Only a launch or rollback within a second of the previous
+    writer waits (a second at most; a file stamped further ahead, by another host's clock, is not waited for)."""
+    if not tb_dir.is_dir():
+        return
+    stamps = [int(parts[3]) for parts in (f.name.split(".") for f in tb_dir.glob("events.out.tfevents.*"))
+              if len(parts) > 3 and parts[3].isdigit()]
+    wait = max(stamps) + 1 - time.time() if stamps else 0.0
+    if 0 < wait <= 2:
+        time.sleep(wait + 0.01)
 
 
 def _failed(path: Path, e: OSError) -> str:

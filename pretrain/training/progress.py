@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pretrain.config import OptimConfig, from_dict
+from pretrain.distributed.comm import all_reduce_host
 from pretrain.metrics.accumulate import MetricSums
 from pretrain.metrics.writer import format_duration
 from pretrain.training.optim import lr_lambda
@@ -33,7 +34,8 @@ class LogWindow:
     """What happened since the last log line: metric sums, samples and real tokens (this rank's: the sequence's and
     both views'), the time spent waiting for data. ``scalars`` turns it into the logged figures: samples/s and
     tokens/s summed over all ranks (each rank's own counts, in the figures' one all-reduce), over the window's wall
-    time less what ran ``paused`` (validation, STS-B, checkpoints), data waits included."""
+    time less what ran ``paused`` (validation, STS-B, checkpoints), data waits included; the data-wait fraction of
+    the rank that waited most (the step waits for the slowest rank), from the same all-reduce."""
 
     COUNTS = ("window.samples", "window.tokens", "window.tokens_seen")
     """The counts ``scalars`` sums over ranks with the metric sums (not figures of their own)."""
@@ -79,8 +81,9 @@ class LogWindow:
                 self.sums.add(name, value_sum, count)
 
     def scalars(self, env, info, *, bad_steps: "BadSteps", tokens_seen: int) -> dict[str, float]:
-        """The window's means reduced over ranks, plus the last step's lr/grad norm/loss scale, the bad-step count
-        and the rates. The device's figures (metric sums, lr, grad norm, bad-step counters) come in one transfer."""
+        """The window's means reduced over ranks, plus the last step's lr/grad norm/loss scale, the bad-step count,
+        the rates and the largest data-wait fraction of any rank. The device's figures (metric sums, lr, grad norm,
+        bad-step counters) come in one transfer, and everything crosses the ranks in one all-reduce."""
         elapsed = time.perf_counter() - self.t0 - self.paused_s
         self.sums.set("lr", info.lr)
         self.sums.set("grad_norm", info.grad_norm)
@@ -88,11 +91,13 @@ class LogWindow:
         # set: the mean over ranks, so x world size is their sum (ranks' real tokens differ)
         for key, count in zip(self.COUNTS, (self.samples, self.tokens, tokens_seen)):
             self.sums.set(key, count)
-        out = self.sums.reduce(env)
+        # every rank's own wait fraction, in the same all-reduce: the step waits for the slowest rank's data
+        out = self.sums.reduce(env, per_rank={"data_wait_frac": self.data_wait_s / elapsed})
         total = bad_steps.settle(out)
         samples, tokens, seen = (round(out.pop(key) * env.world_size) for key in self.COUNTS)
+        wait_frac = max(out.pop("data_wait_frac"))
         out.update(loss_scale=info.loss_scale, bad_steps=total, samples_per_s=samples / elapsed,
-                   tokens_per_s=tokens / elapsed, tokens_seen=seen, data_wait_frac=self.data_wait_s / elapsed)
+                   tokens_per_s=tokens / elapsed, tokens_seen=seen, data_wait_frac=wait_frac)
         return out
 
 
@@ -148,7 +153,7 @@ class BadSteps:
 
 class StarvationWatch:
     """Once per run, after the first log window (worker start-up): a warning when the step waited for its data more
-    than DATA_WAIT_WARN of the time."""
+    than DATA_WAIT_WARN of the time (``data_wait_frac``: the rank that waited most)."""
 
     def __init__(self, log_every: int, num_workers: int) -> None:
         self.log_every, self.num_workers, self.warned = log_every, num_workers, False
@@ -157,7 +162,8 @@ class StarvationWatch:
         if wait_frac <= DATA_WAIT_WARN or self.warned or step <= self.log_every:
             return None
         self.warned = True
-        return (f"warning: step {step} waited for data {wait_frac:.0%} of the time (> {DATA_WAIT_WARN:.0%}): the data "
+        return (f"warning: step {step} waited for data {wait_frac:.0%} of the time (the rank that waited most; > "
+                f"{DATA_WAIT_WARN:.0%}): the data "
                 f"pipeline is the bottleneck; raise data.num_workers (now {self.num_workers}) or use lighter "
                 f"augmentations")
 
@@ -267,6 +273,15 @@ def _count(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f}{unit}"
     return f"{n:.0f}"
+
+
+def run_tokens(env, tokens_seen: int) -> int:
+    """The run's real tokens: every rank's own ``tokens_seen`` summed (collective where distributed; the end of the
+    run, no step waits for it), as the logged ``tokens_seen``. Ranks' counts differ: rank 0's x world size is not
+    it."""
+    if not env.is_distributed:
+        return tokens_seen
+    return int(all_reduce_host(torch.tensor([tokens_seen], dtype=torch.int64)).item())
 
 
 def end_summary(run_dir: Path, *, step: int, max_steps: int, start_step: int, wall_s: float, tokens_seen: int,

@@ -44,6 +44,7 @@ from pretrain.training.progress import (
     StarvationWatch,
     end_summary,
     every,
+    run_tokens,
 )
 from pretrain.training.resume import last_good_checkpoint, plan_resume
 from pretrain.training.run_lock import LOCK_NAME, RunDirLocked, lock_run_dir
@@ -310,10 +311,11 @@ class Trainer:
         path = self.save(wait=True)
         if self._should_stop() == "metrics":  # the last steps' or the final validation's records failed
             self._stop_for_metrics()
+        tokens = run_tokens(self.env, self.state.tokens_seen)  # collective: every rank's own count
         if self.env.is_main:
             for line in end_summary(self.run_dir, step=self.state.step, max_steps=self.cfg.train.max_steps,
-                                    start_step=start_step, wall_s=eta.elapsed(),
-                                    tokens_seen=self.state.tokens_seen * self.env.world_size, last_valid=last_valid,
+                                    start_step=start_step, wall_s=eta.elapsed(), tokens_seen=tokens,
+                                    last_valid=last_valid,
                                     best_stsb=self.stsb.best if self.stsb else None,
                                     checkpoint=str(path) if path else None):
                 print_progress(line)
