@@ -124,9 +124,11 @@ def _training_lines(info: dict, config: dict) -> list[str]:
         state = info.get("state") or {}
         batch = state.get("global_batch") or (train.get("micro_batch_size", 0) * train.get("grad_accum", 1))
         step = info["step"]
+        # the run's total (tokens_seen_scope run); written before 2026-12-07: rank 0's own count
+        tokens = int(state.get("tokens_seen") or 0) * (1 if state.get("tokens_seen_scope") == "run"
+                                                         else int(state.get("world_size") or 1))
         lines += [f"- steps: {step if step is not None else '?'} (train.max_steps {train.get('max_steps')}), "
-                  f"global batch {batch}" + (f", {state['tokens_seen']:,} tokens seen" if state.get("tokens_seen")
-                                            else ""),
+                  f"global batch {batch}" + (f", {tokens:,} tokens seen" if tokens else ""),
                   f"- precision {train.get('precision', '?')}; optimizer lr {(config.get('optim') or {}).get('lr')}, "
                   f"seed {config.get('seed')}"]
         init = (config.get("checkpoint") or {}).get("init_from")

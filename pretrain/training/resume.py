@@ -53,7 +53,7 @@ def plan_resume(cfg: RunConfig, env, *, tokenizer_sha256: str, sample_stream: st
         tag_dir=tag_dir, global_batch=old.global_batch, saved=(old.world_size, old.micro_batch_size, old.grad_accum),
         requested=old.requested_batch, config=(cfg.train.micro_batch_size, cfg.train.grad_accum),
         world=env.world_size)
-    state = old.continued(world_size=env.world_size, micro_batch_size=micro, grad_accum=accum)
+    state = old.continued(world_size=env.world_size, micro_batch_size=micro, grad_accum=accum, rank=env.rank)
     ranks = f" (written by {n_ranks(old.world_size)})" if old.world_size != env.world_size else ""
     notes = [note, f"resumed from {tag_dir} at step {old.step}{ranks}"]
     if old.sample_order != ORDER_RULE:

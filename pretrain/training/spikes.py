@@ -160,7 +160,7 @@ def plan_rollback(run_dir: Path, env, state: TrainState, trigger: Trigger, cfg: 
     new = dataclasses.replace(old, consumed_samples=state.consumed_samples,
                               rollbacks=[*old.rollbacks, {"step": old.step, **record}])
     new = new.continued(world_size=state.world_size, micro_batch_size=state.micro_batch_size,
-                        grad_accum=state.grad_accum)
+                        grad_accum=state.grad_accum, rank=env.rank)
     return tag_dir, new, record
 
 

@@ -17,7 +17,10 @@ class TrainState:
     consumed_samples: int = 0
     """Global samples consumed so far (all ranks): where the data resumes."""
     tokens_seen: int = 0
-    """Real tokens this rank has trained on (x world_size = the run's total)."""
+    """This rank's share of the run's real tokens: what it trained on since the launch plus its share of the
+    checkpoint's total (``continued``), so that the ranks' shares sum to the run's total. trainer_state.json records
+    that total (``state_dict(tokens_total=...)``, ``tokens_seen_scope: run``); before 2026-12-07 it recorded rank 0's
+    own count, which ``from_state_dict`` reads as that times the rank count."""
     bad_steps_total: int = 0
     """Steps skipped for a non-finite loss or gradient (fp16 loss-scale overflows excluded)."""
     world_size: int
@@ -47,10 +50,15 @@ class TrainState:
     def global_batch(self) -> int:
         return self.micro_batch_size * self.grad_accum * self.world_size
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, tokens_total: int | None = None) -> dict:
+        """The state as trainer_state.json holds it; ``tokens_total``: the run's real tokens, all ranks (the sum of
+        the ranks' ``tokens_seen``, collective to compute: ``progress.run_tokens``), recorded in place of this
+        rank's share."""
         out = dataclasses.asdict(self)
         out["requested_batch"] = list(self.requested_batch)
         out["global_batch"] = self.global_batch
+        if tokens_total is not None:
+            out.update(tokens_seen=int(tokens_total), tokens_seen_scope="run")
         return out
 
     @classmethod
@@ -67,15 +75,24 @@ class TrainState:
                              "micro_batch_size / grad_accum); it cannot be resumed, only used as init_from")
         step = state["step"]
         return cls(step=step, consumed_samples=state.get("consumed_samples", step * micro * accum * world),
-                   tokens_seen=state.get("tokens_seen", 0), bad_steps_total=state.get("bad_steps_total", 0),
+                   tokens_seen=_run_tokens(state, world), bad_steps_total=state.get("bad_steps_total", 0),
                    world_size=world, micro_batch_size=micro, grad_accum=accum,
                    requested_batch=tuple(state.get("requested_batch", (micro, accum))),
                    seed=state.get("seed", saved.get("seed")), sample_stream=state.get("sample_stream"),
                    sample_order=state["sample_order"], rollbacks=list(state.get("rollbacks", [])),
                    spike_watch=dict(state.get("spike_watch", {})), log_window=dict(state.get("log_window", {})))
 
-    def continued(self, *, world_size: int, micro_batch_size: int, grad_accum: int) -> TrainState:
-        """This state continued on ``world_size`` ranks with the given split: the data position is global, the
-        per-rank token count is re-divided, the requested batch stays what the run was launched with."""
+    def continued(self, *, world_size: int, micro_batch_size: int, grad_accum: int, rank: int = 0) -> TrainState:
+        """This (``from_state_dict``) state continued as rank ``rank`` of ``world_size`` with the given split: the
+        data position is global, the run's token total is divided into shares that sum to it (the remainder on rank
+        0), the requested batch stays what the run was launched with."""
+        share = self.tokens_seen // world_size + (self.tokens_seen % world_size if rank == 0 else 0)
         return dataclasses.replace(self, world_size=world_size, micro_batch_size=micro_batch_size,
-                                   grad_accum=grad_accum, tokens_seen=self.tokens_seen * self.world_size // world_size)
+                                   grad_accum=grad_accum, tokens_seen=share)
+
+
+def _run_tokens(state: dict, world: int) -> int:
+    """The run's real tokens at a checkpoint: its recorded total, or (written before 2026-12-07: rank 0's own count)
+    that count times the rank count."""
+    tokens = int(state.get("tokens_seen", 0))
+    return tokens if state.get("tokens_seen_scope") == "run" else tokens * world

@@ -238,7 +238,8 @@ class Trainer:
         universal = tag_dir == self._universal_tag  # the checkpoint this launch resumed from on another rank count
         engine_dir = universal_copy.prepare(self.env, tag_dir, say=print_progress) if universal else None
         store.load_checkpoint(self.engine, self.env, tag_dir, engine_dir=engine_dir)
-        store.record_trainer_state(self.env, tag_dir, state.state_dict())
+        store.record_trainer_state(self.env, tag_dir,
+                                   state.state_dict(tokens_total=run_tokens(self.env, state.tokens_seen)))
         self.state, self.spikes, self._saved = state, SpikeWatch(spike_cfg, state.spike_watch), None
         self.bad = BadSteps(self.cfg.train.max_bad_steps, state.bad_steps_total, self._diverged)
         self.train_loader.consumed_samples = state.consumed_samples  # the next iterator starts there
@@ -378,8 +379,9 @@ class Trainer:
         self.state.spike_watch = self.spikes.state_dict()
         self.state.log_window = self.window.carry(self.env, self.state.world_size * self.state.grad_accum)
         c = self.cfg
+        tokens = run_tokens(self.env, self.state.tokens_seen)  # collective, as the save: the ranks' shares summed
         job = snapshot_job(self.engine, self.env, self.run_dir, step=self.state.step,
-                           trainer_state=self.state.state_dict(), config_yaml=to_yaml(c),
+                           trainer_state=self.state.state_dict(tokens_total=tokens), config_yaml=to_yaml(c),
                            tokenizer_path=c.data.tokenizer, keep_last=c.checkpoint.keep_last,
                            keep_every=c.checkpoint.keep_every, timeout_s=c.distributed.timeout_s)
         path = self.saver.start(job)

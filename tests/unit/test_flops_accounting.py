@@ -166,22 +166,7 @@ def _window(samples: int, tokens: int) -> LogWindow:
     return w
 
 
-def test_tokens_per_s_sums_every_rank_s_own_tokens(monkeypatch):
-    """Two ranks with different real token counts: tokens/s is their sum over the time, not rank 0's x 2."""
-    import pretrain.metrics.accumulate as accumulate
-
-    mine, other = _window(32, 1000), _window(32, 3000)
-    single = SimpleNamespace(world_size=1, is_distributed=False, is_main=True)
-    other.scalars(single, _Info, bad_steps=BadSteps(10, 0, str), tokens_seen=30_000)  # stages the other rank's
-    other_rows = torch.tensor(list(other.sums.totals(None).values()), dtype=torch.float64)
-    monkeypatch.setattr(accumulate, "all_reduce_host", lambda rows: rows + other_rows)
-    env = SimpleNamespace(world_size=2, is_distributed=True, is_main=True)
-    mine.t0 = time.perf_counter() - 2.0
-    out = mine.scalars(env, _Info, bad_steps=BadSteps(10, 0, str), tokens_seen=10_000)
-    assert out["tokens_per_s"] == pytest.approx(4000 / 2.0, rel=0.01)
-    assert out["samples_per_s"] == pytest.approx(64 / 2.0, rel=0.01)
-    assert out["tokens_seen"] == 40_000
-    assert not any(k.startswith("window.") for k in out)
+# Rates summed over ranks (each rank's own tokens, one all-reduce): tests/unit/test_monitoring.py.
 
 
 def test_rates_leave_out_validation_and_checkpoint_time(monkeypatch):

@@ -254,3 +254,25 @@ def test_tensorboard_and_metrics_jsonl_hold_the_same_values_at_the_same_steps(mo
         for (_, g), (_, w) in zip(got[tag], points):
             assert g == pytest.approx(float(torch.tensor(w, dtype=torch.float32)), rel=1e-6, nan_ok=True), tag
 
+
+
+def test_a_checkpoint_records_the_runs_token_total_and_ranks_resume_with_shares_of_it():
+    """trainer_state.json's tokens_seen is the run's total (the ranks' shares summed when saving); a resume on any
+    rank count divides it into shares that sum to it exactly, so the logged tokens_seen and the end summary (sums
+    of the shares) go on from the true total. Before 2026-12-07 it recorded rank 0's own count, and a resume gave
+    every rank that count (x world size in the figures): such a checkpoint is read as rank 0's count x its ranks."""
+    from pretrain.training.state import TrainState
+
+    common = dict(world_size=4, micro_batch_size=2, grad_accum=1, requested_batch=(2, 1), seed=1, sample_stream=None,
+                  sample_order="feistel-v1")
+    own = [1000, 1300, 900, 1203]  # real tokens differ per rank
+    saved = TrainState(step=5, tokens_seen=own[0], **common).state_dict(tokens_total=sum(own))
+    assert saved["tokens_seen"] == 4403 and saved["tokens_seen_scope"] == "run"
+    for world in (4, 3, 1):
+        loaded = TrainState.from_state_dict(saved, saved={}, world_size=world)
+        shares = [loaded.continued(world_size=world, micro_batch_size=2, grad_accum=1, rank=r).tokens_seen
+                  for r in range(world)]
+        assert sum(shares) == 4403 and max(shares) - min(shares) < world, shares
+    old = dict(saved, tokens_seen=1000)
+    del old["tokens_seen_scope"]
+    assert TrainState.from_state_dict(old, saved={}, world_size=4).tokens_seen == 4000
