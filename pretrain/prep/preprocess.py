@@ -6,8 +6,8 @@ compressed stream), and hands them to a ``multiprocessing`` pool (bounded window
 consumed in submission order) whose workers read, parse, split sentences and tokenize their ranges themselves.
 The main process writes shards in order, so the output is byte-identical for any worker count (and to reading
 each file whole).
-Everything is written into a hidden ``.<name>.partial-<pid>`` directory which becomes ``out_dir`` only after
-``manifest.json`` is written; a failed run leaves no dataset behind.
+Everything is written into a hidden ``.<name>.partial-<host>-<pid>-<hex>`` directory which becomes ``out_dir``
+only after ``manifest.json`` is written; a failed run leaves no dataset behind.
 """
 
 from __future__ import annotations
