@@ -173,8 +173,8 @@ def _checkpoint_cell(run: Run) -> str:
 def _checkpoint_line(run_dir: Path) -> str:
     """select_checkpoint's line for the run's newest checkpoint ("" when it has none yet)."""
 
-    try:
-        _, line = select_checkpoint(run_dir)
+    try:  # a damaged newest checkpoint's warning goes to stderr, not into the report
+        _, line = select_checkpoint(run_dir, say=lambda text: print(text, file=sys.stderr, flush=True))
     except (CheckpointError, FileNotFoundError, ValueError):
         return ""
     return line.replace("reading ", "", 1)
