@@ -320,7 +320,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:
             raise ValueError(f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1, got {self.every}, {self.keep_last}")
-        if self.keep_every < 0 or (self.keep_every and self.every and self.keep_every % self.every):
+        if self.keep_every < 0 or (self.keep_every and (not self.every or self.keep_every % self.every)):
             raise ValueError(f"checkpoint.keep_every must be 0 (off) or a multiple of checkpoint.every={self.every} "
                              f"(only steps that are saved can be kept), got {self.keep_every}")
         if not self.every_minutes >= 0 or self.every_minutes == float("inf"):

@@ -172,3 +172,5 @@ def test_keep_every_keeps_milestones_for_good_and_the_newest_keep_last(tmp_path)
     assert CheckpointConfig(every=1000, keep_every=50_000).keep_every == 50_000
     with pytest.raises(ValueError, match="multiple of checkpoint.every=1000"):
         CheckpointConfig(every=1000, keep_every=2_500)
+    with pytest.raises(ValueError, match="checkpoint.every=0"):  # no periodic saves: no milestone would be kept
+        CheckpointConfig(every=0, keep_every=5_000)
