@@ -100,6 +100,11 @@ def _step_of(tag: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+def step_of(tag: str) -> int:
+    """The step a checkpoint tag names (``step_00001000`` -> 1000)."""
+    return _step_of(tag)
+
+
 def file_digests(path: Path, *, full: bool = True) -> dict:
     """{"bytes", "sampled_sha256"[, "sha256"]} of one file."""
     size = path.stat().st_size

@@ -51,8 +51,8 @@ class SpikeConfig:
     """This many steps with a non-finite loss or gradient within the last ``window`` steps roll back; 0 = off
     (each one alone is skipped; train.max_bad_steps consecutive ones stop the run)."""
     max_rollbacks: int = 3
-    """Rollbacks to the same checkpoint before the run stops (exit 3): a spike that comes back after this many
-    skips is not the data's."""
+    """Rollbacks to the same checkpoint before the run falls back to the newest older one kept (the damage may
+    predate that checkpoint), and, once every kept checkpoint has had as many, stops (exit 3): not the data's."""
 
     def __post_init__(self) -> None:
         if self.ratio <= 1.0 or self.zscore <= 0:

@@ -131,30 +131,36 @@ def plan_rollback(run_dir: Path, env, state: TrainState, trigger: Trigger, cfg: 
 
     The checkpoint is the newest that verifies (the trainer judges before every save, so it precedes the spike).
     The new state is the checkpoint's, with the data position moved on to where ``state`` is: the samples of the
-    steps since the checkpoint, the spike's among them, are skipped (as PaLM and OPT did). TrainingDiverged when
-    there is no checkpoint, or when ``cfg.max_rollbacks`` rollbacks to it have not got past the spike."""
-    tag = resumable_tag(run_dir, env)
+    steps since the checkpoint, the spike's among them, are skipped (as PaLM and OPT did). When ``cfg.max_rollbacks``
+    rollbacks to it have not got past the spike, the damage may be older than that checkpoint (a bad batch whose
+    effect shows only after the next save): the run falls back to the newest older checkpoint kept
+    (``checkpoint.keep_last``) that has rollbacks left, skipping everything since it (PaLM restarted ~100 steps
+    before a spike). TrainingDiverged when there is no checkpoint, or none with rollbacks left."""
     ckpt_dir = store.checkpoints_dir(run_dir)
     what = f"{trigger.reason} at step {trigger.step}: {trigger.detail}"
-    if tag is None:
+    newest = resumable_tag(run_dir, env)
+    if newest is None:
         raise TrainingDiverged(f"{what}; there is no checkpoint to roll back to yet (checkpoint.every sets the "
                                f"first). Stopping: lower optim.lr or check the data, then start again.")
+    tag = _with_rollbacks_left(ckpt_dir, newest, env, cfg.max_rollbacks)
+    if tag is None:
+        raise TrainingDiverged(
+            f"{what}; the run was rolled back to {newest} {cfg.max_rollbacks} times already (train.spike.max_rollbacks="
+            f"{cfg.max_rollbacks}), skipping other samples each time, and to every older checkpoint kept as often, "
+            f"and it came back: it is not the data's. Stopping. The last good checkpoint is {ckpt_dir / newest}; "
+            f"lower optim.lr (or raise train.spike.ratio / train.spike.zscore if these are not spikes) before "
+            f"resuming.")
     tag_dir = ckpt_dir / tag
     old = TrainState.from_state_dict(store.read_trainer_state(tag_dir), saved=saved_config(tag_dir),
                                      world_size=env.world_size)
-    retries = sum(1 for r in old.rollbacks if r.get("step") == old.step)
-    if retries >= cfg.max_rollbacks:
-        raise TrainingDiverged(
-            f"{what}; the run was rolled back to {tag} {retries} times already (train.spike.max_rollbacks="
-            f"{cfg.max_rollbacks}), skipping other samples each time, and it came back: it is not the data's. "
-            f"Stopping. The last good checkpoint is {tag_dir}; lower optim.lr (or raise train.spike.ratio / "
-            f"train.spike.zscore if these are not spikes) before resuming.")
     if old.step >= trigger.step or old.consumed_samples > state.consumed_samples:
         raise TrainingDiverged(f"{what}; the newest checkpoint ({tag}) is not older than the spike, so it cannot "
                                f"undo it. Stopping: resume from an older checkpoint by hand.")
     record = {"trigger_step": trigger.step, "reason": trigger.reason, "detail": trigger.detail,
               "skipped_samples": [old.consumed_samples, state.consumed_samples],
-              "skipped_steps": [old.step + 1, state.step], "retry": retries + 1}
+              "skipped_steps": [old.step + 1, state.step], "retry": _retries(old) + 1}
+    if tag != newest:
+        record["fallback_from"] = newest
     if trigger.loss is not None:
         record.update(loss=trigger.loss, baseline=trigger.baseline)
     new = dataclasses.replace(old, consumed_samples=state.consumed_samples,
@@ -164,8 +170,36 @@ def plan_rollback(run_dir: Path, env, state: TrainState, trigger: Trigger, cfg: 
     return tag_dir, new, record
 
 
+def _retries(state: TrainState) -> int:
+    """Rollbacks to this checkpoint so far (recorded in its trainer_state.json)."""
+    return sum(1 for r in state.rollbacks if r.get("step") == state.step)
+
+
+def _with_rollbacks_left(ckpt_dir: Path, newest: str, env, max_rollbacks: int) -> str | None:
+    """Collective: ``newest`` when fewer than ``max_rollbacks`` rollbacks went to it, else the newest older
+    checkpoint that verifies and has rollbacks left (rank 0 decides, every rank takes it); None when none has."""
+    choice = None
+    if env.is_main:
+        older = sorted((t for t in store.list_complete(ckpt_dir) if store.step_of(t) < store.step_of(newest)),
+                       key=store.step_of, reverse=True)
+        for tag in [newest, *older]:
+            if tag != newest and store.verify_checkpoint(ckpt_dir / tag):
+                continue  # a damaged older checkpoint is passed over
+            state = store.read_trainer_state(ckpt_dir / tag)
+            if sum(1 for r in state.get("rollbacks", []) if r.get("step") == state["step"]) < max_rollbacks:
+                choice = tag
+                break
+    if env.is_distributed:
+        box = [choice]
+        torch.distributed.broadcast_object_list(box, src=0)
+        choice = box[0]
+    return choice
+
+
 def rollback_line(tag_dir: Path, new: TrainState, record: dict, cfg: SpikeConfig) -> str:
     (a, b), (first, last) = record["skipped_samples"], record["skipped_steps"]
+    older = (f" (an older checkpoint: {record['fallback_from']} was rolled back to {cfg.max_rollbacks} times and the "
+             f"spike came back, so the damage may predate it)" if "fallback_from" in record else "")
     return (f"rollback: {record['reason']} at step {record['trigger_step']}: {record['detail']}. Back to {tag_dir} "
-            f"(step {new.step}), skipping samples {a}-{b - 1} (those of steps {first}-{last}); retry {record['retry']} "
-            f"of {cfg.max_rollbacks}")
+            f"(step {new.step}){older}, skipping samples {a}-{b - 1} (those of steps {first}-{last}); retry "
+            f"{record['retry']} of {cfg.max_rollbacks}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pretrain.objective as objective_mod
 from pretrain.checkpoint import store
@@ -124,12 +125,77 @@ def test_a_spike_that_comes_back_stops_after_max_rollbacks(tmp_path, tiny_overri
     code, out = _main(tiny_overrides(run_dir, train__max_steps=40, train__spike__max_rollbacks=2, **SPIKE), capsys)
     assert code == 3, out[-3000:]
     lines = [x for x in out.splitlines() if x.startswith("rollback:")]
-    assert len(lines) == 2 and "retry 2 of 2" in lines[1]
+    # twice to the newest checkpoint, then twice to each older one kept (checkpoint.keep_last=3: 8, 12, 16), in case
+    # the damage predated the newest; then it is not the data's
+    assert len(lines) == 6 and "retry 2 of 2" in lines[1] and "Back to" in lines[2], lines
+    assert "step_00000012 (step 12) (an older checkpoint: step_00000016 was rolled back to 2 times" in lines[2]
+    assert "step_00000008 (step 8) (an older checkpoint: step_00000016" in lines[4]
     assert "rolled back to step_00000016 2 times already (train.spike.max_rollbacks=2)" in out
+    assert "and to every older checkpoint kept as often" in out
     assert "The last good checkpoint is" in out and "lower optim.lr" in out
-    assert [r["retry"] for r in _records(run_dir, "rollback")] == [1, 2]
+    records = _records(run_dir, "rollback")  # each rollback cut metrics.jsonl back: those to step 8 are left
+    assert [(r["retry"], r.get("fallback_from")) for r in records] == [(1, "step_00000016"), (2, "step_00000016")]
+    assert [r.get("fallback_from") for r in _state(run_dir, 12)["rollbacks"]] == ["step_00000016"] * 2
     st = _state(run_dir, 16)  # both skips recorded: steps 17-18 of the first pass, step 17 of the second
     assert [r["skipped_samples"] for r in st["rollbacks"]] == [[64, 72], [72, 76]]
+
+
+def _lasting_damage(monkeypatch, *, position: int, delay: int) -> dict:
+    """A sample whose damage outlives the next checkpoint (it is in the weights and the optimizer moments, and the
+    loss shows it only later): once the micro-batch holding global position ``position`` is trained, the MLM loss
+    x30 from ``delay`` micro-batches on — also in every state restored from a checkpoint saved after that step,
+    until a rollback restores one saved before it. Returns {"at": the step before the damaging one, or None}."""
+    damage = {"at": None, "calls": 0}
+    orig_next, orig_term, orig_load = Trainer._next_batch, objective_mod.OBJECTIVES["mlm"], store.load_checkpoint
+
+    def next_batch(self, loader):
+        batch = orig_next(self, loader)
+        end = self.train_loader.consumed_samples
+        if damage["at"] is None and end - batch["input_ids"].shape[0] <= position < end:
+            damage["at"] = self.state.step  # the step about to run is the damaging one
+        return batch
+
+    def term(fwd, cfg, ctx):
+        loss, count, metrics = orig_term(fwd, cfg, ctx)
+        if damage["at"] is not None:
+            damage["calls"] += 1
+            if damage["calls"] > delay:
+                loss = loss * 30.0
+        return loss, count, metrics
+
+    def load_checkpoint(engine, env, tag_dir, **kwargs):
+        orig_load(engine, env, tag_dir, **kwargs)
+        if damage["at"] is not None and store.step_of(Path(tag_dir).name) <= damage["at"]:
+            damage.update(at=None, calls=0)  # a state from before the damage
+
+    monkeypatch.setattr(Trainer, "_next_batch", next_batch)
+    monkeypatch.setitem(objective_mod.OBJECTIVES, "mlm", term)
+    monkeypatch.setattr(store, "load_checkpoint", load_checkpoint)
+    return damage
+
+
+def test_damage_older_than_the_newest_checkpoint_falls_back_to_an_older_one(tmp_path, tiny_overrides, clean_env,
+                                                                         monkeypatch, capsys):
+    """A bad batch at step 10 whose effect shows from step 14: the step-12 checkpoint (saved before the spike, so
+    judged good) already holds the damage. Two rollbacks to it skip other samples and the spike comes back each
+    time; then the run falls back to step 8, the newest older checkpoint kept, skips everything since (the bad
+    sample among it) and trains on to the end — where it used to stop (exit 3) with an older good checkpoint on
+    disk."""
+    run_dir = tmp_path / "lasting"
+    damage = _lasting_damage(monkeypatch, position=37, delay=3)  # position 37: step 10 (global batch 4)
+    code, out = _main(tiny_overrides(run_dir, train__max_steps=24, train__spike__max_rollbacks=2, **SPIKE), capsys)
+    assert code == 0, out[-3000:]
+    lines = [x for x in out.splitlines() if x.startswith("rollback:")]
+    assert len(lines) == 3, lines
+    assert all("step_00000012 (step 12), skipping" in x for x in lines[:2]), lines
+    assert "step_00000008 (step 8) (an older checkpoint: step_00000012 was rolled back to 2 times" in lines[2]
+    assert damage["at"] is None  # the damaging sample was not trained again
+    [rec] = _records(run_dir, "rollback")  # the fallback's (the rollbacks to 12 were cut from metrics.jsonl)
+    assert rec["step"] == 8 and rec["fallback_from"] == "step_00000012" and rec["skipped_samples"][0] == 32
+    train = _records(run_dir)
+    assert [r["step"] for r in train] == list(range(1, 25))
+    assert max(r["loss"] for r in train[8:]) < 2 * rec["baseline"]
+    assert _state(run_dir, 24)["rollbacks"][-1]["fallback_from"] == "step_00000012"
 
 
 def test_detector_off_trains_through_a_spike(tmp_path, tiny_overrides, clean_env, monkeypatch, capsys):
