@@ -5,13 +5,16 @@ launcher that sees another exit code than the trainer's reads it back: under Slu
 answers the first node's exit 75 by SIGTERMing the other node's task, which has already written its share of the
 checkpoint, and the step's code becomes 143. ``python -m pretrain.training.stop_record RUN_DIR`` prints the
 recorded code and exits 0 when the record is this launch's (the same job id and ``SLURM_RESTART_COUNT``), else
-exits 1 and prints nothing. This module imports nothing heavy: the batch script runs it after every step.
+exits 1 and prints nothing. ``python -m pretrain.training.stop_record --requeue RUN_DIR --max-stalled N``: whether
+the batch script should requeue itself (``requeue_allowed``: not when the latest checkpoint did not move over the
+last N requeues). This module imports nothing heavy: the batch script runs it after every step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -50,10 +53,59 @@ def recorded_code(run_dir: str | os.PathLike, environ=os.environ) -> int | None:
     return code if isinstance(code, int) else None
 
 
+REQUEUES = "requeues.jsonl"
+"""``<run_dir>/requeues.jsonl``: one line per self-requeue of the batch script ({job, restart, step, time})."""
+
+_LATEST_TAG = re.compile(r"step_(\d+)")
+
+
+def _latest_step(run_dir: Path) -> int:
+    """The step of the run's ``checkpoints/latest`` (read as text: nothing heavy imported); -1 without one."""
+    try:
+        m = _LATEST_TAG.fullmatch((run_dir / "checkpoints" / "latest").read_text(encoding="utf-8").strip())
+    except OSError:
+        return -1
+    return int(m.group(1)) if m else -1
+
+
+def requeue_allowed(run_dir: str | os.PathLike, *, max_stalled: int, environ=os.environ) -> tuple[bool, str]:
+    """Whether the batch script should requeue this launch, recorded in ``requeues.jsonl``: yes unless the run's
+    latest checkpoint did not move over the last ``max_stalled`` requeues of this job (a job that keeps being
+    stopped before it checkpoints anything new, e.g. a time limit shorter than its start-up); (answer, why)."""
+    run_dir = Path(run_dir)
+    me, step = launch_id(environ), _latest_step(run_dir)
+    path = run_dir / REQUEUES
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    history = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if isinstance(rec, dict) and rec.get("job") == me["job"]:
+            history.append(rec)
+    history.append({**me, "step": step, "time": time.time()})
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(history[-1]) + "\n")
+    last = history[-max_stalled:]
+    if max_stalled > 0 and len(last) == max_stalled and len({r.get("step") for r in last}) == 1:
+        return False, (f"the run's latest checkpoint (step {step}) did not move over the last {max_stalled} requeues "
+                       f"of job {me['job']} ({path}): look at the job's output for why it stops before checkpointing")
+    return True, f"latest checkpoint step {step}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 4 and argv[0] == "--requeue" and argv[2] == "--max-stalled":
+        ok, why = requeue_allowed(argv[1], max_stalled=int(argv[3]))
+        print(why)
+        return 0 if ok else 1
     if len(argv) != 1:
-        print("usage: python -m pretrain.training.stop_record RUN_DIR", file=sys.stderr)
+        print("usage: python -m pretrain.training.stop_record RUN_DIR\n"
+              "       python -m pretrain.training.stop_record --requeue RUN_DIR --max-stalled N", file=sys.stderr)
         return 2
     code = recorded_code(argv[0])
     if code is None:

@@ -49,3 +49,32 @@ def test_command_line_prints_the_code_and_exits_0_only_for_this_launch(tmp_path)
     other = subprocess.run(cmd, env=env | {"SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True)
     assert other.returncode == 1 and other.stdout == ""
     assert main([]) == 2
+
+
+def test_requeues_go_on_while_the_run_checkpoints_and_stop_when_it_stalls(tmp_path):
+    """The batch script's self-requeue (USR1 before each time limit): weeks of them are fine while the latest
+    checkpoint moves (MAX_REQUEUES was 50, which a 4-hour limit reached in ~8 days); three in a row that leave it
+    where it was stop (a job stopped each time before it checkpoints anything new). Other jobs' requeues on the same
+    run directory, and a cut line, do not count."""
+    from pretrain.training.stop_record import REQUEUES, requeue_allowed
+
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+
+    def requeue(restart: int, step: int | None, job: str = "41"):
+        if step is not None:
+            (ckpts / "latest").write_text(f"step_{step:08d}\n")
+        return requeue_allowed(tmp_path, max_stalled=3,
+                               environ={"SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": str(restart)})
+
+    assert all(requeue(r, 1000 * (r + 1))[0] for r in range(60))  # 60 requeues, each after progress
+    assert requeue(60, 61_000)[0] and requeue(61, None)[0]  # one stalled requeue: still fine
+    ok, why = requeue(62, None)
+    assert not ok and "did not move over the last 3 requeues" in why and "step 61000" in why
+    with open(tmp_path / REQUEUES, "a") as f:
+        f.write('{"job": "slurm:41", "rest')  # cut by a kill
+    assert requeue(0, 61_000, job="77")[0]  # another job's history is its own
+    code = subprocess.run([sys.executable, "-m", "pretrain.training.stop_record", "--requeue", str(tmp_path),
+                           "--max-stalled", "3"], env={**os.environ, "SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "63"},
+                          capture_output=True, text=True, cwd=REPO)
+    assert code.returncode == 1 and "did not move" in code.stdout, code.stderr
