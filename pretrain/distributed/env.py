@@ -312,3 +312,14 @@ def job_id(environ=os.environ) -> str:
     if environ.get("SLURM_JOB_ID"):
         return f"slurm:{environ['SLURM_JOB_ID']}"
     return environ.get("PRETRAIN_JOB_ID", "")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

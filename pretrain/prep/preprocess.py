@@ -42,7 +42,7 @@ from pretrain.data.shards import (
     verify_dataset,
     write_manifest,
 )
-from pretrain.distributed.env import unique_suffix
+from pretrain.distributed.env import pid_alive, unique_suffix
 from pretrain.fsutil import replace_dir
 from pretrain.prep.readers import (
     COLUMNAR,
@@ -323,23 +323,13 @@ def _remove_stale_partials(out_dir: Path) -> None:
         if parts[0] != host:
             warnings.warn(f"{d} is left by a run on host {parts[0]}; if that run is over, remove it (rm -r {d})",
                           stacklevel=3)
-        elif _pid_alive(int(parts[1])):
+        elif pid_alive(int(parts[1])):
             raise ValueError(f"another pretrain-preprocess (pid {parts[1]}) is writing {out_dir} now (into {d}); "
                              f"wait for it to finish or choose another --out")
         else:
             warnings.warn(f"removing {d}, the unfinished output of an earlier run (pid {parts[1]}) that was killed",
                           stacklevel=3)
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pretrain.distributed.comm import all_reduce_host
-from pretrain.distributed.env import job_id
+from pretrain.distributed.env import job_id, pid_alive
 from pretrain.metrics.writer import print_progress
 
 LOCK_NAME = "run.lock"
@@ -38,16 +38,6 @@ STALE_AFTER_S = 300.0
 
 class RunDirLocked(ValueError):
     """Another live trainer holds the run directory."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _fmt_time(t: float) -> str:
@@ -106,7 +96,7 @@ class RunLock:
             pid = int(holder.get("pid", -1))
             if pid == os.getpid():
                 return "held by this same process: a trainer that was never closed"
-            return None if _pid_alive(pid) else f"pid {pid} is no longer running on this host"
+            return None if pid_alive(pid) else f"pid {pid} is no longer running on this host"
         return self._watch(holder)
 
     def _watch(self, holder: dict) -> str | None:

@@ -13,6 +13,7 @@ from torch import nn
 from pretrain.config.model import ModelConfig
 from pretrain.eval.glue import FinetuneConfig, GlueModel, _optimizer, finetune
 from pretrain.model import build_model
+from test_eval_glue import BowBackbone, WordTokenizer  # the same stand-ins (tests/unit is on sys.path)
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,31 +147,6 @@ def test_a_bert_without_pooler_gets_robertas_head_in_both_backends(backend, tmp_
     backbone, _ = load_backbone(tmp_path / "hf", backend=backend)
     model = glue_model(backbone)
     assert model.pooler is None and model.head.dense is not None
-
-
-class WordTokenizer:
-    pad_id, cls_id, sep_id = 0, 1, 2
-
-    def __init__(self):
-        self.vocab = {}
-
-    def encode(self, text):
-        return [self.vocab.setdefault(w, 4 + len(self.vocab)) for w in text.lower().split()]
-
-
-class BowBackbone(nn.Module):
-    """[CLS] row = masked mean of word embeddings (no pooler)."""
-
-    hidden_size = 16
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(200, 16)
-
-    def encode(self, input_ids_BT, attention_mask_BT, all_layers=False):
-        h = self.emb(input_ids_BT)
-        m = attention_mask_BT.unsqueeze(-1).float()
-        return torch.cat([(h * m).sum(1, keepdim=True) / m.sum(1, keepdim=True), h[:, 1:]], dim=1)
 
 
 def test_gradients_are_clipped_to_norm_1_before_each_update(tmp_path, monkeypatch):
