@@ -271,7 +271,8 @@ def build_dataset(cfg: DataConfig, tokenizer, *, seed: int, split: str = "train"
         key = "data.sources" if split == "train" else "data.valid"
         raise ValueError(f"{key} is empty; list at least one dataset directory written by pretrain-preprocess")
     sha = getattr(tokenizer, "sha256", None)  # ShardedDataset refuses data made with another tokenizer
-    datasets = [PretrainDataset(ShardedDataset(s.path, tokenizer_sha256=sha, cache_dir=cfg.index_cache_dir), tokenizer, cfg, seed=seed)
+    datasets = [PretrainDataset(ShardedDataset(s.path, tokenizer_sha256=sha, cache_dir=cfg.index_cache_dir), tokenizer,
+                                cfg, seed=seed)
                 for s in sources]
     if len(datasets) == 1:
         return datasets[0]

@@ -249,7 +249,8 @@ def _readme_cpu_example() -> list[str]:
     """The two commands of slurm/README.md's CPU example, as written there."""
     text = (REPO / "slurm" / "README.md").read_text(encoding="utf-8")
     prep = next(ln for ln in text.splitlines() if ln.startswith("python -m pretrain.quickstart runs/tiny"))
-    submit = next(ln for ln in text.splitlines() if ln.startswith("GPUS_PER_NODE=2 sbatch --cpus-per-task=2 slurm/pretrain.sbatch"))
+    submit = next(ln for ln in text.splitlines()
+                  if ln.startswith("GPUS_PER_NODE=2 sbatch --cpus-per-task=2 slurm/pretrain.sbatch"))
     return [prep, submit]
 
 
