@@ -241,6 +241,34 @@ def test_study_files_plan_cleanly(name, monkeypatch, capsys):
     assert "dry run: nothing was run" in printed and printed.count("[todo] train/") >= 3
 
 
+@pytest.mark.parametrize("name", ["seeds_small", "seeds_long"])
+def test_every_arm_of_a_sentence_study_fits_the_checkpoint_it_starts_from(name, monkeypatch, tmp_path):
+    """Each run's checkpoint.init_from takes the start's architecture; a model.* setting the run states (a recipe
+    written for BERT-/RoBERTa-base, or the study's shared overrides) must agree with the start's, or the run stops at
+    once. Checked here against the start arm's own resolved config (the SARCSE recipe's RoBERTa max_position=514
+    against the tiny start's 512 stopped seeds_long's sarcse arm until 2026-12-07), without training anything."""
+    from types import SimpleNamespace
+
+    from pretrain.config import load_run_config
+    from pretrain.config.model import ModelConfig
+    from pretrain.export.resolve import ARCHITECTURE_FIELDS, init_model_config
+    from pretrain.study.plan import Planner, load_study
+
+    monkeypatch.chdir(REPO)
+    studies = {n: load_study(f"configs/studies/{n}.yaml") for n in ("clear_small", "mlm_long", name)}
+    used = {n: (studies[n], tmp_path / n) for n in ("clear_small", "mlm_long")}
+    start_study = "mlm_long" if name == "seeds_long" else "clear_small"
+    start = Planner(studies[start_study], tmp_path / start_study, tmp_path / "data", used).configs()["mlm"]["model"]
+    weights = SimpleNamespace(model_cfg=ModelConfig(**{**start, "vocab_size": 8192}),
+                              recorded=frozenset(ARCHITECTURE_FIELDS), path="start")
+    planner = Planner(studies[name], tmp_path / name, tmp_path / "data", used)
+    for arm in studies[name].arms:
+        config, overrides = planner.train_argv(arm, arm.seeds[0])
+        cfg = load_run_config(config, overrides)
+        assert cfg.checkpoint.init_from == str(tmp_path / start_study / "runs" / "mlm-seed1234")
+        init_model_config(cfg.model, weights, given=cfg.given, source=f"{name}/{arm.name}")  # raises on a misfit
+
+
 def test_a_failed_step_stops_the_study_with_one_line_naming_it_and_its_log(tmp_path, monkeypatch, capsys):
     from pretrain.study.driver import main
 
