@@ -42,6 +42,9 @@ class SpikeConfig:
     (not "off", which YAML reads as false)."""
     ratio: float = 2.0
     zscore: float = 6.0
+    min_rise: float = 0.5
+    """A spike must also lie this many nats above that median (or mean): near zero a ratio or a z-score alone flags
+    noise (a contrastive loss the batch has solved going from 0.005 to 0.015 is 3x its median); 0 = off."""
     window: int = 100
     """Steps of loss history the detector compares with, and the window ``bad_in_window`` counts over."""
     min_history: int = 20
@@ -55,9 +58,9 @@ class SpikeConfig:
     predate that checkpoint), and, once every kept checkpoint has had as many, stops (exit 3): not the data's."""
 
     def __post_init__(self) -> None:
-        if self.ratio <= 1.0 or self.zscore <= 0:
-            raise ValueError(f"train.spike.ratio must be > 1 and train.spike.zscore > 0, got {self.ratio}, "
-                             f"{self.zscore}")
+        if self.ratio <= 1.0 or self.zscore <= 0 or not self.min_rise >= 0:
+            raise ValueError(f"train.spike.ratio must be > 1, train.spike.zscore > 0 and train.spike.min_rise >= 0, "
+                             f"got {self.ratio}, {self.zscore}, {self.min_rise}")
         if self.window < 2 or not 2 <= self.min_history <= self.window:
             raise ValueError(f"train.spike.window must be >= 2 and train.spike.min_history in [2, window], got "
                              f"{self.window}, {self.min_history}")

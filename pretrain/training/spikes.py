@@ -46,18 +46,19 @@ class Trigger:
 
 def judge_loss(history: list[float], loss: float, cfg: SpikeConfig) -> tuple[str, float] | None:
     """(detail, baseline) when ``loss`` is a spike against ``history`` (the previous finite losses, oldest first),
-    else None. Not judged: a non-finite loss (the bad-step rule's), or fewer than ``min_history`` losses."""
+    else None: above the ratio or z-score and at least ``min_rise`` nats above the baseline. Not judged: a
+    non-finite loss (the bad-step rule's), or fewer than ``min_history`` losses."""
     if cfg.detector == "none" or not math.isfinite(loss) or len(history) < cfg.min_history:
         return None
     h = np.asarray(history, dtype=np.float64)
     if cfg.detector == "ratio":
         median = float(np.median(h))
-        if median > 0 and loss > cfg.ratio * median:
+        if median > 0 and loss > cfg.ratio * median and loss - median >= cfg.min_rise:
             return (f"loss {loss:.4g} is {loss / median:.1f}x the median {median:.4g} of the previous {len(h)} steps "
                     f"(train.spike.ratio={cfg.ratio:g})"), median
         return None
     mean, std = float(h.mean()), float(h.std())
-    if std > 0 and (loss - mean) / std > cfg.zscore:
+    if std > 0 and (loss - mean) / std > cfg.zscore and loss - mean >= cfg.min_rise:
         return (f"loss {loss:.4g} is {(loss - mean) / std:.1f} standard deviations above the mean {mean:.4g} of the "
                 f"previous {len(h)} steps (train.spike.zscore={cfg.zscore:g})"), mean
     return None

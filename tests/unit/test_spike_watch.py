@@ -77,3 +77,17 @@ def test_watch_state_goes_through_the_trainer_state():
     old = TrainState.from_state_dict({"step": 8, "sample_order": "feistel-v1"}, saved={"train": {
         "micro_batch_size": 4, "grad_accum": 1}}, world_size=1)
     assert old.rollbacks == [] and old.spike_watch == {}  # a checkpoint from before spikes were watched
+
+
+def test_a_loss_near_zero_must_also_rise_min_rise_nats():
+    """A contrastive loss the batch has solved: 0.015 against a median of 0.005 is 3x, and a z-score far above 6 in
+    a quiet window, but half a nat is what a spike must add (train.spike.min_rise): seeds_long's SARCSE seed 3
+    stopped at step 56 on exactly this before the first checkpoint (exit 3)."""
+    quiet = [0.005, 0.0052, 0.0049, 0.0051, 0.005]
+    for detector in ("ratio", "zscore"):
+        cfg = SpikeConfig(detector=detector, min_history=3, window=10)
+        assert judge_loss(quiet, 0.015, cfg) is None
+        assert judge_loss(quiet, 0.6, cfg) is not None  # a real jump, however low it started
+        assert judge_loss(quiet, 0.015, SpikeConfig(detector=detector, min_history=3, window=10, min_rise=0))
+    with pytest.raises(ValueError, match="min_rise"):
+        SpikeConfig(min_rise=-1.0)
