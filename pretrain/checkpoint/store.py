@@ -238,6 +238,23 @@ def find_intact(ckpt_dir: Path) -> tuple[str | None, dict[str, list[str]]]:
     return None, damaged
 
 
+def set_aside_newer(ckpt_dir: Path, tag: str) -> list[str]:
+    """Rank 0, when a rollback falls back to ``tag`` past newer checkpoints that verify: each is renamed
+    ``abandoned_<tag>`` (kept, out of every listing) and ``latest`` names ``tag``, so that the next launch resumes
+    from the fallback and not from the checkpoint it gave up on. The names set aside."""
+    moved = []
+    for old in list_complete(ckpt_dir):
+        if _step_of(old) > _step_of(tag):
+            dest = ckpt_dir / f"abandoned_{old}"
+            shutil.rmtree(dest, ignore_errors=True)  # set aside by an earlier fallback
+            os.replace(ckpt_dir / old, dest)
+            moved.append(old)
+    if moved:
+        atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
+        fsync_dir(ckpt_dir)
+    return moved
+
+
 def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
     """Collective: replace a published checkpoint's trainer_state.json (atomically; files.json does not cover it)
     — a rollback records there the samples it skips, so that resuming from this checkpoint skips them too."""

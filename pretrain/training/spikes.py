@@ -162,6 +162,8 @@ def plan_rollback(run_dir: Path, env, state: TrainState, trigger: Trigger, cfg: 
               "skipped_steps": [old.step + 1, state.step], "retry": _retries(old) + 1}
     if tag != newest:
         record["fallback_from"] = newest
+        if env.is_main:  # a requeue must not resume from the checkpoint given up on (the barrier: the trainer's)
+            store.set_aside_newer(ckpt_dir, tag)
     if trigger.loss is not None:
         record.update(loss=trigger.loss, baseline=trigger.baseline)
     new = dataclasses.replace(old, consumed_samples=state.consumed_samples,
@@ -186,7 +188,10 @@ def _with_rollbacks_left(ckpt_dir: Path, newest: str, env, max_rollbacks: int) -
         for tag in [newest, *older]:
             if tag != newest and store.verify_checkpoint(ckpt_dir / tag):
                 continue  # a damaged older checkpoint is passed over
-            state = store.read_trainer_state(ckpt_dir / tag)
+            try:  # rank 0 alone reads: an error here must not leave the other ranks waiting in the broadcast
+                state = store.read_trainer_state(ckpt_dir / tag)
+            except (store.CheckpointError, OSError, ValueError, KeyError):
+                continue
             if sum(1 for r in state.get("rollbacks", []) if r.get("step") == state["step"]) < max_rollbacks:
                 choice = tag
                 break

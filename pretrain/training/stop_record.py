@@ -90,8 +90,9 @@ def requeue_allowed(run_dir: str | os.PathLike, *, max_stalled: int, environ=os.
     history.append({**me, "step": step, "time": time.time()})
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(history[-1]) + "\n")
-    last = history[-max_stalled:]
-    if max_stalled > 0 and len(last) == max_stalled and len({r.get("step") for r in last}) == 1:
+    # N requeues that moved nothing: N + 1 records of one step (the one before them is where it stood)
+    last = history[-(max_stalled + 1):]
+    if max_stalled > 0 and len(last) == max_stalled + 1 and len({r.get("step") for r in last}) == 1:
         return False, (f"the run's latest checkpoint (step {step}) did not move over the last {max_stalled} requeues "
                        f"of job {me['job']} ({path}): look at the job's output for why it stops before checkpointing")
     return True, f"latest checkpoint step {step}"

@@ -129,14 +129,19 @@ def test_a_spike_that_comes_back_stops_after_max_rollbacks(tmp_path, tiny_overri
     # the damage predated the newest; then it is not the data's
     assert len(lines) == 6 and "retry 2 of 2" in lines[1] and "Back to" in lines[2], lines
     assert "step_00000012 (step 12) (an older checkpoint: step_00000016 was rolled back to 2 times" in lines[2]
-    assert "step_00000008 (step 8) (an older checkpoint: step_00000016" in lines[4]
-    assert "rolled back to step_00000016 2 times already (train.spike.max_rollbacks=2)" in out
+    # each fallback sets the checkpoints it gave up on aside (a requeue resumes from the fallback)
+    assert "step_00000008 (step 8) (an older checkpoint: step_00000012" in lines[4]
+    assert "rolled back to step_00000008 2 times already (train.spike.max_rollbacks=2)" in out
     assert "and to every older checkpoint kept as often" in out
     assert "The last good checkpoint is" in out and "lower optim.lr" in out
     records = _records(run_dir, "rollback")  # each rollback cut metrics.jsonl back: those to step 8 are left
-    assert [(r["retry"], r.get("fallback_from")) for r in records] == [(1, "step_00000016"), (2, "step_00000016")]
-    assert [r.get("fallback_from") for r in _state(run_dir, 12)["rollbacks"]] == ["step_00000016"] * 2
-    st = _state(run_dir, 16)  # both skips recorded: steps 17-18 of the first pass, step 17 of the second
+    assert [(r["retry"], r.get("fallback_from")) for r in records] == [(1, "step_00000012"), (2, None)]
+    assert store.list_complete(store.checkpoints_dir(run_dir)) == ["step_00000008"]
+    aside = store.checkpoints_dir(run_dir)
+    state_12 = store.read_trainer_state(aside / "abandoned_step_00000012")
+    assert [r.get("fallback_from") for r in state_12["rollbacks"]] == ["step_00000016", None]
+    st = store.read_trainer_state(aside / "abandoned_step_00000016")  # both skips recorded: steps 17-18 of the
+    # first pass, step 17 of the second
     assert [r["skipped_samples"] for r in st["rollbacks"]] == [[64, 72], [72, 76]]
 
 

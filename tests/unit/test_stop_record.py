@@ -68,13 +68,13 @@ def test_requeues_go_on_while_the_run_checkpoints_and_stop_when_it_stalls(tmp_pa
                                environ={"SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": str(restart)})
 
     assert all(requeue(r, 1000 * (r + 1))[0] for r in range(60))  # 60 requeues, each after progress
-    assert requeue(60, 61_000)[0] and requeue(61, None)[0]  # one stalled requeue: still fine
-    ok, why = requeue(62, None)
+    assert requeue(60, 61_000)[0] and requeue(61, None)[0] and requeue(62, None)[0]  # two stalled: still fine
+    ok, why = requeue(63, None)  # the third requeue in a row that moved nothing
     assert not ok and "did not move over the last 3 requeues" in why and "step 61000" in why
     with open(tmp_path / REQUEUES, "a") as f:
         f.write('{"job": "slurm:41", "rest')  # cut by a kill
     assert requeue(0, 61_000, job="77")[0]  # another job's history is its own
     code = subprocess.run([sys.executable, "-m", "pretrain.training.stop_record", "--requeue", str(tmp_path),
-                           "--max-stalled", "3"], env={**os.environ, "SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "63"},
+                           "--max-stalled", "3"], env={**os.environ, "SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "64"},
                           capture_output=True, text=True, cwd=REPO)
     assert code.returncode == 1 and "did not move" in code.stdout, code.stderr
