@@ -60,8 +60,12 @@ class DistEnv:
 def unique_suffix() -> str:
     """host-pid-random for a temporary file name: unique across hosts that share a filesystem (containers on
     different hosts share pids; NFS shares the directory) and across retries of one process."""
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64] or "host"
-    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f"{host_name()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def host_name() -> str:
+    """This host's name as ``unique_suffix`` writes it (safe in a file name)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64] or "host"
 
 
 def single_process_env() -> DistEnv:
