@@ -35,6 +35,9 @@ class ReadStats:
     empty_files: list[str] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
     """Skipped/modified lines by reason: giant_line, nul_bytes, invalid_utf8, replaced_utf8, bad_json, …"""
+    first_bad_utf8: str = ""
+    """Where the first line skipped or replaced for invalid UTF-8 is ("PATH: invalid UTF-8 at byte offset N", as
+    strict mode names it); "" if none. Not part of ``as_dict``."""
 
     def count(self, reason: str, n: int = 1) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + n
@@ -87,6 +90,7 @@ def decode_utf8(raw: bytes, errors: str, stats, where) -> str | None:
         if errors == "strict":
             raise ValueError(f"{where(e)}; fix the file or re-run with --errors replace or --errors skip") from None
         stats.count("invalid_utf8" if errors == "skip" else "replaced_utf8")
+        stats.first_bad_utf8 = stats.first_bad_utf8 or where(e)
         return None if errors == "skip" else raw.decode("utf-8", errors="replace")
 
 

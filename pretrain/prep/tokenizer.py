@@ -15,7 +15,6 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -33,8 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pretrain.console import one_line_warnings, show_progress
 from pretrain.data.indexed import file_sha256
-from pretrain.data.containers import identify
-from pretrain.prep.readers import ReadStats, expand_inputs, read_file
+from pretrain.prep.readers import ReadStats, iter_documents
 from pretrain.prep.sentence_split import split_sentences
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEL]")
@@ -229,87 +227,31 @@ def load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer(path)
 
 
-@dataclass
-class TokenizerReadStats(ReadStats):
-    """The readers' counts (pretrain-tokenizer reads with ``--errors replace``: ``replaced_utf8`` lines were
-    changed, not skipped) and where the first replaced line is."""
-
-    first_replaced: str = ""
-    """"PATH: invalid UTF-8 at byte offset N" for a plain file, PATH for a compressed or columnar one, "" if none."""
-
-
 def _text_batches(files: list[str], max_bytes: int | None, *, sentences: bool,
                   say=None, stats: ReadStats | None = None) -> Iterator[list[str]]:
     """Paragraphs (or sentences) from the project readers, in batches, stopping after ~max_bytes; ``say(line)``
     hears how far reading has got every few seconds and once at the end. Lines with invalid UTF-8 are read with
-    U+FFFD and counted in ``stats`` (a ``TokenizerReadStats`` also learns where the first one is)."""
+    U+FFFD and counted in ``stats`` (with where the first one is)."""
     stats = stats if stats is not None else ReadStats()
     seen, docs, last = 0, 0, time.perf_counter()
     batch: list[str] = []
-    for path in expand_inputs(files):
-        start = 0  # where the current document starts (a plain file's byte offset)
-        for doc in read_file(path, stats, errors="replace"):
-            _note_first_replaced(stats, path, start, doc.num_bytes)
-            start = doc.num_bytes
-            docs += 1
-            for p in doc.paragraphs:
-                batch.extend(split_sentences(p) if sentences else [p])
-                seen += len(p)
-            if len(batch) >= 1000:
-                yield batch
-                batch = []
-            if say is not None and time.perf_counter() - last >= 5:
-                say(f"read {seen / 1e6:.1f} M characters ({docs:,} documents)")
-                last = time.perf_counter()
-            if max_bytes is not None and seen >= max_bytes:
-                break
-        else:  # a replaced line after the file's last document (in lines that made none)
-            _note_first_replaced(stats, path, start, os.path.getsize(path))
-            continue
-        break
+    for doc in iter_documents(files, stats, errors="replace"):
+        docs += 1
+        for p in doc.paragraphs:
+            batch.extend(split_sentences(p) if sentences else [p])
+            seen += len(p)
+        if len(batch) >= 1000:
+            yield batch
+            batch = []
+        if say is not None and time.perf_counter() - last >= 5:
+            say(f"read {seen / 1e6:.1f} M characters ({docs:,} documents)")
+            last = time.perf_counter()
+        if max_bytes is not None and seen >= max_bytes:
+            break
     if batch:
         yield batch
     if say is not None:
         say(f"read {seen / 1e6:.1f} M characters ({docs:,} documents); building the vocabulary")
-
-
-def _note_first_replaced(stats: ReadStats, path: str, start: int, end: int) -> None:
-    """The first time ``stats`` counts a replaced line, record where it is: in a plain file, the lines of the
-    document just read (bytes ``start .. end``) are looked at again, and no more; elsewhere the file is named."""
-    if not isinstance(stats, TokenizerReadStats) or stats.first_replaced or not stats.skipped.get("replaced_utf8"):
-        return
-    stats.first_replaced = path
-    container = identify(path)
-    if container.compression or container.columnar:
-        return
-    offset = _first_invalid_utf8(path, start, end)
-    if offset is not None:
-        stats.first_replaced = f"{path}: invalid UTF-8 at byte offset {offset}"
-
-
-def _first_invalid_utf8(path: str, start: int, end: int, max_line_bytes: int = 1_000_000) -> int | None:
-    """Byte offset of the first invalid UTF-8 in the lines of bytes ``start .. end`` of a plain file that the text
-    readers decode (lines with NUL bytes and giant lines are skipped by them, so here too); None if none."""
-    with open(path, "rb") as f:
-        f.seek(start)
-        pos = start
-        while pos < end:
-            raw = f.readline(max_line_bytes + 1)
-            if not raw:
-                return None
-            line_start, pos = pos, pos + len(raw)
-            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):
-                    raw = f.readline(max_line_bytes + 1)
-                    pos += len(raw)
-                continue
-            if b"\x00" in raw:
-                continue
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return line_start + e.start
-    return None
 
 
 def format_read_report(stats: ReadStats) -> str:
@@ -318,9 +260,8 @@ def format_read_report(stats: ReadStats) -> str:
     if stats.skipped:
         lines.append("skipped lines: " + ", ".join(f"{k}={v:,}" for k, v in sorted(stats.skipped.items())))
     if stats.skipped.get("replaced_utf8"):
-        first = getattr(stats, "first_replaced", "")
         lines.append(f"warning: {stats.skipped['replaced_utf8']:,} line(s) had invalid UTF-8 replaced by U+FFFD"
-                     + (f"; the first: {first}" if first else ""))
+                     + (f"; the first: {stats.first_bad_utf8}" if stats.first_bad_utf8 else ""))
     return "\n".join(lines)
 
 
@@ -370,8 +311,8 @@ def train_tokenizer(files: list[str], out_path: str, *, kind: str = "wordpiece",
     """Train on files/directories (read with the preprocessing readers), save ``out_path``, return it loaded.
 
     ``max_bytes`` limits training to roughly the first that many characters of text. ``progress``: a line on
-    stderr every few seconds while reading, and the trainer's own bar on a terminal. ``stats`` (e.g. a
-    ``TokenizerReadStats``) hears the lines the readers replaced or skipped (``format_read_report``).
+    stderr every few seconds while reading, and the trainer's own bar on a terminal. ``stats`` (a
+    ``ReadStats``) hears the lines the readers replaced or skipped and where the first is (``format_read_report``).
     """
     if kind not in KINDS:
         raise ValueError(f"tokenizer kind must be one of {KINDS}, got {kind!r}")
@@ -438,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
 
     one_line_warnings("pretrain-tokenizer")
     t0 = time.perf_counter()
-    stats = TokenizerReadStats()
+    stats = ReadStats()
     try:
         tok = train_tokenizer(args.inputs, args.out, kind=args.kind, vocab_size=args.vocab_size,
                               lowercase=not args.cased, min_frequency=args.min_frequency,

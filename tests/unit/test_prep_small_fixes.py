@@ -90,7 +90,7 @@ def test_dictionary_of_integers_is_still_not_text(tmp_path):
 
 def test_pretrain_tokenizer_reports_the_lines_it_replaced(tmp_path, capsys):
     """pretrain-tokenizer reads with --errors replace: it says how many lines it changed, and where the first one
-    is (a plain file: its byte offset; a stream: the file), as pretrain-preprocess reports its skipped lines."""
+    is (its byte offset, in the decompressed bytes for a stream), as pretrain-preprocess reports its skipped lines."""
     inputs = tmp_path / "in"
     inputs.mkdir()
     (inputs / "a.txt").write_bytes("".join(d.replace("\n", " ") + "\n" for d in _docs(30)).encode())
@@ -110,7 +110,9 @@ def test_pretrain_tokenizer_reports_the_lines_it_replaced(tmp_path, capsys):
     (inputs / "b.txt").unlink()
     (inputs / "c.txt.gz").write_bytes(gzip.compress(bad))  # a stream: the file is named
     text = run(inputs)
-    assert "skipped lines: replaced_utf8=2" in text and f"the first: {inputs / 'c.txt.gz'}\n" in text, text
+    assert "skipped lines: replaced_utf8=2" in text, text  # a stream: its offset in the decompressed bytes
+    assert f"the first: {inputs / 'c.txt.gz'}: invalid UTF-8 at byte offset {offset} of the decompressed stream\n" \
+        in text, text
     text = run(inputs / "a.txt")
     assert "skipped lines" not in text and "UTF-8" not in text and "wrote" in text, text
 
