@@ -90,19 +90,15 @@ def find_latest(ckpt_dir: Path) -> str | None:
         if _TAG_RE.match(tag) and is_complete(ckpt_dir / tag):
             complete = list_complete(ckpt_dir)
             # A crash between publishing a tag and updating `latest` leaves a newer complete tag.
-            return complete[-1] if complete and _step_of(complete[-1]) > _step_of(tag) else tag
+            return complete[-1] if complete and step_of(complete[-1]) > step_of(tag) else tag
     complete = list_complete(ckpt_dir)
     return complete[-1] if complete else None
 
 
-def _step_of(tag: str) -> int:
+def step_of(tag: str) -> int:
+    """The step a checkpoint tag names (``step_00001000`` -> 1000; -1 for another name)."""
     m = _TAG_RE.match(tag)
     return int(m.group(1)) if m else -1
-
-
-def step_of(tag: str) -> int:
-    """The step a checkpoint tag names (``step_00001000`` -> 1000)."""
-    return _step_of(tag)
 
 
 def file_digests(path: Path, *, full: bool = True) -> dict:
@@ -211,26 +207,25 @@ def check_files(directory: Path, recorded: dict, *, full: bool, manifest: str) -
 
 def find_resumable(ckpt_dir: Path, *, say=print) -> str | None:
     """The newest checkpoint that verifies (sizes + sampled sha256); each damaged newer one is named with why."""
+    tag, damaged = find_intact(ckpt_dir)
+    named = list(damaged)
+    for i, (bad, problems) in enumerate(damaged.items()):
+        nxt = named[i + 1] if i + 1 < len(named) else tag
+        say(f"warning: checkpoint {ckpt_dir / bad} is damaged: {'; '.join(problems)}. "
+            f"{'Trying the previous one, ' + nxt if nxt else 'No older checkpoint is left'}.")
+    return tag
+
+
+def find_intact(ckpt_dir: Path) -> tuple[str | None, dict[str, list[str]]]:
+    """(the newest checkpoint that verifies, {each newer damaged tag: what is wrong with it}, newest first); the
+    tag is None when none verifies. The candidates: the complete checkpoints and the one ``latest`` names. What a
+    resume (``find_resumable``) and a reader of a run's latest weights (export.resolve's select_checkpoint) take."""
     complete = list_complete(ckpt_dir)
     newest = find_latest(ckpt_dir)
     if newest is not None and newest not in complete:
         complete.append(newest)
-    for tag in reversed(sorted(complete, key=_step_of)):
-        problems = verify_checkpoint(ckpt_dir / tag)
-        if not problems:
-            return tag
-        older = [t for t in complete if _step_of(t) < _step_of(tag)]
-        say(f"warning: checkpoint {ckpt_dir / tag} is damaged: {'; '.join(problems)}. "
-            f"{'Trying the previous one, ' + older[-1] if older else 'No older checkpoint is left'}.")
-    return None
-
-
-def find_intact(ckpt_dir: Path) -> tuple[str | None, dict[str, list[str]]]:
-    """(the newest complete checkpoint that verifies, {each newer damaged tag: what is wrong with it}, newest first);
-    the tag is None when none verifies. What a reader of a run's latest weights takes (export.resolve's
-    select_checkpoint), as find_resumable does for a resume."""
     damaged = {}
-    for tag in reversed(list_complete(ckpt_dir)):  # find_latest's answer first: it is the newest complete tag
+    for tag in sorted(complete, key=step_of, reverse=True):
         problems = verify_checkpoint(ckpt_dir / tag)
         if not problems:
             return tag, damaged
@@ -244,7 +239,7 @@ def set_aside_newer(ckpt_dir: Path, tag: str) -> list[str]:
     from the fallback and not from the checkpoint it gave up on. The names set aside."""
     moved = []
     for old in list_complete(ckpt_dir):
-        if _step_of(old) > _step_of(tag):
+        if step_of(old) > step_of(tag):
             dest = ckpt_dir / f"abandoned_{old}"
             shutil.rmtree(dest, ignore_errors=True)  # set aside by an earlier fallback
             os.replace(ckpt_dir / old, dest)
@@ -276,9 +271,9 @@ def publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int, keep_every:
     replace_dir(tmp_dir, ckpt_dir / tag)
     atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
     fsync_dir(ckpt_dir)
-    upto = [t for t in list_complete(ckpt_dir) if _step_of(t) <= _step_of(tag)]
+    upto = [t for t in list_complete(ckpt_dir) if step_of(t) <= step_of(tag)]
     for old in upto[:-keep_last]:
-        if not (keep_every and _step_of(old) % keep_every == 0):
+        if not (keep_every and step_of(old) % keep_every == 0):
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 
 

@@ -159,7 +159,7 @@ def plan_rollback(run_dir: Path, env, state: TrainState, trigger: Trigger, cfg: 
                                f"undo it. Stopping: resume from an older checkpoint by hand.")
     record = {"trigger_step": trigger.step, "reason": trigger.reason, "detail": trigger.detail,
               "skipped_samples": [old.consumed_samples, state.consumed_samples],
-              "skipped_steps": [old.step + 1, state.step], "retry": _retries(old) + 1}
+              "skipped_steps": [old.step + 1, state.step], "retry": _retries(old.rollbacks, old.step) + 1}
     if tag != newest:
         record["fallback_from"] = newest
         if env.is_main:  # a requeue must not resume from the checkpoint given up on (the barrier: the trainer's)
@@ -173,9 +173,9 @@ def plan_rollback(run_dir: Path, env, state: TrainState, trigger: Trigger, cfg: 
     return tag_dir, new, record
 
 
-def _retries(state: TrainState) -> int:
-    """Rollbacks to this checkpoint so far (recorded in its trainer_state.json)."""
-    return sum(1 for r in state.rollbacks if r.get("step") == state.step)
+def _retries(rollbacks: list[dict], step: int) -> int:
+    """Rollbacks to the checkpoint of ``step`` so far (its trainer_state.json's ``rollbacks``)."""
+    return sum(1 for r in rollbacks if r.get("step") == step)
 
 
 def _with_rollbacks_left(ckpt_dir: Path, newest: str, env, max_rollbacks: int) -> str | None:
@@ -192,7 +192,7 @@ def _with_rollbacks_left(ckpt_dir: Path, newest: str, env, max_rollbacks: int) -
                 state = store.read_trainer_state(ckpt_dir / tag)
             except (store.CheckpointError, OSError, ValueError, KeyError):
                 continue
-            if sum(1 for r in state.get("rollbacks", []) if r.get("step") == state["step"]) < max_rollbacks:
+            if _retries(state.get("rollbacks", []), state["step"]) < max_rollbacks:
                 choice = tag
                 break
     if env.is_distributed:
