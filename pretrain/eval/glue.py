@@ -34,6 +34,7 @@ from pretrain.eval.glue_data import (
     get_task,
     read_split,
 )
+from pretrain.export.hf_modern import ACT_TO_HF
 
 
 @dataclass(kw_only=True)
@@ -124,8 +125,11 @@ class ModernHeadSpec:
     """[initializer_cutoff_factor]: weights are drawn truncated at +-cutoff stds."""
 
 
-_OUR_ACTIVATIONS = {"gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU("tanh"), "relu": lambda: nn.ReLU()}
-"""model.activation -> the module of the transformers name to-hf writes as classifier_activation (hf_modern)."""
+def _activation(name: str) -> nn.Module:
+    """transformers' activation module of that name (ACT2FN; imported only for a ModernBERT)."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 def modernbert_head_of(backbone: nn.Module) -> ModernHeadSpec | None:
@@ -138,18 +142,16 @@ def modernbert_head_of(backbone: nn.Module) -> ModernHeadSpec | None:
         c = hf.config
         if getattr(c, "model_type", None) != "modernbert":
             return None
-        from transformers.activations import ACT2FN
-
         cutoff = getattr(c, "initializer_cutoff_factor", None)
         return ModernHeadSpec(pooling=c.classifier_pooling, bias=c.classifier_bias,
-                              activation=ACT2FN[c.classifier_activation], norm_eps=c.norm_eps, norm_bias=c.norm_bias,
+                              activation=_activation(c.classifier_activation), norm_eps=c.norm_eps, norm_bias=c.norm_bias,
                               dropout=float(c.classifier_dropout),
                               dense_std=c.initializer_range / math.sqrt(2.0 * c.num_hidden_layers),
                               cutoff=3.0 if cutoff is None else float(cutoff))  # _init_weights' fallback
     cfg = getattr(backbone, "cfg", None)
     if getattr(cfg, "arch", None) != "modernbert":
         return None
-    return ModernHeadSpec(pooling="cls", bias=False, activation=_OUR_ACTIVATIONS[cfg.activation](),
+    return ModernHeadSpec(pooling="cls", bias=False, activation=_activation(ACT_TO_HF[cfg.activation]),
                           norm_eps=cfg.layer_norm_eps, norm_bias=False, dropout=0.0,
                           dense_std=cfg.init_std / math.sqrt(2.0 * cfg.num_layers), cutoff=2.0)
 

@@ -87,8 +87,6 @@ SENTENCE_PREFIXES = ("sentence_dense.",)
 MLM_SUBDIR = "mlm"
 """The BertForMaskedLM copy of an export (encoder + MLM head)."""
 """BERT's special tokens; a RoBERTa vocabulary has <pad>, <unk>, <s>, </s>, <mask> in these roles (special_tokens)."""
-_ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
-_ACT_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
 CONFIG_JSON_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
                       "type_vocab_size", "dropout", "attention_dropout", "layer_norm_eps", "activation", "init_std",
                       "norm", "position_offset")
@@ -208,7 +206,7 @@ def hf_config_from_model_config(cfg: ModelConfig, tokenizer, architecture: str =
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
         "intermediate_size": cfg.ffn_size,
-        "hidden_act": _ACT_TO_HF[cfg.activation],
+        "hidden_act": hf_modern.ACT_TO_HF[cfg.activation],
         "hidden_dropout_prob": cfg.dropout,
         "attention_probs_dropout_prob": cfg.attention_dropout,
         "max_position_embeddings": cfg.max_position,
@@ -242,8 +240,8 @@ def model_config_from_hf_config(d: dict) -> ModelConfig:
     if d.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type={d['position_embedding_type']!r} is not supported (absolute only)")
     act = d.get("hidden_act", "gelu")
-    if act not in _ACT_FROM_HF:
-        raise ValueError(f"hidden_act={act!r} is not supported; use one of {', '.join(_ACT_FROM_HF)}")
+    if act not in hf_modern.ACT_FROM_HF:
+        raise ValueError(f"hidden_act={act!r} is not supported; use one of {', '.join(hf_modern.ACT_FROM_HF)}")
     extra = d.get("pretrain") or {}
     fields = {k: extra[k] for k in PRETRAIN_EXTRA if k in extra}
     fields["max_position"] = d.get("max_position_embeddings", 512)
@@ -259,7 +257,7 @@ def model_config_from_hf_config(d: dict) -> ModelConfig:
         dropout=d.get("hidden_dropout_prob", 0.1),
         attention_dropout=d.get("attention_probs_dropout_prob", 0.1),
         layer_norm_eps=d.get("layer_norm_eps", 1e-12),
-        activation=_ACT_FROM_HF[act],
+        activation=hf_modern.ACT_FROM_HF[act],
         init_std=d.get("initializer_range", 0.02),
         **fields,
     )  # fmt: skip

@@ -33,8 +33,9 @@ BASE_PREFIX = "model."
 HEAD_PREFIXES = ("head.", "decoder.")
 """ModernBertForMaskedLM's keys outside the encoder (the MLM head)."""
 ARCHITECTURES = {"BertModel": "ModernBertModel", "BertForMaskedLM": "ModernBertForMaskedLM"}
-_ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
-_ACT_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
+ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+"""model.activation -> the transformers (ACT2FN) name, for BERT, RoBERTa and ModernBERT configs alike."""
+ACT_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
 CONFIG_JSON_FIELDS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position",
                       "dropout", "attention_dropout", "layer_norm_eps", "activation", "init_std", "local_window",
                       "global_every", "rope_theta", "rope_theta_local", "pooler")
@@ -62,8 +63,8 @@ def hf_config(cfg: ModelConfig, token_ids: dict, architecture: str, extra: dict)
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
         "intermediate_size": cfg.ffn_size,
-        "hidden_activation": _ACT_TO_HF[cfg.activation],
-        "classifier_activation": _ACT_TO_HF[cfg.activation],
+        "hidden_activation": ACT_TO_HF[cfg.activation],
+        "classifier_activation": ACT_TO_HF[cfg.activation],
         "max_position_embeddings": cfg.max_position,
         "initializer_range": cfg.init_std,
         "norm_eps": cfg.layer_norm_eps,
@@ -114,9 +115,9 @@ def model_config(d: dict, extra_fields: tuple[str, ...]) -> ModelConfig:
         if d.get(key, want) != want:
             raise ValueError(f"ModernBERT config.json has {key}={d[key]!r}; only {key}={want} converts")
     act = d.get("hidden_activation", "gelu")
-    if act not in _ACT_FROM_HF or d.get("classifier_activation", act) != act:
+    if act not in ACT_FROM_HF or d.get("classifier_activation", act) != act:
         raise ValueError(f"hidden_activation={act!r} with classifier_activation="
-                         f"{d.get('classifier_activation')!r}: only one of {', '.join(_ACT_FROM_HF)} for both converts")
+                         f"{d.get('classifier_activation')!r}: only one of {', '.join(ACT_FROM_HF)} for both converts")
     extra = d.get("pretrain") or {}
     num_layers = d["num_hidden_layers"]
     return ModelConfig(
@@ -130,7 +131,7 @@ def model_config(d: dict, extra_fields: tuple[str, ...]) -> ModelConfig:
         dropout=d.get("embedding_dropout", 0.0),
         attention_dropout=d.get("attention_dropout", 0.0),
         layer_norm_eps=d.get("norm_eps", 1e-5),
-        activation=_ACT_FROM_HF[act],
+        activation=ACT_FROM_HF[act],
         init_std=d.get("initializer_range", 0.02),
         local_window=d.get("local_attention", 128),
         global_every=_global_every(d, num_layers),
