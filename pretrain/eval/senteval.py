@@ -25,10 +25,10 @@ TREC_CLASSES = ("ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM")
 BINARY_FILES = {
     "MR": ("MR/rt-polarity.pos", "MR/rt-polarity.neg"),
     "CR": ("CR/custrev.pos", "CR/custrev.neg"),
-    "SUBJ": ("SUBJ/subj.subjective", "SUBJ/subj.objective"),
+    "SUBJ": ("SUBJ/subj.objective", "SUBJ/subj.subjective"),
     "MPQA": ("MPQA/mpqa.pos", "MPQA/mpqa.neg"),
 }
-"""(label-1 file, label-0 file) under <data>/senteval/."""
+"""(label-1 file, label-0 file) under <data>/senteval/, as SentEval labels them (SUBJ: objective = 1)."""
 
 
 @dataclass(kw_only=True)
@@ -42,7 +42,9 @@ class ClassifierConfig:
     inner_kfold: int = 10
     """Folds of the inner model selection (SentEval uses kfold again; fewer is faster)."""
     seed: int = 1111
-    max_iter: int = 200
+    max_iter: int = 100
+    """lbfgs iterations: SentEval's sklearn path builds ``LogisticRegression(C, random_state)``, i.e. scikit-learn's
+    default 100 (200 until 2026-12-07)."""
     mrpc_features: str = "senteval"
     """'senteval' = [|u-v|, u*v] as in SentEval's mrpc.py (what the SimCSE-family papers' transfer tables use; the
     default since 2026-12-06, before it the other); 'uv_absdiff_prod' = [u, v, |u-v|, u*v]."""
@@ -78,8 +80,29 @@ def _join(line: str) -> str:
     return " ".join(line.split())
 
 
+def senteval_order(data: TransferData) -> TransferData:
+    """Each split in the order SentEval's ``run`` sorts it before embedding ("to reduce padding"): by (words, label),
+    MRPC by (words of a, words of b, label); a stable sort, ties in file order. The folds of the k-fold selections
+    are drawn over this order (StratifiedKFold's shuffle permutes positions), so the same embeddings get SentEval's
+    folds only in it."""
+    out = {}
+    for split, (x, y) in data.splits.items():
+        if data.pairs:
+            keys = [(len(a.split()), len(b.split()), int(lab)) for (a, b), lab in zip(x, y)]
+        else:
+            keys = [(len(s.split()), int(lab)) for s, lab in zip(x, y)]
+        order = sorted(range(len(x)), key=keys.__getitem__)
+        out[split] = ([x[i] for i in order], y[np.asarray(order, dtype=np.int64)])
+    return TransferData(splits=out, pairs=data.pairs)
+
+
 def load_transfer_task(data_dir: str | Path, name: str) -> TransferData:
-    """Read one task from <data_dir>/senteval/ into splits ('all' for CV tasks; train/dev/test else)."""
+    """One task from <data_dir>/senteval/ ('all' for CV tasks; train/dev/test else), each split in SentEval's
+    order (``senteval_order``)."""
+    return senteval_order(_load_task(data_dir, name))
+
+
+def _load_task(data_dir: str | Path, name: str) -> TransferData:
     root = Path(data_dir) / "senteval"
     if name in BINARY_FILES:
         pos, neg = (_read(root / f, "latin-1") for f in BINARY_FILES[name])

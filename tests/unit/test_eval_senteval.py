@@ -28,13 +28,13 @@ def se_dir(tmp_path):
 
 
 def test_readers(se_dir):
-    cr = se.load_transfer_task(se_dir, "CR").splits["all"]
-    assert cr[0] == ["great phone !", "", "love it", "bad battery"] and list(cr[1]) == [1, 1, 1, 0]
+    cr = se.load_transfer_task(se_dir, "CR").splits["all"]  # SentEval's order: (words, label)
+    assert cr[0] == ["", "bad battery", "love it", "great phone !"] and list(cr[1]) == [1, 0, 1, 1]
     trec = se.load_transfer_task(se_dir, "TREC").splits
-    assert trec["train"][0] == ["When was caf\xe9 opened ?", "Who is he ?"]
-    assert list(trec["train"][1]) == [se.TREC_CLASSES.index("NUM"), se.TREC_CLASSES.index("HUM")]
+    assert trec["train"][0] == ["Who is he ?", "When was caf\xe9 opened ?"]
+    assert list(trec["train"][1]) == [se.TREC_CLASSES.index("HUM"), se.TREC_CLASSES.index("NUM")]
     sst = se.load_transfer_task(se_dir, "SST2").splits
-    assert sst["dev"][0] == ["a fine film", "no good"] and list(sst["test"][1]) == [1, 0]
+    assert sst["dev"][0] == ["no good", "a fine film"] and list(sst["test"][1]) == [0, 1]
     mrpc = se.load_transfer_task(se_dir, "MRPC")
     assert mrpc.pairs and mrpc.splits["train"][0] == [('He said " yes .', "He agreed .")]
     with pytest.raises(ValueError):
@@ -117,6 +117,84 @@ def test_real_data_counts(data_dir):
         d = se.load_transfer_task(data_dir, task)
         assert {k: len(v[0]) for k, v in d.splits.items()} == splits, task
         assert {k: len(v[1]) for k, v in d.splits.items()} == splits, task
+
+
+def _senteval_reference(root, task):
+    """Each split as SentEval's own classes hand it to the classifier (binary.py, sst.py, trec.py, mrpc.py): token
+    lists read their way, labelled their way (SUBJ: objective = 1, MRPC: the Quality column), sorted by their key."""
+    r = root / "senteval"
+
+    def lines(path, enc):
+        with open(path, encoding=enc) as f:
+            return f.read().splitlines()
+
+    def srt(rows, key):
+        return [(" ".join(t[0]) if not isinstance(t[0], tuple) else tuple(" ".join(w) for w in t[0]), t[1])
+                for t in sorted(rows, key=key)]
+
+    files = {"MR": ("MR/rt-polarity.pos", "MR/rt-polarity.neg"), "CR": ("CR/custrev.pos", "CR/custrev.neg"),
+             "SUBJ": ("SUBJ/subj.objective", "SUBJ/subj.subjective"), "MPQA": ("MPQA/mpqa.pos", "MPQA/mpqa.neg")}
+    if task in files:
+        pos, neg = ([ln.split() for ln in lines(r / f, "latin-1")] for f in files[task])
+        return {"all": srt([(s, 1) for s in pos] + [(s, 0) for s in neg], lambda z: (len(z[0]), z[1]))}
+    if task == "SST2":
+        return {split: srt([(ln.strip().split("\t")[0].split(), int(ln.strip().split("\t")[1]))
+                            for ln in lines(r / f"SST/binary/sentiment-{split}", "utf-8")
+                            if len(ln.strip().split("\t")) == 2], lambda z: (len(z[0]), z[1]))
+                for split in ("train", "dev", "test")}
+    if task == "TREC":
+        tgt = {c: i for i, c in enumerate(("ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM"))}
+        out = {}
+        for split, fname in (("train", "train_5500.label"), ("test", "TREC_10.label")):
+            rows = [(ln.strip().split(":", 1)[1].split(" ", 1)[1].split(), tgt[ln.strip().split(":", 1)[0]])
+                    for ln in lines(r / "TREC" / fname, "latin-1") if ln.strip()]
+            out[split] = srt(rows, lambda z: (len(z[0]), z[1]))
+        return out
+    out = {}
+    for split in ("train", "test"):
+        rows = [ln.strip().split("\t") for ln in lines(r / f"MRPC/msr_paraphrase_{split}.txt", "utf-8")[1:]
+                if ln.strip()]
+        rows = [((t[3].split(), t[4].split()), int(t[0])) for t in rows]
+        out[split] = srt(rows, lambda z: (len(z[0][0]), len(z[0][1]), z[1]))
+    return out
+
+
+def test_real_data_in_senteval_order(data_dir):
+    """The classifier sees each split in the order (and with the labels) SentEval's tasks give it: its k-fold
+    selections draw their folds over that order, so only then are the folds SentEval's."""
+    for task in se.TASKS:
+        ref = _senteval_reference(data_dir, task)
+        got = se.load_transfer_task(data_dir, task).splits
+        assert set(got) == set(ref), task
+        for split, rows in ref.items():
+            assert list(zip(got[split][0], got[split][1].tolist())) == rows, (task, split)
+
+
+def test_senteval_folds_from_the_same_embeddings():
+    """Nested CV over embeddings in SentEval's order equals SentEval's InnerKFoldClassifier (sklearn path, default
+    max_iter) run on them; over the file order the folds, and here the accuracy, differ."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import StratifiedKFold
+
+    rng = np.random.default_rng(5)
+    sents = [" ".join(["w"] * int(n)) + f" s{i}" for i, n in enumerate(rng.integers(1, 9, 120))]
+    y = rng.integers(0, 2, 120)
+    emb = {s: rng.standard_normal(4) + 0.8 * lab for s, lab in zip(sents, y)}
+    data = se.senteval_order(se.TransferData(splits={"all": (sents, y)}))
+    x_sorted, y_sorted = np.stack([emb[s] for s in data.splits["all"][0]]), data.splits["all"][1]
+    cfg = se.ClassifierConfig(kfold=3, inner_kfold=3, n_jobs=1)
+    regs, accs = [2.0**t for t in range(-2, 4)], []
+    for tr, te in StratifiedKFold(n_splits=3, shuffle=True, random_state=1111).split(x_sorted, y_sorted):
+        inner = StratifiedKFold(n_splits=3, shuffle=True, random_state=1111)
+        scores = [np.mean([LogisticRegression(C=c, random_state=1111).fit(x_sorted[tr][a], y_sorted[tr][a])
+                           .score(x_sorted[tr][b], y_sorted[tr][b]) for a, b in inner.split(x_sorted[tr],
+                                                                                          y_sorted[tr])])
+                  for c in regs]
+        clf = LogisticRegression(C=regs[int(np.argmax(scores))], random_state=1111).fit(x_sorted[tr], y_sorted[tr])
+        accs.append(clf.score(x_sorted[te], y_sorted[te]))
+    assert se.nested_cv_accuracy(x_sorted, y_sorted, cfg)["acc"] == pytest.approx(100 * np.mean(accs), abs=1e-9)
+    x_file = np.stack([emb[s] for s in sents])
+    assert se.nested_cv_accuracy(x_file, y, cfg)["acc"] != pytest.approx(100 * np.mean(accs), abs=1e-9)
 
 
 def _synthetic_senteval(root, n=60):
