@@ -23,6 +23,7 @@ Launcher = Literal["torchrun", "slurm", "single"]
 # and spread over a range so two jobs sharing a head node rarely collide.
 _PORT_BASE = 20000
 _PORT_SPAN = 20000
+_PORT_STRIDE = 7919  # free_master_port's step past a taken port: a prime, so every port of the span comes round
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,25 @@ def _slurm_env(environ: Mapping[str, str]) -> DistEnv:
 def default_master_port(job_id: int) -> int:
     """The rendezvous port for a Slurm job, the same in every task and after a requeue."""
     return _PORT_BASE + job_id % _PORT_SPAN
+
+
+def free_master_port(start: int, tries: int = 64) -> int:
+    """``start`` when nothing on this host listens on it, else the first free one of ``start + k * _PORT_STRIDE``
+    (wrapping within the job-port range). The batch script takes it on the head node: job ids ``_PORT_SPAN`` apart
+    share ``default_master_port``, and the second job would fail at its rendezvous. The stride, not ``start + 1``,
+    because the next job id's port is ``start + 1`` (found on the cluster test: the neighbour job failed). A port
+    left in TIME_WAIT by this job's previous attempt counts as free (the rendezvous store binds with SO_REUSEADDR,
+    as this probe does)."""
+    for k in range(tries):
+        port = _PORT_BASE + (start - _PORT_BASE + k * _PORT_STRIDE) % _PORT_SPAN
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port among {tries} tried from {start} on this host; set MASTER_PORT to a free one")
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -327,3 +347,9 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+if __name__ == "__main__":  # slurm/pretrain.sbatch: python -m pretrain.distributed.env --free-port START
+    if len(sys.argv) != 3 or sys.argv[1] != "--free-port":
+        sys.exit("usage: python -m pretrain.distributed.env --free-port START")
+    print(free_master_port(int(sys.argv[2])))

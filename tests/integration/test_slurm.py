@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -126,8 +127,12 @@ def jobs(cluster, tmp_path_factory):
                                     f"srun python {PAYLOAD} none run_dir={runs['srun']} steps=4"],
                           root / "srun.out")
     ids["requeued"] = _submit(
-        cluster, [str(SBATCH), str(runs["requeued"]), "none", f"steps={PAYLOAD_STEPS}", "step_time=0.3"],
+        cluster, ["--hold", str(SBATCH), str(runs["requeued"]), "none", f"steps={PAYLOAD_STEPS}", "step_time=0.3"],
         root / "requeued.out", GPUS_PER_NODE="2", TRAIN_MODULE=str(PAYLOAD), USR1_RESEND="2")
+    # Another job's rendezvous (ids 20000 apart share a port) listens on this one's port on the head node: the
+    # script must take the next free port, in both attempts.
+    squatter = socket.create_server(("", 20000 + int(ids["requeued"]) % 20000))
+    subprocess.run(["scontrol", "release", ids["requeued"]], check=True, env=cluster.env())
     ids["early"] = _submit(
         cluster, [str(SBATCH), str(runs["early"]), "none", f"steps={EARLY_STEPS}", "step_time=0.3",
                   f"slow_start={SLOW_START}"],
@@ -154,10 +159,11 @@ def jobs(cluster, tmp_path_factory):
         time.sleep(0.2)
     t_signal = time.monotonic()
     infos = {name: _wait(cluster, job_id, 300) for name, job_id in ids.items()}
+    squatter.close()
     print(f"\n[test_slurm] data {t_data - t0:.0f}s, submit->USR1 {t_signal - t_data:.0f}s, "
           f"USR1->all done {time.monotonic() - t_signal:.0f}s")
     logs = {name: (root / f"{name}.out").read_text() for name in ids}
-    return {"runs": runs, "infos": infos, "logs": logs}
+    return {"runs": runs, "infos": infos, "logs": logs, "ids": ids}
 
 
 def test_sbatch_runs_two_workers_to_completion(jobs):
@@ -223,6 +229,9 @@ def test_scontrol_requeue_terminates_checkpoints_and_resumes(jobs):
     info, log, run = jobs["infos"]["requeued"], jobs["logs"]["requeued"], jobs["runs"]["requeued"]
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
     assert "TERM: waiting for the trainer" in log and "restart 1:" in log
+    port = 20000 + int(jobs["ids"]["requeued"]) % 20000  # held by the fixture's stand-in for another job
+    heads = re.findall(r"head \S+:(\d+),", log)
+    assert len(heads) == 2 and all(int(p) != port for p in heads), heads
     stop = json.loads((run / "preempted-try0.json").read_text())
     assert stop["signal"] == 15 and STOP_AFTER <= stop["step"] < PAYLOAD_STEPS
     workers = [json.loads((run / f"rank{r}-try{t}.json").read_text()) for r in (0, 1) for t in (0, 1)]

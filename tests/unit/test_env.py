@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +14,7 @@ from pretrain.distributed.env import (
     default_master_port,
     destroy_process_group,
     detect_env,
+    free_master_port,
     init_process_group,
     parse_hostlist,
     parse_tasks_per_node,
@@ -126,6 +129,54 @@ def test_tasks_per_node():
 def test_default_master_port_is_stable_and_in_range():
     ports = {default_master_port(j) for j in range(0, 100000, 997)}
     assert all(20000 <= p < 40000 for p in ports) and default_master_port(7) == default_master_port(7)
+
+
+def test_free_master_port_skips_a_port_another_job_listens_on():
+    """Job ids 20000 apart share default_master_port; the batch script (python -m pretrain.distributed.env
+    --free-port) then takes a port nothing listens on, not start + 1, which is the next job id's own port."""
+    start, stride = _free_chain(3)
+    busy = [socket.create_server(("", start + k * stride)) for k in (0, 1)]
+    try:
+        assert free_master_port(start) == start + 2 * stride
+        out = subprocess.run([sys.executable, "-m", "pretrain.distributed.env", "--free-port", str(start)],
+                             capture_output=True, text=True, check=True)
+        assert int(out.stdout) == start + 2 * stride
+    finally:
+        for sock in busy:
+            sock.close()
+    assert free_master_port(start) == start  # free again: the job's own port, as after a requeue
+
+
+def test_free_master_port_wraps_inside_the_job_port_range():
+    ports = []
+    for _ in range(4):
+        port = free_master_port(39990)
+        assert 20000 <= port < 40000
+        ports.append(socket.create_server(("", port)))
+    try:
+        assert len({s.getsockname()[1] for s in ports}) == 4
+    finally:
+        for sock in ports:
+            sock.close()
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_chain(n: int) -> tuple[int, int]:
+    """A start port whose first n stride steps are free now, and the stride."""
+    stride = 7919
+    for start in range(21000, 23000, 7):
+        if all(_free(start + k * stride) for k in range(n)):
+            return start, stride
+    pytest.skip(f"no free chain of {n} ports")
 
 
 def test_init_world_one_gloo_group_works_and_destroys():
