@@ -13,11 +13,13 @@ only after ``manifest.json`` is written; a failed run leaves no dataset behind.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import itertools
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -153,12 +155,28 @@ _WORKER: dict = {}
 """Per-worker-process handle set by the pool initializer (the only process-level state here)."""
 
 
+def _die_with(parent: int) -> None:
+    """Linux: this worker is sent SIGTERM (which ends it without a word) when ``parent``, the process that started
+    it, dies: a SIGKILLed or OOM-killed pretrain-preprocess otherwise left its workers finishing their parts (CPU for
+    nothing) and then printing a BrokenPipeError traceback each, after the shell had its prompt back. Elsewhere,
+    nothing."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return
+    prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above: no signal will come
+        os._exit(0)
+
+
 def _init_worker(tokenizer: Tokenizer, min_sentence_chars: int, read_kwargs: dict,
-                 spill: dict | None = None) -> None:
+                 spill: dict | None = None, parent: int | None = None) -> None:
     """``tokenizer``: a forked worker gets the main process's object itself (fork passes the arguments without
     pickling; it has encoded nothing, so no thread pool is copied; loading it again cost each worker 0.06 s before
     its first part); a spawned one unpickles it, which loads the file and checks its SHA-256 (``Tokenizer``'s
     ``__setstate__``)."""
+    if parent is not None:
+        _die_with(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; avoid oversubscription
     _WORKER["processor"] = ChunkProcessor(tokenizer, min_sentence_chars)
     _WORKER["read_kwargs"] = read_kwargs
@@ -194,7 +212,7 @@ def _map_ordered(tasks: Iterator[RangeTask], processor: ChunkProcessor, num_work
     tasks = itertools.chain([first], tasks)
     with mp.get_context().Pool(num_workers, initializer=_init_worker,
                                initargs=(processor.tokenizer, processor.min_sentence_chars, read_kwargs,
-                                         spill)) as pool:
+                                         spill, os.getpid())) as pool:
         window: deque = deque()
         for task in tasks:
             window.append((pool.apply_async(_run_in_worker, (task,)), task))

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,6 +131,54 @@ def test_sigkill_mid_run_then_the_same_command_gives_the_uninterrupted_dataset(t
     assert "removing" in again.stderr and not partial[0].exists()
     assert _shard_sums(tmp_path / "ds") == _shard_sums(tmp_path / "ref")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "ds", "ref"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _running(pid: int) -> bool:  # a zombie waiting for init to reap it has ended
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_workers_of_a_killed_run_end_with_it_silently(tok, tmp_path):
+    """A SIGKILLed (OOM-killed) run's pool workers used to finish their parts and then print a BrokenPipeError
+    traceback each onto the console the user had back; now they end with it (PR_SET_PDEATHSIG)."""
+    src = tmp_path / "big.txt"
+    src.write_text(_text(400) * 40)
+    err = tmp_path / "stderr.txt"
+    cmd = [sys.executable, "-m", "pretrain.prep.preprocess", str(src), "--tokenizer", tok, "--workers", "2",
+           "--no-progress", "--shard-size-tokens", "20000", "--out", str(tmp_path / "ds")]
+    with open(err, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
+    deadline, workers = time.monotonic() + 60, []
+    while time.monotonic() < deadline and proc.poll() is None:  # kill once both workers work
+        workers = _children(proc.pid)
+        if len(workers) >= 2 and list(tmp_path.glob(".ds.partial-*/shard-00000.bin")):
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if len(workers) < 2:
+        pytest.skip("the run ended before its workers could be seen")
+    deadline = time.monotonic() + 30
+    while any(_running(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(w) for w in workers)
+    text = err.read_text()
+    assert "Traceback" not in text and "BrokenPipeError" not in text, text[-2000:]
 
 
 def test_a_full_disk_is_named_and_leaves_the_old_dataset_as_it_was(tok, tmp_path, capsys, monkeypatch):
