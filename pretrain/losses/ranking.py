@@ -87,7 +87,9 @@ def listnet(
     num_rows = loss_N.shape[0]
     with torch.no_grad():
         entropy_N = -(target_NM * torch.log(target_NM.clamp_min(1e-30))).sum(-1)
-        top1_N = (student_NM.argmax(-1) == teacher_NM.argmax(-1)).to(loss_N.dtype)
+        # An empty list (one column, the positive, dropped: one sentence per rank without gathering) has no top one.
+        top1_N = ((student_NM.argmax(-1) == teacher_NM.argmax(-1)).to(loss_N.dtype) if student_NM.shape[1]
+                  else torch.zeros_like(loss_N))
     return loss_N.sum(), num_rows, {
         "kl": ((loss_N.detach() - entropy_N).sum(), num_rows),
         "top1_agree": (top1_N.sum(), num_rows),

@@ -64,12 +64,18 @@ class Objective:
                                  f"available: {', '.join(OBJECTIVES)}")
             self.terms.append((name, OBJECTIVES[name], getattr(cfg, name)))
         names = [name for name, _, _ in self.terms]
+        _check_stage(names, self.ctx.stage)
         # One pass for the MLM rows and the views serves only an objective that reads both (every term but MLM's
         # reads the views in pretraining); the gradient cache runs its own passes (grad_cache.py).
         joint = "mlm" in names and len(names) > 1 and self.ctx.stage == "pretrain" and not cfg.gradient_cache
         if self.ctx.joint_pass and not joint:
             self.ctx = dataclasses.replace(self.ctx, joint_pass=False)
         pair_cfg = cfg.info_nce or cfg.arccon
+        if cfg.info_nce is not None and cfg.arccon is not None and cfg.info_nce.gather != cfg.arccon.gather:
+            # One pair, one set of keys: arccon's setting would otherwise be ignored without a word.
+            raise ValueError(f"objective.info_nce.gather={cfg.info_nce.gather} and objective.arccon.gather="
+                             f"{cfg.arccon.gather} differ, but both terms (and consistency/rank_distill) read the same "
+                             "pair, whose keys are gathered from every rank or not: set both the same")
         self.gather = bool(pair_cfg is not None and pair_cfg.gather)
         self.teachers = teachers
         if cfg.rank_distill is not None and teachers is None:
@@ -150,6 +156,21 @@ class Objective:
         return loss
 
 
+STAGE_OF = {"nt_xent": ("pretrain", "objective.nt_xent needs CLEAR's augmented views, which only data.stage=pretrain "
+                                  "makes; in the sentence stage use objective.info_nce or objective.arccon"),
+            "triplet": ("sentences", "objective.triplet needs ArcCSE's triplet views, which only the sentence stage "
+                                     "makes (data.stage=sentences data.sentences=FILE)")}
+"""Terms whose inputs only one data stage makes -> (that stage, what to do): refused when the objective is built,
+not at the first step."""
+
+
+def _check_stage(names: list[str], stage: str) -> None:
+    for name in names:
+        needed, why = STAGE_OF.get(name, (stage, ""))
+        if needed != stage:
+            raise ValueError(f"{why} (data.stage={stage})")
+
+
 def _reduce_counts(counts: list, env) -> list[float]:
     if not env.is_distributed:
         return [float(c) for c in counts]
@@ -164,6 +185,12 @@ class TrainModule(torch.nn.Module):
         super().__init__()
         self.model = model
         self.heads = objective.build_heads(model) if hasattr(objective, "build_heads") else torch.nn.ModuleDict()
+        width = getattr(getattr(model, "cfg", None), "sentence_dim", None)
+        too_wide = [d for d, _ in getattr(objective, "sizes", None) or () if width is not None and d > width]
+        if too_wide:  # refused here, not by the first step's forward
+            raise ValueError(f"objective.matryoshka.dims has {', '.join(map(str, too_wide))}, larger than the sentence "
+                             f"embedding ({width}: model.hidden_size, or model.dense_dim); every size must be "
+                             f"<= {width}")
         self.objective = objective
         self._run_terms = None
         """The compiled ``objective.run_terms`` after ``compile_step``; None runs it eagerly."""

@@ -189,6 +189,9 @@ class Teachers:
         self.cfg = cfg
         self.models = models
         self.weights = cfg.mixing_weights()
+        if cfg.teacher_max_len < 2:  # [CLS] and [SEP] at least: _truncate keeps each row's [SEP] at its end
+            raise ValueError(f"objective.rank_distill.teacher_max_len must be >= 2 ([CLS] and [SEP]), got "
+                             f"{cfg.teacher_max_len}")
         for m in self.models:
             m.requires_grad_(False)
             m.eval()
