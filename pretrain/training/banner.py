@@ -74,10 +74,11 @@ def parameter_counts(module) -> dict[str, int]:
 def _tokens_per_sequence(cfg) -> list[int]:
     """Lengths of the encoder passes a micro-batch's sequence takes (at most): the MLM input and the views."""
     terms = set(cfg.objective.enabled())
-    if cfg.data.stage == "sentences":
+    if cfg.data.stage == "sentences":  # sentences are cut to data.view_max_len (data/sentences.py), not max_len
         pair = 3 if cfg.data.pairs else 2  # data.pairs: anchor, positive and (at most) a hard negative
         passes = pair if terms & {"info_nce", "arccon", "consistency", "rank_distill", "reconstruction"} else 1
-        return [cfg.data.max_len] * passes
+        triplet = [cfg.objective.triplet.max_len] * 3 if "triplet" in terms else []  # anchor, 20% and 40% masked
+        return [cfg.data.view_max_len] * passes + triplet
     lengths = [cfg.data.max_len] if "mlm" in terms else []
     if terms & {"nt_xent", "info_nce", "arccon"}:
         lengths += [cfg.data.view_max_len] * 2
@@ -105,7 +106,8 @@ def memory_estimate(cfg, num_params: int, world_size: int, vocab_size: int) -> d
     for s in _tokens_per_sequence(cfg):
         acts += m.num_layers * s * b * m.hidden_size * (34 + 5 * m.num_heads * s / m.hidden_size) * act_bytes
     if cfg.objective.mlm is not None:
-        masked = math.ceil(cfg.data.masking.prob * cfg.data.max_len) * b
+        masked_len = cfg.data.view_max_len if cfg.data.stage == "sentences" else cfg.data.max_len
+        masked = math.ceil(cfg.data.masking.prob * masked_len) * b
         acts += masked * vocab_size * 4 * 2  # logits and their gradient, fp32
     out = {"weights": weights / GIB, "gradients": grads / GIB, "optimizer": optim / GIB, "activations": acts / GIB}
     out["total"] = sum(out.values())

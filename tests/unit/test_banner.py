@@ -58,6 +58,26 @@ def test_the_compiled_zero3_step_counts_the_whole_models_weights():
         assert (est["weights"] + est["gradients"] + est["optimizer"]) * GIB / P == pytest.approx(want), overrides
 
 
+def test_the_sentence_stage_is_sized_at_the_length_its_sentences_are_cut_to():
+    """The sentence stage cuts every sentence to data.view_max_len (data/sentences.py); its passes were sized at
+    data.max_len, several times the activations of configs/sentence_stage_quick.yaml (view length 32, max_len 128),
+    which --dry-run's memory-fit check then used. ArcCSE's triplet views are objective.triplet.max_len long."""
+    P = 1_000_000
+    base = ["data.stage=sentences", "data.sentences=x.txt", "objective.mlm=null", "objective.nt_xent=null",
+            "objective.info_nce={}", "data.max_len=128", "train.precision=fp32"]
+    at = {v: memory_estimate(load_run_config(None, base + [f"data.view_max_len={v}"]), P, 1, 1000)["activations"]
+          for v in (32, 64)}
+    cfg = load_run_config(None, base + ["data.view_max_len=32"])
+    m, b = cfg.model, cfg.train.micro_batch_size
+    per_pass = m.num_layers * 32 * b * m.hidden_size * (34 + 5 * m.num_heads * 32 / m.hidden_size) * 2 / GIB
+    assert at[32] == pytest.approx(2 * per_pass)  # anchor and positive, 32 tokens each
+    assert at[64] > 2 * at[32]
+    with_triplet = load_run_config(None, base + ["data.view_max_len=32", "objective.triplet={}"])
+    t = with_triplet.objective.triplet.max_len
+    extra = m.num_layers * t * b * m.hidden_size * (34 + 5 * m.num_heads * t / m.hidden_size) * 2 / GIB
+    assert memory_estimate(with_triplet, P, 1, 1000)["activations"] == pytest.approx(2 * per_pass + 3 * extra)
+
+
 def test_dry_run_prints_the_banner_and_writes_nothing(tmp_path, tiny_overrides, capsys):
     run_dir = tmp_path / "run"
     assert main([*tiny_overrides(run_dir), "--dry-run", "--ranks", "4", "train.max_steps=50"]) == 0
