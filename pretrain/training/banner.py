@@ -18,7 +18,7 @@ import math
 import os
 
 from pretrain.config.train import cpu_computes_bf16_fast
-from pretrain.config.lint import inert_settings
+from pretrain.config.lint import CONTRASTIVE_TERMS, inert_settings
 from pretrain.distributed.env import cuda_device_index
 from pretrain.model.attention import flash_varlen_refusal
 from pretrain.model.kernels import cpu_kernels
@@ -141,6 +141,9 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str
         f"(encoder passes of <= {' + '.join(map(str, lengths))} tokens per sequence)",
         f"precision {t.precision}, ZeRO-{cfg.distributed.zero_stage}, backend {cfg.distributed.backend}",
     ]
+    contrastive = contrastive_batch_line(cfg, world_size)
+    if contrastive:
+        lines.append(contrastive)
     n_train = len(train_set)
     samples = t.max_steps * global_batch
     epochs = samples / n_train if n_train else float("inf")
@@ -165,6 +168,29 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str
     if why:
         warnings.append(VARLEN_NESTED.format(why=why))
     return lines + [f"warning: {line}" for line in warnings]
+
+
+def contrastive_batch_line(cfg, world_size: int) -> str | None:
+    """How many sentences the contrastive terms compare with each other (each one's negatives + 1), and how that
+    number is made: a micro-batch, times grad_accum under the gradient cache, times the ranks where the keys are
+    gathered. Without the cache, grad_accum > 1 leaves it one micro-batch's (the README's "silently shrinks the
+    negatives"; ArcCSE's recipe does that on purpose): the line says so. None without such a term."""
+    obj, t = cfg.objective, cfg.train
+    compared = [name for name in CONTRASTIVE_TERMS if name in obj.enabled()]
+    if not compared:
+        return None
+    pair = obj.nt_xent or obj.info_nce or obj.arccon
+    gathered = world_size > 1 and bool(pair is not None and pair.gather)
+    cached = obj.gradient_cache and t.grad_accum > 1
+    n = t.micro_batch_size * (t.grad_accum if cached else 1) * (world_size if gathered else 1)
+    how = [f"micro {t.micro_batch_size}"]
+    how += [f"grad_accum {t.grad_accum} (objective.gradient_cache)"] if cached else []
+    how += [f"{world_size} ranks gathered"] if gathered else []
+    line = f"contrastive batch: {n:,} sentences compared with each other by {', '.join(compared)} (" + " x ".join(how)
+    if t.grad_accum > 1 and not cached:
+        line += (f"; each of the step's {t.grad_accum} micro-batches on its own: objective.gradient_cache=true "
+                 f"would compare all {n * t.grad_accum:,}")
+    return line + ")"
 
 
 def _on_gpu() -> bool:

@@ -10,7 +10,7 @@ import torch
 
 from pretrain.config import load_run_config
 from pretrain.train import main
-from pretrain.training.banner import GIB, memory_estimate, parameter_counts
+from pretrain.training.banner import GIB, contrastive_batch_line, memory_estimate, parameter_counts
 
 
 class _Tied(torch.nn.Module):
@@ -78,12 +78,29 @@ def test_the_sentence_stage_is_sized_at_the_length_its_sentences_are_cut_to():
     assert memory_estimate(with_triplet, P, 1, 1000)["activations"] == pytest.approx(2 * per_pass + 3 * extra)
 
 
+def test_the_banner_says_how_many_sentences_the_contrastive_terms_compare():
+    """grad_accum without objective.gradient_cache keeps the negatives at one micro-batch's (times the gathered
+    ranks): the banner says the number and what the cache would make of it, instead of leaving it silent."""
+    def line(overrides, ranks):
+        return contrastive_batch_line(load_run_config(None, ["train.micro_batch_size=32", *overrides]), ranks)
+
+    assert line(["train.grad_accum=4"], 8).startswith("contrastive batch: 256 sentences compared with each other "
+                                                      "by nt_xent (micro 32 x 8 ranks gathered; each of the step's "
+                                                      "4 micro-batches on its own: objective.gradient_cache=true "
+                                                      "would compare all 1,024)")
+    assert "1,024 sentences" in line(["train.grad_accum=4", "objective.gradient_cache=true"], 8)
+    assert "32 sentences" in line(["train.grad_accum=4", "objective.nt_xent.gather=false"], 8)
+    assert "32 sentences" in line([], 1) and "on its own" not in line([], 1)
+    assert line(["objective.nt_xent=null"], 8) is None
+
+
 def test_dry_run_prints_the_banner_and_writes_nothing(tmp_path, tiny_overrides, capsys):
     run_dir = tmp_path / "run"
     assert main([*tiny_overrides(run_dir), "--dry-run", "--ranks", "4", "train.max_steps=50"]) == 0
     out = capsys.readouterr().out
     assert "2 layers x 32 hidden x 2 heads" in out and "parameters (encoder.embeddings" in out
     assert "x 4 rank(s) =" in out and "ZeRO-" in out and "epochs" in out and "memory per rank" in out
+    assert "contrastive batch: " in out
     assert "dry run:" in out and not run_dir.exists()
     assert main([*tiny_overrides(run_dir), "--dry-run", "data.valid=[]", "train.eval_every=3"]) == 0
     assert "warning: train.eval_every=3 does nothing" in capsys.readouterr().out
