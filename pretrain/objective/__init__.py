@@ -191,6 +191,9 @@ class TrainModule(torch.nn.Module):
             raise ValueError(f"objective.matryoshka.dims has {', '.join(map(str, too_wide))}, larger than the sentence "
                              f"embedding ({width}: model.hidden_size, or model.dense_dim); every size must be "
                              f"<= {width}")
+        teachers = getattr(objective, "teachers", None)
+        if teachers is not None and hasattr(model, "cfg"):  # refused at start, not at the first step
+            teachers.check_student(model.cfg.vocab_size)
         self.objective = objective
         self._run_terms = None
         """The compiled ``objective.run_terms`` after ``compile_step``; None runs it eagerly."""

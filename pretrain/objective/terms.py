@@ -207,6 +207,14 @@ class Teachers:
         return mix_teacher_sims(sims, self.weights)
 
     @torch.no_grad()
+    def check_student(self, vocab: int) -> None:
+        """ValueError unless every teacher's vocabulary is the student's size (they read the student's token ids;
+        ``TrainModule`` checks when the run is built)."""
+        for path, model in zip(self.cfg.teachers or [None] * len(self.models), self.models):
+            if model.cfg.vocab_size != vocab:
+                raise ValueError(f"the rank_distill teacher {path or ''} has vocabulary size {model.cfg.vocab_size}, "
+                                 f"the student {vocab}; teachers must share the student's tokenizer")
+
     def embeddings(self, fwd: Forward) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each teacher's (t1_BE, t2_BE): pooled embeddings of the pair's two sides (one sentence twice in the
         sentence stage, where both are the same: teachers run without dropout; data.pairs' anchor and positive)."""
@@ -217,12 +225,9 @@ class Teachers:
             sides = ["sentence"]
         else:
             sides = ["view_a", "view_b"]
-        vocab = fwd.model.cfg.vocab_size
+        self.check_student(fwd.model.cfg.vocab_size)
         out = []
         for model in self.models:
-            if model.cfg.vocab_size != vocab:
-                raise ValueError(f"a rank_distill teacher has vocabulary size {model.cfg.vocab_size}, the student "
-                                 f"{vocab}; teachers must share the student's tokenizer")
             device = b[f"{sides[0]}_ids"].device
             if next(model.parameters()).device != device:
                 model.to(device)

@@ -136,6 +136,25 @@ def test_teacher_max_len_below_cls_and_sep_is_refused(max_len):
         Teachers(cfg, models=[R.tiny_model(7, dropout=0.0)])
 
 
+def test_a_teacher_with_another_vocabulary_is_refused_when_built():
+    """A RankCSE teacher of another tokenizer failed at the first step (after the data and DeepSpeed had started);
+    the module refuses it when the run is built, naming the teacher."""
+    import dataclasses
+
+    from pretrain.model import build_model
+
+    student, teacher = R.tiny_model(1, dropout=0.0), R.tiny_model(7, dropout=0.0)
+    other = build_model(dataclasses.replace(teacher.cfg, vocab_size=teacher.cfg.vocab_size + 8), seed=7)
+    cfg = ObjectiveConfig(mlm=None, nt_xent=None, info_nce=InfoNCEConfig(),
+                          rank_distill=RankDistillConfig(teachers=["t_same", "t_other"]))
+    with pytest.raises(ValueError, match=r"teacher t_other has vocabulary size \d+, the student"):
+        TrainModule(student, Objective(cfg, _ctx("sentences"), teachers=Teachers(cfg.rank_distill,
+                                                                                  models=[teacher, other])))
+    same = ObjectiveConfig(mlm=None, nt_xent=None, info_nce=InfoNCEConfig(),
+                           rank_distill=RankDistillConfig(teachers=["t_same"]))
+    TrainModule(student, Objective(same, _ctx("sentences"), teachers=Teachers(same.rank_distill, models=[teacher])))
+
+
 def test_the_sarcse_recipe_selects_its_best_weights_by_z(repo_root: Path, tmp_path, monkeypatch):
     """The recipe promises STS-B dev model selection by Z (SARCSE Sec. 2.2); its eval.pooling=cls_before_pooler made
     the keep-best evaluator embed by [CLS] instead."""
