@@ -367,7 +367,9 @@ def train_tokenizer(files: list[str], out_path: str, *, kind: str = "wordpiece",
 def main(argv: list[str] | None = None) -> int:
     """Console script ``pretrain-tokenizer``."""
     ap = argparse.ArgumentParser(prog="pretrain-tokenizer", description=__doc__.splitlines()[0])
-    ap.add_argument("inputs", nargs="+", help="text files or directories (.txt, .jsonl, WikiExtractor output)")
+    ap.add_argument("inputs", nargs="+", help="files or directories, as pretrain-preprocess reads them (.txt, .jsonl, "
+                                              "WikiExtractor output, books, .parquet, datasets save_to_disk "
+                                              "directories; text formats also as .gz/.zst/.bz2/.xz)")
     ap.add_argument("--out", required=True, help="output tokenizer.json path")
     ap.add_argument("--kind", choices=KINDS, default="wordpiece")
     ap.add_argument("--vocab-size", type=int, default=30522)
