@@ -169,6 +169,8 @@ def from_hf_state_dict(hf: dict, num_layers: int, arch: str = "bert") -> dict:
     """
     if arch == "modernbert":
         norm = {hf_modern.normalise_key(k): v for k, v in hf.items()}
+        if not any(k.startswith("decoder.") for k in norm):  # head.* of a *ForSequenceClassification (etc.): the
+            norm = {k: v for k, v in norm.items() if not k.startswith("head.")}  # classifier's, not an MLM head
         return {o: norm[hf_key] for o, hf_key in _expand(num_layers, arch) if hf_key in norm}
     if arch in hf_roberta.FAMILIES:
         norm = {hf_roberta.normalise_key(k, arch): v for k, v in hf.items()}
@@ -193,8 +195,9 @@ def hf_config_from_model_config(cfg: ModelConfig, tokenizer, architecture: str =
     gives a ModernBERT config.json, model.position_offset > 0 or model.norm=pre a RoBERTa or RobertaPreLayerNorm one
     (``architecture`` BertModel/BertForMaskedLM becomes its twin; see hf_family).
     """
+    names = dict(zip(SPECIAL_TOKENS, special_token_names(tokenizer))) if tokenizer is not None else SPECIAL_TOKENS
+    ids = {name: _token_id(tokenizer, names[name]) for name in ("pad", "cls", "sep")}  # BERT's or RoBERTa's names
     if cfg.arch == "modernbert":
-        ids = {name: _token_id(tokenizer, SPECIAL_TOKENS[name]) for name in ("pad", "cls", "sep")}
         extra = {name: getattr(cfg, name) for name in PRETRAIN_EXTRA
                  if name not in ("norm", "position_offset")}  # always pre-norm, rotary positions
         return hf_modern.hf_config(cfg, ids, architecture, extra)
@@ -218,8 +221,6 @@ def hf_config_from_model_config(cfg: ModelConfig, tokenizer, architecture: str =
         "dtype": "float32",
         "pretrain": {name: getattr(cfg, name) for name in PRETRAIN_EXTRA},
     }
-    names = dict(zip(SPECIAL_TOKENS, special_token_names(tokenizer))) if tokenizer is not None else SPECIAL_TOKENS
-    ids = {name: _token_id(tokenizer, names[name]) for name in ("pad", "cls", "sep")}
     if hf_family(cfg) != "bert":
         return hf_roberta.hf_config(cfg, d, ids, architecture)
     if ids["pad"] is not None:
@@ -237,6 +238,10 @@ def model_config_from_hf_config(d: dict) -> ModelConfig:
             f"config.json has model_type={model_type!r}; only BERT, RoBERTa, RoBERTa-PreLayerNorm and ModernBERT "
             f"checkpoints (model_type 'bert', 'roberta', 'roberta-prelayernorm' or 'modernbert') convert"
         )
+    for key in ("is_decoder", "add_cross_attention"):  # causal masks / cross-attention: not our encoder's arithmetic
+        if d.get(key):
+            name = {"bert": "BERT", "roberta": "RoBERTa"}.get(model_type, "RoBERTa-PreLayerNorm")
+            raise ValueError(f"config.json has {key}=true: a {name} decoder does not convert (encoders only)")
     if d.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type={d['position_embedding_type']!r} is not supported (absolute only)")
     act = d.get("hidden_act", "gelu")
@@ -381,7 +386,7 @@ def _exportable_tokenizer(cfg: ModelConfig, pooling: str, tokenizer_path: str, o
 
 
 def read_hf_weights(hf_dir: str | os.PathLike) -> dict:
-    """All tensors of a HF checkpoint directory (model.safetensors, a sharded index, or pytorch_model.bin)."""
+    """All tensors of a HF checkpoint directory (model.safetensors or a sharded index; a pickle only is refused)."""
     from safetensors.torch import load_file
 
     d = Path(hf_dir)
@@ -394,9 +399,39 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict:
         for f in files:
             out.update(load_file(str(inside(d, f, listed_in=index.name, links=False))))
         return out
-    if (d / "pytorch_model.bin").is_file():
-        return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {d}")
+    refuse_pickled_weights(d)
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {d}")
+
+
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def refuse_pickled_weights(d: Path) -> None:
+    """ValueError when ``d`` holds its weights as a pickle only (pytorch_model.bin): a directory handed to us is
+    read from safetensors and never unpickled (even torch.load(weights_only=True) runs pickle's machinery on it)."""
+    for name in PICKLED_WEIGHTS:
+        if (d / name).is_file():
+            raise ValueError(
+                f"{d} holds its weights as {name} (a pickle) and no model.safetensors; pretrain reads safetensors "
+                f"only and never unpickles a directory it is handed. Where you trust the file, re-save it: load it "
+                f"with transformers (or sentence-transformers) and save_pretrained (save) it again, which writes "
+                f"model.safetensors")
+
+
+DECODER_KEYS = {"bert": "cls.predictions.decoder.weight", "roberta": "lm_head.decoder.weight",
+                "roberta-prelayernorm": "lm_head.decoder.weight", "modernbert": "decoder.weight"}
+"""The MLM decoder matrix in each family's *ForMaskedLM names (saved only when not tied to the word embeddings)."""
+
+
+def untied_decoder(hf: dict, family: str) -> bool:
+    """Whether the HF state dict ``hf`` (the family's names) has an MLM decoder of its own, other than its word
+    embeddings (tie_word_embeddings=false): our MLM head always reads the word embeddings."""
+    decoder = hf.get(DECODER_KEYS[family])
+    word_key = next(h for o, h in _key_map(family) if o == "encoder.embeddings.word.weight")
+    word = hf.get(word_key, hf.get(word_key.removeprefix(base_prefix(family))))
+    if decoder is None or word is None:
+        return False
+    return decoder.shape != word.shape or not torch.equal(decoder.float(), word.float())
 
 
 def model_with_state(

@@ -107,9 +107,6 @@ def hf_config(cfg: ModelConfig, bert: dict, token_ids: dict, architecture: str) 
 def model_config_fields(d: dict, extra: dict) -> dict:
     """A RoBERTa-family config.json dict -> the ModelConfig fields that differ from BERT's reading of it
     (norm, position_offset, max_position); ValueError for settings our encoder does not compute."""
-    for key in ("is_decoder", "add_cross_attention"):
-        if d.get(key):
-            raise ValueError(f"config.json has {key}=true: a RoBERTa decoder does not convert (encoders only)")
     if d.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"config.json has hidden_act={d['hidden_act']!r}: our MLM head applies model.activation, "
                          f"RoBERTa's always the exact GELU, so only hidden_act=gelu converts")

@@ -4,6 +4,7 @@ beside tokenizer.json."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -56,7 +57,9 @@ def write_tokenizer_files(tok, out: Path, model_max_length: int, *, token_types:
 
 
 def write_clean_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike) -> str:
-    """Write the HF directory's tokenizer as a plain tokenizer.json (no padding/truncation) to out_path."""
+    """Write the HF directory's tokenizer as a plain tokenizer.json (no padding/truncation) to out_path; a
+    sentence-transformers model that lowercases its input (sentence_bert_config.json: do_lower_case) gets the
+    Lowercase normalizer sentence-transformers puts in front, so that it tokenizes as SentenceTransformer does."""
     d = Path(hf_dir)
     if (d / "tokenizer.json").is_file():
         tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -65,6 +68,20 @@ def write_clean_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike
 
         tok = AutoTokenizer.from_pretrained(str(d)).backend_tokenizer
     tok = clean_tokenizer(tok)
+    st_config = d / "sentence_bert_config.json"
+    if st_config.is_file() and json.loads(st_config.read_text(encoding="utf-8")).get("do_lower_case"):
+        _lowercase_first(tok)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_path))
     return str(out_path)
+
+
+def _lowercase_first(tok) -> None:
+    """Put Lowercase in front of ``tok``'s normalizer unless it has one, as sentence-transformers' Transformer
+    module does for do_lower_case=true (it lowercases the text before the tokenizer sees it)."""
+    from tokenizers.normalizers import Lowercase, Sequence
+
+    norm = tok.normalizer
+    parts = [] if norm is None else list(norm) if isinstance(norm, Sequence) else [norm]
+    if not any(isinstance(n, Lowercase) for n in parts):
+        tok.normalizer = Sequence([Lowercase(), *parts])

@@ -10,7 +10,7 @@ Recognised, in this order (the first match wins):
     init_dir               model.safetensors + config.yaml (``pretrain-convert from-hf``, ``<run_dir>/best/``)
     checkpoint             a run directory or its checkpoints/ (their newest complete tag; any ZeRO stage)
 
-HF and init directories are read from safetensors (a HF ``pytorch_model.bin`` with ``weights_only=True``);
+HF and init directories are read from safetensors (a HF directory with ``pytorch_model.bin`` only is refused);
 our checkpoints from their model.safetensors (``store.load_model_state``, after checking the files against the
 checkpoint's files.json: a damaged one is refused); an old checkpoint without it only with ``trust``. Used by
 ``checkpoint.init_from``, ``pretrain-convert``, RankCSE's teachers and evaluation, so that they all accept the
@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -59,9 +60,11 @@ from pretrain.export.hf import (
     model_config_from_hf_config,
     model_with_state,
     read_hf_weights,
+    untied_decoder,
 )
 from pretrain.export.hf_tokenizer import write_clean_tokenizer
 from pretrain.export.st_modules import SENTENCE_FIELDS, read_st_modules
+from pretrain.fsutil import inside
 from pretrain.model.autoencoder import HEADS_FILE
 from pretrain.prep.tokenizer import load_tokenizer
 
@@ -116,7 +119,9 @@ class Weights:
         return load_tokenizer(self.tokenizer_path)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "merges.txt", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "merges.txt", "special_tokens_map.json",
+                   "sentence_bert_config.json")
+"""The files that decide a HF directory's tokenization (sentence_bert_config.json: do_lower_case)."""
 
 
 def _cached_clean_tokenizer(hf_dir: Path) -> str:
@@ -232,12 +237,17 @@ def _open_hf(p: Path, kind: Kind) -> Weights:
     family = hf_family(cfg)
     hf_state = read_hf_weights(p)
     mlm = str(extra.get("mlm_head") or "")
-    if mlm and Path(mlm).name == mlm and (p / mlm / "model.safetensors").is_file():  # our export's MLM copy
+    if mlm and (inside(p, mlm, listed_in="config.json") / "model.safetensors").is_file():  # our export's MLM copy
         from safetensors import safe_open
 
         with safe_open(str(p / mlm / "model.safetensors"), framework="pt") as f:  # its head only
             head = {"modernbert": hf_modern.HEAD_PREFIXES, "bert": ("cls.",)}.get(family, hf_roberta.HEAD_PREFIXES)
             hf_state.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(head)})
+    if untied_decoder(hf_state, family):
+        warnings.warn(f"{p}: its MLM decoder is not tied to its word embeddings (tie_word_embeddings=false); "
+                      f"pretrain's MLM head always is, so its decoder weights are left out and its MLM logits "
+                      f"will differ from the source's (the encoder and sentence embeddings are unchanged)",
+                      stacklevel=3)
     state = from_hf_state_dict(hf_state, cfg.num_layers, family)
     if family in hf_roberta.FAMILIES:
         state = hf_roberta.drop_leading_rows(state, config, cfg)

@@ -116,9 +116,11 @@ def _module_weights(d: Path) -> dict:
 
     if (d / "model.safetensors").is_file():
         return load_file(str(d / "model.safetensors"))
-    if (d / "pytorch_model.bin").is_file():
-        return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{d} holds no model.safetensors or pytorch_model.bin")
+    if (d / "pytorch_model.bin").is_file():  # never unpickled (hf.refuse_pickled_weights says the same)
+        raise ValueError(f"{d} holds its weights as pytorch_model.bin (a pickle) and no model.safetensors; pretrain "
+                         f"reads safetensors only and never unpickles a directory it is handed. Where you trust the "
+                         f"file, load the model with sentence-transformers and save it again (model.safetensors)")
+    raise FileNotFoundError(f"{d} holds no model.safetensors")
 
 
 def _read_json(path: Path) -> dict:
