@@ -16,11 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.console import verbose
+from pretrain.export.hf_tokenizer import lowercase_first, st_lowercases
 from pretrain.export.st_modules import read_st_modules
 from pretrain.model.heads import SentenceDense
 from pretrain.prep.tokenizer import ROBERTA_SPECIAL_TOKENS
 
 POOLINGS = ("cls", "cls_before_pooler", "mean", "first_last_avg")
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+PICKLED_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+"""What a Hugging Face directory's weights may be in: safetensors (read), or a pickle (refused, even with
+weights_only=True: pickle's machinery would still run on a file from elsewhere)."""
 
 
 def masked_mean(h_BTD: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -46,7 +51,10 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         quiet_transformers()
-        self.tok = AutoTokenizer.from_pretrained(str(path))
+        # A directory handed to us runs no code of its own (an auto_map in tokenizer_config.json): refused, not asked.
+        self.tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        if st_lowercases(path):  # as SentenceTransformer tokenizes a do_lower_case model (the pretrain backend too)
+            lowercase_first(self.tok.backend_tokenizer)
         self.cls_id = self.tok.cls_token_id
         self.sep_id = self.tok.sep_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
@@ -71,7 +79,7 @@ class HFBackbone(nn.Module):
         from transformers import AutoModel
 
         quiet_transformers()
-        self.hf = AutoModel.from_pretrained(str(path))
+        self.hf = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=False)
         self.hidden_size = self.hf.config.hidden_size
         self.sentence_dense: nn.Module | None = None
         """sentence-transformers' Dense after pooling (besides BERT's pooler, which pooling 'cls' is)."""
@@ -82,8 +90,8 @@ class HFBackbone(nn.Module):
 
     def read_sentence_modules(self, d: Path) -> None:
         """A sentence-transformers directory's modules after the Transformer, for ``pool``: read as the pretrain
-        backend reads them (export.st_modules: module paths inside ``d``; Dense weights from model.safetensors, or
-        a pytorch_model.bin with weights_only=True as every HF weight file here), so that both backends embed alike;
+        backend reads them (export.st_modules: module paths inside ``d``; Dense weights from model.safetensors, a
+        pickle never read, as every HF weight file here), so that both backends embed alike;
         a module neither can apply is a ValueError naming it. (GLUE reads token states only: it does not call this.)"""
         modules = json.loads((d / "modules.json").read_text(encoding="utf-8"))
         if not isinstance(modules, list):
@@ -170,4 +178,10 @@ def load_hf_backbone(path: str | Path) -> tuple[HFBackbone, HFTokenizer]:
     p = Path(path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p} has no config.json; pass a Hugging Face model directory")
+    if not any((p / name).is_file() for name in SAFETENSORS_FILES):
+        pickled = [name for name in PICKLED_FILES if (p / name).is_file()]
+        raise ValueError(
+            f"{p} holds no model.safetensors{f' (its weights are {pickled[0]}, a pickle)' if pickled else ''}; "
+            f"pretrain reads a directory it is handed from safetensors only and never unpickles it. Where you "
+            f"trust the file, load the model with transformers and save_pretrained it again (model.safetensors)")
     return HFBackbone(p), HFTokenizer(p)

@@ -68,15 +68,21 @@ def write_clean_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike
 
         tok = AutoTokenizer.from_pretrained(str(d)).backend_tokenizer
     tok = clean_tokenizer(tok)
-    st_config = d / "sentence_bert_config.json"
-    if st_config.is_file() and json.loads(st_config.read_text(encoding="utf-8")).get("do_lower_case"):
-        _lowercase_first(tok)
+    if st_lowercases(d):
+        lowercase_first(tok)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_path))
     return str(out_path)
 
 
-def _lowercase_first(tok) -> None:
+def st_lowercases(d: str | os.PathLike) -> bool:
+    """Whether the sentence-transformers directory ``d`` asks for its input lowercased (sentence_bert_config.json:
+    do_lower_case), which SentenceTransformer does in front of the tokenizer."""
+    st_config = Path(d) / "sentence_bert_config.json"
+    return st_config.is_file() and bool(json.loads(st_config.read_text(encoding="utf-8")).get("do_lower_case"))
+
+
+def lowercase_first(tok) -> None:
     """Put Lowercase in front of ``tok``'s normalizer unless it has one, as sentence-transformers' Transformer
     module does for do_lower_case=true (it lowercases the text before the tokenizer sees it)."""
     from tokenizers.normalizers import Lowercase, Sequence

@@ -24,7 +24,7 @@ from conftest import train_roberta_tokenizer  # noqa: E402
 from test_hf_convert import SENTENCES, _local_tokenizer  # noqa: E402
 
 from pretrain.config.model import ModelConfig  # noqa: E402
-from pretrain.eval.encoder import SentenceEncoder  # noqa: E402
+from pretrain.eval.encoder import SentenceEncoder, load_sentence_encoder  # noqa: E402
 from pretrain.export import hf as hfmod  # noqa: E402
 from pretrain.export import resolve  # noqa: E402
 from pretrain.export.convert import main as convert_main  # noqa: E402
@@ -175,6 +175,8 @@ def test_a_sentence_transformers_model_that_lowercases_its_input(wordpiece, tmp_
     (out / "sentence_bert_config.json").write_text(json.dumps({**config, "do_lower_case": True}))
     want = theirs()
     assert (ours() - want).abs().max() < 1e-5
+    hf_backend = load_sentence_encoder(out, "mean", backend="transformers", max_len=32)  # the reference path too
+    assert (torch.from_numpy(hf_backend(texts)) - want).abs().max() < 1e-5
     assert convert_main(["from-hf", str(out), str(tmp_path / "init")]) == 0
     tok = Tokenizer.from_file(str(tmp_path / "init" / "tokenizer.json"))
     assert unk not in tok.encode(texts[0]).ids
