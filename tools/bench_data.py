@@ -28,7 +28,7 @@ training batch of the dataset blended 3:1 with itself through the sample order a
 the same row also times the pure-Python packer on the first 1e7 sentences for the per-sentence ratio.
 
     python tools/bench_data.py [--parts augment loader index preprocess] [--sentences 1e6 1e7 1e8]
-                               [--dir /tmp/pretrain-bench-data] [--json PATH]
+                               [--dir DIR] [--json PATH]
 
 Run it on a quiet machine (it prints the load average): every figure is a rate of CPU-bound work.
 """
@@ -336,7 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--rss-formats", nargs="+", default=["wiki"], choices=["wiki", "parquet", "gzip"],
                    help="inputs of the preprocess-rss part: the wiki files, one parquet file, one .txt.gz stream")
     p.add_argument("--sentences", nargs="+", type=float, default=[1e6, 1e7, 1e8])
-    p.add_argument("--dir", default="/tmp/pretrain-bench-data")
+    p.add_argument("--dir", default=str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pretrain"
+                                        / "bench-data"), help="work directory (yours: refused if another user's)")
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--json", default="", help="also write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the synthetic datasets")
@@ -357,8 +358,9 @@ def main(argv=None) -> int:
         return 0
     print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores; one fresh process per cell")
     results: dict = {}
-    work = Path(args.dir)
-    work.mkdir(parents=True, exist_ok=True)
+    import padding_share
+
+    work = padding_share.work_dir(args.dir)
     if "augment" in args.parts or "loader" in args.parts:
         results.update(bench_pipeline(args, work))
     if "handoff" in args.parts:
@@ -492,7 +494,7 @@ def bench_prepare(micro_batch: int, batches: int = 60, repeats: int = 5) -> dict
     torch.set_num_threads(1)
     heap = set_heap("trainer")
     tok_path = padding_share.bert_tokenizer()
-    ds = padding_share.prepare(Path("/tmp/pretrain-padding-share"), tok_path, 20, ("books",))["books"]
+    ds = padding_share.prepare(padding_share.DEFAULT_WORK, tok_path, 20, ("books",))["books"]
     tok = load_tokenizer(tok_path)
     cfg = DataConfig(tokenizer=tok_path, max_len=128, view_max_len=64, sources=[SourceConfig(name="c", path=ds)],
                      augment=AugmentConfig(methods="del-span+reorder"))

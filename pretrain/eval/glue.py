@@ -15,7 +15,6 @@ Legend: B batch, T tokens, D hidden size, C classes (1 for regression).
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pretrain.checkpoint.files import save_safetensors
 from pretrain.eval.encoder import add_specials, pad_batch, run_encode, tokenize_all
 from pretrain.eval.glue_data import (
     GlueSplit,
@@ -35,6 +35,9 @@ from pretrain.eval.glue_data import (
     read_split,
 )
 from pretrain.export.hf_modern import ACT_TO_HF
+
+BEST_WEIGHTS = "best_model.safetensors"
+"""``finetune``'s ``save_dir``: the best dev state of the backbone and its classifier head (``GlueModel``'s names)."""
 
 
 @dataclass(kw_only=True)
@@ -388,11 +391,12 @@ def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str 
                         f"dev score {m['score']:.2f} (loss {loss.item():.4f}, {m['elapsed_s']:.0f}s)")
                     if best is None or m["score"] > best["score"]:
                         best = m
-                        if save_dir is not None:
-                            best_state = copy.deepcopy({k: v.cpu() for k, v in model.state_dict().items()})
+                        if save_dir is not None:  # one copy per tensor: safetensors stores no shared ones
+                            best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if save_dir is not None and best_state is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(best_state, Path(save_dir) / "best_model.pt")
+        # Weights travel as safetensors, never a pickle: whoever opens them runs no code (the user's umask applies).
+        save_safetensors(best_state, Path(save_dir) / BEST_WEIGHTS)
     config = {**asdict(cfg), "dropout": model.dropout}  # the dropout the head used (cfg.dropout None: its own)
     return {"task": task.name, "config": config, "num_train": len(train_enc), "steps": step,
             "best": best, "history": history, "wall_s": time.time() - t0}

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list-runs", action="store_true",
                    help="print the grid: one line per run (its --run-index, task, lr, seed), then the count, and exit")
     p.add_argument("--count-runs", action="store_true", help="print only the number of runs (for sbatch --array)")
-    p.add_argument("--save-best", action="store_true", help="save the best dev head+backbone state")
+    p.add_argument("--save-best", action="store_true",
+                   help="save the best dev head+backbone state (best_model.safetensors beside the run's json)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--name", default="model", help="row label in the markdown table")
     p.add_argument("--verbose", action="store_true", help="let transformers' messages through to the console")

@@ -80,6 +80,9 @@ def weights_digest(path: Path, cache: dict | None = None) -> str:
         return cache[key][2]
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= st.st_size - 8:  # checked before it is read: a header size is never allocated unchecked
+            raise StudyError(f"{path} is not a safetensors file (its header claims {n} bytes, the file has "
+                             f"{st.st_size}): damaged; pretrain-train --check on its run names what is wrong")
         h = hashlib.sha256(json.dumps(json.loads(f.read(n)), sort_keys=True).encode())
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)

@@ -4,10 +4,11 @@ A study file (``configs/studies/*.yaml``) has these top-level keys::
 
     name: clear_small                  # the study's name (default: the file's stem)
     out: runs/studies/clear_small      # its directory (--out overrides; default runs/studies/NAME)
-    env: {OMP_NUM_THREADS: "2"}        # added to every step's environment (PRETRAIN_DATA_DIR is always set)
+    env: {OMP_NUM_THREADS: "2"}        # added to every step's environment (ENV_KEYS; PRETRAIN_DATA_DIR is always set)
     uses: {clear_small: configs/studies/clear_small.yaml}   # other studies whose results this one reads
     prep:                              # run once each, in order; done when OUTPUT (or OUTPUT/COMPLETE) exists
       - {name: tokenizer, output: prep/tokenizer.json, command: [pretrain-tokenizer, ..., --out, "{output}"]}
+                                       # a command is one of pretrain's own CLIs (TOOLS): a study file runs no other
     shared:
       overrides: [model=tiny, train.max_steps=600, ...]   # every arm gets these, after its base config
       equal: [train.max_steps, ...]    # resolved keys that must come out equal in every arm (checked first)
@@ -149,6 +150,10 @@ def _strings(value, where: str) -> list[str]:
 
 
 TOP_KEYS = {"name", "out", "env", "uses", "prep", "shared", "arms", "evaluations", "tables"}
+ENV_KEYS = re.compile(r"(OMP|MKL|OPENBLAS|NUMEXPR)_NUM_THREADS|TOKENIZERS_PARALLELISM|CUDA_VISIBLE_DEVICES|"
+                      r"PRETRAIN_VERBOSE")
+"""The variables a study file's ``env:`` may set: thread counts and the like. A study file comes from elsewhere as
+configs do; one that set PYTHONPATH, LD_PRELOAD or PATH would run code of its choosing in every step."""
 
 
 def load_study(path: str | os.PathLike) -> Study:
@@ -210,6 +215,15 @@ def _check(s: Study) -> None:
                 raise StudyError(f"{where}: prep step {x.name}: {key} {value!r} must be a path inside the study's "
                                  f"directory (relative, without '..'): the driver removes a stale output before "
                                  f"redoing it, so it refuses one that could name anything else")
+    for x in s.prep:  # a study file, like a config, is read, not run: its commands are pretrain's own CLIs
+        if not x.command or x.command[0] not in TOOLS:
+            raise StudyError(f"{where}: prep step {x.name}: command {x.command[:1]} is not one of pretrain's CLIs "
+                             f"({', '.join(TOOLS)}); a study runs only those. Run any other program yourself "
+                             f"before the study and give its output as a path")
+    bad_env = sorted(k for k in s.env if not ENV_KEYS.fullmatch(k))
+    if bad_env:
+        raise StudyError(f"{where}: env: {', '.join(bad_env)} may not be set by a study file (it sets thread counts "
+                         f"and the like: {ENV_KEYS.pattern.replace('|', ', ')}); set others in your own shell")
     for a in s.arms:
         if not a.seeds:
             raise StudyError(f"{where}: arm {a.name}: seeds is empty; list one or more, e.g. seeds: [1234]")
