@@ -66,7 +66,7 @@ def write_clean_tokenizer(hf_dir: str | os.PathLike, out_path: str | os.PathLike
     else:  # e.g. only vocab.txt: let transformers build the fast tokenizer
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(d)).backend_tokenizer
+        tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False).backend_tokenizer
     tok = clean_tokenizer(tok)
     if st_lowercases(d):
         lowercase_first(tok)

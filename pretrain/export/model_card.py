@@ -100,6 +100,8 @@ def _evaluations(run_dir: Path | None, out_dir: Path) -> list[str]:
             for f in sorted(run_dir.glob(depth + name)):
                 if out_dir.resolve() in f.resolve().parents or "checkpoints" in f.parts:
                     continue
+                if not f.resolve().is_relative_to(run_dir.resolve()):  # a link out of a handed run directory would
+                    continue  # copy any file the user can read into a card they publish
                 found += [f"### {title}", "", f"From `{f.relative_to(run_dir)}` in the run directory:", "",
                           f.read_text(encoding="utf-8").strip(), ""]
     return found

@@ -265,3 +265,40 @@ def test_a_bert_decoder_is_refused(cross, wordpiece, tmp_path, capsys):
         resolve.open_weights(d)
     assert convert_main(["from-hf", str(d), str(tmp_path / "init")]) == 2
     assert "a BERT decoder does not convert" in capsys.readouterr().err
+
+
+def test_a_handed_tokenizer_runs_no_code_even_when_the_user_says_yes(tmp_path):
+    """A directory with only vocab.txt goes through AutoTokenizer; one whose tokenizer_config.json names its own
+    code (auto_map) made transformers ask "run the custom code? [y/N]", and a "y" ran it. Now it is refused."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "tokrc"
+    d.mkdir()
+    marker = tmp_path / "ran"
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
+                               "from transformers import BertTokenizerFast as EvilTok\n")
+    (d / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["evil.EvilTok", None]},
+                                                         "tokenizer_class": "EvilTok"}))
+    (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]) + "\n")
+    code = ("import sys; from pretrain.export.hf_tokenizer import write_clean_tokenizer; "
+            f"write_clean_tokenizer({str(d)!r}, {str(tmp_path / 'out.json')!r})")
+    proc = subprocess.run([sys.executable, "-c", code], input="y\ny\n", capture_output=True, text=True,
+                          env={**os.environ, "HF_HOME": str(tmp_path / "hf")}, timeout=120)
+    assert proc.returncode != 0 and not marker.exists() and not (tmp_path / "out.json").exists(), proc.stderr[-2000:]
+
+
+def test_the_model_card_copies_no_file_from_outside_the_run_directory(tmp_path):
+    """The card quotes the run's eval reports; a report that is a symlink out of a handed run directory put the
+    linked file (anything the user can read) into the README.md they publish."""
+    from pretrain.export.model_card import _evaluations
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET-KEY-abc123")
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "eval.md").symlink_to(secret)
+    (run / "eval2").mkdir()
+    (run / "eval2" / "eval.md").write_text("| STS-B | 80.1 |")
+    text = "\n".join(_evaluations(run, tmp_path / "hf"))
+    assert "SECRET-KEY" not in text and "80.1" in text
