@@ -74,12 +74,16 @@ def load_token_freq(path: str | Path, *, vocab_size: int | None = None) -> torch
             f"token frequency file {path} not found; run pretrain-preprocess on the training data "
             f"(it writes {TOKEN_FREQ_FILE}) or set objective.reconstruction.token_freq"
         )
-    freq_V = np.load(path, allow_pickle=False)
+    try:  # mapped: the header's shape is checked against the file's size before anything is allocated
+        freq_V = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a whole .npy array ({e}); recompute it with pretrain-preprocess") from None
     if freq_V.ndim != 1 or not np.issubdtype(freq_V.dtype, np.floating):
         raise ValueError(f"{path}: expected a 1-D float array, got {freq_V.dtype} {freq_V.shape}")
+    freq_V = np.array(freq_V, dtype=np.float64)
     if (freq_V < 0).any() or not np.isfinite(freq_V).all() or abs(float(freq_V.sum()) - 1.0) > 1e-6:
         raise ValueError(f"{path}: frequencies must be finite, >= 0 and sum to 1 (sum={float(freq_V.sum())})")
     if vocab_size is not None and freq_V.shape[0] != vocab_size:
         raise ValueError(f"{path}: {freq_V.shape[0]} entries but the vocabulary has {vocab_size}; "
                          "recompute it with the tokenizer used for training")
-    return torch.from_numpy(freq_V.astype(np.float64))
+    return torch.from_numpy(freq_V)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -170,3 +171,19 @@ def test_tool_work_directories_are_the_users_own(tmp_path):
         with pytest.raises(SystemExit, match="another user owns it"):
             padding_share.work_dir(shared)
     assert padding_share.work_dir(tmp_path / "mine") == tmp_path / "mine"
+
+
+def test_a_token_freq_header_claiming_terabytes_is_named_not_allocated(tmp_path):
+    """SARCSE's token_freq.npy (objective.reconstruction.token_freq, a file handed over): a header claiming 2^40
+    entries made np.load try to allocate 8 TiB (a bare MemoryError); the mapped load checks it against the file."""
+    from pretrain.training.resources import load_token_freq
+
+    good = tmp_path / "good.npy"
+    np.save(good, np.full(8, 1 / 8))
+    raw = good.read_bytes()
+    bad = tmp_path / "token_freq.npy"
+    shape = f"({2**40},)".encode()  # the header keeps its length: as many padding spaces fewer
+    bad.write_bytes(raw.replace(b"(8,)", shape).replace(b" " * (len(shape) - 4) + b"\n", b"\n", 1))
+    with pytest.raises(ValueError, match="token_freq.npy: not a whole .npy array"):
+        load_token_freq(bad)
+    assert load_token_freq(good).sum().item() == pytest.approx(1.0)
