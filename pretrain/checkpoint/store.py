@@ -51,6 +51,13 @@ SAMPLE_BLOCKS = 8
 """The sampled checksum of a file: sha256 of its size and of SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes evenly
 spread from its first to its last byte (the whole file when smaller): at most 8 MiB read per file."""
 LATEST_FILE = "latest"
+FILES_RECORDED = "files_recorded"
+"""A trainer_state.json key (written since 2026-12-07): the checkpoint's files are recorded in files.json, so one
+that says so and has no files.json lost it (a partial copy) and is damaged, not a checkpoint from before
+files.json existed, which is checked for its state file only."""
+_UNRECORDED_WEIGHTS = (".pt", ".safetensors")
+"""Suffixes of the files DeepSpeed's loaders and converters find by listing a tag (``zero_pp_rank_*``,
+``*_model_states.pt``) and of our weights: one files.json does not record is a stale file from another save."""
 FLAT_LAYOUT_FILE = "flat_layout.json"
 """In a checkpoint whose encoder layers' parameters are flat (train.flat_params, model/flat.py): which tensors
 each of DeepSpeed's flat tensors holds, so that its files read back into per-tensor names."""
@@ -165,21 +172,34 @@ def record_files(tmp_dir: Path, digests: dict) -> None:
                                                           "sample_blocks": SAMPLE_BLOCKS}, indent=1))
 
 
-def verify_checkpoint(tag_dir: Path, *, full: bool = False) -> list[str]:
+def verify_checkpoint(tag_dir: Path, *, full: bool = False, whole: tuple[str, ...] = ()) -> list[str]:
     """What is wrong with a checkpoint ([] = good): its state file, then every file files.json records — size
-    always, then the sampled sha256 (``full=False``: at most 8 MiB read per file) or the whole sha256.
-    A checkpoint written before files.json existed is checked for its state file only."""
+    always, then the sampled sha256 (``full=False``: at most 8 MiB read per file) or the whole sha256 (always for
+    the names in ``whole``: what a weight reader is about to read anyway) — and no weight or rank file it does not
+    record. A checkpoint written before files.json existed is checked for its state file only."""
     try:
-        read_trainer_state(tag_dir)
+        state = read_trainer_state(tag_dir)
     except CheckpointError as e:
         return [str(e)]
     try:
         recorded = json.loads((tag_dir / FILES_FILE).read_text(encoding="utf-8"))["files"]
     except FileNotFoundError:
+        if state.get(FILES_RECORDED):
+            return [f"{FILES_FILE} is missing (its {STATE_FILE} says the checkpoint's files are recorded there: a "
+                    f"partial copy?)"]
         return []
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [f"{FILES_FILE} is unreadable ({type(e).__name__})"]
-    return check_files(tag_dir, recorded, full=full, manifest=FILES_FILE)
+    problems = check_files(tag_dir, recorded, full=full, manifest=FILES_FILE)
+    if not problems and not full:
+        problems = check_files(tag_dir, {n: recorded[n] for n in whole if "sha256" in recorded.get(n, {})},
+                               full=True, manifest=FILES_FILE)
+    stray = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*")
+                   if p.suffix in _UNRECORDED_WEIGHTS and not p.name.startswith(".") and p.is_file())
+    problems += [f"{name} is not one of the files the checkpoint was written with (a stale file from another save or "
+                 f"rank count?): move it out of {tag_dir} to use this checkpoint"
+                 for name in stray if name not in recorded]
+    return problems
 
 
 def check_files(directory: Path, recorded: dict, *, full: bool, manifest: str) -> list[str]:
@@ -256,6 +276,8 @@ def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
     if env.is_main:
         old = read_trainer_state(tag_dir)
         state = dict(trainer_state, format_version=FORMAT_VERSION, step=old["step"], tag=tag_dir.name)
+        if FILES_RECORDED in old:
+            state[FILES_RECORDED] = old[FILES_RECORDED]
         atomic_write_text(tag_dir / STATE_FILE, json.dumps(state, indent=2))
     _barrier(env)
 
@@ -375,7 +397,9 @@ def load_model_state(path: str | os.PathLike, *, trust: bool = False) -> tuple[d
 
 
     tag_dir = resolve_tag_dir(path)
-    problems = verify_checkpoint(tag_dir)
+    # The weights wholly (the sampled sha256 reads 8 MiB of a file: a flipped byte between its blocks would go
+    # into the export unseen); the reader reads the file next anyway.
+    problems = verify_checkpoint(tag_dir, whole=(WEIGHTS_FILE, HEADS_FILE))
     if problems:
         raise CheckpointError(f"checkpoint {tag_dir} is damaged: {'; '.join(problems)}. Use an older checkpoint "
                               f"of the run (pretrain-train --check {tag_dir.parent.parent} lists them).")

@@ -187,6 +187,7 @@ def run_main(job: SaveJob, *, on_published=None) -> Path:
         job.check()
         store.record_files(job.tmp_dir, digests)
         state = dict(job.trainer_state, format_version=store.FORMAT_VERSION, step=job.step, tag=job.tag)
+        state[store.FILES_RECORDED] = True  # a copy of the tag that lost files.json is then told from an old tag
         atomic_write_text(job.tmp_dir / store.STATE_FILE, json.dumps(state, indent=2))
         job.check()
         store.publish(job.ckpt_dir, job.tmp_dir, job.tag, job.keep_last, job.keep_every)

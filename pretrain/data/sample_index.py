@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.data.shards import INDEX_CACHE_DIR
+from pretrain.data.shards import INDEX_CACHE_DIR, CorruptShardError
 from pretrain.distributed.env import unique_suffix
 
 PACKINGS = ("document", "full")
@@ -141,15 +141,32 @@ class SampleIndex(_MappedByPath):
         return len(self.starts) - 1
 
     def ranges(self, index_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(first_B, end_B) int64: the sentence range of each sample in ``index_B`` (end exclusive)."""
+        """(first_B, end_B) int64: the sentence range of each sample in ``index_B`` (end exclusive). A cache
+        damaged inside (opening checks its ends only) is caught here, before a batch reads it."""
         index_B = np.asarray(index_B, dtype=np.int64)
         first_B, next_B = np.asarray(self.starts[index_B]), np.asarray(self.starts[index_B + 1])
+        bad_B = (first_B < 0) | (next_B <= first_B) | (next_B > self.bounds[-1])
+        if bad_B.any():
+            self._damaged(int(index_B[bad_B][0]))
         shard_B = np.searchsorted(self.bounds, first_B, side="right") - 1
         return first_B, np.minimum(next_B, self.bounds[np.minimum(shard_B + 1, len(self.bounds) - 1)])
 
     def range(self, index: int) -> tuple[int, int]:
         first, end = self.ranges(np.array([index]))
         return int(first[0]), int(end[0])
+
+    def _damaged(self, k: int) -> None:
+        """DamagedIndexError naming sample ``k``, whose starts do not make a range of the source's sentences."""
+        what = f"the sample index cache {self.path}" if self.path is not None else "the sample index"
+        raise DamagedIndexError(
+            f"{what} is damaged: sample {k} covers sentences {int(self.starts[k])} to {int(self.starts[k + 1])}, "
+            f"not a range within the source's {int(self.bounds[-1])} sentences (a flipped bit, a bad copy). Delete "
+            f"{self.path or 'it'} and relaunch: it is rebuilt from the dataset.")
+
+
+class DamagedIndexError(CorruptShardError):
+    """A sample index cache that does not fit its dataset, found when a batch reads it (re-raised from a DataLoader
+    worker with its own message only, as CorruptShardError)."""
 
 
 def index_cache_path(source, budget: int, packing: str = "document") -> Path | None:

@@ -115,6 +115,10 @@ class ShardedDataset:
                                       check=known is None or known.get(s["name"]) != stamp.get(s["name"]))
                        for s in self.manifest["shards"]]
         if stamp_path is not None and known != stamp:
+            # What was checked may still be only in the page cache (a copy just made): on the disk first, so that a
+            # crash cannot leave a stamp vouching for files whose ends read back as zeros at the same size and mtime.
+            checked = [name for name in stamp if known is None or known.get(name) != stamp[name]]
+            _fsync_quietly(os.path.join(self.directory, name + ext) for name in checked for ext in (".idx", ".bin"))
             _write_json_quietly(stamp_path, stamp)
         for shard, entry in zip(self.shards, self.manifest["shards"]):
             if len(shard) != entry["num_sequences"] or shard.num_tokens != entry["num_tokens"]:
@@ -236,6 +240,21 @@ def _read_json(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _fsync_quietly(paths) -> None:
+    """Flush each file's dirty pages to the disk (a read-only descriptor does on Linux); where it cannot, nothing."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _write_json_quietly(path: Path, data: dict) -> None:

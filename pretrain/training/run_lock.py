@@ -164,14 +164,21 @@ class RunLock:
 
 
 def lock_run_dir(run_dir: Path, env) -> RunLock | None:
-    """Rank 0 takes ``run_dir/run.lock``; every rank stops (RunDirLocked) when it cannot be had."""
+    """Rank 0 takes ``run_dir/run.lock`` and makes sure it can write the run's checkpoints; every rank stops
+    (RunDirLocked) when it cannot: at the start, not at the first save after hours of training."""
     lock, error = None, ""
     if env.is_main:
         lock = RunLock(run_dir)
         try:
             warning = lock.acquire()
+            _probe_writable(Path(run_dir) / "checkpoints")
         except RunDirLocked as e:
             lock, error = None, str(e)
+        except OSError as e:  # a read-only mount, permissions, a file where a directory belongs
+            lock.release()
+            lock, error = None, (f"cannot write in {e.filename or run_dir} ({e.strerror or type(e).__name__}): the "
+                                 f"trainer writes its lock, metrics and checkpoints in run_dir {run_dir}. Make it "
+                                 f"writable, or set another run_dir")
         else:
             if warning:
                 print_progress(warning)
@@ -181,3 +188,16 @@ def lock_run_dir(run_dir: Path, env) -> RunLock | None:
     if failed:
         raise RunDirLocked(error or f"rank 0 could not lock the run directory {run_dir} (see its message)")
     return lock
+
+
+def _probe_writable(directory: Path) -> None:
+    """OSError unless a file can be created in ``directory``, when it exists (else the lock was just written beside
+    it); the probe file is removed."""
+    if not directory.exists():
+        return
+    probe = directory / f".write-probe-{secrets.token_hex(4)}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(directory)) from None
+    probe.unlink()
