@@ -319,6 +319,10 @@ class CheckpointConfig:
     trust: bool = False
     """Allow reading init_from / RankCSE teachers from an old checkpoint of ours without model.safetensors by
     unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)."""
+    allow_other_data: bool = False
+    """Resume a checkpoint on a training set other than the one it was trained on (another dataset at the same path,
+    a re-preprocessed corpus, other data.sources weights): refused by default, since the run would go on at the
+    checkpoint's sample position in the new set's order. true: go on so, with a warning."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:

@@ -65,6 +65,13 @@ class PretrainDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
+    @property
+    def data_identity(self) -> str | None:
+        """What this training set is, for a resume to compare (``data_identity``): its dataset's manifest and its
+        number of samples; None for a source without a manifest."""
+        digest = getattr(self.source, "manifest_digest", None)
+        return None if digest is None else f"shards {digest}, {len(self)} samples"
+
     def text(self, index: int) -> np.ndarray:
         """Token ids (no specials) of sample ``index``, at most max_len - 2 of them, sentence by sentence (a
         source without ``token_batch``)."""
@@ -247,6 +254,14 @@ class BlendedDataset(torch.utils.data.Dataset):
     def sample_stream(self) -> str:
         return self.datasets[0].sample_stream
 
+    @property
+    def data_identity(self) -> str | None:
+        """Every source's identity with its weight (``data_identity``); None when one has none."""
+        parts = [getattr(d, "data_identity", None) for d in self.datasets]
+        if any(p is None for p in parts):
+            return None
+        return "blend of " + "; ".join(f"{p} x{w:g}" for p, w in zip(parts, self.weights))
+
     def __getitems__(self, keys) -> SampleBatch:
         epoch_B, index_B = np.array([parse_key(k) for k in keys], dtype=np.int64).reshape(-1, 2).T
         source_B, slot_B = self.slots(index_B)
@@ -277,3 +292,13 @@ def build_dataset(cfg: DataConfig, tokenizer, *, seed: int, split: str = "train"
     if len(datasets) == 1:
         return datasets[0]
     return BlendedDataset(datasets, [s.weight for s in sources], seed=seed)
+
+
+def data_identity(dataset) -> str | None:
+    """A short digest of what a training set is (its datasets' manifests, their weights, its number of samples; a
+    text file's bytes), recorded in every checkpoint: a resume on another training set at the same path would go
+    on at the checkpoint's sample position in another order without a word. None where it cannot be told."""
+    import hashlib
+
+    described = getattr(dataset, "data_identity", None)
+    return None if described is None else hashlib.sha256(described.encode()).hexdigest()[:20]

@@ -63,6 +63,7 @@ class SentenceDataset(torch.utils.data.Dataset):
         self.vocab_size = tokenizer.vocab_size
         self.lines: list[str] | None = None
         self.source = None
+        self._file_digest: str | None = None
         self._open(str(path), tokenizer)
         if len(self.index_N) == 0:
             raise ValueError(f"data.sentences={path} holds no non-empty sentences")
@@ -85,6 +86,24 @@ class SentenceDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.index_N)
+
+    @property
+    def data_identity(self) -> str | None:
+        """What this training set is (``datasets.data_identity``): a preprocessed directory's manifest, or the text
+        (or pairs) file's bytes (hashed once, on first use), and its number of sentences; None for other inputs."""
+        if self.source is not None:
+            return f"sentences of shards {self.source.manifest_digest}, {len(self)}"
+        if not Path(self.path).is_file():
+            return None
+        if self._file_digest is None:
+            import hashlib
+
+            h = hashlib.sha256()
+            with open(self.path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            self._file_digest = h.hexdigest()[:20]
+        return f"sentences of file {self._file_digest}, {len(self)}"
 
     def tokens(self, index: int) -> np.ndarray:
         """Token ids (int64, no specials, not truncated) of sentence ``index``."""

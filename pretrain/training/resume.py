@@ -37,7 +37,8 @@ class ResumePlan:
     """Lines for rank 0 to print."""
 
 
-def plan_resume(cfg: RunConfig, env, *, tokenizer_sha256: str, sample_stream: str | None) -> ResumePlan:
+def plan_resume(cfg: RunConfig, env, *, tokenizer_sha256: str, sample_stream: str | None,
+                data_identity: str | None = None) -> ResumePlan:
     """What this launch does about the run directory's checkpoints (checkpoint.resume=auto: the newest that
     verifies). ValueError when the checkpoint does not fit this run, naming what differs and what to do.
     Collective: rank 0 verifies the checkpoints, every rank takes its choice."""
@@ -48,7 +49,7 @@ def plan_resume(cfg: RunConfig, env, *, tokenizer_sha256: str, sample_stream: st
     saved = saved_config(tag_dir)
     old = TrainState.from_state_dict(store.read_trainer_state(tag_dir), saved=saved, world_size=env.world_size)
     refuse_incompatible(old, tag_dir, saved, cfg, env.world_size, tokenizer_sha256=tokenizer_sha256,
-                        sample_stream=sample_stream)
+                        sample_stream=sample_stream, data_identity=data_identity)
     micro, accum, note = resume_batch_split(
         tag_dir=tag_dir, global_batch=old.global_batch, saved=(old.world_size, old.micro_batch_size, old.grad_accum),
         requested=old.requested_batch, config=(cfg.train.micro_batch_size, cfg.train.grad_accum),
@@ -56,6 +57,11 @@ def plan_resume(cfg: RunConfig, env, *, tokenizer_sha256: str, sample_stream: st
     state = old.continued(world_size=env.world_size, micro_batch_size=micro, grad_accum=accum, rank=env.rank)
     ranks = f" (written by {n_ranks(old.world_size)})" if old.world_size != env.world_size else ""
     notes = [note, f"resumed from {tag_dir} at step {old.step}{ranks}"]
+    if data_identity is not None and old.data_identity not in (None, data_identity):  # checkpoint.allow_other_data
+        notes.append(f"warning: {tag_dir} was trained on another training set (checkpoint.allow_other_data=true): "
+                     f"the run goes on at sample {old.consumed_samples:,} of this one's order")
+    if data_identity is not None:
+        state = dataclasses.replace(state, data_identity=data_identity)
     if old.sample_order != ORDER_RULE:
         notes.append(f"the checkpoint orders its samples by {old.sample_order!r}: this run continues that order "
                      f"(new runs use {ORDER_RULE!r})")
@@ -88,10 +94,10 @@ def resumable_tag(run_dir, env) -> str | None:
 
 
 def refuse_incompatible(old: TrainState, tag_dir: Path, saved: dict, cfg: RunConfig, world_size: int, *,
-                        tokenizer_sha256: str, sample_stream: str | None) -> None:
+                        tokenizer_sha256: str, sample_stream: str | None, data_identity: str | None = None) -> None:
     """ValueError when the checkpoint cannot continue as this run: the rank count and the ZeRO stage both
     changed, another model or tokenizer, another precision, another seed, a sample order or stream this version
-    lacks."""
+    lacks, another training set (unless checkpoint.allow_other_data)."""
     old_stage = (saved.get("distributed") or {}).get("zero_stage", cfg.distributed.zero_stage)
     if old.world_size != world_size and old_stage != cfg.distributed.zero_stage:
         raise ValueError(
@@ -123,6 +129,14 @@ def refuse_incompatible(old: TrainState, tag_dir: Path, saved: dict, cfg: RunCon
         raise ValueError(
             f"checkpoint {tag_dir} orders its samples by {old.sample_order!r}, which this pretrain version does not "
             f"know (it knows {', '.join(ORDER_RULES)}): finish the run with the pretrain version that wrote it.")
+    if (data_identity is not None and old.data_identity not in (None, data_identity)
+            and not cfg.checkpoint.allow_other_data):
+        raise ValueError(
+            f"checkpoint {tag_dir} was trained on another training set than this run's data (the datasets' "
+            f"manifests, weights or sample counts differ: {old.data_identity} there, {data_identity} here; another "
+            f"dataset at the same path?). Resuming would go on at its sample {old.consumed_samples:,} in another "
+            f"order. Point data.* at the data it was trained on; to continue on this data anyway, set "
+            f"checkpoint.allow_other_data=true, or start a new run_dir with checkpoint.init_from={tag_dir}.")
     if sample_stream is not None and old.sample_stream != sample_stream:
         raise ValueError(
             f"checkpoint {tag_dir} was trained on the sample stream {old.sample_stream!r} (how each "

@@ -34,6 +34,9 @@ class TrainState:
     """How each sample's masking and views are drawn (the dataset's ``sample_stream``); None for the sentence stage."""
     sample_order: str
     """How the samples are ordered (data/loader.py: ORDER_RULES)."""
+    data_identity: str | None = None
+    """What the run trains on (``data.datasets.data_identity``: its datasets' manifests, weights and sample count);
+    None where it cannot be told, and in checkpoints from before 2026-12-07."""
     rollbacks: list[dict] = dataclasses.field(default_factory=list)
     """Every rollback that led to this state (training/spikes.py): {step (the checkpoint's, where the run went on),
     trigger_step, reason, detail, skipped_samples [from, to) (global positions: ``consumed_samples`` jumped over
@@ -79,7 +82,8 @@ class TrainState:
                    world_size=world, micro_batch_size=micro, grad_accum=accum,
                    requested_batch=tuple(state.get("requested_batch", (micro, accum))),
                    seed=state.get("seed", saved.get("seed")), sample_stream=state.get("sample_stream"),
-                   sample_order=state["sample_order"], rollbacks=list(state.get("rollbacks", [])),
+                   sample_order=state["sample_order"], data_identity=state.get("data_identity"),
+                   rollbacks=list(state.get("rollbacks", [])),
                    spike_watch=dict(state.get("spike_watch", {})), log_window=dict(state.get("log_window", {})))
 
     def continued(self, *, world_size: int, micro_batch_size: int, grad_accum: int, rank: int = 0) -> TrainState:

@@ -17,6 +17,7 @@ from pretrain.checkpoint import store
 from pretrain.checkpoint import universal as universal_copy
 from pretrain.checkpoint.writer import CheckpointWriter, snapshot_job
 from pretrain.config import RunConfig, to_yaml
+from pretrain.data.datasets import data_identity
 from pretrain.data.loader import ORDER_RULE, build_loader
 from pretrain.distributed.comm import all_reduce_host
 from pretrain.distributed.engine import Engine
@@ -91,7 +92,9 @@ class Trainer:
         stream = getattr(self.train_set, "sample_stream", None)
         # Before DeepSpeed starts: on another number of ranks the plan decides the batch split (the global batch
         # stays) and whether the engine loads a universal checkpoint.
-        plan = plan_resume(parts.cfg, env, tokenizer_sha256=self.tokenizer.sha256, sample_stream=stream)
+        identity = data_identity(self.train_set)
+        plan = plan_resume(parts.cfg, env, tokenizer_sha256=self.tokenizer.sha256, sample_stream=stream,
+                           data_identity=identity)
         self.cfg = cfg = dataclasses.replace(parts.cfg, train=plan.train)
         self._universal_tag = plan.tag_dir if plan.universal else None
         apply_param_layout(self.module, cfg.train, cfg.distributed)  # the checkpoint's layout on resume (plan)
@@ -108,7 +111,7 @@ class Trainer:
             self.state = TrainState(world_size=env.world_size, micro_batch_size=cfg.train.micro_batch_size,
                                     grad_accum=cfg.train.grad_accum, seed=cfg.seed, sample_stream=stream,
                                     requested_batch=(cfg.train.micro_batch_size, cfg.train.grad_accum),
-                                    sample_order=ORDER_RULE)
+                                    sample_order=ORDER_RULE, data_identity=identity)
         else:
             engine_dir = universal_copy.prepare(env, plan.tag_dir, say=print_progress) if plan.universal else None
             store.load_checkpoint(self.engine, env, plan.tag_dir, engine_dir=engine_dir)

@@ -240,3 +240,46 @@ def test_a_run_dir_the_trainer_cannot_write_is_refused_at_the_start_in_one_line(
     assert f"run_dir {run_dir}. Make it writable, or set another run_dir" in said
     assert not (run_dir / LOCK_NAME).exists()  # the lock taken before the checkpoints' probe was given back
     assert lock_run_dir(tmp_path / "other", detect_env()).release() is None  # a writable one is taken as before
+
+
+def test_a_checkpoint_resumed_on_another_training_set_is_refused_unless_allowed(tiny_corpus, tiny_overrides,
+                                                                                 tmp_path, capsys):
+    """Another dataset put at the path a run trains on (same tokenizer) was resumed without a word: the run went on
+    at the checkpoint's sample position in the new set's order. Checkpoints record what they were trained on
+    (data_identity); a resume on another set is refused in one line, or goes on with a warning when
+    checkpoint.allow_other_data=true."""
+    from pretrain.train import main
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_corpus["train"], data)
+    run_dir = tmp_path / "run"
+
+    def train(steps: int, *extra: str) -> int:
+        saved = dict(os.environ)
+        for k in _LAUNCH_VARS:
+            os.environ.pop(k, None)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        try:
+            return main(tiny_overrides(run_dir, data__valid="[]", data__sources=f"[{{name: docs, path: {data}}}]",
+                                       train__max_steps=steps, checkpoint__every=2) + list(extra))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    assert train(2) == 0
+    state = store.read_trainer_state(store.checkpoints_dir(run_dir) / "step_00000002")
+    assert isinstance(state.get("data_identity"), str)
+    assert train(4) == 0  # the same data: resumes
+    shutil.rmtree(data)
+    shutil.copytree(tiny_corpus["valid"], data)  # another dataset at the same path
+    capsys.readouterr()
+    assert train(6) == 2
+    err = capsys.readouterr().err
+    assert "was trained on another training set" in err and "checkpoint.allow_other_data=true" in err
+    assert store.list_complete(store.checkpoints_dir(run_dir))[-1] == "step_00000004"
+    assert train(6, "checkpoint.allow_other_data=true") == 0
+    out = capsys.readouterr()
+    assert "was trained on another training set (checkpoint.allow_other_data=true)" in out.out + out.err
+    assert store.list_complete(store.checkpoints_dir(run_dir))[-1] == "step_00000006"
+    now = store.read_trainer_state(store.checkpoints_dir(run_dir) / "step_00000006")["data_identity"]
+    assert now != state["data_identity"]  # the run trains on the new set from here: its resumes compare with it
