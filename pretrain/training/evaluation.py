@@ -19,6 +19,7 @@ from pretrain.eval import find_data_dir
 from pretrain.eval.encoder import SentenceEncoder
 from pretrain.export.hf import write_init_dir
 from pretrain.fsutil import recover_dir
+from pretrain.metrics.writer import print_progress
 from pretrain.model.autoencoder import AUTOENCODER_Z, ZEmbedding
 
 
@@ -53,9 +54,7 @@ class StsbKeepBest:
         self.best = float("-inf")
         if is_main:  # a swap of best/ cut by a kill: its old copy back in place, leftovers removed
             recover_dir(run_dir / "best")
-        best_json = run_dir / "best" / "best.json"
-        if best_json.is_file():  # resumed run: keep comparing against the stored best
-            self.best = json.loads(best_json.read_text())["stsb_dev_spearman"]
+        self.best = stored_best(run_dir / "best" / "best.json", self.pooling, say=print_progress if is_main else None)
 
     @torch.no_grad()
     def __call__(self, model, *, step: int, config_yaml: str, is_main: bool, heads=None) -> dict:
@@ -77,3 +76,24 @@ class StsbKeepBest:
         head_state = {f"heads.{k}": v for k, v in heads.state_dict().items()} if heads is not None else None
         write_init_dir(model, self.tokenizer_path, str(self.run_dir / "best"), overwrite=True,
                        extra_files={"run_config.yaml": config_yaml, "best.json": best_json}, heads=head_state)
+
+
+def stored_best(best_json: Path, pooling: str, *, say=None) -> float:
+    """The STS-B dev score a resumed run keeps comparing against: best/best.json's, when it is readable and was
+    selected by the same pooling; else -inf (the next evaluation writes best/ anew), saying why. A damaged best.json
+    stopped the resume with a traceback; one of another pooling (a recipe that now selects by SARCSE's Z, not
+    [CLS]) would have compared scores of two embeddings."""
+    say = say or (lambda _: None)
+    if not best_json.is_file():
+        return float("-inf")
+    try:
+        saved = json.loads(best_json.read_text(encoding="utf-8"))
+        score = float(saved["stsb_dev_spearman"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        say(f"warning: {best_json} is unreadable ({type(e).__name__}); the next STS-B evaluation replaces best/")
+        return float("-inf")
+    if saved.get("pooling", pooling) != pooling:
+        say(f"warning: {best_json.parent} was selected by pooling {saved['pooling']} (STS-B dev {score:.4f}); this "
+            f"run selects by {pooling}: the next evaluation replaces it")
+        return float("-inf")
+    return score

@@ -88,8 +88,9 @@ def requeue_allowed(run_dir: str | os.PathLike, *, max_stalled: int, environ=os.
         if isinstance(rec, dict) and rec.get("job") == me["job"]:
             history.append(rec)
     history.append({**me, "step": step, "time": time.time()})
+    torn = bool(lines) and not path.read_bytes().endswith(b"\n")  # a line cut by a kill: start a new one
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(history[-1]) + "\n")
+        f.write(("\n" if torn else "") + json.dumps(history[-1]) + "\n")
     # N requeues that moved nothing: N + 1 records of one step (the one before them is where it stood)
     last = history[-(max_stalled + 1):]
     if max_stalled > 0 and len(last) == max_stalled + 1 and len({r.get("step") for r in last}) == 1:

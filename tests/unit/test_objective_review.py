@@ -172,6 +172,37 @@ def test_the_sarcse_recipe_selects_its_best_weights_by_z(repo_root: Path, tmp_pa
     assert keep.pooling == AUTOENCODER_Z
 
 
+def test_a_resume_compares_only_with_a_readable_best_of_the_same_pooling(repo_root: Path, tmp_path, monkeypatch):
+    """best/best.json cut by a full disk stopped the resume with a traceback (json.loads unguarded); one selected by
+    another pooling (the SARCSE recipe now selects by Z, a run resumed from one that selected by [CLS]) had its
+    score compared with the other embedding's. Both now start the comparison over, saying why."""
+    import json
+
+    from pretrain.config import load_run_config
+    from pretrain.eval import sts
+    from pretrain.training import evaluation
+
+    monkeypatch.setattr(evaluation, "stsb_data_dir", lambda cfg, zero_stage: str(tmp_path))
+    monkeypatch.setattr(sts, "StsbDevEvaluator", lambda data_dir: None)
+    cfg = load_run_config(repo_root / "configs" / "recipes" / "sarcse_roberta_base.yaml")
+    said: list[str] = []
+    monkeypatch.setattr(evaluation, "print_progress", said.append)
+
+    def keep():
+        return evaluation.StsbKeepBest(cfg.eval, run_dir=tmp_path, tokenizer=None, tokenizer_path="",
+                                       model_pooling=cfg.model.pooling, zero_stage=0, is_main=True,
+                                       autoencoder=True).best
+
+    (tmp_path / "best").mkdir()
+    best_json = tmp_path / "best" / "best.json"
+    best_json.write_text(json.dumps({"step": 10, "stsb_dev_spearman": 0.71, "pooling": "autoencoder_z"}))
+    assert keep() == 0.71 and not said
+    best_json.write_text('{"step": 10, "stsb_dev_spear')
+    assert keep() == float("-inf") and "unreadable" in said[-1]
+    best_json.write_text(json.dumps({"step": 10, "stsb_dev_spearman": 0.75, "pooling": "cls_before_pooler"}))
+    assert keep() == float("-inf") and "selected by pooling cls_before_pooler" in said[-1]
+
+
 # ----------------------------------------------------------------------------- gradients against float64
 
 

@@ -74,6 +74,8 @@ def test_requeues_go_on_while_the_run_checkpoints_and_stop_when_it_stalls(tmp_pa
     with open(tmp_path / REQUEUES, "a") as f:
         f.write('{"job": "slurm:41", "rest')  # cut by a kill
     assert requeue(0, 61_000, job="77")[0]  # another job's history is its own
+    last = (tmp_path / REQUEUES).read_text().splitlines()[-1]  # on a line of its own, not glued to the cut one
+    assert json.loads(last)["job"] == "slurm:77"
     code = subprocess.run([sys.executable, "-m", "pretrain.training.stop_record", "--requeue", str(tmp_path),
                            "--max-stalled", "3"], env={**os.environ, "SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "64"},
                           capture_output=True, text=True, cwd=REPO)
