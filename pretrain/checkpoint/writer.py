@@ -280,7 +280,7 @@ class CheckpointWriter:
         if _any_rank(self.env, error is not None):
             if self.env.is_main:  # every rank's writer has stopped by now: what one wrote after rank 0's own
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)  # removal (a race the chaos soak hit) goes too
-            previous = store.find_latest(job.ckpt_dir)
+            previous = store.find_intact(job.ckpt_dir)[0]  # the newest that verifies: a resume's
             why = store.describe_error(error) if error is not None else "on another rank"
             raise store.CheckpointError(
                 f"saving checkpoint {job.tag} failed ({why}); the partial files were removed and the previous "

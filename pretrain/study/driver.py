@@ -50,7 +50,7 @@ def final_step(run_dir: Path) -> tuple[int, int]:
 
     config = run_dir / "config.yaml"
     ckpt_dir = store.checkpoints_dir(run_dir)
-    tag = store.find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    tag = store.find_intact(ckpt_dir)[0] if ckpt_dir.is_dir() else None  # a damaged newer one: a resume redoes it
     if tag is None or not config.is_file():
         return -1, 0
     max_steps = ((yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("train") or {}).get("max_steps", 0)
@@ -98,7 +98,7 @@ def stamp(step: Step, cache: dict | None = None) -> str:
     if step.kind == "train":
 
         ckpt_dir = store.checkpoints_dir(step.output)
-        tag = store.find_latest(ckpt_dir)
+        tag = store.find_intact(ckpt_dir)[0]  # the weights the evaluations read (the newest that verifies)
         h.update(f"{tag}:{weights_digest(ckpt_dir / tag / store.WEIGHTS_FILE, cache)}".encode())
         best = step.output / "best" / store.WEIGHTS_FILE
         if best.is_file():

@@ -218,7 +218,7 @@ class Trainer:
         except store.CheckpointError as e:
             print_progress(f"warning: {e}")
         return (f"{consecutive} consecutive steps with a non-finite loss or gradient (last at step {last_step}); "
-                f"stopping. The last good checkpoint is {store.find_latest(store.checkpoints_dir(self.run_dir))}; "
+                f"stopping. The last good checkpoint is {store.find_intact(store.checkpoints_dir(self.run_dir))[0]}; "
                 f"lower optim.lr or check the data before resuming.")
 
     def _rolled_back(self, *, judge: bool) -> bool:

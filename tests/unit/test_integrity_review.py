@@ -283,3 +283,17 @@ def test_a_checkpoint_resumed_on_another_training_set_is_refused_unless_allowed(
     assert store.list_complete(store.checkpoints_dir(run_dir))[-1] == "step_00000006"
     now = store.read_trainer_state(store.checkpoints_dir(run_dir) / "step_00000006")["data_identity"]
     assert now != state["data_identity"]  # the run trains on the new set from here: its resumes compare with it
+
+
+def test_what_names_the_last_good_checkpoint_skips_a_damaged_newer_one(trained_run, tmp_path):
+    """The study took a run whose newest checkpoint is damaged as finished at that step (and hashed its weights);
+    the divergence and failed-save messages named it as "the last good checkpoint" / "intact". They now name the
+    newest that verifies, as a resume takes it."""
+    from pretrain.study.driver import final_step
+
+    ckpts = _copy(trained_run, tmp_path / "run")
+    assert final_step(tmp_path / "run")[0] == 4
+    weights = ckpts / "step_00000004" / store.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert final_step(tmp_path / "run") == (2, 4)
+    assert store.find_intact(ckpts)[0] == "step_00000002"
