@@ -305,10 +305,14 @@ def describe_error(e: BaseException) -> str:
 
 
 def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
-    """The (upgraded) trainer_state of a run directory's newest complete checkpoint; None when it has none.
-    Raises CheckpointError when that state is unreadable."""
+    """The (upgraded) trainer_state of a run directory's newest checkpoint that verifies, the one a resume continues
+    from (newer damaged ones, whose state may be unreadable, are passed over as a resume passes them); None when it
+    has none; CheckpointError when every one is damaged."""
     ckpt_dir = checkpoints_dir(run_dir)
-    tag = find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    tag, damaged = find_intact(ckpt_dir) if ckpt_dir.is_dir() else (None, {})
+    if tag is None and damaged:  # as a resume refuses to start over on top of them
+        raise CheckpointError(f"every checkpoint in {ckpt_dir} is damaged: " + "; ".join(
+            f"{name}: {', '.join(problems)}" for name, problems in damaged.items()))
     return read_trainer_state(ckpt_dir / tag) if tag is not None else None
 
 
@@ -316,8 +320,8 @@ def read_trainer_state(tag_dir: Path) -> dict:
     try:
         state = json.loads((tag_dir / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{tag_dir}/{STATE_FILE} is unreadable ({e}); delete {tag_dir} to fall back "
-                              f"to the previous checkpoint") from None
+        raise CheckpointError(f"{tag_dir}/{STATE_FILE} is unreadable ({e}): the checkpoint is damaged (a resume "
+                              f"passes over it to the previous one)") from None
     version = state.get("format_version")
     if version != FORMAT_VERSION:
         state = upgrade_state(state)

@@ -74,4 +74,4 @@ def test_a_run_whose_newest_checkpoint_state_is_unreadable_is_an_error_not_a_tra
     (tag / "trainer_state.json").write_text("{not json")
     assert main([*tiny_overrides(run), "-n", "1"]) == 2
     err = capsys.readouterr().err
-    assert "pretrain-inspect: error:" in err and "trainer_state.json is unreadable" in err and "delete" in err
+    assert "pretrain-inspect: error:" in err and "trainer_state.json is unreadable" in err and "damaged" in err

@@ -297,3 +297,15 @@ def test_what_names_the_last_good_checkpoint_skips_a_damaged_newer_one(trained_r
     weights.write_bytes(weights.read_bytes()[:-100])
     assert final_step(tmp_path / "run") == (2, 4)
     assert store.find_intact(ckpts)[0] == "step_00000002"
+
+
+def test_a_damaged_newest_state_does_not_stop_the_tools_that_read_the_runs_position(trained_run, tmp_path):
+    """pretrain-inspect (--start: what the run draws next), the report and the study tables read the newest
+    checkpoint's trainer_state; an unreadable one stopped them ("delete it to fall back") though a resume passes
+    over it. They now read the state of the checkpoint a resume continues from."""
+    ckpts = _copy(trained_run, tmp_path / "run")
+    (ckpts / "step_00000004" / store.STATE_FILE).write_bytes(b"\0" * 64)  # a zero-filled state after a crash
+    state = store.latest_trainer_state(tmp_path / "run")
+    assert state is not None and state["step"] == 2
+    with pytest.raises(store.CheckpointError, match="checkpoint is damaged"):
+        store.read_trainer_state(ckpts / "step_00000004")
