@@ -14,7 +14,8 @@ from pretrain.distributed.env import unique_suffix
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
-    """Make the entries of directory ``path`` (a rename into it, a new file) durable; a no-op where the OS cannot."""
+    """Make the entries of directory ``path`` (a rename into it, a new file) durable, or a file's data; a no-op where
+    the OS cannot."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

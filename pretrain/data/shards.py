@@ -17,7 +17,7 @@ import numpy as np
 
 from pretrain.data.indexed import IndexedDataset, file_sha256
 from pretrain.distributed.env import unique_suffix
-from pretrain.fsutil import inside
+from pretrain.fsutil import fsync_dir, inside
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "pretrain-sharded-dataset"
@@ -118,7 +118,8 @@ class ShardedDataset:
             # What was checked may still be only in the page cache (a copy just made): on the disk first, so that a
             # crash cannot leave a stamp vouching for files whose ends read back as zeros at the same size and mtime.
             checked = [name for name in stamp if known is None or known.get(name) != stamp[name]]
-            _fsync_quietly(os.path.join(self.directory, name + ext) for name in checked for ext in (".idx", ".bin"))
+            for path in (os.path.join(self.directory, name + ext) for name in checked for ext in (".idx", ".bin")):
+                fsync_dir(path)  # a file's dirty pages too (opened read-only, as Linux allows)
             _write_json_quietly(stamp_path, stamp)
         for shard, entry in zip(self.shards, self.manifest["shards"]):
             if len(shard) != entry["num_sequences"] or shard.num_tokens != entry["num_tokens"]:
@@ -240,21 +241,6 @@ def _read_json(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def _fsync_quietly(paths) -> None:
-    """Flush each file's dirty pages to the disk (a read-only descriptor does on Linux); where it cannot, nothing."""
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 def _write_json_quietly(path: Path, data: dict) -> None:
