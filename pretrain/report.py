@@ -90,31 +90,32 @@ def read_metrics(path: Path) -> tuple[dict[str, list[dict]], list[str]]:
     When a split's step goes back (a relaunch that restarted from an earlier step without truncating the file),
     the later records supersede the earlier ones from that step on, as in the relaunched run's own curve.
     """
-    text = path.read_text(encoding="utf-8", errors="replace")
-    lines = text.split("\n")
     by_split: dict[str, list[dict]] = {}
     notes, bad, superseded = [], [], 0
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            rec = None
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            if n == len(lines) and not text.endswith("\n"):
-                notes.append(f"{path}: the last line is incomplete (the run was stopped while writing it); skipped")
-            else:
-                bad.append(n)
-            continue
-        rec = {k: _number(v) for k, v in rec.items()}
-        split = str(rec.get("split", "train"))
-        rows = by_split.setdefault(split, [])
-        # Two rollbacks to the same checkpoint share its step; both happened.
-        while rows and (rows[-1]["step"] > rec["step"] or rows[-1]["step"] == rec["step"] and split != ROLLBACK):
-            rows.pop()
-            superseded += 1
-        rows.append(rec)
+    with open(path, "rb") as f:  # a line at a time: a long run's file is tens of MB
+        for n, raw in enumerate(f, 1):
+            line = raw.decode("utf-8", errors="replace")
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                rec = None
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                if not raw.endswith(b"\n"):
+                    notes.append(f"{path}: the last line is incomplete (the run was stopped while writing it); "
+                                 f"skipped")
+                else:
+                    bad.append(n)
+                continue
+            rec = {sys.intern(k): _number(v) for k, v in rec.items()}  # one copy of each key: ~1 kB a record
+            split = str(rec.get("split", "train"))
+            rows = by_split.setdefault(split, [])
+            # Two rollbacks to the same checkpoint share its step; both happened.
+            while rows and (rows[-1]["step"] > rec["step"] or rows[-1]["step"] == rec["step"] and split != ROLLBACK):
+                rows.pop()
+                superseded += 1
+            rows.append(rec)
     if bad:
         shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         notes.append(f"{path}: line(s) {shown} are not metrics records; skipped")
@@ -173,6 +174,8 @@ def _checkpoint_cell(run: Run) -> str:
 def _checkpoint_line(run_dir: Path) -> str:
     """select_checkpoint's line for the run's newest checkpoint ("" when it has none yet)."""
 
+    if not checkpoints_dir(run_dir).is_dir() and not (run_dir / "best").is_dir():
+        return ""  # select_checkpoint would describe the run directory itself as weights ("(unrecognised)")
     try:  # a damaged newest checkpoint's warning goes to stderr, not into the report
         _, line = select_checkpoint(run_dir, say=lambda text: print(text, file=sys.stderr, flush=True))
     except (CheckpointError, FileNotFoundError, ValueError):
@@ -200,39 +203,62 @@ def _style(i: int) -> dict:
     return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[(i // 10) % 4]}
 
 
-def draw(plot: Plot, runs: list[Run], path: Path) -> list[str]:
-    """Draws ``plot`` with every run that has the metric (run i in colour Ci); returns the names of those without."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""TensorBoard keeps float32: a value beyond this is inf there; near float64's end matplotlib cannot draw an axis."""
+
+
+def _label(name: str) -> str:
+    """A run name as matplotlib's text shows it as written: ``$`` would start mathtext (``\\foo`` an error)."""
+    return name.replace("$", r"\$")
+
+
+def draw(plot: Plot, runs: list[Run], path: Path) -> tuple[list[str], dict[str, tuple[int, int]]]:
+    """Draws ``plot`` into the PNG ``path``; returns ``figure``'s names of runs without the metric and values not
+    drawn."""
+    fig, missing, undrawn = figure(plot, runs)
+    fig.savefig(path, format="png")
+    return missing, undrawn
+
+
+def figure(plot: Plot, runs: list[Run]):
+    """(matplotlib Figure of ``plot`` with every run that has the metric, run i in colour Ci; the names of those
+    without; per run the values not drawn — NaN, inf, beyond float32: gaps in the curve — as (how many, first
+    step))."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.0, 4.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    missing, values_all = [], []
+    missing, finite, undrawn, handles = [], [], {}, []
     for i, run in enumerate(runs):
         steps, values = run.series(plot.split, plot.metric)
         if not steps:
             missing.append(run.name)
             continue
+        gaps = [s for s, v in zip(steps, values) if not abs(v) <= FLOAT32_MAX]
+        if gaps:
+            undrawn[run.name] = (len(gaps), gaps[0])
+            values = [v if abs(v) <= FLOAT32_MAX else math.nan for v in values]
         few = len(steps) <= 40 or plot.split != "train"
-        ax.plot(steps, values, label=run.name, marker="o" if few else None, markersize=3, linewidth=1.5,
-                **_style(i))
-        values_all += values
+        handles += ax.plot(steps, values, label=_label(run.name), marker="o" if few else None, markersize=3,
+                           linewidth=1.5, **_style(i))
+        finite += [v for v in values if math.isfinite(v)]
         if plot.split == "train":  # each rollback: a dashed line at the step whose loss (or bad steps) triggered it
             for k, rb in enumerate(run.records.get(ROLLBACK, [])):
-                ax.axvline(rb.get("trigger_step", rb["step"]), color=_style(i)["color"], linestyle="--",
-                           linewidth=1.0, alpha=0.7, label=f"{run.name}: rollback" if k == 0 else None)
-    finite = [v for v in values_all if math.isfinite(v)]
+                line = ax.axvline(rb.get("trigger_step", rb["step"]), color=_style(i)["color"], linestyle="--",
+                                  linewidth=1.0, alpha=0.7, label=f"{_label(run.name)}: rollback")
+                handles += [line] if k == 0 else []
     if plot.log_y and finite and min(finite) > 0 and max(finite) / min(finite) > 10:
         ax.set_yscale("log")
     ax.set_title(plot.title)
     ax.set_xlabel("step")
     ax.set_ylabel(plot.metric)
     ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize="small")
+    # The handles named: a label starting with "_" (a run directory "_base") would be left out of the legend.
+    ax.legend(handles, [h.get_label() for h in handles], loc="best", fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, format="png")
-    return missing
+    return fig, missing, undrawn
 
 
 # ------------------------------------------------------------------------------------------------ summary
@@ -366,11 +392,15 @@ def write_report(run_dirs: list[str], out_dir: str | Path) -> Report:
         if not any(run.series(plot.split, plot.metric)[0] for run in runs):
             absent.append(plot)
             continue
-        missing = draw(plot, runs, out / plot.file)
+        missing, undrawn = draw(plot, runs, out / plot.file)
         images.append(out / plot.file)
         sections += [f"### {plot.title}", "", f"![{plot.title}]({plot.file})", ""]
         if missing:
             sections += [f"_Not logged by: {', '.join(missing)}._", ""]
+        if undrawn:
+            sections += ["_Not drawn (NaN, inf or beyond float32; TensorBoard shows them as NaN/inf): "
+                         + "; ".join(f"{_cell(name)}: {n} value(s), the first at step {first}"
+                                     for name, (n, first) in undrawn.items()) + "._", ""]
     notes = [note for run in runs for note in run.notes]
     md = ["# Training report", "",
           f"{len(runs)} run(s): " + ", ".join(f"**{r.name}** (`{r.path}`)" for r in runs) + ".", "",

@@ -35,19 +35,26 @@ class LogWindow:
     both views'), the time spent waiting for data. ``scalars`` turns it into the logged figures: samples/s and
     tokens/s summed over all ranks (each rank's own counts, in the figures' one all-reduce), over the window's wall
     time less what ran ``paused`` (validation, STS-B, checkpoints), data waits included; the data-wait fraction of
-    the rank that waited most (the step waits for the slowest rank), from the same all-reduce."""
+    the rank that waited most (the step waits for the slowest rank), from the same all-reduce. The first step after
+    a (re)start (``resume``: a launch, a rollback) holds the start-up (compilation, the loader's new workers), so
+    the rates and the data-wait fraction of its window are over the window's later steps (all of it when it has
+    no other step)."""
 
     COUNTS = ("window.samples", "window.tokens", "window.tokens_seen")
     """The counts ``scalars`` sums over ranks with the metric sums (not figures of their own)."""
 
     def __init__(self) -> None:
         self.sums = MetricSums()
+        self._starting = False
+        """Set by ``resume`` until the next ``add``: that step holds the start-up."""
         self.reset()
 
     def reset(self) -> None:
         self.sums.reset()
         self.t0, self.samples, self.tokens, self.data_wait_s = time.perf_counter(), 0, 0, 0.0
         self.paused_s = 0.0
+        self.started: tuple | None = None
+        """(time, samples, tokens, data_wait_s, paused_s) just after the first step since ``resume``, else None."""
 
     @contextlib.contextmanager
     def paused(self):
@@ -61,6 +68,9 @@ class LogWindow:
     def add(self, samples: int, tokens: int) -> None:
         self.samples += samples
         self.tokens += tokens
+        if self._starting:  # the first step since a (re)start ends here: the rates begin after it
+            self._starting = False
+            self.started = (time.perf_counter(), self.samples, self.tokens, self.data_wait_s, self.paused_s)
 
     def carry(self, env, micro_steps: int) -> dict:
         """The metric sums and counts of the window so far, over all ranks (collective), and the step's
@@ -73,9 +83,10 @@ class LogWindow:
 
     def resume(self, carried: dict, env, micro_steps: int) -> None:
         """Continue a window a checkpoint cut (``carry``): its sums go in once, on the main rank. The rates and the
-        data-wait fraction stay this launch's own (measured from its start). Split into other micro-steps (another
-        rank count) the window starts afresh: figures counted per micro-step would weigh the carried steps
-        differently from the new ones."""
+        data-wait fraction stay this launch's own (measured from the end of its first step). Split into other
+        micro-steps (another rank count) the window starts afresh: figures counted per micro-step would weigh the
+        carried steps differently from the new ones."""
+        self._starting = True
         if env.is_main and carried.get("micro_steps") == micro_steps:
             for name, (value_sum, count) in carried["sums"].items():
                 self.sums.add(name, value_sum, count)
@@ -84,15 +95,18 @@ class LogWindow:
         """The window's means reduced over ranks, plus the last step's lr/grad norm/loss scale, the bad-step count,
         the rates and the largest data-wait fraction of any rank. The device's figures (metric sums, lr, grad norm,
         bad-step counters) come in one transfer, and everything crosses the ranks in one all-reduce."""
-        elapsed = time.perf_counter() - self.t0 - self.paused_s
+        t0, samples, tokens, wait_s, paused_s = (self.t0, 0, 0, 0.0, 0.0)
+        if self.started is not None and self.samples > self.started[1]:  # steps after the start-up's: over them
+            t0, samples, tokens, wait_s, paused_s = self.started
+        elapsed = time.perf_counter() - t0 - (self.paused_s - paused_s)
         self.sums.set("lr", info.lr)
         self.sums.set("grad_norm", info.grad_norm)
         bad_steps.stage(self.sums)
         # set: the mean over ranks, so x world size is their sum (ranks' real tokens differ)
-        for key, count in zip(self.COUNTS, (self.samples, self.tokens, tokens_seen)):
+        for key, count in zip(self.COUNTS, (self.samples - samples, self.tokens - tokens, tokens_seen)):
             self.sums.set(key, count)
         # every rank's own wait fraction, in the same all-reduce: the step waits for the slowest rank's data
-        out = self.sums.reduce(env, per_rank={"data_wait_frac": self.data_wait_s / elapsed})
+        out = self.sums.reduce(env, per_rank={"data_wait_frac": (self.data_wait_s - wait_s) / elapsed})
         total = bad_steps.settle(out)
         samples, tokens, seen = (round(out.pop(key) * env.world_size) for key in self.COUNTS)
         wait_frac = max(out.pop("data_wait_frac"))
@@ -152,14 +166,17 @@ class BadSteps:
 
 
 class StarvationWatch:
-    """Once per run, after the first log window (worker start-up): a warning when the step waited for its data more
-    than DATA_WAIT_WARN of the time (``data_wait_frac``: the rank that waited most)."""
+    """Once per launch, after its first log window (worker start-up, at whatever step the launch resumed): a warning
+    when the step waited for its data more than DATA_WAIT_WARN of the time (``data_wait_frac``: the rank that
+    waited most)."""
 
     def __init__(self, log_every: int, num_workers: int) -> None:
         self.log_every, self.num_workers, self.warned = log_every, num_workers, False
+        self.first_window = True
 
     def update(self, step: int, wait_frac: float) -> str | None:
-        if wait_frac <= DATA_WAIT_WARN or self.warned or step <= self.log_every:
+        first, self.first_window = self.first_window, False
+        if wait_frac <= DATA_WAIT_WARN or self.warned or first:
             return None
         self.warned = True
         return (f"warning: step {step} waited for data {wait_frac:.0%} of the time (the rank that waited most; > "
@@ -169,17 +186,33 @@ class StarvationWatch:
 
 
 class Eta:
-    """Seconds left to ``max_steps`` at the average step time since this launch's first step."""
+    """Seconds left to ``max_steps`` at the average time of this launch's steps, from the first step it is asked at
+    on (the launch's first step holds the start-up: compilation, the loader's workers), validation and checkpoints
+    included. Asked at a step before the last one it was asked at (a rollback), it measures afresh from there and
+    keeps the steps measured before (the rollback's own time is not a step's); None until a step is measured."""
 
     def __init__(self, start_step: int, max_steps: int) -> None:
         self.start_step, self.max_steps = start_step, max_steps
         self.t0 = time.perf_counter()
+        self.mark: tuple[float, int] | None = None
+        """(time, step) of the first call, or of the first call after a rollback."""
+        self.last_t, self.last_step = self.t0, start_step
+        self.measured_s, self.measured_steps = 0.0, 0
+        """Time and steps measured before ``mark`` (those of the stretches a rollback ended)."""
 
     def __call__(self, step: int) -> float | None:
-        done = step - self.start_step
-        if done <= 0:
+        now = time.perf_counter()
+        if self.mark is not None and step < self.last_step:  # rolled back: keep what was measured up to the last call
+            self.measured_s += self.last_t - self.mark[0]
+            self.measured_steps += self.last_step - self.mark[1]
+            self.mark = None
+        if self.mark is None:
+            self.mark = (now, step)
+        self.last_t, self.last_step = now, step
+        seconds, steps = self.measured_s + now - self.mark[0], self.measured_steps + step - self.mark[1]
+        if steps <= 0:
             return None
-        return (time.perf_counter() - self.t0) / done * max(0, self.max_steps - step)
+        return seconds / steps * max(0, self.max_steps - step)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
