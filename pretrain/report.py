@@ -21,6 +21,7 @@ from pathlib import Path
 from pretrain.checkpoint import store
 from pretrain.checkpoint.store import CheckpointError, checkpoints_dir, find_latest
 from pretrain.export.resolve import best_record, format_best_score, select_checkpoint
+from pretrain.metrics.writer import read_number
 
 LOSS_TERMS = ("mlm", "nt_xent", "info_nce", "arccon", "triplet", "consistency", "rank_distill", "reconstruction")
 """The loss terms a run can log, as named in ``objective.terms.OBJECTIVES`` (a test keeps the two equal)."""
@@ -108,7 +109,7 @@ def read_metrics(path: Path) -> tuple[dict[str, list[dict]], list[str]]:
                 else:
                     bad.append(n)
                 continue
-            rec = {sys.intern(k): _number(v) for k, v in rec.items()}  # one copy of each key: ~1 kB a record
+            rec = {sys.intern(k): read_number(v) for k, v in rec.items()}  # one copy of each key: ~1 kB a record
             split = str(rec.get("split", "train"))
             rows = by_split.setdefault(split, [])
             # Two rollbacks to the same checkpoint share its step; both happened.
@@ -122,13 +123,6 @@ def read_metrics(path: Path) -> tuple[dict[str, list[dict]], list[str]]:
     if superseded:
         notes.append(f"{path}: {superseded} record(s) superseded by a relaunch that restarted from an earlier step")
     return by_split, notes
-
-
-def _number(v):
-    """The writer stores non-finite floats as strings ("nan", "inf", "-inf"); read them back as floats."""
-    if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
-        return float(v)
-    return v
 
 
 def load_run(run_dir: str | Path, name: str) -> Run:

@@ -173,6 +173,14 @@ def _clean(v):
     return v
 
 
+def read_number(v):
+    """A value as metrics.jsonl stores it, back: the strings the writer puts for non-finite floats ("nan", "inf",
+    "-inf") as those floats; anything else as it is."""
+    if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+        return float(v)
+    return v
+
+
 def _truncate_after_step(path: Path, step: int) -> None:
     """Drop the records of steps > ``step`` (logged after the checkpoint we resume from; -1: all of them) and a
     line cut by a kill. Records are appended in step order (every launch and rollback cuts the file here before it

@@ -19,6 +19,7 @@ from pretrain.config import RunConfig
 from pretrain.config.loader import from_dict, read_yaml
 from pretrain.eval import glue_data
 from pretrain.eval.sts import TABLE_NAMES, TASKS
+from pretrain.metrics.writer import read_number
 from pretrain.study.plan import EVAL_RESULTS, run_name
 from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
 
@@ -166,8 +167,8 @@ def run_dynamics(run_dir: Path) -> dict | None:
     records = []
     for line in metrics.read_text(encoding="utf-8").splitlines():
         try:
-            records.append(json.loads(line))
-        except ValueError:
+            records.append({k: read_number(v) for k, v in json.loads(line).items()})  # "nan" -> nan
+        except (ValueError, AttributeError):
             continue  # a torn last line of a run that is still writing
     if not records:
         return None

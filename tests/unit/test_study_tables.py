@@ -40,3 +40,16 @@ def test_run_dynamics_reads_chance_from_the_config_and_world_size(tmp_path):
     d = run_dynamics(tmp_path)
     assert d["last_step"] == 50 and d["heldout_mlm"] == 7.25
     assert d["terms"]["nt_xent"] == {"chance": chance, "escape_step": 20, "final": chance * 0.5, "emb_cos": 0.4}
+
+
+def test_run_dynamics_reads_non_finite_values_as_floats(tmp_path):
+    """metrics.jsonl keeps a NaN/inf as the string "nan"/"inf" (JSON has none); the study's tables compared those
+    strings with floats and crashed pretrain-study on one NaN window of a contrastive term."""
+    cfg = load_run_config(None, ["train.micro_batch_size=16"])
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    chance = math.log(2 * 16 - 1)
+    lines = [_rec(10, chance), _rec(20, "nan"), _rec(30, chance * 0.5, cl_emb_cos="inf")]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    d = run_dynamics(tmp_path)
+    assert d["terms"]["nt_xent"]["final"] == chance * 0.5 and d["terms"]["nt_xent"]["emb_cos"] == math.inf
+    assert d["terms"]["nt_xent"]["escape_step"] == 30
