@@ -270,12 +270,15 @@ class Augmenter:
 class WordNetSynonyms:
     """The WordNet synonyms of a word given as token ids, as token arrays: decoded, looked up, capitalised
     like the word, each synonym tokenized on first use (one that gives [UNK] or nothing stands for the word
-    itself). Cached per process."""
+    itself) as the word is written: starting with a word-start token where the word does (a byte-level BPE
+    without a prefix space, RoBERTa's, gives "glad" as the pieces "g l ad" and " glad" as "Ġg l ad": inserted
+    mid-sentence the first would be glued to the word before). Cached per process."""
 
     def __init__(self, tokenizer, wordnet_dir: str):
         self.tokenizer, self.wordnet_dir = tokenizer, wordnet_dir
+        self.word_start_V = np.asarray(tokenizer.word_start_mask(), dtype=bool)
         self._cache: dict[tuple[int, ...], Sequence[np.ndarray]] = {}
-        self._encoded: dict[str, np.ndarray | None] = {}
+        self._encoded: dict[tuple[str, bool], np.ndarray | None] = {}
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__, _cache={}, _encoded={})  # rebuilt lazily in each worker
@@ -295,19 +298,36 @@ class WordNetSynonyms:
             self._cache.clear()
             self._encoded.clear()
         syns = self.words_of(key)
-        found = Synonyms(syns, np.asarray(key, dtype=np.int64), self.encode) if syns else ()
+        # (a word may start with the Augmenter's own deletion marker, an id past the vocabulary, and a piece)
+        starts = bool(key[0] < len(self.word_start_V) and self.word_start_V[key[0]])
+        found = Synonyms(syns, np.asarray(key, dtype=np.int64), lambda text: self.encode(text, starts)) if syns else ()
         self._cache[key] = found
         return found
 
-    def encode(self, text: str) -> np.ndarray | None:
-        """Token ids of a synonym, or None when it does not tokenize cleanly (empty or [UNK])."""
-        if text not in self._encoded:
-            ids = np.asarray(self.tokenizer.encode(text), dtype=np.int64)
-            self._encoded[text] = ids if len(ids) and not (ids == self.tokenizer.unk_id).any() else None
-        return self._encoded[text]
+    def encode(self, text: str, starts: bool = True) -> np.ndarray | None:
+        """Token ids of a synonym replacing a word that starts (``starts``) or not with a word-start token, or None
+        when it does not tokenize cleanly (empty or [UNK])."""
+        if (text, starts) not in self._encoded:
+            self._encoded[text, starts] = self._as_word(text, self.tokenizer.encode(text), starts)
+        return self._encoded[text, starts]
+
+    def _as_word(self, text: str, ids, starts: bool) -> np.ndarray | None:
+        """``ids`` (``text`` encoded) as a word that starts with a word-start token where ``starts``: else ``text``
+        encoded after a space, when that gives one. None for an empty or [UNK] encoding."""
+        ids = self._clean(ids)
+        if ids is not None and starts and not self.word_start_V[ids[0]]:
+            spaced = self._clean(self.tokenizer.encode(" " + text))
+            if spaced is not None and self.word_start_V[spaced[0]]:
+                return spaced
+        return ids
+
+    def _clean(self, ids) -> np.ndarray | None:
+        ids = np.asarray(ids, dtype=np.int64)
+        return ids if len(ids) and not (ids == self.tokenizer.unk_id).any() else None
 
     def single_token_table(self, word_start_V: np.ndarray, special_ids) -> SynonymTable:
-        """Every single-token word of the vocabulary with its synonyms, tokenized once (batched)."""
+        """Every single-token word of the vocabulary with its synonyms, tokenized once (batched; each as a word
+        that starts with a word-start token, as the words of the table do)."""
         specials = set(int(s) for s in special_ids)
         found = {}
         for v in np.flatnonzero(word_start_V).tolist():
@@ -316,12 +336,11 @@ class WordNetSynonyms:
                 if syns:
                     found[v] = syns
         texts = sorted({s for syns in found.values() for s in syns})
-        unk = self.tokenizer.unk_id
-        encoded = {t: np.asarray(ids, dtype=np.int64) for t, ids in zip(texts, self.tokenizer.encode_batch(texts))}
+        encoded = {t: self._as_word(t, ids, True) for t, ids in zip(texts, self.tokenizer.encode_batch(texts))}
         mapping = {}
         for v, syns in found.items():
             own = np.array([v], dtype=np.int64)
-            mapping[(v,)] = [ids if len(ids) and not (ids == unk).any() else own for ids in map(encoded.get, syns)]
+            mapping[(v,)] = [own if ids is None else ids for ids in map(encoded.get, syns)]
         return SynonymTable.from_mapping(mapping, len(word_start_V), multi=self)
 
 
