@@ -51,13 +51,25 @@ def _compile_lines(cfg) -> list[str]:
         lines.append(f"train.unpadded=true does nothing with train.compile_shapes={t.compile_shapes}: the compiled "
                      "step runs padded there (unpadded with dynamic or auto shapes); set train.unpadded=false to "
                      "say so")
-    if t.compile_mode == "reduce-overhead" and t.compile_shapes != "bucketed":
+    if t.compile_mode != "default" and t.compile_backend != "inductor":
+        lines.append(f"train.compile_mode={t.compile_mode} does nothing with train.compile_backend={t.compile_backend}"
+                     ": only inductor takes a mode (torch drops it with one log line)")
+    elif t.compile_mode == "reduce-overhead" and t.compile_shapes != "bucketed":
         lines.append(f"train.compile_mode=reduce-overhead with train.compile_shapes={t.compile_shapes}: CUDA graphs "
                      "record one graph per distinct batch shape, and batches change shape almost every step (width "
                      "and MLM count padded, group sizes unpadded); train.compile_shapes=bucketed pads them to a few "
                      "shapes")
     if t.compile_bucket != TrainConfig().compile_bucket and t.compile_shapes != "bucketed":
         lines.append("train.compile_bucket does nothing without train.compile_shapes=bucketed")
+    past_limit = ("torch's recompile limit (8 graphs by default), after which every batch of a shape without a "
+                  "graph runs eagerly for the rest of the run; train.compile_shapes=dynamic compiles one graph")
+    if t.compile_shapes == "static":
+        lines.append("train.compile_shapes=static compiles a graph per batch shape, and real batches change shape "
+                     f"almost every step (the longest row, the MLM count): the run soon reaches {past_limit}")
+    elif t.compile_shapes == "bucketed" and cfg.objective.triplet is not None:
+        lines.append("train.compile_shapes=bucketed with objective.triplet: the number of a batch's rows with a "
+                     "triplet (0 to train.micro_batch_size) is a shape the buckets do not pad, so each count is a "
+                     f"graph of its own and the run soon reaches {past_limit}")
     return lines
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 
 import torch
 from torch.fx.experimental import _config as fx_config
@@ -177,6 +178,17 @@ def _reduce_counts(counts: list, env) -> list[float]:
     return all_reduce_host(torch.tensor(counts, dtype=torch.float64)).tolist()
 
 
+def recompile_limit_message(dynamic: bool | None, limit: int) -> str:
+    """The warning once the compiled step has as many graphs as torch makes of a function (``limit``), with what to
+    change for torch.compile's ``dynamic`` (train.compile_shapes dynamic: True, auto: None, static, bucketed: False)."""
+    fix = ("static and bucketed shapes compile a graph per batch shape: train.compile_shapes=dynamic compiles one "
+           "for every shape, and under bucketed a larger train.compile_bucket makes fewer shapes" if dynamic is False
+           else "TORCH_LOGS=recompiles names the guards that failed")
+    return (f"train.compile: the compiled step has {limit} graphs, torch's limit (torch._dynamo.config."
+            f"recompile_limit): from now on a batch that none of them fits runs eagerly, slower (and under "
+            f"compile_mode=reduce-overhead without a CUDA graph); {fix}")
+
+
 class TrainModule(torch.nn.Module):
     """What DeepSpeed wraps: the model (saved as ``model.*``), the objective's trainable heads
     (``heads.*``, e.g. SARCSE's autoencoder) and the objective (teachers stay outside: not parameters)."""
@@ -206,15 +218,32 @@ class TrainModule(torch.nn.Module):
     def compile_step(self, **compile_kwargs) -> None:
         """torch.compile the forward and the loss terms of a micro-batch as one graph (``Objective.run_terms``;
         ``compile_kwargs`` go to torch.compile: backend, mode, dynamic). The gradient cache's passes stay eager."""
+        from torch._dynamo import config as dynamo_config  # here: an eager run does not import torch._dynamo
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
         mark_plans_constant()  # flat layers: their plans are constants to the trace (model/flat.py)
         compiled = torch.compile(self.objective.run_terms, **compile_kwargs)
+        limit_hit = False
 
         def run_terms(*args, **kwargs):
+            nonlocal limit_hit
             # No duck sizing: sizes equal in the batch that is traced would share one symbol, and a size that
             # one of them is pinned to would pin the other (the unpadded step's attention groups: a group of the
             # views' 64-token width took their row count's symbol, pinned by the micro-batch size, and the next
             # batch recompiled).
             with fx_config.patch(use_duck_shape=False):
+                if limit_hit:
+                    return compiled(*args, **kwargs)
+                # Past torch's recompile limit a batch that no graph fits runs eagerly for the rest of the process,
+                # said only once in torch's log. Asked to raise there instead (before the step's first op runs),
+                # torch lets this warn once; this batch and later ones then run as torch runs them past the limit.
+                try:
+                    with dynamo_config.patch(fail_on_recompile_limit_hit=True):
+                        return compiled(*args, **kwargs)
+                except FailOnRecompileLimitHit:
+                    limit_hit = True
+                    limit = dynamo_config.recompile_limit
+                    warnings.warn(recompile_limit_message(compile_kwargs.get("dynamic"), limit), stacklevel=2)
                 return compiled(*args, **kwargs)
 
         self._run_terms = run_terms
