@@ -27,6 +27,7 @@ import torch
 
 from pretrain.data.collate import collate
 from pretrain.data.counter_rng import _GOLDEN, mix64, sample_keys
+from pretrain.data.workers import defer_worker_checks, unwatch_workers, watch_workers, worker_failure
 from pretrain.distributed.signals import ignore_in_worker
 
 ORDER_RULE = "feistel-v1"
@@ -367,7 +368,7 @@ class ResumableLoader:
             self.ring.new_generation()
         chunks = self._checked(iter, self.loader)  # a restart (a rollback) waits for the workers too
         _LIVE_WORKERS.update(getattr(chunks, "_workers", ()))
-        _defer_worker_checks(chunks)
+        defer_worker_checks(chunks)
         while True:
             try:
                 chunk = self._checked(next, chunks)
@@ -387,7 +388,7 @@ class ResumableLoader:
         it = getattr(self.loader, "_iterator", None)
         watched = False
         try:
-            watched = _watch_workers(it)
+            watched = watch_workers(it)
             failure = worker_failure(None, it, self.consumed_samples)  # one that died between fetches
             if failure is None:
                 return fetch(arg)
@@ -397,7 +398,7 @@ class ResumableLoader:
                 raise
         finally:
             if watched:
-                _unwatch_workers(it)
+                unwatch_workers(it)
         raise failure from None
 
     def state_dict(self) -> dict:
@@ -414,68 +415,6 @@ class ResumableLoader:
         it._shutdown_workers()
         _kill(workers)
         self.loader._iterator = None
-
-
-class DataWorkerError(ValueError):
-    """A DataLoader worker died (killed by a signal: the OOM killer's SIGKILL, a SIGBUS from a full /dev/shm or a
-    shard truncated under its map) or ran out of memory: one line naming the worker, the cause and what to do. A
-    ValueError, so the entry point prints it as the run's one-line error (exit 2) instead of a traceback."""
-
-
-_signal_handling = torch.utils.data._utils.signal_handling
-
-
-def _defer_worker_checks(it) -> None:
-    """Take ``it``'s workers out of torch's SIGCHLD check, which raises "worker is killed by signal" from whatever
-    the main process runs when a worker dies (the model's forward, a checkpoint being written): ``_checked`` puts
-    them back only while it waits for a batch, and names a worker that died between two waits itself."""
-    if getattr(it, "_worker_pids_set", False):
-        _signal_handling._remove_worker_pids(id(it))
-        it._worker_pids_set = False  # so that its shutdown does not remove them again (an error)
-
-
-def _watch_workers(it) -> bool:
-    """Put the workers of ``it`` (taken out by ``_defer_worker_checks``) back in torch's SIGCHLD check."""
-    workers = getattr(it, "_workers", None)
-    if not workers or getattr(it, "_worker_pids_set", True):
-        return False
-    _signal_handling._set_worker_pids(id(it), tuple(w.pid for w in workers))
-    return True
-
-
-def _unwatch_workers(it) -> None:
-    _signal_handling._remove_worker_pids(id(it))
-
-
-def worker_failure(e: BaseException | None, it, position: int) -> DataWorkerError | None:
-    """``DataWorkerError`` for an error the DataLoader raised because a worker died (or raised MemoryError), or
-    with ``e`` None for a worker of ``it`` that is dead; None for any other error (re-raised as it is)."""
-    workers = getattr(it, "_workers", ())
-    dead = [(i, w) for i, w in enumerate(workers) if w.exitcode not in (None, 0)]
-    where = f"while building batches at data position {position} (samples consumed)"
-    if isinstance(e, MemoryError) and str(e).startswith("Caught MemoryError in DataLoader worker"):
-        return DataWorkerError(f"a data loader worker ran out of memory (MemoryError) {where}; lower "
-                               "data.num_workers or data.prefetch_factor, or give the job more memory; resuming "
-                               "continues from the last checkpoint")
-    if not dead or (e is not None and not str(e).startswith("DataLoader worker (pid")):  # torch's words for it
-        return None
-    i, w = dead[0]
-    code = w.exitcode
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        how = f"was killed by {name}"
-        why = {signal.SIGKILL: ": most often the kernel's OOM killer (see dmesg or the job's memory report); lower "
-                               "data.num_workers or data.prefetch_factor, or give the job more memory",
-               signal.SIGBUS: ": shared memory ran out (/dev/shm: a container's 64 MB default is too small; "
-                              "give the job a larger one) or a dataset file was truncated under its memory map "
-                              "(check it with pretrain-preprocess --verify)"}.get(-code, "")
-    else:
-        how, why = f"exited with status {code}", ""
-    return DataWorkerError(f"data loader worker {i} (pid {w.pid}) {how} {where}{why}; resuming continues from "
-                           "the last checkpoint")
 
 
 _LIVE_LOADERS: "weakref.WeakSet" = weakref.WeakSet()
