@@ -17,15 +17,14 @@ from torch import nn
 
 from pretrain.console import verbose
 from pretrain.export.hf_tokenizer import lowercase_first, st_lowercases
+from pretrain.export.hf_weights import refuse_pickled_weights
 from pretrain.export.st_modules import read_st_modules
 from pretrain.model.heads import SentenceDense
 from pretrain.prep.tokenizer import ROBERTA_SPECIAL_TOKENS
 
 POOLINGS = ("cls", "cls_before_pooler", "mean", "first_last_avg")
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
-PICKLED_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-"""What a Hugging Face directory's weights may be in: safetensors (read), or a pickle (refused, even with
-weights_only=True: pickle's machinery would still run on a file from elsewhere)."""
+"""What a Hugging Face directory's weights are read from (a pickle is refused: export.hf_weights)."""
 
 
 def masked_mean(h_BTD: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -179,9 +178,7 @@ def load_hf_backbone(path: str | Path) -> tuple[HFBackbone, HFTokenizer]:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p} has no config.json; pass a Hugging Face model directory")
     if not any((p / name).is_file() for name in SAFETENSORS_FILES):
-        pickled = [name for name in PICKLED_FILES if (p / name).is_file()]
-        raise ValueError(
-            f"{p} holds no model.safetensors{f' (its weights are {pickled[0]}, a pickle)' if pickled else ''}; "
-            f"pretrain reads a directory it is handed from safetensors only and never unpickles it. Where you "
-            f"trust the file, load the model with transformers and save_pretrained it again (model.safetensors)")
+        refuse_pickled_weights(p)
+        raise ValueError(f"{p} holds no model.safetensors; pretrain reads a directory it is handed from safetensors "
+                         f"only")
     return HFBackbone(p), HFTokenizer(p)

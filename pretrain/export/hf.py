@@ -18,7 +18,6 @@ BertForMaskedLM no pooler, so one weights file cannot load quietly into both; th
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -43,7 +42,7 @@ from pretrain.export.hf_tokenizer import (
     write_tokenizer_files,
 )
 from pretrain.export.st_modules import ST_POOLING, write_st_modules
-from pretrain.fsutil import fsync_dir, inside, replace_dir
+from pretrain.fsutil import fsync_dir, replace_dir
 from pretrain.model import TIED_KEYS, PretrainModel, build_model
 from pretrain.model.autoencoder import HEADS_FILE
 from pretrain.model.init import init_bert_weights
@@ -383,39 +382,6 @@ def _exportable_tokenizer(cfg: ModelConfig, pooling: str, tokenizer_path: str, o
 
 
 # ----------------------------------------------------------------------------- import
-
-
-def read_hf_weights(hf_dir: str | os.PathLike) -> dict:
-    """All tensors of a HF checkpoint directory (model.safetensors or a sharded index; a pickle only is refused)."""
-    from safetensors.torch import load_file
-
-    d = Path(hf_dir)
-    if (d / "model.safetensors").is_file():
-        return load_file(str(d / "model.safetensors"))
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: dict = {}
-        for f in files:
-            out.update(load_file(str(inside(d, f, listed_in=index.name, links=False))))
-        return out
-    refuse_pickled_weights(d)
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {d}")
-
-
-PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def refuse_pickled_weights(d: Path) -> None:
-    """ValueError when ``d`` holds its weights as a pickle only (pytorch_model.bin): a directory handed to us is
-    read from safetensors and never unpickled (even torch.load(weights_only=True) runs pickle's machinery on it)."""
-    for name in PICKLED_WEIGHTS:
-        if (d / name).is_file():
-            raise ValueError(
-                f"{d} holds its weights as {name} (a pickle) and no model.safetensors; pretrain reads safetensors "
-                f"only and never unpickles a directory it is handed. Where you trust the file, re-save it: load it "
-                f"with transformers (or sentence-transformers) and save_pretrained (save) it again, which writes "
-                f"model.safetensors")
 
 
 DECODER_KEYS = {"bert": "cls.predictions.decoder.weight", "roberta": "lm_head.decoder.weight",

@@ -59,10 +59,10 @@ from pretrain.export.hf import (
     load_init_weights,
     model_config_from_hf_config,
     model_with_state,
-    read_hf_weights,
     untied_decoder,
 )
 from pretrain.export.hf_tokenizer import write_clean_tokenizer
+from pretrain.export.hf_weights import read_hf_weights
 from pretrain.export.st_modules import SENTENCE_FIELDS, read_st_modules
 from pretrain.fsutil import inside
 from pretrain.model.autoencoder import HEADS_FILE

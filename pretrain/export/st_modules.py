@@ -27,6 +27,7 @@ import torch
 
 from pretrain.checkpoint.files import save_safetensors, write_json
 from pretrain.config.model import ModelConfig
+from pretrain.export.hf_weights import refuse_pickled_weights
 from pretrain.fsutil import inside
 
 ST_POOLING = {"cls": "cls", "cls_before_pooler": "cls", "mean": "mean", "first_last_avg": "mean"}
@@ -116,10 +117,7 @@ def _module_weights(d: Path) -> dict:
 
     if (d / "model.safetensors").is_file():
         return load_file(str(d / "model.safetensors"))
-    if (d / "pytorch_model.bin").is_file():  # never unpickled (hf.refuse_pickled_weights says the same)
-        raise ValueError(f"{d} holds its weights as pytorch_model.bin (a pickle) and no model.safetensors; pretrain "
-                         f"reads safetensors only and never unpickles a directory it is handed. Where you trust the "
-                         f"file, load the model with sentence-transformers and save it again (model.safetensors)")
+    refuse_pickled_weights(d, "sentence-transformers")
     raise FileNotFoundError(f"{d} holds no model.safetensors")
 
 

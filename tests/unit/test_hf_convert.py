@@ -24,6 +24,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from pretrain.config.model import ModelConfig  # noqa: E402
 from pretrain.export import hf as hfmod  # noqa: E402
 from pretrain.export import resolve  # noqa: E402
+from pretrain.export.hf_weights import read_hf_weights  # noqa: E402
 from pretrain.export.convert import main as convert_main  # noqa: E402
 from pretrain.model import TIED_KEYS, PretrainModel, build_model  # noqa: E402
 
@@ -201,7 +202,7 @@ def test_from_hf_cli_writes_init_dir(tmp_path):
     tok = json.loads((out / "tokenizer.json").read_text())
     assert tok["padding"] is None and tok["truncation"] is None
     state = hfmod.load_init_weights(str(out))
-    ref = hfmod.from_hf_state_dict(hfmod.read_hf_weights(d), 6)
+    ref = hfmod.from_hf_state_dict(read_hf_weights(d), 6)
     assert all(torch.equal(state[k], ref[k]) for k in ref)
     assert state["mlm_head.decoder.weight"] is state["encoder.embeddings.word.weight"]
     with torch.device("meta"):  # key set and shapes only; no weights allocated
@@ -498,10 +499,10 @@ def test_module_and_shard_paths_leading_out_of_the_model_directory_are_refused(e
         (out / "w2").symlink_to(tmp_path / "w.safetensors")
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"embeddings.x": named}}))
     if where == "symlink":
-        assert "embeddings.word_embeddings.weight" in hfmod.read_hf_weights(out)
+        assert "embeddings.word_embeddings.weight" in read_hf_weights(out)
         return
     with pytest.raises(ValueError, match="outside"):
-        hfmod.read_hf_weights(out)
+        read_hf_weights(out)
 
 
 def test_plain_transformers_bert_imports_with_the_documented_default(exported, tmp_path):
