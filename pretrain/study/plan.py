@@ -196,6 +196,8 @@ def load_study(path: str | os.PathLike) -> Study:
 
 
 def _check(s: Study) -> None:
+    """StudyError naming the first thing wrong with the study file: names, prep steps and env, arms, evaluations,
+    tables."""
     where = str(s.path)
     names = [a.name for a in s.arms]
     if not names:
@@ -208,6 +210,39 @@ def _check(s: Study) -> None:
         bad = [n for n in items if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", n)]
         if bad:
             raise StudyError(f"{where}: {kind} name(s) {bad} must be letters, digits, '_', '-', '.'")
+    _check_prep(s, where)
+    _check_arms(s, where)
+    if s.weights not in ("final", "best"):
+        raise StudyError(f"{where}: evaluations.weights must be final or best, got {s.weights!r}")
+    for e in s.evals:
+        if e.tool not in EVAL_RESULTS:
+            raise StudyError(f"{where}: evaluation {e.name}: tool must be one of {', '.join(EVAL_RESULTS)}")
+        taken = sorted({a.split("=")[0] for a in e.args} & {"--model", "--out", "--name"})
+        if taken:
+            raise StudyError(f"{where}: evaluation {e.name}: {', '.join(taken)} are set by the driver")
+    _check_tables(s, where)
+
+
+def _check_tables(s: Study, where: str) -> None:
+    for t in s.tables:
+        if t.kind not in ("sts", "glue", "align", "training", "report"):
+            raise StudyError(f"{where}: table kind {t.kind!r} is not one of sts, glue, align, training, report")
+        for e in t.evals:
+            if e not in [x.name for x in s.evals]:
+                raise StudyError(f"{where}: table {t.title or t.kind} names evaluation {e!r}, which "
+                                 f"evaluations.runs lacks")
+        for a in t.arms:
+            s.arm(a)
+        if t.kind not in ("report", "training") and not t.evals:
+            raise StudyError(f"{where}: table {t.title or t.kind} needs evals: [NAME, ...]")
+        if t.convention not in ("all", "mean", "wmean"):
+            raise StudyError(f"{where}: table {t.title or t.kind}: convention must be all, mean or wmean")
+
+
+
+
+def _check_prep(s: Study, where: str) -> None:
+    """Prep steps write inside the study's directory and run pretrain's own CLIs; env sets thread counts only."""
     for x in s.prep:  # a stale output is removed (rmtree) before it is redone: it must lie inside the study's out
         for key, value in (("output", x.output), ("complete", x.complete)):
             rel = Path(value)
@@ -224,6 +259,9 @@ def _check(s: Study) -> None:
     if bad_env:
         raise StudyError(f"{where}: env: {', '.join(bad_env)} may not be set by a study file (it sets thread counts "
                          f"and the like: {ENV_KEYS.pattern.replace('|', ', ')}); set others in your own shell")
+
+
+def _check_arms(s: Study, where: str) -> None:
     for a in s.arms:
         if not a.seeds:
             raise StudyError(f"{where}: arm {a.name}: seeds is empty; list one or more, e.g. seeds: [1234]")
@@ -241,27 +279,6 @@ def _check(s: Study) -> None:
                 raise StudyError(
                     f"{where}: arm {a.name} sets {_key(o)}, a shared setting ({', '.join(clash)}); shared settings are "
                     f"the same for every arm. List it under the arm's replaces_shared if this arm is meant to differ")
-    if s.weights not in ("final", "best"):
-        raise StudyError(f"{where}: evaluations.weights must be final or best, got {s.weights!r}")
-    for e in s.evals:
-        if e.tool not in EVAL_RESULTS:
-            raise StudyError(f"{where}: evaluation {e.name}: tool must be one of {', '.join(EVAL_RESULTS)}")
-        taken = sorted({a.split("=")[0] for a in e.args} & {"--model", "--out", "--name"})
-        if taken:
-            raise StudyError(f"{where}: evaluation {e.name}: {', '.join(taken)} are set by the driver")
-    for t in s.tables:
-        if t.kind not in ("sts", "glue", "align", "training", "report"):
-            raise StudyError(f"{where}: table kind {t.kind!r} is not one of sts, glue, align, training, report")
-        for e in t.evals:
-            if e not in [x.name for x in s.evals]:
-                raise StudyError(f"{where}: table {t.title or t.kind} names evaluation {e!r}, which "
-                                 f"evaluations.runs lacks")
-        for a in t.arms:
-            s.arm(a)
-        if t.kind not in ("report", "training") and not t.evals:
-            raise StudyError(f"{where}: table {t.title or t.kind} needs evals: [NAME, ...]")
-        if t.convention not in ("all", "mean", "wmean"):
-            raise StudyError(f"{where}: table {t.title or t.kind}: convention must be all, mean or wmean")
 
 
 def _key(override: str) -> str:
