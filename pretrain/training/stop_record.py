@@ -76,9 +76,10 @@ def requeue_allowed(run_dir: str | os.PathLike, *, max_stalled: int, environ=os.
     me, step = launch_id(environ), _latest_step(run_dir)
     path = run_dir / REQUEUES
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except OSError:
-        lines = []
+        text = ""
+    lines = text.splitlines()
     history = []
     for line in lines:
         try:
@@ -88,7 +89,7 @@ def requeue_allowed(run_dir: str | os.PathLike, *, max_stalled: int, environ=os.
         if isinstance(rec, dict) and rec.get("job") == me["job"]:
             history.append(rec)
     history.append({**me, "step": step, "time": time.time()})
-    torn = bool(lines) and not path.read_bytes().endswith(b"\n")  # a line cut by a kill: start a new one
+    torn = bool(text) and not text.endswith("\n")  # a line cut by a kill: start a new one
     with open(path, "a", encoding="utf-8") as f:
         f.write(("\n" if torn else "") + json.dumps(history[-1]) + "\n")
     # N requeues that moved nothing: N + 1 records of one step (the one before them is where it stood)
