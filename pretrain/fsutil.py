@@ -6,11 +6,41 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import os
 import shutil
 from pathlib import Path
 
 from pretrain.distributed.env import unique_suffix
+
+SAMPLE_BLOCK = 1 << 20
+SAMPLE_BLOCKS = 8
+"""The sampled checksum of a file: sha256 of its size and of SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes evenly
+spread from its first to its last byte (the whole file when smaller): at most 8 MiB read per file (checkpoints'
+files.json; a dataset's shards sample fewer, smaller blocks)."""
+
+
+def file_digests(path: Path, *, full: bool = True, block: int = SAMPLE_BLOCK, blocks: int = SAMPLE_BLOCKS) -> dict:
+    """{"bytes", "sampled_sha256"[, "sha256"]} of one file: the sampled digest reads ``blocks`` blocks of ``block``
+    bytes, the first at the file's start and the last ending at its last byte (so a cut or zero-filled end changes
+    it)."""
+    size = os.stat(path).st_size
+    sampled = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= block * blocks:
+            sampled.update(f.read())
+        else:
+            for i in range(blocks):
+                f.seek(round(i * (size - block) / (blocks - 1)))
+                sampled.update(f.read(block))
+        out = {"bytes": size, "sampled_sha256": sampled.hexdigest()}
+        if full:
+            f.seek(0)
+            whole = hashlib.sha256()
+            for chunk in iter(lambda: f.read(1 << 23), b""):
+                whole.update(chunk)
+            out["sha256"] = whole.hexdigest()
+    return out
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

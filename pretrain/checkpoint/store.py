@@ -22,7 +22,6 @@ so a directory without it is never taken for a checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -33,7 +32,7 @@ import torch
 
 from pretrain.checkpoint.files import atomic_write_text, fsync_files, save_safetensors
 from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
-from pretrain.fsutil import fsync_dir, replace_dir
+from pretrain.fsutil import SAMPLE_BLOCK, SAMPLE_BLOCKS, file_digests, fsync_dir, replace_dir  # noqa: F401
 from pretrain.model.autoencoder import HEADS_FILE
 from pretrain.model.flat import unflatten_state
 
@@ -46,10 +45,6 @@ version 2 refuses a version-3 checkpoint instead of resuming it in another order
 STATE_FILE = "trainer_state.json"
 FILES_FILE = "files.json"
 WEIGHTS_FILE = "model.safetensors"
-SAMPLE_BLOCK = 1 << 20
-SAMPLE_BLOCKS = 8
-"""The sampled checksum of a file: sha256 of its size and of SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes evenly
-spread from its first to its last byte (the whole file when smaller): at most 8 MiB read per file."""
 LATEST_FILE = "latest"
 FILES_RECORDED = "files_recorded"
 """A trainer_state.json key (written since 2026-12-07): the checkpoint's files are recorded in files.json, so one
@@ -106,27 +101,6 @@ def step_of(tag: str) -> int:
     """The step a checkpoint tag names (``step_00001000`` -> 1000; -1 for another name)."""
     m = _TAG_RE.match(tag)
     return int(m.group(1)) if m else -1
-
-
-def file_digests(path: Path, *, full: bool = True) -> dict:
-    """{"bytes", "sampled_sha256"[, "sha256"]} of one file."""
-    size = path.stat().st_size
-    sampled = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        if size <= SAMPLE_BLOCK * SAMPLE_BLOCKS:
-            sampled.update(f.read())
-        else:
-            for i in range(SAMPLE_BLOCKS):
-                f.seek(round(i * (size - SAMPLE_BLOCK) / (SAMPLE_BLOCKS - 1)))
-                sampled.update(f.read(SAMPLE_BLOCK))
-        out = {"bytes": size, "sampled_sha256": sampled.hexdigest()}
-        if full:
-            f.seek(0)
-            whole = hashlib.sha256()
-            for block in iter(lambda: f.read(1 << 23), b""):
-                whole.update(block)
-            out["sha256"] = whole.hexdigest()
-    return out
 
 
 def write_weights(tmp_dir: Path, step: int, *, in_thread: bool = False) -> None:
