@@ -258,19 +258,70 @@ def record_trainer_state(env, tag_dir: Path, trainer_state: dict) -> None:
 
 def publish(ckpt_dir: Path, tmp_dir: Path, tag: str, keep_last: int, keep_every: int = 0) -> None:
     """The complete ``tmp_dir`` becomes ``tag`` and ``latest`` (each by an atomic rename); of the checkpoints up to
-    ``tag``'s step, those beyond the newest ``keep_last`` (``tag`` among them) go. Tags of later steps are left
-    alone: the run went back from them (a damaged one the resume or a rollback skipped), and counted by step they
-    would outrank ``tag`` and have it removed the moment it was published. A step that is a multiple of
-    ``keep_every`` (> 0) is never removed (a milestone)."""
+    ``tag``'s step, those older than the newest ``keep_last`` *intact* ones (``tag`` among them) go. A damaged one
+    does not count (``retention_problems``): counted, a run whose older checkpoints lost files would keep fewer
+    checkpoints to fall back on than it asked for, down to none but ``tag``; it is left while it is among the newest
+    and goes with the rest once ``keep_last`` intact ones are newer. Tags of later steps are left alone: the run went
+    back from them (a damaged one the resume or a rollback skipped), and counted by step they would outrank ``tag``
+    and have it removed the moment it was published. A step that is a multiple of ``keep_every`` (> 0) is never
+    removed (a milestone)."""
     # An older copy of this step (a step redone after a resume or rollback, which `latest` may name) is swapped
     # out, not removed first: the tag is never absent. replace_dir's fsync makes it durable before `latest` names it.
     replace_dir(tmp_dir, ckpt_dir / tag)
     atomic_write_text(ckpt_dir / LATEST_FILE, tag + "\n")
     fsync_dir(ckpt_dir)
-    upto = [t for t in list_complete(ckpt_dir) if step_of(t) <= step_of(tag)]
-    for old in upto[:-keep_last]:
-        if not (keep_every and step_of(old) % keep_every == 0):
+    _VERIFIED[ckpt_dir / tag] = _signature(ckpt_dir / tag)  # just written and hashed by its writers
+    intact = 0
+    for old in reversed([t for t in list_complete(ckpt_dir) if step_of(t) <= step_of(tag)]):
+        if intact < keep_last:
+            intact += not retention_problems(ckpt_dir / old)
+        elif not (keep_every and step_of(old) % keep_every == 0):
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+            _VERIFIED.pop(ckpt_dir / old, None)
+
+
+_VERIFIED: dict[Path, tuple] = {}
+"""Checkpoints this process published or verified whole (sampled digests), with their files.json and state file's
+(size, mtime): ``retention_problems`` checks those by their files' sizes only."""
+
+
+def _signature(tag_dir: Path) -> tuple:
+    out = []
+    for name in (FILES_FILE, STATE_FILE):
+        try:
+            st = (tag_dir / name).stat()
+            out.append((st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def retention_problems(tag_dir: Path) -> list[str]:
+    """What is wrong with a checkpoint, as retention counts it ([] = intact): ``verify_checkpoint`` (sizes and
+    sampled digests, what a resume checks) the first time this process sees it, then its state file, files.json
+    and its files' sizes (a stat each: a file lost or truncated since) while its files.json and state file are
+    unchanged — so a save does not reread its older checkpoints' sampled blocks (1 GB at 64 ranks) every time."""
+    if _VERIFIED.get(tag_dir) != _signature(tag_dir):
+        problems = verify_checkpoint(tag_dir)
+        if not problems:
+            _VERIFIED[tag_dir] = _signature(tag_dir)
+        return problems
+    try:
+        read_trainer_state(tag_dir)
+        recorded = json.loads((tag_dir / FILES_FILE).read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return []  # from before files.json (verify_checkpoint said so the first time)
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
+        return [str(e)]
+    return [f"{name} is missing or has another size" for name, want in sorted(recorded.items())
+            if not _has_size(tag_dir / name, want.get("bytes"))]
+
+
+def _has_size(path: Path, size) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def describe_error(e: BaseException) -> str:

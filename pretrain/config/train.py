@@ -308,7 +308,8 @@ class CheckpointConfig:
     in-memory snapshot, so training goes on meanwhile (the next save, the end of the run and a stop signal wait for
     it). false: every save finishes before training continues (the same files, written at once)."""
     keep_last: int = 3
-    """Checkpoints kept: the newest keep_last (older ones are removed once a newer one is published)."""
+    """Checkpoints kept: the newest keep_last intact ones (older ones are removed once a newer one is published; a
+    damaged one does not count)."""
     keep_every: int = 0
     """Also keep, for good, every checkpoint whose step is a multiple of this (milestones of a long run: 50000
     keeps steps 50k, 100k, ...; each is a whole checkpoint on disk); 0 = off. A multiple of checkpoint.every."""

@@ -174,3 +174,43 @@ def test_keep_every_keeps_milestones_for_good_and_the_newest_keep_last(tmp_path)
         CheckpointConfig(every=1000, keep_every=2_500)
     with pytest.raises(ValueError, match="checkpoint.every=0"):  # no periodic saves: no milestone would be kept
         CheckpointConfig(every=0, keep_every=5_000)
+
+
+def _publish_with_files(ckpt_dir, step: int, keep_last: int) -> None:
+    """A checkpoint with a weight file recorded in files.json (record_files), published as the writer does."""
+    tmp = ckpt_dir / f".tmp-{store.tag_for_step(step)}"
+    tmp.mkdir(parents=True)
+    (tmp / "mp_rank_00_model_states.pt").write_bytes(bytes(range(256)) * 64 + step.to_bytes(8, "little"))
+    store.record_files(tmp, {})
+    (tmp / store.STATE_FILE).write_text(json.dumps({"format_version": store.FORMAT_VERSION, "step": step,
+                                                    store.FILES_RECORDED: True}))
+    store.publish(ckpt_dir, tmp, store.tag_for_step(step), keep_last)
+
+
+def test_retention_counts_only_intact_checkpoints(tmp_path, monkeypatch):
+    """keep_last=2 and the checkpoint before the newest lost a file (or a truncated one, or a flipped byte seen by a
+    later process): counted, it made retention remove the last intact older checkpoint, leaving the run one
+    checkpoint to resume from (and none if that one is damaged next). A damaged checkpoint does not count; it goes
+    once keep_last intact ones are newer."""
+    steps = lambda d: [store.step_of(t) for t in store.list_complete(d)]  # noqa: E731
+    for damage in ("missing", "truncated", "flipped"):
+        ckpt_dir = store.checkpoints_dir(tmp_path / damage)
+        for step in (1000, 2000, 3000):
+            _publish_with_files(ckpt_dir, step, 2)
+        assert steps(ckpt_dir) == [2000, 3000]
+        weights = ckpt_dir / store.tag_for_step(3000) / "mp_rank_00_model_states.pt"
+        if damage == "missing":
+            weights.unlink()
+        elif damage == "truncated":
+            weights.write_bytes(weights.read_bytes()[:-1])
+        else:  # the same size: only the sampled digest sees it, in a process that has not verified it yet
+            data = bytearray(weights.read_bytes())
+            data[100] ^= 1
+            weights.write_bytes(bytes(data))
+            monkeypatch.setattr(store, "_VERIFIED", {}, raising=False)
+        assert store.verify_checkpoint(weights.parent)
+        _publish_with_files(ckpt_dir, 4000, 2)
+        assert steps(ckpt_dir) == [2000, 3000, 4000], damage  # 2000 and 4000 intact; 3000 left, not counted
+        assert store.find_intact(ckpt_dir)[0] == store.tag_for_step(4000)
+        _publish_with_files(ckpt_dir, 5000, 2)
+        assert steps(ckpt_dir) == [4000, 5000], damage  # the damaged one goes with the rest
