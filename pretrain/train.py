@@ -138,9 +138,10 @@ def agree_on_precision(cfg, env):
 
 def train(cfg, env) -> int:
     """Trains ``cfg`` in this process (one rank of ``env``); the exit code: 0 done, 2 bad config or input,
-    3 diverged, 4 checkpoint not writable/readable or metrics not writable (after a checkpoint), 75 stopped for
-    a requeue, 130 Ctrl-C."""
+    3 diverged, 4 checkpoint not writable/readable or metrics not writable (after a checkpoint), 5 the data
+    loader's workers died or stalled, 75 stopped for a requeue, 130 Ctrl-C."""
     from pretrain.checkpoint.store import CheckpointError
+    from pretrain.data.workers import DATA_WORKER_EXIT_CODE, DataWorkerError
     from pretrain.distributed.env import destroy_process_group, init_process_group
     from pretrain.distributed.signals import StopSignal
     from pretrain.metrics.writer import MetricsWriteError
@@ -160,6 +161,9 @@ def train(cfg, env) -> int:
     except TrainingDiverged as e:
         print(f"pretrain-train: {e}", file=sys.stderr)
         return 3
+    except DataWorkerError as e:
+        print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)
+        return DATA_WORKER_EXIT_CODE
     except KeyboardInterrupt:  # a second Ctrl-C (StopSignal turns the first into a checkpoint-and-stop)
         step, published = trainer.abandon_save() if trainer is not None else (None, None)
         if published is not None:

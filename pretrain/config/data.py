@@ -93,6 +93,10 @@ class DataConfig:
     num_workers: int = 1
     """DataLoader worker processes building samples (masking + augmentation)."""
     prefetch_factor: int = 4
+    timeout_s: float = 600.0
+    """How long the trainer waits for its next batch from the workers (num_workers > 0) before it stops with exit 5,
+    naming the stuck workers (a read from a hung filesystem mount never returns: without it a one-rank run hangs
+    for good); 0 = wait forever. Raise it if building a batch can really take that long."""
     index_cache_dir: str = ""
     """Where the datasets' index caches (sample index, sentence index, shard-check stamps) are kept: "" = each
     dataset's own ``index-cache/``. Set it when the dataset directories are read-only (a shared project space):
@@ -130,6 +134,8 @@ class DataConfig:
             raise ValueError(f"data.max_len/view_max_len must be >= 8, got {self.max_len}/{self.view_max_len}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if not self.timeout_s >= 0:
+            raise ValueError(f"data.timeout_s must be >= 0 (0 = wait forever), got {self.timeout_s}")
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"data.sources names must be unique, got {names}")

@@ -381,7 +381,8 @@ class ResumableLoader:
                 yield batch.unpack() if isinstance(batch, PackedBatch) else batch
 
     def _checked(self, fetch, arg):
-        """``fetch(arg)``, with a dead worker (or one out of memory) raised as a one-line ``DataWorkerError``.
+        """``fetch(arg)``, with a dead worker (or one out of memory, or none delivering within the loader's
+        timeout) raised as a one-line ``DataWorkerError``.
 
         The workers are in torch's SIGCHLD check only while the fetch waits for them: a worker killed while writing
         its message leaves half of it in the pipe, and the read of it would wait forever but for that signal."""
@@ -474,6 +475,7 @@ def build_loader(
     chunk: int | None = None,
     order_rule: str = ORDER_RULE,
     prepare=None,
+    timeout_s: float = 0.0,
 ) -> ResumableLoader:
     """Infinite loader of this rank's micro-batches from global position ``start_sample``.
 
@@ -483,7 +485,8 @@ def build_loader(
     and the numpy calls of a batched ``__getitems__`` are paid once per chunk; the batches are the same.
     ``order_rule``: the SampleOrder rule (a resumed run passes its checkpoint's). ``prepare(batch) -> batch``
     (picklable; the trainer's ``training.step.HostFacts``): the step's host work on each batch, done where the
-    batch is built (the workers), its values tensors or holding them (``split_tensors``)."""
+    batch is built (the workers), its values tensors or holding them (``split_tensors``). ``timeout_s`` (> 0, with
+    workers): a wait for a batch longer than that raises ``DataWorkerError`` naming the stuck workers."""
     _check_position(rank, world_size, micro_batch_size, start_sample)
     if chunk is None:
         chunk = max(1, -(-CHUNK_SAMPLES // micro_batch_size))
@@ -492,7 +495,8 @@ def build_loader(
                                start=start_sample, chunk=chunk)
     extra, ring = {}, None
     if num_workers > 0:
-        extra = dict(persistent_workers=True, prefetch_factor=prefetch_factor, worker_init_fn=_worker_init)
+        extra = dict(persistent_workers=True, prefetch_factor=prefetch_factor, worker_init_fn=_worker_init,
+                     timeout=max(0.0, float(timeout_s)))
         # A worker has at most prefetch_factor tasks queued; one more is being built while one is copied out.
         ring = SlotRing(num_workers, prefetch_factor + 2)
     loader = torch.utils.data.DataLoader(

@@ -9,10 +9,16 @@ import signal
 import torch
 
 
-class DataWorkerError(ValueError):
+DATA_WORKER_EXIT_CODE = 5
+"""pretrain-train's exit code when the data loader's workers failed (``DataWorkerError``): not the input error's 2,
+since the same command may well succeed when relaunched (another node, more memory, the mount back)."""
+
+
+class DataWorkerError(RuntimeError):
     """A DataLoader worker died (killed by a signal: the OOM killer's SIGKILL, a SIGBUS from a full /dev/shm or a
-    shard truncated under its map) or ran out of memory: one line naming the worker, the cause and what to do. A
-    ValueError, so the entry point prints it as the run's one-line error (exit 2) instead of a traceback."""
+    shard truncated under its map), ran out of memory, or delivered no batch for ``data.timeout_s`` (stuck on a hung
+    mount): one line naming the worker, the cause and what to do, which the entry point prints instead of a
+    traceback (exit ``DATA_WORKER_EXIT_CODE``)."""
 
 
 _signal_handling = torch.utils.data._utils.signal_handling
@@ -42,11 +48,14 @@ def unwatch_workers(it) -> None:
 
 
 def worker_failure(e: BaseException | None, it, position: int) -> DataWorkerError | None:
-    """``DataWorkerError`` for an error the DataLoader raised because a worker died (or raised MemoryError), or
-    with ``e`` None for a worker of ``it`` that is dead; None for any other error (re-raised as it is)."""
+    """``DataWorkerError`` for an error the DataLoader raised because a worker died (or raised MemoryError) or
+    timed out (``timeout``), or with ``e`` None for a worker of ``it`` that is dead; None for any other error
+    (re-raised as it is)."""
     workers = getattr(it, "_workers", ())
     dead = [(i, w) for i, w in enumerate(workers) if w.exitcode not in (None, 0)]
     where = f"while building batches at data position {position} (samples consumed)"
+    if isinstance(e, RuntimeError) and str(e).startswith("DataLoader timed out after") and not dead:
+        return stalled(workers, getattr(it, "_timeout", 0), where)
     if isinstance(e, MemoryError) and str(e).startswith("Caught MemoryError in DataLoader worker"):
         return DataWorkerError(f"a data loader worker ran out of memory (MemoryError) {where}; lower "
                                "data.num_workers or data.prefetch_factor, or give the job more memory; resuming "
@@ -69,4 +78,23 @@ def worker_failure(e: BaseException | None, it, position: int) -> DataWorkerErro
     else:
         how, why = f"exited with status {code}", ""
     return DataWorkerError(f"data loader worker {i} (pid {w.pid}) {how} {where}{why}; resuming continues from "
+                           "the last checkpoint")
+
+
+def stalled(workers, timeout_s: float, where: str) -> DataWorkerError:
+    """The workers delivered nothing for ``timeout_s``: which of them the kernel holds in an uninterruptible wait
+    (state D: a read from a hung NFS/Lustre mount or a dying disk) or which are alive at all."""
+    states = []
+    for i, w in enumerate(workers):
+        try:
+            with open(f"/proc/{w.pid}/stat", encoding="ascii", errors="replace") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        states.append(f"worker {i} (pid {w.pid}) " + {"D": "in an uninterruptible I/O wait (state D)",
+                                                      "R": "running", "S": "sleeping"}.get(state, f"state {state}"))
+    return DataWorkerError(f"no batch from the data loader's workers for {timeout_s:g} s (data.timeout_s) {where}: "
+                           f"{'; '.join(states)}. A worker is stuck: most often a read from a hung filesystem "
+                           "mount (the dataset's directory) or a remote read that does not return; if batches "
+                           "really take that long, raise data.timeout_s (0 waits forever). Resuming continues from "
                            "the last checkpoint")

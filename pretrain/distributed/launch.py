@@ -42,6 +42,8 @@ def summary(failures: dict) -> str:
         parts.append(f"rank {rank} {how}")
     code = exit_code(failures)
     meaning = {2: "a configuration or input error (the worker's message above says which)",
+               5: "the data loader's workers died or stalled (the message above says which and why); relaunching "
+                  "resumes from the last checkpoint",
                REQUEUE_EXIT: REQUEUED}.get(code, "see the worker's message above")
     return f"[launch] workers stopped: {', '.join(parts)}: {meaning}; exit {code}"
 

@@ -139,7 +139,7 @@ class Trainer:
         return build(dataset, seed=c.seed, rank=self.env.rank, world_size=self.env.world_size,
                      micro_batch_size=c.train.micro_batch_size, start_sample=start_sample,
                      num_workers=c.data.num_workers, pad_id=self.tokenizer.pad_id,
-                     prefetch_factor=c.data.prefetch_factor,
+                     prefetch_factor=c.data.prefetch_factor, timeout_s=c.data.timeout_s,
                      order_rule=self.state.sample_order if train else ORDER_RULE,
                      prepare=self._step_facts() if train else None)
 

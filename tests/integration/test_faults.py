@@ -708,6 +708,42 @@ def test_signal_to_the_whole_process_group_checkpoints_and_exits(sig, code, tmp_
     assert not (run_dir / "run.lock").exists()
 
 
+def _forked_children(pid: int) -> list[int]:
+    """The processes ``pid`` forked that run its own command line (DataLoader workers: not multiprocessing's
+    resource tracker, which is a new interpreter)."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    out = []
+    for k in kids:
+        try:
+            if Path(f"/proc/{k}/cmdline").read_bytes() == cmdline:
+                out.append(k)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_a_data_worker_killed_mid_run_ends_the_run_with_exit_5_in_one_line(tmp_path, tiny_overrides):
+    """The OOM killer takes a DataLoader worker mid-run: the trainer ends in one line naming the worker, the signal
+    and what to do, with exit 5, not the configuration error's 2 (until 2026-12-07: exit 2), and the run resumes."""
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=2,
+                          data__num_workers=1)
+    p = _start_and_wait_for_a_step(run_dir, args)
+    workers = _forked_children(p.pid)
+    assert len(workers) == 1, workers
+    os.kill(workers[0], signal.SIGKILL)
+    out = p.communicate(timeout=240)[0]
+    assert p.returncode == 5, out[-3000:]
+    line = [ln for ln in out.splitlines() if "pretrain-train: error" in ln]
+    assert len(line) == 1 and f"data loader worker 0 (pid {workers[0]}) was killed by SIGKILL" in line[0], out[-3000:]
+    assert "resuming continues from the last checkpoint" in line[0] and "Traceback" not in out, out[-3000:]
+    assert not (run_dir / "run.lock").exists()
+
+
 def _slow_steps(patch: str = "") -> str:
     """A trainer whose every step prints "inside a step", then takes 3 s more (a Ctrl-C sent at that line lands
     inside a step, not where the trainer may already be past its check for a stop), and ``patch`` (code run

@@ -16,6 +16,7 @@ import torch
 from pretrain.config.data import DataConfig
 from pretrain.data.datasets import PretrainDataset
 from pretrain.data.loader import build_loader
+from pretrain.data.workers import DataWorkerError
 from test_loader import FakeShards  # noqa: E402  (tests/unit is on the path)
 
 
@@ -52,7 +53,7 @@ def test_a_killed_worker_stops_the_loader_in_one_line_and_the_stream_resumes_exa
     victim.join(10)
     time.sleep(0.5)  # the main process goes on with its own work (a forward, a checkpoint write) undisturbed
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match=r"worker 1 \(pid \d+\) was killed by SIGKILL .*OOM killer") as failure:
+    with pytest.raises(DataWorkerError, match=r"worker 1 \(pid \d+\) was killed by SIGKILL .*OOM killer") as failure:
         for _ in range(20):
             got += as_lists([next(it)])
     assert time.monotonic() - t0 < 30
@@ -86,11 +87,50 @@ def test_a_worker_out_of_memory_is_one_line_not_the_workers_traceback():
     loader = build_loader(_RunsOutOfMemory(), seed=0, rank=0, world_size=1, micro_batch_size=2, start_sample=0,
                           num_workers=2, pad_id=0, collate_fn=_cat_ids, chunk=1)
     it = iter(loader)
-    with pytest.raises(ValueError, match=r"worker ran out of memory .* data\.num_workers") as failure:
+    with pytest.raises(DataWorkerError, match=r"worker ran out of memory .* data\.num_workers") as failure:
         for _ in range(40):
             next(it)
     assert "\n" not in str(failure.value) and "Traceback" not in str(failure.value)
     loader.close()
+
+
+class _Hangs(torch.utils.data.Dataset):
+    """Sample 9 never comes back: its read blocks, as a read from a hung NFS/Lustre mount does (here an open of a
+    FIFO nobody writes)."""
+
+    def __init__(self, fifo: str):
+        self.fifo = fifo
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, key):
+        if key[1] == 9:
+            open(self.fifo, "rb").read()
+        return {"input_ids": torch.tensor([key[1]])}
+
+
+def test_a_worker_stuck_on_a_read_stops_the_loader_after_data_timeout_s_in_one_line(tmp_path):
+    """A worker stuck on a read that never returns (a hung mount) hung a one-rank run for good: the loader waited
+    for its batch forever. With ``timeout_s`` the wait ends with one line naming the workers and their state, the
+    setting and the data position, and closing the loader does not wait for the stuck worker."""
+    fifo = tmp_path / "hung"
+    os.mkfifo(fifo)
+    loader = build_loader(_Hangs(str(fifo)), seed=0, rank=0, world_size=1, micro_batch_size=2, start_sample=0,
+                          num_workers=1, prefetch_factor=1, pad_id=0, collate_fn=_cat_ids, chunk=1, timeout_s=2)
+    it = iter(loader)
+    t0 = time.monotonic()
+    with pytest.raises(DataWorkerError, match=r"no batch from the data loader's workers for 2 s \(data\.timeout_s\) "
+                                              r"while building batches at data position \d+ .*: worker 0 \(pid \d+\) "
+                                              r"sleeping\. A worker is stuck") as failure:
+        for _ in range(40):
+            next(it)
+    assert 2 <= time.monotonic() - t0 < 30
+    assert "\n" not in str(failure.value) and failure.value.__cause__ is None
+    assert not isinstance(failure.value, ValueError)  # not the input error's exit 2: pretrain-train exits 5
+    t0 = time.monotonic()
+    loader.close()
+    assert time.monotonic() - t0 < 15
 
 
 def test_a_worker_that_died_between_fetches_is_named_when_the_loader_restarts(dataset):
@@ -104,7 +144,7 @@ def test_a_worker_that_died_between_fetches_is_named_when_the_loader_restarts(da
     victim.join(10)
     time.sleep(0.5)
     loader.consumed_samples = 0  # as Trainer.roll_back
-    with pytest.raises(ValueError, match=r"worker 0 \(pid \d+\) was killed by SIGKILL while building batches "
+    with pytest.raises(DataWorkerError, match=r"worker 0 \(pid \d+\) was killed by SIGKILL while building batches "
                                          r"at data position 0 "):
         next(iter(loader))
     loader.close()
@@ -185,7 +225,7 @@ def test_a_worker_killed_halfway_through_writing_a_batch_does_not_hang_the_next_
         try:
             next(it)
             print("no error")
-        except ValueError as e:
+        except RuntimeError as e:
             print(e)
         loader.close()
     '''))
