@@ -167,6 +167,9 @@ def banner_lines(cfg, world_size: int, module, train_set, valid_set) -> list[str
     why = varlen_nested_why(cfg)
     if why:
         warnings.append(VARLEN_NESTED.format(why=why))
+    if t.compile and t.compile_mode == "reduce-overhead" and t.compile_backend == "inductor" and not _on_gpu():
+        warnings.append("train.compile_mode=reduce-overhead records CUDA graphs, and this run has no GPU: inductor "
+                        "skips them and the step runs as compile_mode=default")
     return lines + [f"warning: {line}" for line in warnings]
 
 

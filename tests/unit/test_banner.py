@@ -261,3 +261,15 @@ def test_plan_check_looks_at_the_gpu_this_rank_uses(monkeypatch):
     monkeypatch.setattr(banner, "check_memory_fits", lambda mem, device, **kw: asked.append(device))
     banner.check_plan_fits(load_run_config(None, ["model=tiny"]), _Tied(), 4, env)
     assert asked == ["cuda:0"]
+
+
+def test_reduce_overhead_without_a_gpu_says_it_runs_as_default(tmp_path, tiny_overrides, capsys):
+    """compile_mode=reduce-overhead on a CPU: inductor skips CUDA graphs and compiles as the default mode, which
+    nothing said; the banner does (and not for the default mode)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU records the CUDA graphs")
+    warning = "warning: train.compile_mode=reduce-overhead records CUDA graphs, and this run has no GPU"
+    for mode, want in (("reduce-overhead", 1), ("default", 0)):
+        overrides = ["train.compile=true", f"train.compile_mode={mode}", "train.compile_shapes=bucketed"]
+        assert main([*tiny_overrides(tmp_path / "run"), *overrides, "--dry-run"]) == 0
+        assert capsys.readouterr().out.count(warning) == want, mode
