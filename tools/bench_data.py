@@ -61,7 +61,7 @@ def _rss_mib() -> float:
 def write_synthetic(directory: Path, num_sentences: int, seed: int = 0) -> None:
     """manifest.json + shard-NNNNN.{idx,bin}: a valid dataset whose .bin files are sparse (all zeros)."""
     sys.path.insert(0, str(ROOT))
-    from pretrain.data.indexed import _CODE_OF, _HEADER, MAGIC, VERSION
+    from pretrain.data.indexed import _CODE_OF, _HEADER, MAGIC, SAMPLING, VERSION, sampled_sha256
     from pretrain.data.shards import write_manifest
 
     rng = np.random.default_rng(seed)
@@ -83,10 +83,12 @@ def write_synthetic(directory: Path, num_sentences: int, seed: int = 0) -> None:
             f.write(sizes.tobytes())
         with open(directory / f"{name}.bin", "wb") as f:
             f.truncate(num_tokens * 2)
-        shards.append({"name": name, "num_sequences": n, "num_documents": len(doc) - 1, "num_tokens": num_tokens})
+        shards.append({"name": name, "num_sequences": n, "num_documents": len(doc) - 1, "num_tokens": num_tokens,
+                       **{f"{ext}_sampled_sha256": sampled_sha256(str(directory / f"{name}.{ext}"))
+                          for ext in ("bin", "idx")}})  # checked at open, as a preprocessed dataset's
     write_manifest(directory, {"tokenizer": {"sha256": "synthetic", "vocab_size": 30522, "path": "none"},
-                               "dtype": "uint16", "shards": shards, "synthetic": True,
-                               "num_sequences": num_sentences})
+                               "dtype": "uint16", "shards": shards, "sampled_sha256": dict(SAMPLING),
+                               "synthetic": True, "num_sequences": num_sentences})
 
 
 def measure_one(directory: str, budget: int, tokenizer: str = "") -> dict:

@@ -13,8 +13,11 @@ import mmap
 import os
 import struct
 from array import array
+from pathlib import Path
 
 import numpy as np
+
+from pretrain.fsutil import file_digests
 
 MAGIC = b"PTIDX\x00\x00\x00"
 VERSION = 1
@@ -22,6 +25,10 @@ _HEADER = struct.Struct("<8sIIQQQ")  # magic, version, dtype code, N, D, num_tok
 HEADER_BYTES = _HEADER.size
 DTYPE_CODES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<i4")}
 _CODE_OF = {v: k for k, v in DTYPE_CODES.items()}
+SAMPLING = {"block": 1 << 16, "blocks": 4}
+"""How a shard file's sampled sha256 is taken (``fsutil.file_digests``; manifest.json's ``sampled_sha256``): 4 blocks
+of 64 KiB evenly spread, the last ending at the file's last byte (a zero-filled or cut end changes it): 256 KiB read
+a file where a shard is opened unstamped, by every rank."""
 
 
 def file_sha256(path: str) -> str:
@@ -31,6 +38,13 @@ def file_sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def sampled_sha256(path: str, sampling: dict | None = None) -> str:
+    """The sampled sha256 of one shard file, taken as ``sampling`` ({"block": bytes, "blocks": count}; default
+    ``SAMPLING``) says."""
+    sampling = sampling or SAMPLING
+    return file_digests(Path(path), full=False, block=sampling["block"], blocks=sampling["blocks"])["sampled_sha256"]
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
@@ -263,7 +277,8 @@ class IndexedDatasetBuilder:
         return len(self._sizes)
 
     def finalize(self) -> dict:
-        """Write the index and publish both files; returns counts, byte sizes and sha256 of each file."""
+        """Write the index and publish both files; returns counts, byte sizes, sha256 and sampled sha256
+        (``SAMPLING``) of each file: the shard's manifest entry but its name."""
         if self._finalized:
             raise RuntimeError("IndexedDatasetBuilder.finalize called twice")
         self.end_document()
@@ -300,10 +315,12 @@ class IndexedDatasetBuilder:
             os.fsync(f.fileno())
         os.replace(self._bin_tmp, self.prefix + ".bin")
         os.replace(idx_tmp, self.prefix + ".idx")
+        # The sampled digests read back a few blocks of the files just written (from the page cache).
         return {"num_sequences": len(sizes), "num_documents": len(doc_idx) - 1, "num_tokens": self.num_tokens,
                 "dtype": self.dtype.name, "bin_bytes": self.num_tokens * self.dtype.itemsize,
                 "idx_bytes": idx_bytes, "bin_sha256": self._bin_hash.hexdigest(),
-                "idx_sha256": idx_hash.hexdigest()}
+                "idx_sha256": idx_hash.hexdigest(), "bin_sampled_sha256": sampled_sha256(self.prefix + ".bin"),
+                "idx_sampled_sha256": sampled_sha256(self.prefix + ".idx")}
 
     def abort(self) -> None:
         """Drop the partial shard (temporary files only; nothing was published)."""

@@ -2,6 +2,7 @@
 
 ``ShardedDataset`` gives one global sentence index over all shards; ``verify_dataset`` re-checks checksums
 and structure. A directory without ``manifest.json`` is an incomplete (or failed) preprocessing run.
+Opening checks each new or changed shard's structure and sampled sha256; only ``verify_dataset`` reads every byte.
 Legend: N = total sequences (sentences), D = total documents, V = vocabulary size.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.data.indexed import IndexedDataset, file_sha256
+from pretrain.data.indexed import IndexedDataset, file_sha256, sampled_sha256
 from pretrain.distributed.env import unique_suffix
 from pretrain.fsutil import fsync_dir, inside
 
@@ -111,13 +112,23 @@ class ShardedDataset:
             _own_files(self.directory, f"{s['name']}.bin", f"{s['name']}.idx")
         stamp_path, stamp = self._checked_stamp()
         known = _read_json(stamp_path) if stamp_path is not None else None
-        self.shards = [IndexedDataset(os.path.join(self.directory, s["name"]),
-                                      check=known is None or known.get(s["name"]) != stamp.get(s["name"]))
+        checked = {s["name"] for s in self.manifest["shards"]
+                   if known is None or known.get(s["name"]) != stamp.get(s["name"])}
+        self.shards = [IndexedDataset(os.path.join(self.directory, s["name"]), check=s["name"] in checked)
                        for s in self.manifest["shards"]]
+        # Structure intact, content changed since preprocessing (a copy cut by a crash, zero-filled at full size):
+        # the sampled sha256 reads a few blocks, the file's end among them.
+        changed = _changed_files(self.directory, self.manifest, checked)
+        if changed:
+            more = f" (and {len(changed) - 1} other shard files)" if len(changed) > 1 else ""
+            raise ValueError(
+                f"{changed[0]}{more} differs from when it was preprocessed (its sampled sha256 does not match "
+                f"{MANIFEST}: e.g. a zero-filled or cut end left by an interrupted copy); copy it again from the "
+                f"source or re-run pretrain-preprocess (pretrain-preprocess --verify {directory} checks every file "
+                f"whole)")
         if stamp_path is not None and known != stamp:
             # What was checked may still be only in the page cache (a copy just made): on the disk first, so that a
             # crash cannot leave a stamp vouching for files whose ends read back as zeros at the same size and mtime.
-            checked = [name for name in stamp if known is None or known.get(name) != stamp[name]]
             for path in (os.path.join(self.directory, name + ext) for name in checked for ext in (".idx", ".bin")):
                 fsync_dir(path)  # a file's dirty pages too (opened read-only, as Linux allows)
             _write_json_quietly(stamp_path, stamp)
@@ -139,9 +150,9 @@ class ShardedDataset:
     def _checked_stamp(self) -> tuple[Path | None, dict]:
         """(``index-cache/checked-<manifest sha>.json``, {shard: [size, mtime_ns] of its .idx and .bin}).
 
-        The shards' O(N) structural check (4 s at 1e9 sentences) runs once per set of files: the stamp records
-        the files that passed, and a shard whose files still have that size and mtime opens without it (the
-        sha256 of every file is ``pretrain-preprocess --verify``'s job)."""
+        The shards' O(N) structural check (4 s at 1e9 sentences) and sampled sha256 run once per set of files: the
+        stamp records the files that passed, and a shard whose files still have that size and mtime opens without
+        them (the sha256 of every file is ``pretrain-preprocess --verify``'s job)."""
         stamp = {}
         for s in self.manifest["shards"]:
             prefix = os.path.join(self.directory, s["name"])
@@ -254,6 +265,34 @@ def _write_json_quietly(path: Path, data: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _sampling(manifest: dict, where: str) -> dict | None:
+    """The manifest's ``sampled_sha256`` ({"block": bytes, "blocks": count}: how the shards' sampled digests were
+    taken), None for a dataset written without them; ValueError naming ``where`` when it is malformed."""
+    sampling = manifest.get("sampled_sha256")
+    if sampling is None:
+        return None
+    ok = isinstance(sampling, dict) and all(type(sampling.get(k)) is int for k in ("block", "blocks"))
+    if not ok or sampling["block"] < 1 or sampling["blocks"] < 2:
+        raise ValueError(f"{where}: sampled_sha256 is {sampling!r}, expected {{'block': bytes >= 1, 'blocks': "
+                         f"count >= 2}}; re-run pretrain-preprocess")
+    return sampling
+
+
+def _changed_files(directory: str, manifest: dict, names: set[str]) -> list[str]:
+    """The .bin/.idx files of shards ``names`` whose sampled sha256 differs from the manifest's (none checked for a
+    manifest, or a shard entry, without sampled digests: a dataset written before they were recorded)."""
+    sampling = _sampling(manifest, os.path.join(directory, MANIFEST))
+    if sampling is None:
+        return []
+    changed = []
+    for entry in (e for e in manifest["shards"] if e["name"] in names):
+        for ext in ("bin", "idx"):
+            path, want = os.path.join(directory, f"{entry['name']}.{ext}"), entry.get(f"{ext}_sampled_sha256")
+            if want is not None and sampled_sha256(path, sampling) != want:
+                changed.append(path)
+    return changed
+
+
 def _own_files(directory: str, *names: str) -> None:
     """ValueError when one of the manifest's ``names`` leads out of the dataset directory ("..", an absolute path).
     A shard file that is a symlink is the user's own arrangement (shards kept on another filesystem) and is read:
@@ -269,10 +308,15 @@ def verify_dataset(directory: str) -> list[str]:
     except (FileNotFoundError, ValueError) as e:
         return [str(e)]
     problems: list[str] = []
+    try:
+        sampling = _sampling(manifest, os.path.join(directory, MANIFEST))
+    except ValueError as e:
+        problems.append(str(e))
+        sampling = None
     totals = {"num_sequences": 0, "num_documents": 0, "num_tokens": 0}
     vocab = manifest.get("tokenizer", {}).get("vocab_size", 0)
     for entry in manifest.get("shards", []):
-        counts = _shard_problems(directory, entry, vocab, problems)
+        counts = _shard_problems(directory, entry, vocab, problems, sampling)
         for key, got in (counts or {}).items():
             totals[key] += got
     if not problems:
@@ -284,9 +328,11 @@ def verify_dataset(directory: str) -> list[str]:
     return problems
 
 
-def _shard_problems(directory: str, entry: dict, vocab: int, problems: list[str]) -> dict | None:
-    """One manifest shard entry checked (its files inside the dataset, sizes, sha256, index structure, counts, token
-    ids below ``vocab``), problems appended; its counts, or None when its files could not be read."""
+def _shard_problems(directory: str, entry: dict, vocab: int, problems: list[str],
+                    sampling: dict | None = None) -> dict | None:
+    """One manifest shard entry checked (its files inside the dataset, sizes, sampled sha256 by ``sampling`` then
+    sha256, index structure, counts, token ids below ``vocab``), problems appended; its counts, or None when its files
+    could not be read."""
     name = entry.get("name", "?")
     try:
         _own_files(directory, f"{name}.bin", f"{name}.idx")
@@ -296,13 +342,17 @@ def _shard_problems(directory: str, entry: dict, vocab: int, problems: list[str]
     prefix = os.path.join(directory, name)
     bad = False
     for ext in ("bin", "idx"):
-        path = f"{prefix}.{ext}"
+        path, sampled = f"{prefix}.{ext}", entry.get(f"{ext}_sampled_sha256")
         if not os.path.isfile(path):
             problems.append(f"shard {name}: {path} is missing")
             bad = True
         elif os.path.getsize(path) != entry.get(f"{ext}_bytes"):
             problems.append(f"shard {name}: {path} has {os.path.getsize(path)} bytes, manifest says "
                             f"{entry.get(f'{ext}_bytes')}")
+            bad = True
+        elif sampling and sampled is not None and sampled_sha256(path, sampling) != sampled:  # cheap, first
+            problems.append(f"shard {name}: {path} sha256 mismatch (file changed or corrupt: its sampled blocks "
+                            f"differ, e.g. a zero-filled or cut end)")
             bad = True
         elif file_sha256(path) != entry.get(f"{ext}_sha256"):
             problems.append(f"shard {name}: {path} sha256 mismatch (file changed or corrupt)")

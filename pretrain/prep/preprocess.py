@@ -31,7 +31,7 @@ from typing import Iterator
 import numpy as np
 
 from pretrain.console import one_line_warnings, show_progress
-from pretrain.data.indexed import IndexedDatasetBuilder, best_dtype
+from pretrain.data.indexed import SAMPLING, IndexedDatasetBuilder, best_dtype
 from pretrain.data.shards import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -389,6 +389,7 @@ def _manifest(tok, tmp: Path, shards: list[dict], files: list[str], settings: di
         "num_documents": sum(s["num_documents"] for s in shards),
         "num_tokens": sum(s["num_tokens"] for s in shards),
         "shards": shards,
+        "sampled_sha256": dict(SAMPLING),  # how the shards' bin/idx_sampled_sha256 were taken (finalize)
         "token_freq": {"file": TOKEN_FREQ, "sha256": file_sha256(str(tmp / TOKEN_FREQ))},
         "settings": settings,
         "inputs": [{"path": os.path.abspath(f), "bytes": os.path.getsize(f)} for f in files],
