@@ -32,6 +32,7 @@ from pretrain.eval.glue_data import (
     TaskSpec,
     compute_metrics,
     get_task,
+    rank_score,
     read_split,
 )
 from pretrain.export.hf_modern import ACT_TO_HF
@@ -74,9 +75,15 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         get_task(self.task)
-        for name in ("lr", "batch_size", "epochs"):
+        for name in ("lr", "batch_size", "epochs", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"finetune.{name} must be positive, got {getattr(self, name)}")
+        for name in ("eval_every", "max_train_examples"):
+            if getattr(self, name) < 0:
+                zero = "every epoch" if name == "eval_every" else "all"
+                raise ValueError(f"finetune.{name} must be >= 0 (0 = {zero}), got {getattr(self, name)}")
+        if self.max_len < 4:  # [CLS] a [SEP] b [SEP] needs 3 special tokens, RoBERTa's <s> a </s></s> b </s> 4
+            raise ValueError(f"finetune.max_len must be >= 4 (a pair's special tokens), got {self.max_len}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"finetune.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.max_grad_norm < 0:
@@ -147,7 +154,8 @@ def modernbert_head_of(backbone: nn.Module) -> ModernHeadSpec | None:
             return None
         cutoff = getattr(c, "initializer_cutoff_factor", None)
         return ModernHeadSpec(pooling=c.classifier_pooling, bias=c.classifier_bias,
-                              activation=_activation(c.classifier_activation), norm_eps=c.norm_eps, norm_bias=c.norm_bias,
+                              activation=_activation(c.classifier_activation), norm_eps=c.norm_eps,
+                              norm_bias=c.norm_bias,
                               dropout=float(c.classifier_dropout),
                               dense_std=c.initializer_range / math.sqrt(2.0 * c.num_hidden_layers),
                               cutoff=3.0 if cutoff is None else float(cutoff))  # _init_weights' fallback
@@ -349,7 +357,8 @@ def _optimizer(model: nn.Module, cfg: FinetuneConfig, total_steps: int):
 
 def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str | Path,
              save_dir: str | Path | None = None, log=print) -> dict:
-    """Fine-tune `backbone` on one task; returns {config, best dev metrics, history, wall_s}."""
+    """Fine-tune `backbone` on one task; returns {config, best dev metrics, history, wall_s}. The backbone is trained
+    in place: pass a freshly loaded one to each run (pretrain-finetune-glue loads it per run)."""
     task = get_task(cfg.task)
     t0 = time.time()
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -389,7 +398,7 @@ def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str 
                     history.append(m)
                     log(f"[{task.name} lr={cfg.lr} seed={cfg.seed}] epoch {epoch + 1} step {step}: "
                         f"dev score {m['score']:.2f} (loss {loss.item():.4f}, {m['elapsed_s']:.0f}s)")
-                    if best is None or m["score"] > best["score"]:
+                    if best is None or rank_score(m["score"]) > rank_score(best["score"]):
                         best = m
                         if save_dir is not None:  # one copy per tensor: safetensors stores no shared ones
                             best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -12,18 +12,23 @@ import argparse
 import itertools
 import json
 import os
-import statistics
+from dataclasses import asdict
 from pathlib import Path
 
+from pretrain.checkpoint.files import atomic_write_text
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
 from pretrain.eval import fail, find_data_dir
 from pretrain.eval.encoder import load_backbone
 from pretrain.eval.glue import FinetuneConfig, check_max_len, finetune
-from pretrain.eval.glue_data import TABLE_ORDER, TASKS, get_task
+from pretrain.eval.glue_data import TABLE_ORDER, TASKS, GlueFormatError, get_task, rank_score, task_files
 from pretrain.export.resolve import select_checkpoint
 
 DEFAULT_EPOCHS_LARGE = 3
+GRID_KEYS = ("task", "lr", "seed")
+"""The settings a sweep varies within one output directory."""
+UNSCORED_KEYS = ("device", "eval_batch_size", "dropout")
+"""Settings that do not change a run's numbers (dropout follows from the model)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a run directory as --model: its newest checkpoint (default), best/ (best STS-B dev) or "
                         "checkpoints/step_N")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
-    p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed "
+                        "files (runs any code they carry: only for checkpoints you trust)")
     p.add_argument("--glue-dir", default="",
                    help="GLUE root with one folder per task (default: glue/ under $PRETRAIN_DATA_DIR, else under "
                         "../shared/data from here, then beside the repository)")
@@ -87,19 +94,75 @@ def run_path(out: Path, task: str, lr: float, seed: int) -> Path:
     return out / get_task(task).folder / f"lr{lr:g}_seed{seed}.json"
 
 
+def build_config(args, task: str, lr: float, seed: int) -> FinetuneConfig:
+    spec = get_task(task)
+    return FinetuneConfig(
+        task=task, lr=lr, seed=seed, epochs=args.epochs if spec.small else args.epochs_large,
+        batch_size=args.batch_size, max_len=args.max_len, warmup_ratio=args.warmup_ratio,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, max_train_examples=args.max_train_examples,
+        eval_every=args.eval_every, device=args.device, bf16=args.bf16,
+    )
+
+
+def settings_of(model: str | None, config: dict) -> dict:
+    """What must agree between the runs of one task in one output directory for their summary to mean anything:
+    the model and every setting but the grid's and those that do not change the numbers (JSON-normalised)."""
+    keep = {k: v for k, v in config.items() if k not in GRID_KEYS + UNSCORED_KEYS}
+    return json.loads(json.dumps({"model": model, **keep}))
+
+
+def differing(a: dict, b: dict) -> str:
+    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+def check_same_settings(runs: list[tuple[Path, dict]], model: str | None = None,
+                        configs: dict[str, FinetuneConfig] | None = None) -> None:
+    """ValueError when the run files of a task disagree on the model or a setting, or tasks on the model (an output
+    directory reused for another model or recipe: results.json would mix them under one name); with ``model`` and
+    ``configs`` (per task name), also when the runs about to start disagree with those already there."""
+    by_task: dict[str, tuple[Path, dict]] = {}
+    for path, r in runs:
+        s = settings_of(r.get("model"), r.get("config", {}))
+        if r["task"] in by_task and by_task[r["task"]][1] != s:
+            raise ValueError(f"{path} and {by_task[r['task']][0]} were run with different settings "
+                             f"({differing(by_task[r['task']][1], s)}); keep one model and recipe per --out")
+        by_task.setdefault(r["task"], (path, s))
+    models = {s["model"]: path for path, s in by_task.values()}
+    if len(models) > 1:
+        raise ValueError(f"{' and '.join(map(str, models.values()))} are runs of different models "
+                         f"({', '.join(map(repr, models))}); keep one model per --out")
+    for name, cfg in (configs or {}).items():
+        want = settings_of(model, asdict(cfg))
+        if name in by_task:
+            path, have = by_task[name]
+        elif by_task:  # another task's runs: the model must be the same, the recipe may differ per task
+            path, have = next(iter(by_task.values()))
+            want, have = {"model": want["model"]}, {"model": have["model"]}
+        else:
+            continue
+        if have != want:
+            raise ValueError(f"--out already holds {path}, run with other settings ({differing(have, want)}); "
+                             f"pass a new --out, or delete the old runs to replace them")
+
+
+def read_runs(out: Path) -> list[tuple[Path, dict]]:
+    """(path, contents) of every run file under ``out``."""
+    runs = []
+    for f in sorted(out.glob("*/lr*_seed*.json")):
+        try:
+            runs.append((f, json.loads(f.read_text())))
+        except ValueError as e:
+            raise ValueError(f"{f} is not a run file pretrain-finetune-glue wrote ({e}); delete it") from None
+    return runs
+
+
 def run_one(args, task: str, lr: float, seed: int) -> dict:
     import torch
 
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = get_task(task)
-    cfg = FinetuneConfig(
-        task=task, lr=lr, seed=seed, epochs=args.epochs if spec.small else args.epochs_large,
-        batch_size=args.batch_size, max_len=args.max_len, warmup_ratio=args.warmup_ratio,
-        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, max_train_examples=args.max_train_examples,
-        eval_every=args.eval_every, device=args.device, bf16=args.bf16,
-    )
+    cfg = build_config(args, task, lr, seed)
 
     try:
         backbone, tok = load_backbone(args.model, backend=args.backend, device=args.device,
@@ -112,31 +175,42 @@ def run_one(args, task: str, lr: float, seed: int) -> dict:
                    save_dir=path.with_suffix("") if args.save_best else None)
     res["model"] = str(args.model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1))
+    atomic_write_text(path, json.dumps(res, indent=1))  # a Slurm array's summary reads these while others run
     return res
 
 
+def median_score(scores: list[float]) -> float:
+    """statistics.median with NaN (a run that never had a finite dev score) ordered below every number; the median
+    sorts by ``<``, which NaN leaves in any order."""
+    s = sorted(scores, key=rank_score)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
 def summarize(out: Path, name: str = "model") -> dict:
-    """Per task: best lr by median-over-seeds dev score; writes results.json and results.md."""
+    """Per task: best lr by median-over-seeds dev score; writes results.json and results.md (each whole or not at
+    all), with the model and settings the task's runs share. ValueError when the run files mix models or settings."""
+    found = read_runs(out)
+    check_same_settings(found)
     runs: dict[str, dict[float, list[dict]]] = {}
-    for f in sorted(out.glob("*/lr*_seed*.json")):
-        r = json.loads(f.read_text())
+    for _, r in found:
         if r.get("best") is None:
             continue
         runs.setdefault(r["task"], {}).setdefault(r["config"]["lr"], []).append(r)
     summary = {}
     for task, by_lr in runs.items():
-        med = {lr: statistics.median(r["best"]["score"] for r in rs) for lr, rs in by_lr.items()}
-        lr = max(med, key=med.get)
+        med = {lr: median_score([r["best"]["score"] for r in rs]) for lr, rs in by_lr.items()}
+        lr = max(med, key=lambda k: rank_score(med[k]))
         rs = by_lr[lr]
         summary[task] = {
             "score": med[lr], "lr": lr, "seeds": [r["config"]["seed"] for r in rs],
             "per_seed": [r["best"] for r in rs], "wall_s": [r["wall_s"] for r in rs],
             "epochs": rs[0]["config"]["epochs"], "num_train": rs[0]["num_train"],
-            "all_lrs": med,
+            "all_lrs": med, "model": rs[0].get("model"),
+            "config": {k: v for k, v in rs[0]["config"].items() if k != "seed"},
         }
-    (out / "results.json").write_text(json.dumps(summary, indent=1))
-    (out / "results.md").write_text(markdown_table({name: summary}))
+    atomic_write_text(out / "results.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "results.md", markdown_table({name: summary}))
     return summary
 
 
@@ -168,9 +242,16 @@ def main(argv: list[str] | None = None) -> None:
     set_verbose(args.verbose)
     out = Path(args.out)
     if args.summarize:
-        print(markdown_table({args.name: summarize(out, args.name)}))
+        try:
+            print(markdown_table({args.name: summarize(out, args.name)}))
+        except ValueError as e:
+            fail("pretrain-finetune-glue", e)
         return
-    entries = grid(args)
+    try:  # every bad name or setting before anything slow
+        entries = grid(args)
+        configs = {get_task(task).name: build_config(args, task, lr, seed) for task, lr, seed in entries}
+    except ValueError as e:
+        fail("pretrain-finetune-glue", e)
     if args.count_runs:
         print(len(entries))
         return
@@ -197,12 +278,23 @@ def main(argv: list[str] | None = None) -> None:
         if not 0 <= args.run_index < len(entries):
             raise SystemExit(f"--run-index {args.run_index} out of range: the grid has {len(entries)} runs")
         entries = [entries[args.run_index]]
+    tasks = [get_task(t) for t in dict.fromkeys(t for t, _, _ in entries)]
+    missing = [str(f) for t in tasks for f in task_files(t, args.glue_dir) if not f.is_file()]
+    if missing:  # all of them, before the first run: not a crash after hours of the tasks that have their files
+        fail("pretrain-finetune-glue", f"GLUE files not found: {', '.join(missing)} (pass --glue-dir or set "
+                                       f"PRETRAIN_DATA_DIR to the directory holding glue/)")
+    try:
+        check_same_settings(read_runs(out), args.model, {t.name: configs[t.name] for t in tasks})
+    except ValueError as e:
+        fail("pretrain-finetune-glue", e)
     for task, lr, seed in entries:
         try:
             res = run_one(args, task, lr, seed)
         except FileNotFoundError as e:
             fail("pretrain-finetune-glue", f"{e} (pass --glue-dir or set PRETRAIN_DATA_DIR to the directory "
                                            f"holding glue/)")
+        except GlueFormatError as e:
+            fail("pretrain-finetune-glue", e)
         print(json.dumps({"task": res["task"], "lr": lr, "seed": seed, "best": res["best"],
                           "wall_s": round(res["wall_s"], 1)}))
     if args.run_index is None:

@@ -1,11 +1,13 @@
 """GLUE tasks: published file formats, readers and official metrics (all 8 tasks + WNLI).
 
 Files are the GLUE distribution's TSVs (`<data>/<Task>/{train,dev,test}.tsv`), read with quoting
-disabled (GLUE text holds bare `"`). CoLA train/dev have no header; the rest are read by column name.
+disabled (GLUE text holds bare `"`). CoLA train/dev have no header; the rest are read by column name. Only the
+labelled splits are read (train, dev*): GLUE's test files have no labels.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,23 +80,54 @@ def get_task(name: str) -> TaskSpec:
     return TASKS[key]
 
 
-def _read_rows(path: Path) -> list[list[str]]:
+class GlueFormatError(ValueError):
+    """A GLUE file that cannot be read as its task's format (named with its path and line)."""
+
+
+def split_path(task: TaskSpec, glue_dir: str | Path, split: str) -> Path:
+    """``<glue_dir>/<folder>/<split>.tsv`` for a labelled split: "train" or one of ``task.dev_splits``. The test
+    split has no labels (GLUE scores it on its server) and is refused, as is a dev split the task does not have."""
+    if split not in ("train", *task.dev_splits):
+        if split.startswith("test"):
+            raise ValueError(f"{task.name} {split}: GLUE's test files have no labels (the GLUE server scores "
+                             f"them); fine-tuning reads train and {', '.join(task.dev_splits)}")
+        raise ValueError(f"{task.name} has no labelled split {split!r}; it has train, {', '.join(task.dev_splits)}")
+    return Path(glue_dir) / task.folder / f"{split}.tsv"
+
+
+def task_files(task: TaskSpec, glue_dir: str | Path) -> list[Path]:
+    """Every file fine-tuning on ``task`` reads: train, then each dev split."""
+    return [split_path(task, glue_dir, s) for s in ("train", *task.dev_splits)]
+
+
+def _read_rows(path: Path) -> list[tuple[int, list[str]]]:
+    """(1-based line number, tab-separated fields) per non-empty line; lines end at "\\n" (CRLF tolerated), so the
+    numbers are those an editor shows."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; download GLUE and pass its root directory")
     with open(path, encoding="utf-8-sig", newline="") as f:
-        return [line.rstrip("\r\n").split("\t") for line in f if line.strip("\r\n")]
+        lines = f.read().split("\n")
+    out = []
+    for n, line in enumerate(lines, start=1):
+        line = line[:-1] if line.endswith("\r") else line
+        if line:
+            out.append((n, line.split("\t")))
+    return out
 
 
 def read_split(task: TaskSpec, glue_dir: str | Path, split: str) -> GlueSplit:
-    """Read `<glue_dir>/<folder>/<split>.tsv` for a labelled split (train / dev*)."""
-    path = Path(glue_dir) / task.folder / f"{split}.tsv"
+    """Read `<glue_dir>/<folder>/<split>.tsv` for a labelled split (train / dev*). GlueFormatError naming the file
+    and line for a row that does not fit the task's format."""
+    path = split_path(task, glue_dir, split)
     rows = _read_rows(path)
+    if not rows:
+        raise GlueFormatError(f"{path} is empty")
     if task.header:
-        header, rows = rows[0], rows[1:]
+        (_, header), rows = rows[0], rows[1:]
 
         def col(key):
             if key not in header:
-                raise ValueError(f"{path}: column {key!r} missing from header {header}")
+                raise GlueFormatError(f"{path}: column {key!r} missing from header {header}")
             # MNLI's gold_label is the last column; index from the right when the header is wider
             i = header.index(key)
             return i if key != "gold_label" else i - len(header)
@@ -106,18 +139,25 @@ def read_split(task: TaskSpec, glue_dir: str | Path, split: str) -> GlueSplit:
     ib = col(task.text_b) if task.text_b is not None else None
     need = max(abs(i) + (0 if i < 0 else 1) for i in (ia, il, ib) if i is not None)
     a, b, y = [], [], []
-    for n, r in enumerate(rows):
+    for line, r in rows:
         if len(r) < need:
-            raise ValueError(f"{path}: row {n + 1} has {len(r)} columns, expected >= {need}")
+            raise GlueFormatError(f"{path}, line {line}: {len(r)} columns, expected >= {need}")
         lab = r[il].strip()
         if task.labels is not None and lab not in task.labels:
             if task.name == "MNLI" and lab == "-":  # unlabelled pairs exist in some MNLI copies
                 continue
-            raise ValueError(f"{path}: row {n + 1} label {lab!r} not in {task.labels}")
+            raise GlueFormatError(f"{path}, line {line}: label {lab!r} not in {task.labels}")
+        if task.labels is None:
+            try:
+                score = float(lab)
+            except ValueError:
+                score = math.nan
+            if not math.isfinite(score):
+                raise GlueFormatError(f"{path}, line {line}: score {lab!r} is not a number")
         a.append(r[ia])
         if ib is not None:
             b.append(r[ib])
-        y.append(float(lab) if task.labels is None else task.labels.index(lab))
+        y.append(score if task.labels is None else task.labels.index(lab))
     label = np.asarray(y, dtype=np.float32 if task.labels is None else np.int64)
     return GlueSplit(text_a=a, text_b=b if ib is not None else None, label=label)
 
@@ -136,6 +176,12 @@ def f1_binary(y_true: np.ndarray, y_pred: np.ndarray) -> float:
     fp = float(np.sum((y_true == 0) & (y_pred == 1)))
     fn = float(np.sum((y_true == 1) & (y_pred == 0)))
     return 0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn)
+
+
+def rank_score(score: float) -> float:
+    """A score to choose the best by: NaN (the correlation of constant predictions, as STS-B's head gives early in
+    training) ranks below every number, instead of comparing False with all of them."""
+    return -math.inf if math.isnan(score) else score
 
 
 def compute_metrics(task: TaskSpec, pred: np.ndarray, label: np.ndarray) -> dict[str, float]:
