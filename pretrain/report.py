@@ -7,28 +7,28 @@ eval, or rollback: one per rollback past a loss spike, drawn as a dashed line on
 its ``config.yaml`` and its newest checkpoint's ``trainer_state.json``. Writes one PNG per metric with
 every run overlaid (one colour per run) and ``report.md`` embedding them, beside a table of each run's
 config highlights and results. Plots are drawn on matplotlib's Agg canvas: no display, no pyplot state.
+
+The records are read into numpy columns (``metrics/history.py``; 1e6 records: docs/operations.md, "The report of a
+long run"). A line is drawn through at most MAX_POINTS points (``decimate``: each stretch's first, last, lowest and
+highest value and its first NaN, so a spike or a NaN step stays drawn); the tables are computed from every record.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from pretrain.checkpoint import store
 from pretrain.checkpoint.store import CheckpointError, checkpoints_dir, find_latest
 from pretrain.export.resolve import best_record, format_best_score, select_checkpoint
-from pretrain.metrics.writer import read_number
+from pretrain.metrics.history import ROLLBACK, Records, read_metrics
 
 LOSS_TERMS = ("mlm", "nt_xent", "info_nce", "arccon", "triplet", "consistency", "rank_distill", "reconstruction")
 """The loss terms a run can log, as named in ``objective.terms.OBJECTIVES`` (a test keeps the two equal)."""
-
-
-ROLLBACK = "rollback"
-"""The split of the records ``training/spikes.py`` rollbacks write."""
 
 
 @dataclass(frozen=True)
@@ -57,73 +57,42 @@ PLOTS = (
     Plot("stsb_dev.png", "eval", "stsb_dev_spearman", "STS-B dev Spearman x100"),
 )
 
+TRAIN_KEYS = {p.metric for p in PLOTS if p.split == "train"} | {"time", "tokens_seen"}
+"""The keys of train records the report reads (plots, wall time, tokens seen): the only ones kept in memory."""
+
+MAX_POINTS = 4000
+"""Points a plot's line is drawn through at most (``decimate``); the plot is ~600 pixels wide."""
+
+AGG_CHUNK = 1000
+"""Points Agg rasterizes at a time (rcParam agg.path.chunksize): a jagged 4,000-point line in one piece held ~20 MB
+of rasterizer cells (a dozen pixels of 280k drawn differently)."""
+
 
 @dataclass
 class Run:
-    """One run directory: its metrics records by split (step order), config, newest trainer state, notes."""
+    """One run directory: its metrics records by split (step order; of train records only TRAIN_KEYS), config,
+    newest trainer state, notes."""
 
     name: str
     path: Path
-    records: dict[str, list[dict]]
+    records: dict[str, Records]
     config: dict | None = None
     state: dict | None = None
     notes: list[str] = field(default_factory=list)
     checkpoint: str = ""
     """The line a reader of this run prints (``select_checkpoint``): the latest tag and step, best/ if it differs."""
 
-    def series(self, split: str, metric: str) -> tuple[list[int], list[float]]:
-        rows = [r for r in self.records.get(split, []) if isinstance(r.get(metric), (int, float))]
-        return [r["step"] for r in rows], [float(r[metric]) for r in rows]
+    def series(self, split: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps (M,) int64, values (M,) float64) of the M records of ``split`` where ``metric`` is a number."""
+        records = self.records.get(split)
+        return records.series(metric) if records else (np.zeros(0, np.int64), np.zeros(0))
 
     def last(self, split: str, metric: str | None = None) -> dict | None:
-        for r in reversed(self.records.get(split, [])):
-            if metric is None or isinstance(r.get(metric), (int, float)):
-                return r
-        return None
+        records = self.records.get(split)
+        return records.last(metric) if records else None
 
 
 # ------------------------------------------------------------------------------------------------ reading
-
-def read_metrics(path: Path) -> tuple[dict[str, list[dict]], list[str]]:
-    """Records of ``metrics.jsonl`` by split, and notes on what was skipped.
-
-    A torn last line (a run killed while writing) and lines that are not JSON objects with a step are skipped.
-    When a split's step goes back (a relaunch that restarted from an earlier step without truncating the file),
-    the later records supersede the earlier ones from that step on, as in the relaunched run's own curve.
-    """
-    by_split: dict[str, list[dict]] = {}
-    notes, bad, superseded = [], [], 0
-    with open(path, "rb") as f:  # a line at a time: a long run's file is tens of MB
-        for n, raw in enumerate(f, 1):
-            line = raw.decode("utf-8", errors="replace")
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                rec = None
-            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-                if not raw.endswith(b"\n"):
-                    notes.append(f"{path}: the last line is incomplete (the run was stopped while writing it); "
-                                 f"skipped")
-                else:
-                    bad.append(n)
-                continue
-            rec = {sys.intern(k): read_number(v) for k, v in rec.items()}  # one copy of each key: ~1 kB a record
-            split = str(rec.get("split", "train"))
-            rows = by_split.setdefault(split, [])
-            # Two rollbacks to the same checkpoint share its step; both happened.
-            while rows and (rows[-1]["step"] > rec["step"] or rows[-1]["step"] == rec["step"] and split != ROLLBACK):
-                rows.pop()
-                superseded += 1
-            rows.append(rec)
-    if bad:
-        shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        notes.append(f"{path}: line(s) {shown} are not metrics records; skipped")
-    if superseded:
-        notes.append(f"{path}: {superseded} record(s) superseded by a relaunch that restarted from an earlier step")
-    return by_split, notes
-
 
 def load_run(run_dir: str | Path, name: str) -> Run:
     """FileNotFoundError (naming the directory) when it is missing or has no metrics.jsonl."""
@@ -134,7 +103,7 @@ def load_run(run_dir: str | Path, name: str) -> Run:
     if not metrics.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory, or its run has not "
                                 f"logged a step yet")
-    records, notes = read_metrics(metrics)
+    records, notes = read_metrics(metrics, keys={"train": TRAIN_KEYS})
     run = Run(name=name, path=path, records=records, notes=notes)
     if not any(records.values()):
         run.notes.append(f"{metrics}: no metrics records yet")
@@ -206,44 +175,59 @@ def _label(name: str) -> str:
     return name.replace("$", r"\$")
 
 
-def draw(plot: Plot, runs: list[Run], path: Path) -> tuple[list[str], dict[str, tuple[int, int]]]:
-    """Draws ``plot`` into the PNG ``path``; returns ``figure``'s names of runs without the metric and values not
-    drawn."""
-    fig, missing, undrawn = figure(plot, runs)
-    fig.savefig(path, format="png")
-    return missing, undrawn
-
-
-def figure(plot: Plot, runs: list[Run]):
-    """(matplotlib Figure of ``plot`` with every run that has the metric, run i in colour Ci; the names of those
-    without; per run the values not drawn — NaN, inf, beyond float32: gaps in the curve — as (how many, first
-    step))."""
+def new_figure():
+    """A 7 x 4 inch matplotlib Figure on an Agg canvas. A report draws every plot on one: each figure is a reference
+    cycle whose renderer holds its rasterizer's cells (~25 MB for a jagged 4,000-point line) until Python's cycle
+    collector comes, so a figure per plot made the memory grow plot by plot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.0, 4.0), dpi=100)
     FigureCanvasAgg(fig)
+    return fig
+
+
+def draw(plot: Plot, runs: list[Run], path: Path, fig=None) -> tuple[list[str], dict[str, tuple[int, int]]]:
+    """Draws ``plot`` into the PNG ``path`` (on ``fig``, cleared, when given); returns ``figure``'s names of runs
+    without the metric and values not drawn."""
+    import matplotlib
+
+    fig, missing, undrawn = figure(plot, runs, fig)
+    with matplotlib.rc_context({"agg.path.chunksize": AGG_CHUNK}):
+        fig.savefig(path, format="png")
+    return missing, undrawn
+
+
+def figure(plot: Plot, runs: list[Run], fig=None):
+    """(matplotlib Figure of ``plot`` with every run that has the metric, run i in colour Ci; the names of those
+    without; per run the values not drawn — NaN, inf, beyond float32: gaps in the curve — as (how many, first
+    step)). ``fig``: a ``new_figure`` to clear and draw on (a new one when not given)."""
+    fig = new_figure() if fig is None else fig
+    fig.clear()
     ax = fig.add_subplot()
-    missing, finite, undrawn, handles = [], [], {}, []
+    missing, lows, highs, undrawn, handles = [], [], [], {}, []
     for i, run in enumerate(runs):
         steps, values = run.series(plot.split, plot.metric)
-        if not steps:
+        if not len(steps):
             missing.append(run.name)
             continue
-        gaps = [s for s, v in zip(steps, values) if not abs(v) <= FLOAT32_MAX]
-        if gaps:
-            undrawn[run.name] = (len(gaps), gaps[0])
-            values = [v if abs(v) <= FLOAT32_MAX else math.nan for v in values]
+        drawn = (values >= -FLOAT32_MAX) & (values <= FLOAT32_MAX)
+        if not drawn.all():
+            gaps = np.flatnonzero(~drawn)
+            undrawn[run.name] = (len(gaps), int(steps[gaps[0]]))
+            values = np.where(drawn, values, np.nan)
         few = len(steps) <= 40 or plot.split != "train"
-        handles += ax.plot(steps, values, label=_label(run.name), marker="o" if few else None, markersize=3,
-                           linewidth=1.5, **_style(i))
-        finite += [v for v in values if math.isfinite(v)]
+        handles += ax.plot(*decimate(steps, values), label=_label(run.name), marker="o" if few else None,
+                           markersize=3, linewidth=1.5, **_style(i))
+        if drawn.any():
+            lows.append(np.min(values, where=drawn, initial=np.inf))
+            highs.append(np.max(values, where=drawn, initial=-np.inf))
         if plot.split == "train":  # each rollback: a dashed line at the step whose loss (or bad steps) triggered it
             for k, rb in enumerate(run.records.get(ROLLBACK, [])):
                 line = ax.axvline(rb.get("trigger_step", rb["step"]), color=_style(i)["color"], linestyle="--",
                                   linewidth=1.0, alpha=0.7, label=f"{_label(run.name)}: rollback")
                 handles += [line] if k == 0 else []
-    if plot.log_y and finite and min(finite) > 0 and max(finite) / min(finite) > 10:
+    if plot.log_y and lows and min(lows) > 0 and max(highs) / min(lows) > 10:
         ax.set_yscale("log")
     ax.set_title(plot.title)
     ax.set_xlabel("step")
@@ -253,6 +237,39 @@ def figure(plot: Plot, runs: list[Run]):
     ax.legend(handles, [h.get_label() for h in handles], loc="best", fontsize="small")
     fig.tight_layout()
     return fig, missing, undrawn
+
+
+def decimate(steps: np.ndarray, values: np.ndarray, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values), both (N,), thinned to at most ``max_points`` points for a line: cut into max_points // 5
+    stretches of consecutive points, each keeps its first, last, lowest and highest point and its first NaN (a gap
+    in the line), so a loss spike or a single NaN step is still drawn. Up to ``max_points`` points come back as
+    they are."""
+    assert max_points >= 10, max_points
+    n = len(steps)
+    if n <= max_points:
+        return steps, values
+    stretches = max_points // 5 - 1  # and one more with the rest
+    width = n // stretches
+    body = stretches * width
+    picks = [_extremes(values[:body].reshape(stretches, width))]
+    if body < n:
+        picks.append(body + _extremes(values[body:].reshape(1, n - body)))
+    picks = np.unique(np.concatenate(picks))  # in step order
+    return steps[picks], values[picks]
+
+
+def _extremes(grid: np.ndarray) -> np.ndarray:
+    """Indices into ``grid`` (S, W) flattened of each row's first, last, lowest and highest point and first NaN."""
+    num_rows, width = grid.shape
+    starts = np.arange(num_rows) * width
+    nan = np.isnan(grid)
+    gaps = nan.any(1)
+    low, high = grid.argmin(1), grid.argmax(1)  # a row with a NaN gives its first NaN: redone without them
+    if gaps.any():
+        rows = grid[gaps]
+        low[gaps] = np.where(nan[gaps], np.inf, rows).argmin(1)
+        high[gaps] = np.where(nan[gaps], -np.inf, rows).argmax(1)
+    return np.concatenate([starts, starts + width - 1, starts + low, starts + high, (starts + nan.argmax(1))[gaps]])
 
 
 # ------------------------------------------------------------------------------------------------ summary
@@ -300,13 +317,14 @@ def results(run: Run) -> dict[str, str]:
     rows["checkpoint"] = _checkpoint_cell(run)
     tokens = run.last("train", "tokens_seen")
     rows["tokens seen"] = _count(tokens["tokens_seen"]) if tokens else "—"
-    times = [r["time"] for rs in run.records.values() for r in rs if isinstance(r.get("time"), (int, float))]
-    rows["wall time"] = _duration(max(times) - min(times)) if len(times) > 1 else "—"
+    times = np.concatenate([np.zeros(0)] + [records.series("time")[1] for records in run.records.values()])
+    times = times[np.isfinite(times)]
+    rows["wall time"] = _duration(float(times.max() - times.min())) if len(times) > 1 else "—"
     steps, scores = run.series("eval", "stsb_dev_spearman")
-    scored = [(s, v) for s, v in zip(steps, scores) if math.isfinite(v)]
-    if scored:
-        best_step, best = max(scored, key=lambda sv: sv[1])
-        rows["best STS-B dev"] = f"{best:.2f} (step {best_step})"
+    scored = np.isfinite(scores)
+    if scored.any():
+        best = np.argmax(np.where(scored, scores, -np.inf))  # the first step with the best score
+        rows["best STS-B dev"] = f"{scores[best]:.2f} (step {steps[best]})"
     else:
         rows["best STS-B dev"] = "—"
     rows["rollbacks"] = str(len(run.records.get(ROLLBACK, [])))
@@ -381,12 +399,12 @@ def write_report(run_dirs: list[str], out_dir: str | Path) -> Report:
     runs = [load_run(d, name) for d, name in zip(run_dirs, run_names(run_dirs))]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    images, absent, sections = [], [], []
+    images, absent, sections, fig = [], [], [], new_figure()
     for plot in PLOTS:
-        if not any(run.series(plot.split, plot.metric)[0] for run in runs):
+        if not any(len(run.series(plot.split, plot.metric)[0]) for run in runs):
             absent.append(plot)
             continue
-        missing, undrawn = draw(plot, runs, out / plot.file)
+        missing, undrawn = draw(plot, runs, out / plot.file, fig)
         images.append(out / plot.file)
         sections += [f"### {plot.title}", "", f"![{plot.title}]({plot.file})", ""]
         if missing:

@@ -173,10 +173,14 @@ def _clean(v):
     return v
 
 
+NUMBER_WORDS = ("nan", "inf", "-inf", "infinity", "-infinity")
+"""Text that ``read_number`` reads back as a float (any case)."""
+
+
 def read_number(v):
     """A value as metrics.jsonl stores it, back: the strings the writer puts for non-finite floats ("nan", "inf",
     "-inf") as those floats; anything else as it is."""
-    if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+    if isinstance(v, str) and v.lower() in NUMBER_WORDS:
         return float(v)
     return v
 

@@ -150,3 +150,135 @@ def test_rollbacks_are_kept_listed_and_drawn(tmp_path):
     md = report.markdown.read_text()
     assert "## Rollbacks" in md and "| run | 5 | loss spike | 4 | 16-19 | 2 | loss 50 is 10x |" in md
     assert "| rollbacks | 2 |" in md and (tmp_path / "out" / "train_loss.png").is_file()
+
+
+# -- a long history: 50k records, drawn through a bounded number of points, tables from every record ----------------
+
+SPIKE, NAN_STEP, RELAUNCH, BEST = 23_456, 31_001, 20_000, 35_000
+
+
+def _long_run(root, n: int = 50_000):
+    """A run directory with ``n`` train records (train.log_every 1): one loss spike (1e4 at SPIKE), one NaN loss
+    (NAN_STEP), a relaunch at RELAUNCH that did not truncate the 300 records its killed launch had logged after it,
+    a rollback, and valid / eval / checkpoint records every 5000 steps (the best STS-B dev at BEST)."""
+    run = root / "long"
+    run.mkdir()
+    rows = []
+
+    def train(s):
+        loss = 1e4 if s == SPIKE else "nan" if s == NAN_STEP else 3.0 + np.sin(s / 500) + (s % 7) / 10
+        rows.append({"step": s, "split": "train", "time": 1000 + s / 2, "loss": loss, "lr": 1e-3,
+                     "grad_norm": 1.0 + (s % 13) / 13, "tokens_per_s": 1400.0 + s % 11, "tokens_seen": 700 * s})
+
+    for s in range(1, n + 1):
+        train(s)
+        if s % 5000 == 0:
+            t = 1000 + s / 2 + 0.25
+            rows += [{"step": s, "split": "valid", "time": t, "mlm": 2.5, "mlm_acc": 0.5},
+                     {"step": s, "split": "eval", "time": t, "stsb_dev_spearman": 99.5 if s == BEST else 60 + s / 5000},
+                     {"step": s, "split": "checkpoint", "time": t, "pause_s": 1.5}]
+        if s == 40_000:
+            rows.append({"step": s, "split": "rollback", "time": t, "trigger_step": s + 26, "reason": "loss spike",
+                         "detail": "loss 222.4 is 23.8x the median", "skipped_samples": [160000, 160104], "retry": 1})
+        if s == RELAUNCH:
+            for k in range(s + 1, s + 301):
+                train(k)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return run
+
+
+def test_a_long_series_is_drawn_through_at_most_4000_points_and_keeps_its_spike_and_nan(tmp_path):
+    """Every one of 1e6 points was drawn in each plot (~40 s, 1.8 GB at 1e6 records); now each line is decimated to
+    at most 4000 points, keeping each stretch's extremes: the spike and the NaN step are still among them."""
+    from pretrain.report import PLOTS, figure, load_run
+
+    run = load_run(_long_run(tmp_path), "long")
+    assert len(run.series("train", "loss")[0]) == 50_000  # the relaunch's 300 superseded records are not counted
+    fig, missing, undrawn = figure(next(p for p in PLOTS if p.metric == "loss"), [run])
+    line = fig.axes[0].get_lines()[0]
+    x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata(), dtype=float)
+    assert 1000 < len(x) <= 4000 and (np.diff(x) > 0).all() and x[0] == 1 and x[-1] == 50_000
+    assert y[x == SPIKE].tolist() == [1e4] and np.isnan(y[x == NAN_STEP]).all() and (x == NAN_STEP).any()
+    assert np.nanmin(y) == min(3.0 + np.sin(s / 500) + (s % 7) / 10 for s in range(1, 50_001) if s != SPIKE)
+    assert missing == [] and undrawn == {"long": (1, NAN_STEP)}
+
+
+def test_decimation_keeps_each_stretchs_extremes_and_first_nan():
+    from pretrain.report import decimate
+
+    rng = np.random.default_rng(0)
+    steps, values = np.arange(10, 100_010), rng.normal(size=100_000)
+    values[[5, 77_777]], values[50_000], values[99_999] = np.nan, 40.0, -40.0
+    x, y = decimate(steps, values, max_points=1000)
+    assert len(x) <= 1000 and (np.diff(x) > 0).all() and x[0] == 10 and x[-1] == 100_009
+    assert {50_010, 100_009, 15, 77_787} <= set(x.tolist()) and np.isnan(y[np.isin(x, [15, 77_787])]).all()
+    for lo in range(0, 100_000, 10_000):  # every tenth of the series keeps its own lowest and highest value
+        part = values[lo:lo + 10_000]
+        kept = y[(x >= steps[lo]) & (x < steps[lo] + 10_000)]
+        assert np.nanmax(kept) == np.nanmax(part) and np.nanmin(kept) == np.nanmin(part)
+    short = decimate(steps[:1000], values[:1000], max_points=1000)
+    assert short[0] is not None and len(short[0]) == 1000  # up to the bound: every point
+
+
+def test_the_tables_of_a_long_run_come_from_every_record(tmp_path):
+    """The plots show at most 4000 points a line; the tables still read every record: the best STS-B dev, the last
+    step and tokens, the wall time, the rollback and the superseded records are exact."""
+    from pretrain.report import load_run, results
+
+    run_dir = _long_run(tmp_path)
+    rows = results(load_run(run_dir, "long"))
+    assert rows == {"steps": "50000", "checkpoint": "none", "tokens seen": "35.00 M", "wall time": "6 h 56 min",
+                    "best STS-B dev": f"99.50 (step {BEST})", "rollbacks": "1",
+                    "held-out (last)": "step 50000: mlm 2.5, mlm_acc 0.5"}
+    md = write_report([str(run_dir)], tmp_path / "out").markdown.read_text()
+    assert "| best STS-B dev | 99.50 (step 35000) |" in md and "| wall time | 6 h 56 min |" in md
+    assert "| long | 40026 | loss spike | 40000 | 160000-160103 | 1 | loss 222.4 is 23.8x the median |" in md
+    assert "300 record(s) superseded" in md and f"long: 1 value(s), the first at step {NAN_STEP}" in md
+
+
+def test_the_fast_reader_reads_as_the_line_reader(tmp_path, monkeypatch):
+    """Blocks of lines go through pyarrow's JSON reader; a block it cannot take as json would is read a line at a
+    time. Both give the same records and notes: non-finite values, ints and floats, keys that come and go, text and
+    lists, a relaunch across blocks, rollbacks sharing a step, a bad line, a torn last line."""
+    from pretrain.metrics import history
+
+    rows = []
+    for s in range(1, 400):
+        r = {"step": s, "split": "train", "time": 1000.0 + s, "loss": 2.0 + s % 5 / 7, "bad_steps": s // 100,
+             "tokens_seen": 100 * s}
+        r.update({"grad_norm": ["nan", "inf", "-inf", 1.5, 3][s % 5]} if s % 3 else {})
+        r.update({"info_nce": 1} if s > 250 else {})  # an int key, later a float one
+        r.update({"info_nce": 1.25} if s > 300 else {})
+        rows.append(r)
+        if s % 50 == 0:
+            rows += [{"step": s, "split": "valid", "time": 1.0, "mlm": 2, "mlm_acc": 0.5, "flag": s % 100 == 0}]
+        if s == 120:
+            rows += [{"step": 100, "split": "rollback", "trigger_step": 120, "reason": "loss spike", "retry": r,
+                      "detail": 'loss: "nan"', "skipped_samples": [400, 480], "loss": "nan"} for r in (1, 2)]
+        if s == 200:
+            rows += [{"step": k, "split": "train", "loss": 9.0} for k in range(150, 160)]  # a relaunch
+        if s == 333:
+            rows.append({"step": s, "split": "eval", "stsb_dev_spearman": "Infinity", "note": None})
+    lines = [json.dumps(r) for r in rows]
+    lines[30] = '{"step": 3.5, "split": "train"}'
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(lines) + '\n{"step": 400, "spl', encoding="utf-8")
+    monkeypatch.setattr(history, "BLOCK_BYTES", 2048)
+    fast, parse_arrow, took = {}, history._parse_arrow, []
+    monkeypatch.setattr(history, "_parse_arrow", lambda *a: took.append(parse_arrow(*a)) or took[-1])
+    fast, fast_notes = read_metrics(path)
+    assert sum(t is not None for t in took) > 0.8 * len(took) > 20  # most blocks read by pyarrow
+    monkeypatch.setattr(history, "_parse_arrow", lambda *a: None)
+    slow, slow_notes = read_metrics(path)
+    assert fast_notes == slow_notes and len(fast_notes) == 3
+    assert list(fast) == list(slow) == ["train", "valid", "rollback", "eval"]
+    for split in slow:
+        assert json.dumps(list(fast[split]), sort_keys=True) == json.dumps(list(slow[split]), sort_keys=True), split
+    train = slow["train"]
+    assert [r["step"] for r in train] == [s for s in range(1, 150) if s != 31] + list(range(150, 160)) + list(
+        range(201, 400))  # line 31 (step 3.5) is no record
+    assert "grad_norm" not in train[2] and [train[i]["grad_norm"] for i in (0, 1, 3)] == [np.inf, -np.inf, 3]
+    assert np.isnan(train[4]["grad_norm"])
+    assert train[-1]["info_nce"] == 1.25 and train[-1]["tokens_seen"] == 39_900 and "info_nce" not in train[0]
+    assert [r["retry"] for r in slow["rollback"]] == [1, 2] and slow["rollback"][0]["skipped_samples"] == [400, 480]
+    assert slow["eval"][0]["stsb_dev_spearman"] == np.inf and slow["valid"][1]["flag"] is True
