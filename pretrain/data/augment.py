@@ -7,7 +7,7 @@ Every operation works on whole words of a ``Ragged`` batch and draws its noise f
 (draw j of a stream is a hash of the sample's key), so each row's result depends only on its own tokens and
 key. In words, per row:
   del-word  the ``round(rate * W)`` words with the smallest draws become [DEL]                   (rate 0.7)
-            (each token is deleted with probability 0.7: "we delete 70% tokens")
+            ("we delete 70% tokens": exactly that many words, so each word with probability round(0.7W)/W)
   del-span  ``k`` non-overlapping spans of ``round(frac * W)`` words become [DEL] (fewer spans on short
             inputs, total ≈ num*frac*W); the spans' places are uniform: k of the ``W - k*L + k`` slots
             with the smallest draws, slot i (ascending) starting at word ``slot + i*(L-1)``      (5 x 5%)

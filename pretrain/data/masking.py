@@ -29,8 +29,9 @@ from pretrain.data.ragged import Ragged, rows_of, smallest_k, words
 __all__ = ["IGNORE_INDEX", "mask_batch", "mask_tokens", "with_cls_sep"]
 
 MASK_COUNT, MASK_PICK, MASK_ACTION, MASK_RANDOM, MASK_SPAN_LEN = 0, 1, 2, 3, 4
-"""counter_rng streams of ``mask_batch`` (the views draw from streams >= 16). A word's draws are those of its
-first token's position; a span's action draw is that of its anchor word's first token."""
+"""counter_rng streams of ``mask_batch``, on the sample's own key (the views draw from keys ``derive``d from it,
+one per view: datasets.VIEW_A/VIEW_B). A word's draws are those of its first token's position; a span's action
+draw is that of its anchor word's first token."""
 
 
 def mask_tokens(
@@ -86,8 +87,8 @@ def with_cls_sep(tokens_T: np.ndarray, cls_id: int, sep_id: int) -> np.ndarray:
     return np.concatenate([[cls_id], tokens_T, [sep_id]]).astype(np.int64)
 
 
-def mask_batch(seq: Ragged, keys_B: np.ndarray, cfg: MaskingConfig, *, special_V: np.ndarray,
-               allowed_A: np.ndarray, mask_id: int, word_start_V: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def mask_batch(seq: Ragged, keys_B: np.ndarray, cfg: MaskingConfig, *, special_V: np.ndarray, allowed_A: np.ndarray,
+               mask_id: int, word_start_V: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``mask_tokens``' rule for a batch, on counter-based draws: (input_ids_BT, labels_BT) int64.
 
     Per row: K = floor(prob * N + u) of the N non-special positions (u: draw 0 of MASK_COUNT), those with the
