@@ -5,11 +5,15 @@ sub-tokens, per ``tokenizer.word_start_mask()``), K = picks, V = vocabulary, E =
 
 Every operation works on whole words of a ``Ragged`` batch and draws its noise from ``counter_rng.draws``
 (draw j of a stream is a hash of the sample's key), so each row's result depends only on its own tokens and
-key. In words, per row:
-  del-word  the ``round(rate * W)`` words with the smallest draws become [DEL]                   (rate 0.7)
+key. A structural special inside the text (``fixed``: [CLS], [SEP], [PAD], [MASK]; e.g. packing=full's [SEP]
+before a document) stays in place: it is never deleted, moved or substituted, and W below counts the other
+words (spans run over them as if it were not there). A deletion never takes a text's last word that is not
+[DEL]: a one-word text keeps its word (its views differ by dropout only, as 'none'). In words, per row:
+  del-word  the ``round(rate * W)`` words with the smallest draws become [DEL] (at most C - 1 of the C
+            words that are not [DEL])                                                            (rate 0.7)
             ("we delete 70% tokens": exactly that many words, so each word with probability round(0.7W)/W)
   del-span  ``k`` non-overlapping spans of ``round(frac * W)`` words become [DEL] (fewer spans on short
-            inputs, total ≈ num*frac*W); the spans' places are uniform: k of the ``W - k*L + k`` slots
+            inputs, total ≈ num*frac*W, k*L <= C - 1); the spans' places are uniform: k of the ``W - k*L + k`` slots
             with the smallest draws, slot i (ascending) starting at word ``slot + i*(L-1)``      (5 x 5%)
   reorder   ``2k`` spans placed the same way, paired by a random permutation (the order of their draws
             from a second stream), each pair swapped                                            (5 x 5%)
@@ -85,6 +89,42 @@ def place_spans(keys_B: np.ndarray, stream: int, num_words_B: np.ndarray, k_B: n
     return starts_BK, np.arange(K) < k_B[:, None]
 
 
+def layout(r: Ragged, word_start_V: np.ndarray, fixed_V: np.ndarray | None,
+           del_id: int | None = None) -> tuple[Words, np.ndarray, np.ndarray, np.ndarray]:
+    """(words, order_BM, num_B, content_B): the words of each row (a ``fixed_V`` token is a word by itself), the
+    word indices of its M movable words (not fixed; int64 [B, M], left-aligned), their number, and how many of
+    them are not [DEL] (``del_id``). Without fixed tokens in a row its movable words are all its words."""
+    valid = r.valid()
+    if fixed_V is None or not fixed_V[r.ids[valid]].any():
+        w = words(r, word_start_V)
+        num_B = w.num
+        order_BM = np.broadcast_to(np.arange(w.first.shape[1]), w.first.shape)
+        movable_BW = w.valid()
+    else:
+        after_BT = np.zeros(r.ids.shape, dtype=bool)
+        after_BT[:, 1:] = fixed_V[r.ids[:, :-1]]
+        w = words(r, word_start_V, also_BT=after_BT)
+        head_BW = r.ids[rows_of(r.ids), np.minimum(w.first, max(r.ids.shape[1] - 1, 0))]
+        movable_BW = w.valid() & ~fixed_V[head_BW]
+        num_B = movable_BW.sum(axis=1, dtype=np.int64)
+        order_BM = np.zeros((len(num_B), int(num_B.max(initial=0))), dtype=np.int64)
+        b, q = np.nonzero(movable_BW)
+        order_BM[b, (np.cumsum(movable_BW, axis=1) - 1)[b, q]] = q
+    if del_id is None or not order_BM.shape[1]:
+        return w, order_BM, num_B, num_B
+    head_BM = r.ids[rows_of(order_BM), np.minimum(w.first[rows_of(order_BM), order_BM], max(r.ids.shape[1] - 1, 0))]
+    is_del_BM = (head_BM == del_id) & (np.arange(order_BM.shape[1]) < num_B[:, None])
+    return w, order_BM, num_B, num_B - is_del_BM.sum(axis=1)
+
+
+def to_words(values_BM: np.ndarray, order_BM: np.ndarray, num_B: np.ndarray, fill_BW: np.ndarray) -> np.ndarray:
+    """``fill_BW`` with movable word m of each row (``order_BM[b, m]``, m < num) set to ``values_BM[b, m]``."""
+    out_BW = fill_BW.copy()
+    b, m = np.nonzero(np.arange(values_BM.shape[1]) < num_B[:, None])
+    out_BW[b, order_BM[b, m]] = values_BM[b, m]
+    return out_BW
+
+
 def merge_deletions(r: Ragged, del_id: int) -> Ragged:
     """Collapse every run of consecutive [DEL] tokens into a single [DEL]."""
     is_del = (r.ids == del_id) & r.valid()
@@ -103,46 +143,56 @@ def delete_marked_words(r: Ragged, w: Words, dead_BW: np.ndarray, del_id: int) -
     return merge_deletions(Ragged(np.where(dead_BT, del_id, r.ids), r.len), del_id)
 
 
-def delete_words(r: Ragged, keys_B, stream: int, *, word_start_V, del_id: int, rate: float) -> Ragged:
-    """del-word: the ``round(rate * W)`` words with the smallest draws become [DEL] (merged)."""
-    w = words(r, word_start_V)
+def delete_words(r: Ragged, keys_B, stream: int, *, word_start_V, del_id: int, rate: float,
+                 fixed_V: np.ndarray | None = None) -> Ragged:
+    """del-word: the ``round(rate * W)`` movable words with the smallest draws become [DEL] (merged), at most all
+    but one of those that are not [DEL]."""
+    w, order_BM, num_B, content_B = layout(r, word_start_V, fixed_V, del_id)
     W = w.first.shape[1]
-    dead_BW = smallest_k(draw_keys(keys_B, stream, W), w.valid(), round_half_up(rate * w.num))
+    movable_BW = to_words(np.ones(order_BM.shape, bool), order_BM, num_B, np.zeros(w.first.shape, bool))
+    k_B = np.minimum(round_half_up(rate * num_B), np.maximum(content_B - 1, 0))
+    dead_BW = smallest_k(draw_keys(keys_B, stream, W), movable_BW, k_B)
     return delete_marked_words(r, w, dead_BW, del_id)
 
 
 def delete_spans(r: Ragged, keys_B, stream: int, *, word_start_V, del_id: int, num_spans: int,
-                 frac: float) -> Ragged:
-    """del-span: non-overlapping spans of ``frac`` of the words each become one [DEL]."""
-    w = words(r, word_start_V)
-    span_len_B, k_B = span_plan(w.num, num_spans, frac)
-    starts_BK, ok_BK = place_spans(keys_B, stream, w.num, k_B, span_len_B)
-    dead_BW = span_cover(starts_BK, ok_BK, span_len_B, w.first.shape[1]) >= 0
+                 frac: float, fixed_V: np.ndarray | None = None) -> Ragged:
+    """del-span: non-overlapping spans of ``frac`` of the movable words each become one [DEL]; they cover at most
+    all but one of the words that are not [DEL]."""
+    w, order_BM, num_B, content_B = layout(r, word_start_V, fixed_V, del_id)
+    span_len_B, k_B = span_plan(num_B, num_spans, frac)
+    k_B = np.minimum(k_B, np.maximum(content_B - 1, 0) // span_len_B)
+    starts_BK, ok_BK = place_spans(keys_B, stream, num_B, k_B, span_len_B)
+    dead_BM = span_cover(starts_BK, ok_BK, span_len_B, order_BM.shape[1]) >= 0
+    dead_BW = to_words(dead_BM, order_BM, num_B, np.zeros(w.first.shape, bool))
     return delete_marked_words(r, w, dead_BW, del_id)
 
 
-def reorder_spans(r: Ragged, keys_B, stream: int, *, word_start_V, num_pairs: int, frac: float) -> Ragged:
-    """reorder: ``2 * pairs`` non-overlapping equal spans, randomly paired, each pair swapped."""
-    w = words(r, word_start_V)
-    W = w.first.shape[1]
-    span_len_B, k_B = span_plan(w.num, num_pairs, frac, group=2)
+def reorder_spans(r: Ragged, keys_B, stream: int, *, word_start_V, num_pairs: int, frac: float,
+                  fixed_V: np.ndarray | None = None) -> Ragged:
+    """reorder: ``2 * pairs`` non-overlapping equal spans of movable words, randomly paired, each pair swapped
+    (fixed words keep their places)."""
+    w, order_BM, num_B, _ = layout(r, word_start_V, fixed_V)
+    W, M = w.first.shape[1], order_BM.shape[1]
+    span_len_B, k_B = span_plan(num_B, num_pairs, frac, group=2)
     if not k_B.any():
         return r
-    starts_BS, ok_BS = place_spans(keys_B, stream, w.num, 2 * k_B, span_len_B)
+    starts_BS, ok_BS = place_spans(keys_B, stream, num_B, 2 * k_B, span_len_B)
     S = starts_BS.shape[1]
     perm_BS = np.argsort(np.where(ok_BS, draw_keys(keys_B, stream + 1, S), np.iinfo(np.uint64).max), axis=1)
     partner_BS = np.tile(np.arange(S), (len(k_B), 1))
     b, p = np.nonzero(np.arange(S // 2) < k_B[:, None])
     first, second = perm_BS[b, 2 * p], perm_BS[b, 2 * p + 1]
     partner_BS[b, first], partner_BS[b, second] = second, first
-    span_BW = span_cover(starts_BS, ok_BS, span_len_B, W)
-    inside = span_BW >= 0
-    span_BW = np.maximum(span_BW, 0)
-    R = rows_of(span_BW)
-    own_start = starts_BS[R, span_BW]
-    partner_start = starts_BS[R, partner_BS[R, span_BW]]
-    word_W = np.arange(W)
-    source_BW = np.where(inside, partner_start + word_W - own_start, word_W)
+    span_BM = span_cover(starts_BS, ok_BS, span_len_B, M)
+    inside = span_BM >= 0
+    span_BM = np.maximum(span_BM, 0)
+    R = rows_of(span_BM)
+    own_start = starts_BS[R, span_BM]
+    partner_start = starts_BS[R, partner_BS[R, span_BM]]
+    word_M = np.arange(M)
+    source_BM = np.where(inside, partner_start + word_M - own_start, word_M)  # in movable words
+    source_BW = to_words(order_BM[R, source_BM], order_BM, num_B, np.broadcast_to(np.arange(W), w.first.shape))
     return assemble(r, w, source_BW)
 
 
@@ -186,13 +236,13 @@ class SynonymTable:
 
 
 def substitute_synonyms(r: Ragged, keys_B, stream: int, *, word_start_V, rate: float,
-                        table: SynonymTable) -> Ragged:
-    """subs: ``round(rate * W)`` words among those with synonyms get one of them, chosen uniformly."""
-    w = words(r, word_start_V)
+                        table: SynonymTable, fixed_V: np.ndarray | None = None) -> Ragged:
+    """subs: ``round(rate * W)`` movable words among those with synonyms get one of them, chosen uniformly."""
+    w, order_BM, num_B, _ = layout(r, word_start_V, fixed_V)
     W = w.first.shape[1]
     if W == 0:
         return r
-    valid_BW = w.valid()
+    valid_BW = to_words(np.ones(order_BM.shape, bool), order_BM, num_B, np.zeros(w.first.shape, bool))
     head_BW = r.ids[rows_of(r.ids), np.minimum(w.first, max(r.ids.shape[1] - 1, 0))]
     single_BW = (w.size == 1) & valid_BW
     count_BW = np.where(single_BW, table.count_V[np.where(single_BW, head_BW, 0)], 0)
@@ -203,7 +253,7 @@ def substitute_synonyms(r: Ragged, keys_B, stream: int, *, word_start_V, rate: f
         if len(options):
             multi_options[b, q] = options
             count_BW[b, q] = len(options)
-    k_B = np.minimum((count_BW > 0).sum(axis=1), round_half_up(rate * w.num))
+    k_B = np.minimum((count_BW > 0).sum(axis=1), round_half_up(rate * num_B))
     chosen_BW = smallest_k(draw_keys(keys_B, stream, W), count_BW > 0, k_B)
     pick_BW = np.floor(draws(keys_B, stream + 1, W) * count_BW).astype(np.int64)
     entry_BW = table.first_entry_V[np.where(single_BW, head_BW, 0)] + pick_BW
@@ -229,7 +279,7 @@ class Augmenter:
     """Applies the configured '+'-joined CLEAR augmentations, in order, to a batch of token rows."""
 
     def __init__(self, cfg: AugmentConfig, methods: tuple[str, ...], word_start_V: np.ndarray, del_id: int | None,
-                 synonyms: SynonymTable | None = None):
+                 synonyms: SynonymTable | None = None, fixed_ids=()):
         self.cfg = cfg
         self.methods = methods
         self.word_start_V = np.asarray(word_start_V, dtype=bool).copy()
@@ -241,6 +291,9 @@ class Augmenter:
             self.word_start_V = np.append(self.word_start_V, True)
         self.word_start_V[del_id] = True  # a merged [DEL] is a word of its own
         self.del_id = del_id
+        self.fixed_V = np.zeros(len(self.word_start_V), dtype=bool)
+        """bool [V]: tokens that stay in place ([CLS], [SEP], [PAD], [MASK] inside the text)."""
+        self.fixed_V[[int(i) for i in fixed_ids if 0 <= int(i) < len(self.fixed_V) and int(i) != del_id]] = True
         if "subs" in methods and synonyms is None:
             raise ValueError("the 'subs' augmentation needs a SynonymTable (build_augmenter makes one from WordNet)")
         self.synonyms = synonyms
@@ -248,18 +301,20 @@ class Augmenter:
     def __call__(self, r: Ragged, keys_B: np.ndarray) -> Ragged:
         """Augmented copies of the rows of ``r`` (no specials added or removed except [DEL]); row b's noise comes
         from key ``keys_B[b]`` (both views of a sample are rows of one call, with keys ``derive``d per view)."""
-        c, ws = self.cfg, self.word_start_V
+        c, ws, fx = self.cfg, self.word_start_V, self.fixed_V
         for m, method in enumerate(self.methods):
             s = method_stream(m)
             if method == "del-word":
-                r = delete_words(r, keys_B, s, word_start_V=ws, del_id=self.del_id, rate=c.del_word_rate)
+                r = delete_words(r, keys_B, s, word_start_V=ws, del_id=self.del_id, rate=c.del_word_rate, fixed_V=fx)
             elif method == "del-span":
                 r = delete_spans(r, keys_B, s, word_start_V=ws, del_id=self.del_id, num_spans=c.del_span_num,
-                                 frac=c.del_span_frac)
+                                 frac=c.del_span_frac, fixed_V=fx)
             elif method == "reorder":
-                r = reorder_spans(r, keys_B, s, word_start_V=ws, num_pairs=c.reorder_pairs, frac=c.reorder_frac)
+                r = reorder_spans(r, keys_B, s, word_start_V=ws, num_pairs=c.reorder_pairs, frac=c.reorder_frac,
+                                  fixed_V=fx)
             elif method == "subs":
-                r = substitute_synonyms(r, keys_B, s, word_start_V=ws, rate=c.subs_rate, table=self.synonyms)
+                r = substitute_synonyms(r, keys_B, s, word_start_V=ws, rate=c.subs_rate, table=self.synonyms,
+                                        fixed_V=fx)
         # Reordering can bring two [DEL]s together; the paper's rule holds for the final view.
         r = merge_deletions(r, self.del_id)
         if self.drop_deleted:
@@ -378,4 +433,5 @@ def build_augmenter(cfg: AugmentConfig, tokenizer) -> Augmenter:
         check_wordnet_dir(cfg.wordnet_dir)
         ws = tokenizer.word_start_mask()
         table = WordNetSynonyms(tokenizer, cfg.wordnet_dir).single_token_table(ws, tokenizer.special_ids)
-    return Augmenter(cfg, methods, tokenizer.word_start_mask(), tokenizer.del_id, table)
+    fixed = (tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id, tokenizer.mask_id)  # [UNK] is a word
+    return Augmenter(cfg, methods, tokenizer.word_start_mask(), tokenizer.del_id, table, fixed_ids=fixed)

@@ -35,9 +35,15 @@ def parse_key(key) -> tuple[int, int]:
 
 VIEW_A, VIEW_B = 1, 2
 """``counter_rng.derive`` tags of the two views' keys (the masking draws from the sample's own key)."""
-SAMPLE_STREAM = "counter-v2"
+SAMPLE_STREAM = "counter-v3"
 """Names the rule mapping (seed, epoch, index) to a sample's noise; checkpoints record it, and a run is not
-resumed into another one (v1: numpy Generator per sample; v2: counter_rng draws, batched)."""
+resumed into another one (v1: numpy Generator per sample; v2: counter_rng draws, batched; v3: the views keep
+[CLS]/[SEP]/[PAD]/[MASK] inside the text in place and a deletion leaves a text at least one word)."""
+STREAM_FIXES = {"counter-v2": "its views differ from this version's only where they were wrong: a one-word text's "
+                              "deletion views left without a word, and [SEP]s inside data.packing=full text deleted "
+                              "or moved"}
+"""Older streams a checkpoint may be resumed from into ``SAMPLE_STREAM`` (with a warning), and how they differ: every
+sample they draw alike is bitwise the same, so a resume continues the run exactly but for those samples' views."""
 
 
 class PretrainDataset(torch.utils.data.Dataset):

@@ -15,6 +15,7 @@ from pretrain.checkpoint import store
 from pretrain.config import RunConfig, TrainConfig
 from pretrain.config.loader import to_dict
 from pretrain.data.indexed import file_sha256
+from pretrain.data.datasets import STREAM_FIXES
 from pretrain.data.loader import ORDER_RULE, ORDER_RULES
 from pretrain.distributed.env import detect_env
 from pretrain.metrics.writer import print_progress
@@ -137,7 +138,11 @@ def refuse_incompatible(old: TrainState, tag_dir: Path, saved: dict, cfg: RunCon
             f"dataset at the same path?). Resuming would go on at its sample {old.consumed_samples:,} in another "
             f"order. Point data.* at the data it was trained on; to continue on this data anyway, set "
             f"checkpoint.allow_other_data=true, or start a new run_dir with checkpoint.init_from={tag_dir}.")
-    if sample_stream is not None and old.sample_stream != sample_stream:
+    if sample_stream is not None and old.sample_stream != sample_stream and old.sample_stream in STREAM_FIXES:
+        print_progress(f"warning: checkpoint {tag_dir} was trained on the sample stream {old.sample_stream!r}; this "
+                       f"pretrain version draws {sample_stream!r}, whose samples are the same except that "
+                       f"{STREAM_FIXES[old.sample_stream]}: the run continues with the corrected views")
+    elif sample_stream is not None and old.sample_stream != sample_stream:
         raise ValueError(
             f"checkpoint {tag_dir} was trained on the sample stream {old.sample_stream!r} (how each "
             f"sample's masking and views are drawn), this pretrain version draws {sample_stream!r}: resuming would "

@@ -633,7 +633,7 @@ def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_
     state_file = store.checkpoints_dir(run_dir) / store.find_latest(store.checkpoints_dir(run_dir)) / "trainer_state.json"
     original = state_file.read_text()
     state = json.loads(original)
-    assert state["format_version"] == 3 and state["sample_stream"] == "counter-v2"
+    assert state["format_version"] == 3 and state["sample_stream"] == "counter-v3"
     del state["sample_stream"]
     state_file.write_text(json.dumps(dict(state, format_version=1)))
     code, out = _main(tiny_overrides(run_dir, data__valid="[]", train__max_steps=4), capsys)

@@ -28,14 +28,25 @@ def rhu(x: float) -> int:
     return math.floor(x + 0.5)
 
 
-def split_words(tokens: list[int], word_start) -> list[list[int]]:
+def split_words(tokens: list[int], word_start, fixed=frozenset()) -> list[list[int]]:
+    """Words: a word start and the continuation tokens after it; a ``fixed`` token is a word by itself."""
     out: list[list[int]] = []
     for i, t in enumerate(tokens):
-        if i == 0 or word_start[t]:
+        if i == 0 or word_start[t] or t in fixed or tokens[i - 1] in fixed:
             out.append([t])
         else:
             out[-1].append(t)
     return out
+
+
+def movable(words: list[list[int]], fixed) -> list[int]:
+    """Indices of the words that are not a fixed token (those stay where they are)."""
+    return [q for q, w in enumerate(words) if w[0] not in fixed]
+
+
+def content(words: list[list[int]], fixed, del_id: int) -> int:
+    """How many movable words do not start with [DEL]: a deletion leaves one of them."""
+    return sum(words[q][0] != del_id for q in movable(words, fixed))
 
 
 def merge(tokens: list[int], del_id: int) -> list[int]:
@@ -63,58 +74,67 @@ def place(key: int, stream: int, num_words: int, k: int, span_len: int) -> list[
     return [s + i * (span_len - 1) for i, s in enumerate(chosen)]
 
 
-def del_word(tokens, key, stream, ws, del_id, rate):
-    words = split_words(tokens, ws)
-    dead = set(smallest(order_keys(key, stream, len(words)), range(len(words)), rhu(rate * len(words))))
+def del_word(tokens, key, stream, ws, del_id, rate, fixed=frozenset()):
+    words = split_words(tokens, ws, fixed)
+    m = movable(words, fixed)
+    k = min(rhu(rate * len(m)), max(content(words, fixed, del_id) - 1, 0))
+    dead = set(smallest(order_keys(key, stream, len(words)), m, k))
     return with_dels(words, dead, del_id)
 
 
-def del_span(tokens, key, stream, ws, del_id, num, frac):
-    words = split_words(tokens, ws)
-    span_len, k = plan(len(words), num, frac)
-    dead = {s + j for s in place(key, stream, len(words), k, span_len) for j in range(span_len)}
+def del_span(tokens, key, stream, ws, del_id, num, frac, fixed=frozenset()):
+    words = split_words(tokens, ws, fixed)
+    m = movable(words, fixed)
+    span_len, k = plan(len(m), num, frac)
+    k = min(k, max(content(words, fixed, del_id) - 1, 0) // span_len)
+    dead = {m[s + j] for s in place(key, stream, len(m), k, span_len) for j in range(span_len)}
     return with_dels(words, dead, del_id)
 
 
-def reorder(tokens, key, stream, ws, pairs, frac):
-    words = split_words(tokens, ws)
-    span_len, k = plan(len(words), pairs, frac, group=2)
+def reorder(tokens, key, stream, ws, pairs, frac, fixed=frozenset()):
+    words = split_words(tokens, ws, fixed)
+    m = movable(words, fixed)
+    span_len, k = plan(len(m), pairs, frac, group=2)
     if k == 0:
         return list(tokens)
-    starts = place(key, stream, len(words), 2 * k, span_len)
+    starts = place(key, stream, len(m), 2 * k, span_len)
     pk = order_keys(key, stream + 1, 2 * k)
     perm = sorted(range(2 * k), key=lambda i: pk[i])
-    order = list(range(len(words)))
+    order = list(range(len(m)))  # in movable words
     for p in range(k):
         a, b = starts[perm[2 * p]], starts[perm[2 * p + 1]]
         order[a:a + span_len], order[b:b + span_len] = order[b:b + span_len], order[a:a + span_len]
-    return [t for w in order for t in words[w]]
+    source = list(range(len(words)))
+    for i, j in enumerate(order):
+        source[m[i]] = m[j]
+    return [t for w in source for t in words[w]]
 
 
-def subs(tokens, key, stream, ws, rate, mapping):
-    words = split_words(tokens, ws)
-    options = [list(mapping.get(tuple(w), ())) for w in words]
+def subs(tokens, key, stream, ws, rate, mapping, fixed=frozenset()):
+    words = split_words(tokens, ws, fixed)
+    m = movable(words, fixed)
+    options = [list(mapping.get(tuple(w), ())) if q in m else [] for q, w in enumerate(words)]
     candidates = [w for w in range(len(words)) if options[w]]
-    k = min(len(candidates), rhu(rate * len(words)))
+    k = min(len(candidates), rhu(rate * len(m)))
     picks = u(key, stream + 1, len(words))
     for w in smallest(order_keys(key, stream, len(words)), candidates, k):
         words[w] = [int(t) for t in options[w][math.floor(picks[w] * len(options[w]))]]
     return [t for w in words for t in w]
 
 
-def augment(tokens, key, methods, cfg, ws, del_id, mapping=None, drop_deleted=False):
-    """One view of one row: methods in order, method m drawing from streams 4m.."""
+def augment(tokens, key, methods, cfg, ws, del_id, mapping=None, drop_deleted=False, fixed=frozenset()):
+    """One view of one row: methods in order, method m drawing from streams 4m..; ``fixed`` tokens stay put."""
     tokens = [int(t) for t in tokens]
     for m, method in enumerate(methods):
         s = 4 * m
         if method == "del-word":
-            tokens = del_word(tokens, key, s, ws, del_id, cfg.del_word_rate)
+            tokens = del_word(tokens, key, s, ws, del_id, cfg.del_word_rate, fixed)
         elif method == "del-span":
-            tokens = del_span(tokens, key, s, ws, del_id, cfg.del_span_num, cfg.del_span_frac)
+            tokens = del_span(tokens, key, s, ws, del_id, cfg.del_span_num, cfg.del_span_frac, fixed)
         elif method == "reorder":
-            tokens = reorder(tokens, key, s, ws, cfg.reorder_pairs, cfg.reorder_frac)
+            tokens = reorder(tokens, key, s, ws, cfg.reorder_pairs, cfg.reorder_frac, fixed)
         elif method == "subs":
-            tokens = subs(tokens, key, s, ws, cfg.subs_rate, mapping)
+            tokens = subs(tokens, key, s, ws, cfg.subs_rate, mapping, fixed)
     tokens = merge(tokens, del_id)
     return [t for t in tokens if t != del_id] if drop_deleted else tokens
 

@@ -23,6 +23,9 @@ DEL = 5
 VOCAB = 100
 # ids 0..5 specials, 6..59 word starts, 60..99 continuation pieces ("##x").
 WS = np.arange(VOCAB) < 60
+FIXED = (0, 2, 3, 4)
+"""[PAD], [CLS], [SEP], [MASK]: inside a text (packing=full's [SEP] before a document) they stay in place; [UNK] (1)
+is a word like any other."""
 Z = 5.0
 """Standard deviations a measured rate may be from its expectation (two-sided tail ~6e-7 per check)."""
 
@@ -50,13 +53,18 @@ def batch_of(rows: list[list[int]]) -> Ragged:
 
 
 def random_rows(rng: np.random.Generator, n: int) -> list[list[int]]:
-    """Rows of 0-60 words (empty and one-word rows included), some with [DEL] words already in them."""
+    """Rows of 0-60 words (empty and one-word rows included), some with [DEL] words already in them, some with
+    [SEP] / [CLS] / [UNK] tokens inside (a [SEP] may be followed by a continuation piece)."""
     rows = []
     for _ in range(n):
         words = make_words(rng, int(rng.choice([0, 1, 2, 3, 7, 20, 40, 60])))
+        specials = rng.random() < 0.3
         for w in range(len(words)):
-            if rng.random() < 0.05:
+            u = rng.random()
+            if u < 0.05:
                 words[w] = [DEL]
+            elif specials and u < 0.15:
+                words[w] = [int(rng.choice([1, 2, 3]))] + words[w][1:]
         rows.append(flat(words).tolist())
     return rows
 
@@ -73,7 +81,7 @@ def test_batched_views_equal_the_row_by_row_reference(methods, with_del):
     """Every row of every batch equals the plain-Python restatement of the rules on the same draws."""
     cfg = AugmentConfig(methods=methods)
     table = A.SynonymTable.from_mapping(SYNONYMS, VOCAB)
-    aug = A.Augmenter(cfg, A.parse_methods(methods), WS, DEL if with_del else None, table)
+    aug = A.Augmenter(cfg, A.parse_methods(methods), WS, DEL if with_del else None, table, fixed_ids=FIXED)
     ws_ref = np.append(WS, True)
     ws_ref[DEL] = True
     del_ref = DEL if with_del else VOCAB
@@ -84,7 +92,7 @@ def test_batched_views_equal_the_row_by_row_reference(methods, with_del):
         got = aug(batch_of(rows), keys).rows()
         for row, key, out in zip(rows, keys.tolist(), got):
             expected = R.augment(row, key, A.parse_methods(methods), cfg, ws_ref, del_ref, SYNONYMS,
-                                 drop_deleted=not with_del)
+                                 drop_deleted=not with_del, fixed=set(FIXED))
             assert out.tolist() == expected, (methods, row)
 
 
@@ -264,6 +272,24 @@ def test_real_wordnet_substitution_uses_synonyms(tokenizer):
     assert [r.tolist() for r in again(batch_of([ids.tolist()] * 10), keys).rows()] == [r.tolist() for r in out_rows]
 
 
+@pytest.mark.parametrize("methods", ["del-word", "del-span", "del-span+reorder", "reorder+del-word",
+                                     "del-word+del-span"])
+@pytest.mark.parametrize("with_del", [True, False])
+def test_a_deletion_never_leaves_a_view_without_a_word(methods, with_del):
+    """A one-word text (one or several pieces) keeps its word in every view (it was [DEL] alone, the same for
+    every such sample, or nothing at all without [DEL]); longer texts keep at least one word, even at rate 1."""
+    for cfg in (AugmentConfig(methods=methods), AugmentConfig(methods=methods, del_word_rate=1.0, del_span_frac=0.5)):
+        aug = A.Augmenter(cfg, A.parse_methods(methods), WS, DEL if with_del else None)
+        n = 200
+        for row in ([7], [7, 60, 61], [1]):
+            for out in aug(batch_of([row] * n), sample_keys(0, 0, np.arange(n))).rows():
+                assert out.tolist() == row, (methods, row)
+        rng = np.random.default_rng(6)
+        rows = [flat(make_words(rng, int(rng.integers(2, 6)))).tolist() for _ in range(n)]
+        for row, out in zip(rows, aug(batch_of(rows), sample_keys(1, 0, np.arange(n))).rows()):
+            assert set(out.tolist()) - {DEL}, (methods, row, out)
+
+
 def test_vocabulary_without_del_drops_deleted_words():
     """An imported HF BERT vocabulary has no [DEL]: the same draws delete the words without a marker."""
     words = make_words(np.random.default_rng(5), 30)
@@ -299,3 +325,31 @@ def test_counter_draws_are_uniform_independent_and_width_free():
     k = draw_keys(keys, 3, 300)
     assert all(len(set(row)) == 300 for row in k.tolist())  # distinct within a row
     assert len(set(keys.tolist())) == 2000
+
+
+@pytest.mark.parametrize("methods", ["del-word", "del-span", "reorder", "del-span+reorder"])
+def test_separators_inside_the_text_stay_in_place(tokenizer, methods):
+    """packing=full puts a [SEP] before each document that starts inside a sample: the views built by
+    build_augmenter keep every such [SEP], at its place among the words (deletions and swaps act on the other
+    words), never turned into [DEL] nor moved."""
+    docs = ["The quick brown fox jumps over the lazy dog near the river", "A big car drove fast down the road",
+            "She was glad to see the large house and the small garden"]
+    sep = tokenizer.sep_id
+    ids = [t for i, d in enumerate(docs) for t in ([sep] if i else []) + tokenizer.encode(d)]
+    ws = tokenizer.word_start_mask()
+    words_in = R.split_words(ids, ws, {sep})
+    at = [q for q, w in enumerate(words_in) if w == [sep]]
+    segments_in = [[w for w in words_in[a + 1:b]] for a, b in zip([-1] + at, at + [len(words_in)])]
+    aug = A.build_augmenter(AugmentConfig(methods=methods, del_span_frac=0.2), tokenizer)
+    for out in aug(batch_of([ids] * 100), sample_keys(0, 0, np.arange(100))).rows():
+        words_out = R.split_words(out.tolist(), ws, {sep})
+        assert out.tolist().count(sep) == len(at)
+        if methods == "reorder":  # each [SEP] at its word index; the words are the same words
+            assert [q for q, w in enumerate(words_out) if w == [sep]] == at
+            assert sorted(map(tuple, words_out)) == sorted(map(tuple, words_in))
+        elif "reorder" not in methods:  # each document keeps its own words, in order, minus the deleted ones
+            cut = [q for q, w in enumerate(words_out) if w == [sep]]
+            segments_out = [words_out[a + 1:b] for a, b in zip([-1] + cut, cut + [len(words_out)])]
+            for seg_in, seg_out in zip(segments_in, segments_out):
+                kept = iter(seg_in)
+                assert all(any(w == v for v in kept) for w in seg_out if w != [tokenizer.del_id])

@@ -273,3 +273,29 @@ def test_universal_copies_go_with_their_checkpoint(tmp_path):
                 json.dumps({"checkpoint": universal._source_id(source), "files": {}}))
     universal.prune(ckpt)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]
+
+
+def test_a_counter_v2_checkpoint_resumes_into_v3_with_a_warning_and_another_stream_is_refused(tmp_path, capsys):
+    """counter-v3 corrected the views where v2's were wrong (a one-word text left without a word, inner [SEP]s
+    moved): a v2 run resumes with one warning line naming the difference; a stream this version does not know
+    is still refused."""
+    from pretrain.config import RunConfig
+    from pretrain.data.datasets import SAMPLE_STREAM
+    from pretrain.training.resume import refuse_incompatible
+    from pretrain.training.state import TrainState
+
+    cfg = RunConfig()
+    base = dict(step=4, consumed_samples=8, world_size=1, seed=cfg.seed, sample_order="feistel-v1")
+    fields = {f for f in TrainState.__dataclass_fields__}
+    for stream, refused in (("counter-v2", False), ("generator-v1", True), (SAMPLE_STREAM, False)):
+        state = {k: v for k, v in dict(base, sample_stream=stream).items() if k in fields}
+        old = TrainState(**{**{f: None for f in fields}, **state, **{"bad_steps_total": 0}})
+        call = lambda: refuse_incompatible(old, tmp_path, {"train": {}, "distributed": {}}, cfg, 1,  # noqa: E731
+                                           tokenizer_sha256="x", sample_stream=SAMPLE_STREAM)
+        if refused:
+            with pytest.raises(ValueError, match="sample stream 'generator-v1'"):
+                call()
+        else:
+            call()
+        out = capsys.readouterr().out
+        assert ("one-word text" in out) == (stream == "counter-v2"), (stream, out)
