@@ -148,7 +148,9 @@ class ShardedDataset:
         return int(self.starts[-1])
 
     def _checked_stamp(self) -> tuple[Path | None, dict]:
-        """(``index-cache/checked-<manifest sha>.json``, {shard: [size, mtime_ns] of its .idx and .bin}).
+        """(``index-cache/checked-<manifest sha>.json``, {shard: [size, mtime_ns, inode, ctime_ns] of its .idx and
+        .bin}): a copy keeps neither inode nor ctime, so a stamp copied along (``cp -p``, ``rsync -a``, which keep
+        the mtime) does not vouch for the copies, which a cut copy's zero-filled end would otherwise pass.
 
         The shards' O(N) structural check (4 s at 1e9 sentences) and sampled sha256 run once per set of files: the
         stamp records the files that passed, and a shard whose files still have that size and mtime opens without
@@ -160,7 +162,7 @@ class ShardedDataset:
                 stat = [os.stat(prefix + ext) for ext in (".idx", ".bin")]
             except OSError:
                 return None, {}  # a missing file: IndexedDataset says which
-            stamp[s["name"]] = [[st.st_size, st.st_mtime_ns] for st in stat]
+            stamp[s["name"]] = [[st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns] for st in stat]
         return self.cache_dir / f"checked-{self.manifest_digest}.json", stamp
 
     @functools.cached_property

@@ -133,3 +133,20 @@ def test_reader_takes_the_block_size_and_count_from_the_manifest(dataset_dir):
     with pytest.raises(ValueError, match=rf"{re.escape(str(manifest))}: sampled_sha256 is .*pretrain-preprocess"):
         ShardedDataset(str(dataset_dir))
     assert any("sampled_sha256" in p for p in verify_dataset(str(dataset_dir)))
+
+
+def test_a_stamp_copied_along_with_the_files_does_not_vouch_for_the_copies(dataset_dir, tmp_path):
+    """``cp -p`` / ``rsync -a`` keep the mtime and copy index-cache/ too: the stamp (size and mtime) vouched for the
+    copy, so a copy whose end was zero-filled at full size (cut by a crash), mtime kept, skipped every check. The
+    stamp also records inode and ctime, which no copy keeps."""
+    ShardedDataset(str(dataset_dir))  # checked and stamped
+    assert _stamps(dataset_dir)
+    copy = shutil.copytree(dataset_dir, tmp_path / "copy")  # copy2: mtimes kept, the stamp copied along
+    path = copy / "shard-00000.bin"
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size - 4096)
+        f.write(bytes(4096))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + " differs from when it was preprocessed"):
+        ShardedDataset(str(copy))
