@@ -138,7 +138,8 @@ def test_run_dir_from_before_the_trainer_house_resumes_on_the_curve(tmp_path, cl
     shutil.copytree(OLD_RUN_DIR, run_dir)
     free = ["train.eval_every=5", "train.eval_batches=3", "train.max_bad_steps=7", "checkpoint.every=3",
             "checkpoint.every_minutes=600", "checkpoint.background=false", "checkpoint.keep_last=2", "checkpoint.trust=true", "checkpoint.resume=auto", "data.num_workers=1",
-            "data.prefetch_factor=3", "data.timeout_s=900", "distributed.timeout_s=300", "distributed.peer_timeout_s=100",
+            "data.prefetch_factor=3", "data.timeout_s=900",
+            "distributed.timeout_s=300", "distributed.peer_timeout_s=100",
             "ops.similarity=eager", "ops.chunk_size=5", "eval.max_len=64", "eval.keep_best=false",
             "train.malloc_mmap_threshold_kib=128", "train.malloc_trim_chunks=false"]
     assert main([*_overrides(tmp_path, run_dir), *free]) == 0
