@@ -156,6 +156,11 @@ def _pretrain_stage_lines(cfg) -> list[str]:
     if cfg.objective.nt_xent is None and d.augment.methods != AugmentConfig().methods:
         out.append(f"data.augment.methods={d.augment.methods!r} has no loss to act on: objective.nt_xent is off "
                    f"(the views are built but no term reads them)")
+    if cfg.objective.nt_xent is not None and methods <= {"subs", "reorder"}:
+        out.append(f"data.augment.methods={d.augment.methods!r} without a deletion: CLEAR's authors report that "
+                   f"MLM + subs, + reorder and + subs+reorder either converge at once or explode (views too easy to "
+                   f"tell apart) and do not report them; their best pairs are del-word+reorder and "
+                   f"del-span+reorder")
     if cfg.objective.mlm is None:
         masking = _changed(d.masking, MaskingConfig(), [f.name for f in dataclasses.fields(MaskingConfig)])
         if masking:

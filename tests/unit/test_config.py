@@ -349,3 +349,17 @@ def test_first_last_avg_pooling_is_refused_where_training_embeds_sentences():
     assert load_run_config(None, ["model.pooling=first_last_avg", "objective.nt_xent=null"]).model.pooling \
         == "first_last_avg"
     assert load_run_config(None, ["model.pooling=mean", "eval.pooling=first_last_avg"]).eval.pooling == "first_last_avg"
+
+
+def test_views_without_a_deletion_warn_as_clears_authors_found_them():
+    """CLEAR (section 4.2): MLM + subs, + reorder and + subs+reorder converged at once or exploded; nothing said so
+    to a user who chose them. A deletion among the methods, or no contrastive term, gets no such line."""
+    from pretrain.config.lint import inert_settings
+
+    def warned(methods, *more):
+        lines = inert_settings(load_run_config(None, [f"data.augment.methods={methods}", *more]))
+        return any("without a deletion" in line for line in lines)
+
+    assert warned("subs") and warned("reorder") and warned("subs+reorder")
+    assert not warned("del-span+reorder") and not warned("del-word+reorder") and not warned("none")
+    assert not warned("reorder", "objective.nt_xent=null")
