@@ -242,6 +242,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     from pretrain.model import build_model
     from pretrain.model.dropout import set_fast_dropout
     from pretrain.objective import Context, Objective, TrainModule
+    from pretrain.model.modern import compile_band
     from pretrain.training.build import apply_param_layout, compile_options
     from pretrain.training.optim import build_param_groups, lr_lambda
     from pretrain.training.step import HostFacts, optimizer_step
@@ -260,6 +261,7 @@ def build_ours(size: str, vocab: int, seq: int, zero_stage: int, precision: str 
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
     dist = DistributedConfig(zero_stage=zero_stage)
     if compile_:
+        compile_band(model, seq)  # as build_train_module: ModernBERT's band-or-dense fixed for the longest row
         module.compile_step(**compile_options(train))
     apply_param_layout(module, train, dist)
     engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim, train=train,

@@ -36,6 +36,12 @@ class ModernEncoder(nn.Module):
         self.embeddings = ModernEmbeddings(cfg)
         self.layers = nn.ModuleList(ModernBlock(cfg, i) for i in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=False)
+        self.band_when_compiled: bool | None = None
+        """The local layers' band-or-dense choice inside a compiled step, the same for every sequence or attention
+        group (``compile_band``); None chooses by each length there too. Chosen by length, the choice is a guard
+        on each group's symbolic length, and a batch whose groups fall on other sides of the threshold than the
+        traced one's is a new graph (up to one per group count: ModernBERT's 1024-token batches reached torch's
+        recompile limit)."""
 
     def forward(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, all_layers: bool = False,
@@ -67,11 +73,11 @@ class ModernEncoder(nn.Module):
                 continue
             cos, sin = rope_tables(position_ids, head_size, theta, dtype)
             if packed is not None:
-                masks = tuple(g.keep_n11t if is_global else _local_mask(g.keep_n11t, g.length, half, device)
+                masks = tuple(g.keep_n11t if is_global else self._local_mask(g.keep_n11t, g.length, half, device)
                               for g in packed.groups)
                 out[is_global] = AttentionInputs(cos, sin, group_masks=masks, **scaled_tables(cos, sin, head_size))
             else:
-                mask = keep_B11T if is_global else _local_mask(keep_B11T, position_ids.shape[0], half, device)
+                mask = keep_B11T if is_global else self._local_mask(keep_B11T, position_ids.shape[0], half, device)
                 out[is_global] = AttentionInputs(cos, sin, mask=mask, **scaled_tables(cos, sin, head_size))
         return out
 
@@ -90,10 +96,23 @@ class ModernEncoder(nn.Module):
         return states if all_layers else x_BTD
 
 
-def _local_mask(keep_B11T: torch.Tensor | None, length: int, half: int,
-                device: torch.device) -> torch.Tensor | Band | None:
-    """A local layer's mask: the band (``banded.py``: only the scores within the window are computed) once the
-    sequence is several windows long, else the dense window mask."""
-    if use_band(length, half):
-        return make_band(keep_B11T, length, half, device)
-    return window_mask(keep_B11T, length, half, device)
+    def _local_mask(self, keep_B11T: torch.Tensor | None, length: int, half: int,
+                    device: torch.device) -> torch.Tensor | Band | None:
+        """A local layer's mask: the band (``banded.py``: only the scores within the window are computed) once the
+        sequence is several windows long, else the dense window mask; in a compiled step ``band_when_compiled``
+        when set (both are exact at any length)."""
+        band = self.band_when_compiled
+        if band is None or not torch.compiler.is_compiling():
+            band = use_band(length, half)
+        if band:
+            return make_band(keep_B11T, length, half, device)
+        return window_mask(keep_B11T, length, half, device)
+
+
+def compile_band(model: nn.Module, max_len: int) -> None:
+    """Fix ``band_when_compiled`` of ``model``'s ModernBERT encoder (if it has one) for sequences of at most
+    ``max_len`` tokens: the band when the longest would take it, so that a compiled step has one graph whatever
+    its groups' lengths (short groups then pay the band's blocking: at most 3 x half scores a query)."""
+    for m in model.modules():
+        if isinstance(m, ModernEncoder):
+            m.band_when_compiled = use_band(max_len, m.cfg.local_window // 2)

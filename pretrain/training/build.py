@@ -20,6 +20,7 @@ from pretrain.metrics.writer import print_progress
 from pretrain.model import build_model
 from pretrain.model.dropout import set_fast_dropout
 from pretrain.model.flat import flatten_layers
+from pretrain.model.modern import compile_band
 from pretrain.objective import Context, Objective, TrainModule
 from pretrain.prep.tokenizer import load_tokenizer
 from pretrain.training import resources
@@ -137,6 +138,7 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
         module = TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
         set_fast_dropout(module, cfg.train.fast_dropout)
     if cfg.step_compiled:
+        compile_band(model, max(cfg.data.max_len, cfg.data.view_max_len))
         module.compile_step(**compile_options(cfg.train))
     return module
 

@@ -17,7 +17,7 @@ from pretrain.model.rotary import window_mask
 
 @pytest.mark.parametrize("bsz,heads,length,size,half,padded", [
     (2, 3, 37, 8, 4, False), (2, 3, 37, 8, 4, True), (1, 2, 64, 4, 16, True), (3, 2, 10, 4, 3, True),
-    (2, 2, 130, 8, 64, True), (2, 1, 9, 4, 1, True)])
+    (2, 2, 130, 8, 64, True), (2, 1, 9, 4, 1, True), (2, 2, 10, 8, 64, True), (1, 1, 5, 4, 8, False)])
 def test_band_equals_the_dense_window_in_float64(bsz, heads, length, size, half, padded):
     g = torch.Generator().manual_seed(length + half)
     q, k, v = (torch.randn(bsz, heads, length, size, generator=g, dtype=torch.float64, requires_grad=True)

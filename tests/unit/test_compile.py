@@ -237,3 +237,34 @@ def _anchor_reached_by_compiled(loss: torch.Tensor) -> bool:
                 return True
             todo.append(child)
     return False
+
+
+def test_modernbert_groups_on_both_sides_of_the_band_threshold_compile_one_graph():
+    """ModernBERT's local layers take the band from 6 half-windows on and the dense window mask below. Chosen by
+    each attention group's symbolic length inside the compiled step, that choice was a guard per group, and each
+    batch whose groups fell on other sides of it than the traced one's compiled a new graph (ModernBERT's usual
+    1024-token batches at window 128 reached torch's recompile limit, then ran eagerly). ``compile_band`` fixes the
+    choice for the run's longest sequence: one graph, the eager loss (both masks are exact)."""
+    from torch._dynamo.utils import counters
+
+    from pretrain.model.modern import compile_band
+
+    def module():
+        torch.manual_seed(0)
+        cfg = _model_cfg(arch="modernbert", local_window=4, global_every=2, pooler=False)  # band from 11 tokens
+        ctx = Context(env=single_process_env(), ops=OpsConfig(), pooling="cls", stage="sentences")
+        return TrainModule(build_model(cfg, seed=0),
+                           Objective(ObjectiveConfig(mlm=None, nt_xent=None, info_nce=InfoNCEConfig()), ctx))
+
+    eager, compiled = module(), module()
+    torch._dynamo.reset()
+    counters.clear()
+    compile_band(compiled.model, 16)
+    compiled.compile_step(backend="aot_eager", dynamic=True)
+    for seed, lengths in enumerate(([16, 3, 14, 7, 9, 5], [8, 9, 2, 10, 4, 6], [12, 13, 15, 16, 14, 12])):
+        ids, mask = _rows(lengths, 16, torch.Generator().manual_seed(seed))
+        batch = host_facts({"sentence_ids": ids, "sentence_mask": mask}, unpadded="fixed")
+        losses = [m(batch)[0] for m in (eager, compiled)]
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+    torch._dynamo.reset()
