@@ -237,8 +237,9 @@ def markdown_table(rows: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The grid's listing, or its runs: every name, setting, input file and earlier run in ``--out`` checked before
+    the first one trains."""
     args = build_parser().parse_args(argv)
-
     set_verbose(args.verbose)
     out = Path(args.out)
     if args.summarize:
@@ -252,41 +253,14 @@ def main(argv: list[str] | None = None) -> None:
         configs = {get_task(task).name: build_config(args, task, lr, seed) for task, lr, seed in entries}
     except ValueError as e:
         fail("pretrain-finetune-glue", e)
-    if args.count_runs:
-        print(len(entries))
+    if _list_grid(args, entries, out):
         return
-    if args.list_runs:
-        for i, (task, lr, seed) in enumerate(entries):
-            print(f"{i}\t{task}\tlr {lr:g}\tseed {seed}\t-> {run_path(out, task, lr, seed)}")
-        print(f"{len(entries)} runs (sbatch --array=0-{len(entries) - 1}; --count-runs prints the number alone)")
-        return
-    if not args.model:
-        fail("pretrain-finetune-glue", "--model is required (a checkpoint or a HF model directory)")
-
-    try:
-        model_path, reading = select_checkpoint(args.model, args.checkpoint)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
-        fail("pretrain-finetune-glue", e)
-    print(reading, flush=True)
-    args.model = str(model_path)
-    if not args.glue_dir:
-        try:
-            args.glue_dir = os.path.join(find_data_dir(need="glue", what="GLUE data", flag="--glue-dir"), "glue")
-        except FileNotFoundError as e:
-            fail("pretrain-finetune-glue", e)
+    _resolve_inputs(args)
     if args.run_index is not None:
         if not 0 <= args.run_index < len(entries):
             raise SystemExit(f"--run-index {args.run_index} out of range: the grid has {len(entries)} runs")
         entries = [entries[args.run_index]]
-    tasks = [get_task(t) for t in dict.fromkeys(t for t, _, _ in entries)]
-    missing = [str(f) for t in tasks for f in task_files(t, args.glue_dir) if not f.is_file()]
-    if missing:  # all of them, before the first run: not a crash after hours of the tasks that have their files
-        fail("pretrain-finetune-glue", f"GLUE files not found: {', '.join(missing)} (pass --glue-dir or set "
-                                       f"PRETRAIN_DATA_DIR to the directory holding glue/)")
-    try:
-        check_same_settings(read_runs(out), args.model, {t.name: configs[t.name] for t in tasks})
-    except ValueError as e:
-        fail("pretrain-finetune-glue", e)
+    _check_before_runs(args, entries, configs, out)
     for task, lr, seed in entries:
         try:
             res = run_one(args, task, lr, seed)
@@ -300,6 +274,49 @@ def main(argv: list[str] | None = None) -> None:
     if args.run_index is None:
         print(markdown_table({args.name: summarize(out, args.name)}))
 
+
+def _list_grid(args, entries: list, out: Path) -> bool:
+    """``--count-runs`` / ``--list-runs``: print the grid and say so (True); False when asked for neither."""
+    if args.count_runs:
+        print(len(entries))
+        return True
+    if args.list_runs:
+        for i, (task, lr, seed) in enumerate(entries):
+            print(f"{i}\t{task}\tlr {lr:g}\tseed {seed}\t-> {run_path(out, task, lr, seed)}")
+        print(f"{len(entries)} runs (sbatch --array=0-{len(entries) - 1}; --count-runs prints the number alone)")
+        return True
+    return False
+
+
+def _resolve_inputs(args) -> None:
+    """``args.model`` as the checkpoint it reads (said on stdout) and ``args.glue_dir`` found when not given."""
+    if not args.model:
+        fail("pretrain-finetune-glue", "--model is required (a checkpoint or a HF model directory)")
+    try:
+        model_path, reading = select_checkpoint(args.model, args.checkpoint)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        fail("pretrain-finetune-glue", e)
+    print(reading, flush=True)
+    args.model = str(model_path)
+    if not args.glue_dir:
+        try:
+            args.glue_dir = os.path.join(find_data_dir(need="glue", what="GLUE data", flag="--glue-dir"), "glue")
+        except FileNotFoundError as e:
+            fail("pretrain-finetune-glue", e)
+
+
+def _check_before_runs(args, entries: list, configs: dict, out: Path) -> None:
+    """Every train/dev file of the runs' tasks present (all missing ones named: not a crash after hours of the tasks
+    that have theirs), and the runs already in ``out`` of this model and recipe."""
+    tasks = [get_task(t) for t in dict.fromkeys(t for t, _, _ in entries)]
+    missing = [str(f) for t in tasks for f in task_files(t, args.glue_dir) if not f.is_file()]
+    if missing:
+        fail("pretrain-finetune-glue", f"GLUE files not found: {', '.join(missing)} (pass --glue-dir or set "
+                                       f"PRETRAIN_DATA_DIR to the directory holding glue/)")
+    try:
+        check_same_settings(read_runs(out), args.model, {t.name: configs[t.name] for t in tasks})
+    except ValueError as e:
+        fail("pretrain-finetune-glue", e)
 
 if __name__ == "__main__":
     main()
