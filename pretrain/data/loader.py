@@ -14,12 +14,8 @@ the same global batch.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
-import os
-import signal
-import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -27,7 +23,8 @@ import torch
 
 from pretrain.data.collate import collate
 from pretrain.data.counter_rng import _GOLDEN, mix64, sample_keys
-from pretrain.data.workers import defer_worker_checks, unwatch_workers, watch_workers, worker_failure
+from pretrain.data.workers import (_LIVE_LOADERS, _LIVE_WORKERS, defer_worker_checks, kill_workers,
+                                   unwatch_workers, watch_workers, worker_failure)
 from pretrain.distributed.signals import ignore_in_worker
 
 ORDER_RULE = "feistel-v1"
@@ -414,36 +411,8 @@ class ResumableLoader:
             return
         workers = list(getattr(it, "_workers", []))
         it._shutdown_workers()
-        _kill(workers)
+        kill_workers(workers)
         self.loader._iterator = None
-
-
-_LIVE_LOADERS: "weakref.WeakSet" = weakref.WeakSet()
-"""Every ResumableLoader with worker processes in this process, until it is collected."""
-_LIVE_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
-"""Every DataLoader worker process a ResumableLoader started in this process. A loader dropped without ``close``
-(an error unwinding the trainer, a validation iterator left half-read) has its workers asked to exit by torch's
-iterator finaliser, which SIGTERMs the slow ones: ignored by our workers, so multiprocessing's exit handler would
-then wait for them forever. The exit handler below closes the loaders still alive (torch's shutdown first: it
-releases the index queues' feeder threads, which multiprocessing's finalisers would otherwise join forever once
-their reader is dead), then SIGKILLs whatever worker is still alive."""
-
-
-def _kill(workers) -> None:
-    for w in list(workers):
-        if w.is_alive():
-            try:
-                os.kill(w.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            w.join(timeout=5)
-
-
-@atexit.register  # registered after multiprocessing's own handler, so it runs before it
-def _stop_live_workers() -> None:
-    for loader in list(_LIVE_LOADERS):
-        loader.close()
-    _kill(_LIVE_WORKERS)
 
 
 def _check_position(rank: int, world_size: int, micro_batch_size: int, start_sample: int) -> None:

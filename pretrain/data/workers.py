@@ -1,10 +1,15 @@
 """A DataLoader worker's death as one line: the workers are taken out of torch's SIGCHLD check (which raises from
 whatever the main process runs when one dies) and put back only while the loader waits for a batch
-(``ResumableLoader._checked``); a worker killed by a signal or out of memory becomes a ``DataWorkerError``."""
+(``ResumableLoader._checked``); a worker killed by a signal or out of memory, or none delivering a batch within
+``data.timeout_s``, becomes a ``DataWorkerError``. And the workers' end: every one a loader started is SIGKILLed at
+the latest when the process exits (they ignore the SIGTERM of torch's and multiprocessing's shutdown)."""
 
 from __future__ import annotations
 
+import atexit
+import os
 import signal
+import weakref
 
 import torch
 
@@ -98,3 +103,32 @@ def stalled(workers, timeout_s: float, where: str) -> DataWorkerError:
                            "mount (the dataset's directory) or a remote read that does not return; if batches "
                            "really take that long, raise data.timeout_s (0 waits forever). Resuming continues from "
                            "the last checkpoint")
+
+
+_LIVE_LOADERS: "weakref.WeakSet" = weakref.WeakSet()
+"""Every ResumableLoader (``data/loader.py``) with worker processes in this process, until it is collected."""
+_LIVE_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
+"""Every DataLoader worker process a ResumableLoader started in this process. A loader dropped without ``close``
+(an error unwinding the trainer, a validation iterator left half-read) has its workers asked to exit by torch's
+iterator finaliser, which SIGTERMs the slow ones: ignored by our workers, so multiprocessing's exit handler would
+then wait for them forever. The exit handler below closes the loaders still alive (torch's shutdown first: it
+releases the index queues' feeder threads, which multiprocessing's finalisers would otherwise join forever once
+their reader is dead), then SIGKILLs whatever worker is still alive."""
+
+
+def kill_workers(workers) -> None:
+    """SIGKILL each worker process still alive and reap it."""
+    for w in list(workers):
+        if w.is_alive():
+            try:
+                os.kill(w.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            w.join(timeout=5)
+
+
+@atexit.register  # registered after multiprocessing's own handler, so it runs before it
+def _stop_live_workers() -> None:
+    for loader in list(_LIVE_LOADERS):
+        loader.close()
+    kill_workers(_LIVE_WORKERS)
