@@ -146,11 +146,12 @@ def record_files(tmp_dir: Path, digests: dict) -> None:
                                                           "sample_blocks": SAMPLE_BLOCKS}, indent=1))
 
 
-def verify_checkpoint(tag_dir: Path, *, full: bool = False, whole: tuple[str, ...] = ()) -> list[str]:
+def verify_checkpoint(tag_dir: Path, *, full: bool = False, whole: tuple[str, ...] = (),
+                      digests: bool = True) -> list[str]:
     """What is wrong with a checkpoint ([] = good): its state file, then every file files.json records — size
-    always, then the sampled sha256 (``full=False``: at most 8 MiB read per file) or the whole sha256 (always for
-    the names in ``whole``: what a weight reader is about to read anyway) — and no weight or rank file it does not
-    record. A checkpoint written before files.json existed is checked for its state file only."""
+    always, then (``digests``) the sampled sha256 (``full=False``: at most 8 MiB read per file) or the whole sha256
+    (always for the names in ``whole``: what a weight reader is about to read anyway) — and no weight or rank file
+    it does not record. A checkpoint written before files.json existed is checked for its state file only."""
     try:
         state = read_trainer_state(tag_dir)
     except CheckpointError as e:
@@ -164,8 +165,8 @@ def verify_checkpoint(tag_dir: Path, *, full: bool = False, whole: tuple[str, ..
         return []
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [f"{FILES_FILE} is unreadable ({type(e).__name__})"]
-    problems = check_files(tag_dir, recorded, full=full, manifest=FILES_FILE)
-    if not problems and not full:
+    problems = check_files(tag_dir, recorded, full=full, manifest=FILES_FILE, digests=digests)
+    if not problems and not full and digests:
         problems = check_files(tag_dir, {n: recorded[n] for n in whole if "sha256" in recorded.get(n, {})},
                                full=True, manifest=FILES_FILE)
     stray = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*")
@@ -176,8 +177,9 @@ def verify_checkpoint(tag_dir: Path, *, full: bool = False, whole: tuple[str, ..
     return problems
 
 
-def check_files(directory: Path, recorded: dict, *, full: bool, manifest: str) -> list[str]:
-    """What differs between the files of ``directory`` and their recorded sizes and digests ([] = good)."""
+def check_files(directory: Path, recorded: dict, *, full: bool, manifest: str, digests: bool = True) -> list[str]:
+    """What differs between the files of ``directory`` and their recorded sizes and (``digests``) digests
+    ([] = good)."""
     problems = []
     for name, want in sorted(recorded.items()):
         path = directory / name
@@ -190,6 +192,8 @@ def check_files(directory: Path, recorded: dict, *, full: bool, manifest: str) -
         size = path.stat().st_size
         if size != want.get("bytes"):
             problems.append(f"{name} has {size} bytes, {want.get('bytes')} when it was written (truncated?)")
+            continue
+        if not digests:
             continue
         got = file_digests(path, full=full)
         key = "sha256" if full else "sampled_sha256"
@@ -298,30 +302,14 @@ def _signature(tag_dir: Path) -> tuple:
 
 def retention_problems(tag_dir: Path) -> list[str]:
     """What is wrong with a checkpoint, as retention counts it ([] = intact): ``verify_checkpoint`` (sizes and
-    sampled digests, what a resume checks) the first time this process sees it, then its state file, files.json
-    and its files' sizes (a stat each: a file lost or truncated since) while its files.json and state file are
-    unchanged — so a save does not reread its older checkpoints' sampled blocks (1 GB at 64 ranks) every time."""
-    if _VERIFIED.get(tag_dir) != _signature(tag_dir):
-        problems = verify_checkpoint(tag_dir)
-        if not problems:
-            _VERIFIED[tag_dir] = _signature(tag_dir)
-        return problems
-    try:
-        read_trainer_state(tag_dir)
-        recorded = json.loads((tag_dir / FILES_FILE).read_text(encoding="utf-8"))["files"]
-    except FileNotFoundError:
-        return []  # from before files.json (verify_checkpoint said so the first time)
-    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
-        return [str(e)]
-    return [f"{name} is missing or has another size" for name, want in sorted(recorded.items())
-            if not _has_size(tag_dir / name, want.get("bytes"))]
-
-
-def _has_size(path: Path, size) -> bool:
-    try:
-        return path.stat().st_size == size
-    except OSError:
-        return False
+    sampled digests, what a resume checks) the first time this process sees it, then without the digests (a stat
+    of each file: one lost or truncated since) while its files.json and state file are unchanged — so a save does
+    not reread its older checkpoints' sampled blocks (1 GB at 64 ranks) every time."""
+    known = _VERIFIED.get(tag_dir) == _signature(tag_dir)
+    problems = verify_checkpoint(tag_dir, digests=not known)
+    if not problems:
+        _VERIFIED[tag_dir] = _signature(tag_dir)
+    return problems
 
 
 def describe_error(e: BaseException) -> str:
