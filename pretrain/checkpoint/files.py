@@ -9,6 +9,7 @@ every such write goes through here.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -83,3 +84,20 @@ def write_json(path: str | os.PathLike, obj, *, indent: int = 2) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=indent) + "\n", encoding="utf-8")
+
+
+def strict_json(obj, *, indent: int | None = 1) -> str:
+    """``obj`` as strict JSON (RFC 8259): a non-finite float (a NaN correlation, an infinite loss) becomes ``null``
+    instead of Python's ``NaN``/``Infinity`` literals, which jq, JavaScript's JSON.parse and most non-Python readers
+    refuse. Readers that need the number back treat ``null`` as NaN."""
+    return json.dumps(_finite_or_none(obj), indent=indent, allow_nan=False)
+
+
+def _finite_or_none(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj

@@ -355,6 +355,11 @@ def _optimizer(model: nn.Module, cfg: FinetuneConfig, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup_decay(s, total_steps, warmup))
 
 
+def _cuda_devices(device: str) -> list[int]:
+    """The CUDA devices whose generators ``torch.manual_seed`` reseeds when the run is on a GPU (all of them)."""
+    return list(range(torch.cuda.device_count())) if torch.device(device).type == "cuda" else []
+
+
 def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str | Path,
              save_dir: str | Path | None = None, log=print) -> dict:
     """Fine-tune `backbone` on one task; returns {config, best dev metrics, history, wall_s}. The backbone is trained
@@ -365,9 +370,10 @@ def finetune(cfg: FinetuneConfig, backbone: nn.Module, tokenizer, glue_dir: str 
     train_enc, dev_sets = _encoded_splits(task, glue_dir, tokenizer, cfg, gen)
 
     best, best_state, history, step = None, None, [], 0
-    # nn.Linear init and dropout draw from torch's global generator: fork it so the caller's RNG
-    # state is untouched, and seed it so runs are reproducible
-    with torch.random.fork_rng(devices=[]):
+    # nn.Linear init and dropout draw from torch's global generators (dropout on a GPU from the CUDA one, which
+    # torch.manual_seed seeds on every device): fork them so the caller's RNG state is untouched, and seed them so
+    # runs are reproducible
+    with torch.random.fork_rng(devices=_cuda_devices(cfg.device)):
         torch.manual_seed(cfg.seed)
         model = GlueModel(backbone, hidden_size_of(backbone), task.num_labels, cfg.dropout, gen).to(cfg.device)
         steps_per_epoch = (len(train_enc) + cfg.batch_size - 1) // cfg.batch_size

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 from dataclasses import asdict
 from pathlib import Path
 
-from pretrain.checkpoint.files import atomic_write_text
+from pretrain.checkpoint.files import atomic_write_text, strict_json
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
 from pretrain.eval import fail, find_data_dir
@@ -175,8 +176,13 @@ def run_one(args, task: str, lr: float, seed: int) -> dict:
                    save_dir=path.with_suffix("") if args.save_best else None)
     res["model"] = str(args.model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(res, indent=1))  # a Slurm array's summary reads these while others run
+    atomic_write_text(path, strict_json(res))  # a Slurm array's summary reads these while others run
     return res
+
+
+def _score(best: dict) -> float:
+    """A run's best dev score as read back: NaN where the file holds ``null`` (strict JSON's non-finite number)."""
+    return math.nan if best["score"] is None else best["score"]
 
 
 def median_score(scores: list[float]) -> float:
@@ -199,7 +205,7 @@ def summarize(out: Path, name: str = "model") -> dict:
         runs.setdefault(r["task"], {}).setdefault(r["config"]["lr"], []).append(r)
     summary = {}
     for task, by_lr in runs.items():
-        med = {lr: median_score([r["best"]["score"] for r in rs]) for lr, rs in by_lr.items()}
+        med = {lr: median_score([_score(r["best"]) for r in rs]) for lr, rs in by_lr.items()}
         lr = max(med, key=lambda k: rank_score(med[k]))
         rs = by_lr[lr]
         summary[task] = {
@@ -209,7 +215,7 @@ def summarize(out: Path, name: str = "model") -> dict:
             "all_lrs": med, "model": rs[0].get("model"),
             "config": {k: v for k, v in rs[0]["config"].items() if k != "seed"},
         }
-    atomic_write_text(out / "results.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "results.json", strict_json(summary))
     atomic_write_text(out / "results.md", markdown_table({name: summary}))
     return summary
 
@@ -269,8 +275,8 @@ def main(argv: list[str] | None = None) -> None:
                                            f"holding glue/)")
         except GlueFormatError as e:
             fail("pretrain-finetune-glue", e)
-        print(json.dumps({"task": res["task"], "lr": lr, "seed": seed, "best": res["best"],
-                          "wall_s": round(res["wall_s"], 1)}))
+        print(strict_json({"task": res["task"], "lr": lr, "seed": seed, "best": res["best"],
+                           "wall_s": round(res["wall_s"], 1)}, indent=None))
     if args.run_index is None:
         print(markdown_table({args.name: summarize(out, args.name)}))
 

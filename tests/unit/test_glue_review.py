@@ -198,3 +198,30 @@ def test_cli_keeps_one_model_and_recipe_per_out(tmp_path, capsys):
     glue_cli.main(_argv(model, tmp_path, lrs="1e-3,2e-3"))  # same model and recipe: more of the grid
     assert sorted(p.name for p in (tmp_path / "out/RTE").glob("*.json")) == ["lr0.001_seed1.json",
                                                                            "lr0.002_seed1.json"]
+
+
+def _strict(text: str):
+    """json.loads that refuses NaN/Infinity, as jq and JavaScript's JSON.parse do."""
+    def refuse(name):
+        raise ValueError(f"non-standard JSON literal {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_run_files_results_and_printed_lines_are_strict_json(tmp_path, monkeypatch, capsys):
+    """A NaN dev score (constant STS-B predictions) was written as the bare literal NaN, which strict JSON readers
+    (jq, JSON.parse) refuse. Run files, results.json and the printed line now hold null; a null or an old file's NaN
+    reads back as the lowest score."""
+    model = _tiny_bert_dir(tmp_path, WORDS, max_position=64)
+    write(tmp_path / "glue/RTE/train.tsv", rte_rows())
+    write(tmp_path / "glue/RTE/dev.tsv", rte_rows())
+    monkeypatch.setattr(glue, "evaluate_dev", lambda *a, **k: {"score": math.nan, "acc": math.nan})
+    glue_cli.main(_argv(model, tmp_path))
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert printed and _strict(printed[0])["best"]["score"] is None
+    run = _strict((tmp_path / "out/RTE/lr0.001_seed1.json").read_text())
+    assert run["best"]["score"] is None and all(h["acc"] is None for h in run["history"])
+    assert _strict((tmp_path / "out/results.json").read_text())["RTE"]["score"] is None
+    _fake_run(tmp_path / "sts", 1e-5, 1, math.nan)  # a file written before: the NaN literal, still read
+    _fake_run(tmp_path / "sts", 2e-5, 1, 50.0)
+    assert glue_cli.summarize(tmp_path / "sts")["STS-B"]["lr"] == 2e-5
+    assert _strict((tmp_path / "sts/results.json").read_text())["STS-B"]["all_lrs"]["1e-05"] is None
