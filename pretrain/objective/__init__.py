@@ -146,14 +146,16 @@ class Objective:
         return _reduce_counts(counts, self.ctx.env)
 
     def weighted(self, terms: list, sums: dict, totals: list):
-        """sum_t weight_t * loss_sum_t * world / total_t over ``terms`` (name, fn, cfg) with a non-zero total: the
-        world factor undoes DeepSpeed's average of the gradients over ranks. 0.0 (a float) when none counts."""
+        """sum_t weight_t * loss_sum_t * world / total_t over ``terms`` (name, fn, cfg): the world factor undoes
+        DeepSpeed's average of the gradients over ranks. A term whose total is 0 (no masked position on any rank)
+        enters x 0: its parameters get zero gradients, as they do from the compiled step (whose backward returns
+        every input's) and from ZeRO 1-2's flat buffers, not none (which AdamW at ZeRO-0 would skip: no decay,
+        no moment update, only in eager ZeRO-0 steps). 0.0 (a float) when there are no terms."""
         world = self.ctx.env.world_size
         loss = 0.0
         for (name, _, term_cfg), total in zip(terms, totals):
             weight = 1.0 if name in SELF_WEIGHTED else term_cfg.weight
-            if total > 0:
-                loss = loss + weight * sums[name] * (world / total)
+            loss = loss + (weight * sums[name] * (world / total) if total > 0 else sums[name] * 0.0)
         return loss
 
 

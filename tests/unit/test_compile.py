@@ -144,6 +144,30 @@ def test_compiled_step_gives_the_eager_loss_and_gradients(trim):
             torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("trim", [False, True])
+def test_a_term_without_a_count_gives_its_parameters_zero_gradients_eager_as_compiled(trim):
+    """A micro-batch without a masked position: the weighting dropped the MLM term outside the compiled graph, so the
+    compiled step's backward gave the MLM head zero gradients and the eager step none, which AdamW at ZeRO-0 skips
+    (no weight decay, no moment update) where it updates them compiled. Both give zeros now, as ZeRO 1-2 do."""
+    eager, compiled = _trimmed(_train_module(), trim), _trimmed(_train_module(), trim)
+    compiled.compile_step(backend="aot_eager")
+    batch = _batch(0)
+    batch["mlm_labels"][:] = -100
+    batch = host_facts(batch)
+    grads = []
+    for module in (eager, compiled):
+        module.zero_grad(set_to_none=True)
+        loss, metrics = module(batch)
+        assert metrics["mlm"][1] == 0 and torch.isfinite(loss)
+        loss.backward()
+        grads.append({n: p.grad for n, p in module.named_parameters() if p.grad is not None})
+    head = [n for n, _ in eager.named_parameters() if ".mlm_head." in n]
+    assert head and all(n in grads[0] and not grads[0][n].any() for n in head), sorted(grads[0])
+    assert grads[1].keys() == grads[0].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
 def test_the_compiled_steps_embedding_gradient_is_atens_kernel(arch):
     """In the compiled step's backward graph the word embedding's gradient is ``pretrain::embedding_grad`` (an op
