@@ -69,13 +69,14 @@ def _named(path: str, what: str):
 
 def _is_text(tp) -> bool:
     """A string or binary type (any width; string views too), or a dictionary of one: what pandas categoricals and
-    writers that dictionary-encode repeated values give."""
+    writers that dictionary-encode repeated values give; or type null: the column of a file whose texts are all
+    missing, as pandas writes an object column holding only None (its rows are null texts, counted)."""
     import pyarrow as pa
 
     if pa.types.is_dictionary(tp):
         tp = tp.value_type
     return (pa.types.is_string(tp) or pa.types.is_large_string(tp) or pa.types.is_binary(tp)
-            or pa.types.is_large_binary(tp) or pa.types.is_string_view(tp))
+            or pa.types.is_large_binary(tp) or pa.types.is_string_view(tp) or pa.types.is_null(tp))
 
 
 def _text_column(path: str, schema, text_field: str) -> None:
@@ -90,6 +91,17 @@ def _text_column(path: str, schema, text_field: str) -> None:
                          f"--text-field NAME (columns: {', '.join(names)})")
 
 
+def check_text_column(path: str, kind: str, text_field: str) -> None:
+    """ValueError unless the parquet or Arrow file ``path`` is readable and has the text column ``text_field``:
+    its footer (parquet) or schema (Arrow) only, read before any file is processed."""
+    import pyarrow.parquet as pq
+
+    what = "parquet" if kind == "parquet" else "Arrow"
+    with _named(path, what):
+        schema = pq.read_schema(path) if kind == "parquet" else _open_arrow(path)[0]
+    _text_column(path, schema, text_field)
+
+
 # ---------------------------------------------------------------------------------------------------- planning
 
 
@@ -102,11 +114,14 @@ def plan_parquet(path: str, text_field: str, target_bytes: int,
     with _named(path, "parquet"):
         pf = pq.ParquetFile(path)
     _text_column(path, pf.schema_arrow, text_field)
-    col = pf.schema_arrow.get_field_index(text_field)
+    # The text column's index among the file's leaf columns (a struct or list column before it has several):
+    # not its index among the Arrow fields.
+    md = pf.metadata
+    leaves = [j for j in range(md.num_columns) if md.schema.column(j).path == text_field]
     units = []
-    for i in range(pf.metadata.num_row_groups):
-        rg = pf.metadata.row_group(i)
-        units.append((rg.num_rows, rg.column(col).total_uncompressed_size if col < rg.num_columns
+    for i in range(md.num_row_groups):
+        rg = md.row_group(i)
+        units.append((rg.num_rows, rg.column(leaves[0]).total_uncompressed_size if len(leaves) == 1
                       else rg.total_byte_size))
 
     def row_sizes(i: int):  # a group to be cut: one streamed pass over its text column for the rows' sizes
@@ -136,6 +151,8 @@ def _row_bytes(array) -> "np.ndarray":
     if pa.types.is_dictionary(array.type):
         array = array.dictionary_decode()
     tp, n, first = array.type, len(array), array.offset
+    if pa.types.is_null(tp):
+        return np.zeros(n, np.int64)
     if pa.types.is_string(tp) or pa.types.is_binary(tp):
         width = np.int32
     elif pa.types.is_large_string(tp) or pa.types.is_large_binary(tp):

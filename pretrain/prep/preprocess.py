@@ -47,6 +47,7 @@ from pretrain.prep.readers import (
     FORMATS,
     Part,
     ReadStats,
+    check_input,
     expand_inputs,
     iter_parts,
     open_input,
@@ -109,12 +110,16 @@ class Spilled:
 def _run_task(task: RangeTask, processor: ChunkProcessor, read_kwargs: dict,
               spill: dict | None = None) -> tuple[ChunkResult | Spilled, dict]:
     """Read, split and tokenize one part: (its result, the lines it skipped by reason). A compressed stream (a
-    part of any size) or a columnar part larger than a chunk (a big row group) is tokenized in chunks of about
-    ``spill["chunk_chars"]`` characters, each but the last of a part that needs more than one written to
-    ``spill["dir"]``, so that neither this process nor the main one holds a whole stream's tokens."""
+    part of any size), a columnar part larger than a chunk (a big row group) or a byte range much larger than one
+    (a text file with no blank line to cut at: one sentence per line) is tokenized in chunks of about
+    ``spill["chunk_chars"]`` characters (or one document, when larger), each but the last of a part that needs
+    more than one written to ``spill["dir"]``, so that neither this process nor the main one holds a whole
+    stream's tokens."""
     stats = ReadStats()
     docs = read_part(task, stats, **read_kwargs)
-    if not (task.compression or task.kind in COLUMNAR) or spill is None:  # a byte range: about a chunk by itself
+    in_one = spill is None or not (task.compression or task.kind in COLUMNAR
+                                   or task.input_bytes > 2 * spill["chunk_chars"])
+    if in_one:  # a byte range of about a chunk
         return processor([d.paragraphs for d in docs]), stats.skipped
     pieces: list[str] = []
     batch: list[list[str]] = []
@@ -299,6 +304,8 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
         raise ValueError(f"num_workers and shard_size_tokens must be >= 1, got {num_workers} and {shard_size_tokens}")
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer_path)
+    for path in files:  # what would stop the run when its turn came, before any work (see check_input)
+        check_input(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors, text_field=text_field)
     out = Path(out_dir)
     tmp = prepare_out_dir(out, overwrite, files)
     from tqdm import tqdm

@@ -58,7 +58,22 @@ def expand_inputs(inputs: list[str]) -> list[str]:
             files.append(str(p))
         else:
             raise FileNotFoundError(f"input {item} does not exist; pass existing files or directories")
+    _refuse_repeats(files)
     return files
+
+
+def _refuse_repeats(files: list[str]) -> None:
+    """ValueError when one file is among ``files`` twice (given twice, a directory and a file in it, overlapping
+    globs, a link to another input): its text would be in the dataset twice, silently."""
+    seen: dict = {}
+    for i, f in enumerate(files):
+        st = os.stat(f)  # (a filesystem without inode numbers: by the resolved path)
+        j = seen.setdefault((st.st_dev, st.st_ino) if st.st_ino else os.path.realpath(f), i)
+        if j != i:
+            first = files[j]
+            raise ValueError(f"input file {f} is given twice" + (f" (also as {first})" if first != f else "")
+                             + ": an input listed again, a directory and a file inside it, or a link to another "
+                             "input; pass each file once (to weight a corpus, give its data.sources entry a weight)")
 
 
 def _saved_datasets_expanded(root: Path, found: list[str]) -> list[str]:
@@ -80,6 +95,20 @@ def _saved_datasets_expanded(root: Path, found: list[str]) -> list[str]:
             out.extend(known[d])
             known[d] = []  # listed once, at its first file
     return out
+
+
+def check_input(path: str, *, fmt: str = "auto", max_line_bytes: int = 1_000_000, errors: str = "strict",
+                text_field: str = "text") -> None:
+    """ValueError for what reading ``path`` would refuse at its start (a binary file or an archive, lone-CR line
+    ends, a jsonl file without a record, a columnar file without the text column), from its first bytes or its
+    schema: every input is checked before the first is read, so that a bad one does not stop a run hours in.
+    Empty files pass (they are skipped with a warning when read)."""
+    _check_options(fmt, errors)
+    if os.path.getsize(path) == 0:
+        return
+    kind, _ = sniff(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors, text_field=text_field)
+    if kind in COLUMNAR:
+        columnar.check_text_column(path, kind, text_field)
 
 
 def _check_options(fmt: str, errors: str) -> None:
@@ -301,14 +330,18 @@ def _next_cut(f: BinaryIO, at: int, size: int, kind: str, max_line_bytes: int) -
             return size, False
         if kind == "jsonl":
             return line_start, False
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            # A giant line, which the reader skips whole: never a blank line or a <doc line, even when its first
+            # bytes look like one (a run of spaces, "<doc " + 2 MB): to its end.
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(max_line_bytes + 1)
+            continue
         if kind == "wikiextractor":
             head = raw.lstrip()
-            if head.startswith(b"<doc ") or head.startswith(b"<doc>"):
+            if (head.startswith(b"<doc ") or head.startswith(b"<doc>")) and b"\x00" not in raw:  # (NUL: skipped)
                 return line_start, True
         elif not raw.strip():  # text: a blank line ends the document before it
             return f.tell(), False
-        while raw and not raw.endswith(b"\n"):  # a giant line: to its end
-            raw = f.readline(max_line_bytes + 1)
 
 
 def read_range(path: str, start: int, end: int, kind: str, stats: ReadStats, *, ends_before_doc: bool = False,
