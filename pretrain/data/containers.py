@@ -28,6 +28,9 @@ _COMPRESSED_MAGIC = (
     (b"\x28\xb5\x2f\xfd", "zstd"),
     (b"\xfd7zXZ\x00", "xz"),
 )
+_ZSTD_SKIPPABLE = b"\x2a\x4d\x18"
+"""Bytes 1-3 of a zstd skippable frame's magic (0x184D2A50-0x184D2A5F, little-endian), which the decompressor
+skips."""
 _BZIP2_BLOCK = (b"\x31\x41\x59\x26\x53\x59", b"\x17\x72\x45\x38\x50\x90")
 """After ``BZh1``…``BZh9``: the first block's magic (pi), or the end-of-stream magic of an empty stream."""
 
@@ -70,6 +73,8 @@ def compression_of(head: bytes) -> str:
             return name
     if head[:3] == b"BZh" and head[3:4].isdigit() and head[4:10] in _BZIP2_BLOCK:
         return "bzip2"
+    if len(head) >= 4 and 0x50 <= head[0] <= 0x5F and head[1:4] == _ZSTD_SKIPPABLE:
+        return "zstd"  # a skippable frame first: pzstd writes one before each frame (RFC 8878, 3.1.2)
     return ""
 
 

@@ -14,6 +14,8 @@ import gzip
 import json
 import lzma
 import os
+import shutil
+import subprocess
 import zipfile
 
 import numpy as np
@@ -345,6 +347,31 @@ def test_compressed_text_and_jsonl_give_the_plain_datasets_shards(corpus, tmp_pa
         preprocess([str(tmp_path / name)], str(tmp_path / name.replace(".", "_")), corpus["tok"],
                    shard_size_tokens=700, progress=False)
     _shards_equal(tmp_path / "docs_jsonl", tmp_path / f"docs_jsonl_{kind}")
+
+
+def _skippable(payload: bytes, nibble: int = 0) -> bytes:
+    """A zstd skippable frame (RFC 8878, 3.1.2): magic 0x184D2A5n, the payload's size, the payload."""
+    return bytes([0x50 + nibble]) + b"\x2a\x4d\x18" + len(payload).to_bytes(4, "little") + payload
+
+
+def test_zstd_with_skippable_frames_as_pzstd_writes_them_gives_the_plain_datasets_shards(corpus, tmp_path):
+    """pzstd (zstd's parallel compressor) puts a skippable frame before each frame, holding that frame's size: the
+    file's first bytes were no known magic, and it was refused as binary."""
+    txt = _txt(corpus["docs"]).encode()
+    half = len(txt) // 2
+    frames = [zstd.ZstdCompressor().compress(part) for part in (txt[:half], txt[half:])]
+    data = b"".join(_skippable(len(f).to_bytes(4, "little")) + f for f in frames) + _skippable(b"", nibble=0xF)
+    (tmp_path / "plain.txt.zst").write_bytes(data)
+    preprocess([str(tmp_path / "plain.txt.zst")], str(tmp_path / "ds"), corpus["tok"], shard_size_tokens=700,
+               chunk_chars=300, num_workers=2, progress=False)
+    _shards_equal(corpus["ref"], tmp_path / "ds")
+    if shutil.which("pzstd"):  # the tool itself, where it is installed
+        (tmp_path / "p.txt").write_bytes(txt)
+        subprocess.run(["pzstd", "-q", "-p", "2", str(tmp_path / "p.txt"), "-o", str(tmp_path / "p.txt.zst")],
+                       check=True)
+        preprocess([str(tmp_path / "p.txt.zst")], str(tmp_path / "pz"), corpus["tok"], shard_size_tokens=700,
+                   progress=False)
+        _shards_equal(corpus["ref"], tmp_path / "pz")
 
 
 def test_compressed_wikiextractor_and_gutenberg_are_sniffed_inside_the_stream(tmp_path):
