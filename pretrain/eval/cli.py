@@ -7,10 +7,10 @@ Writes <out>/eval.json (everything) and <out>/eval.md (tables in the papers' lay
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
+from pretrain.checkpoint.files import atomic_write_text, strict_json
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
 from pretrain.eval import fail, find_data_dir, sts
@@ -201,16 +201,23 @@ def main(argv: list[str] | None = None) -> None:
     except FileNotFoundError as e:
         fail("pretrain-eval", f"{e} (data root {args.data_dir}: pass --data-dir or set PRETRAIN_DATA_DIR to the "
                               f"directory holding sts/ and senteval/)")
+    except ValueError as e:  # a data file in another format (the readers name it and the line)
+        fail("pretrain-eval", e)
     res["args"] = vars(args)
     res["checkpoint"] = {"path": str(model_path), "line": reading}
     name = args.name or str(args.model)
     report = markdown_report(name, res)
     print(report)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "eval.json").write_text(json.dumps(res, indent=1))
-        (out / "eval.md").write_text(report)
+        write_outputs(Path(args.out), res, report)
+
+
+def write_outputs(out: Path, res: dict, report: str) -> None:
+    """<out>/eval.json as strict JSON (an undefined correlation, e.g. KCC with no ranking sample, is null, not
+    NaN) and <out>/eval.md, each written whole (a reader never sees a partial file)."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "eval.json", strict_json(res))
+    atomic_write_text(out / "eval.md", report)
 
 
 def _suites_and_data(args) -> tuple:

@@ -78,7 +78,10 @@ class HFBackbone(nn.Module):
         from transformers import AutoModel
 
         quiet_transformers()
-        self.hf = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=False)
+        # float32 whatever the directory was saved in: transformers 5 loads a config's "dtype": "float16"/"bfloat16"
+        # as such by default, which would run (and fine-tune) the model in half precision, unlike SimCSE's fp32 runs.
+        self.hf = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=False,
+                                            dtype=torch.float32)
         self.hidden_size = self.hf.config.hidden_size
         self.sentence_dense: nn.Module | None = None
         """sentence-transformers' Dense after pooling (besides BERT's pooler, which pooling 'cls' is)."""

@@ -110,33 +110,56 @@ def _load_task(data_dir: str | Path, name: str) -> TransferData:
         y = np.asarray([1] * len(pos) + [0] * len(neg), dtype=np.int64)
         return TransferData(splits={"all": (x, y)})
     if name == "SST2":
-        out = {}
-        for split in ("train", "dev", "test"):
-            rows = [ln.strip().split("\t") for ln in _read(root / "SST/binary" / f"sentiment-{split}", "utf-8")]
-            rows = [r for r in rows if len(r) == 2]
-            out[split] = ([_join(r[0]) for r in rows], np.asarray([int(r[1]) for r in rows], dtype=np.int64))
-        return TransferData(splits=out)
+        return TransferData(splits={split: _parsed(root / "SST/binary" / f"sentiment-{split}", "utf-8", _sst_row)
+                                    for split in ("train", "dev", "test")})
     if name == "TREC":
-        out = {}
-        for split, fname in (("train", "train_5500.label"), ("test", "TREC_10.label")):
-            x, y = [], []
-            for ln in _read(root / "TREC" / fname, "latin-1"):
-                if not ln.strip():
-                    continue
-                target, rest = ln.strip().split(":", 1)
-                x.append(_join(rest.split(" ", 1)[1]))
-                y.append(TREC_CLASSES.index(target))
-            out[split] = (x, np.asarray(y, dtype=np.int64))
-        return TransferData(splits=out)
+        return TransferData(splits={split: _parsed(root / "TREC" / fname, "latin-1", _trec_row)
+                                    for split, fname in (("train", "train_5500.label"), ("test", "TREC_10.label"))})
     if name == "MRPC":
-        out = {}
-        for split in ("train", "test"):
-            lines = _read(root / "MRPC" / f"msr_paraphrase_{split}.txt", "utf-8")[1:]
-            rows = [ln.strip().split("\t") for ln in lines if ln.strip()]
-            pairs = [(_join(r[3]), _join(r[4])) for r in rows]
-            out[split] = (pairs, np.asarray([int(r[0]) for r in rows], dtype=np.int64))
-        return TransferData(splits=out, pairs=True)
+        return TransferData(splits={split: _parsed(root / "MRPC" / f"msr_paraphrase_{split}.txt", "utf-8", _mrpc_row,
+                                                   skip=1) for split in ("train", "test")}, pairs=True)
     raise ValueError(f"unknown transfer task {name!r}; choose one of {TASKS}")
+
+
+def _sst_row(line: str):
+    """``text<SPACE><TAB>label`` (SentEval's SST binary files)."""
+    text, label = line.strip().split("\t")
+    return _join(text), int(label)
+
+
+def _trec_row(line: str):
+    """``COARSE:fine question``."""
+    target, rest = line.strip().split(":", 1)
+    if target not in TREC_CLASSES:
+        raise ValueError(f"unknown TREC class {target!r}")
+    return _join(rest.split(" ", 1)[1]), TREC_CLASSES.index(target)
+
+
+def _mrpc_row(line: str):
+    """``Quality<TAB>#1 ID<TAB>#2 ID<TAB>#1 String<TAB>#2 String`` (the MSR release's files)."""
+    cols = line.strip().split("\t")
+    return (_join(cols[3]), _join(cols[4])), int(cols[0])
+
+
+_ROW_FORMATS = {_sst_row: "text<TAB>0|1", _trec_row: "COARSE:fine question",
+                _mrpc_row: "5 tab-separated columns, Quality (0|1) first"}
+
+
+def _parsed(path: Path, encoding: str, parse, skip: int = 0) -> tuple[list, np.ndarray]:
+    """(texts, int64 labels) of the non-empty lines of ``path`` after ``skip`` header lines, each read by ``parse``;
+    a line it cannot read is a ValueError naming the file, the line and the format expected."""
+    x, y = [], []
+    for n, line in enumerate(_read(path, encoding)[skip:], skip + 1):
+        if not line.strip():
+            continue
+        try:
+            text, label = parse(line)
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"{path} line {n}: expected {_ROW_FORMATS[parse]} as SentEval's copy has it (shared/data/"
+                             f"MANIFEST.md §2); got {line[:80]!r} ({e})") from None
+        x.append(text)
+        y.append(label)
+    return x, np.asarray(y, dtype=np.int64)
 
 
 def pair_features(u_ND: np.ndarray, v_ND: np.ndarray, kind: str) -> np.ndarray:
@@ -193,9 +216,15 @@ def select_c(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig, folds: in
     splits = list(skf.split(x_NF, y_N))
     fits = _run_all([(_fit_score, (x_NF[tr], y_N[tr], x_NF[va], y_N[va], c, cfg))
                      for c in grid for tr, va in splits], n_jobs)
-    scores = [float(np.mean(fits[i * len(splits):(i + 1) * len(splits)])) for i in range(len(grid))]
-    best = int(np.argmax(scores))
-    return grid[best], float(scores[best])
+    return senteval_best(grid, [np.mean(fits[i * len(splits):(i + 1) * len(splits)]) for i in range(len(grid))])
+
+
+def senteval_best(grid: tuple[float, ...], accs) -> tuple[float, float]:
+    """SentEval's pick of C (tools/validation.py): the first C of the best accuracy ×100 rounded to 2 decimals, so a
+    near-tie (fold sizes differ by one) goes to the smaller C as there; (C, that accuracy as a fraction)."""
+    pct = [round(100 * float(a), 2) for a in accs]
+    best = int(np.argmax(pct))
+    return grid[best], pct[best] / 100
 
 
 def _outer_fold(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig) -> tuple[float, float]:
@@ -221,7 +250,7 @@ def train_test_accuracy(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig, x_dev=Non
     KFoldClassifier); refit on train; test accuracy ×100."""
     if x_dev is not None:
         scores = _run_all([(_fit_score, (x_tr, y_tr, x_dev, y_dev, c, cfg)) for c in cfg.c_grid], _jobs(cfg))
-        c, dev = cfg.c_grid[int(np.argmax(scores))], max(scores)
+        c, dev = senteval_best(cfg.c_grid, scores)
     else:
         c, dev = select_c(x_tr, y_tr, cfg, cfg.kfold, n_jobs=_jobs(cfg), grid=cfg.kfold_c_grid)
     clf = _fit(x_tr, y_tr, c, cfg)

@@ -54,6 +54,18 @@ def _lines(path: Path) -> list[str]:
         return [ln.rstrip("\r") for ln in f.read().split("\n")]
 
 
+def _score(text: str, path: Path, lineno: int) -> float:
+    """A gold similarity read from ``path`` line ``lineno``: a finite number, else a ValueError naming both."""
+    try:
+        y = float(text)
+    except ValueError:
+        y = float("nan")
+    if not np.isfinite(y):
+        raise ValueError(f"{path} line {lineno}: gold score {text.strip()!r} is not a finite number; is this the "
+                         f"file SentEval reads (shared/data/MANIFEST.md §1)?")
+    return y
+
+
 def _norm(s: str) -> str:
     """SentEval splits on whitespace and the batcher re-joins with single spaces."""
     return " ".join(s.split())
@@ -67,10 +79,15 @@ def read_sts_year(data_dir: str | Path, year: str, variant: str = "senteval") ->
     prefix = "STS2016" if (variant == "original" and year == "STS16") else "STS"
     subsets = []
     for sub in STS_SUBSETS[year]:
-        inp = _lines(root / f"{prefix}.input.{sub}.txt")
-        gs = _lines(root / f"{prefix}.gs.{sub}.txt")
+        inp_path, gs_path = root / f"{prefix}.input.{sub}.txt", root / f"{prefix}.gs.{sub}.txt"
+        inp, gs = _lines(inp_path), _lines(gs_path)
         if inp and inp[-1] == "":
             inp = inp[:-1]
+        # Lines are aligned by number; a score past the last pair means the two files do not belong together.
+        beyond = [n for n in range(len(inp), len(gs)) if gs[n].strip()]
+        if beyond:
+            raise ValueError(f"{gs_path} line {beyond[0] + 1}: a gold score beyond the {len(inp)} pairs of "
+                             f"{inp_path.name}; the input and gold files are not aligned")
         gs = gs[: len(inp)]
         if len(gs) != len(inp):
             raise ValueError(f"{root}/{sub}: {len(inp)} input lines but {len(gs)} gold lines")
@@ -80,27 +97,27 @@ def read_sts_year(data_dir: str | Path, year: str, variant: str = "senteval") ->
                 continue
             cols = line.split("\t")
             if len(cols) < 2:
-                raise ValueError(f"{root}/{prefix}.input.{sub}.txt line {n + 1}: expected 2 tab-separated columns")
+                raise ValueError(f"{inp_path} line {n + 1}: expected 2 tab-separated columns")
             a.append(_norm(cols[0]))
             b.append(_norm(cols[1]))
-            y.append(float(g))
+            y.append(_score(g, gs_path, n + 1))
         subsets.append(StsSubset(name=sub, sent_a=a, sent_b=b, gold=np.asarray(y, dtype=np.float64)))
     return StsTask(name=year, subsets=subsets)
 
 
 def read_stsb(data_dir: str | Path, split: str = "test", variant: str = "senteval") -> StsTask:
     """STS Benchmark `sts-<split>.csv`: tab-separated, score col 4, sentences cols 5 and 6."""
-    root = Path(data_dir) / "sts" / ("original" if variant == "original" else "") / "STSBenchmark"
+    path = Path(data_dir) / "sts" / ("original" if variant == "original" else "") / "STSBenchmark" / f"sts-{split}.csv"
     a, b, y = [], [], []
-    for n, line in enumerate(_lines(root / f"sts-{split}.csv")):
+    for n, line in enumerate(_lines(path)):
         if not line.strip():
             continue
         cols = line.split("\t")
         if len(cols) < 7:
-            raise ValueError(f"{root}/sts-{split}.csv line {n + 1}: expected >= 7 tab-separated columns")
+            raise ValueError(f"{path} line {n + 1}: expected >= 7 tab-separated columns")
         a.append(_norm(cols[5]))
         b.append(_norm(cols[6]))
-        y.append(float(cols[4]))
+        y.append(_score(cols[4], path, n + 1))
     sub = StsSubset(name=f"sts-{split}", sent_a=a, sent_b=b, gold=np.asarray(y, dtype=np.float64))
     return StsTask(name="STSBenchmark" if split == "test" else f"STSBenchmark-{split}", subsets=[sub])
 
@@ -108,12 +125,22 @@ def read_stsb(data_dir: str | Path, split: str = "test", variant: str = "senteva
 def read_sickr(data_dir: str | Path, split: str = "test") -> StsTask:
     """SICK relatedness (header line; test file has CRLF): sentence_A, sentence_B, relatedness_score."""
     fname = {"train": "SICK_train.txt", "dev": "SICK_trial.txt", "test": "SICK_test_annotated.txt"}[split]
-    lines = [ln for ln in _lines(Path(data_dir) / "sts" / "SICK" / fname) if ln.strip()]
-    header = lines[0].split("\t")
-    ia, ib, iy = header.index("sentence_A"), header.index("sentence_B"), header.index("relatedness_score")
-    rows = [ln.split("\t") for ln in lines[1:]]
-    sub = StsSubset(name=f"SICK-{split}", sent_a=[_norm(r[ia]) for r in rows], sent_b=[_norm(r[ib]) for r in rows],
-                    gold=np.asarray([float(r[iy]) for r in rows], dtype=np.float64))
+    path = Path(data_dir) / "sts" / "SICK" / fname
+    lines = [(n + 1, ln) for n, ln in enumerate(_lines(path)) if ln.strip()]
+    header = lines[0][1].split("\t") if lines else []
+    need = ("sentence_A", "sentence_B", "relatedness_score")
+    if any(c not in header for c in need):
+        raise ValueError(f"{path}: the first line must be SICK's header naming {', '.join(need)}; got {header}")
+    ia, ib, iy = (header.index(c) for c in need)
+    a, b, y = [], [], []
+    for lineno, ln in lines[1:]:
+        r = ln.split("\t")
+        if len(r) <= max(ia, ib, iy):
+            raise ValueError(f"{path} line {lineno}: expected {len(header)} tab-separated columns, got {len(r)}")
+        a.append(_norm(r[ia]))
+        b.append(_norm(r[ib]))
+        y.append(_score(r[iy], path, lineno))
+    sub = StsSubset(name=f"SICK-{split}", sent_a=a, sent_b=b, gold=np.asarray(y, dtype=np.float64))
     return StsTask(name="SICKRelatedness", subsets=[sub])
 
 
