@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     # With --out, each finished transfer task is kept in OUT/transfer_partial.json: a rerun of the same command
     # (same model, pooling, length and classifier settings) continues after the last finished task.
     partial = Path(args.out) / "transfer_partial.json" if args.out else None
-    key = {"model": str(Path(model_path).resolve()), "pooling": args.pooling, "backend": args.backend,
-           "max_len": args.max_len}
+    key = transfer_key(model_path, args)
     try:
         res = run_eval(enc, args.data_dir, suites, sts_tasks=[t for t in args.sts_tasks.split(",") if t],
                        transfer_tasks=[t for t in args.transfer_tasks.split(",") if t], variant=args.variant,
@@ -210,6 +209,17 @@ def main(argv: list[str] | None = None) -> None:
     print(report)
     if args.out:
         write_outputs(Path(args.out), res, report)
+
+
+def transfer_key(model_path, args) -> dict:
+    """What a rerun's finished transfer tasks must share to be taken from ``transfer_partial.json``: the model (its
+    path and its files' sizes and modification times, so a directory exported again is not taken for the old
+    one), pooling, backend, length and the data directory."""
+    model = Path(model_path).resolve()
+    files = sorted(f for f in model.iterdir() if f.is_file()) if model.is_dir() else [model]
+    return {"model": str(model), "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+            "pooling": args.pooling, "backend": args.backend, "max_len": args.max_len,
+            "data": str(Path(args.data_dir).resolve())}
 
 
 def write_outputs(out: Path, res: dict, report: str) -> None:

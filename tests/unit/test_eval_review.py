@@ -180,3 +180,30 @@ def test_transfer_readers_name_the_file_and_line(tmp_path):
     _write(r / "MRPC/msr_paraphrase_test.txt", hdr + "1\t1\t2\tHe said .\tHe agreed .\n")
     with pytest.raises(ValueError, match=r"msr_paraphrase_train\.txt line 3: expected 5 tab-separated columns"):
         se.load_transfer_task(tmp_path, "MRPC")
+
+
+def test_finished_transfer_tasks_are_reused_only_for_the_same_model_files_and_data(tmp_path):
+    """transfer_partial.json was matched on the model's path, pooling, backend and length: a rerun into the same
+    --out after exporting the model again to the same directory, or with another --data-dir, took the old model's
+    or the old data's accuracies as its own. The key now holds the model's files and the data directory."""
+    import argparse
+    import os
+
+    from pretrain.eval.cli import transfer_key
+
+    model, data = tmp_path / "hf", tmp_path / "data"
+    model.mkdir()
+    data.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights one")
+    (model / "config.json").write_text("{}")
+    args = argparse.Namespace(pooling="cls", backend="pretrain", max_len=128, data_dir=str(data))
+    key = transfer_key(model, args)
+    assert transfer_key(model, argparse.Namespace(**vars(args))) == key  # the same command: the same key
+    (model / "model.safetensors").write_bytes(b"weights two")  # exported again (same size: the time tells)
+    st = (model / "model.safetensors").stat()
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    again = transfer_key(model, args)
+    assert again != key
+    (tmp_path / "data2").mkdir()
+    assert transfer_key(model, argparse.Namespace(**{**vars(args), "data_dir": str(tmp_path / "data2")})) != again
+    assert json.loads(json.dumps(again)) == again  # stored in the partial file as it is compared
