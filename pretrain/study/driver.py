@@ -9,9 +9,11 @@ pretrain.train``, ``pretrain-eval``, ``pretrain-finetune-glue``, ``pretrain-repo
 ``OUT/logs/<step>.log``. A step whose result exists is skipped: a run whose newest checkpoint has reached its
 ``train.max_steps``, an evaluation whose result file exists, a preparation step whose output exists (the tools
 write theirs atomically). An interrupted run is relaunched with the same ``run_dir`` and resumes from its newest
-checkpoint. ``OUT/status.json`` records every step (done, skipped, failed), its wall and CPU seconds
-(``getrusage(RUSAGE_CHILDREN)``) and the study's total, so the compute a study used can be reported.
-The study file and the plan: ``plan.py``; the tables: ``tables.py``.
+checkpoint. A run done (or begun) with another command, or whose recipe's objective/optim settings differ from
+its config.yaml (a config file edited since), is refused, not reused; the tables read only the runs and
+evaluations of the study as it is now (``current_steps``). ``OUT/status.json`` records every step (done, skipped,
+failed), its wall and CPU seconds (``getrusage(RUSAGE_CHILDREN)``) and the study's total, so the compute a study
+used can be reported. The study file and the plan: ``plan.py``; the tables: ``tables.py``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,45 @@ def final_step(run_dir: Path) -> tuple[int, int]:
         return int(store.read_trainer_state(ckpt_dir / tag)["step"]), int(max_steps)
     except store.CheckpointError:
         return -1, int(max_steps)
+
+
+RECIPE_BLOCKS = ("objective", "optim")
+"""Blocks of a run's config.yaml that hold the config as it was loaded (the trainer rewrites model.* from the
+tokenizer or init_from and train.* on a resume): compared with the study's resolved config to catch a config file
+(a recipe, read by path, so the command stays the same) edited since the run was trained."""
+
+
+def recipe_changes(recorded: dict, planned: dict) -> list[str]:
+    """'KEY=RECORDED, now PLANNED' for each key of RECIPE_BLOCKS that both configs hold and that differs (a block
+    one of them sets to null counts; a key only one holds, e.g. a setting added to pretrain since, does not)."""
+    then = dict(_flatten({k: recorded.get(k) for k in RECIPE_BLOCKS if k in recorded}))
+    now = dict(_flatten({k: planned.get(k) for k in RECIPE_BLOCKS if k in planned}))
+
+    def leaf(flat: dict, key: str):
+        parts = key.split(".")
+        for i in range(len(parts), 0, -1):  # the key, else a block above it that is null
+            k = ".".join(parts[:i])
+            if k in flat and (i == len(parts) or flat[k] is None):
+                return flat[k]
+        return _ABSENT
+
+    changes = []
+    for key in sorted(set(then) | set(now)):
+        a, b = leaf(then, key), leaf(now, key)
+        if a is not _ABSENT and b is not _ABSENT and json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
+            changes.append(f"{key}={json.dumps(a)}, now {json.dumps(b)}")
+    return changes
+
+
+_ABSENT = object()
+
+
+def _flatten(d, prefix=""):
+    if isinstance(d, dict) and d:
+        for k, v in d.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], d
 
 
 def is_done(step: Step) -> bool:
@@ -158,8 +199,10 @@ class Status:
 
 
 class Runner:
-    def __init__(self, study: Study, out: Path, env: dict, status: Status, say=print):
+    def __init__(self, study: Study, out: Path, env: dict, status: Status, say=print, resolved: dict | None = None):
         self.study, self.out, self.env, self.status, self.say = study, out, env, status, say
+        self.resolved = resolved or {}
+        """Each run's resolved config (Planner.resolved): a run trained with other recipe settings is a conflict."""
         self.stamps: dict[str, str] = {}
         self.digests = status.data.setdefault("weights_digests", {})
         self.child: subprocess.Popen | None = None
@@ -170,6 +213,8 @@ class Runner:
         missing = [d for d in step.deps if d not in self.stamps]
         if missing:
             return "blocked", f"waits for {', '.join(missing)}"
+        if step.kind == "train":
+            self._check_recipe(step)
         if not is_done(step):
             return "todo", ""
         rec = self.status.data["steps"].get(step.id)
@@ -191,6 +236,23 @@ class Runner:
             self.say(f"note: {step.id} is kept although {', '.join(changed)} changed since it ran; move "
                      f"{self._rel(step.output)} away to redo it")
         return "done", ""
+
+    def _check_recipe(self, step: Step) -> None:
+        """StudyError when the run (finished or to be resumed) was trained with other objective/optimizer settings
+        than the study resolves now."""
+        import yaml
+
+        planned = self.resolved.get(step.id.split("/", 1)[1])
+        config = step.output / "config.yaml"
+        if planned is None or not config.is_file():
+            return
+        changes = recipe_changes(yaml.safe_load(config.read_text(encoding="utf-8")) or {}, planned)
+        if changes:
+            raise StudyError(
+                f"{step.id} was trained with {'; '.join(changes[:3])}{' ...' if len(changes) > 3 else ''} (a config "
+                f"file it reads changed since it ran; its command did not); its output {self._rel(step.output)} "
+                f"stays as it is: restore those settings (e.g. as the arm's overrides), or move that output away to "
+                f"redo it")
 
     def _rel(self, p) -> str:
         rel = os.path.relpath(p)
@@ -299,6 +361,37 @@ def _used_studies(study: Study, given: dict[str, str]) -> dict[str, tuple[Study,
     return used
 
 
+def _given_dirs(uses: list[str]) -> dict[str, str]:
+    """--use STUDY=DIR ... as {STUDY: DIR}; one without its =DIR is an error (dropped, the study would read the
+    default directory's runs)."""
+    given = {}
+    for u in uses:
+        name, _, path = u.partition("=")
+        if not name or not path:
+            raise StudyError(f"--use {u!r}: expected STUDY=DIR, e.g. --use clear_small=runs/studies/clear_small")
+        given[name] = path
+    return given
+
+
+def current_steps(steps: list[Step], runner: Runner) -> set[str]:
+    """Ids of the runs and evaluations whose results belong to the study as it is now: a run last launched with its
+    present command; an evaluation done with its present command on the present weights of its finished run. The
+    tables read only these: after an arm is edited, ``--only`` of another arm leaves its old results on disk."""
+    records, current = runner.status.data["steps"], set()
+    for step in steps:
+        rec = records.get(step.id) or {}
+        if step.kind not in ("train", "eval") or rec.get("argv") != runner.status.portable(step.argv):
+            continue
+        if step.kind == "train":
+            current.add(step.id)
+            if step.id not in runner.stamps and is_done(step):
+                runner.stamps[step.id] = stamp(step, runner.digests)
+        elif rec.get("state") == "done" and rec.get("deps", {}).get(step.deps[0], "") == runner.stamps.get(
+                step.deps[0]):  # the weights it read are the run's present ones
+            current.add(step.id)
+    return current
+
+
 def _select(steps: list[Step], only: list[str], study: Study) -> list[Step]:
     """With --only: those arms' steps and the steps they need (transitively), plus the preparation."""
     if not only:
@@ -343,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_study(args) -> int:
     study = load_study(args.study)
     out = Path(args.out or study.out or f"runs/studies/{study.name}").resolve()
-    given = dict(u.split("=", 1) for u in args.use if "=" in u)
+    given = _given_dirs(args.use)
     data_dir = Path(default_data_dir()).resolve()
     planner = Planner(study, out, data_dir, _used_studies(study, given))
     configs = planner.configs()  # every run's config is valid before the first one starts
@@ -353,7 +446,7 @@ def run_study(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     status = Status(out / "status.json", study, out)
     env = {**os.environ, **study.env, "PRETRAIN_DATA_DIR": str(data_dir)}
-    runner = Runner(study, out, env, status)
+    runner = Runner(study, out, env, status, resolved=planner.resolved)
     _require_used(planner, steps, runner)
     invocation = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "only": args.only, "ran": [], "skipped": []}
     status.data["invocations"].append(invocation)
@@ -369,7 +462,8 @@ def run_study(args) -> int:
         runner.execute(steps, invocation)
         close("writing tables")  # the tables' compute line includes this invocation
 
-        results = write_results(study, planner, configs, status.data)
+        current = current_steps(planner.steps(), runner)
+        results = write_results(study, planner, configs, status.data, current)
     except StudyError as e:
         close(f"failed: {e}")
         raise
@@ -408,7 +502,8 @@ def _require_used(planner: Planner, steps: list[Step], runner: Runner) -> None:
 
 
 def _print_plan(planner: Planner, steps: list[Step], out: Path) -> int:
-    runner = Runner(planner.study, out, {}, Status(out / "status.json", planner.study, out), say=lambda _: None)
+    runner = Runner(planner.study, out, {}, Status(out / "status.json", planner.study, out), say=lambda _: None,
+                    resolved=planner.resolved)
     for dep in sorted({d for s in steps for d in s.deps if ":" in d}):
         runner.stamps[dep] = "external"
     print(f"study {planner.study.name}: {len(steps)} steps, directory {runner._rel(out)}")

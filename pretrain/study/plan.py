@@ -129,14 +129,38 @@ class Study:
 
 
 def _fields(cls, data, where: str) -> dict:
-    """Checks a mapping's keys against a dataclass' fields (ValueError naming the unknown ones)."""
+    """Checks a mapping's keys against a dataclass' fields (StudyError naming the unknown or missing ones)."""
+    fields = [f for f in dataclasses.fields(cls) if f.name != "path"]
+    _keys(data, {f.name for f in fields}, where)
+    missing = [f.name for f in fields if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise StudyError(f"{where}: {', '.join(missing)} is required")
+    return data
+
+
+def _keys(data, valid: set[str] | None, where: str) -> dict:
+    """``data`` if it is a mapping whose keys are among ``valid`` (None: any); else StudyError naming the unknown
+    keys."""
     if not isinstance(data, dict):
         raise StudyError(f"{where}: expected a mapping, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(map(str, set(data) - valid)) if valid is not None else []
     if unknown:
-        raise StudyError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names - {'path'}))}")
+        raise StudyError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
     return data
+
+
+def _seeds(value, where: str) -> list[int]:
+    """A list of distinct integer seeds: a seed listed twice would be one run counted twice in every table."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise StudyError(f"{where}: expected a list of integers, e.g. seeds: [1, 2, 3], got {value!r}")
+    twice = sorted({v for v in value if value.count(v) > 1})
+    if twice:
+        raise StudyError(f"{where}: seed {', '.join(map(str, twice))} is listed twice; each seed is one run, listed "
+                         f"once")
+    return value
 
 
 def _strings(value, where: str) -> list[str]:
@@ -167,15 +191,13 @@ def load_study(path: str | os.PathLike) -> Study:
     if not isinstance(raw, dict) or set(raw) - TOP_KEYS:
         unknown = sorted(set(raw) - TOP_KEYS) if isinstance(raw, dict) else raw
         raise StudyError(f"{p}: unknown top-level key(s) {unknown}; valid: {', '.join(sorted(TOP_KEYS))}")
-    shared, evaluations = raw.get("shared") or {}, raw.get("evaluations") or {}
-    for block, d, valid in (("shared", shared, {"overrides", "equal"}),
-                            ("evaluations", evaluations, {"weights", "runs"})):
-        if not isinstance(d, dict) or set(d) - valid:
-            raise StudyError(f"{p}: {block}: expected a mapping with keys {', '.join(sorted(valid))}")
+    shared = _keys(raw.get("shared") or {}, {"overrides", "equal"}, f"{p}: shared")
+    evaluations = _keys(raw.get("evaluations") or {}, {"weights", "runs"}, f"{p}: evaluations")
+    env, uses = (_keys(raw.get(k) or {}, None, f"{p}: {k}") for k in ("env", "uses"))
     study = Study(
         name=str(raw.get("name") or p.stem), path=p, out=str(raw.get("out") or ""),
-        env={str(k): str(v) for k, v in (raw.get("env") or {}).items()},
-        uses={str(k): str(v) for k, v in (raw.get("uses") or {}).items()},
+        env={str(k): str(v) for k, v in env.items()},
+        uses={str(k): str(v) for k, v in uses.items()},
         prep=[PrepStep(**{**_fields(PrepStep, d, f"{p}: prep[{i}]"),
                           "command": _strings(d.get("command"), f"{p}: prep[{i}].command")})
               for i, d in enumerate(raw.get("prep") or [])],
@@ -183,13 +205,15 @@ def load_study(path: str | os.PathLike) -> Study:
         equal=_strings(shared.get("equal") or [], f"{p}: shared.equal"),
         arms=[Arm(**{**_fields(Arm, d, f"{p}: arms[{i}]"),
                      "overrides": _strings(d.get("overrides") or [], f"{p}: arms[{i}].overrides"),
-                     "seeds": [int(s) for s in d.get("seeds") or []]})
+                     "seeds": _seeds(d.get("seeds"), f"{p}: arms[{i}].seeds")})
               for i, d in enumerate(raw.get("arms") or [])],
         weights=str(evaluations.get("weights", "final")),
         evals=[EvalSpec(**{**_fields(EvalSpec, d, f"{p}: evaluations.runs[{i}]"),
                            "args": _strings(d.get("args") or [], f"{p}: evaluations.runs[{i}].args")})
                for i, d in enumerate(evaluations.get("runs") or [])],
-        tables=[TableSpec(**_fields(TableSpec, d, f"{p}: tables[{i}]")) for i, d in enumerate(raw.get("tables") or [])],
+        tables=[TableSpec(**{**_fields(TableSpec, d, f"{p}: tables[{i}]"),
+                             **{k: _strings(d.get(k) or [], f"{p}: tables[{i}].{k}") for k in ("evals", "arms")}})
+                for i, d in enumerate(raw.get("tables") or [])],
     )
     _check(study)
     return study
@@ -207,7 +231,7 @@ def _check(s: Study) -> None:
         dup = sorted({n for n in items if items.count(n) > 1})
         if dup:
             raise StudyError(f"{where}: {kind} name(s) used twice: {', '.join(dup)}")
-        bad = [n for n in items if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", n)]
+        bad = [n for n in items if not isinstance(n, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", n)]
         if bad:
             raise StudyError(f"{where}: {kind} name(s) {bad} must be letters, digits, '_', '-', '.'")
     _check_prep(s, where)
@@ -316,6 +340,8 @@ class Planner:
 
     def __init__(self, study: Study, out: Path, data_dir: Path, used: dict[str, tuple[Study, Path]]):
         self.study, self.out, self.data_dir, self.used = study, out, data_dir, used
+        self.resolved: dict[str, dict] = {}
+        """Each run's resolved config (run_name -> dict), filled by ``configs``."""
 
     # -- where things are
     def run_dir(self, arm: str, seed: int, study: str = "") -> Path:
@@ -446,11 +472,13 @@ class Planner:
                     cfg = load_run_config(config, overrides)
                 except (ValueError, FileNotFoundError) as e:
                     raise StudyError(f"arm {arm.name} (seed {seed}): {e}") from None
-                out.setdefault(arm.name, to_dict(cfg))
+                self.resolved[run_name(arm.name, seed)] = to_dict(cfg)
+                out.setdefault(arm.name, self.resolved[run_name(arm.name, seed)])
         for key in self.study.equal:
             if all(_lookup(c, key) is _MISSING for c in out.values()):
                 raise StudyError(f"{self.study.path}: shared.equal: {key} is not a config key")
             values = {a: _lookup(c, key) for a, c in out.items()}
+            values = {a: "(absent)" if v is _MISSING else v for a, v in values.items()}  # under a null block
             if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
                 raise StudyError(f"{self.study.path}: shared.equal: {key} differs between arms: "
                                  + ", ".join(f"{a}={v}" for a, v in values.items()))

@@ -3,7 +3,9 @@
 Layouts follow the papers: STS as SimCSE's Table (STS12–16, STS-B, SICK-R, Avg.; Spearman ×100), GLUE as
 CLEAR's Table 1 (RTE, SST-2, MRPC, CoLA, STS-B, Avg.), alignment/uniformity as SimCSE's Figure 2 numbers. A
 cell is the mean over the arm's seeds, "mean ± std" (sample std) when there are several; "–" where no seed
-has a result yet. Reads only the evaluation files; never runs anything.
+has a result yet; "(k NaN)" where k seeds' values are undefined (stored as null), which the mean leaves out.
+Only results of the study as it is now are read (``current``: the driver's list of runs and evaluations made with
+their present commands and weights); others are left out and named under the table. Never runs anything.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 from pretrain.checkpoint import store
+from pretrain.checkpoint.files import atomic_write_text, strict_json
 from pretrain.config import RunConfig
 from pretrain.config.loader import from_dict, read_yaml
 from pretrain.eval import glue_data
@@ -24,29 +27,71 @@ from pretrain.study.plan import EVAL_RESULTS, run_name
 from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
 
 
-def _stats(values: list[float]) -> dict | None:
-    values = [v for v in values if v is not None and math.isfinite(v)]
+CELLS = ("Cells: mean ± sample std (n−1) over seeds; '(k NaN)': k seeds' values are undefined (NaN, e.g. a "
+         "correlation of constant embeddings) and left out of the mean.")
+
+
+def _num(value) -> float:
+    """A score as an evaluation file holds it: strict JSON writes an undefined (NaN) one as null."""
+    return math.nan if value is None else value
+
+
+def _stats(values: list) -> dict | None:
+    """mean, sample std and n over the finite values; ``nan`` counts the others (None: nothing measured)."""
+    values = [v for v in values if v is not None]
+    finite = [v for v in values if math.isfinite(v)]
     if not values:
         return None
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values)}
+    return {"mean": statistics.fmean(finite) if finite else math.nan,
+            "std": statistics.stdev(finite) if len(finite) > 1 else 0.0, "n": len(finite),
+            "nan": len(values) - len(finite)}
 
 
 def _fmt(cell: dict | None, digits: int = 2) -> str:
     if cell is None:
         return "–"
+    if not cell["n"]:
+        return "NaN"
     text = f"{cell['mean']:.{digits}f}"
-    return text + (f" ± {cell['std']:.{digits}f}" if cell["n"] > 1 else "")
+    text += f" ± {cell['std']:.{digits}f}" if cell["n"] > 1 else ""
+    return text + (f" ({cell['nan']} NaN)" if cell.get("nan") else "")
 
 
-def _results(planner, arm, eval_name: str) -> list[dict | None]:
-    """The evaluation's result file of each of the arm's seeds (None where absent)."""
-    tool = next(e.tool for e in planner.study.evals if e.name == eval_name)
-    out = []
-    for seed in arm.seeds:
-        path = planner.out / "evals" / run_name(arm.name, seed) / eval_name / EVAL_RESULTS[tool]
-        out.append(json.loads(path.read_text()) if path.is_file() else None)
-    return out
+class Sources:
+    """Where the tables read results: the study's directory, only the steps in ``current`` (None: all), and the
+    ones found on disk but left out (another version of the study, or weights that changed since)."""
+
+    def __init__(self, planner, current: set[str] | None = None):
+        self.planner, self.current, self.left_out = planner, current, []
+
+    def _take(self, step_id: str, exists: bool) -> bool:
+        if exists and self.current is not None and step_id not in self.current:
+            self.left_out.append(step_id)
+            return False
+        return exists
+
+    def results(self, arm, eval_name: str) -> list[dict | None]:
+        """The evaluation's result file of each of the arm's seeds (None where absent or left out)."""
+        tool = next(e.tool for e in self.planner.study.evals if e.name == eval_name)
+        out = []
+        for seed in arm.seeds:
+            run = run_name(arm.name, seed)
+            path = self.planner.out / "evals" / run / eval_name / EVAL_RESULTS[tool]
+            out.append(json.loads(path.read_text()) if self._take(f"eval/{run}/{eval_name}", path.is_file())
+                       else None)
+        return out
+
+    def run_dir(self, arm, seed: int) -> Path | None:
+        """The run's directory, None when it is left out."""
+        path = self.planner.out / "runs" / run_name(arm.name, seed)
+        return path if self._take(f"train/{run_name(arm.name, seed)}", path.is_dir()) else None
+
+    def note(self, since: int) -> list[str]:
+        """The line naming what the table left out (``left_out`` from index ``since``)."""
+        left = sorted(set(self.left_out[since:]))
+        return [] if not left else [
+            "", f"Left out, made by another version of the study (an arm's settings changed since) or from weights "
+                f"that changed since: {', '.join(left)}. A run of the whole study (without --only) redoes them."]
 
 
 def _rows(planner, table) -> list[tuple[str, object, str]]:
@@ -55,34 +100,35 @@ def _rows(planner, table) -> list[tuple[str, object, str]]:
 
 
 def sts_average(sts: dict, tasks, convention: str) -> float:
-    """The STS average of one evaluation (``eval.json``'s ``sts``) over ``tasks``: Spearman ×100, ``convention``."""
-    return statistics.fmean(sts[t]["spearman"][convention] for t in tasks)
+    """The STS average of one evaluation (``eval.json``'s ``sts``) over ``tasks``: Spearman ×100, ``convention``;
+    NaN when a task's is."""
+    return statistics.fmean(_num(sts[t]["spearman"][convention]) for t in tasks)
 
 
-def sts_table(planner, table) -> tuple[list[str], list[dict]]:
+def sts_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     """Rows per arm (× evaluation): each STS task and the average over the tasks, mean ± std over seeds."""
-    per_row = [(label, arm, [r.get("sts") if r else None for r in _results(planner, arm, e)])
-               for label, arm, e in _rows(planner, table)]
+    per_row = [(label, arm, [r.get("sts") if r else None for r in src.results(arm, e)])
+               for label, arm, e in _rows(src.planner, table)]
     tasks = [t for t in TASKS if any(s and t in s for _, _, seeds in per_row for s in seeds)]
     head = ["| Model | " + " | ".join(TABLE_NAMES[t] for t in tasks) + " | Avg. | seeds |",
             "|---|" + "---:|" * (len(tasks) + 2)]
     rows, data = [], []
     for label, arm, seeds in per_row:
         done = [s for s in seeds if s and all(t in s for t in tasks)]
-        cells = {t: _stats([s[t]["spearman"][table.convention] for s in done]) for t in tasks}
+        cells = {t: _stats([_num(s[t]["spearman"][table.convention]) for s in done]) for t in tasks}
         cells["Avg."] = _stats([sts_average(s, tasks, table.convention) for s in done])
         rows.append(f"| {label} | " + " | ".join(_fmt(cells[t]) for t in tasks) + f" | {_fmt(cells['Avg.'])} | "
                     f"{len(done)}/{len(arm.seeds)} |")
         data.append({"label": label, "cells": cells})
     how = "subsets concatenated, as SimCSE" if table.convention == "all" else f"SentEval per-subset {table.convention}"
     note = (f"Spearman ×100 of cosine similarities; STS12–16 with the '{table.convention}' convention ({how}), "
-            f"STS-B and SICK-R test sets. Avg. over the tasks shown. Cells: mean ± sample std over seeds.")
+            f"STS-B and SICK-R test sets. Avg. over the tasks shown. {CELLS}")
     return head + rows + ["", note], data
 
 
-def glue_table(planner, table) -> tuple[list[str], list[dict]]:
+def glue_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     """Rows per arm: each GLUE task's dev score at the best lr (pretrain-finetune-glue's summary) and Avg."""
-    per_row = [(label, arm, _results(planner, arm, e)) for label, arm, e in _rows(planner, table)]
+    per_row = [(label, arm, src.results(arm, e)) for label, arm, e in _rows(src.planner, table)]
     names = [glue_data.TASKS[k].name for k in glue_data.TABLE_ORDER
              if any(r and glue_data.TASKS[k].name in r for _, _, rs in per_row for r in rs)]
     head = ["| Method | " + " | ".join("STS" if n == "STS-B" else n for n in names) + " | Avg | seeds |",
@@ -90,28 +136,28 @@ def glue_table(planner, table) -> tuple[list[str], list[dict]]:
     rows, data = [], []
     for label, arm, results in per_row:
         done = [r for r in results if r and all(n in r for n in names)]
-        cells = {n: _stats([r[n]["score"] for r in done]) for n in names}
-        cells["Avg"] = _stats([statistics.fmean(r[n]["score"] for n in names) for r in done])
+        cells = {n: _stats([_num(r[n]["score"]) for r in done]) for n in names}
+        cells["Avg"] = _stats([statistics.fmean(_num(r[n]["score"]) for n in names) for r in done])
         rows.append(f"| {label} | " + " | ".join(_fmt(cells[n]) for n in names) + f" | {_fmt(cells['Avg'])} | "
                     f"{len(done)}/{len(arm.seeds)} |")
         data.append({"label": label, "cells": cells})
     note = ("Dev sets ×100 (MRPC: mean of F1 and acc; STS: mean of Pearson and Spearman; CoLA: Matthews corr.; "
             "others: acc), each at the best of the recipe's learning rates; Avg over the tasks shown. "
-            "Cells: mean ± sample std over pretraining seeds.")
+            f"{CELLS.replace('over seeds', 'over pretraining seeds')}")
     return head + rows + ["", note], data
 
 
-def align_table(planner, table) -> tuple[list[str], list[dict]]:
+def align_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     """Rows per arm (× evaluation): alignment and uniformity on STS-B dev (lower is better for both)."""
     head = ["| Model | align | uniform | seeds |", "|---|---:|---:|---:|"]
     rows, data = [], []
-    for label, arm, e in _rows(planner, table):
-        done = [r["align_uniform"] for r in _results(planner, arm, e) if r and "align_uniform" in r]
-        cells = {k: _stats([d[k] for d in done]) for k in ("align", "uniform")}
+    for label, arm, e in _rows(src.planner, table):
+        done = [r["align_uniform"] for r in src.results(arm, e) if r and "align_uniform" in r]
+        cells = {k: _stats([_num(d[k]) for d in done]) for k in ("align", "uniform")}
         rows.append(f"| {label} | {_fmt(cells['align'], 4)} | {_fmt(cells['uniform'], 4)} | "
                     f"{len(done)}/{len(arm.seeds)} |")
         data.append({"label": label, "cells": cells})
-    note = "Wang & Isola (2020) on STS-B dev pairs (score > 4 for alignment); lower is better for both."
+    note = f"Wang & Isola (2020) on STS-B dev pairs (score > 4 for alignment); lower is better for both. {CELLS}"
     return head + rows + ["", note], data
 
 
@@ -189,16 +235,17 @@ def run_dynamics(run_dir: Path) -> dict | None:
     return out
 
 
-def training_table(planner, table) -> tuple[list[str], list[dict]]:
+def training_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     """Rows per arm: steps to escape chance of the contrastive term, its final loss and embedding cosine, the
     held-out MLM loss, and the STS average of each evaluation named (mean ± std over seeds)."""
-    arms = [planner.study.arm(a) for a in table.arms] if table.arms else planner.study.arms
+    study = src.planner.study
+    arms = [study.arm(a) for a in table.arms] if table.arms else study.arms
     head = ["| Model | escaped chance at step | contrastive loss (chance) | emb. cos | held-out MLM | "
             + "".join(f"STS avg {e} | " for e in table.evals) + "seeds |",
             "|---|" + "---:|" * (5 + len(table.evals))]
     rows, data = [], []
     for arm in arms:
-        dyn = [run_dynamics(planner.out / "runs" / run_name(arm.name, s)) for s in arm.seeds]
+        dyn = [run_dynamics(d) if d is not None else None for d in (src.run_dir(arm, s) for s in arm.seeds)]
         done = [d for d in dyn if d]
         term = next((t for d in done for t in d["terms"]), None)
         cells: dict = {"heldout_mlm": _stats([d["heldout_mlm"] for d in done])}
@@ -213,7 +260,7 @@ def training_table(planner, table) -> tuple[list[str], list[dict]]:
             cos = _fmt(cells["emb_cos"], 3)
         for e in table.evals:
             avgs = []
-            for r in _results(planner, arm, e):
+            for r in src.results(arm, e):
                 s = (r or {}).get("sts") or {}
                 if s and all(t in s for t in TASKS):
                     avgs.append(sts_average(s, TASKS, "all"))
@@ -227,24 +274,27 @@ def training_table(planner, table) -> tuple[list[str], list[dict]]:
             "than 2% below its chance value (ln(2m-1) for NT-Xent over m sentences, ln(m) for InfoNCE/ArcCon) to "
             "the end; 'never' = still at chance at the last step. Contrastive loss and emb. cos (mean pairwise "
             "cosine of the pooled embeddings of different sentences) at the last logged step; held-out MLM = "
-            "the last validation MLM loss. STS avg: 7 tasks, Spearman ×100, subsets concatenated.")
+            f"the last validation MLM loss. STS avg: 7 tasks, Spearman ×100, subsets concatenated. {CELLS}")
     return head + rows + ["", note], data
 
 
 KINDS = {"sts": sts_table, "glue": glue_table, "align": align_table, "training": training_table}
 
 
-def write_results(study, planner, configs: dict[str, dict], status: dict) -> Path:
-    """OUT/results.md (tables, what varies, compute used) and OUT/results.json (the numbers)."""
-    out = planner.out
+def write_results(study, planner, configs: dict[str, dict], status: dict,
+                  current: set[str] | None = None) -> Path:
+    """OUT/results.md (tables, what varies, compute used) and OUT/results.json (the numbers), from the results in
+    ``current`` (step ids; None: every result found)."""
+    out, src = planner.out, Sources(planner, current)
     t = status.get("totals", {})
-    runs = [s for s in status.get("steps", {}).values() if s.get("kind") == "train"]
+    runs = [f"train/{run_name(a.name, s)}" for a in study.arms for s in a.seeds]  # the study's runs as it is now
+    done = sum(status.get("steps", {}).get(r, {}).get("state") == "done" and (current is None or r in current)
+               for r in runs)
     md = [f"# Study `{study.name}`: results", "",
           f"Study file `{study.path}`, directory `{out}`; tables written {time.strftime('%Y-%m-%d %H:%M')} by "
-          f"`pretrain-study`. Runs done: {sum(r.get('state') == 'done' for r in runs)} of "
-          f"{sum(len(a.seeds) for a in study.arms)}. Compute recorded so far: {t.get('cpu_s', 0) / 3600:.2f} CPU-h "
-          f"(all invocations, children's user+sys time) in {t.get('invocations_wall_s', 0) / 3600:.2f} h wall; "
-          f"per step in `status.json`.", ""]
+          f"`pretrain-study`. Runs done: {done} of {len(runs)}. Compute recorded so far: "
+          f"{t.get('cpu_s', 0) / 3600:.2f} CPU-h (all invocations, children's user+sys time) in "
+          f"{t.get('invocations_wall_s', 0) / 3600:.2f} h wall; per step in `status.json`.", ""]
     numbers = []
     for table in study.tables:
         if table.kind == "report":
@@ -252,12 +302,14 @@ def write_results(study, planner, configs: dict[str, dict], status: dict) -> Pat
                    "Every run overlaid, one colour per run: [`report/report.md`](report/report.md) "
                    "(PNG plots of each loss term, held-out MLM, STS-B dev, lr, throughput).", ""]
             continue
-        lines, data = KINDS[table.kind](planner, table)
-        md += [f"## {table.title or table.kind}", "", *lines, ""]
-        numbers.append({"title": table.title, "kind": table.kind, "evals": table.evals, "rows": data})
+        since = len(src.left_out)
+        lines, data = KINDS[table.kind](src, table)
+        md += [f"## {table.title or table.kind}", "", *lines, *src.note(since), ""]
+        numbers.append({"title": table.title, "kind": table.kind, "evals": table.evals, "rows": data,
+                        "left_out": sorted(set(src.left_out[since:]))})
     md += ["## What differs between arms", "",
            "Resolved configs (first seed of each arm) compared key by key; only the keys that differ are shown. "
            "Shared settings are applied to every arm identically.", "", *differences(configs, out), ""]
-    (out / "results.md").write_text("\n".join(md), encoding="utf-8")
-    (out / "results.json").write_text(json.dumps({"study": study.name, "tables": numbers}, indent=1))
+    atomic_write_text(out / "results.md", "\n".join(md))
+    atomic_write_text(out / "results.json", strict_json({"study": study.name, "tables": numbers}))
     return out / "results.md"
