@@ -371,7 +371,8 @@ class OpsConfig:
 @dataclass(kw_only=True)
 class EvalConfig:
     stsb_every: int = 0
-    """STS-B dev Spearman every N steps during training (the seed papers use 125); 0 = off."""
+    """STS-B dev Spearman every N steps during training (SimCSE evaluates every 250 steps, ArcCSE and RankCSE
+    every 125); 0 = off."""
     data_dir: str = ""
     """Directory holding sts/STSBenchmark (the shared data dir); empty = $PRETRAIN_DATA_DIR, else ../shared/data
     (from the working directory, then beside the repository): the rule every tool follows."""
