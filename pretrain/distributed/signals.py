@@ -7,6 +7,7 @@ still waits on — the main process decides."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -33,17 +34,16 @@ class StopSignal:
         if name == "SIGINT" and self._on_close_ctrl_c is not None:
             step = self._on_close_ctrl_c()
             what = f"the checkpoint of step {step} being written is abandoned; " if step is not None else ""
-            print(f"received SIGINT while stopping: {what}the run directory is released before the exit",
-                  file=sys.stderr, flush=True)
+            _say(f"received SIGINT while stopping: {what}the run directory is released before the exit")
             return
         if name == "SIGINT" and self.received == "SIGINT":
-            print("received a second SIGINT: aborting now, without a checkpoint", file=sys.stderr, flush=True)
+            _say("received a second SIGINT: aborting now, without a checkpoint")
             self._on_close_ctrl_c = _nothing  # the abort itself closes: a third Ctrl-C must not cut that short
             raise KeyboardInterrupt
         self.requested = True
         self.received = self.received or name
         more = " (press Ctrl-C again to abort at once)" if name == "SIGINT" else ""
-        print(f"received {name}: will checkpoint after the current step{more}", file=sys.stderr, flush=True)
+        _say(f"received {name}: will checkpoint after the current step{more}")
 
     @property
     def exit_code(self) -> int:
@@ -66,6 +66,24 @@ class StopSignal:
 
 def _nothing() -> None:
     return None
+
+
+def _say(line: str) -> None:
+    """One line to stderr from a signal handler, written to its descriptor. A print would go through the stream's
+    buffer, which the interrupted main thread may be inside (a print blocked on a full pipe to srun): Python then
+    raises "reentrant call inside BufferedWriter" in the main thread, at that print. A stream without a descriptor
+    (a test's capture) is printed to."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+        return
+    data = (line + "\n").encode(errors="replace")
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:  # stderr closed or gone: the stop goes on without its message
+        pass
 
 
 def ignore_in_worker() -> None:

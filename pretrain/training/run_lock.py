@@ -34,6 +34,8 @@ from pretrain.metrics.writer import print_progress
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
+UNREADABLE_S = 2.0
+"""How long an unreadable lock file is read again before it is taken over."""
 
 
 class RunDirLocked(ValueError):
@@ -66,7 +68,7 @@ class RunLock:
         if self._create():
             self._start_heartbeat()
             return None
-        holder = self._read()
+        holder = self._read_settled()
         reason = "its lock file is unreadable" if holder is None else self._takeover_reason(holder)
         if reason is None:
             age = time.time() - float(holder.get("heartbeat", holder.get("since", 0)))
@@ -111,19 +113,46 @@ class RunLock:
                 return None
         return f"its heartbeat did not change for {self.stale_after_s:.0f}s"
 
+    def _read_settled(self) -> dict | None:
+        """The lock's holder, read again for up to ``UNREADABLE_S`` while it is unreadable: a read that failed while
+        the holder rewrote it on another host (NFS) is not a dead holder. None when it stays unreadable (a lock
+        file left torn by a crash), which is then taken over."""
+        deadline = time.monotonic() + min(UNREADABLE_S, self.stale_after_s)
+        holder = self._read()
+        while holder is None and time.monotonic() < deadline and self.path.exists():
+            time.sleep(0.1)
+            holder = self._read()
+        return holder
+
     def _payload(self) -> bytes:
         return json.dumps(dict(self.me, heartbeat=time.time(), beats=self.beats)).encode()
 
     def _create(self) -> bool:
+        """Publish the lock, complete, under its name unless a lock is there. A hard link of a written file, not
+        ``O_CREAT | O_EXCL`` and a write: that file is empty until the write, and a trainer starting at the same
+        moment read it as unreadable and took it over while its creator went on (both held it until the next
+        heartbeat). ``link`` fails with EEXIST atomically, also on NFS; where the filesystem has no hard links, the
+        exclusive create is what is left."""
+        tmp = self.path.with_name(f".{LOCK_NAME}.{self.token}")
+        self._write(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644))
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.link(tmp, self.path)
         except FileExistsError:
             return False
+        except OSError:  # no hard links here (EPERM, ENOTSUP: some FUSE and SMB mounts)
+            try:
+                self._write(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            except FileExistsError:
+                return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
+
+    def _write(self, fd: int) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(self._payload())
             f.flush()
             os.fsync(f.fileno())
-        return True
 
     def _replace(self) -> None:
         tmp = self.path.with_name(f".{LOCK_NAME}.{self.token}")
