@@ -20,9 +20,11 @@ from typing import Literal
 Launcher = Literal["torchrun", "slurm", "single"]
 
 # Port used by a Slurm step without MASTER_PORT: stable per job (so a requeued job reuses it)
-# and spread over a range so two jobs sharing a head node rarely collide.
+# and spread over a range so two jobs sharing a head node rarely collide. The range ends below Linux's default
+# ephemeral ports (net.ipv4.ip_local_port_range 32768-60999): a port there, found free, can be handed to an
+# outgoing connection (an NFS mount, a dataloader's fetch) before torchrun binds it (was 20000-39999).
 _PORT_BASE = 20000
-_PORT_SPAN = 20000
+_PORT_SPAN = 12768
 _PORT_STRIDE = 7919  # free_master_port's step past a taken port: a prime, so every port of the span comes round
 
 
@@ -350,6 +352,7 @@ def pid_alive(pid: int) -> bool:
 
 
 if __name__ == "__main__":  # slurm/pretrain.sbatch: python -m pretrain.distributed.env --free-port START
-    if len(sys.argv) != 3 or sys.argv[1] != "--free-port":
-        sys.exit("usage: python -m pretrain.distributed.env --free-port START")
-    print(free_master_port(int(sys.argv[2])))
+    if len(sys.argv) != 3 or sys.argv[1] not in ("--free-port", "--job-port"):
+        sys.exit("usage: python -m pretrain.distributed.env --free-port START | --job-port JOB_ID")
+    arg = int(sys.argv[2])
+    print(free_master_port(arg) if sys.argv[1] == "--free-port" else default_master_port(arg))

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.distributed.env import default_master_port
+
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "pretrain.sbatch"
 PAYLOAD = REPO / "tests" / "slurm" / "payload.py"
@@ -129,9 +131,9 @@ def jobs(cluster, tmp_path_factory):
     ids["requeued"] = _submit(
         cluster, ["--hold", str(SBATCH), str(runs["requeued"]), "none", f"steps={PAYLOAD_STEPS}", "step_time=0.3"],
         root / "requeued.out", GPUS_PER_NODE="2", TRAIN_MODULE=str(PAYLOAD), USR1_RESEND="2")
-    # Another job's rendezvous (ids 20000 apart share a port) listens on this one's port on the head node: the
+    # Another job's rendezvous (ids 12768 apart share a port) listens on this one's port on the head node: the
     # script must take the next free port, in both attempts.
-    squatter = socket.create_server(("", 20000 + int(ids["requeued"]) % 20000))
+    squatter = socket.create_server(("", default_master_port(int(ids["requeued"]))))
     subprocess.run(["scontrol", "release", ids["requeued"]], check=True, env=cluster.env())
     ids["early"] = _submit(
         cluster, [str(SBATCH), str(runs["early"]), "none", f"steps={EARLY_STEPS}", "step_time=0.3",
@@ -229,7 +231,7 @@ def test_scontrol_requeue_terminates_checkpoints_and_resumes(jobs):
     info, log, run = jobs["infos"]["requeued"], jobs["logs"]["requeued"], jobs["runs"]["requeued"]
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
     assert "TERM: waiting for the trainer" in log and "restart 1:" in log
-    port = 20000 + int(jobs["ids"]["requeued"]) % 20000  # held by the fixture's stand-in for another job
+    port = default_master_port(int(jobs["ids"]["requeued"]))  # held by the fixture's stand-in for another job
     heads = re.findall(r"head \S+:(\d+),", log)
     assert len(heads) == 2 and all(int(p) != port for p in heads), heads
     stop = json.loads((run / "preempted-try0.json").read_text())

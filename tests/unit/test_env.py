@@ -55,6 +55,20 @@ def test_slurm_step_without_torchrun():
     assert 20000 <= env.master_port < 40000
 
 
+def test_job_ports_stay_below_the_ephemeral_range():
+    """Linux hands out 32768-60999 (ip_local_port_range's default) to outgoing connections: a job port there, found
+    free by the batch script, could be taken before torchrun binds it. Every job's port is in 20000-32767, and the
+    batch script's port is this one."""
+    import subprocess
+    import sys
+
+    ports = {default_master_port(job) for job in range(0, 200_000, 7)}
+    assert min(ports) >= 20000 and max(ports) < 32768, (min(ports), max(ports))
+    out = subprocess.run([sys.executable, "-m", "pretrain.distributed.env", "--job-port", "123457"],
+                         capture_output=True, text=True, check=True).stdout
+    assert int(out) == default_master_port(123457)
+
+
 def test_slurm_master_addr_and_port_can_be_given():
     env = detect_env({**SLURM_STEP, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
     assert (env.master_addr, env.master_port) == ("10.0.0.1", 1234)
@@ -128,19 +142,19 @@ def test_tasks_per_node():
 
 def test_default_master_port_is_stable_and_in_range():
     ports = {default_master_port(j) for j in range(0, 100000, 997)}
-    assert all(20000 <= p < 40000 for p in ports) and default_master_port(7) == default_master_port(7)
+    assert all(20000 <= p < 32768 for p in ports) and default_master_port(7) == default_master_port(7)
 
 
 def test_free_master_port_skips_a_port_another_job_listens_on():
-    """Job ids 20000 apart share default_master_port; the batch script (python -m pretrain.distributed.env
+    """Job ids 12768 apart share default_master_port; the batch script (python -m pretrain.distributed.env
     --free-port) then takes a port nothing listens on, not start + 1, which is the next job id's own port."""
-    start, stride = _free_chain(3)
-    busy = [socket.create_server(("", start + k * stride)) for k in (0, 1)]
+    start, chain = _free_chain(3)
+    busy = [socket.create_server(("", chain[k])) for k in (0, 1)]
     try:
-        assert free_master_port(start) == start + 2 * stride
+        assert free_master_port(start) == chain[2]
         out = subprocess.run([sys.executable, "-m", "pretrain.distributed.env", "--free-port", str(start)],
                              capture_output=True, text=True, check=True)
-        assert int(out.stdout) == start + 2 * stride
+        assert int(out.stdout) == chain[2]
     finally:
         for sock in busy:
             sock.close()
@@ -170,12 +184,13 @@ def _free(port: int) -> bool:
     return True
 
 
-def _free_chain(n: int) -> tuple[int, int]:
-    """A start port whose first n stride steps are free now, and the stride."""
-    stride = 7919
+def _free_chain(n: int) -> tuple[int, list[int]]:
+    """A start port whose first n stride steps (7919 apart, wrapping within the job ports 20000-32767) are free
+    now, and those ports."""
     for start in range(21000, 23000, 7):
-        if all(_free(start + k * stride) for k in range(n)):
-            return start, stride
+        chain = [20000 + (start - 20000 + k * 7919) % 12768 for k in range(n)]
+        if all(_free(port) for port in chain):
+            return start, chain
     pytest.skip(f"no free chain of {n} ports")
 
 
