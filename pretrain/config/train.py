@@ -317,6 +317,11 @@ class CheckpointConfig:
     """auto: continue from the run directory's latest complete checkpoint if there is one."""
     init_from: str = ""
     """Start weights from this checkpoint (ours, or converted from HF) without its optimizer/data state."""
+    fresh_pooler: bool = False
+    """With init_from: BERT's pooler (dense + tanh over [CLS], SimCSE's MLP with pooling cls) starts from a fresh
+    init (normal(0, model.init_std), zero bias, drawn from the run's seed) instead of the checkpoint's weights.
+    SimCSE's code builds its MLP anew on a BertModel without the pooler (ArcCSE's and RankCSE's build on it), so its
+    MLP does not start as bert-base's NSP-trained pooler; the paper does not say. Needs model.pooler: true."""
     trust: bool = False
     """Allow reading init_from / RankCSE teachers from an old checkpoint of ours without model.safetensors by
     unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)."""

@@ -132,7 +132,7 @@ def build_train_module(cfg: RunConfig, env, tokenizer, train_set, init) -> Train
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model)
         if init is not None:
-            _load_init_weights(model, init)
+            _load_init_weights(model, init, fresh_pooler=cfg.checkpoint.fresh_pooler)
         ctx = Context(env=env, ops=cfg.ops, pooling=cfg.model.pooling, stage=cfg.data.stage,
                       trim_last_layer=cfg.train.trim_last_layer, joint_pass=cfg.train.joint_pass)
         module = TrainModule(model, Objective(cfg.objective, ctx, **objective_resources(cfg, tokenizer, train_set)))
@@ -162,10 +162,16 @@ def compile_options(train) -> dict:
             "dynamic": {"auto": None, "dynamic": True, "static": False, "bucketed": False}[train.compile_shapes]}
 
 
-def _load_init_weights(model: torch.nn.Module, init) -> None:
+def _load_init_weights(model: torch.nn.Module, init, *, fresh_pooler: bool = False) -> None:
     """Initial weights from anything ``open_weights`` recognises (``init``): our checkpoints, a `pretrain-convert
-    from-hf` directory, a HF or sentence-transformers BERT directory."""
+    from-hf` directory, a HF or sentence-transformers BERT directory. ``fresh_pooler`` (checkpoint.fresh_pooler):
+    the pooler keeps the model's fresh init."""
     state, path = init.state, init.path
+    if fresh_pooler:
+        if getattr(model, "pooler", None) is None:
+            raise ValueError("checkpoint.fresh_pooler=true needs a pooler to start fresh: set model.pooler=true "
+                             "(BERT), or drop checkpoint.fresh_pooler")
+        state = {k: v for k, v in state.items() if not k.startswith("pooler.")}
     # The contrastive projection head is a training-only head whose shape follows the recipe
     # (e.g. none in the SimCSE-style recipes, whose MLP is the pooler, vs CLEAR's 2 layers): when it does not fit, it
     # starts fresh (or is left out).

@@ -116,3 +116,35 @@ def test_training_starts_from_an_export_without_model_settings(tiny_corpus, tmp_
     assert (saved["hidden_size"], saved["num_layers"], saved["ffn_size"], saved["max_position"]) == (32, 2, 64, 64)
     assert (saved["pooling"], saved["normalize"], saved["vocab_size"]) == ("mean", True, vocab)
     assert Path(run / "metrics.jsonl").is_file()
+
+
+def test_fresh_pooler_keeps_the_models_own_init_and_loads_everything_else():
+    """checkpoint.fresh_pooler: SimCSE's code builds its MLP anew over BertModel (no pooler), so the MLP of
+    SimCSE/ArcCSE/RankCSE starts at BERT's init, not at bert-base's NSP-trained pooler, which init_from loaded."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pretrain.training.build import _load_init_weights
+
+    cfg = ModelConfig(vocab_size=50, hidden_size=64, num_layers=1, num_heads=2, ffn_size=64, max_position=64)
+    source = build_model(cfg, seed=1)
+    with torch.no_grad():
+        source.pooler.dense.weight.fill_(0.5)
+        source.pooler.dense.bias.fill_(0.25)
+    init = SimpleNamespace(state={k: v.clone() for k, v in source.state_dict().items()}, path="src")
+    loaded = build_model(cfg, seed=2)
+    _load_init_weights(loaded, init)
+    assert bool((loaded.pooler.dense.weight == 0.5).all()) and bool((loaded.pooler.dense.bias == 0.25).all())
+    fresh = build_model(cfg, seed=2)
+    own = fresh.pooler.dense.weight.detach().clone()
+    _load_init_weights(fresh, init, fresh_pooler=True)
+    assert torch.equal(fresh.pooler.dense.weight, own) and not fresh.pooler.dense.bias.any()
+    n = own.numel()  # BERT's init: normal(0, init_std); the sample std within 5 standard errors of it
+    assert abs(float(own.std()) - cfg.init_std) < 5 * cfg.init_std / (2 * n) ** 0.5
+    for k, v in fresh.state_dict().items():
+        if not k.startswith("pooler."):
+            assert torch.equal(v, init.state[k]), k
+    no_pooler = build_model(ModelConfig(**{**cfg.__dict__, "pooler": False}), seed=2)
+    with pytest.raises(ValueError, match="model.pooler=true"):
+        _load_init_weights(no_pooler, init, fresh_pooler=True)

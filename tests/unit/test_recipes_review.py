@@ -202,3 +202,14 @@ def test_sarcse_is_the_papers():
     assert cfg.eval.stsb_every > 0 and cfg.eval.pooling in ("", "autoencoder_z")
     # RoBERTa-base: "use the Roberta as the pretrained language models, including the base model".
     assert "roberta-base" in cfg.checkpoint.init_from and (cfg.model.num_layers, cfg.model.hidden_size) == (12, 768)
+
+
+@pytest.mark.parametrize("name", ["simcse_unsup_bert_base", "simcse_sup_bert_base", "arccse_bert_base",
+                                  "rankcse_listnet_bert_base", "rankcse_listmle_bert_base"])
+def test_the_simcse_family_mlp_starts_at_berts_init_not_the_nsp_pooler(name):
+    """The papers say "an MLP layer over [CLS]" and not how it starts; SimCSE's released code (models.py: cl_init
+    builds ``MLPLayer`` and calls ``init_weights`` on a ``BertModel(add_pooling_layer=False)``, which ArcCSE's and
+    RankCSE's code keep) starts it at BERT's init, while init_from bert-base-uncased loaded its NSP-trained pooler."""
+    cfg = recipe(name)
+    assert cfg.model.pooler and cfg.model.pooling in ("cls",) and cfg.model.projection_layers == 0
+    assert cfg.checkpoint.fresh_pooler
