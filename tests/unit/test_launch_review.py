@@ -116,6 +116,21 @@ def test_a_usr1_stop_is_requeued_and_the_job_ends_0(tmp_path):
     assert "5 node(s) x 1 worker(s), head node01:29999" in out  # node[01-04,07] expanded: its first host
 
 
+@pytest.mark.parametrize("visible, gpus_on_node, workers", [("0,1,2,3", "", 4), ("GPU-1a2b,GPU-3c4d", "", 2),
+                                                          ("0,1,2,3", "8", 8), ("", "", 1)])
+def test_workers_per_node_follow_the_gpus_slurm_gave(tmp_path, visible, gpus_on_node, workers):
+    """--gres=gpu:N on a Slurm that sets no SLURM_GPUS_ON_NODE ran one worker on an N-GPU node (the default was 1):
+    the devices Slurm made visible to the batch shell count then; SLURM_GPUS_ON_NODE wins where it is set."""
+    extra = {k: v for k, v in (("CUDA_VISIBLE_DEVICES", visible), ("SLURM_GPUS_ON_NODE", gpus_on_node)) if v}
+    env = _slurm_env(tmp_path, FAKE_RC="0", **extra)
+    if not visible:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    rc, out = _run_sbatch(tmp_path, env)
+    assert rc == 0 and f"5 node(s) x {workers} worker(s)" in out, out
+    assert f"--nproc-per-node={workers}" in (tmp_path / "srun.args").read_text() or \
+        f"GPUS_PER_NODE={workers}" in (tmp_path / "srun.env").read_text()
+
+
 def test_a_run_that_finished_as_usr1_came_is_not_requeued(tmp_path):
     """The warning came in the last minutes and the trainer finished train.max_steps (exit 0): requeueing would only
     queue the whole allocation again to load the final checkpoint and stop."""
