@@ -74,7 +74,8 @@ def _fake_bin(tmp_path: Path) -> Path:
 
 def _slurm_env(tmp_path: Path, **extra) -> dict:
     base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("SLURM_", "SRUN_")) and k not in ("MASTER_PORT", "MASTER_ADDR", "GPUS_PER_NODE")}
+            if not k.startswith(("SLURM_", "SRUN_"))
+            and k not in ("MASTER_PORT", "MASTER_ADDR", "GPUS_PER_NODE", "CUDA_VISIBLE_DEVICES")}
     return {**base, "PATH": f"{_fake_bin(tmp_path)}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path),
             "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-04,07]", "SLURM_JOB_NUM_NODES": "5",
             "SLURMD_NODENAME": "node01", "SLURM_RESTART_COUNT": "0", "MASTER_PORT": "29999",
@@ -123,8 +124,6 @@ def test_workers_per_node_follow_the_gpus_slurm_gave(tmp_path, visible, gpus_on_
     the devices Slurm made visible to the batch shell count then; SLURM_GPUS_ON_NODE wins where it is set."""
     extra = {k: v for k, v in (("CUDA_VISIBLE_DEVICES", visible), ("SLURM_GPUS_ON_NODE", gpus_on_node)) if v}
     env = _slurm_env(tmp_path, FAKE_RC="0", **extra)
-    if not visible:
-        env.pop("CUDA_VISIBLE_DEVICES", None)
     rc, out = _run_sbatch(tmp_path, env)
     assert rc == 0 and f"5 node(s) x {workers} worker(s)" in out, out
     assert f"--nproc-per-node={workers}" in (tmp_path / "srun.args").read_text() or \
