@@ -36,6 +36,10 @@ HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
 UNREADABLE_S = 2.0
 """How long an unreadable lock file is read again before it is taken over."""
+UNREADABLE_BEATS = 3
+"""Heartbeats in a row at which the holder's own lock file may be unreadable before the holder takes it as lost (and
+stops without saving): one failed read on a soft NFS mount ended a run that nobody had taken over. A lock taken
+over reads back with the other trainer's token, which ends the run at once."""
 
 
 class RunDirLocked(ValueError):
@@ -172,11 +176,16 @@ class RunLock:
         self._thread.start()
 
     def _beat(self) -> None:
+        unreadable = 0
         while not self._stop.wait(self.heartbeat_s):
             holder = self._read()
+            if holder is None and self.path.exists() and unreadable + 1 < UNREADABLE_BEATS:
+                unreadable += 1  # a failed read (an NFS EIO, a torn view) is no takeover: one that is reads back
+                continue
             if holder is None or holder.get("token") != self.token:
                 self.lost = True
                 return
+            unreadable = 0
             self.beats += 1
             try:
                 self._replace()

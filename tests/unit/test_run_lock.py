@@ -140,3 +140,29 @@ def test_heartbeat_refreshes_and_notices_a_takeover(tmp_path):
     assert lock.lost
     lock.release()
     assert (tmp_path / LOCK_NAME).exists()  # not ours any more: left alone
+
+
+def test_the_holder_takes_a_moment_of_its_lock_being_unreadable_for_no_takeover(tmp_path, monkeypatch):
+    """One failed read of its own lock (an EIO on a soft NFS mount, a torn view) made the heartbeat declare the lock
+    lost, and the trainer stopped without saving though nobody had taken it over. A lock that stays unreadable for
+    UNREADABLE_BEATS heartbeats is still lost; one taken over reads back with another token at once."""
+    from pretrain.training import run_lock
+
+    beat = 0.05
+    monkeypatch.setattr(run_lock, "UNREADABLE_BEATS", 40)  # ~2 s: a loaded machine's late sleeps stay inside it
+    lock = RunLock(tmp_path, heartbeat_s=beat)
+    assert lock.acquire() is None
+    path = tmp_path / LOCK_NAME
+    good = path.read_text()
+    path.write_text("{torn")  # unreadable for a few heartbeats
+    time.sleep(4 * beat)
+    path.write_text(good)
+    time.sleep(4 * beat)
+    assert not lock.lost and json.loads(path.read_text())["token"] == lock.token  # still held, still beating
+    monkeypatch.setattr(run_lock, "UNREADABLE_BEATS", 3)
+    path.write_text("{torn")  # unreadable for good
+    deadline = time.monotonic() + 10
+    while not lock.lost and time.monotonic() < deadline:
+        time.sleep(beat)
+    assert lock.lost
+    lock.release()
