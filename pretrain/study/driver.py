@@ -14,6 +14,13 @@ its config.yaml (a config file edited since), is refused, not reused; the tables
 evaluations of the study as it is now (``current_steps``). ``OUT/status.json`` records every step (done, skipped,
 failed), its wall and CPU seconds (``getrusage(RUSAGE_CHILDREN)``) and the study's total, so the compute a study
 used can be reported. The study file and the plan: ``plan.py``; the tables: ``tables.py``.
+
+A run that diverges (``pretrain-train`` exit 3: TrainingDiverged) is a result, not a failure: it is recorded as
+``diverged`` (with the step the trainer names), the steps that need it (its evaluations, runs starting from it) are
+skipped as ``blocked``, the study goes on and ends 0, its summary line and ``status.json`` (``invocations[-1]
+.diverged``, ``totals.runs_diverged``) naming the runs; the tables count the seed as diverged. A later invocation
+keeps it (no relaunch that would diverge again) unless ``--retry-diverged``, its run directory was moved away, or
+its command changed. Any other failure (another exit code, a result missing after exit 0) stops the study.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import resource
 import shlex
 import signal
@@ -158,6 +166,51 @@ def stamp(step: Step, cache: dict | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+# ------------------------------------------------------------------------------------------------ divergence
+
+DIVERGED_EXIT = 3
+"""``pretrain-train``'s exit code for a run that diverged (TrainingDiverged after train.max_bad_steps non-finite
+steps, or a spike train.spike.max_rollbacks rollbacks did not undo): recorded as a result, not a failure."""
+
+_AT_STEP = re.compile(r"\bat step (\d+)")
+
+
+def divergence(log: Path, run_dir: Path) -> tuple[int | None, str]:
+    """(the step a run diverged at, the trainer's message) after its exit 3: the last ``pretrain-train: ...`` line
+    of the log's last launch names the step ("... at step N ..."); else the newest rollback record of its
+    metrics.jsonl (the spike it could not undo); None where neither says."""
+    launch = log.read_text(encoding="utf-8", errors="replace").rsplit("\n=== ", 1)[-1]
+    said = [ln.strip() for ln in launch.splitlines() if ln.startswith("pretrain-train: ")]
+    message = said[-1].removeprefix("pretrain-train: ") if said else _last_line(log)
+    message = message if len(message) <= 300 else message[:297] + "..."
+    m = _AT_STEP.search(message) if said else None
+    return (int(m.group(1)) if m else _last_rollback(run_dir / "metrics.jsonl")), message
+
+
+def _last_rollback(metrics: Path) -> int | None:
+    """The trigger step of the newest rollback record in the last 64 KiB of ``metrics`` (None: none there)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 16)))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn line
+        if isinstance(rec, dict) and rec.get("split") == "rollback" and isinstance(rec.get("trigger_step"), int):
+            return rec["trigger_step"]
+    return None
+
+
+def diverged_stamp(rec: dict) -> str:
+    """A diverged run's stamp (it has no final weights): which divergence, so a report drawn from it is redone when
+    the run is retried."""
+    return hashlib.sha256(f"diverged:{rec.get('diverged_at')}:{rec.get('finished')}".encode()).hexdigest()[:16]
+
+
 # ------------------------------------------------------------------------------------------------ running
 
 def portable(argv: list[str], out: Path) -> list[str]:
@@ -188,6 +241,7 @@ class Status:
         inv = self.data["invocations"]
         self.data["totals"] = {
             "steps_done": sum(1 for r in steps if r.get("state") == "done"),
+            "runs_diverged": sum(1 for r in steps if r.get("state") == "diverged"),
             "steps_wall_s": round(sum(r.get("wall_s", 0) for r in steps), 1),
             "steps_cpu_s": round(sum(r.get("cpu_s", 0) for r in steps), 1),
             "invocations_wall_s": round(sum(i.get("wall_s", 0) for i in inv), 1),
@@ -199,23 +253,39 @@ class Status:
 
 
 class Runner:
-    def __init__(self, study: Study, out: Path, env: dict, status: Status, say=print, resolved: dict | None = None):
+    def __init__(self, study: Study, out: Path, env: dict, status: Status, say=print, resolved: dict | None = None,
+                 retry_diverged: bool = False):
         self.study, self.out, self.env, self.status, self.say = study, out, env, status, say
         self.resolved = resolved or {}
         """Each run's resolved config (Planner.resolved): a run trained with other recipe settings is a conflict."""
+        self.retry_diverged = retry_diverged
+        """Relaunch the runs recorded as diverged (else they are kept as they are)."""
         self.stamps: dict[str, str] = {}
+        self.diverged: dict[str, int | None] = {}
+        """Runs that diverged (this invocation or kept from an earlier one) -> the step, where known."""
+        self.held: dict[str, list[str]] = {}
+        """Steps skipped because a run they need diverged -> those diverged runs."""
         self.digests = status.data.setdefault("weights_digests", {})
         self.child: subprocess.Popen | None = None
         self.stopping = False
 
     def state(self, step: Step) -> tuple[str, str]:
-        """(todo | done | stale | blocked, why)."""
+        """(todo | done | stale | blocked | held | diverged, why). held: a run it needs diverged (a report draws a
+        diverged run's curves: only a run skipped holds it); diverged: a run recorded as diverged, kept."""
+        roots = self.held_by(step)
+        if roots:
+            return "held", f"{', '.join(roots)} diverged"
         missing = [d for d in step.deps if d not in self.stamps]
         if missing:
             return "blocked", f"waits for {', '.join(missing)}"
         if step.kind == "train":
             self._check_recipe(step)
         if not is_done(step):
+            rec = self.status.data["steps"].get(step.id) or {}
+            if (step.kind == "train" and rec.get("state") == "diverged" and not self.retry_diverged
+                    and rec.get("argv") == self.status.portable(step.argv) and step.output.is_dir()):
+                at = rec.get("diverged_at")
+                return "diverged", f"{f'at step {at}, ' if at is not None else ''}on {rec.get('finished')}"
             return "todo", ""
         rec = self.status.data["steps"].get(step.id)
         if rec is None or "argv" not in rec:
@@ -236,6 +306,12 @@ class Runner:
             self.say(f"note: {step.id} is kept although {', '.join(changed)} changed since it ran; move "
                      f"{self._rel(step.output)} away to redo it")
         return "done", ""
+
+    def held_by(self, step: Step) -> list[str]:
+        """The diverged runs that keep ``step`` from running: its own runs' divergence, or its dependencies'."""
+        roots = {r for d in step.deps for r in self.held.get(d, [])}
+        roots |= {d for d in step.deps if d in self.diverged and step.kind != "report"}
+        return sorted(roots)
 
     def _check_recipe(self, step: Step) -> None:
         """StudyError when the run (finished or to be resumed) was trained with other objective/optimizer settings
@@ -262,26 +338,60 @@ class Runner:
         return self.out / "logs" / (step.id.replace("/", os.sep) + ".log")
 
     def execute(self, steps: list[Step], invocation: dict) -> None:
+        skips = {"done": self._skip_done, "held": self._hold, "diverged": self._keep_diverged}
         for i, step in enumerate(steps, 1):
+            counter = f"[{i}/{len(steps)}]"
             state, why = self.state(step)
             rec = self.status.data["steps"].setdefault(step.id, {"kind": step.kind})
             if state == "blocked":
                 raise StudyError(f"{step.id} cannot start: it {why}")
-            if state == "done":
-                self.stamps[step.id] = stamp(step, self.digests)
-                rec.update(state="done", last="skipped", log=self._rel(self.log_path(step)),
-                           argv=self.status.portable(step.argv), stamp=self.stamps[step.id])
-                rec.setdefault("deps", {d: self.stamps[d] for d in step.deps})
-                invocation["skipped"].append(step.id)
-                self.say(f"[{i}/{len(steps)}] {step.id}: done, skipped")
+            if state in skips:
+                skips[state](step, rec, f"{counter} {step.id}: ", why, invocation)
                 self.status.save()
                 continue
             if state == "stale":
-                self.say(f"[{i}/{len(steps)}] {step.id}: out of date ({why}); redoing")
+                self.say(f"{counter} {step.id}: out of date ({why}); redoing")
                 _remove(step.output, self.out)
-            self._run(step, rec, f"[{i}/{len(steps)}]")
+            self._run(step, rec, counter)
             invocation["ran"].append(step.id)
+            if step.id in self.diverged:
+                invocation["diverged"].append(step.id)
             self.status.save()
+
+    def _skip_done(self, step: Step, rec: dict, head: str, why: str, invocation: dict) -> None:
+        self.stamps[step.id] = stamp(step, self.digests)
+        rec.update(state="done", last="skipped", log=self._rel(self.log_path(step)),
+                   argv=self.status.portable(step.argv), stamp=self.stamps[step.id])
+        rec.setdefault("deps", {d: self.stamps[d] for d in step.deps})
+        invocation["skipped"].append(step.id)
+        self.say(f"{head}done, skipped")
+
+    def _hold(self, step: Step, rec: dict, head: str, why: str, invocation: dict) -> None:
+        """A step that needs a diverged run: skipped, recorded as blocked by it (not an error)."""
+        self.held[step.id] = self.held_by(step)
+        rec.update(state="blocked", last="blocked", blocked_by=self.held[step.id])
+        invocation["blocked"].append(step.id)
+        self.say(f"{head}skipped ({why})")
+
+    def _keep_diverged(self, step: Step, rec: dict, head: str, why: str, invocation: dict) -> None:
+        """A run recorded as diverged by an earlier invocation: kept (relaunching it would diverge again), said
+        once, with how to train it again."""
+        self.diverged[step.id] = rec.get("diverged_at")
+        self.stamps[step.id] = rec.setdefault("stamp", diverged_stamp(rec))
+        rec["last"] = "kept"
+        invocation["diverged"].append(step.id)
+        self.say(f"{head}kept as diverged ({why}); the steps that need it are skipped. To train it again: rerun "
+                 f"with --retry-diverged (it resumes from its last good checkpoint), or move {self._rel(step.output)} "
+                 f"away (it starts over)")
+
+    def _record_divergence(self, step: Step, rec: dict, log: Path) -> None:
+        """Exit 3 of a run: recorded as diverged (with the step the trainer names); the study goes on."""
+        at, message = divergence(log, step.output)
+        rec.update(state="diverged", last="diverged", diverged_at=at, message=message)
+        rec["stamp"] = diverged_stamp(rec)
+        self.diverged[step.id], self.stamps[step.id] = at, rec["stamp"]
+        self.say(f"    diverged{f' at step {at}' if at is not None else ''} (exit {DIVERGED_EXIT}): {message}\n"
+                 f"    kept as a result: the steps that need it are skipped, the study goes on")
 
     def _run(self, step: Step, rec: dict, counter: str) -> None:
         weights = Path(step.argv[step.argv.index("--model") + 1]) if step.kind == "eval" else None
@@ -292,6 +402,8 @@ class Runner:
         log.parent.mkdir(parents=True, exist_ok=True)
         resumed = step.kind == "train" and final_step(step.output)[0] >= 0
         self.say(f"{counter} {step.id}: {'resuming' if resumed else 'running'} (log {self._rel(log)})")
+        for key in ("diverged_at", "message", "blocked_by"):  # of an earlier divergence or hold
+            rec.pop(key, None)
         t0, cpu0 = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
         with open(log, "a", encoding="utf-8") as f:
             f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} $ {shlex.join(step.argv)}\n")
@@ -308,6 +420,9 @@ class Runner:
             rec.update(state="interrupted", last="interrupted")
             self.status.save()
             raise StudyError(f"interrupted during {step.id} (log {self._rel(log)}); rerun the same command to continue")
+        if rc == DIVERGED_EXIT and step.kind == "train":
+            self._record_divergence(step, rec, log)
+            return
         if rc != 0 or not is_done(step):
             rec.update(state="failed", last="failed")
             self.status.save()
@@ -422,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="check the study and every run's config, print the plan, run nothing")
     p.add_argument("--use", action="append", default=[], metavar="STUDY=DIR",
                    help="directory of a study named under uses: (default: that study's own out:)")
+    p.add_argument("--retry-diverged", action="store_true",
+                   help="relaunch the runs recorded as diverged (exit 3); without it they are kept as results")
     args = p.parse_args(argv)
     try:
         return run_study(args)
@@ -442,13 +559,14 @@ def run_study(args) -> int:
     configs = planner.configs()  # every run's config is valid before the first one starts
     steps = _select(planner.steps(), args.only, study)
     if args.dry_run:
-        return _print_plan(planner, steps, out)
+        return _print_plan(planner, steps, out, args.retry_diverged)
     out.mkdir(parents=True, exist_ok=True)
     status = Status(out / "status.json", study, out)
     env = {**os.environ, **study.env, "PRETRAIN_DATA_DIR": str(data_dir)}
-    runner = Runner(study, out, env, status, resolved=planner.resolved)
+    runner = Runner(study, out, env, status, resolved=planner.resolved, retry_diverged=args.retry_diverged)
     _require_used(planner, steps, runner)
-    invocation = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "only": args.only, "ran": [], "skipped": []}
+    invocation = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "only": args.only, "ran": [], "skipped": [],
+                  "diverged": [], "blocked": []}
     status.data["invocations"].append(invocation)
     t0, cpu0 = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN) + _cpu(resource.RUSAGE_SELF)
     old = {s: signal.signal(s, runner.interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -473,11 +591,24 @@ def run_study(args) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    close("ok")
+    diverged = _diverged_note(runner, invocation)
+    close("ok" + diverged)
     t = status.data["totals"]
-    print(f"study {study.name}: {len(invocation['ran'])} step(s) ran, {len(invocation['skipped'])} skipped, "
-          f"{invocation['wall_s']:.1f} s; total so far {t['cpu_h']:.3f} CPU-h. Tables: {runner._rel(results)}")
+    print(f"study {study.name}: {len(invocation['ran'])} step(s) ran, {len(invocation['skipped'])} skipped"
+          f"{diverged}, {invocation['wall_s']:.1f} s; total so far {t['cpu_h']:.3f} CPU-h. Tables: "
+          f"{runner._rel(results)}")
     return 0
+
+
+def _diverged_note(runner: Runner, invocation: dict) -> str:
+    """', N run(s) diverged (...)' for the summary line: the exit code stays 0 (a divergence is a result), so this
+    line and status.json's invocations[-1].diverged / totals.runs_diverged are how a script tells."""
+    runs = invocation["diverged"]
+    if not runs:
+        return ""
+    at = [f"{r}{f' at step {runner.diverged[r]}' if runner.diverged.get(r) is not None else ''}" for r in runs]
+    return (f", {len(runs)} run(s) diverged ({', '.join(at)}; {len(invocation['blocked'])} step(s) needing them "
+            f"skipped; --retry-diverged relaunches them)")
 
 
 def _require_used(planner: Planner, steps: list[Step], runner: Runner) -> None:
@@ -501,9 +632,9 @@ def _require_used(planner: Planner, steps: list[Step], runner: Runner) -> None:
         runner.stamps[dep] = stamp(step, runner.digests)
 
 
-def _print_plan(planner: Planner, steps: list[Step], out: Path) -> int:
+def _print_plan(planner: Planner, steps: list[Step], out: Path, retry_diverged: bool = False) -> int:
     runner = Runner(planner.study, out, {}, Status(out / "status.json", planner.study, out), say=lambda _: None,
-                    resolved=planner.resolved)
+                    resolved=planner.resolved, retry_diverged=retry_diverged)
     for dep in sorted({d for s in steps for d in s.deps if ":" in d}):
         runner.stamps[dep] = "external"
     print(f"study {planner.study.name}: {len(steps)} steps, directory {runner._rel(out)}")
@@ -516,9 +647,14 @@ def _print_plan(planner: Planner, steps: list[Step], out: Path) -> int:
             runner.stamps[step.id] = stamp(step) if state != "todo" else "partial"
         elif state in ("todo", "blocked"):
             runner.stamps[step.id] = "planned"
+        elif state == "diverged":
+            runner.diverged[step.id], runner.stamps[step.id] = None, "diverged"
+        elif state == "held":
+            runner.held[step.id] = runner.held_by(step)
         print(f"  [{state}] {step.id}" + (f" ({why})" if why else ""))
         print(f"      $ {shlex.join(portable(step.argv, out))}")
-    print("dry run: nothing was run; drop --dry-run to run the steps marked todo/stale.")
+    print("dry run: nothing was run; drop --dry-run to run the steps marked todo/stale (diverged: kept as "
+          "results, --retry-diverged relaunches them; held: skipped, a run they need diverged).")
     return 0
 
 

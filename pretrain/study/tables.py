@@ -3,7 +3,9 @@
 Layouts follow the papers: STS as SimCSE's Table (STS12–16, STS-B, SICK-R, Avg.; Spearman ×100), GLUE as
 CLEAR's Table 1 (RTE, SST-2, MRPC, CoLA, STS-B, Avg.), alignment/uniformity as SimCSE's Figure 2 numbers. A
 cell is the mean over the arm's seeds, "mean ± std" (sample std) when there are several; "–" where no seed
-has a result yet; "(k NaN)" where k seeds' values are undefined (stored as null), which the mean leaves out.
+has a result yet; "(k NaN)" where k seeds' values are undefined (stored as null), which the mean leaves out. A
+seed whose run diverged (recorded so in status.json) is counted in the row's seeds column, "2/3 (1 diverged)", the
+cells being over the seeds that finished; results.json lists it under the row's ``diverged``.
 Only results of the study as it is now are read (``current``: the driver's list of runs and evaluations made with
 their present commands and weights); others are left out and named under the table. Never runs anything.
 """
@@ -28,7 +30,8 @@ from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
 
 
 CELLS = ("Cells: mean ± sample std (n−1) over seeds; '(k NaN)': k seeds' values are undefined (NaN, e.g. a "
-         "correlation of constant embeddings) and left out of the mean.")
+         "correlation of constant embeddings) and left out of the mean; seeds '2/3 (1 diverged)': a seed's run "
+         "diverged (pretrain-train exit 3), the cells are over the seeds that finished.")
 
 
 def _num(value) -> float:
@@ -47,9 +50,9 @@ def _stats(values: list) -> dict | None:
             "nan": len(values) - len(finite)}
 
 
-def _fmt(cell: dict | None, digits: int = 2) -> str:
+def _fmt(cell: dict | None, digits: int = 2, empty: str = "–") -> str:
     if cell is None:
-        return "–"
+        return empty
     if not cell["n"]:
         return "NaN"
     text = f"{cell['mean']:.{digits}f}"
@@ -61,8 +64,23 @@ class Sources:
     """Where the tables read results: the study's directory, only the steps in ``current`` (None: all), and the
     ones found on disk but left out (another version of the study, or weights that changed since)."""
 
-    def __init__(self, planner, current: set[str] | None = None):
+    def __init__(self, planner, current: set[str] | None = None, status: dict | None = None):
         self.planner, self.current, self.left_out = planner, current, []
+        self.diverged = {sid: rec.get("diverged_at") for sid, rec in ((status or {}).get("steps") or {}).items()
+                         if rec.get("state") == "diverged" and (current is None or sid in current)}
+        """Runs recorded as diverged (train/RUN -> the step, None where unknown), of the study as it is now."""
+        self.blocked = {sid for sid, rec in ((status or {}).get("steps") or {}).items()
+                        if rec.get("state") == "blocked" and set(rec.get("blocked_by") or ()) & set(self.diverged)}
+        """Steps skipped because a run they need diverged (a run starting from a diverged one)."""
+
+    def diverged_seeds(self, arm) -> dict[int, int | None]:
+        """The arm's seeds whose run diverged -> the step it diverged at (None: not known)."""
+        ids = {s: f"train/{run_name(arm.name, s)}" for s in arm.seeds}
+        return {s: self.diverged[i] for s, i in ids.items() if i in self.diverged}
+
+    def blocked_seeds(self, arm) -> list[int]:
+        """The arm's seeds whose run was not trained because a run it starts from diverged."""
+        return [s for s in arm.seeds if f"train/{run_name(arm.name, s)}" in self.blocked]
 
     def _take(self, step_id: str, exists: bool) -> bool:
         if exists and self.current is not None and step_id not in self.current:
@@ -77,6 +95,9 @@ class Sources:
         for seed in arm.seeds:
             run = run_name(arm.name, seed)
             path = self.planner.out / "evals" / run / eval_name / EVAL_RESULTS[tool]
+            if f"train/{run}" in self.diverged:  # no evaluation of it is of the run as it stands
+                out.append(None)
+                continue
             out.append(json.loads(path.read_text()) if self._take(f"eval/{run}/{eval_name}", path.is_file())
                        else None)
         return out
@@ -92,6 +113,27 @@ class Sources:
         return [] if not left else [
             "", f"Left out, made by another version of the study (an arm's settings changed since) or from weights "
                 f"that changed since: {', '.join(left)}. A run of the whole study (without --only) redoes them."]
+
+
+def _seeds(num_done: int, arm, src: Sources) -> str:
+    """The seeds column: 'done/all', '(k diverged)' when k seeds' runs diverged, '(k blocked by a divergence)' when
+    k seeds' runs start from a run that diverged."""
+    diverged, blocked = src.diverged_seeds(arm), src.blocked_seeds(arm)
+    return (f"{num_done}/{len(arm.seeds)}" + (f" ({len(diverged)} diverged)" if diverged else "")
+            + (f" ({len(blocked)} blocked by a divergence)" if blocked else ""))
+
+
+def _empty(arm, diverged: dict) -> str:
+    """What a cell without any value shows: 'diverged' when every seed's run diverged."""
+    return "diverged" if diverged and len(diverged) == len(arm.seeds) else "–"
+
+
+def _row_data(label: str, cells: dict, arm, num_done: int, src: Sources) -> dict:
+    """A row of results.json: its cells and its seeds (done, all, the diverged ones with their step, the ones not
+    trained because the run they start from diverged)."""
+    return {"label": label, "cells": cells, "seeds": {"done": num_done, "of": len(arm.seeds)},
+            "diverged": [{"seed": s, "step": at} for s, at in src.diverged_seeds(arm).items()],
+            "blocked": src.blocked_seeds(arm)}
 
 
 def _rows(planner, table) -> list[tuple[str, object, str]]:
@@ -115,11 +157,12 @@ def sts_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     rows, data = [], []
     for label, arm, seeds in per_row:
         done = [s for s in seeds if s and all(t in s for t in tasks)]
+        div = src.diverged_seeds(arm)
         cells = {t: _stats([_num(s[t]["spearman"][table.convention]) for s in done]) for t in tasks}
         cells["Avg."] = _stats([sts_average(s, tasks, table.convention) for s in done])
-        rows.append(f"| {label} | " + " | ".join(_fmt(cells[t]) for t in tasks) + f" | {_fmt(cells['Avg.'])} | "
-                    f"{len(done)}/{len(arm.seeds)} |")
-        data.append({"label": label, "cells": cells})
+        rows.append(f"| {label} | " + " | ".join(_fmt(cells[t], empty=_empty(arm, div)) for t in [*tasks, "Avg."])
+                    + f" | {_seeds(len(done), arm, src)} |")
+        data.append(_row_data(label, cells, arm, len(done), src))
     how = "subsets concatenated, as SimCSE" if table.convention == "all" else f"SentEval per-subset {table.convention}"
     note = (f"Spearman ×100 of cosine similarities; STS12–16 with the '{table.convention}' convention ({how}), "
             f"STS-B and SICK-R test sets. Avg. over the tasks shown. {CELLS}")
@@ -136,11 +179,12 @@ def glue_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     rows, data = [], []
     for label, arm, results in per_row:
         done = [r for r in results if r and all(n in r for n in names)]
+        div = src.diverged_seeds(arm)
         cells = {n: _stats([_num(r[n]["score"]) for r in done]) for n in names}
         cells["Avg"] = _stats([statistics.fmean(_num(r[n]["score"]) for n in names) for r in done])
-        rows.append(f"| {label} | " + " | ".join(_fmt(cells[n]) for n in names) + f" | {_fmt(cells['Avg'])} | "
-                    f"{len(done)}/{len(arm.seeds)} |")
-        data.append({"label": label, "cells": cells})
+        rows.append(f"| {label} | " + " | ".join(_fmt(cells[n], empty=_empty(arm, div)) for n in [*names, "Avg"])
+                    + f" | {_seeds(len(done), arm, src)} |")
+        data.append(_row_data(label, cells, arm, len(done), src))
     note = ("Dev sets ×100 (MRPC: mean of F1 and acc; STS: mean of Pearson and Spearman; CoLA: Matthews corr.; "
             "others: acc), each at the best of the recipe's learning rates; Avg over the tasks shown. "
             f"{CELLS.replace('over seeds', 'over pretraining seeds')}")
@@ -153,10 +197,11 @@ def align_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     rows, data = [], []
     for label, arm, e in _rows(src.planner, table):
         done = [r["align_uniform"] for r in src.results(arm, e) if r and "align_uniform" in r]
+        div = src.diverged_seeds(arm)
         cells = {k: _stats([_num(d[k]) for d in done]) for k in ("align", "uniform")}
-        rows.append(f"| {label} | {_fmt(cells['align'], 4)} | {_fmt(cells['uniform'], 4)} | "
-                    f"{len(done)}/{len(arm.seeds)} |")
-        data.append({"label": label, "cells": cells})
+        rows.append(f"| {label} | {_fmt(cells['align'], 4, _empty(arm, div))} | "
+                    f"{_fmt(cells['uniform'], 4, _empty(arm, div))} | {_seeds(len(done), arm, src)} |")
+        data.append(_row_data(label, cells, arm, len(done), src))
     note = f"Wang & Isola (2020) on STS-B dev pairs (score > 4 for alignment); lower is better for both. {CELLS}"
     return head + rows + ["", note], data
 
@@ -235,9 +280,32 @@ def run_dynamics(run_dir: Path) -> dict | None:
     return out
 
 
+def _term_cells(seeds: list[int], dyn: dict, diverged: dict, cells: dict) -> tuple[str, str, str]:
+    """The contrastive term's columns of a training-table row: the escape step of each seed (in ``seeds``' order;
+    "diverged at step N" for a diverged one), final loss (chance), emb. cos. ``dyn``: seed -> run_dynamics of the
+    seeds that did not diverge; their numbers go into ``cells``."""
+    done = [d for d in dyn.values() if d]
+    term = next((t for d in done for t in d["terms"]), None)
+    ts = {s: d["terms"][term] for s, d in dyn.items() if d and term in d["terms"]}
+
+    def word(seed: int) -> str:
+        if seed in diverged:
+            return "diverged" if diverged[seed] is None else f"diverged at step {diverged[seed]}"
+        return "never" if ts[seed]["escape_step"] is None else str(ts[seed]["escape_step"])
+
+    escape = ", ".join(word(s) for s in seeds if s in ts or s in diverged) or "–"
+    if not ts:
+        return escape, "–", "–"
+    first = next(iter(ts.values()))
+    cells.update(term=term, escape_steps=[t["escape_step"] for t in ts.values()], chance=first["chance"],
+                 final=_stats([t["final"] for t in ts.values()]), emb_cos=_stats([t["emb_cos"] for t in ts.values()]))
+    return escape, f"{_fmt(cells['final'], 3)} ({cells['chance']:.3f})", _fmt(cells["emb_cos"], 3)
+
+
 def training_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     """Rows per arm: steps to escape chance of the contrastive term, its final loss and embedding cosine, the
-    held-out MLM loss, and the STS average of each evaluation named (mean ± std over seeds)."""
+    held-out MLM loss, and the STS average of each evaluation named (mean ± std over seeds). A diverged seed is
+    named in the escape column ("diverged at step N") and left out of the cells."""
     study = src.planner.study
     arms = [study.arm(a) for a in table.arms] if table.arms else study.arms
     head = ["| Model | escaped chance at step | contrastive loss (chance) | emb. cos | held-out MLM | "
@@ -245,19 +313,12 @@ def training_table(src: Sources, table) -> tuple[list[str], list[dict]]:
             "|---|" + "---:|" * (5 + len(table.evals))]
     rows, data = [], []
     for arm in arms:
-        dyn = [run_dynamics(d) if d is not None else None for d in (src.run_dir(arm, s) for s in arm.seeds)]
-        done = [d for d in dyn if d]
-        term = next((t for d in done for t in d["terms"]), None)
+        div = src.diverged_seeds(arm)
+        dirs = {s: src.run_dir(arm, s) for s in arm.seeds if s not in div}
+        dyn = {s: run_dynamics(d) if d is not None else None for s, d in dirs.items()}
+        done = [d for d in dyn.values() if d]
         cells: dict = {"heldout_mlm": _stats([d["heldout_mlm"] for d in done])}
-        escape, loss, cos = "–", "–", "–"
-        if term:
-            ts = [d["terms"][term] for d in done if term in d["terms"]]
-            steps = [t["escape_step"] for t in ts]
-            cells.update(term=term, escape_steps=steps, chance=ts[0]["chance"],
-                         final=_stats([t["final"] for t in ts]), emb_cos=_stats([t["emb_cos"] for t in ts]))
-            escape = ", ".join("never" if s is None else str(s) for s in steps)
-            loss = f"{_fmt(cells['final'], 3)} ({cells['chance']:.3f})"
-            cos = _fmt(cells["emb_cos"], 3)
+        escape, loss, cos = _term_cells(arm.seeds, dyn, div, cells)
         for e in table.evals:
             avgs = []
             for r in src.results(arm, e):
@@ -268,11 +329,12 @@ def training_table(src: Sources, table) -> tuple[list[str], list[dict]]:
         last = ", ".join(str(d["last_step"]) for d in done) or "–"
         rows.append(f"| {arm.name} | {escape} | {loss} | {cos} | {_fmt(cells['heldout_mlm'], 3)} | "
                     + "".join(f"{_fmt(cells[f'sts_{e}'])} | " for e in table.evals)
-                    + f"{len(done)}/{len(arm.seeds)} (step {last}) |")
-        data.append({"label": arm.name, "cells": cells})
+                    + f"{_seeds(len(done), arm, src)} (step {last}) |")
+        data.append(_row_data(arm.name, cells, arm, len(done), src))
     note = ("Escaped chance at step: the first logged training step from which the contrastive loss stays more "
             "than 2% below its chance value (ln(2m-1) for NT-Xent over m sentences, ln(m) for InfoNCE/ArcCon) to "
-            "the end; 'never' = still at chance at the last step. Contrastive loss and emb. cos (mean pairwise "
+            "the end; 'never' = still at chance at the last step; 'diverged at step N': the seed's run stopped "
+            "there (exit 3). Contrastive loss and emb. cos (mean pairwise "
             "cosine of the pooled embeddings of different sentences) at the last logged step; held-out MLM = "
             f"the last validation MLM loss. STS avg: 7 tasks, Spearman ×100, subsets concatenated. {CELLS}")
     return head + rows + ["", note], data
@@ -285,14 +347,18 @@ def write_results(study, planner, configs: dict[str, dict], status: dict,
                   current: set[str] | None = None) -> Path:
     """OUT/results.md (tables, what varies, compute used) and OUT/results.json (the numbers), from the results in
     ``current`` (step ids; None: every result found)."""
-    out, src = planner.out, Sources(planner, current)
+    out, src = planner.out, Sources(planner, current, status)
     t = status.get("totals", {})
     runs = [f"train/{run_name(a.name, s)}" for a in study.arms for s in a.seeds]  # the study's runs as it is now
     done = sum(status.get("steps", {}).get(r, {}).get("state") == "done" and (current is None or r in current)
                for r in runs)
+    diverged = [f"{r.split('/', 1)[1]}{'' if src.diverged[r] is None else f' at step {src.diverged[r]}'}"
+                for r in runs if r in src.diverged]
+    diverged_text = f"; diverged: {len(diverged)} ({', '.join(diverged)})" if diverged else ""
     md = [f"# Study `{study.name}`: results", "",
           f"Study file `{study.path}`, directory `{out}`; tables written {time.strftime('%Y-%m-%d %H:%M')} by "
-          f"`pretrain-study`. Runs done: {done} of {len(runs)}. Compute recorded so far: "
+          f"`pretrain-study`. Runs done: {done} of {len(runs)}"
+          f"{diverged_text}. Compute recorded so far: "
           f"{t.get('cpu_s', 0) / 3600:.2f} CPU-h (all invocations, children's user+sys time) in "
           f"{t.get('invocations_wall_s', 0) / 3600:.2f} h wall; per step in `status.json`.", ""]
     numbers = []
@@ -311,5 +377,7 @@ def write_results(study, planner, configs: dict[str, dict], status: dict,
            "Resolved configs (first seed of each arm) compared key by key; only the keys that differ are shown. "
            "Shared settings are applied to every arm identically.", "", *differences(configs, out), ""]
     atomic_write_text(out / "results.md", "\n".join(md))
-    atomic_write_text(out / "results.json", strict_json({"study": study.name, "tables": numbers}))
+    atomic_write_text(out / "results.json", strict_json({
+        "study": study.name, "tables": numbers,
+        "diverged": {r.split("/", 1)[1]: src.diverged[r] for r in runs if r in src.diverged}}))
     return out / "results.md"
