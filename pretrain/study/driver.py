@@ -47,6 +47,7 @@ from pretrain.study.plan import (
     Step,
     Study,
     StudyError,
+    flat_keys,
     load_study,
 )
 from pretrain.study.tables import write_results
@@ -79,8 +80,8 @@ tokenizer or init_from and train.* on a resume): compared with the study's resol
 def recipe_changes(recorded: dict, planned: dict) -> list[str]:
     """'KEY=RECORDED, now PLANNED' for each key of RECIPE_BLOCKS that both configs hold and that differs (a block
     one of them sets to null counts; a key only one holds, e.g. a setting added to pretrain since, does not)."""
-    then = dict(_flatten({k: recorded.get(k) for k in RECIPE_BLOCKS if k in recorded}))
-    now = dict(_flatten({k: planned.get(k) for k in RECIPE_BLOCKS if k in planned}))
+    then = dict(flat_keys({k: recorded.get(k) for k in RECIPE_BLOCKS if k in recorded}))
+    now = dict(flat_keys({k: planned.get(k) for k in RECIPE_BLOCKS if k in planned}))
 
     def leaf(flat: dict, key: str):
         parts = key.split(".")
@@ -99,14 +100,6 @@ def recipe_changes(recorded: dict, planned: dict) -> list[str]:
 
 
 _ABSENT = object()
-
-
-def _flatten(d, prefix=""):
-    if isinstance(d, dict) and d:
-        for k, v in d.items():
-            yield from _flatten(v, f"{prefix}{k}.")
-    else:
-        yield prefix[:-1], d
 
 
 def is_done(step: Step) -> bool:

@@ -25,7 +25,7 @@ from pretrain.config.loader import from_dict, read_yaml
 from pretrain.eval import glue_data
 from pretrain.eval.sts import TABLE_NAMES, TASKS
 from pretrain.metrics.writer import read_number
-from pretrain.study.plan import EVAL_RESULTS, run_name
+from pretrain.study.plan import EVAL_RESULTS, flat_keys, run_name
 from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
 
 
@@ -208,7 +208,7 @@ def align_table(src: Sources, table) -> tuple[list[str], list[dict]]:
 
 def differences(configs: dict[str, dict], out: Path) -> list[str]:
     """Resolved config keys whose values differ between arms (run_dir and seed aside): what each arm varies."""
-    flat = {arm: dict(_flatten(cfg)) for arm, cfg in configs.items()}
+    flat = {arm: dict(flat_keys(cfg)) for arm, cfg in configs.items()}
     keys = sorted({k for f in flat.values() for k in f} - {"run_dir", "seed"})
     varying = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat.values()}) > 1]
     if len(flat) < 2 or not varying:
@@ -219,14 +219,6 @@ def differences(configs: dict[str, dict], out: Path) -> list[str]:
         cells = [_short(flat[a].get(k, "—") if k in flat[a] else "—", out) for a in arms]
         lines.append(f"| `{k}` | " + " | ".join(cells) + " |")
     return lines
-
-
-def _flatten(d, prefix=""):
-    if isinstance(d, dict) and d:
-        for k, v in d.items():
-            yield from _flatten(v, f"{prefix}{k}.")
-    else:
-        yield prefix[:-1], d
 
 
 def _short(value, out: Path) -> str:
