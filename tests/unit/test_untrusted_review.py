@@ -140,7 +140,7 @@ def test_a_study_file_runs_only_pretrains_own_clis(tmp_path):
 def test_study_weights_digest_checks_the_header_size_before_reading(tmp_path):
     """A model.safetensors whose 8-byte header size is past the file's end: a StudyError naming it, not a bare
     MemoryError from allocating what the header claims."""
-    from pretrain.study.driver import weights_digest
+    from pretrain.study.outputs import weights_digest
     from pretrain.study.plan import StudyError
 
     bad = tmp_path / "model.safetensors"
