@@ -138,7 +138,10 @@ class RunLock:
         heartbeat). ``link`` fails with EEXIST atomically, also on NFS; where the filesystem has no hard links, the
         exclusive create is what is left."""
         tmp = self.path.with_name(f".{LOCK_NAME}.{self.token}")
-        self._write(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644))
+        try:
+            self._write(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644))
+        except OSError as e:  # named as the lock file: what the user knows of (a read-only run_dir)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         try:
             os.link(tmp, self.path)
         except FileExistsError:
