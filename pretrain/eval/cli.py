@@ -18,8 +18,10 @@ from pretrain.eval.alignment_uniformity import stsb_alignment_uniformity
 from pretrain.eval.encoder import load_sentence_encoder
 from pretrain.eval.ranking import ranking_markdown_table, ranking_metrics
 from pretrain.eval.senteval import (
+    TRANSFER_CLASSIFIERS,
     ClassifierConfig,
     evaluate_transfer,
+    transfer_classifier,
     transfer_markdown_table,
 )
 from pretrain.export.resolve import recorded_matryoshka_dims, select_checkpoint
@@ -51,7 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-tasks", default="MR,CR,SUBJ,MPQA,SST2,TREC,MRPC")
     p.add_argument("--variant", default="senteval", choices=list(sts.VARIANTS),
                    help="STS copy: SentEval's tokenized one (papers) or the untokenized originals")
-    p.add_argument("--inner-kfold", type=int, default=10, help="transfer: inner model-selection folds")
+    p.add_argument("--transfer-classifier", default="sklearn", choices=list(TRANSFER_CLASSIFIERS),
+                   help="transfer: sklearn = SentEval's scikit-learn logistic regression (usepytorch=False, C grids, "
+                        "10 folds), the default here; pytorch-test = SentEval's PyTorch path "
+                        "as SimCSE's evaluation.py mode 'test' runs it (Adam, batch 64, tenacity 5, epoch_size 4, "
+                        "L2 1e-5..1e-2, 10 folds), what the SimCSE, ArcCSE and RankCSE transfer tables used, many "
+                        "times slower on CPU (CR: ~6 min on 2 cores); pytorch-fasttest = its mode 'fasttest' "
+                        "(RMSprop, batch 32, tenacity 3, epoch_size 2, 5 folds)")
+    p.add_argument("--inner-kfold", type=int, default=None,
+                   help="transfer: inner model-selection folds (default: the classifier's outer folds, as SentEval)")
     p.add_argument("--jobs", type=int, default=0,
                    help="transfer: processes for the classifier fits (0 = every core); results do not depend on it")
     p.add_argument("--mrpc-features", default="senteval", choices=["senteval", "uv_absdiff_prod"],
@@ -98,8 +108,10 @@ def run_eval(encode_fn, data_dir, suites, *, sts_tasks=sts.TASKS, transfer_tasks
     if "transfer" in suites:
 
         t0 = time.time()
+        classifier_cfg = classifier_cfg or ClassifierConfig()
         res["transfer"] = evaluate_transfer(encode_fn, data_dir, transfer_tasks, classifier_cfg, log=log,
                                             results_path=transfer_results, resume_key=resume_key)
+        res["transfer_classifier"] = {"description": classifier_cfg.describe(), **classifier_cfg.settings()}
         timings["transfer"] = time.time() - t0
     res["timings_s"] = timings
     return res
@@ -152,6 +164,8 @@ def markdown_report(name: str, res: dict) -> str:
         parts += ["### STS at truncated embedding sizes (Spearman ×100, 'all')", "", sts_dims_markdown(res), ""]
     if "transfer" in res:
         parts += ["### SentEval transfer (accuracy)", "", transfer_markdown_table({name: res["transfer"]})]
+        if "transfer_classifier" in res:
+            parts += [f"Classifier: {res['transfer_classifier']['description']}.", ""]
     if "align_uniform" in res:
         au = res["align_uniform"]
         parts += ["### Alignment / uniformity (STS-B dev)", "", "| Model | align | uniform |", "|---|---|---|",
@@ -186,11 +200,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         fail("pretrain-eval", e)
     try:
-        cfg = ClassifierConfig(inner_kfold=args.inner_kfold, mrpc_features=args.mrpc_features, n_jobs=args.jobs)
+        cfg = transfer_classifier(args.transfer_classifier, inner_kfold=args.inner_kfold,
+                                  mrpc_features=args.mrpc_features, n_jobs=args.jobs)
     except ValueError as e:
         fail("pretrain-eval", e)
     # With --out, each finished transfer task is kept in OUT/transfer_partial.json: a rerun of the same command
-    # (same model, pooling, length and classifier settings) continues after the last finished task.
+    # (same model, pooling, length and classifier settings: evaluate_transfer adds cfg.settings() to this key)
+    # continues after the last finished task.
     partial = Path(args.out) / "transfer_partial.json" if args.out else None
     key = transfer_key(model_path, args)
     try:

@@ -6,11 +6,15 @@ KFoldClassifier grid (2^-1 … 2^5, not the 2^-2 … 2^3 of the other two), refi
 on dev, test accuracy. Files are read as SentEval does (latin-1 for the
 single-sentence tasks and TREC, utf-8 for SST and MRPC; `str.splitlines`, empty lines kept).
 
+That is SentEval's scikit-learn path (``usepytorch=False``, the default here). ``ClassifierConfig(backend="pytorch")``
+runs its PyTorch path instead, the one behind the SimCSE, ArcCSE and RankCSE transfer tables (``senteval_torch``).
+
 Legend: N examples, D embedding size, F feature size.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +36,43 @@ BINARY_FILES = {
 
 
 @dataclass(kw_only=True)
+class TorchClassifierConfig:
+    """SentEval's PyTorch classifier (``usepytorch=True``, nhid 0): a linear layer trained by mini-batch ``optim``
+    with early stopping on a dev split. Defaults: SimCSE's evaluation.py mode 'test'."""
+
+    optim: str = "adam"
+    """'adam' or 'rmsprop', each at torch's defaults (Adam lr 1e-3; RMSprop lr 1e-2, alpha 0.99)."""
+    batch_size: int = 64
+    tenacity: int = 5
+    """Dev evaluations without improvement tolerated before stopping, counted over the whole fit (never reset)."""
+    epoch_size: int = 4
+    """Epochs between two dev evaluations."""
+    max_epoch: int = 200
+    """No new round of ``epoch_size`` epochs starts once this many have run."""
+    l2_grid: tuple[float, ...] = tuple(10**t for t in range(-5, -1))
+    """Coupled L2 (the optimizer's weight_decay) tried by every selection: SentEval's 1e-5 … 1e-2."""
+    validation_split: float = 0.05
+    """Share of the training rows a final fit without a dev set holds out for its early stopping."""
+
+    def __post_init__(self) -> None:
+        if self.optim not in ("adam", "rmsprop"):
+            raise ValueError(f"pytorch.optim must be 'adam' or 'rmsprop', got {self.optim!r}")
+        if self.batch_size < 1 or self.epoch_size < 1 or self.tenacity < 0 or self.max_epoch < 0:
+            raise ValueError(f"pytorch: batch_size and epoch_size must be >= 1, tenacity and max_epoch >= 0; got "
+                             f"{self.batch_size}, {self.epoch_size}, {self.tenacity}, {self.max_epoch}")
+        if not self.l2_grid or min(self.l2_grid) < 0:
+            raise ValueError(f"pytorch.l2_grid must be non-empty and >= 0, got {self.l2_grid}")
+        if not 0 < self.validation_split < 1:
+            raise ValueError(f"pytorch.validation_split must be in (0, 1), got {self.validation_split}")
+
+
+@dataclass(kw_only=True)
 class ClassifierConfig:
+    backend: str = "sklearn"
+    """'sklearn': SentEval's scikit-learn path (LogisticRegression over c_grid / kfold_c_grid); 'pytorch': its
+    PyTorch path with the ``pytorch`` settings (what SimCSE's, ArcCSE's and RankCSE's transfer tables used)."""
+    pytorch: TorchClassifierConfig = field(default_factory=TorchClassifierConfig)
+    """The PyTorch classifier's settings (backend 'pytorch' only)."""
     c_grid: tuple[float, ...] = tuple(2.0**t for t in range(-2, 4))
     """Inverse L2 strengths tried by nested CV and dev selection (SentEval's InnerKFold/Split grid 2^-2 … 2^3)."""
     kfold_c_grid: tuple[float, ...] = tuple(2.0**t for t in range(-1, 6))
@@ -59,6 +99,46 @@ class ClassifierConfig:
             raise ValueError(f"n_jobs must be >= 0 (0 = all cores), got {self.n_jobs}")
         if self.mrpc_features not in ("uv_absdiff_prod", "senteval"):
             raise ValueError(f"mrpc_features must be 'uv_absdiff_prod' or 'senteval', got {self.mrpc_features!r}")
+        if self.backend not in ("sklearn", "pytorch"):
+            raise ValueError(f"backend must be 'sklearn' or 'pytorch', got {self.backend!r}")
+
+    def settings(self) -> dict:
+        """The settings that decide the figures, as JSON reads them back (the transfer resume key, eval.json's
+        record): never n_jobs, and only the running backend's own."""
+        import dataclasses
+
+        other = ("pytorch",) if self.backend == "sklearn" else ("c_grid", "kfold_c_grid", "max_iter")
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("n_jobs", *other)}
+        return json.loads(json.dumps(out))  # tuples -> lists
+
+    def describe(self) -> str:
+        """One line naming the classifier, for logs and eval.md."""
+        folds = f"{self.kfold}-fold (inner {self.inner_kfold})"
+        if self.backend == "sklearn":
+            return f"SentEval's scikit-learn path: LogisticRegression (lbfgs, max_iter {self.max_iter}), {folds}"
+        t = self.pytorch
+        return (f"SentEval's PyTorch path: linear layer, {t.optim}, batch {t.batch_size}, tenacity {t.tenacity}, "
+                f"epoch_size {t.epoch_size}, L2 {min(t.l2_grid):g}…{max(t.l2_grid):g}, {folds}")
+
+
+TRANSFER_CLASSIFIERS = {
+    "sklearn": {},
+    "pytorch-test": {"backend": "pytorch", "kfold": 10, "pytorch": {}},
+    "pytorch-fasttest": {"backend": "pytorch", "kfold": 5,
+                         "pytorch": {"optim": "rmsprop", "batch_size": 32, "tenacity": 3, "epoch_size": 2}},
+}
+"""``--transfer-classifier``: today's scikit-learn path, or SimCSE's evaluation.py modes 'test' / 'fasttest'."""
+
+
+def transfer_classifier(name: str, *, inner_kfold: int | None = None, **kw) -> ClassifierConfig:
+    """The ClassifierConfig of a TRANSFER_CLASSIFIERS entry; ``inner_kfold`` defaults to its kfold (SentEval's)."""
+    if name not in TRANSFER_CLASSIFIERS:
+        raise ValueError(f"unknown transfer classifier {name!r}; choose one of {tuple(TRANSFER_CLASSIFIERS)}")
+    preset = dict(TRANSFER_CLASSIFIERS[name])
+    if "pytorch" in preset:
+        preset["pytorch"] = TorchClassifierConfig(**preset["pytorch"])
+    kfold = preset.get("kfold", ClassifierConfig.kfold)
+    return ClassifierConfig(**preset, inner_kfold=kfold if inner_kfold is None else inner_kfold, **kw)
 
 
 @dataclass(kw_only=True)
@@ -221,10 +301,11 @@ def select_c(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig, folds: in
 
 def senteval_best(grid: tuple[float, ...], accs) -> tuple[float, float]:
     """SentEval's pick of C (tools/validation.py): the first C of the best accuracy ×100 rounded to 2 decimals, so a
-    near-tie (fold sizes differ by one) goes to the smaller C as there; (C, that accuracy as a fraction)."""
-    pct = [round(100 * float(a), 2) for a in accs]
+    near-tie (fold sizes differ by one) goes to the smaller C as there; (C, that accuracy as a fraction). Each value
+    is rounded as its type rounds, as there: a fold mean (numpy float64) by numpy, one accuracy (float) by Python."""
+    pct = [round(100 * a, 2) for a in accs]
     best = int(np.argmax(pct))
-    return grid[best], pct[best] / 100
+    return grid[best], float(pct[best]) / 100
 
 
 def _outer_fold(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig) -> tuple[float, float]:
@@ -278,6 +359,10 @@ def evaluate_transfer_task(encode_fn: EncodeFn, data: TransferData, cfg: Classif
             feats[split] = (pair_features(u, v, cfg.mrpc_features), y)
         else:
             feats[split] = (_embed(encode_fn, x), y)
+    if cfg.backend == "pytorch":
+        from pretrain.eval.senteval_torch import evaluate_features
+
+        return evaluate_features(feats, cfg)
     if "all" in feats:
         return nested_cv_accuracy(*feats["all"], cfg)
     dev = feats.get("dev", (None, None))
@@ -297,16 +382,11 @@ def evaluate_transfer(encode_fn: EncodeFn, data_dir: str | Path, tasks=TASKS,
     With ``results_path``, each task's result is written there (atomically, JSON) as soon as it finishes, and a
     later call with the same ``resume_key`` (what identifies the model: path, pooling, ...) and classifier
     settings takes the finished tasks from it instead of running them again."""
-    import dataclasses
-    import json
     import time
-
 
     cfg = cfg or ClassifierConfig()
     say = log or (lambda _: None)
-    key = {"model": resume_key or {}, "classifier": {k: v for k, v in dataclasses.asdict(cfg).items()
-                                                     if k != "n_jobs"}}
-    key = json.loads(json.dumps(key))  # tuples -> lists, as read back
+    key = transfer_resume_key(cfg, resume_key)
     done: dict = {}
     if results_path is not None and Path(results_path).is_file():
         try:
@@ -328,7 +408,7 @@ def evaluate_transfer(encode_fn: EncodeFn, data_dir: str | Path, tasks=TASKS,
         data = load_transfer_task(data_dir, name)
         n = sum(len(y) for _, y in data.splits.values())
         say(f"[senteval] {name} ({i}/{len(tasks)}): {n:,} examples, "
-            f"{PROTOCOL.get(name, '').format(k=cfg.kfold)}, {_jobs(cfg)} process(es) ...")
+            f"{PROTOCOL.get(name, '').format(k=cfg.kfold)} ({cfg.backend}), {_jobs(cfg)} process(es) ...")
         out[name] = evaluate_transfer_task(encode_fn, data, cfg)
         say(f"[senteval] {name}: acc {out[name]['acc']:.2f} ({time.perf_counter() - t0:.0f} s)")
         if results_path is not None:
@@ -338,6 +418,14 @@ def evaluate_transfer(encode_fn: EncodeFn, data_dir: str | Path, tasks=TASKS,
     return out
 
 
+def transfer_resume_key(cfg: ClassifierConfig, resume_key: dict | None = None) -> dict:
+    """What ``transfer_partial.json`` must match to be resumed: the model (``resume_key``) and the classifier's
+    settings. The scikit-learn path's holds no 'backend', so files written before the PyTorch path existed stay
+    valid."""
+    classifier = cfg.settings()
+    if cfg.backend == "sklearn":
+        classifier.pop("backend")
+    return {"model": json.loads(json.dumps(resume_key or {})), "classifier": classifier}
 
 
 def transfer_markdown_table(rows: dict[str, dict]) -> str:
