@@ -62,6 +62,15 @@ def _glue_result(out: Path, name: str, scores: dict) -> None:
     _write(out / "evals" / name / "glue" / "results.json", json.dumps({t: {"score": s} for t, s in scores.items()}))
 
 
+def _every_run_finished(out) -> None:
+    """Every run of STUDY's arms a and b finished, with its STS and GLUE results (the loss, the scores by seed)."""
+    for arm in ("a", "b"):
+        for seed in (1, 2, 3):
+            _finished_run(out, f"{arm}-seed{seed}", float(seed))
+            _sts_result(out, f"{arm}-seed{seed}", _scores(seed, arm))
+            _glue_result(out, f"{arm}-seed{seed}", {"RTE": 55.0})
+
+
 def _study(tmp_path, text=STUDY) -> Path:
     return _write(tmp_path / "study.yaml", text)
 
@@ -135,11 +144,7 @@ def test_every_table_says_its_std_is_the_sample_std(tmp_path, monkeypatch):
     out = tmp_path / "out"
     study = STUDY.replace("  - {kind: align, title: Align, evals: [sts]}",
                           "  - {kind: align, title: Align, evals: [sts]}\n  - {kind: training, title: Dyn}")
-    for arm in ("a", "b"):
-        for seed in (1, 2, 3):
-            _finished_run(out, f"{arm}-seed{seed}", float(seed))
-            _sts_result(out, f"{arm}-seed{seed}", _scores(seed, arm))
-            _glue_result(out, f"{arm}-seed{seed}", {"RTE": 55.0})
+    _every_run_finished(out)
     assert _main(_study(tmp_path, study), out) == 0
     md = (out / "results.md").read_text()
     for section in ("STS", "GLUE", "Align", "Dyn"):
@@ -156,11 +161,7 @@ def test_results_of_another_version_of_an_arm_are_left_out_of_the_tables(tmp_pat
     out = tmp_path / "out"
     study = STUDY.replace("tables:\n  - {kind: sts, title: STS, evals: [sts]}\n  - {kind: glue, title: GLUE, "
                           "evals: [glue]}", "tables:\n  - {kind: sts, title: STS, evals: [sts]}")
-    for arm in ("a", "b"):
-        for seed in (1, 2, 3):
-            _finished_run(out, f"{arm}-seed{seed}", float(seed))
-            _sts_result(out, f"{arm}-seed{seed}", _scores(seed, arm))
-            _glue_result(out, f"{arm}-seed{seed}", {"RTE": 55.0})
+    _every_run_finished(out)
     assert _main(_study(tmp_path, study), out) == 0
     assert _cells(out, "STS")["b"]["Avg."]["n"] == 3
 
@@ -184,11 +185,7 @@ def test_an_evaluation_of_weights_that_changed_since_is_left_out(tmp_path, monke
     weights (the driver redoes it on the next full invocation; an --only of another arm does not)."""
     monkeypatch.chdir(REPO)
     out = tmp_path / "out"
-    for arm in ("a", "b"):
-        for seed in (1, 2, 3):
-            _finished_run(out, f"{arm}-seed{seed}", float(seed))
-            _sts_result(out, f"{arm}-seed{seed}", _scores(seed, arm))
-            _glue_result(out, f"{arm}-seed{seed}", {"RTE": 55.0})
+    _every_run_finished(out)
     study = _study(tmp_path)
     assert _main(study, out) == 0
     _finished_run(out, "b-seed2", 99.0)  # new weights, not evaluated yet
