@@ -17,13 +17,8 @@ from pretrain.eval import fail, find_data_dir, sts
 from pretrain.eval.alignment_uniformity import stsb_alignment_uniformity
 from pretrain.eval.encoder import load_sentence_encoder
 from pretrain.eval.ranking import ranking_markdown_table, ranking_metrics
-from pretrain.eval.senteval import (
-    TRANSFER_CLASSIFIERS,
-    ClassifierConfig,
-    evaluate_transfer,
-    transfer_classifier,
-    transfer_markdown_table,
-)
+from pretrain.eval.senteval import evaluate_transfer, transfer_markdown_table
+from pretrain.eval.transfer_setup import TRANSFER_CLASSIFIERS, ClassifierConfig, transfer_classifier
 from pretrain.export.resolve import recorded_matryoshka_dims, select_checkpoint
 from pretrain.model.autoencoder import AUTOENCODER_Z
 

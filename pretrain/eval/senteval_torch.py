@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from pretrain.eval.senteval import ClassifierConfig, TorchClassifierConfig, _jobs, _run_all, senteval_best
+from pretrain.eval.transfer_setup import ClassifierConfig, TorchClassifierConfig, _jobs, _run_all, senteval_best
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}
 

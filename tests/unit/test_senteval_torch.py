@@ -12,6 +12,7 @@ import torch
 
 from pretrain.eval import senteval as se
 from pretrain.eval import senteval_torch as st
+from pretrain.eval import transfer_setup as ts
 
 SEED = 1111
 
@@ -51,7 +52,7 @@ def _problem(n=120, dim=8, classes=3, seed=0, noise=0.3):
 ])
 def test_early_stopping_rule(tenacity, epoch_size, max_epoch, accs, rounds, kept):
     x, y = _problem()
-    cfg = se.TorchClassifierConfig(optim="adam", batch_size=16, tenacity=tenacity, epoch_size=epoch_size,
+    cfg = ts.TorchClassifierConfig(optim="adam", batch_size=16, tenacity=tenacity, epoch_size=epoch_size,
                                    max_epoch=max_epoch)
     clf = Scripted(accs, x.shape[1], 3, 1e-3, cfg, SEED)
     best = clf.fit(x[:90], y[:90], validation_data=(x[90:], y[90:]))
@@ -105,7 +106,7 @@ def test_one_fit_matches_a_plain_float64_loop(optim, split):
     """Dev accuracy scripted to rise every round, so the last model is kept: 4 rounds x 2 epochs, compared with the
     float64 loop (same seeds, same permutations; with validation_split the held-out rows come first)."""
     x, y = _problem(noise=1.0)
-    cfg = se.TorchClassifierConfig(optim=optim, batch_size=16, epoch_size=2, max_epoch=6)
+    cfg = ts.TorchClassifierConfig(optim=optim, batch_size=16, epoch_size=2, max_epoch=6)
     np_state, torch_state = np.random.get_state()[1].copy(), torch.random.get_rng_state()
     clf = Scripted([.1, .2, .3, .4], x.shape[1], 3, 0.05, cfg, SEED)
     if split is None:
@@ -127,7 +128,7 @@ def test_one_fit_matches_a_plain_float64_loop(optim, split):
 
 def test_a_real_fit_learns_and_scores_like_its_predictions():
     x, y = _problem(n=300, noise=0.8)
-    cfg = se.TorchClassifierConfig(optim="adam", batch_size=64, tenacity=5, epoch_size=4)
+    cfg = ts.TorchClassifierConfig(optim="adam", batch_size=64, tenacity=5, epoch_size=4)
     clf = st.LogReg(x.shape[1], 3, 1e-4, cfg, SEED)
     best = clf.fit(x[:200], y[:200], validation_data=(x[200:250], y[200:250]))
     assert best == clf.score(x[200:250], y[200:250]) > 0.8
@@ -140,7 +141,7 @@ def test_a_real_fit_learns_and_scores_like_its_predictions():
 # --- the three selections against plain re-implementations of SentEval's validation.py (PyTorch path) ---------
 
 def _cfg(n_jobs=1, **kw):
-    torch_cfg = se.TorchClassifierConfig(optim="rmsprop", batch_size=32, tenacity=1, epoch_size=1, max_epoch=5,
+    torch_cfg = ts.TorchClassifierConfig(optim="rmsprop", batch_size=32, tenacity=1, epoch_size=1, max_epoch=5,
                                          l2_grid=(1e-4, 0.3, 1.0, 3.0))
     return se.ClassifierConfig(backend="pytorch", pytorch=torch_cfg, n_jobs=n_jobs, **kw)
 
@@ -249,16 +250,16 @@ def test_presets_and_the_resume_key():
     from pretrain.eval.cli import build_parser
 
     args = build_parser().parse_args(["--model", "m", "--transfer-classifier", "pytorch-fasttest"])
-    fast = se.transfer_classifier(args.transfer_classifier, inner_kfold=args.inner_kfold)
+    fast = ts.transfer_classifier(args.transfer_classifier, inner_kfold=args.inner_kfold)
     assert (fast.backend, fast.kfold, fast.inner_kfold) == ("pytorch", 5, 5)
     assert (fast.pytorch.optim, fast.pytorch.batch_size, fast.pytorch.tenacity, fast.pytorch.epoch_size) == (
         "rmsprop", 32, 3, 2)
-    test = se.transfer_classifier("pytorch-test")
+    test = ts.transfer_classifier("pytorch-test")
     assert (test.kfold, test.inner_kfold, test.pytorch.optim, test.pytorch.batch_size, test.pytorch.tenacity,
             test.pytorch.epoch_size, test.pytorch.max_epoch) == (10, 10, "adam", 64, 5, 4, 200)
     assert test.pytorch.l2_grid == (1e-5, 1e-4, 1e-3, 1e-2)
     default = build_parser().parse_args(["--model", "m"])
-    sk = se.transfer_classifier(default.transfer_classifier, inner_kfold=default.inner_kfold)
+    sk = ts.transfer_classifier(default.transfer_classifier, inner_kfold=default.inner_kfold)
     assert sk == se.ClassifierConfig()  # the default is today's scikit-learn path
     keys = [se.transfer_resume_key(c, {"model": "m"}) for c in (sk, test, fast)]
     assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3
@@ -267,7 +268,7 @@ def test_presets_and_the_resume_key():
     assert set(keys[0]["classifier"]) == {"c_grid", "kfold_c_grid", "kfold", "inner_kfold", "seed", "max_iter",
                                           "mrpc_features"}
     with pytest.raises(ValueError, match="optim"):
-        se.TorchClassifierConfig(optim="sgd")
+        ts.TorchClassifierConfig(optim="sgd")
 
 
 def _bag_of_words(dim: int):
@@ -303,9 +304,9 @@ def test_trec_under_fasttest_is_near_the_sklearn_path_and_recorded(data_dir, tmp
     encode = _bag_of_words(128)
     quiet = lambda *_: None  # noqa: E731
     fast = run_eval(encode, tmp_path, ("transfer",), transfer_tasks=["TREC"], log=quiet,
-                    classifier_cfg=se.transfer_classifier("pytorch-fasttest", n_jobs=1))
+                    classifier_cfg=ts.transfer_classifier("pytorch-fasttest", n_jobs=1))
     sk = run_eval(encode, tmp_path, ("transfer",), transfer_tasks=["TREC"], log=quiet,
-                  classifier_cfg=se.transfer_classifier("sklearn", n_jobs=1, kfold=5, kfold_c_grid=(1.0,)))
+                  classifier_cfg=ts.transfer_classifier("sklearn", n_jobs=1, kfold=5, kfold_c_grid=(1.0,)))
     got, ref = fast["transfer"]["TREC"], sk["transfer"]["TREC"]
     assert ref["acc"] > 55 and abs(got["acc"] - ref["acc"]) < 5, (got, ref)  # 500 questions: ~2 points of noise
     assert abs(got["devacc"] - ref["devacc"]) < 3, (got, ref)  # the mean over 5 folds of ~360 questions
