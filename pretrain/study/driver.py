@@ -53,6 +53,7 @@ from pretrain.study.outputs import (
     final_step,
     is_done,
     recipe_changes,
+    remove_output,
     stamp,
 )
 from pretrain.study.tables import write_results
@@ -197,7 +198,7 @@ class Runner:
                 continue
             if state == "stale":
                 self.say(f"{counter} {step.id}: out of date ({why}); redoing")
-                _remove(step.output, self.out)
+                remove_output(step.output, self.out)
             self._run(step, rec, counter)
             invocation["ran"].append(step.id)
             if step.id in self.diverged:
@@ -285,21 +286,6 @@ class Runner:
             self.child.send_signal(signal.SIGTERM)  # SIGINT from a terminal reaches the child by itself
         if self.child is None:
             raise KeyboardInterrupt
-
-
-def _remove(path: Path, root: Path) -> None:
-    """Remove a stale step output, only inside the study directory ``root`` (the plan refuses others; this holds
-    even for a path a symlink leads out of)."""
-    import shutil
-
-    inside = path.resolve(), root.resolve()
-    if inside[0] == inside[1] or inside[1] not in inside[0].parents:
-        raise StudyError(f"refusing to remove {path}: it is not inside the study's directory {root}")
-
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 # ------------------------------------------------------------------------------------------------ the CLI

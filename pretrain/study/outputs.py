@@ -1,7 +1,8 @@
 """What a study step's outputs say, read by the driver (``driver.py``) to decide what to run: whether a step is done
 (``is_done``, ``final_step``), the stamps that tie a result to the inputs it was made from (``stamp``,
 ``weights_digest``), whether a run was trained with the recipe the study resolves now (``recipe_changes``), and
-whether a run diverged (``divergence``)."""
+whether a run diverged (``divergence``); and removing a stale output, only inside the study's directory
+(``remove_output``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 from pretrain.checkpoint import store
-from pretrain.study.plan import EVAL_RESULTS, Step, StudyError, flat_keys
+from pretrain.study.plan import EVAL_RESULTS, Step, StudyError
 
 # ------------------------------------------------------------------------------------------------ done, stamps
 
@@ -170,3 +172,25 @@ def last_line(log: Path) -> str:
     lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
     line = lines[-1] if lines else "(empty log)"
     return line if len(line) <= 200 else line[:197] + "..."
+
+
+def flat_keys(d, prefix=""):
+    """(dotted key, value) of every leaf of nested dicts ``d`` (an empty dict is a leaf)."""
+    if isinstance(d, dict) and d:
+        for k, v in d.items():
+            yield from flat_keys(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], d
+
+
+def remove_output(path: Path, root: Path) -> None:
+    """Remove a stale step output, only inside the study directory ``root`` (the plan refuses others; this holds
+    even for a path a symlink leads out of)."""
+    inside = path.resolve(), root.resolve()
+    if inside[0] == inside[1] or inside[1] not in inside[0].parents:
+        raise StudyError(f"refusing to remove {path}: it is not inside the study's directory {root}")
+
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

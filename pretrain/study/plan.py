@@ -492,12 +492,3 @@ def _lookup(d: dict, dotted: str):
     for part in dotted.split("."):
         d = d.get(part, _MISSING) if isinstance(d, dict) else _MISSING
     return d
-
-
-def flat_keys(d, prefix=""):
-    """(dotted key, value) of every leaf of nested dicts ``d`` (an empty dict is a leaf)."""
-    if isinstance(d, dict) and d:
-        for k, v in d.items():
-            yield from flat_keys(v, f"{prefix}{k}.")
-    else:
-        yield prefix[:-1], d

@@ -25,7 +25,8 @@ from pretrain.config.loader import from_dict, read_yaml
 from pretrain.eval import glue_data
 from pretrain.eval.sts import TABLE_NAMES, TASKS
 from pretrain.metrics.writer import read_number
-from pretrain.study.plan import EVAL_RESULTS, flat_keys, run_name
+from pretrain.study.outputs import flat_keys
+from pretrain.study.plan import EVAL_RESULTS, run_name
 from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
 
 

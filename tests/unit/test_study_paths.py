@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.parametrize("output", ["/tmp/elsewhere", "../outside", "prep/../../up", ".", ""])
 def test_prep_outputs_outside_the_study_directory_are_refused(output, tmp_path):
-    from pretrain.study.driver import _remove
+    from pretrain.study.outputs import remove_output
     from pretrain.study.plan import StudyError, load_study
 
     study = tmp_path / "s.yaml"
@@ -22,5 +22,5 @@ def test_prep_outputs_outside_the_study_directory_are_refused(output, tmp_path):
     link.parent.mkdir()
     link.symlink_to(victim)  # a path inside the study directory that leads out of it
     with pytest.raises(StudyError, match="not inside the study's directory"):
-        _remove(link / "x", tmp_path / "out")
+        remove_output(link / "x", tmp_path / "out")
     assert victim.is_dir()
