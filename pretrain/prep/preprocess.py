@@ -295,6 +295,22 @@ def _tasks(files: list[str], stats: ReadStats, chunk_bytes: int, *, fmt: str, ma
                               text_field=text_field, max_slices=2 * num_workers if num_workers > 1 else 1)
 
 
+def _checked_inputs(inputs: list[str], **read) -> list[str]:
+    """The input files (``expand_inputs``), each checked for what would stop the run when its turn came
+    (``check_input``), before any work."""
+    files = expand_inputs(inputs)
+    for path in files:
+        check_input(path, **read)
+    return files
+
+
+def _finish_report(report: dict, stats: ReadStats, elapsed: float) -> None:
+    """The reader's counts, the wall time and the read rate added to ``report``."""
+    report.update(stats.as_dict())
+    report["elapsed_s"] = round(elapsed, 3)
+    report["mb_per_s"] = round(stats.bytes / 1e6 / max(elapsed, 1e-9), 3)
+
+
 def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_workers: int = 1,
                shard_size_tokens: int = 50_000_000, min_sentence_chars: int = 8, max_line_bytes: int = 1_000_000,
                errors: str = "strict", fmt: str = "auto", text_field: str = "text", chunk_chars: int = 1 << 20,
@@ -302,14 +318,11 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
     """Tokenize ``inputs`` (files/dirs) into ``out_dir``; returns the manifest (its ``report`` has the counts)."""
     if num_workers < 1 or shard_size_tokens < 1:
         raise ValueError(f"num_workers and shard_size_tokens must be >= 1, got {num_workers} and {shard_size_tokens}")
-    files = expand_inputs(inputs)
+    files = _checked_inputs(inputs, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors, text_field=text_field)
     tok = load_tokenizer(tokenizer_path)
-    for path in files:  # what would stop the run when its turn came, before any work (see check_input)
-        check_input(path, fmt=fmt, max_line_bytes=max_line_bytes, errors=errors, text_field=text_field)
     out = Path(out_dir)
     tmp = prepare_out_dir(out, overwrite, files)
     from tqdm import tqdm
-
 
     total_bytes = sum(os.path.getsize(f) for f in files)
     stats = ReadStats()
@@ -340,10 +353,7 @@ def preprocess(inputs: list[str], out_dir: str, tokenizer_path: str, *, num_work
         if report["tokens"] == 0:
             raise ValueError(f"no sentences were produced from {inputs} (report: {stats.as_dict()}); "
                              f"check {_no_sentences_hint(stats.skipped)}")
-        elapsed = time.perf_counter() - t0
-        report.update(stats.as_dict())
-        report["elapsed_s"] = round(elapsed, 3)
-        report["mb_per_s"] = round(stats.bytes / 1e6 / max(elapsed, 1e-9), 3)
+        _finish_report(report, stats, time.perf_counter() - t0)
         np.save(tmp / TOKEN_FREQ, counts.astype(np.float64) / counts.sum(), allow_pickle=False)
         settings = {"fmt": fmt, "min_sentence_chars": min_sentence_chars, "max_line_bytes": max_line_bytes,
                     "errors": errors, "text_field": text_field, "shard_size_tokens": shard_size_tokens,
