@@ -93,6 +93,11 @@ def strict_json(obj, *, indent: int | None = 1) -> str:
     return json.dumps(_finite_or_none(obj), indent=indent, allow_nan=False)
 
 
+def strict_number(value) -> float:
+    """A number ``strict_json`` wrote, back: ``null`` (a non-finite one) as NaN."""
+    return math.nan if value is None else value
+
+
 def _finite_or_none(obj):
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None

@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 from dataclasses import asdict
 from pathlib import Path
 
-from pretrain.checkpoint.files import atomic_write_text, strict_json
+from pretrain.checkpoint.files import atomic_write_text, strict_json, strict_number
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
 from pretrain.eval import fail, find_data_dir
@@ -180,11 +179,6 @@ def run_one(args, task: str, lr: float, seed: int) -> dict:
     return res
 
 
-def _score(best: dict) -> float:
-    """A run's best dev score as read back: NaN where the file holds ``null`` (strict JSON's non-finite number)."""
-    return math.nan if best["score"] is None else best["score"]
-
-
 def median_score(scores: list[float]) -> float:
     """statistics.median with NaN (a run that never had a finite dev score) ordered below every number; the median
     sorts by ``<``, which NaN leaves in any order."""
@@ -205,7 +199,7 @@ def summarize(out: Path, name: str = "model") -> dict:
         runs.setdefault(r["task"], {}).setdefault(r["config"]["lr"], []).append(r)
     summary = {}
     for task, by_lr in runs.items():
-        med = {lr: median_score([_score(r["best"]) for r in rs]) for lr, rs in by_lr.items()}
+        med = {lr: median_score([strict_number(r["best"]["score"]) for r in rs]) for lr, rs in by_lr.items()}
         lr = max(med, key=lambda k: rank_score(med[k]))
         rs = by_lr[lr]
         summary[task] = {

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pretrain.checkpoint import store
-from pretrain.checkpoint.files import atomic_write_text, strict_json
+from pretrain.checkpoint.files import atomic_write_text, strict_json, strict_number
 from pretrain.config import RunConfig
 from pretrain.config.loader import from_dict, read_yaml
 from pretrain.eval import glue_data
@@ -33,11 +33,6 @@ from pretrain.training.progress import COLLAPSE_TOLERANCE, chance_losses
 CELLS = ("Cells: mean ± sample std (n−1) over seeds; '(k NaN)': k seeds' values are undefined (NaN, e.g. a "
          "correlation of constant embeddings) and left out of the mean; seeds '2/3 (1 diverged)': a seed's run "
          "diverged (pretrain-train exit 3), the cells are over the seeds that finished.")
-
-
-def _num(value) -> float:
-    """A score as an evaluation file holds it: strict JSON writes an undefined (NaN) one as null."""
-    return math.nan if value is None else value
 
 
 def _stats(values: list) -> dict | None:
@@ -145,7 +140,7 @@ def _rows(planner, table) -> list[tuple[str, object, str]]:
 def sts_average(sts: dict, tasks, convention: str) -> float:
     """The STS average of one evaluation (``eval.json``'s ``sts``) over ``tasks``: Spearman ×100, ``convention``;
     NaN when a task's is."""
-    return statistics.fmean(_num(sts[t]["spearman"][convention]) for t in tasks)
+    return statistics.fmean(strict_number(sts[t]["spearman"][convention]) for t in tasks)
 
 
 def sts_table(src: Sources, table) -> tuple[list[str], list[dict]]:
@@ -159,7 +154,7 @@ def sts_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     for label, arm, seeds in per_row:
         done = [s for s in seeds if s and all(t in s for t in tasks)]
         div = src.diverged_seeds(arm)
-        cells = {t: _stats([_num(s[t]["spearman"][table.convention]) for s in done]) for t in tasks}
+        cells = {t: _stats([strict_number(s[t]["spearman"][table.convention]) for s in done]) for t in tasks}
         cells["Avg."] = _stats([sts_average(s, tasks, table.convention) for s in done])
         rows.append(f"| {label} | " + " | ".join(_fmt(cells[t], empty=_empty(arm, div)) for t in [*tasks, "Avg."])
                     + f" | {_seeds(len(done), arm, src)} |")
@@ -181,8 +176,8 @@ def glue_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     for label, arm, results in per_row:
         done = [r for r in results if r and all(n in r for n in names)]
         div = src.diverged_seeds(arm)
-        cells = {n: _stats([_num(r[n]["score"]) for r in done]) for n in names}
-        cells["Avg"] = _stats([statistics.fmean(_num(r[n]["score"]) for n in names) for r in done])
+        cells = {n: _stats([strict_number(r[n]["score"]) for r in done]) for n in names}
+        cells["Avg"] = _stats([statistics.fmean(strict_number(r[n]["score"]) for n in names) for r in done])
         rows.append(f"| {label} | " + " | ".join(_fmt(cells[n], empty=_empty(arm, div)) for n in [*names, "Avg"])
                     + f" | {_seeds(len(done), arm, src)} |")
         data.append(_row_data(label, cells, arm, len(done), src))
@@ -199,7 +194,7 @@ def align_table(src: Sources, table) -> tuple[list[str], list[dict]]:
     for label, arm, e in _rows(src.planner, table):
         done = [r["align_uniform"] for r in src.results(arm, e) if r and "align_uniform" in r]
         div = src.diverged_seeds(arm)
-        cells = {k: _stats([_num(d[k]) for d in done]) for k in ("align", "uniform")}
+        cells = {k: _stats([strict_number(d[k]) for d in done]) for k in ("align", "uniform")}
         rows.append(f"| {label} | {_fmt(cells['align'], 4, _empty(arm, div))} | "
                     f"{_fmt(cells['uniform'], 4, _empty(arm, div))} | {_seeds(len(done), arm, src)} |")
         data.append(_row_data(label, cells, arm, len(done), src))
