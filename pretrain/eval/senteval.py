@@ -24,7 +24,7 @@ from pretrain.checkpoint.files import atomic_write_text
 from pretrain.console import verbose
 from pretrain.eval.encoder import EncodeFn
 from pretrain.eval.senteval_torch import evaluate_features
-from pretrain.eval.transfer_setup import ClassifierConfig, _jobs, _run_all, senteval_best
+from pretrain.eval.transfer_setup import ClassifierConfig, _jobs, _run_all, binary_f1, senteval_best
 
 TASKS = ("MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC")
 TREC_CLASSES = ("ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM")
@@ -209,8 +209,7 @@ def train_test_accuracy(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig, x_dev=Non
     pred = clf.predict(x_te)
     out = {"acc": 100 * float(np.mean(pred == y_te)), "devacc": 100 * dev, "C": c, "n": int(len(y_te))}
     if len(np.unique(y_tr)) == 2:
-        tp = np.sum((pred == 1) & (y_te == 1))
-        out["f1"] = 100 * float(2 * tp / max(1, 2 * tp + np.sum(pred != y_te)))
+        out["f1"] = 100 * binary_f1(pred, y_te)
     return out
 
 

@@ -23,7 +23,14 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from pretrain.eval.transfer_setup import ClassifierConfig, TorchClassifierConfig, _jobs, _run_all, senteval_best
+from pretrain.eval.transfer_setup import (
+    ClassifierConfig,
+    TorchClassifierConfig,
+    _jobs,
+    _run_all,
+    binary_f1,
+    senteval_best,
+)
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}
 
@@ -190,8 +197,7 @@ def _test_result(pred_N, y_N, reg: float, dev: float, num_classes: int) -> dict:
     out = {"acc": round(100 * _accuracy(pred_N, y_N), 2), "devacc": round(100 * dev, 2), "l2reg": reg,
            "n": int(len(y_N))}
     if num_classes == 2:
-        tp = int(np.sum((pred_N == 1) & (y_N == 1)))
-        out["f1"] = round(100 * 2 * tp / max(1, 2 * tp + int(np.sum(pred_N != y_N))), 2)
+        out["f1"] = round(100 * binary_f1(pred_N, y_N), 2)
     return out
 
 

@@ -138,3 +138,9 @@ def senteval_best(grid: tuple[float, ...], accs) -> tuple[float, float]:
     pct = [round(100 * a, 2) for a in accs]
     best = int(np.argmax(pct))
     return grid[best], float(pct[best]) / 100
+
+
+def binary_f1(pred_N, y_N) -> float:
+    """F1 of label 1 (SentEval's MRPC figure, scikit-learn's f1_score), as a fraction: 2 tp / (2 tp + fp + fn)."""
+    tp = int(np.sum((np.asarray(pred_N) == 1) & (np.asarray(y_N) == 1)))
+    return 2 * tp / max(1, 2 * tp + int(np.sum(np.asarray(pred_N) != np.asarray(y_N))))
