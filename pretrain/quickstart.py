@@ -97,8 +97,7 @@ def main(argv=None) -> int:
     print("[quickstart] next:")
     print(f"  tensorboard --logdir {run_dir}/tb")
     print(f"  pretrain-convert to-hf {run_dir} {run_dir}/hf")
-    print(f"  pretrain-eval --model {run_dir} --pooling mean --suites sts "
-          f"--out {run_dir}/eval")
+    print(f"  pretrain-eval --model {run_dir} --suites sts --out {run_dir}/eval")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Thin wrapper over `pretrain.eval.cli` (also installed as `pretrain-eval`):
 
-    python tools/eval.py --model runs/x --pooling cls_before_pooler --suites all --out runs/x/eval
+    python tools/eval.py --model runs/x --suites all --out runs/x/eval
 """
 
 from pretrain.eval.cli import main

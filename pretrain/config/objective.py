@@ -25,7 +25,8 @@ class NTXentConfig:
     """Remedy for the [CLS] collapse at BERT's initialisation (README, 'When the contrastive loss sits at
     chance'): for the first K steps the views' embedding blends mean pooling into model.pooling, with weight
     1 - step/K on the mean, so the contrastive gradient is not near zero while [CLS] is still input-independent;
-    from step K on it is model.pooling alone (evaluation and exported models always use model.pooling).
+    from step K on it is model.pooling alone (evaluation and exported models never blend: eval.pooling, else
+    model.pooling).
     0 = off (CLEAR's recipe)."""
 
     def __post_init__(self) -> None:

@@ -373,6 +373,13 @@ class OpsConfig:
             raise ValueError(f"ops.chunk_size must be positive, got {self.chunk_size}")
 
 
+def evaluation_pooling(eval_pooling: str, model_pooling: str, autoencoder: bool) -> str:
+    """The sentence embedding a run evaluates (and selects best/) with: eval.pooling, else SARCSE's Z in a run with
+    an autoencoder (its inference embedding, Sec. 2.2), else model.pooling. pretrain-eval and pretrain-convert read
+    a checkpoint's recorded config by the same rule."""
+    return eval_pooling or ("autoencoder_z" if autoencoder else model_pooling)
+
+
 @dataclass(kw_only=True)
 class EvalConfig:
     stsb_every: int = 0

@@ -1,6 +1,6 @@
 """`pretrain-eval`: STS (7 tasks, both conventions), SentEval transfer, alignment/uniformity, ranking.
 
-    pretrain-eval --model runs/x --pooling cls_before_pooler --data-dir ../shared/data --out runs/x/eval
+    pretrain-eval --model runs/x --data-dir ../shared/data --out runs/x/eval   (pooling: the run's; --pooling)
 Writes <out>/eval.json (everything) and <out>/eval.md (tables in the papers' layouts).
 """
 
@@ -19,8 +19,12 @@ from pretrain.eval.encoder import load_sentence_encoder
 from pretrain.eval.ranking import ranking_markdown_table, ranking_metrics
 from pretrain.eval.senteval import evaluate_transfer, transfer_markdown_table
 from pretrain.eval.transfer_setup import TRANSFER_CLASSIFIERS, ClassifierConfig, transfer_classifier
-from pretrain.export.resolve import recorded_matryoshka_dims, select_checkpoint
-from pretrain.model.autoencoder import AUTOENCODER_Z
+from pretrain.export.resolve import (
+    EVAL_POOLINGS,
+    recorded_matryoshka_dims,
+    recorded_pooling,
+    select_checkpoint,
+)
 
 SUITES = ("sts", "transfer", "align", "ranking")
 
@@ -31,10 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default="latest", metavar="latest|best|step_N",
                    help="with a run directory as --model: its newest checkpoint (default), best/ (best STS-B dev, "
                         "from eval.stsb_every) or checkpoints/step_N")
-    p.add_argument("--pooling", default="cls_before_pooler",
-                   choices=["cls", "cls_before_pooler", "mean", "first_last_avg", AUTOENCODER_Z],
-                   help="the sentence embedding; autoencoder_z: SARCSE's Z (its inference embedding), from the "
-                        "autoencoder a SARCSE run's checkpoints and best/ keep")
+    p.add_argument("--pooling", default="auto", choices=["auto", *EVAL_POOLINGS],
+                   help="the sentence embedding; auto (default): the one the model was evaluated with in training "
+                        "(a checkpoint's eval.pooling, else model.pooling, else SARCSE's Z), a sentence-transformers "
+                        "model's Pooling module, or cls_before_pooler for a HF BERT directory (SimCSE's); "
+                        "autoencoder_z: SARCSE's Z (its inference embedding), from the autoencoder a SARCSE run's "
+                        "checkpoints and best/ keep")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
     p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
     p.add_argument("--data-dir", default="",
@@ -185,11 +191,14 @@ def main(argv: list[str] | None = None) -> None:
         fail("pretrain-eval", e)
     print(reading, flush=True)
     try:
-        enc = load_sentence_encoder(model_path, args.pooling, backend=args.backend, max_len=args.max_len,
+        pooling, why = recorded_pooling(model_path) if args.pooling == "auto" else (args.pooling, "--pooling")
+        enc = load_sentence_encoder(model_path, pooling, backend=args.backend, max_len=args.max_len,
                                     batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
                                     trust=args.trust_checkpoint)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         fail("pretrain-eval", e)
+    args.pooling = enc.pooling  # what the results, their resume key and eval.json's args record
+    print(f"pooling: {enc.pooling} ({why})", flush=True)
     try:
         dims = _dims(args.dims, model_path)
     except ValueError as e:

@@ -177,17 +177,20 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", 
     return model.to(device), tok
 
 
-def load_sentence_encoder(path: str | Path, pooling: str, *, backend: str = "auto", max_len: int = 128,
+def load_sentence_encoder(path: str | Path, pooling: str | None, *, backend: str = "auto", max_len: int = 128,
                           batch_size: int = 64, device: str = "cpu", progress: bool = False,
                           trust: bool = False) -> SentenceEncoder:
     """SentenceEncoder for a checkpoint / from-hf dir / HF BERT dir. A sentence-transformers directory's embedding
-    is its modules' (Dense, Normalize; either backend) with ``pooling`` for its Pooling: warned when they differ."""
+    is its modules' (Dense, Normalize; either backend) with ``pooling`` for its Pooling: warned when they differ;
+    ``pooling`` None takes its Pooling module's (cls_before_pooler for a directory that states none)."""
     model, tok = load_backbone(path, backend=backend, device=device, trust=trust,
                                autoencoder_z=pooling == AUTOENCODER_Z)
     if isinstance(model, HFBackbone) and (Path(path) / "modules.json").is_file():
         model.read_sentence_modules(Path(path))  # ours reads them in load_backbone (open_weights)
         model.to(device)
     stated = getattr(model, "stated_pooling", None) or getattr(getattr(model, "cfg", None), "pooling", None)
+    if pooling is None:
+        pooling = stated or "cls_before_pooler"
     if stated is not None and stated != pooling and detect_kind(path) == "sentence_transformers":
         warnings.warn(f"{path} is a sentence-transformers model that pools by {stated} (its modules.json); pooling "
                       f"{pooling} gives other embeddings than sentence-transformers' (pass --pooling {stated} for "

@@ -30,8 +30,10 @@ from pretrain.export.resolve import (
     matryoshka_dims,
     open_hf_dir,
     open_weights,
+    recorded_pooling,
     select_checkpoint,
 )
+from pretrain.export.st_modules import ST_POOLING
 from pretrain.model import POOLINGS, PretrainModel
 
 __all__ = ["from_hf", "load_checkpoint_model", "load_hf_model", "load_init_weights", "main", "to_hf"]
@@ -63,8 +65,9 @@ def to_hf(
 ) -> None:
     """Export one of our checkpoints as a HF BERT + sentence-transformers directory with a model card.
 
-    The sentence embedding is the model's own (model.pooling, pooler, Dense, Normalize) unless ``pooling``
-    says otherwise; the MLM head (mlm/: when the weights have one and their run, if known, trained it) and the
+    The sentence embedding is the one its run evaluated (``recorded_pooling``: eval.pooling, else model.pooling;
+    unsupervised SimCSE trains [CLS] through its MLP and evaluates [CLS] before it) through the model's pooler,
+    Dense and Normalize, unless ``pooling`` says otherwise; the MLM head (mlm/: when the weights have one and their run, if known, trained it) and the
     projection head are written only when the weights have them."""
     if Path(out_dir).exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists; remove it or pass --overwrite")
@@ -78,7 +81,9 @@ def to_hf(
     if not tokenizer:
         raise ValueError(f"{checkpoint}: its config names no data.tokenizer; cannot write tokenizer files")
     max_len = max_seq_length or w.max_seq_length
-    pooling = pooling or model.cfg.pooling
+    if not pooling:  # what the run evaluated with, where a sentence-transformers directory can hold it (not Z)
+        recorded = recorded_pooling(w.path)[0]
+        pooling = recorded if recorded in ST_POOLING else model.cfg.pooling
     if any(k.startswith("heads.autoencoder.") for k in w.heads):
         warnings.warn(f"{checkpoint} was trained with SARCSE's autoencoder, whose Z is that recipe's sentence "
                       f"embedding; a Hugging Face / sentence-transformers directory cannot hold it, so the export "
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with a run directory: its newest checkpoint (default), best/ (best STS-B dev) or "
                         "checkpoints/step_N")
     p.add_argument("--pooling", choices=list(POOLINGS), default=None,
-                   help="sentence-transformers pooling (default: the run's model.pooling)")  # fmt: skip
+                   help="sentence-transformers pooling (default: the run's eval.pooling, else model.pooling)")  # fmt: skip
     p.add_argument("--max-seq-length", type=int, default=None, help="default: the run's data.max_len")
     p.add_argument("--no-mlm-head", action="store_true",
                    help="leave out mlm/ (the BertForMaskedLM copy: encoder + MLM head; about doubles the size)")

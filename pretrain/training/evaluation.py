@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.config.train import EvalConfig
+from pretrain.config.train import EvalConfig, evaluation_pooling
 from pretrain.eval import find_data_dir
 from pretrain.eval.encoder import SentenceEncoder
 from pretrain.export.hf import write_init_dir
@@ -46,7 +46,7 @@ class StsbKeepBest:
         self.cfg, self.run_dir = cfg, run_dir
         self.tokenizer, self.tokenizer_path = tokenizer, tokenizer_path
         # SARCSE (an autoencoder among the heads): its Z is the embedding it trains and infers with (Sec. 2.2)
-        self.pooling = cfg.pooling or (AUTOENCODER_Z if autoencoder else model_pooling)
+        self.pooling = evaluation_pooling(cfg.pooling, model_pooling, autoencoder)
         if self.pooling == AUTOENCODER_Z and not autoencoder:
             raise ValueError(f"eval.pooling={AUTOENCODER_Z} needs SARCSE's autoencoder (objective.reconstruction); "
                              f"this run has none: leave eval.pooling empty or name a pooling")

@@ -52,7 +52,7 @@ SMALL: dict[str, dict] = {
     "pretrain-inspect runs/quickstart/config.yaml -n 4 data.augment.methods=del-span+reorder": {"expect": "[MASK]"},
     "pretrain-convert to-hf runs/quickstart runs/quickstart/hf": {},
     "pretrain-convert from-hf path/to/hf_bert runs/init_bert": {"placeholder": "path/to/hf_bert"},
-    "pretrain-eval --model runs/quickstart --pooling mean --suites sts,transfer --out runs/quickstart/eval": {
+    "pretrain-eval --model runs/quickstart --suites sts,transfer --out runs/quickstart/eval": {
         "append": ["--sts-tasks", "STSBenchmark", "--transfer-tasks", "MRPC", "--inner-kfold", "2"],
         "expect": "STS", "apart": True},
     "pretrain-finetune-glue --model runs/quickstart/hf --tasks rte,mrpc,stsb,cola --out runs/glue": {
