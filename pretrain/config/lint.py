@@ -11,6 +11,7 @@ import dataclasses
 
 from pretrain.config.data import AugmentConfig, MaskingConfig
 from pretrain.config.model import ModelConfig
+from pretrain.config.objective import RankDistillConfig
 from pretrain.config.train import EvalConfig, TrainConfig
 
 _ARCH_ONLY = {"bert": (("norm", "type_vocab_size"), "modernbert is always pre-norm and has no token types"),
@@ -190,6 +191,11 @@ def _objective_lines(cfg) -> list[str]:
             out.append("objective.gradient_cache=true changes nothing with train.grad_accum=1 (each rank's micro-batch "
                        "already is its whole share of the step) and costs an extra forward pass; raise "
                        "train.grad_accum (lowering train.micro_batch_size) to hold less in memory")
+    rd = obj.rank_distill
+    if rd is not None and rd.method == "listmle" and rd.teacher_temperature != RankDistillConfig().teacher_temperature:
+        out.append(f"objective.rank_distill.teacher_temperature={rd.teacher_temperature:g} does nothing with "
+                   f"method=listmle: ListMLE reads only the order of the teachers' similarities (RankCSE's tau3 "
+                   f"scales ListNet's teacher distribution); set method=listnet to use it")
     if obj.matryoshka is not None and not compared:
         out.append(f"objective.matryoshka does nothing: no enabled term compares sentences with each other ({names})")
     return out

@@ -168,6 +168,26 @@ def test_a_mapping_on_the_command_line_merges_like_one_in_a_file(tmp_path):
     assert load_run_config(recipe, ["optim=null", "optim={lr: 0.5}"]).optim.warmup_steps == 10000
 
 
+def test_a_teacher_temperature_listmle_never_reads_is_named(repo_root):
+    """RankCSE's tau3 scales ListNet's teacher distribution; ListMLE reads only the teachers' order (its losses are
+    equal for any tau3), so a tau3 set with method=listmle is warned; the shipped ListMLE recipe leaves it alone."""
+    import torch
+
+    from pretrain.config.lint import inert_settings
+    from pretrain.losses.ranking import listmle
+
+    recipe = repo_root / "configs" / "recipes" / "rankcse_listmle_bert_base.yaml"
+    warned = [ln for ln in inert_settings(load_run_config(recipe, ["objective.rank_distill.teacher_temperature=0.05"]))
+              if "teacher_temperature=0.05 does nothing with method=listmle" in ln]
+    assert len(warned) == 1
+    assert not [ln for ln in inert_settings(load_run_config(recipe, [])) if "teacher_temperature" in ln]
+    listnet = load_run_config(recipe, ["objective.rank_distill.method=listnet",
+                                       "objective.rank_distill.teacher_temperature=0.05"])
+    assert not [ln for ln in inert_settings(listnet) if "teacher_temperature" in ln]
+    student, teacher = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    assert listmle(student, teacher)[0] == listmle(student, teacher / 0.0125)[0]  # only the order: no tau3 to apply
+
+
 def test_settings_that_cannot_act_are_named():
     """Each inert setting gets one line naming it and why; the shipped recipes have none (quickstart.yaml's data
     paths, held-out set included, are filled in by pretrain.quickstart)."""
