@@ -151,6 +151,18 @@ def default_master_port(job_id: int) -> int:
     return _PORT_BASE + job_id % _PORT_SPAN
 
 
+def port_is_free(port: int) -> bool:
+    """Whether nothing on this host listens on ``port`` (bound with SO_REUSEADDR, as the rendezvous store binds: a
+    port in TIME_WAIT counts as free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_master_port(start: int, tries: int = 64) -> int:
     """``start`` when nothing on this host listens on it, else the first free one of ``start + k * _PORT_STRIDE``
     (wrapping within the job-port range). The batch script takes it on the head node: job ids ``_PORT_SPAN`` apart
@@ -160,13 +172,8 @@ def free_master_port(start: int, tries: int = 64) -> int:
     as this probe does)."""
     for k in range(tries):
         port = _PORT_BASE + (start - _PORT_BASE + k * _PORT_STRIDE) % _PORT_SPAN
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("", port))
-            except OSError:
-                continue
-        return port
+        if port_is_free(port):
+            return port
     raise RuntimeError(f"no free port among {tries} tried from {start} on this host; set MASTER_PORT to a free one")
 
 
@@ -352,7 +359,9 @@ def pid_alive(pid: int) -> bool:
 
 
 if __name__ == "__main__":  # slurm/pretrain.sbatch: python -m pretrain.distributed.env --free-port START
-    if len(sys.argv) != 3 or sys.argv[1] not in ("--free-port", "--job-port"):
-        sys.exit("usage: python -m pretrain.distributed.env --free-port START | --job-port JOB_ID")
+    if len(sys.argv) != 3 or sys.argv[1] not in ("--free-port", "--job-port", "--check-port"):
+        sys.exit("usage: python -m pretrain.distributed.env --free-port START | --job-port JOB_ID | --check-port PORT")
     arg = int(sys.argv[2])
+    if sys.argv[1] == "--check-port":  # exit 0 when free here, 1 when something listens on it
+        sys.exit(0 if port_is_free(arg) else 1)
     print(free_master_port(arg) if sys.argv[1] == "--free-port" else default_master_port(arg))

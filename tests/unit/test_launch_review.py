@@ -130,6 +130,38 @@ def test_workers_per_node_follow_the_gpus_slurm_gave(tmp_path, visible, gpus_on_
         f"GPUS_PER_NODE={workers}" in (tmp_path / "srun.env").read_text()
 
 
+@pytest.mark.parametrize("port", ["29999x", "70000", "0", "-5"])
+def test_a_master_port_that_is_no_port_ends_the_job_before_srun_naming_it(tmp_path, port):
+    """sbatch passes the submitting shell's environment on: a MASTER_PORT set there reaches the job as given."""
+    rc, out = _run_sbatch(tmp_path, _slurm_env(tmp_path, FAKE_RC="0", MASTER_PORT=port))
+    assert rc == 2 and f"MASTER_PORT={port} is not a port number (1-65535); unset it" in out, out
+    assert not (tmp_path / "srun.args").exists()
+
+
+def test_a_master_port_in_use_on_the_head_node_ends_the_job_before_srun_saying_why(tmp_path):
+    """An inherited MASTER_PORT that another job holds failed at the rendezvous (torchrun's 'address already in
+    use', after every node had started); it is now checked on the head node before srun, where the job's own port
+    would have moved on to a free one. The banner says where the port came from."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        rc, out = _run_sbatch(tmp_path, _slurm_env(tmp_path, FAKE_RC="0", MASTER_PORT=str(port)))
+        assert rc == 2 and f"MASTER_PORT={port} is in use on node01" in out and "unset it" in out, out
+        assert not (tmp_path / "srun.args").exists()
+        # off the head node the batch shell cannot tell: the port is taken as given
+        rc, out = _run_sbatch(tmp_path / "off", _slurm_env(_mkdir(tmp_path / "off"), FAKE_RC="0",
+                                                             MASTER_PORT=str(port), SLURMD_NODENAME="node02"))
+        assert rc == 0 and f"head node01:{port} (MASTER_PORT from the environment)" in out, out
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
 def test_a_run_that_finished_as_usr1_came_is_not_requeued(tmp_path):
     """The warning came in the last minutes and the trainer finished train.max_steps (exit 0): requeueing would only
     queue the whole allocation again to load the final checkpoint and stop."""
