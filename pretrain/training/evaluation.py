@@ -9,6 +9,7 @@ to-hf`` and ``checkpoint.init_from`` all take it.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pretrain.eval.encoder import SentenceEncoder
 from pretrain.export.hf import write_init_dir
 from pretrain.fsutil import recover_dir
 from pretrain.metrics.writer import print_progress
+from pretrain.model import PretrainModel, build_model
 from pretrain.model.autoencoder import AUTOENCODER_Z, ZEmbedding
 
 
@@ -59,7 +61,10 @@ class StsbKeepBest:
     @torch.no_grad()
     def __call__(self, model, *, step: int, config_yaml: str, is_main: bool, heads=None) -> dict:
         """``heads``: the objective's trainable heads (the autoencoder for ``AUTOENCODER_Z``; kept in best/)."""
-        embedder = ZEmbedding(model, heads["autoencoder"]) if self.pooling == AUTOENCODER_Z else model
+        # In fp32 whatever the training precision: best/ keeps these weights, and pretrain-eval computes them in
+        # fp32; a bf16 forward scored (and chose) best/ by other embeddings than any later evaluation of it.
+        evaluated = _in_fp32(model)
+        embedder = ZEmbedding(evaluated, _in_fp32(heads["autoencoder"])) if self.pooling == AUTOENCODER_Z else evaluated
         encode = SentenceEncoder(embedder, self.tokenizer, pooling=self.pooling, max_len=self.cfg.max_len,
                                  device=str(next(model.parameters()).device))
         score = self.evaluator(encode)
@@ -76,6 +81,23 @@ class StsbKeepBest:
         head_state = {f"heads.{k}": v for k, v in heads.state_dict().items()} if heads is not None else None
         write_init_dir(model, self.tokenizer_path, str(self.run_dir / "best"), overwrite=True,
                        extra_files={"run_config.yaml": config_yaml, "best.json": best_json}, heads=head_state)
+
+
+def _in_fp32(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` when its floating-point weights are all fp32, else an fp32 copy of it for one evaluation (the
+    sentence stage keeps whole parameters on each rank: ZeRO <= 2, ``stsb_data_dir``)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if all(t.dtype == torch.float32 for t in tensors if t.is_floating_point()):
+        return module
+    if isinstance(module, PretrainModel):  # built anew: its layers may be flat (train.flat_params), views deepcopy
+        twin = build_model(module.cfg, init=False)  # refuses; the state dict names each tensor as built
+        twin.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in module.state_dict().items()})
+        return twin.to(tensors[0].device).train(module.training)
+    memo = {}  # each tensor copied by hand into deepcopy's memo, in fp32
+    for t in tensors:
+        data = t.detach().float() if t.is_floating_point() else t.detach().clone()
+        memo[id(t)] = torch.nn.Parameter(data, requires_grad=False) if isinstance(t, torch.nn.Parameter) else data
+    return copy.deepcopy(module, memo)
 
 
 def stored_best(best_json: Path, pooling: str, *, say=None) -> float:

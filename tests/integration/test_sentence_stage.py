@@ -155,6 +155,32 @@ def _check_autoencoder_z(trainer, run_dir: Path, best: dict, inp: dict, no_autoe
         to_hf(str(final), str(run_dir.parent / "hf"))
 
 
+@pytest.mark.parametrize("zero_stage, sarcse", [(0, False), (2, False), (0, True)],
+                         ids=["zero0", "zero2", "sarcse_z"])
+def test_a_bf16_run_scores_best_as_pretrain_eval_scores_the_weights_it_kept(zero_stage, sarcse, stage_inputs,
+                                                                             single_env, tmp_path):
+    """eval.stsb_every in a bf16 run: best/ keeps the bf16 module weights (and SARCSE's autoencoder), which
+    pretrain-eval reads into fp32 and computes in fp32. The STS-B dev score that chose best/ was computed in bf16
+    (other embeddings, another score: 18.03 against 17.54 here); the evaluation now runs an fp32 copy, so
+    best.json's score is the one pretrain-eval's encoder gives best/."""
+    from pretrain.eval.encoder import load_sentence_encoder
+    from pretrain.eval.sts import StsbDevEvaluator
+
+    run_dir = tmp_path / "run"
+    extra = {"objective.reconstruction": "{channels: 8, integrate_channels: 2, weight: 0.01, positive_weight: 0.01}"
+             } if sarcse else {}
+    trainer = _train(_overrides(stage_inputs, run_dir, **{"objective.info_nce": "{temperature: 0.05}",
+                                                          "train.precision": "bf16",
+                                                          "distributed.zero_stage": zero_stage, **extra}),
+                     single_env)
+    assert next(trainer.module.model.parameters()).dtype == torch.bfloat16  # the run computed in bf16
+    best = json.loads((run_dir / "best" / "best.json").read_text())
+    assert best["pooling"] == ("autoencoder_z" if sarcse else "mean")
+    encode = load_sentence_encoder(run_dir / "best", best["pooling"], max_len=32)
+    offline = StsbDevEvaluator(stage_inputs["data_dir"], max_pairs=100)(encode)
+    assert best["stsb_dev_spearman"] == pytest.approx(offline, abs=1e-9)
+
+
 def test_arccse_stage_with_mlm(stage_inputs, single_env, tmp_path):
     run_dir = tmp_path / "run"
     _train(_overrides(
