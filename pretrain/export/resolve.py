@@ -448,9 +448,9 @@ def recorded_pooling(path: str | os.PathLike) -> tuple[str | None, str]:
     """(the sentence embedding a model directory is evaluated with, where that comes from) for ``--pooling auto``:
     a checkpoint's or best/'s run config gives the run's evaluation pooling (``evaluation_pooling``: what its STS-B
     dev evaluation and best/ used); a sentence-transformers directory gives None (its Pooling module decides, read
-    when the model loads); a HF directory of ours gives its recorded ``pretrain.pooling``; any other (a HF BERT)
-    gives cls_before_pooler, SimCSE's evaluation of BERT's [CLS]. A recorded value that is not a pooling is a
-    ValueError naming the file."""
+    when the model loads); a HF directory of ours gives its recorded ``pretrain.pooling``; any other (a HF BERT, or
+    an import of one that states no pooling) gives cls_before_pooler, SimCSE's evaluation of BERT's [CLS]. A
+    recorded value that is not a pooling is a ValueError naming the file."""
     import yaml
 
     p = Path(path)
@@ -463,9 +463,11 @@ def recorded_pooling(path: str | os.PathLike) -> tuple[str | None, str]:
             if not all(isinstance(s, dict) for s in sections):
                 raise ValueError(f"{p / name}: its eval, model and objective entries must be mappings")
             ev, model, objective = sections
-            pooling = evaluation_pooling(str(ev.get("pooling") or ""), str(model.get("pooling") or "cls"),
+            pooling = evaluation_pooling(str(ev.get("pooling") or ""), str(model.get("pooling") or ""),
                                          bool(objective.get("reconstruction")))
-            return _known_pooling(pooling, p / name), f"the run's evaluation pooling, from {p / name}"
+            if pooling:  # none stated: an import of a HF BERT (pretrain-convert from-hf), read as that directory
+                return _known_pooling(pooling, p / name), f"the run's evaluation pooling, from {p / name}"
+            break
     if (p / "config.json").is_file():
         recorded = (json.loads((p / "config.json").read_text(encoding="utf-8")).get("pretrain") or {}).get("pooling")
         if recorded:

@@ -41,6 +41,16 @@ def test_a_checkpoints_recorded_run_config_gives_the_pooling_it_was_evaluated_wi
     assert ("run_config.yaml" if run_config is not None else "config.yaml") in why
 
 
+def test_an_import_that_states_no_pooling_pools_as_the_hf_directory_it_came_from(tiny_encoder, tmp_path):
+    """pretrain-convert from-hf of a HF BERT records only the settings the source states (no model.pooling): it
+    is evaluated as that HF directory is (cls_before_pooler), not by ModelConfig's default."""
+    model, tok = tiny_encoder
+    d = tmp_path / "import"
+    write_init_dir(model, tok, str(d), model_fields={"hidden_size", "num_layers"})
+    assert "pooling" not in yaml.safe_load((d / "config.yaml").read_text())["model"]
+    assert recorded_pooling(d)[0] == "cls_before_pooler"
+
+
 def test_a_recorded_pooling_that_is_none_is_refused_naming_the_file(tiny_encoder, tmp_path):
     d = _init_dir(tiny_encoder, tmp_path / "m", {"model": {"pooling": "cls"}, "eval": {"pooling": "max"}})
     with pytest.raises(ValueError, match=r"run_config.yaml records pooling 'max'.*pass --pooling"):
