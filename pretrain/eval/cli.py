@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mrpc-features", default="senteval", choices=["senteval", "uv_absdiff_prod"],
                    help="transfer MRPC features: senteval = [|u-v|, u*v] (SentEval's, what papers report); "
                         "uv_absdiff_prod = [u, v, |u-v|, u*v]")
-    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per sentence, [CLS] and [SEP] included (default: 128, or the model's position "
+                        "embeddings where they hold fewer)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave)")
@@ -197,8 +199,8 @@ def main(argv: list[str] | None = None) -> None:
                                     trust=args.trust_checkpoint)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         fail("pretrain-eval", e)
-    args.pooling = enc.pooling  # what the results, their resume key and eval.json's args record
-    print(f"pooling: {enc.pooling} ({why})", flush=True)
+    args.pooling, args.max_len = enc.pooling, enc.max_len  # what the results, resume key and eval.json record
+    print(f"pooling: {enc.pooling} ({why}); sentences cut at {enc.max_len} tokens", flush=True)
     try:
         dims = _dims(args.dims, model_path)
     except ValueError as e:

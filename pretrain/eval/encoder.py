@@ -177,12 +177,35 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", 
     return model.to(device), tok
 
 
-def load_sentence_encoder(path: str | Path, pooling: str | None, *, backend: str = "auto", max_len: int = 128,
-                          batch_size: int = 64, device: str = "cpu", progress: bool = False,
-                          trust: bool = False) -> SentenceEncoder:
+def max_tokens_of(backbone: torch.nn.Module) -> int | None:
+    """The longest input the backbone's position table holds (ours: model.max_position less its offset;
+    transformers': see HFBackbone.max_tokens); None when nothing limits it (rotary positions)."""
+    if hasattr(backbone, "max_tokens"):
+        return backbone.max_tokens
+    return getattr(getattr(getattr(backbone, "encoder", None), "embeddings", None), "max_tokens", None)
+
+
+def check_max_len(backbone: torch.nn.Module, max_len: int, flag: str) -> None:
+    """ValueError naming ``flag`` when examples of ``max_len`` tokens would run past the backbone's positions
+    (an index error deep in the model, a device-side assert on CUDA, only once such an example comes up)."""
+    limit = max_tokens_of(backbone)
+    if limit is not None and max_len > limit:
+        raise ValueError(f"{flag} {max_len} is longer than the model's {limit} position embeddings (the most tokens "
+                         f"it takes); pass {flag} {limit} or less")
+
+
+DEFAULT_MAX_LEN = 128
+"""Tokens per sentence, [CLS] and [SEP] included, when the model's position embeddings hold that many."""
+
+
+def load_sentence_encoder(path: str | Path, pooling: str | None, *, backend: str = "auto",
+                          max_len: int | None = DEFAULT_MAX_LEN, batch_size: int = 64, device: str = "cpu",
+                          progress: bool = False, trust: bool = False) -> SentenceEncoder:
     """SentenceEncoder for a checkpoint / from-hf dir / HF BERT dir. A sentence-transformers directory's embedding
     is its modules' (Dense, Normalize; either backend) with ``pooling`` for its Pooling: warned when they differ;
-    ``pooling`` None takes its Pooling module's (cls_before_pooler for a directory that states none)."""
+    ``pooling`` None takes its Pooling module's (cls_before_pooler for a directory that states none). ``max_len``
+    None: DEFAULT_MAX_LEN, or the model's position embeddings where they hold fewer; one longer than they hold is a
+    ValueError naming --max-len, before any sentence is encoded."""
     model, tok = load_backbone(path, backend=backend, device=device, trust=trust,
                                autoencoder_z=pooling == AUTOENCODER_Z)
     if isinstance(model, HFBackbone) and (Path(path) / "modules.json").is_file():
@@ -195,5 +218,10 @@ def load_sentence_encoder(path: str | Path, pooling: str | None, *, backend: str
         warnings.warn(f"{path} is a sentence-transformers model that pools by {stated} (its modules.json); pooling "
                       f"{pooling} gives other embeddings than sentence-transformers' (pass --pooling {stated} for "
                       f"those)", stacklevel=2)
+    backbone = model.model if isinstance(model, ZEmbedding) else model
+    if max_len is None:
+        limit = max_tokens_of(backbone)
+        max_len = DEFAULT_MAX_LEN if limit is None else min(DEFAULT_MAX_LEN, limit)
+    check_max_len(backbone, max_len, "--max-len")
     return SentenceEncoder(model, tok, pooling=pooling, max_len=max_len, batch_size=batch_size,
                            device=device, progress=progress)

@@ -260,23 +260,6 @@ def num_token_types(backbone: nn.Module) -> int:
     return int(getattr(cfg, "type_vocab_size", 2))
 
 
-def max_tokens_of(backbone: nn.Module) -> int | None:
-    """The longest input the backbone's position table holds (ours: model.max_position less its offset;
-    transformers': see HFBackbone.max_tokens); None when nothing limits it (rotary positions)."""
-    if hasattr(backbone, "max_tokens"):
-        return backbone.max_tokens
-    return getattr(getattr(getattr(backbone, "encoder", None), "embeddings", None), "max_tokens", None)
-
-
-def check_max_len(backbone: nn.Module, max_len: int, flag: str) -> None:
-    """ValueError naming ``flag`` when examples of ``max_len`` tokens would run past the backbone's positions
-    (an index error deep in the model, a device-side assert on CUDA, only once such an example comes up)."""
-    limit = max_tokens_of(backbone)
-    if limit is not None and max_len > limit:
-        raise ValueError(f"{flag} {max_len} is longer than the model's {limit} position embeddings (the most tokens "
-                         f"it takes); pass {flag} {limit} or less")
-
-
 def encode_split(split: GlueSplit, tokenizer, max_len: int) -> list[tuple[list[int], list[int]]]:
     """Per example (ids, token_types) with [CLS] a [SEP] (b [SEP])."""
     ta = tokenize_all(tokenizer, split.text_a)

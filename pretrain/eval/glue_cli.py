@@ -19,8 +19,8 @@ from pretrain.checkpoint.files import atomic_write_text, strict_json, strict_num
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
 from pretrain.eval import fail, find_data_dir
-from pretrain.eval.encoder import load_backbone
-from pretrain.eval.glue import FinetuneConfig, check_max_len, finetune
+from pretrain.eval.encoder import check_max_len, load_backbone
+from pretrain.eval.glue import FinetuneConfig, finetune
 from pretrain.eval.glue_data import TABLE_ORDER, TASKS, GlueFormatError, get_task, rank_score, task_files
 from pretrain.export.resolve import select_checkpoint
 

@@ -295,7 +295,7 @@ def test_roberta_position_limit_leaves_out_the_rows_before_its_first_position(tm
     """RoBERTa's positions start at row pad + 1: 20 rows with pad 1 hold 18 tokens, in transformers and in ours."""
     import transformers
 
-    from pretrain.eval.glue import max_tokens_of
+    from pretrain.eval.encoder import max_tokens_of
     from pretrain.eval.hf_backend import HFBackbone
     from pretrain.export.resolve import open_weights
 

@@ -71,11 +71,11 @@ def test_hf_directories_pool_by_their_recorded_or_sentence_transformers_pooling_
     assert recorded_pooling(hf) == (None, "the sentence-transformers model's Pooling module")
 
 
-def _eval(model: Path, data_dir: Path, out: Path, *pooling: str) -> dict:
+def _eval(model: Path, data_dir: Path, out: Path, *more: str) -> dict:
     from pretrain.eval import cli
 
     cli.main(["--model", str(model), "--suites", "sts", "--sts-tasks", "STSBenchmark", "--data-dir", str(data_dir),
-              "--out", str(out), "--no-progress", "--dims", "none", "--max-len", "64", *pooling])
+              "--out", str(out), "--no-progress", "--dims", "none", *more])
     return json.loads((out / "eval.json").read_text())
 
 
@@ -84,7 +84,9 @@ def test_pretrain_eval_pools_as_the_run_evaluated_by_default_and_says_so(tiny_en
     eval.json's args say which and why), the same figures as --pooling mean, not those of the old default."""
     d = _init_dir(tiny_encoder, tmp_path / "m")
     auto = _eval(d, data_dir, tmp_path / "auto")
-    assert f"pooling: mean (the run's evaluation pooling, from {d / 'config.yaml'})" in capsys.readouterr().out
+    assert (f"pooling: mean (the run's evaluation pooling, from {d / 'config.yaml'}); sentences cut at 64 tokens"
+            in capsys.readouterr().out)  # --max-len's 128 cut to the model's 64 positions (was an error mid-run)
+    assert auto["args"]["max_len"] == 64
     mean = _eval(d, data_dir, tmp_path / "mean", "--pooling", "mean")
     cls = _eval(d, data_dir, tmp_path / "cls", "--pooling", "cls_before_pooler")
     assert auto["args"]["pooling"] == "mean" and cls["args"]["pooling"] == "cls_before_pooler"
@@ -137,3 +139,13 @@ def test_to_hf_exports_the_pooling_the_run_evaluated_with(tiny_encoder, tmp_path
         chain = [m["type"].rsplit(".", 1)[-1] for m in json.loads((out / "modules.json").read_text())]
         assert chain == (["Transformer", "Pooling", "Dense"] if exported == "cls" else ["Transformer", "Pooling"]), \
             (run_config, asked, chain)
+
+
+def test_pretrain_eval_refuses_a_max_len_past_the_models_positions_before_encoding(tiny_encoder, tmp_path, data_dir,
+                                                                                  capsys):
+    d = _init_dir(tiny_encoder, tmp_path / "m")
+    with pytest.raises(SystemExit) as e:
+        _eval(d, data_dir, tmp_path / "out", "--max-len", "100")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--max-len 100 is longer than the model's 64 position embeddings" in err, err
+    assert not (tmp_path / "out" / "eval.json").exists()
