@@ -18,6 +18,7 @@ Bad input never crashes the stream silently: every skipped line is counted by re
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,17 +43,32 @@ from pretrain.prep.formats import (
 FORMATS = ("auto", "text", "gutenberg", "wikiextractor", "jsonl", "parquet", "arrow")
 COLUMNAR = ("parquet", "arrow")
 
+_DOCS = re.compile(r"^(readme|licen[cs]e|copying|changelog|changes|citation|notice|authors|contributing)"
+                   r"(\.[a-z0-9]+)?$", re.IGNORECASE)
+"""A directory's own documentation (README.md, LICENSE, CITATION.cff, ...): not its text. A downloaded dataset
+directory holds them beside its data files."""
+
+
 def expand_inputs(inputs: list[str]) -> list[str]:
-    """Files and directories (recursed, sorted, hidden files skipped) → sorted list of files. A ``datasets``
-    ``save_to_disk`` directory (anywhere below) stands for its Arrow files, in its own order."""
+    """Files and directories (recursed, sorted, hidden files and a directory's documentation (``_DOCS``) skipped,
+    the latter with a warning naming them) → sorted list of files. A ``datasets`` ``save_to_disk`` directory
+    (anywhere below) stands for its Arrow files, in its own order. A file given by name is always read."""
     files: list[str] = []
     for item in inputs:
         p = Path(item)
         if p.is_dir():
             found = sorted(str(f) for f in p.rglob("*") if f.is_file()
                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            docs = [f for f in found if _DOCS.match(Path(f).name)]
+            if docs:
+                warnings.warn(f"skipping {len(docs)} documentation file(s) in input directory {item}: "
+                              f"{', '.join(docs[:5])}{', ...' if len(docs) > 5 else ''} (a dataset's README or "
+                              f"license is not its text; pass such a file by name to read it)", stacklevel=2)
+                skipped = set(docs)
+                found = [f for f in found if f not in skipped]
             if not found:
-                raise FileNotFoundError(f"input directory {item} contains no files")
+                raise FileNotFoundError(f"input directory {item} contains no files"
+                                        + (" besides documentation" if docs else ""))
             files.extend(_saved_datasets_expanded(p, found))
         elif p.is_file():
             files.append(str(p))

@@ -199,3 +199,37 @@ def test_a_shard_whose_text_is_all_null_counts_its_nulls(tmp_path, tok, containe
         "null_text": 4}
     m = preprocess([str(tmp_path / "in")], str(tmp_path / "ds"), tok.path, progress=False)
     assert m["report"]["skipped"] == {"null_text": 4} and m["report"]["documents"] == len(docs)
+
+
+# ------------------------------------------------------------------------------- documentation in a corpus dir
+
+
+def test_a_directorys_readme_and_license_are_not_tokenized_unless_named(tmp_path, tok):
+    """A downloaded dataset directory holds its README and license beside the text (wikitext-2's README in the
+    shared data): a directory input read them into the corpus, and the tokenizer's training, with nothing said.
+    They are skipped with a warning naming them; a file given by name is read as any."""
+    import json
+
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("\n\n".join(_sentences(20)) + "\n", encoding="utf-8")
+    docs = {corpus / "README.md": "# Dataset card\n\nLicensed under CC BY-SA.\n",
+            corpus / "LICENSE": "Permission is hereby granted, free of charge, to any person obtaining a copy.\n",
+            corpus / "sub" / "CITATION.cff": "cff-version: 1.2.0\ntitle: a corpus\n"}
+    for path, text in docs.items():
+        path.write_text(text, encoding="utf-8")
+    (corpus / "readme_notes.txt").write_text("\n\n".join(_sentences(3, seed=2)) + "\n")  # not documentation
+    with pytest.warns(UserWarning, match=r"skipping 3 documentation file\(s\) in input directory .*LICENSE"):
+        files = expand_inputs([str(corpus)])
+    assert files == [str(corpus / "a.txt"), str(corpus / "readme_notes.txt")]
+    with pytest.warns(UserWarning, match="documentation"):
+        manifest = preprocess([str(corpus)], str(tmp_path / "ds"), tok.path, progress=False)
+    alone = preprocess([str(corpus / "a.txt"), str(corpus / "readme_notes.txt")], str(tmp_path / "ref"), tok.path,
+                       progress=False)
+    assert manifest["num_tokens"] == alone["num_tokens"] and json.dumps(manifest["report"]).count("README") == 0
+    assert expand_inputs([str(corpus / "README.md")]) == [str(corpus / "README.md")]  # named: read
+    only_docs = tmp_path / "only_docs"
+    only_docs.mkdir()
+    (only_docs / "README").write_text("about\n")
+    with pytest.warns(UserWarning), pytest.raises(FileNotFoundError, match="no files besides documentation"):
+        expand_inputs([str(only_docs)])
