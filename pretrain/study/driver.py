@@ -470,7 +470,7 @@ def _print_plan(planner: Planner, steps: list[Step], out: Path, retry_diverged: 
         except StudyError as e:
             state, why = "conflict", str(e)
         if state in ("done", "stale") or (state == "todo" and step.kind == "train" and final_step(step.output)[0] >= 0):
-            runner.stamps[step.id] = stamp(step) if state != "todo" else "partial"
+            runner.stamps[step.id] = stamp(step, runner.digests) if state != "todo" else "partial"
         elif state in ("todo", "blocked"):
             runner.stamps[step.id] = "planned"
         elif state == "diverged":

@@ -319,3 +319,28 @@ def test_study_a_arms_run_the_plain_cls_they_claim(monkeypatch, tmp_path):
         nt = cfg["objective"]["nt_xent"]
         want = None if arm == "mlm" else 200 if arm == "remedy.mean-warmup-200" else 0
         assert (nt and nt["mean_pool_warmup_steps"]) == want or (nt is None and want is None), (arm, nt)
+
+
+def test_a_dry_run_reads_no_weights_whose_digest_the_study_recorded(monkeypatch, tmp_path, capsys):
+    """The driver keeps each run's weights digest in status.json (keyed by size and mtime), so a rerun does not
+    hash every finished run's weights again; --dry-run ignored that cache and hashed them all (a study of BERT-base
+    runs: gigabytes read to print a plan)."""
+    from pretrain.study import outputs
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "out"
+    _every_run_finished(out)
+    study = _study(tmp_path)
+    assert _main(study, out) == 0  # every step done: digests recorded
+    assert len(json.loads((out / "status.json").read_text())["weights_digests"]) == 6
+    opened = []
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(str(path))
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(outputs, "open", counting_open, raising=False)
+    capsys.readouterr()
+    assert _main(study, out, "--dry-run") == 0
+    assert "[done] train/a-seed1" in capsys.readouterr().out
+    assert not [p for p in opened if p.endswith("model.safetensors")], opened
