@@ -291,3 +291,24 @@ def test_the_step_comes_from_the_trainer_line_else_the_rollback_record(tmp_path)
     assert divergence(log, run) == (11, "Killed")
     (run / "metrics.jsonl").unlink()
     assert divergence(log, run) == (None, "Killed")
+
+
+def test_a_study_that_starts_from_another_studys_diverged_run_says_it_diverged(study, monkeypatch, capsys, tmp_path):
+    """Study e starts from study d's a-seed2, which diverged: it said "not finished: run that study first", which
+    the user had done (that study finished, exit 0, and a rerun keeps the divergence); it now says the run
+    diverged and how to retry it. A finished one is started from as before."""
+    path, out, launches = study
+    _exits(monkeypatch, a_seed2=3)
+    assert _main(path, out) == 0
+    user = tmp_path / "e.yaml"
+    user.write_text(f"name: e\nuses: {{d: {path}}}\nshared:\n  overrides: [train.max_steps=4]\narms:\n"
+                    "  - {name: x, config: configs/quickstart.yaml, seeds: [2],\n"
+                    "     overrides: [\"checkpoint.init_from={run:d/a}\"]}\n")  # the same seed: a-seed2
+    capsys.readouterr()
+    assert _main(user, tmp_path / "e_out", "--use", f"d={out}") == 1
+    err = capsys.readouterr().err
+    assert "starts from d's train/a-seed2, which diverged at step 3" in err and "--retry-diverged" in err, err
+    assert "not finished" not in err
+    user.write_text(user.read_text().replace("seeds: [2]", "seeds: [1]"))  # a-seed1 finished
+    assert _main(user, tmp_path / "e_out", "--use", f"d={out}") == 0
+    assert "train x-seed1" in launches()
