@@ -145,8 +145,8 @@ class PeerWatch:
                     seen[node] = (count, now)
             watched = [n for n, c in zip(watched, counts) if c < LEFT]
             lost = {n: now - seen[n][1] for n in watched if now - seen[n][1] > self.timeout_s}
-            if lost:
-                alive = [n for n in sorted(self.nodes) if n not in lost]
+            if lost:  # the lowest node still running reports (not one that left cleanly: it says nothing)
+                alive = [n for n in watched if n not in lost]
                 report = self.env.local_rank == 0 and alive[:1] == [self.env.node_rank]
                 self._give_up(self._lost_message(lost) if report else "", report=report)
 
