@@ -153,6 +153,8 @@ class Trainer:
     def train(self) -> int:
         """Runs to train.max_steps (or a stop signal). Returns the process exit code."""
         c, st = self.cfg, self.state
+        if st.step and st.step >= c.train.max_steps:  # resumed where the run ended
+            return self._already_finished()
         self.train_loader = self._loader(self.train_set, st.consumed_samples)
         loader = iter(self.train_loader)
         if self.env.is_main:
@@ -325,6 +327,16 @@ class Trainer:
                 print_progress(line)
         return 0
 
+    def _already_finished(self) -> int:
+        """A launch that resumed at (or past) train.max_steps: the run's last launch validated, evaluated and saved
+        there already. A resubmitted or chained job, or a requeue after the end, repeated that (a second final
+        record in metrics.jsonl and TensorBoard, the final checkpoint written again); now it says so and ends 0."""
+        if self.env.is_main:
+            print_progress(f"done already: {self.run_dir} is at step {self.state.step} of train.max_steps="
+                           f"{self.cfg.train.max_steps}, validated and saved there; nothing to train (raise "
+                           f"train.max_steps to train on)")
+        return 0
+
     def _next_batch(self, loader) -> dict:
         t_wait = time.perf_counter()
         batch = next(loader)
@@ -393,6 +405,9 @@ class Trainer:
             self.saver.wait()
         self.writer.log(self.state.step, {"pause_s": time.perf_counter() - t0, "wait_prev_s": waited},
                         split="checkpoint")
+        # Events up to a checkpoint are never logged again once a relaunch resumes from it: on disk now (with
+        # TensorFlow installed, TensorBoard's writer buffers up to 120 s that a SIGKILL after a stop would lose).
+        self.writer.flush()
         return path
 
     def _published(self, path: Path) -> None:

@@ -1,0 +1,82 @@
+"""Review of the run's history across interruptions: what metrics.jsonl, ``pretrain-report``'s reader and
+TensorBoard (its own reader of the event files) hold after a crash and a resume from an earlier checkpoint, a
+rollback, and a relaunch of a run that had finished."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+def _tb(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard's own reading of every event file under ``tb_dir`` (its purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _lines(run: Path) -> list[tuple[int, str]]:
+    return [(r["step"], r["split"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_steps_redone_after_a_crash_and_a_rollback_are_held_once_by_every_reader(tmp_path):
+    """The first launch logs to step 450 and dies (the step-400 checkpoint is its newest); the relaunch resumes from
+    step 400, logs steps 410-500 again with other values, then a spike at step 500 rolls it back to its step-450
+    checkpoint, which it trains on from. metrics.jsonl, pretrain-report's reader and TensorBoard each hold every
+    step once, with the values of the launch that logged it last."""
+    from pretrain.metrics.history import read_metrics
+    from pretrain.metrics.writer import MetricsWriter
+
+    run = tmp_path / "run"
+    first = MetricsWriter(run)
+    for step in range(10, 451, 10):
+        first.log(step, {"loss": 1.0})
+        if step % 50 == 0:
+            first.log(step, {"mlm": 1.0}, split="valid")
+    first.close()  # a kill leaves the same files: each line is one write, each event is written as it comes
+
+    second = MetricsWriter(run, resume_step=400)
+    for step in range(410, 501, 10):
+        second.log(step, {"loss": 2.0})
+        if step % 50 == 0:
+            second.log(step, {"mlm": 2.0}, split="valid")
+    second.rewind(450)
+    second.log(450, {"trigger_step": 500, "retry": 1}, split="rollback")
+    for step in range(460, 501, 10):
+        second.log(step, {"loss": 3.0})
+    second.close()
+
+    lines = _lines(run)
+    assert len(lines) == len(set(lines))
+    records, notes = read_metrics(run / "metrics.jsonl")
+    assert notes == []
+    want = {s: 1.0 if s <= 400 else 2.0 if s <= 450 else 3.0 for s in range(10, 501, 10)}
+    assert dict(zip(*records["train"].series("loss"))) == want
+    assert dict(zip(*records["valid"].series("mlm"))) == {50 * k: 1.0 if k <= 8 else 2.0 for k in range(1, 10)}
+    tb = _tb(run / "tb")
+    assert tb["train/loss"] == sorted(want.items())
+    assert tb["rollback/retry"] == [(450, 1.0)]
+
+
+def test_a_relaunch_of_a_finished_run_logs_nothing_again(tmp_path, tiny_overrides, clean_env, capsys):
+    """A finished run launched again with the same command (a resubmitted or chained sbatch job, a requeue that came
+    after the end): it resumes at train.max_steps with no step to train. Its final validation and checkpoint records
+    were appended a second time (TensorBoard: two points at that step in valid/* and checkpoint/*), and the final
+    checkpoint was written again."""
+    from pretrain.train import main
+
+    run = tmp_path / "run"
+    argv = tiny_overrides(run, train__max_steps=2, checkpoint__every=2)
+    assert main(argv) == 0
+    before = _lines(run)
+    assert (2, "valid") in before
+    ckpt = run / "checkpoints" / "step_00000002" / "model.safetensors"
+    written = ckpt.stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert _lines(run) == before and ckpt.stat().st_mtime_ns == written
+    assert "done already: " in capsys.readouterr().out
