@@ -429,6 +429,7 @@ class Trainer:
             flags = all_reduce_host(flags)
         self._save_due = self._save_due or bool(flags[3])
         if flags[1]:  # another trainer took the run directory over: stop without writing anything more
+            self._lock_taken = True  # close() abandons a save in flight instead of finishing it
             raise RunDirLocked(f"the lock of run directory {self.run_dir} was taken over by another trainer "
                                f"({self.run_dir / LOCK_NAME}); stopping at step {self.state.step} without saving")
         return "metrics" if flags[2] else "signal" if flags[0] else None
@@ -452,6 +453,11 @@ class Trainer:
         return step
 
     def close(self) -> None:
+        if getattr(self, "_lock_taken", False):  # the run directory is another trainer's now: publish nothing
+            step, _ = self.abandon_save()
+            if step is not None and self.env.is_main:
+                print_progress(f"the save of step {step} in flight was abandoned: another trainer holds "
+                               f"{self.run_dir} now")
         saver = getattr(self, "saver", None)
         error = saver.close() if saver is not None else None  # a save in flight is finished, not abandoned
         if error is not None:

@@ -80,3 +80,48 @@ def test_a_relaunch_of_a_finished_run_logs_nothing_again(tmp_path, tiny_override
     assert main(argv) == 0
     assert _lines(run) == before and ckpt.stat().st_mtime_ns == written
     assert "done already: " in capsys.readouterr().out
+
+
+def test_a_save_in_flight_when_the_lock_is_taken_over_is_abandoned_not_published(tmp_path, tiny_overrides, clean_env,
+                                                                                 monkeypatch):
+    """Another trainer took the run directory over (a requeue of the same job while this process was still alive):
+    this one stops without saving, but its close() still finished the background save in flight and published it
+    into the directory the other trainer now writes (its retention, its latest, a tag the other may write too)."""
+    import threading
+
+    import torch
+
+    from pretrain.checkpoint import store
+    from pretrain.checkpoint.writer import CheckpointWriter
+    from pretrain.config import load_run_config
+    from pretrain.distributed.env import destroy_process_group, init_process_group, single_process_env
+    from pretrain.training.run_lock import RunDirLocked
+    from pretrain.training.trainer import Trainer
+
+    go = threading.Event()
+    run_save = CheckpointWriter._run
+
+    def held(self, job):  # the save is slow: it starts writing once the test lets it
+        go.wait(30)
+        run_save(self, job)
+
+    monkeypatch.setattr(CheckpointWriter, "_run", held)
+    env = single_process_env()
+    init_process_group(env, backend="gloo", timeout_s=60)
+    run = tmp_path / "run"
+    trainer = Trainer(load_run_config(None, tiny_overrides(run, checkpoint__background="true")), env)
+    try:
+        loader = iter(trainer._loader(trainer.train_set, 0))
+        trainer.engine.train()
+        trainer.train_step(loader)
+        trainer.save()  # in flight, held
+        trainer.lock.lost = True  # what its heartbeat sets when another trainer's lock replaced it
+        with pytest.raises(RunDirLocked, match="taken over by another trainer"):
+            trainer._should_stop()
+    finally:
+        threading.Timer(0.3, go.set).start()
+        trainer.close()
+        destroy_process_group()
+    assert store.list_complete(store.checkpoints_dir(run)) == []
+    assert not [p for p in store.checkpoints_dir(run).iterdir() if "step_00000001" in p.name]
+    assert torch.distributed.is_initialized() is False
