@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "times slower on CPU (CR: ~6 min on 2 cores); pytorch-fasttest = its mode 'fasttest' "
                         "(RMSprop, batch 32, tenacity 3, epoch_size 2, 5 folds)")
     p.add_argument("--inner-kfold", type=int, default=None,
-                   help="transfer: inner model-selection folds (default: the classifier's outer folds, as SentEval)")
+                   help="transfer: the folds that choose the classifier's regularisation: the inner folds of MR, "
+                        "CR, SUBJ, MPQA and the cross-validation on train of TREC and MRPC (default: the "
+                        "classifier's folds, as SentEval)")
     p.add_argument("--jobs", type=int, default=0,
                    help="transfer: processes for the classifier fits (0 = every core); results do not depend on it")
     p.add_argument("--mrpc-features", default="senteval", choices=["senteval", "uv_absdiff_prod"],

@@ -199,12 +199,13 @@ def nested_cv_accuracy(x_NF: np.ndarray, y_N: np.ndarray, cfg: ClassifierConfig)
 
 def train_test_accuracy(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig, x_dev=None, y_dev=None) -> dict:
     """C by dev accuracy over cfg.c_grid (when given) else k-fold CV on train over cfg.kfold_c_grid (SentEval's
-    KFoldClassifier); refit on train; test accuracy ×100."""
+    KFoldClassifier, cfg.inner_kfold folds: the model selection's, equal to cfg.kfold unless --inner-kfold says
+    otherwise); refit on train; test accuracy ×100."""
     if x_dev is not None:
         scores = _run_all([(_fit_score, (x_tr, y_tr, x_dev, y_dev, c, cfg)) for c in cfg.c_grid], _jobs(cfg))
         c, dev = senteval_best(cfg.c_grid, scores)
     else:
-        c, dev = select_c(x_tr, y_tr, cfg, cfg.kfold, n_jobs=_jobs(cfg), grid=cfg.kfold_c_grid)
+        c, dev = select_c(x_tr, y_tr, cfg, cfg.inner_kfold, n_jobs=_jobs(cfg), grid=cfg.kfold_c_grid)
     clf = _fit(x_tr, y_tr, c, cfg)
     pred = clf.predict(x_te)
     out = {"acc": 100 * float(np.mean(pred == y_te)), "devacc": 100 * dev, "C": c, "n": int(len(y_te))}

@@ -209,7 +209,7 @@ def num_classes_of(*labels) -> int:
 def kfold_accuracy(x_tr, y_tr, x_te, y_te, cfg: ClassifierConfig, num_classes: int) -> dict:
     """SentEval's KFoldClassifier (TREC, MRPC): L2 by k-fold on train (fits in parallel), refit with 5 % held out,
     test accuracy."""
-    means = _grid_means(x_tr, y_tr, _stratified(cfg.kfold, cfg, x_tr, y_tr), num_classes, cfg, _jobs(cfg))
+    means = _grid_means(x_tr, y_tr, _stratified(cfg.inner_kfold, cfg, x_tr, y_tr), num_classes, cfg, _jobs(cfg))
     reg, dev = senteval_best(cfg.pytorch.l2_grid, means)
     return _test_result(_final_predict(x_tr, y_tr, reg, num_classes, cfg, x_te), y_te, reg, dev, num_classes)
 

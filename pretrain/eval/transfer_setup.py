@@ -53,8 +53,9 @@ class ClassifierConfig:
     """Inverse L2 strengths tried when C is chosen by k-fold CV on train (TREC, MRPC): SentEval's KFoldClassifier
     grid 2^-1 … 2^5."""
     kfold: int = 10
-    inner_kfold: int = 10
-    """Folds of the inner model selection (SentEval uses kfold again; fewer is faster)."""
+    inner_kfold: int = 0
+    """Folds of the model selection: the inner folds of the InnerKFold tasks and the CV on train of the KFold tasks
+    (TREC, MRPC); 0 = kfold, as SentEval (fewer is faster)."""
     seed: int = 1111
     max_iter: int = 100
     """lbfgs iterations: SentEval's sklearn path builds ``LogisticRegression(C, random_state)``, i.e. scikit-learn's
@@ -67,6 +68,7 @@ class ClassifierConfig:
     depend on it: each fit is the same deterministic problem wherever it runs."""
 
     def __post_init__(self) -> None:
+        self.inner_kfold = self.inner_kfold or self.kfold
         if self.kfold < 2 or self.inner_kfold < 2:
             raise ValueError(f"kfold and inner_kfold must be >= 2, got {self.kfold}, {self.inner_kfold}")
         if self.n_jobs < 0:

@@ -106,6 +106,21 @@ def test_train_test_c_by_kfold_uses_senteval_kfold_grid():
     assert got["C"] == ref_c and got["acc"] == pytest.approx(ref_acc, abs=1e-9)
 
 
+def test_inner_kfold_sets_the_folds_that_choose_c_for_trec_and_mrpc_too():
+    """--inner-kfold (the model selection's folds) reached the InnerKFold tasks only: TREC's and MRPC's C was
+    chosen by 10-fold CV on train whatever it said (70 fits for MRPC: most of a quick transfer run). Left unset it
+    is kfold, as SentEval."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((160, 20))
+    y = (x[:, :3].sum(1) + 0.8 * rng.standard_normal(160) > 0).astype(np.int64)
+    for k in (2, 3, 4):
+        cfg = se.ClassifierConfig(kfold=4, inner_kfold=k, n_jobs=1)
+        ref_c, ref_acc = _senteval_kfold_classifier(x[:120], y[:120], x[120:], y[120:], k, cfg)
+        got = se.train_test_accuracy(x[:120], y[:120], x[120:], y[120:], cfg)
+        assert got["C"] == ref_c and got["acc"] == pytest.approx(ref_acc, abs=1e-9), k
+    assert se.ClassifierConfig(kfold=4).inner_kfold == 4
+
+
 # Examples per split (MANIFEST §2; CR/MPQA keep their empty lines as SentEval does).
 COUNTS = {"MR": {"all": 10662}, "CR": {"all": 3775}, "SUBJ": {"all": 10000}, "MPQA": {"all": 10606},
           "SST2": {"train": 67349, "dev": 872, "test": 1821}, "TREC": {"train": 5452, "test": 500},
