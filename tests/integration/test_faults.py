@@ -751,18 +751,31 @@ def test_a_data_worker_killed_mid_run_ends_the_run_with_exit_5_in_one_line(tmp_p
     assert not (run_dir / "run.lock").exists()
 
 
-def _slow_steps(patch: str = "") -> str:
-    """A trainer whose every step prints "inside a step", then takes 3 s more (a Ctrl-C sent at that line lands
-    inside a step, not where the trainer may already be past its check for a stop), and ``patch`` (code run
-    before the trainer starts) slowing one more place."""
+def _slow_steps(patch: str = "", step_waits_for: int = 1) -> str:
+    """A trainer whose every step prints "inside a step", then stays in the step for up to 3 s more (a Ctrl-C
+    sent at that line lands inside a step, not where the trainer may already be past its check for a stop): until
+    its stop-signal handler has been given ``step_waits_for`` signals in all, which ends the wait early; and
+    ``patch`` (code run before the trainer starts, which may call ``pause`` too) slowing one more place."""
     return f"""
 import os, time
+from pretrain.distributed.signals import StopSignal
 from pretrain.training.trainer import Trainer
+handled = [0]  # the signals the trainer's StopSignal handler has been given
+real_handle = StopSignal._handle
+def counting_handle(self, signum, frame):
+    handled[0] += 1
+    return real_handle(self, signum, frame)
+StopSignal._handle = counting_handle
+def pause(signals):
+    \"\"\"Up to 3 s; over as soon as the handler has been given ``signals`` signals (it returned, or raised).\"\"\"
+    end = time.monotonic() + 3.0
+    while handled[0] < signals and time.monotonic() < end:
+        time.sleep(0.01)
 real_step = Trainer.train_step
 def slow_step(self, *a, **k):
     out = real_step(self, *a, **k)
     print(f"inside a step: pid {{os.getpid()}}", flush=True)
-    time.sleep(3.0)
+    pause({step_waits_for})
     return out
 Trainer.train_step = slow_step
 {patch}
@@ -771,12 +784,13 @@ cli()
 """
 
 
-def _two_ctrl_cs(run_dir: Path, tiny_overrides, *, second_at: str, patch: str = "") -> tuple[int, str]:
-    """``_slow_steps(patch)`` on ``run_dir``: the first Ctrl-C (to the process group, as a terminal sends it)
-    inside a step, the second at the first line after it that starts with ``second_at``; (exit code, output).
-    One line at a time: each Ctrl-C answers what the trainer says."""
+def _two_ctrl_cs(run_dir: Path, tiny_overrides, *, second_at: str, patch: str = "",
+                 step_waits_for: int = 1) -> tuple[int, str]:
+    """``_slow_steps(patch, step_waits_for)`` on ``run_dir``: the first Ctrl-C (to the process group, as a terminal
+    sends it) inside a step, the second at the first line after it that starts with ``second_at``; (exit code,
+    output). One line at a time: each Ctrl-C answers what the trainer says."""
     args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=0)
-    p = subprocess.Popen([sys.executable, "-c", _slow_steps(patch), *args], cwd=REPO, env=_env(),
+    p = subprocess.Popen([sys.executable, "-c", _slow_steps(patch, step_waits_for), *args], cwd=REPO, env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen, sent = [], False
     for line in p.stdout:
@@ -794,7 +808,9 @@ def _two_ctrl_cs(run_dir: Path, tiny_overrides, *, second_at: str, patch: str = 
 @pytest.mark.slow
 def test_second_sigint_aborts_at_once(tmp_path, tiny_overrides):
     run_dir = tmp_path / "run"
-    code, out = _two_ctrl_cs(run_dir, tiny_overrides, second_at="received SIGINT")
+    # The step waits for both Ctrl-Cs: the second must land before the step is over and the stop's checkpoint
+    # begins.
+    code, out = _two_ctrl_cs(run_dir, tiny_overrides, second_at="received SIGINT", step_waits_for=2)
     assert code == 130, out[-3000:]
     assert "aborted by a second SIGINT (rank 0); nothing was saved since the last checkpoint" in out, out[-3000:]
     assert "Traceback" not in out and "checkpointed step" not in out
@@ -803,11 +819,20 @@ def test_second_sigint_aborts_at_once(tmp_path, tiny_overrides):
 
 
 _SLOW_WRITE = """
-from pretrain.checkpoint import store
+import threading
+from pretrain.checkpoint import store, writer
+cancelled = threading.Event()  # set once this rank's save in flight was told to stop (by the abandon)
+real_cancel = writer.CheckpointWriter.cancel
+def noting_cancel(self):
+    real_cancel(self)
+    cancelled.set()
+writer.CheckpointWriter.cancel = noting_cancel
 real_weights = store.write_weights
 def slow_weights(*a, **k):
     print("writing the checkpoint", flush=True)
-    time.sleep(3.0)  # the second Ctrl-C lands while the checkpoint is being written
+    # The second Ctrl-C lands while the checkpoint is being written; its abandon ends this wait (at most 3 s),
+    # and the writer stops at its next check.
+    cancelled.wait(3.0)
     return real_weights(*a, **k)
 store.write_weights = slow_weights
 """
@@ -870,7 +895,7 @@ _SLOW_CLOSE = """
 real_close = Trainer.close
 def slow_close(self):
     print("closing", flush=True)
-    time.sleep(3.0)  # the second Ctrl-C lands while the trainer closes, after the stop's checkpoint
+    pause(2)  # the second Ctrl-C lands while the trainer closes, after the stop's checkpoint
     return real_close(self)
 Trainer.close = slow_close
 """

@@ -1,12 +1,17 @@
 """Resume on another number of ranks (issue #13): ZeRO 1-3 through DeepSpeed's universal checkpoint.
 
-A tiny fp32 run without dropout is checkpointed at step 3 on W0 ranks, then resumed on W1 ranks. The unchanged
+A tiny fp32 run without dropout is checkpointed at step 2 on W0 ranks, then resumed on W1 ranks. The unchanged
 W0-rank run is the reference: after the resume every step must read the same samples (compared as multisets of
 sample fingerprints, recorded by a wrapper around the trainer's next-batch call) and, when the micro-steps keep
 their sequences (micro_batch_size re-split), log the same losses within 1e-5 relative. When only grad_accum can
 absorb the change, the samples of each step still match, the MLM loss stays close and the contrastive loss is
 another one (more in-batch negatives per micro-step). The batch-split rule itself is tested directly
 (``resume_batch_split``).
+
+Each reference run is made once per module (the 2-rank ones serve two cases). A resume on one rank runs in this
+process (``pretrain.train.main``, as ``pretrain-train`` without a launcher): a torchrun job of one rank resumes
+the same way (a process group of one, only joined through torchrun's store instead of a private one;
+``DistEnv.is_distributed`` False either way) after seconds of start-up.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import pytest
 from test_faults import (  # the fault suite's torchrun helpers (same directory)
     _launch,
+    _main,
     _train_records,
 )
 
@@ -26,10 +32,13 @@ from pretrain.checkpoint import store
 from pretrain.checkpoint.universal import UNIVERSAL_DIR, UNIVERSAL_SOURCE
 from pretrain.training.resume import resume_batch_split
 
-MAX_STEPS, RESUME_AT = 6, 3
+# Two steps after the resume: the first reads the restored data position and optimizer state, the second the
+# state its own update left.
+MAX_STEPS, RESUME_AT = 4, 2
 
-RECORDER = '''"""pretrain.train, writing each micro-batch's sample fingerprints to <run_dir>/samples-rank<r>.jsonl."""
-import hashlib, json, sys
+RECORDING = '''"""A wrapper around Trainer._next_batch writing each micro-batch's sample fingerprints to
+<run_dir>/samples-rank<r>.jsonl."""
+import hashlib, json
 import torch
 from pretrain.training.trainer import Trainer
 
@@ -43,7 +52,9 @@ def _recording(self, loader):
     with open(self.run_dir / f"samples-rank{self.env.rank}.jsonl", "a") as f:
         f.write(json.dumps({"step": self.state.step + 1, "samples": rows}) + "\\n")
     return batch
+'''
 
+RECORDER = RECORDING + '''
 
 Trainer._next_batch = _recording
 from pretrain.train import cli  # the trainer's own exit: flushed, no interpreter teardown (train.py: cli)
@@ -63,6 +74,18 @@ def _train(overrides: list[str], nproc: int, script: Path) -> str:
     p = _launch(overrides, nproc, script=script)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
+    return out
+
+
+def _train_here(overrides: list[str], monkeypatch, capsys) -> str:
+    """One rank, in this process: ``pretrain.train.main`` with the recorder's wrapper around the next-batch call."""
+    from pretrain.training.trainer import Trainer
+
+    recording: dict = {}
+    exec(RECORDING, recording)
+    monkeypatch.setattr(Trainer, "_next_batch", recording["_recording"])
+    code, out = _main(overrides, capsys)
+    assert code == 0, out[-3000:]
     return out
 
 
@@ -118,7 +141,8 @@ CASES = [
 @pytest.mark.parametrize("stage,old_world,new_world,micro,accum,exact", CASES,
                          ids=[f"zero{c[0]}-{c[1]}to{c[2]}" + ("" if c[5] else "-grad_accum") for c in CASES])
 def test_resume_on_another_rank_count_continues_the_run(stage, old_world, new_world, micro, accum, exact,
-                                                        tmp_path, tiny_overrides, reference_run, recorder):
+                                                        tmp_path, tiny_overrides, reference_run, recorder,
+                                                        clean_env, one_thread, monkeypatch, capsys):
     ref_dir = reference_run(stage, old_world, micro, accum)
     run_dir = tmp_path / "run"
     shutil.copytree(ref_dir, run_dir)
@@ -131,7 +155,11 @@ def test_resume_on_another_rank_count_continues_the_run(stage, old_world, new_wo
     files_before = sorted(p.name for p in tag_dir.iterdir())
 
     # The same command on another number of ranks: the batch split is chosen to keep the global batch.
-    out = _train(_overrides(tiny_overrides, run_dir, stage, micro, accum), new_world, recorder)
+    overrides = _overrides(tiny_overrides, run_dir, stage, micro, accum)
+    if new_world == 1:
+        out = _train_here(overrides, monkeypatch, capsys)
+    else:
+        out = _train(overrides, new_world, recorder)
     assert f"at step {RESUME_AT} (written by {old_world} ranks)" in out, out[-3000:]
     if exact:
         assert f"train.micro_batch_size {micro} -> {micro * old_world // new_world} (grad_accum {accum})" in out
