@@ -67,8 +67,8 @@ def to_hf(
 
     The sentence embedding is the one its run evaluated (``recorded_pooling``: eval.pooling, else model.pooling;
     unsupervised SimCSE trains [CLS] through its MLP and evaluates [CLS] before it) through the model's pooler,
-    Dense and Normalize, unless ``pooling`` says otherwise; the MLM head (mlm/: when the weights have one and their run, if known, trained it) and the
-    projection head are written only when the weights have them."""
+    Dense and Normalize, unless ``pooling`` says otherwise; the MLM head (mlm/: when the weights have one and
+    their run, if known, trained it) and the projection head are written only when the weights have them."""
     if Path(out_dir).exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists; remove it or pass --overwrite")
     w = _open_ours(checkpoint, trust)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with a run directory: its newest checkpoint (default), best/ (best STS-B dev) or "
                         "checkpoints/step_N")
     p.add_argument("--pooling", choices=list(POOLINGS), default=None,
-                   help="sentence-transformers pooling (default: the run's eval.pooling, else model.pooling)")  # fmt: skip
+                   help="sentence-transformers pooling (default: the run's eval.pooling, else model.pooling)")
     p.add_argument("--max-seq-length", type=int, default=None, help="default: the run's data.max_len")
     p.add_argument("--no-mlm-head", action="store_true",
                    help="leave out mlm/ (the BertForMaskedLM copy: encoder + MLM head; about doubles the size)")
