@@ -56,8 +56,8 @@ def _batch(permute: bool = False) -> dict:
 
 
 def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: bool, gather: bool,
-          compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1,
-          joint: bool | str = False, decoder_chunk: int = 0) -> None:
+          compile_: bool = False, nan_rank: tuple[int, ...] | None = None, precision: str = "fp32",
+          grad_accum: int = 1, joint: bool | str = False, decoder_chunk: int = 0) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -75,42 +75,55 @@ def _step(rank: int, world: int, port: int, zero_stage: int, out: str, permute: 
 
         env = DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world, node_rank=0,
                       master_addr="127.0.0.1", master_port=port, launcher="torchrun")
-        torch.manual_seed(0)
-        mcfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_position=64,
-                           dropout=0.0, attention_dropout=0.0, pooling="mean")
-        objective = ObjectiveConfig(nt_xent=dataclasses.replace(ObjectiveConfig().nt_xent, gather=gather))
-        module = TrainModule(build_model(mcfg), Objective(objective, Context(env, OpsConfig(), "mean",
-                                                                             joint_pass=joint)))
-        if compile_:  # train.compile (aot_eager: the traced graph, no C++ build)
-            module.compile_step(backend="aot_eager")
-        if zero_stage == 3:
-            _partition_everything()
-        # eps >> |grad| makes Adam's first step ~ lr*grad (smooth), so float reduction order shows up as
-        # ~1e-9 differences instead of sign flips of near-zero gradients.
-        optim = OptimConfig(lr=1.0, eps=1.0, warmup_steps=0, clip_grad_norm=0.0)
-        engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
-                        train=TrainConfig(micro_batch_size=B // world, precision=precision, grad_accum=grad_accum), env=env,
-                        dist=DistributedConfig(zero_stage=zero_stage), lr_lambda=lr_lambda(optim, 10))
-        per = B // world
-        batch = {k: v[rank * per:(rank + 1) * per] for k, v in _batch(permute).items()}
-        if compile_ or joint:  # as the trainer's step hands it over (MLM positions known: no data-dependent shape;
-            # joint: the MLM rows and views packed as one stream, train.joint_pass)
-            from pretrain.training.step import host_facts
 
-            batch = host_facts(batch, unpadded=joint, joint=joint)
-            if joint == "fixed":  # the compiled step's layout: its four groups
-                assert len(batch["packed_joint"].groups) == 4, batch["packed_joint"].groups
-        loss, _ = engine.forward(batch)
-        if nan_rank is not None:  # the gradient norms only: the Engine's and DeepSpeed's, one rank's gradients NaN
-            for micro in range(grad_accum):
-                if micro:
+        def build():
+            """(module, engine, this rank's half of the batch): a fresh model (seed 0) in a fresh Engine."""
+            torch.manual_seed(0)
+            mcfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64,
+                               max_position=64, dropout=0.0, attention_dropout=0.0, pooling="mean")
+            objective = ObjectiveConfig(nt_xent=dataclasses.replace(ObjectiveConfig().nt_xent, gather=gather))
+            module = TrainModule(build_model(mcfg), Objective(objective, Context(env, OpsConfig(), "mean",
+                                                                                 joint_pass=joint)))
+            if compile_:  # train.compile (aot_eager: the traced graph, no C++ build)
+                module.compile_step(backend="aot_eager")
+            if zero_stage == 3:
+                _partition_everything()
+            # eps >> |grad| makes Adam's first step ~ lr*grad (smooth), so float reduction order shows up as
+            # ~1e-9 differences instead of sign flips of near-zero gradients.
+            optim = OptimConfig(lr=1.0, eps=1.0, warmup_steps=0, clip_grad_norm=0.0)
+            engine = Engine(module, build_param_groups(module, optim.weight_decay), optim=optim,
+                            train=TrainConfig(micro_batch_size=B // world, precision=precision,
+                                              grad_accum=grad_accum), env=env,
+                            dist=DistributedConfig(zero_stage=zero_stage), lr_lambda=lr_lambda(optim, 10))
+            per = B // world
+            batch = {k: v[rank * per:(rank + 1) * per] for k, v in _batch(permute).items()}
+            if compile_ or joint:  # as the trainer's step hands it over (MLM positions known: no data-dependent
+                # shape; joint: the MLM rows and views packed as one stream, train.joint_pass)
+                from pretrain.training.step import host_facts
+
+                batch = host_facts(batch, unpadded=joint, joint=joint)
+                if joint == "fixed":  # the compiled step's layout: its four groups
+                    assert len(batch["packed_joint"].groups) == 4, batch["packed_joint"].groups
+            return module, engine, batch
+
+        if nan_rank is not None:  # the gradient norms only, the Engine's and DeepSpeed's: a fresh engine for each
+            # entry (-1: every rank's gradients finite; else that rank's last micro-batch's NaN), one process start
+            norms = []
+            for nan in nan_rank:
+                module, engine, batch = build()
+                for micro in range(grad_accum):
                     loss, _ = engine.forward(batch)
-                engine.micro_step(loss, finite=torch.tensor(rank != nan_rank or micro < grad_accum - 1))
-            norms = (engine._grad_norm(), engine.ds.optimizer.scaled_global_norm().reshape(()))
+                    engine.micro_step(loss, finite=torch.tensor(rank != nan or micro < grad_accum - 1))
+                norms.append((engine._grad_norm(), engine.ds.optimizer.scaled_global_norm().reshape(())))
+                dist.barrier()
+                del engine, module
+                gc.collect()
             if rank == 0:
                 torch.save(norms, out)
             dist.barrier()
             return
+        module, engine, batch = build()
+        loss, _ = engine.forward(batch)
         engine.micro_step(loss)
         engine.step()
         with _whole(module, zero_stage):
@@ -154,12 +167,12 @@ def _whole(module, zero_stage: int):
 
 
 def _run(world: int, zero_stage: int, out: str, *, permute: bool = False, gather: bool = True,
-         compile_: bool = False, nan_rank: int | None = None, precision: str = "fp32", grad_accum: int = 1,
-         joint: bool | str = False, decoder_chunk: int = 0) -> dict:
+         compile_: bool = False, nan_rank: tuple[int, ...] | None = None, precision: str = "fp32",
+         grad_accum: int = 1, joint: bool | str = False, decoder_chunk: int = 0):
     """The model's weights after the step (under ``compile_``, rank 0's graph breaks in ``out``.breaks; with
     ``decoder_chunk``, the MLM decoder in chunks of that many columns and rank 0's count of chunked calls in
-    ``out``.chunked); with ``nan_rank`` (-1: none) no step, but (the Engine's gradient norm, DeepSpeed's) after the
-    backward."""
+    ``out``.chunked); with ``nan_rank`` no step, but for each of its entries (-1: none; else the rank whose last
+    micro-batch's gradients are NaN) a fresh engine's (Engine's gradient norm, DeepSpeed's) after the backward."""
     mp.spawn(_step, args=(world, _free_port(), zero_stage, out, permute, gather, compile_, nan_rank, precision,
                           grad_accum, joint, decoder_chunk), nprocs=world, join=True)
     return torch.load(out)
@@ -172,10 +185,11 @@ def test_the_engines_gradient_norm_is_deepspeeds_over_two_ranks(zero_stage, prec
     ``scaled_global_norm`` (a norm per tensor, a collective per group), and is not finite where one rank's
     last micro-batch's gradients are NaN (DeepSpeed's inf or -1), so that every rank skips the step."""
     kw = dict(precision=precision, grad_accum=grad_accum)
-    ours, theirs = _run(2, zero_stage, str(tmp_path / "norms.pt"), nan_rank=-1, **kw)
+    # one process start for both: a fresh engine with finite gradients, then one whose rank 1 gets NaN ones
+    (ours, theirs), nan = _run(2, zero_stage, str(tmp_path / "norms.pt"), nan_rank=(-1, 1), **kw)
     assert float(theirs) > 0
     torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
-    ours, theirs = _run(2, zero_stage, str(tmp_path / "nan.pt"), nan_rank=1, **kw)
+    ours, theirs = nan
     assert not torch.isfinite(ours) and (not torch.isfinite(theirs) or float(theirs) < 0)
 
 
@@ -209,9 +223,11 @@ def _update_mismatch(got: dict, want: dict, init: dict) -> list[str]:
     return bad
 
 
-def _single_process(tmp_path) -> tuple[dict, dict]:
-    """(weights after the single process's step, the initial weights): the reference the two-rank runs match."""
-    single = _run(1, 0, str(tmp_path / "single.pt"))
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory) -> tuple[dict, dict]:
+    """(weights after the single process's step, the initial weights): the reference the two-rank runs match. One
+    run a module: the step is deterministic (one process, one thread, seeded), and every test here compares with it."""
+    single = _run(1, 0, str(tmp_path_factory.mktemp("single") / "single.pt"))
     torch.manual_seed(0)
     from pretrain.model import build_model
 
@@ -221,8 +237,8 @@ def _single_process(tmp_path) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-def test_zero2_two_ranks_match_single_process(tmp_path):
-    single, init = _single_process(tmp_path)
+def test_zero2_two_ranks_match_single_process(tmp_path, single_process):
+    single, init = single_process
     moved = sum(not torch.equal(single[k], init[k]) for k in single)
     assert moved > len(single) // 2  # the step really changed the weights
 
@@ -239,20 +255,20 @@ def test_zero2_two_ranks_match_single_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero2_two_ranks_compiled_match_single_process(tmp_path):
+def test_zero2_two_ranks_compiled_match_single_process(tmp_path, single_process):
     """train.compile with NT-Xent's negatives gathered across the two ranks: no graph break (the all-gather with
     gradient traced), the single process's update."""
-    single, init = _single_process(tmp_path)
+    single, init = single_process
     compiled = _run(2, 2, str(tmp_path / "compiled.pt"), compile_=True)
     assert _update_mismatch(compiled, single, init) == []
     assert torch.load(str(tmp_path / "compiled.pt.breaks")) == {}  # the gather traced too
 
 
 @pytest.mark.slow
-def test_zero3_two_ranks_compiled_match_single_process(tmp_path):
+def test_zero3_two_ranks_compiled_match_single_process(tmp_path, single_process):
     """train.compile under ZeRO-3 (every parameter partitioned between uses): the whole module gathers around the
     compiled region, no graph break inside, and the two ranks take the single process's eager update."""
-    single, init = _single_process(tmp_path)
+    single, init = single_process
     compiled = _run(2, 3, str(tmp_path / "compiled.pt"), compile_=True)
     assert compiled.keys() == single.keys()
     assert _update_mismatch(compiled, single, init) == []
@@ -260,11 +276,11 @@ def test_zero3_two_ranks_compiled_match_single_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_two_ranks_compiled_unpadded_match_single_process(tmp_path):
+def test_zero3_two_ranks_compiled_unpadded_match_single_process(tmp_path, single_process):
     """The compiled step's own path (train.compile with train.unpadded: each rank's MLM rows and views as one stream
     in the fixed layout's four attention groups) under ZeRO-3 with every parameter partitioned, the negatives
     gathered: no graph break, the single process's (padded, eager) update."""
-    single, init = _single_process(tmp_path)
+    single, init = single_process
     compiled = _run(2, 3, str(tmp_path / "fixed.pt"), compile_=True, joint="fixed")
     assert compiled.keys() == single.keys()
     assert _update_mismatch(compiled, single, init) == []
@@ -272,11 +288,11 @@ def test_zero3_two_ranks_compiled_unpadded_match_single_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_two_ranks_joint_pass_match_single_process(tmp_path):
+def test_zero3_two_ranks_joint_pass_match_single_process(tmp_path, single_process):
     """train.joint_pass under ZeRO-3 (every parameter partitioned between uses): the MLM rows and both views of each
     rank in one unpadded pass, so each module is gathered once per forward and once per backward; the two ranks
     take the single process's (padded, two passes) update."""
-    single, init = _single_process(tmp_path)
+    single, init = single_process
     joint = _run(2, 3, str(tmp_path / "joint.pt"), joint=True)
     assert joint.keys() == single.keys()
     assert _update_mismatch(joint, single, init) == []
@@ -284,11 +300,11 @@ def test_zero3_two_ranks_joint_pass_match_single_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_the_chunked_decoder_over_two_ranks_matches_single_process(zero_stage, tmp_path):
+def test_the_chunked_decoder_over_two_ranks_matches_single_process(zero_stage, tmp_path, single_process):
     """The CPU MLM decoder in vocabulary chunks (model/heads.py; here 64 of the 300 columns a piece) under ZeRO-2 and
     ZeRO-3 (every parameter partitioned between uses: the tied word embeddings the chunks read are gathered for the
     MLM head's forward and again for its backward): the single process's update, whose decoder is one linear."""
-    single, init = _single_process(tmp_path)
+    single, init = single_process
     out = str(tmp_path / "chunked.pt")
     chunked = _run(2, zero_stage, out, decoder_chunk=64)
     assert torch.load(out + ".chunked") == 1  # the step's one MLM head call took the chunks

@@ -3,7 +3,8 @@ as the eager step, step after step, at ZeRO 0, 2 and 3 (ZeRO-3 with every parame
 whole module gathers around the compiled region, ``Engine``). Dropout is off
 (the compiled graph draws its noise in another order); the runs take the padded path (train.unpadded=false) except
 where a test says unpadded (the compiled step's ``fixed`` attention layout); aot_eager (train.compile_backend)
-traces the same graph as inductor without building C++ kernels, whose fusions would round differently."""
+traces the same graph as inductor without building C++ kernels, whose fusions would round differently. A run that
+more than one test reads is made once a module (``once``)."""
 
 from __future__ import annotations
 
@@ -65,17 +66,55 @@ def _losses(overrides: list[str], steps: int = STEPS, shapes: set | None = None,
         destroy_process_group()
 
 
+PADDED = {"data__valid": "[]", "model__dropout": 0.0, "model__attention_dropout": 0.0, "train__unpadded": "false",
+          "train__compile_backend": "aot_eager"}
+"""The padded runs' overrides (ZeRO-2, the default stage): no validation set, no dropout, train.unpadded=false."""
+
+EAGER_STEPS = 6
+"""Steps of the eager ZeRO-2 padded run (``_eager_zero2``): the bucketed test's six, the first STEPS for the rest."""
+
+
+@pytest.fixture(scope="module")
+def once(tmp_path_factory):
+    """fn(key, run) -> run(a fresh directory), run once a module for each key, in the first test that asks (so
+    under that test's clean_env): runs that more than one test reads."""
+    done = {}
+
+    def get(key: str, run):
+        if key not in done:
+            done[key] = run(tmp_path_factory.mktemp(key))
+        return done[key]
+
+    return get
+
+
+def _eager_zero2(once, tiny_overrides) -> tuple[list[float], int, set]:
+    """The eager padded ZeRO-2 run's EAGER_STEPS losses, its number of graphs (0) and each batch's shapes
+    (``_losses``): the reference of the bucketed run and, its first STEPS, of the ZeRO-2 compiled one
+    (test_compiled_step_gives_the_eager_losses[2]): the schedule is train.max_steps's, not the steps run."""
+
+    def run(run_dir):
+        shapes = set()
+        losses, graphs = _losses(tiny_overrides(run_dir, **PADDED), EAGER_STEPS, shapes)
+        return losses, graphs, shapes
+
+    return once("eager_zero2", run)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 2, 3])
-def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrides, clean_env,
-                                              monkeypatch):
+def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrides, clean_env, monkeypatch, once):
+    """ZeRO-2's eager arm is the run the bucketed test compares with too (``_eager_zero2``, its first STEPS)."""
     if zero_stage == 3:  # every parameter partitioned between uses (at these sizes DeepSpeed would keep them whole)
         from pretrain.distributed import engine as engine_mod
 
         monkeypatch.setattr(engine_mod, "build_ds_config", partitioned(engine_mod.build_ds_config))
-    common = {"data__valid": "[]", "distributed__zero_stage": zero_stage, "model__dropout": 0.0,
-              "model__attention_dropout": 0.0, "train__unpadded": "false", "train__compile_backend": "aot_eager"}
-    eager, no_graphs = _losses(tiny_overrides(tmp_path / "eager", **common))
+    common = {**PADDED, "distributed__zero_stage": zero_stage}
+    if zero_stage == 2:
+        eager, no_graphs, _ = _eager_zero2(once, tiny_overrides)
+        eager = eager[:STEPS]
+    else:
+        eager, no_graphs = _losses(tiny_overrides(tmp_path / "eager", **common))
     compiled, graphs = _losses(tiny_overrides(tmp_path / "compiled", train__compile="true", **common))
     assert no_graphs == 0 and graphs == 1  # shapes symbolic from the start (train.compile_shapes=dynamic)
     assert len(eager) == STEPS
@@ -150,16 +189,14 @@ def test_validation_before_the_first_step_leaves_the_training_step_one_graph(tmp
 
 
 @pytest.mark.slow
-def test_bucketed_shapes_compile_few_static_graphs_with_the_eager_losses(tmp_path, tiny_overrides, clean_env):
+def test_bucketed_shapes_compile_few_static_graphs_with_the_eager_losses(tmp_path, tiny_overrides, clean_env, once):
     """train.compile_shapes=bucketed: batches of changing width and MLM count run as a few static graphs (what
     CUDA graphs need: each is recorded once) with the eager step's losses."""
-    steps = 6
-    common = {"data__valid": "[]", "model__dropout": 0.0, "model__attention_dropout": 0.0,
-              "train__unpadded": "false", "train__compile_backend": "aot_eager"}
-    raw, bucketed_shapes = set(), set()
-    eager, _ = _losses(tiny_overrides(tmp_path / "eager", **common), steps, raw)
+    steps = EAGER_STEPS
+    bucketed_shapes = set()
+    eager, _, raw = _eager_zero2(once, tiny_overrides)  # the eager padded ZeRO-2 run, shared (``once``)
     bucketed, graphs = _losses(tiny_overrides(tmp_path / "bucketed", train__compile="true",
-                                              train__compile_shapes="bucketed", train__compile_bucket=32, **common),
+                                              train__compile_shapes="bucketed", train__compile_bucket=32, **PADDED),
                                steps, bucketed_shapes)
     assert len(raw) >= 4, raw  # the batches' shapes do change: a graph per new one without buckets
     # Tiny runs: widths up to 64 -> bucket 64; MLM counts -> 1-2 buckets of 32; a graph per bucketed shape.

@@ -5,6 +5,8 @@ ModernBERT) and the sentence stage's SimCSE and ArcCSE terms."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_unpadded import _batch, _model_cfg, _rows, _train_module
@@ -123,21 +125,61 @@ def test_the_sentence_stage_compiles_one_graph_for_batches_of_other_lengths(term
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
 
 
+def _aot_eager_keeping_backward(backward_ops: list[set[str]]):
+    """The aot_eager backend (train.compile_backend=aot_eager: the same partitioner, the same nop compilers) that
+    also puts each backward graph's ops (``call_function`` targets) in ``backward_ops``, a set a graph."""
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    def keep_backward(gm, example_inputs):
+        backward_ops.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return boxed_nop(gm, example_inputs)
+
+    return functools.partial(aot_eager, bw_compiler=keep_backward)
+
+
+@pytest.fixture(scope="module")
+def compiled_steps():
+    """fn(trim) -> what test_unpadded's module (train.trim_last_layer as ``trim``) gives eagerly and compiled
+    (aot_eager, its backward graphs' ops kept), each arm's first batch then a second (seeds 0 and 1): {"eager":
+    [(loss, gradients) a batch], "compiled": [...], "backward_ops": [ops a backward graph]}. Computed once a module,
+    in the first test that asks (under its ``_torch_gelu_in_eager``), without trim then with it after one
+    torch._dynamo.reset(): the first batch traces a static graph and the second a dynamic one, which the trimmed
+    module's compile then starts from (Dynamo's automatic dynamic shapes, a state of the traced function's code),
+    as the two parametrizations of test_compiled_step_gives_the_eager_loss_and_gradients did one after the other.
+    That test compares the arms, the ZeRO-3 anchor test takes the untrimmed compiled arm's first batch as its
+    anchor-free step, and the embedding gradient test (BERT) reads its first backward graph."""
+    done = {}
+
+    def steps(trim: bool) -> dict:
+        if not done:
+            torch._dynamo.reset()
+            for each in (False, True):
+                backward_ops = []
+                eager, compiled = _trimmed(_train_module(), each), _trimmed(_train_module(), each)
+                compiled.compile_step(backend=_aot_eager_keeping_backward(backward_ops))
+                out = {"eager": [], "compiled": [], "backward_ops": backward_ops}
+                for seed in (0, 1):  # a second batch: other masked positions, the cached graph (or a dynamic one)
+                    batch = host_facts(_batch(seed))
+                    for arm, module in (("eager", eager), ("compiled", compiled)):
+                        module.zero_grad(set_to_none=True)
+                        loss, _ = module(batch)
+                        loss.backward()
+                        out[arm].append((loss.detach(), {n: p.grad for n, p in module.named_parameters()
+                                                         if p.grad is not None}))
+                done[each] = out
+        return done[trim]
+
+    return steps
+
+
 @pytest.mark.parametrize("trim", [False, True])
-def test_compiled_step_gives_the_eager_loss_and_gradients(trim):
+def test_compiled_step_gives_the_eager_loss_and_gradients(trim, compiled_steps):
     """aot_eager: the traced graph itself, without inductor's kernels (whose fusions round differently); with
-    train.trim_last_layer the graph indexes the last layer's rows by the host's positions."""
-    eager, compiled = _trimmed(_train_module(), trim), _trimmed(_train_module(), trim)
-    compiled.compile_step(backend="aot_eager")
-    for seed in (0, 1):  # a second batch: other masked positions, the cached graph (or a dynamic one) runs
-        batch = host_facts(_batch(seed))
-        results = []
-        for module in (eager, compiled):
-            module.zero_grad(set_to_none=True)
-            loss, _ = module(batch)
-            loss.backward()
-            results.append((loss.detach(), {n: p.grad for n, p in module.named_parameters() if p.grad is not None}))
-        (loss_e, grads_e), (loss_c, grads_c) = results
+    train.trim_last_layer the graph indexes the last layer's rows by the host's positions. Two batches: other
+    masked positions, the cached graph (or a dynamic one) runs (``compiled_steps``)."""
+    steps = compiled_steps(trim)
+    assert len(steps["eager"]) == len(steps["compiled"]) == 2
+    for (loss_e, grads_e), (loss_c, grads_c) in zip(steps["eager"], steps["compiled"]):
         torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)
         assert grads_c.keys() == grads_e.keys()
         for name in grads_e:
@@ -169,28 +211,24 @@ def test_a_term_without_a_count_gives_its_parameters_zero_gradients_eager_as_com
 
 
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
-def test_the_compiled_steps_embedding_gradient_is_atens_kernel(arch):
+def test_the_compiled_steps_embedding_gradient_is_atens_kernel(arch, compiled_steps):
     """In the compiled step's backward graph the word embedding's gradient is ``pretrain::embedding_grad`` (an op
     inductor keeps whole and runs as aten's deterministic kernel), not ``embedding_dense_backward``, which inductor
-    turns into a scatter with atomic adds (see the next test)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    backward_ops = set()
-
-    def keep_backward(gm, _):
-        backward_ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return make_boxed_func(gm.forward)
-
-    module = _train_module(**(MODERN if arch == "modernbert" else {}))
-    module.compile_step(backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                                             bw_compiler=keep_backward))
-    loss, _ = module(host_facts(_batch(), unpadded=False))
-    loss.backward()
+    turns into a scatter with atomic adds (see the next test). BERT's graph is ``compiled_steps``'s (the padded
+    step's first batch), ModernBERT's is compiled here with the same backend."""
+    if arch == "bert":
+        backward_ops = compiled_steps(False)["backward_ops"]
+    else:
+        backward_ops = []
+        module = _train_module(**MODERN)
+        module.compile_step(backend=_aot_eager_keeping_backward(backward_ops))
+        loss, _ = module(host_facts(_batch(), unpadded=False))
+        loss.backward()
+    first = backward_ops[0]
     # (The graph's one index_put, the backward of the similarity op's gather of each row's positive, adds to
     # distinct rows: a permutation.)
-    assert "pretrain.embedding_grad.default" in backward_ops
-    assert not {op for op in backward_ops if "embedding" in op and op != "pretrain.embedding_grad.default"}
+    assert "pretrain.embedding_grad.default" in first
+    assert not {op for op in first if "embedding" in op and op != "pretrain.embedding_grad.default"}
 
 
 def test_inductor_sums_an_embeddings_gradient_without_atomic_adds():
@@ -227,22 +265,23 @@ def test_inductor_sums_an_embeddings_gradient_without_atomic_adds():
     assert torch.equal(table.weight.grad, eager)
 
 
-def test_the_zero3_anchor_leaves_the_loss_alone_and_gets_its_gradient_from_the_compiled_graph():
+def test_the_zero3_anchor_leaves_the_loss_alone_and_gets_its_gradient_from_the_compiled_graph(compiled_steps):
     """Under ZeRO-3 the compiled step takes a 0-dim anchor (``Engine.forward``): the loss and every gradient are
-    the anchor-free step's bit for bit, and the anchor's gradient (zero) comes out of the compiled backward."""
-    plain, anchored = _train_module(), _train_module()
-    for module in (plain, anchored):
-        module.compile_step(backend="aot_eager")
+    the anchor-free step's bit for bit, and the anchor's gradient (zero) comes out of the compiled backward. The
+    anchor-free step is ``compiled_steps``'s compiled arm on its first batch (the same module, batch and backend)."""
+    loss_p, grads_p = compiled_steps(False)["compiled"][0]
+    anchored = _train_module()
+    anchored.compile_step(backend="aot_eager")
     batch = host_facts(_batch())
-    loss_p, _ = plain(batch)
-    loss_p.backward()
     anchor = torch.zeros((), requires_grad=True)
     loss_a, _ = anchored(batch, anchor)
     loss_a.backward()
     assert torch.equal(loss_a, loss_p)
-    for (name, p), q in zip(plain.named_parameters(), anchored.parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        assert p.grad is None or torch.equal(q.grad, p.grad), name
+    names = [name for name, _ in anchored.named_parameters()]
+    assert set(grads_p) <= set(names), sorted(set(grads_p) - set(names))
+    for name, q in anchored.named_parameters():
+        assert (name not in grads_p) == (q.grad is None), name
+        assert q.grad is None or torch.equal(q.grad, grads_p[name]), name
     assert anchor.grad is not None and float(anchor.grad) == 0.0
     assert _anchor_reached_by_compiled(loss_a)  # (no graph break with it: tests/distributed/test_zero_step.py)
 

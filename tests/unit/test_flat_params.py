@@ -282,36 +282,60 @@ def test_every_step_backward_reaches_the_gradients_in_the_first_steps_order(monk
         "is release_views still needed?"
 
 
-def _compiled_step(num_layers: int, scope: str, **kw) -> tuple[list[int], torch.Tensor, dict]:
-    """One compiled training forward + backward of a flattened module: (outputs of each graph Dynamo hands its
-    backend, loss, gradients)."""
-    module = _module(True, scope, num_layers=num_layers, **kw)
+ARCHS = {"bert": {}, "modernbert": {"arch": "modernbert", "pooler": False, "local_window": 16}}
+
+
+def _compiled_step(num_layers: int, scope: str, arch: str, guards: list | None = None) -> dict:
+    """One compiled training forward + backward of a flattened module: {"outputs": outputs of each graph Dynamo
+    hands its backend, "loss", "grads", "module": the compiled module}; ``guards`` (a list) gets the name of each
+    guard torch.compile's guard_filter_fn is shown (all kept)."""
+    module = _module(True, scope, num_layers=num_layers, **ARCHS[arch])
     outputs = []
 
     def backend(gm, example_inputs):
         outputs.append(len(next(n for n in gm.graph.nodes if n.op == "output").args[0]))
         return gm.forward
 
+    def record(entries):
+        guards.extend(e.name for e in entries)
+        return [True] * len(entries)
+
     torch._dynamo.reset()
-    module.compile_step(backend=backend)
+    module.compile_step(backend=backend, options={"guard_filter_fn": record} if guards is not None else None)
     module.train()
     loss, _ = module(host_facts(_batch(), unpadded=False))
     loss.backward()
-    return outputs, loss.detach(), {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    return {"outputs": outputs, "loss": loss.detach(), "module": module,
+            "grads": {n: p.grad for n, p in module.named_parameters() if p.grad is not None}}
 
 
-@pytest.mark.parametrize("arch", [{}, {"arch": "modernbert", "pooler": False, "local_window": 16}],
-                         ids=["bert", "modernbert"])
+@pytest.fixture(scope="module")
+def two_layer_step():
+    """fn(scope, arch) -> ``_compiled_step`` of the 2-layer flattened module with its guards' names ("guards"),
+    compiled once a module: the parameter views test and the flat plan's guards test read the same compiled step."""
+    done = {}
+
+    def step(scope: str, arch: str) -> dict:
+        if (scope, arch) not in done:
+            guards = []
+            done[scope, arch] = {**_compiled_step(2, scope, arch, guards), "guards": guards}
+        return done[scope, arch]
+
+    return step
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("scope", SCOPES)
-def test_a_compiled_step_returns_no_parameter_views(arch, scope):
+def test_a_compiled_step_returns_no_parameter_views(arch, scope, two_layer_step):
     """Views made inside the compiled graph and left on their modules would be graph outputs, regenerated and set
     back after every call (17 a BERT layer: a quarter of a compiled step's host time at BERT-base depth). Their
     count grew with the depth; now the graph's outputs do not, and the compiled step still computes the eager
-    one's loss and gradients, and an eager forward afterwards makes its views again."""
-    (two,), loss, grads = _compiled_step(2, scope, **arch)
-    (four,), _, _ = _compiled_step(4, scope, **arch)
+    one's loss and gradients, and an eager forward of the compiled module afterwards makes its views again."""
+    step = two_layer_step(scope, arch)
+    (two,), loss, grads = step["outputs"], step["loss"], step["grads"]
+    (four,) = _compiled_step(4, scope, arch)["outputs"]
     assert two == four, f"the compiled graph returns {four - two} more tensors with 2 more layers"
-    eager = _module(True, scope, num_layers=2, **arch)
+    eager = _module(True, scope, num_layers=2, **ARCHS[arch])
     eager.train()
     ref, _ = eager(host_facts(_batch(), unpadded=False))
     ref.backward()
@@ -319,10 +343,7 @@ def test_a_compiled_step_returns_no_parameter_views(arch, scope):
     for name, p in eager.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5 * p.grad.abs().max().item())
-    module = _module(True, scope, num_layers=2, **arch)
-    module.compile_step(backend="eager")
-    module.train()
-    module(host_facts(_batch(), unpadded=False))[0].backward()
+    module = step["module"]  # compiled, and it took its training step (forward and backward) above
     module.eval()
     eager.eval()
     ids = (_batch()["input_ids"], _batch()["attention_mask"])
@@ -330,30 +351,22 @@ def test_a_compiled_step_returns_no_parameter_views(arch, scope):
         torch.testing.assert_close(module.model.encode(*ids), eager.model.encode(*ids), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("arch", [{}, {"arch": "modernbert", "pooler": False, "local_window": 16}],
-                         ids=["bert", "modernbert"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("scope", SCOPES)
-def test_the_compiled_step_guards_none_of_the_flat_plans_entries(arch, scope):
+def test_the_compiled_step_guards_none_of_the_flat_plans_entries(arch, scope, two_layer_step):
     """A traced ``materialize`` reads the layer's plan (split sizes, shapes, which module gets which view) as one
     constant (``flat._traced_plan``), not entry by entry: read entry by entry, every number and name became a guard
     that torch.compile evaluates before each call of the compiled step (3,012 of 3,801 guards at BERT-base depth;
     torch's one-shot guard latency 2.3 ms before, 0.9-1.5 ms after, docs/performance.md). The guards are what
-    torch.compile's guard_filter_fn is shown (all kept); the compiled step still computes the eager step's loss."""
-    module = _module(True, scope, num_layers=2, **arch)
-    names = []
-
-    def record(entries):
-        names.extend(e.name for e in entries)
-        return [True] * len(entries)
-
-    torch._dynamo.reset()
-    module.compile_step(backend="eager", options={"guard_filter_fn": record})
-    module.train()
-    loss, _ = module(host_facts(_batch(), unpadded=False))
+    torch.compile's guard_filter_fn is shown (all kept) as it compiles the 2-layer step (``two_layer_step``); the
+    compiled step still computes the eager step's loss."""
+    step = two_layer_step(scope, arch)
+    names = step["guards"]
     assert len(names) > 50, names  # the recorder saw the step's guards
     plan = [n for n in names if "._flat_" in n and "._flat_key" not in n]
     assert not plan, f"{len(plan)} guards on the flat plan's entries, e.g. {plan[:3]}"
-    assert len({n for n in names if "._flat_key" in n}) == len(_units(module))  # one source per unit: which plan
-    eager = _module(True, scope, num_layers=2, **arch)
+    # one source per unit: which plan
+    assert len({n for n in names if "._flat_key" in n}) == len(_units(step["module"]))
+    eager = _module(True, scope, num_layers=2, **ARCHS[arch])
     eager.train()
-    torch.testing.assert_close(loss, eager(host_facts(_batch(), unpadded=False))[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(step["loss"], eager(host_facts(_batch(), unpadded=False))[0], rtol=1e-6, atol=1e-6)
