@@ -232,7 +232,7 @@ def test_scontrol_requeue_terminates_checkpoints_and_resumes(jobs):
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
     assert "TERM: waiting for the trainer" in log and "restart 1:" in log
     port = default_master_port(int(jobs["ids"]["requeued"]))  # held by the fixture's stand-in for another job
-    heads = re.findall(r"head \S+:(\d+),", log)
+    heads = re.findall(r"head \S+:(\d+) \(the job.s port\),", log)
     assert len(heads) == 2 and all(int(p) != port for p in heads), heads
     stop = json.loads((run / "preempted-try0.json").read_text())
     assert stop["signal"] == 15 and STOP_AFTER <= stop["step"] < PAYLOAD_STEPS
