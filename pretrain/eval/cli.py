@@ -19,12 +19,8 @@ from pretrain.eval.encoder import load_sentence_encoder
 from pretrain.eval.ranking import ranking_markdown_table, ranking_metrics
 from pretrain.eval.senteval import evaluate_transfer, transfer_markdown_table
 from pretrain.eval.transfer_setup import TRANSFER_CLASSIFIERS, ClassifierConfig, transfer_classifier
-from pretrain.export.resolve import (
-    EVAL_POOLINGS,
-    recorded_matryoshka_dims,
-    recorded_pooling,
-    select_checkpoint,
-)
+from pretrain.export.recorded import EVAL_POOLINGS, recorded_matryoshka_dims, recorded_pooling
+from pretrain.export.resolve import select_checkpoint
 
 SUITES = ("sts", "transfer", "align", "ranking")
 

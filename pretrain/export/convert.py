@@ -25,12 +25,11 @@ from pretrain.export.hf import (
 )
 from pretrain.export.hf_tokenizer import write_clean_tokenizer
 from pretrain.export.model_card import build_model_card, run_record
+from pretrain.export.recorded import matryoshka_dims, recorded_pooling
 from pretrain.export.resolve import (
     load_hf_model,
-    matryoshka_dims,
     open_hf_dir,
     open_weights,
-    recorded_pooling,
     select_checkpoint,
 )
 from pretrain.export.st_modules import ST_POOLING

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pretrain.checkpoint import store
 from pretrain.export.hf import hf_family
-from pretrain.export.resolve import matryoshka_dims
+from pretrain.export.recorded import matryoshka_dims
 
 EVAL_FILES = {"eval.md": "STS and sentence-embedding evaluation (`pretrain-eval`)",
               "results.md": "GLUE fine-tuning (`pretrain-finetune-glue`)"}

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pretrain.export.hf import write_init_dir
-from pretrain.export.resolve import recorded_pooling
+from pretrain.export.recorded import recorded_pooling
 
 
 def _init_dir(tiny_encoder, path: Path, run_config: dict | None = None) -> Path:

@@ -137,7 +137,7 @@ def test_matryoshka_sizes_are_recorded_and_truncate_dim_works(run_dir, tmp_path)
     import yaml
 
     from pretrain.eval.cli import _dims
-    from pretrain.export.resolve import recorded_matryoshka_dims
+    from pretrain.export.recorded import recorded_matryoshka_dims
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
