@@ -53,6 +53,7 @@ from pretrain.study.outputs import (
     final_step,
     is_done,
     recipe_changes,
+    recorded_step,
     remove_output,
     stamp,
 )
@@ -452,7 +453,7 @@ def _require_used(planner: Planner, steps: list[Step], runner: Runner) -> None:
         if not is_done(step):
             arm = rest.rsplit("-seed", 1)[0]
             hint = f" --only {arm}" if kind == "train" else ""
-            rec = _recorded_step(out / "status.json", sid)
+            rec = recorded_step(out / "status.json", sid)
             if rec.get("state") == "diverged":
                 at = rec.get("diverged_at")
                 raise StudyError(f"this study starts from {name}'s {sid}, which diverged"
@@ -463,15 +464,6 @@ def _require_used(planner: Planner, steps: list[Step], runner: Runner) -> None:
                              f"({runner._rel(step.output)}): run `pretrain-study {other.path}{hint}` first "
                              f"(or pass --use {name}=DIR)")
         runner.stamps[dep] = stamp(step, runner.digests)
-
-
-def _recorded_step(status_json: Path, sid: str) -> dict:
-    """Another study's status.json record of step ``sid``; {} where it has none or the file cannot be read."""
-    try:
-        rec = (json.loads(status_json.read_text(encoding="utf-8")).get("steps") or {}).get(sid)
-    except (OSError, ValueError, AttributeError):
-        return {}
-    return rec if isinstance(rec, dict) else {}
 
 
 def _print_plan(planner: Planner, steps: list[Step], out: Path, retry_diverged: bool = False) -> int:

@@ -123,6 +123,15 @@ def stamp(step: Step, cache: dict | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+def recorded_step(status_json: Path, sid: str) -> dict:
+    """Another study's status.json record of step ``sid``; {} where it has none or the file cannot be read."""
+    try:
+        rec = (json.loads(status_json.read_text(encoding="utf-8")).get("steps") or {}).get(sid)
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
 # ------------------------------------------------------------------------------------------------ divergence
 
 DIVERGED_EXIT = 3
