@@ -175,13 +175,9 @@ def test_free_master_port_wraps_inside_the_job_port_range():
 
 
 def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
-    return True
+    from pretrain.distributed.env import port_is_free  # the probe the batch script's --check-port runs
+
+    return port_is_free(port)
 
 
 def _free_chain(n: int) -> tuple[int, list[int]]:
