@@ -211,11 +211,24 @@ class TrainModule(torch.nn.Module):
         self.objective = objective
         self._run_terms = None
         """The compiled ``objective.run_terms`` after ``compile_step``; None runs it eagerly."""
+        self._mix_t = None
+        """The compiled step's views' mean-pooling weight (``set_view_mean_mix``), a 0-dim tensor."""
 
     @property
     def compiled_step(self) -> bool:
         """Whether the step's forward and losses run compiled (``compile_step``)."""
         return self._run_terms is not None
+
+    def set_view_mean_mix(self, weight: float) -> None:
+        """objective.nt_xent.mean_pool_warmup_steps: the views' share of mean pooling from this step on
+        (``Context.view_mean_mix``). The compiled step takes a weight > 0 as a 0-dim tensor on the model's device,
+        the same one every step: its floats are constants (``compile_step``), and a float that changes every step
+        would compile a graph each. The tensor is written here, between steps, after the last backward read it."""
+        if weight > 0.0 and self.compiled_step:
+            if self._mix_t is None:
+                self._mix_t = torch.zeros((), device=next(self.model.parameters()).device)
+            weight = self._mix_t.fill_(weight)
+        self.objective.ctx.view_mean_mix = weight
 
     def compile_step(self, **compile_kwargs) -> None:
         """torch.compile the forward and the loss terms of a micro-batch as one graph (``Objective.run_terms``;
@@ -232,8 +245,11 @@ class TrainModule(torch.nn.Module):
             # No duck sizing: sizes equal in the batch that is traced would share one symbol, and a size that
             # one of them is pinned to would pin the other (the unpadded step's attention groups: a group of the
             # views' 64-token width took their row count's symbol, pinned by the micro-batch size, and the next
-            # batch recompiled).
-            with fx_config.patch(use_duck_shape=False):
+            # batch recompiled). Floats are constants: traced as symbols, the ones an op takes as a number
+            # (LayerNorm's eps, dropout's p, a weight of 0 that only a comparison reads) must be fixed, which
+            # torch does by tracing the whole step a second time (its log: "Restarting analysis due to
+            # _tensorify_python_scalars"), and the model's floats do not change between steps.
+            with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
                 if limit_hit:
                     return compiled(*args, **kwargs)
                 # Past torch's recompile limit a batch that no graph fits runs eagerly for the rest of the process,

@@ -32,9 +32,11 @@ class Context:
     pooling: str
     stage: Literal["pretrain", "sentences"] = "pretrain"
     """data.stage: which batch keys hold the embedding pair (CLEAR views, or one sentence twice)."""
-    view_mean_mix: float = 0.0
-    """Weight of mean pooling blended into ``pooling`` for CLEAR's views (objective.nt_xent.
-    mean_pool_warmup_steps; the trainer sets it each step, see mean_pool_mix)."""
+    view_mean_mix: float | torch.Tensor | None = None
+    """Weight (> 0) of mean pooling blended into ``pooling`` for CLEAR's views (objective.nt_xent.
+    mean_pool_warmup_steps; the trainer sets it each step, see mean_pool_mix; a 0-dim tensor under the compiled
+    step, ``TrainModule.set_view_mean_mix``). None: no blend, what a weight of 0 is kept as, so that the step
+    does not depend on a float that is not used."""
     matryoshka_dims: tuple[int, ...] = ()
     """objective.matryoshka's sizes, largest first (set by Objective): the pair's, views' and hard negatives'
     embeddings are then one block per size, side by side (``embed(nested=True)``); () = off."""
@@ -45,6 +47,11 @@ class Context:
     """train.joint_pass: the MLM rows and CLEAR's views through one encoder pass when the host packed them together
     (``packed_joint``). ``Objective`` keeps it only where one pass serves both: an MLM term beside a term of the
     views, in pretraining."""
+
+    def __setattr__(self, name, value):
+        if name == "view_mean_mix" and isinstance(value, (int, float)) and not value > 0.0:
+            value = None  # no blend: see the field
+        super().__setattr__(name, value)
 
 
 def mean_pool_mix(step: int, warmup_steps: int) -> float:
@@ -110,14 +117,14 @@ class Forward:
         padded = [self._padded(key) for key in mask_keys]
         return {} if None in padded else {"padded": any(padded)}
 
-    def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor | None, mean_mix: float = 0.0,
+    def embed(self, h_BTD: torch.Tensor, mask_BT: torch.Tensor | None, mean_mix: float | None = None,
               packed=None, *, nested: bool = False) -> torch.Tensor:
         """Training-time sentence embedding: pool (blended with ``mean_mix`` of mean pooling) -> projection MLP.
         With ``packed`` (Packed), h is h_ND of an unpadded pass. ``nested`` under objective.matryoshka: z_B(KP), the
         projection of e's first d coordinates (the rest zeroed) for each of the K sizes d, side by side."""
         rows = _known(packed=packed)
         e_BD = self.model.pool(h_BTD, mask_BT, self.ctx.pooling, **rows)
-        if mean_mix > 0.0 and self.ctx.pooling != "mean":
+        if mean_mix is not None and self.ctx.pooling != "mean":
             e_BD = (1.0 - mean_mix) * e_BD + mean_mix * self.model.pool(h_BTD, mask_BT, "mean", **rows)
         if nested and self.ctx.matryoshka_dims:
             return torch.cat([self.model.projection(first_coordinates(e_BD, d)) for d in self.ctx.matryoshka_dims],
@@ -212,7 +219,7 @@ class Forward:
     def _pair_trimmed(self) -> bool:
         """Whether the pair's pass needs its [CLS] states only: train.trim_last_layer, [CLS] pooling, no mean pooling
         blended in (CLEAR's views early on) and no autoencoder reading every token."""
-        mixed = self.ctx.stage != "sentences" and self.ctx.view_mean_mix > 0.0
+        mixed = self.ctx.stage != "sentences" and self.ctx.view_mean_mix is not None
         return (self.ctx.trim_last_layer and self.ctx.pooling in ("cls", "cls_before_pooler") and not mixed
                 and "autoencoder" not in self.heads)
 
@@ -225,7 +232,7 @@ class Forward:
                                "reads every token may use it")
         return (packed.unpack(h) if packed is not None else h), mask, ids, n
 
-    def _pair_embeddings(self, mean_mix: float = 0.0) -> torch.Tensor:
+    def _pair_embeddings(self, mean_mix: float | None = None) -> torch.Tensor:
         """z_2BP: ``embed`` of the pair's pass, padded or packed."""
         h, mask, _, _, packed = self._pair_pass()
         return self.embed(h, None if packed is not None else mask, mean_mix, packed=packed, nested=True)

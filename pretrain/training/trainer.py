@@ -347,7 +347,7 @@ class Trainer:
         """objective.nt_xent.mean_pool_warmup_steps: the views' share of mean pooling at this step."""
         nt = self.cfg.objective.nt_xent
         if nt is not None and nt.mean_pool_warmup_steps:
-            self.module.objective.ctx.view_mean_mix = mean_pool_mix(self.state.step, nt.mean_pool_warmup_steps)
+            self.module.set_view_mean_mix(mean_pool_mix(self.state.step, nt.mean_pool_warmup_steps))
 
     @torch.no_grad()
     def validate(self) -> dict:

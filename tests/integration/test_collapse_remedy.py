@@ -15,12 +15,12 @@ def test_mean_pool_warmup_follows_the_schedule_in_training(tmp_path, tiny_overri
     seen: list[float] = []
     real = Forward.embed
 
-    def spy(self, h, mask, mean_mix=0.0, **kwargs):
+    def spy(self, h, mask, mean_mix=None, **kwargs):
         seen.append(mean_mix)
         return real(self, h, mask, mean_mix, **kwargs)
 
     monkeypatch.setattr(Forward, "embed", spy)
-    for k, want in ((4, [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]), (0, [0.0] * 6)):
+    for k, want in ((4, [1.0, 0.75, 0.5, 0.25, None, None]), (0, [None] * 6)):  # None: no blend (Context)
         seen.clear()
         code, out = _main(tiny_overrides(tmp_path / f"k{k}", data__valid="[]", train__max_steps=6,
                                          checkpoint__every=0, model__pooling="cls",

@@ -122,6 +122,24 @@ def test_compiled_step_gives_the_eager_losses(zero_stage, tmp_path, tiny_overrid
 
 
 @pytest.mark.slow
+def test_the_views_mean_pool_warmup_compiles_one_graph_for_it_and_traces_each_once(tmp_path, tiny_overrides,
+                                                                                  clean_env):
+    """objective.nt_xent.mean_pool_warmup_steps under train.compile: the views' weight changes every warm-up step
+    and reaches the compiled step as one tensor (``TrainModule.set_view_mean_mix``), so the warm-up is one graph
+    and the steps after it (no blend) one more, not a graph a step; and torch traces each graph once (with the
+    model's floats as symbols it traced the whole step twice: compile_attempt_1). The losses are the eager step's."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    common = {**PADDED, "model__pooling": "cls", "objective__nt_xent__mean_pool_warmup_steps": 2}
+    eager, _ = _losses(tiny_overrides(tmp_path / "eager", **common), steps=4)
+    compilation_time_metrics.clear()
+    compiled, graphs = _losses(tiny_overrides(tmp_path / "compiled", train__compile="true", **common), steps=4)
+    attempts = {k: len(v) for k, v in compilation_time_metrics.items() if k.startswith("compile_attempt_")}
+    assert graphs == 2 and attempts == {"compile_attempt_0": 2}, (graphs, attempts)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
 def test_the_compiled_step_runs_unpadded_in_one_graph_with_the_eager_losses(arch, tmp_path, tiny_overrides,
                                                                             clean_env):
