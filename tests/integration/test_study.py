@@ -1,5 +1,8 @@
 """``pretrain-study`` end to end on ``configs/studies/smoke.yaml`` (real CLIs as subprocesses, real STS/GLUE data),
 then what a rerun, a lost evaluation and an interrupted run redo; plus the plan and the study files, fast.
+The first invocation is the ``pretrain-study`` process itself (interrupted by SIGTERM); the three after it call the
+driver's ``main`` in the test's process, whose steps are the same subprocesses: each saves the ~3 s of an
+interpreter's start-up and imports.
 
 The smoke study: tokenizer and dataset preparation, 3 arms (a CLEAR pretraining arm, a SimCSE arm with 2 seeds
 starting from it, a RankCSE arm distilling from the SimCSE arm's best weights), 4 optimizer steps per run, two
@@ -32,11 +35,14 @@ def _env(data_dir: Path) -> dict:
             "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def _study(out: Path, env: dict, *extra: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "pretrain.study", SMOKE, "--out", str(out), *extra], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
-    return proc
+def _study(out: Path, capsys) -> None:
+    """``pretrain-study SMOKE --out OUT`` through the driver's ``main`` in this process (the environment of ``_env``
+    and the repository as the working directory set by the caller), which must end 0."""
+    from pretrain.study.driver import main
+
+    code = main([SMOKE, "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, f"--- stdout\n{printed.out[-3000:]}\n--- stderr\n{printed.err[-3000:]}"
 
 
 def _status(out: Path) -> dict:
@@ -63,8 +69,11 @@ def _numbers(cell: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_smoke_study_end_to_end_rerun_and_resume(tmp_path, data_dir):
+def test_smoke_study_end_to_end_rerun_and_resume(tmp_path, data_dir, monkeypatch, capsys):
     env, out = _env(data_dir), tmp_path / "study"
+    for key in ("PRETRAIN_DATA_DIR", "OMP_NUM_THREADS", "PYTHONPATH"):  # for the invocations in this process
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.chdir(REPO)
 
     # 1. Interrupt the driver once the first run has finished: that run is kept, the rest continues later.
     t0 = time.perf_counter()
@@ -84,7 +93,7 @@ def test_smoke_study_end_to_end_rerun_and_resume(tmp_path, data_dir):
                         r"the same command to continue\n", err), err
 
     # 2. The same command finishes the study without redoing the finished run.
-    _study(out, env)
+    _study(out, capsys)
     wall = time.perf_counter() - t0
     status = _status(out)
     assert set(status["steps"]) == STEPS
@@ -93,7 +102,8 @@ def test_smoke_study_end_to_end_rerun_and_resume(tmp_path, data_dir):
     assert "train/clear-seed1" in last["skipped"] and "train/clear-seed1" not in last["ran"]
     assert set(last["ran"]) | {"prep/tokenizer", "prep/wiki", "train/clear-seed1"} == STEPS
     assert status["totals"]["cpu_s"] > 0 and all(rec["cpu_s"] >= 0 for rec in status["steps"].values())
-    print(f"smoke study: {wall:.1f} s wall for both invocations, {status['totals']['cpu_s']:.1f} CPU-s")
+    with capsys.disabled():
+        print(f"smoke study: {wall:.1f} s wall for both invocations, {status['totals']['cpu_s']:.1f} CPU-s")
 
     # Tables: one row per arm, every cell a number (mean, or mean ± std for the 2-seed arm).
     tables = _tables((out / "results.md").read_text())
@@ -128,12 +138,12 @@ def test_smoke_study_end_to_end_rerun_and_resume(tmp_path, data_dir):
     assert all(f"**{r}**" in report for r in RUNS)
 
     # 3. A rerun redoes nothing.
-    _study(out, env)
+    _study(out, capsys)
     last = _status(out)["invocations"][-1]
     assert last["ran"] == [] and set(last["skipped"]) == STEPS, last
     assert last["wall_s"] < 20, last
 
-    # 4. In one more invocation (each costs the driver's start-up): a lost evaluation of one run is redone, and
+    # 4. In one more invocation (each plans the whole study again): a lost evaluation of one run is redone, and
     # only it; and another run, interrupted (its final checkpoint never written), resumes from its newest
     # checkpoint, its evaluations redone exactly when its weights came out different.
     (out / "evals" / "simcse-seed1" / "sts" / "eval.json").unlink()
@@ -143,7 +153,7 @@ def test_smoke_study_end_to_end_rerun_and_resume(tmp_path, data_dir):
 
     shutil.rmtree(ckpt / "step_00000004")
     (ckpt / "latest").write_text("step_00000002")
-    _study(out, env)
+    _study(out, capsys)
     last = _status(out)["invocations"][-1]
     assert "resumed from" in (out / "logs" / "train" / "simcse-seed2.log").read_text()
     same = _same(before, _weights(ckpt / "step_00000004"))
