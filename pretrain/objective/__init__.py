@@ -246,23 +246,22 @@ class TrainModule(torch.nn.Module):
             # one of them is pinned to would pin the other (the unpadded step's attention groups: a group of the
             # views' 64-token width took their row count's symbol, pinned by the micro-batch size, and the next
             # batch recompiled). Floats are constants: traced as symbols, the ones an op takes as a number
-            # (LayerNorm's eps, dropout's p, a weight of 0 that only a comparison reads) must be fixed, which
-            # torch does by tracing the whole step a second time (its log: "Restarting analysis due to
-            # _tensorify_python_scalars"), and the model's floats do not change between steps.
-            with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
-                if limit_hit:
-                    return compiled(*args, **kwargs)
+            # (LayerNorm's eps, dropout's p) must be fixed, which torch does by tracing the whole step a second
+            # time (its log: "Restarting analysis due to _tensorify_python_scalars"), and the model's floats do
+            # not change between steps (the one weight that does comes as a tensor: ``set_view_mean_mix``).
+            with fx_config.patch(use_duck_shape=False):
                 # Past torch's recompile limit a batch that no graph fits runs eagerly for the rest of the process,
                 # said only once in torch's log. Asked to raise there instead (before the step's first op runs),
                 # torch lets this warn once; this batch and later ones then run as torch runs them past the limit.
-                try:
-                    with dynamo_config.patch(fail_on_recompile_limit_hit=True):
+                try:  # one config patch a call: this runs every micro-step
+                    with dynamo_config.patch(specialize_float=True, fail_on_recompile_limit_hit=not limit_hit):
                         return compiled(*args, **kwargs)
                 except FailOnRecompileLimitHit:
                     limit_hit = True
                     limit = dynamo_config.recompile_limit
                     warnings.warn(recompile_limit_message(compile_kwargs.get("dynamic"), limit), stacklevel=2)
-                return compiled(*args, **kwargs)
+                with dynamo_config.patch(specialize_float=True):
+                    return compiled(*args, **kwargs)
 
         self._run_terms = run_terms
 
