@@ -10,6 +10,10 @@ also writes config.yaml and the tokenizer copy, waits for every rank's marker, c
 from the files (read back on rank 0 while nobody waits for it), writes files.json and trainer_state.json and
 publishes the tag by one rename (``store.publish``). A rank whose write
 fails leaves ``.failed-rank<r>`` instead, and rank 0 removes the temporary tag: a checkpoint is complete or absent.
+Every other rank also leaves ``.process-rank<r>.json`` (its machine's boot, pid namespace, pid and start time) when
+the snapshot is taken: a rank on rank 0's machine killed before its marker (the OOM killer, a SIGKILL) is then given
+up within a second, not at ``distributed.timeout_s`` (torchrun SIGKILLed the waiting rank 0 30 s after tearing the
+job down, before it could remove the partial tag or release the run's lock). Another machine's rank is not judged.
 
 ``wait`` (collective) joins this rank's thread and agrees across ranks whether the save succeeded; a new save waits
 for the previous one first, and so do the end of a run, a stop signal and a rollback. No collective runs in the
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import threading
 import time
@@ -44,6 +49,8 @@ from pretrain.model.flat import layout_of
 
 MARKER_POLL_S = 0.02
 """How often rank 0's writer looks for the other ranks' markers."""
+PROCESS_CHECK_S = 0.5
+"""How often rank 0's writer, waiting for a rank's marker, asks whether that rank's process still runs."""
 CLOSE_GRACE_S = 60.0
 """A process that ends with a save in flight (an exception: other ranks may be gone) lets rank 0 wait this much longer
 for the other ranks' markers, not the whole distributed.timeout_s."""
@@ -106,6 +113,10 @@ def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(env)
     blobs = engine.snapshot(str(ckpt_dir), tmp_dir.name, client_state={"step": step}, pool=pool)
+    if env.is_distributed and not env.is_main:  # DeepSpeed's save made tmp_dir
+        record = process_record()
+        if record is not None:
+            atomic_write_text(tmp_dir / f".process-rank{env.rank}.json", json.dumps(record))
     rng = {"torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     blobs.append((str(tmp_dir / f"rng_rank{env.rank}.pt"), _serialized(rng)))
@@ -203,18 +214,70 @@ def run_main(job: SaveJob, *, on_published=None) -> Path:
 def _await_marker(job: SaveJob, rank: int) -> dict:
     """Rank ``rank``'s digests, once its writer finished (the marker is removed: it is not part of the tag)."""
     done, failed = job.tmp_dir / f".done-rank{rank}.json", job.tmp_dir / f".failed-rank{rank}"
+    process = job.tmp_dir / f".process-rank{rank}.json"
+    next_check = time.monotonic() + PROCESS_CHECK_S
     while not done.is_file():
         job.check()
         if failed.is_file():
             why = failed.read_text(encoding="utf-8", errors="replace").strip() or "its error is in its log"
             raise store.CheckpointError(f"rank {rank} could not write its files ({why})")
-        if time.monotonic() > job.deadline:
+        now = time.monotonic()
+        if now > job.deadline:
             raise store.CheckpointError(f"rank {rank} did not finish writing its files in time "
                                         f"(distributed.timeout_s={job.timeout_s:g} s)")
+        if now >= next_check:
+            next_check = now + PROCESS_CHECK_S
+            pid = process_ended(process)
+            if pid is not None and not done.is_file():  # the marker may have come just before a normal exit
+                raise store.CheckpointError(f"rank {rank}'s process (pid {pid}) ended before it finished writing "
+                                            f"its files (killed?)")
         time.sleep(MARKER_POLL_S)
     digests = json.loads(done.read_text(encoding="utf-8"))
     done.unlink()
+    process.unlink(missing_ok=True)
     return digests
+
+
+def process_record(pid: int | None = None) -> dict | None:
+    """What tells process ``pid`` (this one by default) on this machine from any other, now and later: the kernel's
+    boot id, the pid namespace, the pid and its start time; None where /proc does not say (not Linux)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+        namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+    stat = _proc_stat(pid)
+    return None if stat is None else {"boot": boot, "pid_ns": namespace, "pid": pid, "start": stat[1]}
+
+
+def process_ended(path: Path) -> int | None:
+    """The pid recorded in ``path`` (``process_record``) when that process has ended: no such process, a zombie, or
+    another process under its pid since. None while it runs, and when it cannot be told from here (no record or an
+    unreadable one, another machine or pid namespace): the record is another rank's, read as untrusted."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        pid, start = int(record["pid"]), int(record["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    here = process_record()
+    if pid <= 0 or here is None or (record.get("boot"), record.get("pid_ns")) != (here["boot"], here["pid_ns"]):
+        return None
+    stat = _proc_stat(pid)
+    return pid if stat is None or stat[0] in "ZXx" or stat[1] != start else None
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of process ``pid``, or None when there is none."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2:].split()  # after "pid (comm) ": the command may hold spaces and parentheses
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
 
 
 class CheckpointWriter:
@@ -277,7 +340,17 @@ class CheckpointWriter:
             return None
         error = self.join()
         self._job, self._error = None, None
-        if _any_rank(self.env, error is not None):
+        try:
+            failed = _any_rank(self.env, error is not None)
+        except Exception as e:  # a rank is gone (its sockets closed): say what failed here, if anything did
+            if error is None:
+                raise
+            previous = store.find_intact(job.ckpt_dir)[0] if self.env.is_main else None
+            raise store.CheckpointError(
+                f"saving checkpoint {job.tag} failed ({store.describe_error(error)}), and the ranks could not agree on "
+                f"it: a rank is gone ({type(e).__name__}: {e}). "
+                + (f"The previous checkpoint ({previous or 'none'}) is intact." if self.env.is_main else "")) from e
+        if failed:
             if self.env.is_main:  # every rank's writer has stopped by now: what one wrote after rank 0's own
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)  # removal (a race the chaos soak hit) goes too
             previous = store.find_intact(job.ckpt_dir)[0]  # the newest that verifies: a resume's

@@ -581,6 +581,63 @@ def test_one_rank_sigkilled_job_exits_bounded_and_relaunch_resumes(tmp_path, tin
     print(f"job exited {elapsed:.1f}s after the SIGKILL")
 
 
+_RANK_1_WRITES_SLOWLY = """
+import os, time
+from pretrain.checkpoint import writer
+real_write_share = writer.write_share
+def slow_write_share(job):
+    if job.rank == 1 and job.step >= 4:  # from the second save on: the first stays the one to resume from
+        print(f"rank 1 writes its share of step {job.step}: pid {os.getpid()}", flush=True)
+        time.sleep(90)  # the SIGKILL lands here
+    return real_write_share(job)
+writer.write_share = slow_write_share
+from pretrain.train import cli
+cli()
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_it_writes_its_share_ends_the_job_at_once(tmp_path, tiny_overrides):
+    """The OOM killer takes rank 1 while its writer thread writes its share of a background checkpoint. Rank 0's
+    writer waited for rank 1's marker until distributed.timeout_s, so rank 0 sat in its close until torchrun
+    SIGKILLed it 30 s after tearing the job down: the partial tag and the run's lock were left behind. Now rank 0
+    sees that rank 1's process is gone, removes the partial tag, says so and releases the lock."""
+    run_dir = tmp_path / "run"
+    script = tmp_path / "slow_rank_1.py"
+    script.write_text(_RANK_1_WRITES_SLOWLY)
+    args = tiny_overrides(run_dir, data__valid="[]", train__max_steps=100000, checkpoint__every=2,
+                          distributed__timeout_s=60)
+    p = _launch(args, nproc=2, script=script)
+    seen, t0 = [], None
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            found = re.search(r"rank 1 writes its share of step \d+: pid (\d+)", line)
+            if found:
+                time.sleep(0.5)  # into the sleep: the writer thread runs, rank 0 waits for its marker
+                os.kill(int(found.group(1)), signal.SIGKILL)
+                t0 = time.time()
+                break
+        out = "".join(seen) + p.communicate(timeout=120)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    elapsed = time.time() - t0
+    assert t0 is not None and p.returncode != 0, out[-3000:]
+    assert elapsed < 20, (elapsed, out[-3000:])  # torchrun's SIGKILL came 30 s after its SIGTERM
+    assert re.search(r"rank 1's process \(pid \d+\) ended before it finished writing its files", out), out[-4000:]
+    # Rank 0 is usually waiting for this save at its next one by then ("a rank is gone"); under load the kill may
+    # land in a step's collective instead, and the trainer's close reports the save.
+    assert ("a rank is gone" in out and "The previous checkpoint (step_00000002) is intact." in out) or \
+        "the checkpoint being written when the run ended failed" in out, out[-4000:]
+    ckpts = store.checkpoints_dir(run_dir)
+    assert store.find_latest(ckpts) == "step_00000002" and store.is_complete(ckpts / "step_00000002")
+    assert not [q.name for q in ckpts.iterdir() if q.name.startswith(".tmp-")], list(ckpts.iterdir())
+    assert not (run_dir / "run.lock").exists()
+    print(f"job exited {elapsed:.1f}s after the SIGKILL; rank 0 said:",
+          *[line for line in out.splitlines() if "pretrain-train" in line or "warning" in line], sep="\n")
+
+
 # ------------------------------------------------------------------------------ two trainers, one run_dir
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """checkpoint/writer.py without DeepSpeed: the digests a writer records equal those of the written files, and rank 0's
 writer publishes nothing when another rank's write failed or never finished; a save abandoned by a second Ctrl-C is
-removed, and one waited for across a Ctrl-C is still waited for."""
+removed, and one waited for across a Ctrl-C is still waited for; a rank killed while it writes is given up at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -174,3 +176,95 @@ def test_another_ranks_abandoned_save_stops_rank_0s(tmp_path):
     with pytest.raises(store.CheckpointError, match="rank 1 could not write its files .*abandoned"):
         run_main(_job(tmp_path, 0))
     assert not other.tmp_dir.exists() and store.find_latest(other.ckpt_dir) is None
+
+
+# ------------------------------------------------------------------------------ a rank killed while it writes
+
+def _record_of(tmp_path, proc, **changes) -> dict:
+    """``proc``'s process record as its rank leaves it in the temporary tag, with ``changes``."""
+    record = writer_mod.process_record(proc.pid)
+    assert record is not None and record["pid"] == proc.pid
+    record.update(changes)
+    (tmp_path / "checkpoints" / ".tmp-step_00000004" / ".process-rank1.json").write_text(json.dumps(record))
+    return record
+
+
+def _waits_for_rank_1(tmp_path, seconds: float) -> tuple[BaseException, float]:
+    """Rank 0's writer for ``_job`` with a deadline ``seconds`` away: its error and how long it took to end."""
+    job = _job(tmp_path, 0)
+    job.deadline = time.monotonic() + seconds
+    t0 = time.monotonic()
+    with pytest.raises(store.CheckpointError) as failed:
+        run_main(job)
+    assert not job.tmp_dir.exists() and store.find_latest(job.ckpt_dir) is None
+    return failed.value, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("how", ["reaped", "zombie"])
+def test_a_rank_killed_before_its_marker_is_given_up_within_a_second(how, tmp_path):
+    """The OOM killer or a SIGKILL on rank 1 while it writes: rank 0's writer gave up only at distributed.timeout_s
+    (torchrun SIGKILLed it first, 30 s after tearing the job down, with the partial tag and the run's lock left).
+    Its launcher may not have reaped it yet (a zombie)."""
+    _job(tmp_path, 1)
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        _record_of(tmp_path, proc)
+        proc.kill()
+        if how == "reaped":
+            proc.wait()
+        else:  # wait until the kernel made it a zombie, without reaping it
+            deadline = time.monotonic() + 10
+            while writer_mod._proc_stat(proc.pid)[0] != "Z":
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        error, took = _waits_for_rank_1(tmp_path, 30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert f"rank 1's process (pid {proc.pid}) ended before it finished writing its files" in str(error)
+    assert took < 5, took
+
+
+@pytest.mark.parametrize("record", ["running", "another machine", "another pid namespace", "unreadable"])
+def test_a_rank_whose_process_runs_or_cannot_be_told_is_waited_for(record, tmp_path):
+    """A process that still runs (a slow disk) is waited for until the deadline; so is one whose end cannot be told
+    from here: a pid from another machine or pid namespace names no process here, and a damaged record nothing."""
+    _job(tmp_path, 1)
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        changes = {"running": {}, "another machine": {"boot": "0" * 32},
+                   "another pid namespace": {"pid_ns": 1}, "unreadable": {"pid": "x"}}[record]
+        _record_of(tmp_path, proc, **changes)
+        if record != "running":
+            proc.kill()
+            proc.wait()
+        error, took = _waits_for_rank_1(tmp_path, 1.5)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "rank 1 did not finish writing its files in time" in str(error)
+    assert took >= 1.5
+
+
+def test_another_process_under_the_ranks_pid_is_not_the_rank(tmp_path):
+    """A pid reused since the record was written: the start time tells the new process from the rank's."""
+    _job(tmp_path, 1)
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        record = _record_of(tmp_path, proc, start=writer_mod.process_record(proc.pid)["start"] - 1)
+        error, took = _waits_for_rank_1(tmp_path, 30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert f"(pid {record['pid']}) ended" in str(error) and took < 5
+
+
+def test_the_process_record_leaves_with_the_marker(tmp_path, monkeypatch):
+    """A rank that finished: its record and marker are not part of the published tag."""
+    monkeypatch.setattr(store, "write_weights",  # no DeepSpeed files here
+                        lambda tmp_dir, step, in_thread=False: (tmp_dir / store.WEIGHTS_FILE).write_bytes(b"w"))
+    other = _job(tmp_path, 1)
+    (other.tmp_dir / ".process-rank1.json").write_text(json.dumps(writer_mod.process_record()))
+    run_rank(other)
+    published = run_main(_job(tmp_path, 0))
+    assert sorted(p.name for p in published.iterdir() if p.name.startswith(".")) == []
