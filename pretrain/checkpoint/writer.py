@@ -115,8 +115,8 @@ def snapshot_job(engine, env, run_dir, *, step: int, trainer_state: dict, config
     blobs = engine.snapshot(str(ckpt_dir), tmp_dir.name, client_state={"step": step}, pool=pool)
     if env.is_distributed and not env.is_main:  # DeepSpeed's save made tmp_dir
         record = process_record()
-        if record is not None:
-            atomic_write_text(tmp_dir / f".process-rank{env.rank}.json", json.dumps(record))
+        if record is not None:  # no fsync, no rename, in the pause: a record read half-written is read as none
+            (tmp_dir / f".process-rank{env.rank}.json").write_text(json.dumps(record), encoding="utf-8")
     rng = {"torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     blobs.append((str(tmp_dir / f"rng_rank{env.rank}.pt"), _serialized(rng)))
