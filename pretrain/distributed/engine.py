@@ -29,12 +29,17 @@ from pretrain.distributed.env import cuda_device_index
 from pretrain.distributed.snapshot import NotCopyable, copy_state
 
 
-def _untested_optimizer(record: logging.LogRecord) -> bool:
-    """Drops DeepSpeed's "You are using ZeRO with an untested optimizer" (the first line of every ZeRO run, printed
-    through a stream DeepSpeed captured at import, past ``quiet_third_party``): ScheduledAdamW is the optimizer the
-    Engine gives it on purpose (``zero_allow_untested_optimizer``), and tests/unit/test_deepspeed_contract.py checks
-    what the Engine relies on. Shown with --verbose."""
-    return verbose() or "untested optimizer" not in record.getMessage()
+DS_NOISE = ("untested optimizer", "MPU is not provided")
+"""DeepSpeed warnings about what the Engine does on purpose, printed through a stream DeepSpeed captured at import,
+past ``quiet_third_party``: "You are using ZeRO with an untested optimizer" (the first line of every ZeRO run;
+ScheduledAdamW is the optimizer the Engine gives it, ``zero_allow_untested_optimizer``, and
+tests/unit/test_deepspeed_contract.py checks what the Engine relies on) and "MPU is not provided, setting tp size to
+1" (once per rank on every resume through the universal checkpoint: the Engine has no tensor parallelism)."""
+
+
+def _ds_noise(record: logging.LogRecord) -> bool:
+    """Drops DeepSpeed's ``DS_NOISE`` warnings; shown with --verbose."""
+    return verbose() or not any(noise in record.getMessage() for noise in DS_NOISE)
 
 
 def _import_deepspeed():
@@ -45,13 +50,15 @@ def _import_deepspeed():
 
     import deepspeed
 
-    # DeepSpeed's ZeRO calls a torch collective that torch marks deprecated, once per step.
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+    # DeepSpeed's ZeRO calls torch collectives that torch marks deprecated, every step (ZeRO-3's reduce-scatter:
+    # two warnings a rank and step, a console flooded with them).
+    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor).*",
+                            category=FutureWarning)
     for name in ("DeepSpeed", "deepspeed"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.WARNING)
-        if _untested_optimizer not in logger.filters:
-            logger.addFilter(_untested_optimizer)
+        if _ds_noise not in logger.filters:
+            logger.addFilter(_ds_noise)
     _import_muon_uncompiled()
     return deepspeed
 
