@@ -139,10 +139,11 @@ def agree_on_precision(cfg, env):
 def train(cfg, env) -> int:
     """Trains ``cfg`` in this process (one rank of ``env``); the exit code: 0 done, 2 bad config or input,
     3 diverged, 4 checkpoint not writable/readable or metrics not writable (after a checkpoint), 5 the data
-    loader's workers died or stalled, 75 stopped for a requeue, 130 Ctrl-C."""
+    loader's workers died or stalled, 69 another rank or node is gone, 75 stopped for a requeue, 130 Ctrl-C."""
     from pretrain.checkpoint.store import CheckpointError
     from pretrain.data.workers import DATA_WORKER_EXIT_CODE, DataWorkerError
     from pretrain.distributed.env import destroy_process_group, init_process_group
+    from pretrain.distributed.peers import peer_gone
     from pretrain.distributed.signals import StopSignal
     from pretrain.metrics.writer import MetricsWriteError
     from pretrain.training.progress import TrainingDiverged
@@ -176,14 +177,40 @@ def train(cfg, env) -> int:
         print(f"pretrain-train: aborted by a second SIGINT (rank {env.rank}); {saved}", file=sys.stderr)
         return 130
     except (CheckpointError, MetricsWriteError) as e:  # disk full or unreadable checkpoint: the message says what to do
+        if peer_gone(e) is not None:  # a save that failed because a rank is gone: the job's end, not the disk's
+            return _peer_lost(e, env, cfg)
         print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)
         return 4
+    except Exception as e:
+        if peer_gone(e) is None:
+            raise
+        return _peer_lost(e, env, cfg)
     finally:
         if trainer is not None:
             stop.closing(trainer.cancel_save)  # a Ctrl-C from here on does not cut the close short
             trainer.close()
         stop.uninstall()
         destroy_process_group()
+
+def _peer_lost(error: BaseException, env, cfg) -> int:
+    """A collective failed because another rank is gone (``peers.peer_gone``): one line saying so and what to resume
+    from, not the collective's traceback (shown with --verbose); NODE_LOST_EXIT_CODE, as for a lost node."""
+    import traceback
+    from pathlib import Path
+
+    from pretrain.checkpoint.store import CheckpointError
+    from pretrain.console import verbose
+    from pretrain.distributed.peers import NODE_LOST_EXIT_CODE, peer_gone
+    from pretrain.training.resume import last_good_checkpoint
+
+    if verbose():
+        traceback.print_exception(error)
+    saving = f"{error}; " if isinstance(error, CheckpointError) else ""
+    print(f"pretrain-train: error (rank {env.rank}): another rank of the job is gone ({peer_gone(error)}); "
+          f"{saving}stopping. {last_good_checkpoint(Path(cfg.run_dir))}: relaunch the job to resume from it (its "
+          f"log says why that rank ended: the OOM killer, a crash, a signal).", file=sys.stderr)
+    return NODE_LOST_EXIT_CODE
+
 
 def cli() -> None:
     """``pretrain-train`` and ``python -m pretrain.train``: ``main``'s exit code, without the interpreter's teardown.

@@ -345,11 +345,8 @@ class CheckpointWriter:
         except Exception as e:  # a rank is gone (its sockets closed): say what failed here, if anything did
             if error is None:
                 raise
-            previous = store.find_intact(job.ckpt_dir)[0] if self.env.is_main else None
-            raise store.CheckpointError(
-                f"saving checkpoint {job.tag} failed ({store.describe_error(error)}), and the ranks could not agree on "
-                f"it: a rank is gone ({type(e).__name__}: {e}). "
-                + (f"The previous checkpoint ({previous or 'none'}) is intact." if self.env.is_main else "")) from e
+            raise store.CheckpointError(f"saving checkpoint {job.tag} failed ({store.describe_error(error)}); the "
+                                        f"ranks could not agree on it") from e  # e says why (a rank is gone)
         if failed:
             if self.env.is_main:  # every rank's writer has stopped by now: what one wrote after rank 0's own
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)  # removal (a race the chaos soak hit) goes too

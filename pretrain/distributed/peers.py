@@ -204,3 +204,26 @@ class PeerWatch:
 def _span(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
         else ",".join(map(str, ranks))
+
+
+PEER_GONE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                   "remote process exited", "ncclRemoteError", "NCCL communicator was aborted")
+"""What gloo's TCP transport and NCCL say when another rank of the collective is gone (its process ended, its sockets
+closed): a crash, the OOM killer, a SIGKILL."""
+
+
+def peer_gone(error: BaseException) -> str | None:
+    """The line of ``error`` (or of an exception it was raised from) that says a collective failed because another
+    rank is gone, without gloo's source path; None when nothing in it says so."""
+    import torch.distributed as dist
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if isinstance(error, dist.DistNetworkError) or any(sign in text for sign in PEER_GONE_SIGNS):
+            line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+            line = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+            return line.split(". ", 1)[0]  # gloo goes on: "This is typically caused by a remote worker ..."
+        error = error.__cause__ or error.__context__
+    return None
