@@ -111,8 +111,9 @@ def refuse_incompatible(old: TrainState, tag_dir: Path, saved: dict, cfg: RunCon
         raise ValueError(
             f"checkpoint {tag_dir} was trained with another model or tokenizer than this run's config: "
             + "; ".join(changed) + ". Resuming would load weights that do not fit. Either keep the "
-            f"checkpoint's settings, or start a new run_dir (with checkpoint.init_from={tag_dir} to start "
-            f"from its weights where their shapes fit).")
+            f"checkpoint's settings, or start a new run_dir: from scratch, or from these weights with "
+            f"checkpoint.init_from={tag_dir} and the checkpoint's model settings (weights of another size or "
+            f"vocabulary cannot be loaded into this model).")
     old_precision = (saved.get("train") or {}).get("precision", cfg.train.precision)
     if old_precision != cfg.train.precision:
         raise ValueError(

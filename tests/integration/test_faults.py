@@ -712,6 +712,9 @@ def test_resume_with_a_changed_model_or_tokenizer_is_refused_before_loading(tmp_
     assert code == 2, out[-2000:]
     assert "model.ffn_size: 64 in the checkpoint, 96 now" in out and "model.hidden_size: 32 in the checkpoint, 48 now" in out
     assert "start a new run_dir" in out and "checkpoint.init_from=" in out and "Traceback" not in out
+    # init_from loads the checkpoint's model, not another size (a user who followed "where their shapes fit" with
+    # model=mini was refused again)
+    assert "the checkpoint's model settings (weights of another size or vocabulary cannot be loaded" in out
 
     other_tok = tmp_path / "other_tokenizer.json"
     from pretrain.prep.preprocess import preprocess
