@@ -166,12 +166,13 @@ def _load_init_weights(model: torch.nn.Module, init, *, fresh_pooler: bool = Fal
     """Initial weights from anything ``open_weights`` recognises (``init``): our checkpoints, a `pretrain-convert
     from-hf` directory, a HF or sentence-transformers BERT directory. ``fresh_pooler`` (checkpoint.fresh_pooler):
     the pooler keeps the model's fresh init."""
-    state, path = init.state, init.path
+    state, path, fresh = init.state, init.path, []
     if fresh_pooler:
         if getattr(model, "pooler", None) is None:
             raise ValueError("checkpoint.fresh_pooler=true needs a pooler to start fresh: set model.pooler=true "
                              "(BERT), or drop checkpoint.fresh_pooler")
-        state = {k: v for k, v in state.items() if not k.startswith("pooler.")}
+        fresh = [k for k in state if k.startswith("pooler.")]
+        state = {k: v for k, v in state.items() if k not in fresh}
     # The contrastive projection head is a training-only head whose shape follows the recipe
     # (e.g. none in the SimCSE-style recipes, whose MLP is the pooler, vs CLEAR's 2 layers): when it does not fit, it
     # starts fresh (or is left out).
@@ -187,6 +188,9 @@ def _load_init_weights(model: torch.nn.Module, init, *, fresh_pooler: bool = Fal
     if unexpected:
         raise ValueError(f"checkpoint.init_from={path} has weights this model does not: {unexpected[:5]}; "
                          f"is it a checkpoint of another model size?")
+    if fresh:
+        print_progress(f"init_from {path}: the pooler ({', '.join(fresh)}) starts fresh (checkpoint.fresh_pooler)")
+    missing = [k for k in missing if k not in fresh]
     if missing:
         print_progress(f"init_from {path}: {len(missing)} tensors not in the checkpoint keep their fresh init "
                        f"(e.g. {missing[:3]})")

@@ -118,9 +118,10 @@ def test_training_starts_from_an_export_without_model_settings(tiny_corpus, tmp_
     assert Path(run / "metrics.jsonl").is_file()
 
 
-def test_fresh_pooler_keeps_the_models_own_init_and_loads_everything_else():
+def test_fresh_pooler_keeps_the_models_own_init_and_loads_everything_else(capsys):
     """checkpoint.fresh_pooler: SimCSE's code builds its MLP anew over BertModel (no pooler), so the MLP of
-    SimCSE/ArcCSE/RankCSE starts at BERT's init, not at bert-base's NSP-trained pooler, which init_from loaded."""
+    SimCSE/ArcCSE/RankCSE starts at BERT's init, not at bert-base's NSP-trained pooler, which init_from loaded.
+    The console says so, not that the pooler was "not in the checkpoint" (it was: a user checked)."""
     from types import SimpleNamespace
 
     import torch
@@ -138,8 +139,13 @@ def test_fresh_pooler_keeps_the_models_own_init_and_loads_everything_else():
     assert bool((loaded.pooler.dense.weight == 0.5).all()) and bool((loaded.pooler.dense.bias == 0.25).all())
     fresh = build_model(cfg, seed=2)
     own = fresh.pooler.dense.weight.detach().clone()
+    capsys.readouterr()
     _load_init_weights(fresh, init, fresh_pooler=True)
     assert torch.equal(fresh.pooler.dense.weight, own) and not fresh.pooler.dense.bias.any()
+    said = capsys.readouterr()
+    said = said.out + said.err
+    assert "the pooler (pooler.dense.weight, pooler.dense.bias) starts fresh (checkpoint.fresh_pooler)" in said
+    assert "not in the checkpoint" not in said, said
     n = own.numel()  # BERT's init: normal(0, init_std); the sample std within 5 standard errors of it
     assert abs(float(own.std()) - cfg.init_std) < 5 * cfg.init_std / (2 * n) ** 0.5
     for k, v in fresh.state_dict().items():
