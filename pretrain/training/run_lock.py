@@ -76,13 +76,19 @@ class RunLock:
         reason = "its lock file is unreadable" if holder is None else self._takeover_reason(holder)
         if reason is None:
             age = time.time() - float(holder.get("heartbeat", holder.get("since", 0)))
+            if holder.get("host") == self.me["host"]:  # _takeover_reason looked at the pid itself
+                alive = f"its pid runs on this host (lock file {self.path})"
+                dead = "is taken over at once (this host sees its pid end)"
+            else:
+                alive = (f"its heartbeat changed while this trainer watched (last written {age:.0f}s ago by its "
+                         f"clock; lock file {self.path})")
+                dead = f"is taken over once its heartbeat has not changed for {self.stale_after_s:.0f}s"
             raise RunDirLocked(
                 f"run directory {self.path.parent} is in use by another trainer: host {holder.get('host')}, "
                 f"pid {holder.get('pid')}, job {holder.get('job') or 'unknown'}, running since "
-                f"{_fmt_time(float(holder.get('since', 0)))}, its heartbeat changed while this trainer watched "
-                f"(last written {age:.0f}s ago by its clock; lock file {self.path}). Wait for it to finish or stop "
-                f"it (scancel), or use another run_dir; a holder that died is taken over once its heartbeat has "
-                f"not changed for {self.stale_after_s:.0f}s, and a requeue of the same job takes over at once.")
+                f"{_fmt_time(float(holder.get('since', 0)))}, {alive}. Wait for it to finish or stop it (scancel), "
+                f"or use another run_dir; a holder that died {dead}, and a requeue of the same job takes over at "
+                f"once.")
         self._replace()
         time.sleep(min(0.2, self.heartbeat_s))  # let a concurrent taker's rename land, then see who won
         now = self._read()
