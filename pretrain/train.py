@@ -108,11 +108,16 @@ def main(argv=None) -> int:
         return 2
     env = detect_env()
     if args.dry_run:
+        from pretrain.checkpoint.store import CheckpointError
+
         try:
             return dry_run(cfg, env, args.ranks)
         except (ValueError, FileNotFoundError) as e:
             print(f"pretrain-train: error: {e}", file=sys.stderr)
             return 2
+        except CheckpointError as e:  # a damaged checkpoint.init_from: the exit code a real run gives (train)
+            print(f"pretrain-train: error: {e}", file=sys.stderr)
+            return 4
     return train(cfg, env)
 
 

@@ -3,7 +3,8 @@
 Two writers give private modes behind our back: ``safetensors.torch.save_file`` writes a temporary file
 (mode 0600) and renames it into place, and ``tempfile.mkdtemp``/``mkstemp`` create 0700/0600 entries. A
 model.safetensors or a published directory must be readable as any other file the user writes (umask), so
-every such write goes through here.
+every such write goes through here. Every read of a safetensors file a user hands over goes through
+``read_safetensors``, so that a damaged one is one line naming it, never used.
 """
 
 from __future__ import annotations
@@ -45,6 +46,28 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
 
     save_file(tensors, str(path), metadata=metadata)
     os.chmod(path, file_mode())
+
+
+REEXPORT = "copy it again or re-export it"
+"""What to do about a damaged safetensors file a user handed over (an export, an init dir, a run's best/)."""
+
+
+def read_safetensors(path: str | os.PathLike, *, keep=None, fix: str = REEXPORT, error: type = ValueError) -> dict:
+    """The tensors of a safetensors file that was handed to us (``keep``: only the names it accepts). A truncated
+    copy or a file of another format is ``error`` naming the file, the reader's reason and ``fix``, not the
+    reader's traceback: every CLI turns ValueError (and CheckpointError, which our checkpoints pass) into one line
+    and exit 2. Flipped bytes inside tensor data pass: only a recorded digest (a checkpoint's files.json) sees
+    them."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    try:
+        if keep is None:
+            return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if keep(k)}
+    except SafetensorError as e:
+        raise error(f"{path} is damaged or not a safetensors file ({e}): {fix}") from None
 
 
 def publish_dir(tmp_dir: str | os.PathLike) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import atomic_write_text, fsync_files, save_safetensors
+from pretrain.checkpoint.files import atomic_write_text, fsync_files, read_safetensors, save_safetensors
 from pretrain.distributed.engine import fp32_state_dict_from_checkpoint
 from pretrain.fsutil import SAMPLE_BLOCK, SAMPLE_BLOCKS, file_digests, fsync_dir, replace_dir  # noqa: F401
 from pretrain.model.autoencoder import HEADS_FILE
@@ -421,9 +421,7 @@ def load_model_state(path: str | os.PathLike, *, trust: bool = False) -> tuple[d
         raise CheckpointError(f"checkpoint {tag_dir} is damaged: {'; '.join(problems)}. Use an older checkpoint "
                               f"of the run (pretrain-train --check {tag_dir.parent.parent} lists them).")
     if (tag_dir / WEIGHTS_FILE).is_file():
-        from safetensors.torch import load_file
-
-        state = load_file(str(tag_dir / WEIGHTS_FILE))
+        state = read_safetensors(tag_dir / WEIGHTS_FILE, fix=_older_checkpoint(tag_dir), error=CheckpointError)
     elif trust:
         full = deepspeed_fp32_state(tag_dir)
         state = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
@@ -443,15 +441,18 @@ def load_model_state(path: str | os.PathLike, *, trust: bool = False) -> tuple[d
     return state, config
 
 
+def _older_checkpoint(tag_dir: Path) -> str:
+    """What to do about a checkpoint whose weights file does not read (``read_safetensors``'s ``fix``)."""
+    return f"use an older checkpoint of the run (pretrain-train --check {tag_dir.parent.parent} lists them)"
+
+
 def load_heads_state(path, *, trust: bool = False) -> dict:
     """The objective's trainable heads of a checkpoint (``heads.*`` keys, fp32): its heads.safetensors, or with
     ``trust`` its DeepSpeed files (a checkpoint from before heads.safetensors); {} when it has none. The caller has
     verified the checkpoint (``load_model_state``)."""
     tag_dir = resolve_tag_dir(path)
     if (tag_dir / HEADS_FILE).is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(tag_dir / HEADS_FILE))
+        return read_safetensors(tag_dir / HEADS_FILE, fix=_older_checkpoint(tag_dir), error=CheckpointError)
     if trust and not (tag_dir / WEIGHTS_FILE).is_file():
         return {k: v for k, v in deepspeed_fp32_state(tag_dir).items() if k.startswith("heads.")}
     return {}

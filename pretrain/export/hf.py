@@ -30,6 +30,7 @@ import torch
 from pretrain.checkpoint.files import (
     fsync_files,
     publish_dir,
+    read_safetensors,
     save_safetensors,
     write_json,
 )
@@ -434,6 +435,9 @@ def model_with_state(
 INIT_WEIGHTS = "model.safetensors"
 INIT_CONFIG = "config.yaml"
 INIT_TOKENIZER = "tokenizer.json"
+INIT_FIX = ("copy it again or write it again (pretrain-convert from-hf); a run's best/ is rewritten by the run's next "
+            "better STS-B evaluation: read a checkpoint of the run meanwhile (--checkpoint latest)")
+"""What to do about a damaged file of an init directory (``read_safetensors``'s ``fix``)."""
 
 
 def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, overwrite: bool = False,
@@ -485,14 +489,13 @@ def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, o
 
 
 def load_init_weights(path: str) -> dict:
-    """State dict (our names, tied aliases filled in) from an init directory or its model.safetensors."""
-    from safetensors.torch import load_file
-
+    """State dict (our names, tied aliases filled in) from an init directory or its model.safetensors (a damaged
+    one is a ValueError naming it)."""
     p = Path(path)
     f = p / INIT_WEIGHTS if p.is_dir() else p
     if not f.is_file():
         raise FileNotFoundError(f"{f} not found; create an init directory with `pretrain-convert from-hf HF_DIR OUT`")
-    state = load_file(str(f))
+    state = read_safetensors(f, fix=INIT_FIX)
     for alias, source in TIED_KEYS.items():
         if alias not in state and source in state:
             state[alias] = state[source]

@@ -7,22 +7,22 @@ import json
 import os
 from pathlib import Path
 
+from pretrain.checkpoint.files import read_safetensors
 from pretrain.fsutil import inside
 
 
 def read_hf_weights(hf_dir: str | os.PathLike) -> dict:
-    """All tensors of a HF checkpoint directory (model.safetensors or a sharded index; a pickle only is refused)."""
-    from safetensors.torch import load_file
-
+    """All tensors of a HF checkpoint directory (model.safetensors or a sharded index; a pickle only is refused;
+    a damaged file is a ValueError naming it)."""
     d = Path(hf_dir)
     if (d / "model.safetensors").is_file():
-        return load_file(str(d / "model.safetensors"))
+        return read_safetensors(d / "model.safetensors")
     index = d / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         out: dict = {}
         for f in files:
-            out.update(load_file(str(inside(d, f, listed_in=index.name, links=False))))
+            out.update(read_safetensors(inside(d, f, listed_in=index.name, links=False)))
         return out
     refuse_pickled_weights(d)
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {d}")

@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from safetensors.torch import load_file
-
+from pretrain.checkpoint.files import read_safetensors
 from pretrain.checkpoint.store import (
     CheckpointError,
     checkpoints_dir,
@@ -51,6 +50,7 @@ from pretrain.export import hf_modern, hf_roberta
 from pretrain.export.hf import (
     CONFIG_JSON_FIELDS,
     INIT_CONFIG,
+    INIT_FIX,
     INIT_TOKENIZER,
     INIT_WEIGHTS,
     PROJECTION_FILE,
@@ -211,7 +211,7 @@ def _open_init_dir(p: Path) -> Weights:
     tok = _own_tokenizer(p, (config.get("data") or {}).get("tokenizer"), INIT_TOKENIZER)
     config.setdefault("data", {})["tokenizer"] = tok  # consumers of run_config get the resolved path too
     cfg, recorded = _model_cfg(config.get("model"), state, p)
-    heads = load_file(str(p / HEADS_FILE)) if (p / HEADS_FILE).is_file() else {}
+    heads = read_safetensors(p / HEADS_FILE, fix=INIT_FIX) if (p / HEADS_FILE).is_file() else {}
     return Weights("init_dir", p, state, cfg, tokenizer_path=tok, run_config=config, recorded=recorded,
                    max_seq_length=config["data"].get("max_len"), heads=heads)
 
@@ -238,11 +238,8 @@ def _open_hf(p: Path, kind: Kind) -> Weights:
     hf_state = read_hf_weights(p)
     mlm = str(extra.get("mlm_head") or "")
     if mlm and (inside(p, mlm, listed_in="config.json") / "model.safetensors").is_file():  # our export's MLM copy
-        from safetensors import safe_open
-
-        with safe_open(str(p / mlm / "model.safetensors"), framework="pt") as f:  # its head only
-            head = {"modernbert": hf_modern.HEAD_PREFIXES, "bert": ("cls.",)}.get(family, hf_roberta.HEAD_PREFIXES)
-            hf_state.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(head)})
+        head = {"modernbert": hf_modern.HEAD_PREFIXES, "bert": ("cls.",)}.get(family, hf_roberta.HEAD_PREFIXES)
+        hf_state.update(read_safetensors(p / mlm / "model.safetensors", keep=lambda k: k.startswith(head)))
     if untied_decoder(hf_state, family):
         warnings.warn(f"{p}: its MLM decoder is not tied to its word embeddings (tie_word_embeddings=false); "
                       f"pretrain's MLM head always is, so its decoder weights are left out and its MLM logits "
@@ -254,7 +251,7 @@ def _open_hf(p: Path, kind: Kind) -> Weights:
     if extra.get("pooler") is False:  # BertModel always has a pooler: ours wrote zeros for a model without one
         state = {k: v for k, v in state.items() if not k.startswith("pooler.")}
     if (p / PROJECTION_FILE).is_file():
-        state.update(load_file(str(p / PROJECTION_FILE)))
+        state.update(read_safetensors(p / PROJECTION_FILE))
     stated = hf_modern.CONFIG_JSON_FIELDS if cfg.arch == "modernbert" else CONFIG_JSON_FIELDS
     recorded = set(stated) | set(extra) & {f.name for f in dataclasses.fields(ModelConfig)} | {"pooler"}
     cfg = dataclasses.replace(cfg, pooler="pooler.dense.weight" in state)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import save_safetensors, write_json
+from pretrain.checkpoint.files import read_safetensors, save_safetensors, write_json
 from pretrain.config.model import ModelConfig
 from pretrain.export.hf_weights import refuse_pickled_weights
 from pretrain.fsutil import inside
@@ -113,10 +113,9 @@ class SentenceModules:
 
 
 def _module_weights(d: Path) -> dict:
-    from safetensors.torch import load_file
-
+    """A module directory's model.safetensors (a damaged one is a ValueError naming it; a pickle is refused)."""
     if (d / "model.safetensors").is_file():
-        return load_file(str(d / "model.safetensors"))
+        return read_safetensors(d / "model.safetensors")
     refuse_pickled_weights(d, "sentence-transformers")
     raise FileNotFoundError(f"{d} holds no model.safetensors")
 

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from pretrain.checkpoint import store
@@ -309,3 +310,116 @@ def test_a_damaged_newest_state_does_not_stop_the_tools_that_read_the_runs_posit
     assert state is not None and state["step"] == 2
     with pytest.raises(store.CheckpointError, match="checkpoint is damaged"):
         store.read_trainer_state(ckpts / "step_00000004")
+
+
+def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path):
+    """A safetensors file cut short (a copy stopped by a quota), empty, or of another format gave the reader's own
+    ``SafetensorError`` traceback without the file's name; ``read_safetensors`` names the file, why and what to
+    do, as the error type the callers turn into exit 2."""
+    from pretrain.checkpoint.files import read_safetensors
+
+    good = tmp_path / "good.safetensors"
+    save_safetensors({"a.w": torch.ones(64, 64), "b.w": torch.zeros(3)}, good)
+    assert set(read_safetensors(good)) == {"a.w", "b.w"}
+    assert set(read_safetensors(good, keep=lambda k: k.startswith("a."))) == {"a.w"}
+    raw = good.read_bytes()
+    for name, data in (("cut", raw[: len(raw) // 2]), ("header_cut", raw[:20]), ("empty", b""),
+                       ("text", b"not a tensor file\n" * 8)):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=rf"^{tmp_path / name} is damaged or not a safetensors file \(.+\): "
+                                             r"copy it again or re-export it$"):
+            read_safetensors(tmp_path / name)
+    with pytest.raises(store.CheckpointError, match="cut is damaged or not a safetensors file"):
+        read_safetensors(tmp_path / "cut", fix="use another", error=store.CheckpointError)
+
+
+@pytest.fixture(scope="module")
+def weights_dirs(trained_run, tmp_path_factory) -> dict:
+    """From the trained run: a Hugging Face export (to-hf), an init directory (from-hf of it) and a run directory
+    whose best/ is that init directory (the format best/ is written in), each intact; tests damage copies."""
+    from pretrain.export.convert import main as convert_main
+
+    root = tmp_path_factory.mktemp("weights_dirs")
+    assert convert_main(["to-hf", str(trained_run), str(root / "hf")]) == 0
+    assert convert_main(["from-hf", str(root / "hf"), str(root / "init")]) == 0
+    shutil.copytree(trained_run, root / "run")
+    shutil.copytree(root / "init", root / "run" / "best")
+    (root / "run" / "best" / "best.json").write_text(json.dumps({"step": 4, "stsb_dev_spearman": 50.0,
+                                                                 "pooling": "cls"}))
+    return {"hf": root / "hf", "init": root / "init", "run": root / "run"}
+
+
+def _glue_files(d: Path) -> Path:
+    """Empty RTE train/dev files: enough for pretrain-finetune-glue to reach reading the model."""
+    from pretrain.eval.glue_data import get_task, task_files
+
+    for f in task_files(get_task("rte"), str(d)):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.touch()
+    return d
+
+
+# (the directory copied, the file in it cut short, the command with {d} for the copy, {t} for tmp_path)
+_DAMAGED = {
+    "to_hf_best": ("run", "best/model.safetensors", ["convert", "to-hf", "{d}", "{t}/out", "--checkpoint", "best"]),
+    "eval_best": ("run", "best/model.safetensors", ["eval", "--model", "{d}", "--checkpoint", "best"]),
+    "eval_hf": ("hf", "model.safetensors", ["eval", "--model", "{d}"]),
+    "glue_hf": ("hf", "model.safetensors", ["glue", "--model", "{d}", "--out", "{t}/g", "--tasks", "rte",
+                                            "--lrs", "1e-5", "--glue-dir", "{t}/glue"]),
+    "from_hf": ("hf", "model.safetensors", ["convert", "from-hf", "{d}", "{t}/out"]),
+    "from_hf_mlm": ("hf", "mlm/model.safetensors", ["convert", "from-hf", "{d}", "{t}/out"]),
+    "to_hf_init": ("init", "model.safetensors", ["convert", "to-hf", "{d}", "{t}/out"]),
+    "eval_init": ("init", "model.safetensors", ["eval", "--model", "{d}"]),
+    "init_from": ("init", "model.safetensors", ["train", "checkpoint.init_from={d}", "--dry-run"]),
+}
+
+
+@pytest.mark.parametrize("case", list(_DAMAGED))
+def test_a_damaged_weights_file_outside_a_checkpoint_is_one_line_and_exit_2(case, weights_dirs, tiny_overrides,
+                                                                           tmp_path, capsys, clean_env):
+    """A run's best/, a HF export, a from-hf init directory: no recorded digests, so a truncated model.safetensors
+    reached the reader, whose SafetensorError traceback (exit 1) named no file. Each CLI now says which file is
+    damaged and what to do, in one line, exit 2, and writes nothing."""
+    from pretrain.eval import cli, glue_cli
+    from pretrain.export.convert import main as convert_main
+    from pretrain.train import main as train_main
+
+    source, damaged, argv = _DAMAGED[case]
+    d = tmp_path / source
+    shutil.copytree(weights_dirs[source], d)
+    raw = (d / damaged).read_bytes()
+    (d / damaged).write_bytes(raw[: len(raw) // 2])
+    (tmp_path / "senteval").mkdir()
+    _glue_files(tmp_path / "glue")
+    tool, *argv = [a.format(d=d, t=tmp_path) for a in argv]
+    if tool == "train":
+        argv = tiny_overrides(tmp_path / "new_run") + argv
+    if tool == "eval":
+        argv += ["--data-dir", str(tmp_path), "--suites", "transfer", "--no-progress"]
+    main = {"convert": convert_main, "eval": cli.main, "glue": glue_cli.main, "train": train_main}[tool]
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{d / damaged} is damaged or not a safetensors file (" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "new_run").exists()
+
+
+def test_dry_run_with_a_damaged_init_from_checkpoint_says_it_in_one_line_as_the_run(trained_run, tiny_overrides,
+                                                                                    tmp_path, capsys, clean_env):
+    """``checkpoint.init_from`` naming a damaged checkpoint: the run ends in one line, exit 4; --dry-run ended in
+    the CheckpointError's traceback (exit 1). It now gives the run's line and exit code."""
+    from pretrain.train import main
+
+    ckpts = _copy(trained_run, tmp_path / "run")
+    weights = ckpts / "step_00000004" / store.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-100])
+    argv = tiny_overrides(tmp_path / "new_run", checkpoint__init_from=ckpts / "step_00000004")
+    assert main(argv + ["--dry-run"]) == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "step_00000004 is damaged: model.safetensors has" in err and "pretrain-train --check" in err, err
+    assert not (tmp_path / "new_run").exists()
