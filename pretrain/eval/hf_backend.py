@@ -80,6 +80,10 @@ class HFBackbone(nn.Module):
         quiet_transformers()
         # float32 whatever the directory was saved in: transformers 5 loads a config's "dtype": "float16"/"bfloat16"
         # as such by default, which would run (and fine-tune) the model in half precision, unlike SimCSE's fp32 runs.
+        from pretrain.checkpoint.files import check_safetensors
+
+        for weights in sorted(Path(path).glob("*.safetensors")):  # a cut copy: one line naming it, as the pretrain
+            check_safetensors(weights)  # backend says it, not transformers' SafetensorError traceback
         self.hf = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=False,
                                             dtype=torch.float32)
         self.hidden_size = self.hf.config.hidden_size

@@ -364,6 +364,7 @@ _DAMAGED = {
     "to_hf_best": ("run", "best/model.safetensors", ["convert", "to-hf", "{d}", "{t}/out", "--checkpoint", "best"]),
     "eval_best": ("run", "best/model.safetensors", ["eval", "--model", "{d}", "--checkpoint", "best"]),
     "eval_hf": ("hf", "model.safetensors", ["eval", "--model", "{d}"]),
+    "eval_hf_transformers": ("hf", "model.safetensors", ["eval", "--model", "{d}", "--backend", "transformers"]),
     "glue_hf": ("hf", "model.safetensors", ["glue", "--model", "{d}", "--out", "{t}/g", "--tasks", "rte",
                                             "--lrs", "1e-5", "--glue-dir", "{t}/glue"]),
     "from_hf": ("hf", "model.safetensors", ["convert", "from-hf", "{d}", "{t}/out"]),
