@@ -1,12 +1,14 @@
 """`pretrain-eval`: STS (7 tasks, both conventions), SentEval transfer, alignment/uniformity, ranking.
 
     pretrain-eval --model runs/x --data-dir ../shared/data --out runs/x/eval   (pooling: the run's; --pooling)
-Writes <out>/eval.json (everything) and <out>/eval.md (tables in the papers' layouts).
+Writes <out>/eval.json (everything) and <out>/eval.md (tables in the papers' layouts); an --out holding earlier
+results is refused before the model is read, unless --overwrite.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from pretrain.export.recorded import EVAL_POOLINGS, recorded_matryoshka_dims, re
 from pretrain.export.resolve import select_checkpoint
 
 SUITES = ("sts", "transfer", "align", "ranking")
+RESULT_FILES = ("eval.json", "eval.md")
+"""The results an --out holds after a finished evaluation (transfer_partial.json, an unfinished one's, is resumed)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "autoencoder_z: SARCSE's Z (its inference embedding), from the autoencoder a SARCSE run's "
                         "checkpoints and best/ keep")
     p.add_argument("--backend", default="auto", choices=["auto", "pretrain", "transformers"])
-    p.add_argument("--trust-checkpoint", action="store_true", help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed files (runs any code they carry: only for checkpoints you trust)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="read an old checkpoint of ours that has no model.safetensors by unpickling its DeepSpeed "
+                        "files (runs any code they carry: only for checkpoints you trust)")
     p.add_argument("--data-dir", default="",
                    help="STS/SentEval data root (default: $PRETRAIN_DATA_DIR, else ../shared/data from here, then "
                         "beside the repository)")
@@ -74,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave)")
     p.add_argument("--name", default=None, help="row label in the tables (default: model path)")
     p.add_argument("--out", default=None, help="output directory (default: print only)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the eval.json and eval.md an earlier evaluation left in --out (else refused)")
     p.add_argument("--no-progress", action="store_true", help="no encode bar (there is none off a terminal)")
     p.add_argument("--verbose", action="store_true",
                    help="let transformers' and scikit-learn's messages (ConvergenceWarning) through")
@@ -180,6 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
     set_verbose(args.verbose)
+    try:  # before anything slow: not a traceback, or earlier results replaced, once the evaluation is done
+        check_out(args.out, RESULT_FILES, overwrite=args.overwrite)
+    except ValueError as e:
+        fail("pretrain-eval", e)
     import torch
 
     if args.threads:
@@ -240,6 +252,33 @@ def transfer_key(model_path, args) -> dict:
     return {"model": str(model), "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
             "pooling": args.pooling, "backend": args.backend, "max_len": args.max_len,
             "data": str(Path(args.data_dir).resolve())}
+
+
+def check_out(out: str | None, results: tuple[str, ...], *, overwrite: bool = False) -> None:
+    """ValueError when ``--out`` cannot take the results: it (or a directory above it) is a file, or it holds
+    ``results`` of an earlier evaluation and ``overwrite`` is not given (a 7-task table is not silently replaced by
+    a 1-task one). Also used by pretrain-finetune-glue, which keeps runs of one model and recipe per --out."""
+    if not out:
+        return
+    path = Path(out)
+    blocker = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        what = "is a file" if blocker == path else f"lies under {blocker}, a file"
+        raise ValueError(f"--out {out} {what}, not a directory; choose a directory for the results")
+    held = [name for name in results if (path / name).exists()]
+    if held and not overwrite:
+        raise ValueError(f"--out {out} already holds the results of an earlier evaluation ({_describe(path, held)}); "
+                         f"pass --overwrite to replace them, or choose another --out")
+
+
+def _describe(out: Path, held: list[str]) -> str:
+    """The result files ``held`` in ``out``, with the model and STS tasks of its eval.json when it reads."""
+    try:
+        res = json.loads((out / "eval.json").read_text(encoding="utf-8"))
+        model, tasks = res["checkpoint"]["path"], len(res.get("sts") or {})
+    except (OSError, ValueError, KeyError, TypeError):
+        return ", ".join(held)
+    return ", ".join(held) + f": {model}" + (f", {tasks} STS task{'s' if tasks != 1 else ''}" if tasks else "")
 
 
 def write_outputs(out: Path, res: dict, report: str) -> None:

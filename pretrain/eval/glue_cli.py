@@ -19,6 +19,7 @@ from pretrain.checkpoint.files import atomic_write_text, strict_json, strict_num
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
 from pretrain.eval import fail, find_data_dir
+from pretrain.eval.cli import check_out
 from pretrain.eval.encoder import check_max_len, load_backbone
 from pretrain.eval.glue import FinetuneConfig, finetune
 from pretrain.eval.glue_data import TABLE_ORDER, TASKS, GlueFormatError, get_task, rank_score, task_files
@@ -242,7 +243,13 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     set_verbose(args.verbose)
     out = Path(args.out)
+    try:  # a file as --out: one line now, not a traceback after the first run has trained
+        check_out(args.out, ())
+    except ValueError as e:
+        fail("pretrain-finetune-glue", e)
     if args.summarize:
+        if not out.is_dir():
+            fail("pretrain-finetune-glue", f"--out {out} does not exist: no runs to summarize (run the sweep first)")
         try:
             print(markdown_table({args.name: summarize(out, args.name)}))
         except ValueError as e:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pretrain.checkpoint.files import check_safetensors
 from pretrain.console import verbose
 from pretrain.export.hf_tokenizer import lowercase_first, st_lowercases
 from pretrain.export.hf_weights import refuse_pickled_weights
@@ -80,8 +81,6 @@ class HFBackbone(nn.Module):
         quiet_transformers()
         # float32 whatever the directory was saved in: transformers 5 loads a config's "dtype": "float16"/"bfloat16"
         # as such by default, which would run (and fine-tune) the model in half precision, unlike SimCSE's fp32 runs.
-        from pretrain.checkpoint.files import check_safetensors
-
         for weights in sorted(Path(path).glob("*.safetensors")):  # a cut copy: one line naming it, as the pretrain
             check_safetensors(weights)  # backend says it, not transformers' SafetensorError traceback
         self.hf = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=False,

@@ -99,3 +99,63 @@ def test_sts_at_each_matryoshka_size(data_dir):
     assert len(calls) == 2 * len(calls[:len(calls) // 2])  # the plain pass, then one pass shared by both sizes
     md = markdown_report("bow", res)
     assert "### STS at truncated embedding sizes" in md and "| 8 | " in md and "| 32 | " in md
+
+
+def test_an_out_that_is_a_file_fails_in_one_line_before_the_model_is_read(tmp_path, capsys):
+    """--out naming a regular file (or a path under one) was a FileExistsError / NotADirectoryError traceback once
+    the evaluation or the sweep's first run was done (pretrain-finetune-glue --summarize: at once, as was a missing
+    --out); now exit 2 with one line, before --model is looked at (a missing one here)."""
+    from pathlib import Path
+
+    from pretrain.eval import cli, glue_cli
+
+    mine = tmp_path / "results.txt"
+    mine.write_text("mine")
+    nowhere = str(tmp_path / "nowhere")
+    cases = [
+        (cli.main, ["--model", nowhere, "--out", str(mine)], "--out " + str(mine) + " is a file"),
+        (cli.main, ["--model", nowhere, "--out", str(mine / "eval")], f"lies under {mine}, a file"),
+        (glue_cli.main, ["--model", nowhere, "--out", str(mine), "--tasks", "rte"], "is a file"),
+        (glue_cli.main, ["--out", str(mine), "--summarize"], "is a file"),
+        (glue_cli.main, ["--out", str(tmp_path / "none"), "--summarize"], "does not exist: no runs to summarize"),
+    ]
+    for main, argv, says in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.count("\n") == 1, (argv, err)
+    assert mine.read_text() == "mine" and sorted(p.name for p in Path(tmp_path).iterdir()) == ["results.txt"]
+
+
+def test_eval_refuses_an_out_holding_earlier_results_unless_overwrite(tiny_encoder, tmp_path, data_dir, capsys):
+    """A 2-task STS table in --out was silently replaced by the next evaluation's 1-task one. Now that is refused
+    (exit 2, one line: --overwrite or another --out) before the model is read, as pretrain-finetune-glue refuses an
+    --out holding runs of another model or recipe; --overwrite replaces them. An unfinished evaluation's
+    transfer_partial.json alone is no result: rerunning the command continues it (README)."""
+    from pretrain.eval import cli
+    from pretrain.export.hf import write_init_dir
+
+    model, tok = tiny_encoder
+    write_init_dir(model, tok, str(tmp_path / "m"))
+    out = tmp_path / "eval"
+
+    def evaluate(tasks: str, *more: str) -> None:
+        cli.main(["--model", str(tmp_path / "m"), "--suites", "sts", "--sts-tasks", tasks, "--data-dir",
+                  str(data_dir), "--out", str(out), "--no-progress", "--dims", "none", *more])
+
+    evaluate("STS16,STSBenchmark")
+    first = {name: (out / name).read_bytes() for name in ("eval.json", "eval.md")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        evaluate("STS16")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert f"--out {out} already holds the results of an earlier evaluation" in err and "2 STS tasks" in err
+    assert "pass --overwrite to replace them, or choose another --out" in err
+    assert {name: (out / name).read_bytes() for name in first} == first
+    evaluate("STS16", "--overwrite")
+    assert list(json.loads((out / "eval.json").read_text())["sts"]) == ["STS16"]
+    resumed = tmp_path / "unfinished"
+    resumed.mkdir()
+    (resumed / "transfer_partial.json").write_text("{}")
+    cli.check_out(str(resumed), cli.RESULT_FILES)  # no error: the rerun goes on

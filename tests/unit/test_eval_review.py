@@ -74,7 +74,7 @@ def test_eval_json_is_strict_json_written_whole(tmp_path, capsys):
     (out / "eval.json").write_text("{}")
     cli.main(["--model", str(pkg.get_model_path()), "--pooling", "mean", "--data-dir", str(tmp_path / "data"),
               "--suites", "sts,ranking", "--sts-tasks", "STSBenchmark", "--dims", "none", "--out", str(out),
-              "--no-progress"])
+              "--no-progress", "--overwrite"])  # the earlier eval.json is replaced whole (without: refused)
     res = _strict((out / "eval.json").read_text(encoding="utf-8"))
     assert res["ranking"]["STSBenchmark"]["num_samples"] == 0 and res["ranking"]["STSBenchmark"]["kcc"] is None
     assert -100 <= res["sts"]["STSBenchmark"]["spearman"]["all"] <= 100

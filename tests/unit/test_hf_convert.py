@@ -373,6 +373,56 @@ def test_to_hf_cli_from_init_dir(exported, tmp_path):
     assert convert_main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
 
 
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (None for a directory): what a refused command must leave as is."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_convert_never_writes_over_or_into_its_input(exported, tmp_path, repo_root, capsys):
+    """`to-hf RUN RUN --overwrite` exited 0 with the run directory (checkpoints/, metrics.jsonl, config.yaml, tb/)
+    replaced by the export; so did an output around the checkpoint read, and from-hf DIR DIR. Each is refused with
+    exit 2 and one line naming the path and why, before anything is written; --overwrite replaces only an earlier
+    output of the same subcommand, and the README's to-hf runs/x runs/x/hf still works."""
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    shutil.copytree(repo_root / "tests" / "assets" / "run_dir_format3", run)
+    (run / "tb").mkdir()
+    (run / "tb" / "events.out.tfevents.1").write_bytes(b"scalars")
+    shutil.copytree(exported[2], hf)
+    tag = run / "checkpoints" / "step_00000010"
+    refused = [
+        (["to-hf", run, run, "--overwrite"], "is the input"),
+        (["to-hf", tag, run, "--overwrite"], "is the input"),  # the run around the checkpoint read
+        (["to-hf", tag, run / "checkpoints", "--overwrite"], "holds the input"),
+        (["to-hf", run, run / "checkpoints" / "hf"], "would be written inside"),
+        (["to-hf", tag, tag / "hf"], "would be written inside"),
+        (["to-hf", run, run / "tb", "--overwrite"], "is not an earlier export of pretrain-convert to-hf"),
+        (["from-hf", hf, hf, "--overwrite"], "is the input"),
+        (["from-hf", hf, hf / "init"], "would be written inside"),
+    ]
+    before = {run: _tree(run), hf: _tree(hf)}
+    for argv, says in refused:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            code = convert_main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and err.count("\n") == 1, (argv, code, err)
+        assert str(argv[2]) in err or argv[2].name in err, err
+        assert {run: _tree(run), hf: _tree(hf)} == before, argv  # nothing written, nothing removed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert convert_main(["to-hf", str(run), str(run / "hf")]) == 0  # the README's layout: beside the run's files
+        assert convert_main(["to-hf", str(run), str(run / "hf"), "--overwrite"]) == 0  # its own earlier export
+        assert convert_main(["from-hf", str(hf), str(tmp_path / "init")]) == 0
+        assert convert_main(["from-hf", str(hf), str(tmp_path / "init"), "--overwrite"]) == 0
+        capsys.readouterr()
+        assert convert_main(["from-hf", str(hf), str(run / "hf"), "--overwrite"]) == 2  # another subcommand's
+        assert "is not an earlier output of pretrain-convert from-hf" in capsys.readouterr().err
+        assert convert_main(["to-hf", str(run), str(tmp_path / "init"), "--overwrite"]) == 2
+        assert "is not an earlier export of pretrain-convert to-hf" in capsys.readouterr().err
+    assert {k: v for k, v in _tree(run).items() if not k.startswith("hf")} == before[run]
+    assert (tmp_path / "init" / "config.yaml").is_file() and (run / "hf" / "modules.json").is_file()
+
+
 def test_export_refuses_what_bert_cannot_hold(exported, tmp_path):
     model, tok_path, _ = exported
     pre = build_model(dataclasses.replace(model.cfg, norm="pre"), seed=0)  # pre-LN: RobertaPreLayerNorm's arithmetic
