@@ -48,6 +48,11 @@ class TrainState:
     """The metric sums of the log window this step is inside ({"micro_steps": ranks x grad_accum, "sums": {name:
     [sum, count]} over all ranks}, ``LogWindow.carry``; empty at a log step): a resume's first record covers the
     whole window, as the uninterrupted run's."""
+    finished: bool = False
+    """Whether this is the run's final checkpoint (written after its last validation, by ``Trainer._finish``): a
+    relaunch at train.max_steps then has nothing to do. A checkpoint of that step saved before the end ran (a job
+    killed between the last step's save and the final validation) is not: the relaunch validates and saves again.
+    Checkpoints from before 2026-12-08 lack it and count as finished at max_steps, as they did."""
 
     @property
     def global_batch(self) -> int:
@@ -84,7 +89,8 @@ class TrainState:
                    seed=state.get("seed", saved.get("seed")), sample_stream=state.get("sample_stream"),
                    sample_order=state["sample_order"], data_identity=state.get("data_identity"),
                    rollbacks=list(state.get("rollbacks", [])),
-                   spike_watch=dict(state.get("spike_watch", {})), log_window=dict(state.get("log_window", {})))
+                   spike_watch=dict(state.get("spike_watch", {})), log_window=dict(state.get("log_window", {})),
+                   finished=bool(state.get("finished", True)))
 
     def continued(self, *, world_size: int, micro_batch_size: int, grad_accum: int, rank: int = 0) -> TrainState:
         """This (``from_state_dict``) state continued as rank ``rank`` of ``world_size`` with the given split: the

@@ -154,7 +154,12 @@ class Trainer:
         """Runs to train.max_steps (or a stop signal). Returns the process exit code."""
         c, st = self.cfg, self.state
         if st.step and st.step >= c.train.max_steps:  # resumed where the run ended
-            return self._already_finished()
+            if st.finished:
+                return self._already_finished()
+            if self.env.is_main:
+                print_progress(f"resumed at step {st.step} of train.max_steps={c.train.max_steps} from a checkpoint "
+                               f"saved before the run's end: its final validation and checkpoint follow")
+        st.finished = False
         self.train_loader = self._loader(self.train_set, st.consumed_samples)
         loader = iter(self.train_loader)
         if self.env.is_main:
@@ -313,7 +318,10 @@ class Trainer:
                                 f"(metrics of the steps since the failure are not recorded)")
 
     def _finish(self, start_step: int, eta: Eta) -> int:
+        if self.stsb is not None and self.state.step == start_step:  # resumed at the end: the STS-B evaluation
+            self.evaluate_stsb()  # (best/) the loop gives the last step
         last_valid = self.validate()
+        self.state.finished = True
         path = self.save(wait=True)
         if self._should_stop() == "metrics":  # the last steps' or the final validation's records failed
             self._stop_for_metrics()
@@ -328,8 +336,8 @@ class Trainer:
         return 0
 
     def _already_finished(self) -> int:
-        """A launch that resumed at (or past) train.max_steps: the run's last launch validated, evaluated and saved
-        there already. A resubmitted or chained job, or a requeue after the end, repeated that (a second final
+        """A launch that resumed at (or past) train.max_steps from the run's final checkpoint (``finished``): the
+        run's last launch validated, evaluated and saved there already. A resubmitted or chained job, or a requeue after the end, repeated that (a second final
         record in metrics.jsonl and TensorBoard, the final checkpoint written again); now it says so and ends 0."""
         if self.env.is_main:
             print_progress(f"done already: {self.run_dir} is at step {self.state.step} of train.max_steps="

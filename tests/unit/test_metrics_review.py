@@ -82,6 +82,38 @@ def test_a_relaunch_of_a_finished_run_logs_nothing_again(tmp_path, tiny_override
     assert "done already: " in capsys.readouterr().out
 
 
+def test_a_relaunch_at_max_steps_from_a_checkpoint_saved_before_the_end_finishes_the_run(tmp_path, tiny_overrides,
+                                                                                       clean_env, capsys):
+    """A run killed between a mid-run checkpoint and its end, relaunched with train.max_steps at that checkpoint's
+    step (a user who shortened the run, a chained job's schedule): it said "done already: ... validated and saved
+    there" and ended, though that step had never been validated and its checkpoint was not the final one. Now the
+    relaunch validates, marks the checkpoint final and ends; a further relaunch says done already."""
+    import json
+
+    from pretrain.train import main
+
+    run = tmp_path / "run"
+    assert main(tiny_overrides(run, train__max_steps=4, checkpoint__every=2)) == 0
+    assert main(tiny_overrides(run, train__max_steps=4, checkpoint__every=2)) == 0  # finished: nothing to do
+    assert "done already: " in capsys.readouterr().out
+    state = json.loads((run / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert state["finished"] is True
+    assert json.loads((run / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())["finished"] is False
+    # The run as if killed after its step-2 checkpoint: the later checkpoint and records gone.
+    import shutil
+
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    (run / "checkpoints" / "latest").write_text("step_00000002\n")
+    argv = tiny_overrides(run, train__max_steps=2, checkpoint__every=2)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "done already" not in out and "its final validation and checkpoint follow" in out, out
+    assert [k for k in _lines(run) if k[0] == 2].count((2, "valid")) == 1  # the end's validation, once
+    state = json.loads((run / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert state["finished"] is True and state["step"] == 2
+    assert main(argv) == 0
+    assert "done already: " in capsys.readouterr().out
+
 def test_a_save_in_flight_when_the_lock_is_taken_over_is_abandoned_not_published(tmp_path, tiny_overrides, clean_env,
                                                                                  monkeypatch):
     """Another trainer took the run directory over (a requeue of the same job while this process was still alive):
