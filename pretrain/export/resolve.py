@@ -307,7 +307,7 @@ def init_model_config(model_cfg: ModelConfig, weights: Weights, *, given=frozens
     """``model_cfg`` with every architecture field the weights state, unless the config sets it (``given``: the
     dotted keys the YAML files and overrides set, e.g. "model.hidden_size"); a set value that differs from the
     weights' is a ValueError naming both (model.vocab_size=0, "from the tokenizer", counts as unset)."""
-    updates, conflicts = {}, []
+    updates, conflicts, theirs_all = {}, [], []
     for name in ARCHITECTURE_FIELDS:
         if name not in weights.recorded:
             continue
@@ -315,13 +315,15 @@ def init_model_config(model_cfg: ModelConfig, weights: Weights, *, given=frozens
         if f"model.{name}" in given and not (name == "vocab_size" and ours == 0):
             if ours != theirs:
                 conflicts.append(f"model.{name}={ours!r} in the config, {theirs!r} in the checkpoint")
+                theirs_all.append(f"model.{name}={theirs}")
         elif ours != theirs:
             updates[name] = theirs
     if conflicts:
         raise ValueError(
             f"checkpoint.init_from={source or weights.path} does not fit this model: {'; '.join(conflicts)}. Is it "
             f"a checkpoint of another model size? Without these model.* settings the run takes the checkpoint's; "
-            f"or set them to the checkpoint's values")
+            f"where the config sets them (a recipe's size preset, model=...), give the checkpoint's on the command "
+            f"line instead: {' '.join(theirs_all)}")
     return dataclasses.replace(model_cfg, **updates) if updates else model_cfg
 
 

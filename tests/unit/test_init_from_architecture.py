@@ -61,6 +61,12 @@ def test_a_contradicting_setting_is_an_error_naming_both_values(init_h48):
     assert "init_h48 does not fit this model" in msg and "another model size" in msg
     assert "model.hidden_size=32 in the config, 48 in the checkpoint" in msg
     assert "model.pooling='cls' in the config, 'mean' in the checkpoint" in msg
+    # What to type: a recipe's size preset sets them (a user starting SimCSE from an imported MiniLM could not drop
+    # them); the overrides the message names, added after the config's, make it fit.
+    fix = msg.split("give the checkpoint's on the command line instead: ")[1].split()
+    assert fix == ["model.hidden_size=48", "model.pooling=mean"]
+    overrides = [f"checkpoint.init_from={init_h48}", "model.hidden_size=32", "model.num_heads=2", "model.pooling=cls"]
+    assert run_model_config(load_run_config(None, overrides + fix)).hidden_size == 48
 
 
 def test_sentence_transformers_and_plain_bert_imports(tmp_path):
