@@ -91,7 +91,9 @@ def _embedding_line(cfg, pooling: str) -> str:
     return ", then ".join(parts)
 
 
-def _evaluations(run_dir: Path | None, out_dir: Path) -> list[str]:
+def _evaluations(run_dir: Path | None, out_dir: Path, pooling: str) -> list[str]:
+    """The evaluations found in the run directory, each with where it came from; an STS evaluation also says which
+    embedding it measured (its eval.json), and says so loudly when that is not the export's ``pooling``."""
     if run_dir is None or not run_dir.is_dir():
         return []
     found = []
@@ -102,9 +104,26 @@ def _evaluations(run_dir: Path | None, out_dir: Path) -> list[str]:
                     continue
                 if not f.resolve().is_relative_to(run_dir.resolve()):  # a link out of a handed run directory would
                     continue  # copy any file the user can read into a card they publish
-                found += [f"### {title}", "", f"From `{f.relative_to(run_dir)}` in the run directory:", "",
+                found += [f"### {title}", "", f"From `{f.relative_to(run_dir)}` in the run directory"
+                          + _measured(f.with_name("eval.json"), pooling) + ":", "",
                           f.read_text(encoding="utf-8").strip(), ""]
     return found
+
+
+def _measured(record: Path, pooling: str) -> str:
+    """What ``pretrain-eval``'s eval.json says it measured: the pooling (and checkpoint), and a warning when the
+    pooling is not the export's (a user evaluated --pooling mean of a run that exports [CLS]: the card showed 82.4
+    for an embedding the export does not compute, 73.6)."""
+    try:
+        args = json.loads(record.read_text(encoding="utf-8")).get("args", {})
+        measured, checkpoint = str(args["pooling"]), args.get("checkpoint")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    where = f", checkpoint `{checkpoint}`" if checkpoint else ""
+    if measured == pooling:
+        return f" (pooling `{measured}`{where}, as this export embeds)"
+    return (f" (pooling `{measured}`{where}; **not this export's embedding, which is pooling `{pooling}`: these "
+            f"figures are of another embedding of the same weights**)")
 
 
 def card_title(info: dict, source: Path, out_dir: Path) -> str:
@@ -160,7 +179,7 @@ def build_model_card(w, *, pooling: str, out_dir: str, mlm_head: bool, projectio
               f"without the heads) written by `pretrain-convert to-hf` from {info['what'] or f'`{w.path}`'}.", "",
               f"Sentence embedding ({cfg.sentence_dim} dimensions): {_embedding_line(cfg, pooling)}.", ""]
     lines += ["## Training", "", *_training_lines(info, config)]
-    evals = _evaluations(info["run_dir"], Path(out_dir))
+    evals = _evaluations(info["run_dir"], Path(out_dir), pooling)
     lines += ["## Evaluation", "", *(evals or ["No evaluation found in the run directory (`pretrain-eval --out "
                                                "RUN_DIR/eval` writes one; re-export to include it).", ""])]
     lines += ["## Usage", "", "sentence-transformers (`pip install sentence-transformers`):", "", "```python",

@@ -161,3 +161,25 @@ def test_matryoshka_sizes_are_recorded_and_truncate_dim_works(run_dir, tmp_path)
         cut = st_mod.SentenceTransformer(str(out), device="cpu", truncate_dim=d).encode(sentences,
                                                                                       convert_to_tensor=True)
         assert cut.shape == (2, d) and (cut - full[:, :d]).abs().max() < 1e-6
+
+
+def test_an_evaluation_of_another_pooling_is_marked_as_not_the_exports(run_dir, tmp_path):
+    """The card copies every eval.md of the run in; one measured with another pooling than the export computes (a
+    user's `pretrain-eval --pooling mean` of a run that exports [CLS]: 82.4 shown, 73.6 what the export gives) read
+    as the export's figures. Each STS table now names the pooling it measured, and says when it is not the export's."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    for name, pooling in (("eval_mean", "mean"), ("eval_cls", "cls_before_pooler")):
+        (run / name).mkdir()
+        (run / name / "eval.md").write_text(EVAL_MD.replace("tiny", name))
+        (run / name / "eval.json").write_text(json.dumps({"args": {"pooling": pooling, "checkpoint": "latest"}}))
+    out = tmp_path / "export"
+    assert convert_main(["to-hf", str(run), str(out)]) == 0  # the run trained and exports mean pooling
+    card = (out / "README.md").read_text()
+    assert ("From `eval_mean/eval.md` in the run directory (pooling `mean`, checkpoint `latest`, as this export "
+            "embeds):") in card
+    assert ("From `eval_cls/eval.md` in the run directory (pooling `cls_before_pooler`, checkpoint `latest`; **not "
+            "this export's embedding, which is pooling `mean`") in card
+    assert "From `eval/eval.md` in the run directory:" in card  # no eval.json: nothing said
