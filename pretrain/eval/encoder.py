@@ -18,6 +18,7 @@ import torch
 
 from pretrain.console import show_progress
 from pretrain.eval.hf_backend import HFBackbone, load_hf_backbone
+from pretrain.export.recorded import recorded_pooling
 from pretrain.export.resolve import detect_kind, open_weights
 from pretrain.model.autoencoder import AUTOENCODER_Z, HEADS_FILE, ZEmbedding, autoencoder_from_state
 
@@ -202,8 +203,10 @@ def load_sentence_encoder(path: str | Path, pooling: str | None, *, backend: str
                           max_len: int | None = DEFAULT_MAX_LEN, batch_size: int = 64, device: str = "cpu",
                           progress: bool = False, trust: bool = False) -> SentenceEncoder:
     """SentenceEncoder for a checkpoint / from-hf dir / HF BERT dir. A sentence-transformers directory's embedding
-    is its modules' (Dense, Normalize; either backend) with ``pooling`` for its Pooling: warned when they differ;
-    ``pooling`` None takes its Pooling module's (cls_before_pooler for a directory that states none). ``max_len``
+    is its modules' (Dense, Normalize; either backend) with ``pooling`` for its Pooling: warned when they differ.
+    ``pooling`` None is ``pretrain-eval --pooling auto``'s (``recorded_pooling``: a run's evaluation pooling, its
+    eval.pooling before model.pooling; a sentence-transformers directory's Pooling module; cls_before_pooler for a
+    directory that states none; until 2026-12-08 a run's model.pooling, unlike the CLI's). ``max_len``
     None: DEFAULT_MAX_LEN, or the model's position embeddings where they hold fewer; one longer than they hold is a
     ValueError naming --max-len, before any sentence is encoded."""
     model, tok = load_backbone(path, backend=backend, device=device, trust=trust,
@@ -213,7 +216,7 @@ def load_sentence_encoder(path: str | Path, pooling: str | None, *, backend: str
         model.to(device)
     stated = getattr(model, "stated_pooling", None) or getattr(getattr(model, "cfg", None), "pooling", None)
     if pooling is None:
-        pooling = stated or "cls_before_pooler"
+        pooling = recorded_pooling(path)[0] or stated or "cls_before_pooler"
     if stated is not None and stated != pooling and detect_kind(path) == "sentence_transformers":
         warnings.warn(f"{path} is a sentence-transformers model that pools by {stated} (its modules.json); pooling "
                       f"{pooling} gives other embeddings than sentence-transformers' (pass --pooling {stated} for "

@@ -94,6 +94,18 @@ def test_pretrain_eval_pools_as_the_run_evaluated_by_default_and_says_so(tiny_en
     assert auto["sts"]["STSBenchmark"]["spearman"]["all"] != cls["sts"]["STSBenchmark"]["spearman"]["all"]
 
 
+def test_the_python_loader_pools_as_pretrain_eval_does_by_default(tiny_encoder, tmp_path):
+    """``load_sentence_encoder(path, None)`` took a run's model.pooling where ``pretrain-eval`` (auto) takes its
+    evaluation pooling: unsupervised SimCSE's run (cls through the MLP, evaluated before it) gave a Python user
+    other embeddings than the CLI's, with no word."""
+    from pretrain.eval.encoder import load_sentence_encoder
+
+    simcse = {"model": {"pooling": "cls"}, "eval": {"pooling": "cls_before_pooler"}}
+    d = _init_dir(tiny_encoder, tmp_path / "m", simcse)
+    assert load_sentence_encoder(d, None, max_len=32).pooling == recorded_pooling(d)[0] == "cls_before_pooler"
+    plain = _init_dir(tiny_encoder, tmp_path / "plain")  # nothing but the model's own mean pooling recorded
+    assert load_sentence_encoder(plain, None, max_len=32).pooling == "mean"
+
 def test_pretrain_eval_refuses_a_bad_recorded_pooling_in_one_line(tiny_encoder, tmp_path, data_dir, capsys):
     d = _init_dir(tiny_encoder, tmp_path / "m", {"eval": {"pooling": "max"}})
     with pytest.raises(SystemExit) as e:
