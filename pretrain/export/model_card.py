@@ -105,15 +105,17 @@ def _evaluations(run_dir: Path | None, out_dir: Path, pooling: str) -> list[str]
                 if not f.resolve().is_relative_to(run_dir.resolve()):  # a link out of a handed run directory would
                     continue  # copy any file the user can read into a card they publish
                 found += [f"### {title}", "", f"From `{f.relative_to(run_dir)}` in the run directory"
-                          + _measured(f.with_name("eval.json"), pooling) + ":", "",
+                          + _measured(f.with_name("eval.json"), run_dir, pooling) + ":", "",
                           f.read_text(encoding="utf-8").strip(), ""]
     return found
 
 
-def _measured(record: Path, pooling: str) -> str:
+def _measured(record: Path, run_dir: Path, pooling: str) -> str:
     """What ``pretrain-eval``'s eval.json says it measured: the pooling (and checkpoint), and a warning when the
     pooling is not the export's (a user evaluated --pooling mean of a run that exports [CLS]: the card showed 82.4
-    for an embedding the export does not compute, 73.6)."""
+    for an embedding the export does not compute, 73.6). A record outside the run directory (a link) is not read."""
+    if not record.resolve().is_relative_to(run_dir.resolve()):
+        return ""
     try:
         args = json.loads(record.read_text(encoding="utf-8")).get("args", {})
         measured, checkpoint = str(args["pooling"]), args.get("checkpoint")

@@ -300,5 +300,7 @@ def test_the_model_card_copies_no_file_from_outside_the_run_directory(tmp_path):
     (run / "eval" / "eval.md").symlink_to(secret)
     (run / "eval2").mkdir()
     (run / "eval2" / "eval.md").write_text("| STS-B | 80.1 |")
-    text = "\n".join(_evaluations(run, tmp_path / "hf"))
-    assert "SECRET-KEY" not in text and "80.1" in text
+    (run / "eval2" / "eval.json").symlink_to(tmp_path / "secret.json")  # nor what an eval.json beside it links to
+    (tmp_path / "secret.json").write_text('{"args": {"pooling": "SECRET-POOLING"}}')
+    text = "\n".join(_evaluations(run, tmp_path / "hf", "mean"))
+    assert "SECRET" not in text and "80.1" in text
