@@ -181,6 +181,8 @@ class HFBackbone(nn.Module):
 def load_hf_backbone(path: str | Path) -> tuple[HFBackbone, HFTokenizer]:
     """(backbone, tokenizer) from a HF model directory (config.json + weights + tokenizer files)."""
     p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p} does not exist; pass a Hugging Face model directory")
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p} has no config.json; pass a Hugging Face model directory")
     if not any((p / name).is_file() for name in SAFETENSORS_FILES):

@@ -272,6 +272,8 @@ def _open_hf(p: Path, kind: Kind) -> Weights:
 def open_hf_dir(hf_dir: str | os.PathLike) -> Weights:
     """``Weights`` of a Hugging Face (or sentence-transformers) BERT directory; FileNotFoundError otherwise."""
     d = Path(hf_dir)
+    if not d.exists():
+        raise FileNotFoundError(f"{d} does not exist; pass a Hugging Face BERT model directory")
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d} has no config.json; pass a Hugging Face BERT model directory")
     return _open_hf(d, detect_kind(d))

@@ -139,6 +139,9 @@ CASES = {
                               ["no_ckpt is not a model directory pretrain can open", "trainer_state.json"]),
     "convert_missing_path": ("convert", lambda i, t: ["to-hf", str(i["dir"] / "nothing"), str(t / "hf")], 2,
                              ["nothing does not exist"]),
+    # it said "has no config.json" (2026-12-08)
+    "from_hf_missing_path": ("convert", lambda i, t: ["from-hf", str(i["dir"] / "nothing"), str(t / "init")], 2,
+                             ["nothing does not exist; pass a Hugging Face BERT model directory"]),
 }
 
 
