@@ -164,7 +164,7 @@ def load_backbone(path: str | Path, backend: str = "auto", device: str = "cpu", 
         model, tok = load_hf_backbone(p)
     else:
         w = open_weights(p, trust=trust)
-        model, tok = w.build_model(), w.load_tokenizer()
+        model, tok = w.build_model(warn_fresh_head=False), w.load_tokenizer()  # no MLM in evaluation or GLUE
         if autoencoder_z:
             ae = autoencoder_from_state(w.heads)
             if ae is None:

