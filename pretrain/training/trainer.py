@@ -337,8 +337,9 @@ class Trainer:
 
     def _already_finished(self) -> int:
         """A launch that resumed at (or past) train.max_steps from the run's final checkpoint (``finished``): the
-        run's last launch validated, evaluated and saved there already. A resubmitted or chained job, or a requeue after the end, repeated that (a second final
-        record in metrics.jsonl and TensorBoard, the final checkpoint written again); now it says so and ends 0."""
+        run's last launch validated, evaluated and saved there already. A resubmitted or chained job, or a requeue
+        after the end, repeated that (a second final record in metrics.jsonl and TensorBoard, the final checkpoint
+        written again); now it says so and ends 0."""
         if self.env.is_main:
             print_progress(f"done already: {self.run_dir} is at step {self.state.step} of train.max_steps="
                            f"{self.cfg.train.max_steps}, validated and saved there; nothing to train (raise "

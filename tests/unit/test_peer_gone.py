@@ -35,7 +35,7 @@ def test_the_cause_of_a_failed_save_is_found_through_the_chain():
         try:
             raise RuntimeError(GLOO_CLOSED)
         except RuntimeError as e:
-            raise CheckpointError("saving checkpoint step_00000004 failed (…); the ranks could not agree on it") from e
+            raise CheckpointError("saving checkpoint step_00000004 failed (…); the ranks could not agree") from e
     except CheckpointError as e:
         assert peer_gone(e) == "Connection closed by peer [127.0.0.1]:18643"
 
