@@ -1,5 +1,8 @@
 DATA_DIR_ENV = "PRETRAIN_DATA_DIR"
 DEFAULT_DATA_DIR = "../shared/data"
+RESULT_FILES = ("eval.json", "eval.md")
+"""What ``pretrain-eval --out`` holds after a finished evaluation (transfer_partial.json, an unfinished one's, is
+resumed); it refuses to replace them without --overwrite."""
 """The documented default, tried from the working directory, then beside the repository."""
 
 

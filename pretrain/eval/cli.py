@@ -15,7 +15,7 @@ from pathlib import Path
 from pretrain.checkpoint.files import atomic_write_text, strict_json
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
-from pretrain.eval import fail, find_data_dir, sts
+from pretrain.eval import RESULT_FILES, fail, find_data_dir, sts
 from pretrain.eval.alignment_uniformity import stsb_alignment_uniformity
 from pretrain.eval.encoder import load_sentence_encoder
 from pretrain.eval.ranking import ranking_markdown_table, ranking_metrics
@@ -25,8 +25,6 @@ from pretrain.export.recorded import EVAL_POOLINGS, recorded_matryoshka_dims, re
 from pretrain.export.resolve import select_checkpoint
 
 SUITES = ("sts", "transfer", "align", "ranking")
-RESULT_FILES = ("eval.json", "eval.md")
-"""The results an --out holds after a finished evaluation (transfer_partial.json, an unfinished one's, is resumed)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from pretrain.checkpoint.files import atomic_write_text
-from pretrain.eval import default_data_dir
+from pretrain.eval import RESULT_FILES, default_data_dir
 from pretrain.study.plan import (
     Planner,
     Step,
@@ -246,6 +246,9 @@ class Runner:
         if weights is not None and self.study.weights == "best" and not weights.is_dir():
             raise StudyError(f"{step.id}: evaluations.weights is best but {step.deps[0]} wrote no best/ weights: set "
                              f"eval.stsb_every in shared.overrides (STS-B dev keep-best), or use weights: final")
+        if step.tool == "pretrain-eval":  # not done (no eval.json): a result file left beside it is the study's own,
+            for name in RESULT_FILES:  # which pretrain-eval refuses to replace without --overwrite; an unfinished
+                (step.output / name).unlink(missing_ok=True)  # transfer_partial.json stays: the rerun resumes it
         log = self.log_path(step)
         log.parent.mkdir(parents=True, exist_ok=True)
         resumed = step.kind == "train" and final_step(step.output)[0] >= 0
