@@ -159,7 +159,6 @@ class Trainer:
             if self.env.is_main:
                 print_progress(f"resumed at step {st.step} of train.max_steps={c.train.max_steps} from a checkpoint "
                                f"saved before the run's end: its final validation and checkpoint follow")
-        st.finished = False
         self.train_loader = self._loader(self.train_set, st.consumed_samples)
         loader = iter(self.train_loader)
         if self.env.is_main:
@@ -321,8 +320,7 @@ class Trainer:
         if self.stsb is not None and self.state.step == start_step:  # resumed at the end: the STS-B evaluation
             self.evaluate_stsb()  # (best/) the loop gives the last step
         last_valid = self.validate()
-        self.state.finished = True
-        path = self.save(wait=True)
+        path = self.save(wait=True, final=True)
         if self._should_stop() == "metrics":  # the last steps' or the final validation's records failed
             self._stop_for_metrics()
         tokens = run_tokens(self.env, self.state.tokens_seen)  # collective: every rank's own count
@@ -390,11 +388,13 @@ class Trainer:
                            f"(best {scores['stsb_dev_best']:.2f})")
         return scores
 
-    def save(self, *, wait: bool = False) -> Path:
+    def save(self, *, wait: bool = False, final: bool = False) -> Path:
         """Checkpoint this step: a snapshot in memory, then training goes on while ``self.saver`` writes and
-        publishes it (``wait`` or checkpoint.background=false: published before this returns). The previous save
-        is waited for first; a failed one raises its CheckpointError here. metrics.jsonl gets a "checkpoint" record:
-        the seconds training stood still here (``pause_s``), of them waiting for the previous save (``wait_prev_s``)."""
+        publishes it (``wait`` or checkpoint.background=false: published before this returns). ``final``: the run's
+        end (``_finish``), recorded as ``finished`` (every other save records false, whatever state a resume or
+        rollback started from). The previous save is waited for first; a failed one raises its CheckpointError
+        here. metrics.jsonl gets a "checkpoint" record: the seconds training stood still here (``pause_s``), of them
+        waiting for the previous save (``wait_prev_s``)."""
         t0 = time.perf_counter()
         self.saver.wait()
         waited = time.perf_counter() - t0
@@ -402,6 +402,7 @@ class Trainer:
         self.state.bad_steps_total = self.bad.settle()
         self.state.spike_watch = self.spikes.state_dict()
         self.state.log_window = self.window.carry(self.env, self.state.world_size * self.state.grad_accum)
+        self.state.finished = final
         c = self.cfg
         tokens = run_tokens(self.env, self.state.tokens_seen)  # collective, as the save: the ranks' shares summed
         job = snapshot_job(self.engine, self.env, self.run_dir, step=self.state.step,

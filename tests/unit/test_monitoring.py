@@ -63,8 +63,8 @@ def test_end_summary_counts_every_ranks_own_tokens(tmp_path, monkeypatch, capsys
     from pretrain.training.trainer import Trainer
 
     monkeypatch.setattr(progress, "all_reduce_host", lambda t, op=None: t + 3000, raising=False)
-    trainer = SimpleNamespace(validate=lambda: {}, save=lambda wait: None, _should_stop=lambda: None, stsb=None,
-                              env=_env(0), state=SimpleNamespace(step=4, tokens_seen=1000), run_dir=tmp_path,
+    trainer = SimpleNamespace(validate=lambda: {}, save=lambda wait, final=False: None, _should_stop=lambda: None,
+                              stsb=None, env=_env(0), state=SimpleNamespace(step=4, tokens_seen=1000), run_dir=tmp_path,
                               cfg=SimpleNamespace(train=SimpleNamespace(max_steps=4)))
     assert Trainer._finish(trainer, 0, SimpleNamespace(elapsed=lambda: 5.0)) == 0
     assert "4.00k tokens seen" in capsys.readouterr().out
