@@ -148,7 +148,6 @@ def train(cfg, env) -> int:
     from pretrain.checkpoint.store import CheckpointError
     from pretrain.data.workers import DATA_WORKER_EXIT_CODE, DataWorkerError
     from pretrain.distributed.env import destroy_process_group, init_process_group
-    from pretrain.distributed.peers import peer_gone
     from pretrain.distributed.signals import StopSignal
     from pretrain.metrics.writer import MetricsWriteError
     from pretrain.training.progress import TrainingDiverged
@@ -182,14 +181,15 @@ def train(cfg, env) -> int:
         print(f"pretrain-train: aborted by a second SIGINT (rank {env.rank}); {saved}", file=sys.stderr)
         return 130
     except (CheckpointError, MetricsWriteError) as e:  # disk full or unreadable checkpoint: the message says what to do
-        if peer_gone(e) is not None:  # a save that failed because a rank is gone: the job's end, not the disk's
-            return _peer_lost(e, env, cfg)
-        print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)
-        return 4
+        code = _peer_lost(e, env, cfg)  # or a save that failed because a rank is gone: the job's end, not the disk's
+        if code is None:
+            print(f"pretrain-train: error (rank {env.rank}): {e}", file=sys.stderr)
+        return 4 if code is None else code
     except Exception as e:
-        if peer_gone(e) is None:
+        code = _peer_lost(e, env, cfg)
+        if code is None:
             raise
-        return _peer_lost(e, env, cfg)
+        return code
     finally:
         if trainer is not None:
             stop.closing(trainer.cancel_save)  # a Ctrl-C from here on does not cut the close short
@@ -197,9 +197,10 @@ def train(cfg, env) -> int:
         stop.uninstall()
         destroy_process_group()
 
-def _peer_lost(error: BaseException, env, cfg) -> int:
-    """A collective failed because another rank is gone (``peers.peer_gone``): one line saying so and what to resume
-    from, not the collective's traceback (shown with --verbose); NODE_LOST_EXIT_CODE, as for a lost node."""
+def _peer_lost(error: BaseException, env, cfg) -> int | None:
+    """When ``error`` says a collective failed because another rank is gone (``peers.peer_gone``): one line saying so
+    and what to resume from, not the collective's traceback (shown with --verbose), and NODE_LOST_EXIT_CODE, as for a
+    lost node; else None (nothing printed)."""
     import traceback
     from pathlib import Path
 
@@ -208,10 +209,13 @@ def _peer_lost(error: BaseException, env, cfg) -> int:
     from pretrain.distributed.peers import NODE_LOST_EXIT_CODE, peer_gone
     from pretrain.training.resume import last_good_checkpoint
 
+    gone = peer_gone(error)
+    if gone is None:
+        return None
     if verbose():
         traceback.print_exception(error)
     saving = f"{error}; " if isinstance(error, CheckpointError) else ""
-    print(f"pretrain-train: error (rank {env.rank}): another rank of the job is gone ({peer_gone(error)}); "
+    print(f"pretrain-train: error (rank {env.rank}): another rank of the job is gone ({gone}); "
           f"{saving}stopping. {last_good_checkpoint(Path(cfg.run_dir))}: relaunch the job to resume from it (its "
           f"log says why that rank ended: the OOM killer, a crash, a signal).", file=sys.stderr)
     return NODE_LOST_EXIT_CODE

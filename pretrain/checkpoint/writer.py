@@ -29,6 +29,7 @@ Shapes: none (bytes and files).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -243,12 +244,26 @@ def process_record(pid: int | None = None) -> dict | None:
     boot id, the pid namespace, the pid and its start time; None where /proc does not say (not Linux)."""
     pid = os.getpid() if pid is None else pid
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+        boot = _boot_id()
         namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
     except OSError:
         return None
     stat = _proc_stat(pid)
     return None if stat is None else {"boot": boot, "pid_ns": namespace, "pid": pid, "start": stat[1]}
+
+
+@functools.cache
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+
+
+@functools.cache
+def _here() -> tuple[str, int] | None:
+    """(boot id, pid namespace) of this process, read once; None where /proc does not say."""
+    try:
+        return _boot_id(), os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def process_ended(path: Path) -> int | None:
@@ -260,8 +275,7 @@ def process_ended(path: Path) -> int | None:
         pid, start = int(record["pid"]), int(record["start"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    here = process_record()
-    if pid <= 0 or here is None or (record.get("boot"), record.get("pid_ns")) != (here["boot"], here["pid_ns"]):
+    if pid <= 0 or _here() is None or (record.get("boot"), record.get("pid_ns")) != _here():
         return None
     stat = _proc_stat(pid)
     return pid if stat is None or stat[0] in "ZXx" or stat[1] != start else None

@@ -30,15 +30,12 @@ from pretrain.distributed.snapshot import NotCopyable, copy_state
 
 
 DS_NOISE = ("untested optimizer", "MPU is not provided")
-"""DeepSpeed warnings about what the Engine does on purpose, printed through a stream DeepSpeed captured at import,
-past ``quiet_third_party``: "You are using ZeRO with an untested optimizer" (the first line of every ZeRO run;
-ScheduledAdamW is the optimizer the Engine gives it, ``zero_allow_untested_optimizer``, and
-tests/unit/test_deepspeed_contract.py checks what the Engine relies on) and "MPU is not provided, setting tp size to
-1" (once per rank on every resume through the universal checkpoint: the Engine has no tensor parallelism)."""
+"""DeepSpeed warnings about what the Engine does on purpose, through a stream DeepSpeed captured at import (past
+``quiet_third_party``; shown with --verbose): ZeRO's "untested optimizer" (ScheduledAdamW, pinned by
+tests/unit/test_deepspeed_contract.py), the universal loader's "MPU is not provided" (no tensor parallelism)."""
 
 
 def _ds_noise(record: logging.LogRecord) -> bool:
-    """Drops DeepSpeed's ``DS_NOISE`` warnings; shown with --verbose."""
     return verbose() or not any(noise in record.getMessage() for noise in DS_NOISE)
 
 
@@ -50,10 +47,9 @@ def _import_deepspeed():
 
     import deepspeed
 
-    # DeepSpeed's ZeRO calls torch collectives that torch marks deprecated, every step (ZeRO-3's reduce-scatter:
-    # two warnings a rank and step, a console flooded with them).
-    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor).*",
-                            category=FutureWarning)
+    # DeepSpeed's ZeRO calls torch collectives that torch marks deprecated, every step (ZeRO-3: two a rank and step).
+    deprecated = ".*(all_gather_into_tensor|reduce_scatter_tensor).*"
+    warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
     for name in ("DeepSpeed", "deepspeed"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.WARNING)

@@ -1,9 +1,12 @@
+import json
+from pathlib import Path
+
 DATA_DIR_ENV = "PRETRAIN_DATA_DIR"
 DEFAULT_DATA_DIR = "../shared/data"
+"""The documented default, tried from the working directory, then beside the repository."""
 RESULT_FILES = ("eval.json", "eval.md")
 """What ``pretrain-eval --out`` holds after a finished evaluation (transfer_partial.json, an unfinished one's, is
-resumed); it refuses to replace them without --overwrite."""
-"""The documented default, tried from the working directory, then beside the repository."""
+resumed); it refuses to replace them without --overwrite (``check_out``)."""
 
 
 def data_dir_candidates(explicit: str = "") -> list[tuple[str, str]]:
@@ -53,3 +56,31 @@ def fail(prog: str, error) -> None:
 
     print(f"{prog}: error: {error}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def check_out(out: str | None, results: tuple[str, ...], *, overwrite: bool = False) -> None:
+    """ValueError when ``--out`` cannot take the results: it (or a directory above it) is a file, or it holds
+    ``results`` of an earlier evaluation and ``overwrite`` is not given (a 7-task table is not silently replaced by
+    a 1-task one). Both pretrain-eval and pretrain-finetune-glue (which keeps runs of one model and recipe per --out, no
+    ``results``) call it first."""
+    if not out:
+        return
+    path = Path(out)
+    blocker = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        what = "is a file" if blocker == path else f"lies under {blocker}, a file"
+        raise ValueError(f"--out {out} {what}, not a directory; choose a directory for the results")
+    held = [name for name in results if (path / name).exists()]
+    if held and not overwrite:
+        raise ValueError(f"--out {out} already holds the results of an earlier evaluation ({_describe(path, held)}); "
+                         f"pass --overwrite to replace them, or choose another --out")
+
+
+def _describe(out: Path, held: list[str]) -> str:
+    """The result files ``held`` in ``out``, with the model and STS tasks of its eval.json when it reads."""
+    try:
+        res = json.loads((out / "eval.json").read_text(encoding="utf-8"))
+        model, tasks = res["checkpoint"]["path"], len(res.get("sts") or {})
+    except (OSError, ValueError, KeyError, TypeError):
+        return ", ".join(held)
+    return ", ".join(held) + f": {model}" + (f", {tasks} STS task{'s' if tasks != 1 else ''}" if tasks else "")

@@ -8,14 +8,13 @@ results is refused before the model is read, unless --overwrite.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from pretrain.checkpoint.files import atomic_write_text, strict_json
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
-from pretrain.eval import RESULT_FILES, fail, find_data_dir, sts
+from pretrain.eval import RESULT_FILES, check_out, fail, find_data_dir, sts
 from pretrain.eval.alignment_uniformity import stsb_alignment_uniformity
 from pretrain.eval.encoder import load_sentence_encoder
 from pretrain.eval.ranking import ranking_markdown_table, ranking_metrics
@@ -250,33 +249,6 @@ def transfer_key(model_path, args) -> dict:
     return {"model": str(model), "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
             "pooling": args.pooling, "backend": args.backend, "max_len": args.max_len,
             "data": str(Path(args.data_dir).resolve())}
-
-
-def check_out(out: str | None, results: tuple[str, ...], *, overwrite: bool = False) -> None:
-    """ValueError when ``--out`` cannot take the results: it (or a directory above it) is a file, or it holds
-    ``results`` of an earlier evaluation and ``overwrite`` is not given (a 7-task table is not silently replaced by
-    a 1-task one). Also used by pretrain-finetune-glue, which keeps runs of one model and recipe per --out."""
-    if not out:
-        return
-    path = Path(out)
-    blocker = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
-    if blocker is not None and not blocker.is_dir():
-        what = "is a file" if blocker == path else f"lies under {blocker}, a file"
-        raise ValueError(f"--out {out} {what}, not a directory; choose a directory for the results")
-    held = [name for name in results if (path / name).exists()]
-    if held and not overwrite:
-        raise ValueError(f"--out {out} already holds the results of an earlier evaluation ({_describe(path, held)}); "
-                         f"pass --overwrite to replace them, or choose another --out")
-
-
-def _describe(out: Path, held: list[str]) -> str:
-    """The result files ``held`` in ``out``, with the model and STS tasks of its eval.json when it reads."""
-    try:
-        res = json.loads((out / "eval.json").read_text(encoding="utf-8"))
-        model, tasks = res["checkpoint"]["path"], len(res.get("sts") or {})
-    except (OSError, ValueError, KeyError, TypeError):
-        return ", ".join(held)
-    return ", ".join(held) + f": {model}" + (f", {tasks} STS task{'s' if tasks != 1 else ''}" if tasks else "")
 
 
 def write_outputs(out: Path, res: dict, report: str) -> None:

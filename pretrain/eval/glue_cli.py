@@ -18,8 +18,7 @@ from pathlib import Path
 from pretrain.checkpoint.files import atomic_write_text, strict_json, strict_number
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.console import set_verbose
-from pretrain.eval import fail, find_data_dir
-from pretrain.eval.cli import check_out
+from pretrain.eval import check_out, fail, find_data_dir
 from pretrain.eval.encoder import check_max_len, load_backbone
 from pretrain.eval.glue import FinetuneConfig, finetune
 from pretrain.eval.glue_data import TABLE_ORDER, TASKS, GlueFormatError, get_task, rank_score, task_files

@@ -27,13 +27,7 @@ from pathlib import Path
 import tokenizers
 import torch
 
-from pretrain.checkpoint.files import (
-    fsync_files,
-    publish_dir,
-    read_safetensors,
-    save_safetensors,
-    write_json,
-)
+from pretrain.checkpoint.files import fsync_files, publish_dir, read_safetensors, save_safetensors, write_json
 from pretrain.config.loader import to_dict
 from pretrain.config.model import ModelConfig
 from pretrain.export import hf_modern, hf_roberta
@@ -489,8 +483,7 @@ def write_init_dir(model: PretrainModel, tokenizer_path: str, out_dir: str, *, o
 
 
 def load_init_weights(path: str) -> dict:
-    """State dict (our names, tied aliases filled in) from an init directory or its model.safetensors (a damaged
-    one is a ValueError naming it)."""
+    """State dict (our names, tied aliases filled in) from an init directory or its model.safetensors."""
     p = Path(path)
     f = p / INIT_WEIGHTS if p.is_dir() else p
     if not f.is_file():
